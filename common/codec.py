@@ -1,0 +1,136 @@
+"""Named tensors in a ring slot: the layout a producer writes and a consumer reads back.
+
+A slot is a flat byte buffer. ``write_tensors`` copies each tensor to an aligned offset and
+returns its ``TensorSpec`` list; the list travels in the batch announcement and
+``read_tensors`` turns it back into zero-copy views. Every spec is checked against the slot
+bounds before any view is made, so a hostile announcement can never point outside the slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 256
+"""Byte alignment of each tensor in a slot (covers every dtype and 128-byte GPU transactions)."""
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+"""The only dtypes a slot may hold, by name (names on the wire, never evaluated)."""
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+MAX_TENSORS = 16
+MAX_DIMS = 8
+
+
+class SlotOverflow(ValueError):
+    """The tensors do not fit into one slot."""
+
+
+class LayoutError(ValueError):
+    """A tensor layout is malformed or points outside its slot."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one named tensor lies in a slot."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def to_wire(self) -> list:
+        return [self.name, self.dtype, list(self.shape), self.offset]
+
+    @classmethod
+    def from_wire(cls, item: object) -> TensorSpec:
+        if not (isinstance(item, (list, tuple)) and len(item) == 4):
+            raise LayoutError(f"tensor spec must be [name, dtype, shape, offset], got {type(item).__name__}")
+        name, dtype, shape, offset = item
+        if not isinstance(name, str) or not 0 < len(name) <= 64:
+            raise LayoutError("tensor name must be a string of 1..64 characters")
+        if dtype not in DTYPES:
+            raise LayoutError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
+            raise LayoutError(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} sizes")
+        if not all(type(d) is int and 0 <= d < 2**40 for d in shape):
+            raise LayoutError(f"tensor {name!r}: sizes must be integers in [0, 2**40)")
+        if type(offset) is not int or offset < 0 or offset % ALIGN:
+            raise LayoutError(f"tensor {name!r}: offset must be a non-negative multiple of {ALIGN}")
+        return cls(name, dtype, tuple(shape), offset)
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def bytes_needed(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Slot bytes needed for tensors of these shapes and dtypes."""
+    return sum(aligned(math.prod(shape) * dtype.itemsize) for shape, dtype in shapes.values())
+
+
+def _view(slot: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    raw = slot[spec.offset : spec.offset + spec.nbytes]
+    return raw.view(DTYPES[spec.dtype]).view(spec.shape)
+
+
+def write_tensors(slot: torch.Tensor, tensors: dict[str, torch.Tensor], non_blocking: bool = False) -> list[TensorSpec]:
+    """Copy ``tensors`` into the flat uint8 ``slot``; return their layout.
+
+    Non-contiguous tensors are fine (``copy_`` gathers them). Raises SlotOverflow, naming the
+    bytes needed, when they do not fit.
+    """
+    if slot.dtype != torch.uint8 or slot.dim() != 1:
+        raise TypeError("slot must be a flat uint8 tensor")
+    if len(tensors) > MAX_TENSORS:
+        raise SlotOverflow(f"at most {MAX_TENSORS} tensors per slot, got {len(tensors)}")
+    specs: list[TensorSpec] = []
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} cannot travel through a slot")
+        spec = TensorSpec(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), offset)
+        offset = aligned(offset + spec.nbytes)
+        specs.append(spec)
+    needed = specs[-1].offset + specs[-1].nbytes if specs else 0
+    if needed > slot.numel():
+        raise SlotOverflow(f"batch needs {needed} bytes but a slot holds {slot.numel()}")
+    for spec, tensor in zip(specs, tensors.values()):
+        if spec.nbytes:
+            _view(slot, spec).copy_(tensor, non_blocking=non_blocking)
+    return specs
+
+
+def read_tensors(slot: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+    """Zero-copy views of the tensors described by ``specs``; every spec is bounds-checked."""
+    if len(specs) > MAX_TENSORS:
+        raise LayoutError(f"at most {MAX_TENSORS} tensors per slot")
+    out: dict[str, torch.Tensor] = {}
+    taken: list[tuple[int, int]] = []
+    for spec in specs:
+        end = spec.offset + spec.nbytes
+        if end > slot.numel():
+            raise LayoutError(f"tensor {spec.name!r} ends at byte {end}, past the slot's {slot.numel()}")
+        if spec.name in out:
+            raise LayoutError(f"tensor {spec.name!r} appears twice")
+        if spec.nbytes and any(spec.offset < e and s < end for s, e in taken):
+            raise LayoutError(f"tensor {spec.name!r} overlaps another tensor")
+        taken.append((spec.offset, end))
+        out[spec.name] = _view(slot, spec)
+    return out

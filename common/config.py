@@ -1,0 +1,491 @@
+"""The run's configuration: one typed tree of dataclasses, loaded from TOML plus dotted overrides.
+
+    cfg = load_config("run.toml", ["training.lr=3e-4", "launch.num_producers=2"])
+    save_config(cfg, run_dir / "config.toml")   # the resolved config, every value written out
+
+Every field has a docstring (the string under it) and each section validates itself in
+``__post_init__``. Errors name the dotted key (``training.lr: must be > 0``); unknown keys are
+errors, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+SourceFormat = Literal["chat", "tokenized", "synthetic"]
+LengthMode = Literal["chat", "fixed"]
+LabelMode = Literal["data", "target_argmax", "target_kl"]
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names the dotted key."""
+
+
+def _check(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {message}")
+
+
+# -- sections ------------------------------------------------------------------------------------
+
+
+@dataclass
+class TargetConfig:
+    """The target model each producer loads once. With neither ``path`` nor ``config_json`` a tiny
+    Qwen3 with random weights is built (the embedded default)."""
+
+    path: str | None = None
+    """Local directory of a Hugging Face causal LM (config.json + safetensors), loaded with its weights."""
+    config_json: str | None = None
+    """A config.json (with ``model_type``) to build a target with random weights at real shapes."""
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    """Config fields set on top of the path's / json's / tiny default's config (e.g. num_hidden_layers)."""
+    dtype: str = "bfloat16"
+    """Weight and activation dtype: bfloat16, float16 or float32."""
+    device: str = "auto"
+    """torch device of the target; ``auto``: cuda when available, else cpu. The launcher sets it per producer."""
+    attention: str = "auto"
+    """Packed attention kernel: auto, varlen, flex or sdpa."""
+    compile: bool | None = None
+    """torch.compile the target's decoder layers; None: on CUDA only."""
+    seed: int = 0
+    """Seed of the random weights (ignored when loading ``path``)."""
+
+    def __post_init__(self) -> None:
+        _check(self.path is None or self.config_json is None, "path", "give at most one of path and config_json")
+        if self.path is not None:
+            _check((Path(self.path) / "config.json").is_file(), "path", f"no config.json in {self.path}")
+        if self.config_json is not None:
+            _check(Path(self.config_json).is_file(), "config_json", f"no such file {self.config_json}")
+        _check(self.dtype in ("bfloat16", "float16", "float32"), "dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
+        _check(self.attention in ("auto", "varlen", "flex", "sdpa"), "attention", f"must be auto, varlen, flex or sdpa, got {self.attention!r}")
+        _check(self.seed >= 0, "seed", "must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    """Where documents come from and how they are cut to length."""
+
+    format: SourceFormat = "synthetic"
+    """"chat" (JSONL messages), "tokenized" (JSONL or parquet input_ids) or "synthetic"."""
+    paths: list[str] = field(default_factory=list)
+    """Files for chat/tokenized, in order; glob patterns expand to their sorted matches."""
+    max_seq_len: int = 3072
+    """Longest document in tokens; longer ones are truncated or dropped (see too_long)."""
+    too_long: Literal["truncate", "drop"] = "truncate"
+    """What to do with a document longer than max_seq_len."""
+    tokenizer: str | None = None
+    """Tokenizer path for chat data; None: the target's tokenizer."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template (e.g. {enable_thinking = false})."""
+    vocab_size: int | None = None
+    """Token ids must be < vocab_size (checked for tokenized data; synthetic: None means the target's)."""
+    num_samples: int = 10_000
+    """Synthetic only: number of documents in the data set (one epoch)."""
+    seed: int = 0
+    """Synthetic only: seed of the document contents."""
+    shuffle_seed: int = 0
+    """Seed of the per-epoch order of documents and of batches inside a window."""
+    length_mode: LengthMode = "chat"
+    """Synthetic only: "chat" (log-normal lengths around mean_len) or "fixed" (all mean_len)."""
+    mean_len: int = 1000
+    """Synthetic only: mean document length in tokens (the length in fixed mode)."""
+    min_len: int = 32
+    """Synthetic only: shortest document in chat mode."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.paths, str):
+            self.paths = [self.paths]
+        _check(self.format in ("chat", "tokenized", "synthetic"), "format", f"must be 'chat', 'tokenized' or 'synthetic', got {self.format!r}")
+        _check(self.format == "synthetic" or bool(self.paths), "paths", f"must name at least one file for format={self.format!r}")
+        _check(self.max_seq_len >= 1, "max_seq_len", f"must be >= 1, got {self.max_seq_len}")
+        _check(self.too_long in ("truncate", "drop"), "too_long", f"must be 'truncate' or 'drop', got {self.too_long!r}")
+        _check(self.vocab_size is None or self.vocab_size >= 2, "vocab_size", f"must be >= 2, got {self.vocab_size}")
+        _check(self.shuffle_seed >= 0, "shuffle_seed", "must be >= 0")
+        if self.format == "synthetic":
+            _check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
+            _check(self.length_mode in ("chat", "fixed"), "length_mode", f"must be 'chat' or 'fixed', got {self.length_mode!r}")
+            _check(
+                1 <= self.min_len <= self.mean_len <= self.max_seq_len,
+                "mean_len",
+                f"min_len <= mean_len <= max_seq_len must hold, got {self.min_len}, {self.mean_len}, {self.max_seq_len}",
+            )
+
+
+@dataclass
+class BatchingConfig:
+    """How documents are grouped into token-budget batches (one batch = one ring slot)."""
+
+    token_budget: int = 16384
+    """Most tokens in one batch (sizes the ring slots); must be >= data.max_seq_len."""
+    max_docs_per_batch: int | None = None
+    """Most documents in one batch; None for no limit."""
+    window_docs: int = 512
+    """Documents of the shard's order sorted by length together; larger groups lengths better
+    but delays the samples of a window relative to the order by up to a window."""
+
+    def __post_init__(self) -> None:
+        _check(self.token_budget >= 1, "token_budget", f"must be >= 1, got {self.token_budget}")
+        _check(self.max_docs_per_batch is None or self.max_docs_per_batch >= 1, "max_docs_per_batch", "must be >= 1 or unset")
+        _check(self.window_docs >= 1, "window_docs", f"must be >= 1, got {self.window_docs}")
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter's shape. Unset sizes come from the target (DFLASH.md); set ones override it."""
+
+    num_layers: int = 5
+    """Number of draft decoder layers."""
+    block_size: int = 16
+    """Tokens per draft block B (slot 0 given, B - 1 predicted)."""
+    num_anchors: int = 512
+    """Blocks sampled per packed batch of ``batching.token_budget`` tokens."""
+    target_layer_ids: list[int] = field(default_factory=list)
+    """Target layers (0-based, output of layer k) used as features; empty: the DFLASH.md rule."""
+    layer_types: list[str] = field(default_factory=list)
+    """Per draft layer: full_attention or sliding_attention; empty: all full."""
+    sliding_window: int | None = None
+    """Context window of sliding-attention layers."""
+    mask_token_id: int | None = None
+    """Id of the mask token; None: from the target's tokenizer, else the last id of the vocabulary."""
+    hidden_size: int | None = None
+    """Draft width; None: the target's."""
+    intermediate_size: int | None = None
+    """MLP width; None: the target's."""
+    num_attention_heads: int | None = None
+    """Query heads; None: the target's."""
+    num_key_value_heads: int | None = None
+    """Key/value heads; None: the target's."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_layers >= 1, "num_layers", "must be >= 1")
+        _check(self.block_size >= 2, "block_size", "must be >= 2")
+        _check(self.num_anchors >= 1, "num_anchors", "must be >= 1")
+        _check(all(k >= 0 for k in self.target_layer_ids), "target_layer_ids", "must be >= 0")
+        _check(
+            not self.layer_types or len(self.layer_types) == self.num_layers,
+            "layer_types",
+            f"needs one entry per layer ({self.num_layers}), got {len(self.layer_types)}",
+        )
+        _check(
+            all(t in ("full_attention", "sliding_attention") for t in self.layer_types),
+            "layer_types",
+            "entries must be full_attention or sliding_attention",
+        )
+        if "sliding_attention" in self.layer_types:
+            _check(self.sliding_window is not None and self.sliding_window >= 1, "sliding_window", "must be set (>= 1) for sliding layers")
+
+
+@dataclass
+class RingConfig:
+    """Each producer's ring and the protocol timings."""
+
+    backend: Literal["auto", "host", "cuda"] = "auto"
+    """Where slots live: host (/dev/shm), cuda (GPU memory by CUDA IPC); auto: cuda when the producer has a GPU."""
+    num_slots: int = 4
+    """Slots per ring; each holds one batch of batching.token_budget tokens."""
+    credits: int = 2
+    """Batches a consumer may hold at once (its prefetch depth)."""
+    heartbeat_interval_s: float = 1.0
+    """Seconds between heartbeats, both ways."""
+    heartbeat_timeout_s: float = 10.0
+    """Silence after which a peer is dead and its leases go back to the ring."""
+    handshake_timeout_s: float = 60.0
+    """How long a consumer waits for WELCOME."""
+
+    def __post_init__(self) -> None:
+        _check(self.backend in ("auto", "host", "cuda"), "backend", f"must be auto, host or cuda, got {self.backend!r}")
+        _check(self.num_slots >= 1, "num_slots", "must be >= 1")
+        _check(self.credits >= 1, "credits", "must be >= 1")
+        _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
+        _check(
+            self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
+            "heartbeat_timeout_s",
+            "must exceed twice heartbeat_interval_s",
+        )
+        _check(self.handshake_timeout_s > 0, "handshake_timeout_s", "must be > 0")
+
+
+@dataclass
+class TrainingConfig:
+    """The optimisation: schedule, loss, checkpoints."""
+
+    lr: float = 6e-4
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.0
+    """Learning rate at the end of the cosine decay, as a fraction of lr."""
+    warmup_ratio: float = 0.04
+    """Fraction of the steps spent in linear warmup."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    max_steps: int = 0
+    """Optimizer steps of the run; 0: as many as ``epochs`` of data take (estimated from the data size)."""
+    epochs: int = 6
+    """Epochs of data when max_steps is 0."""
+    label_mode: LabelMode = "data"
+    """data: the data tokens; target_argmax / target_kl: the target's distribution (needs its last hidden state)."""
+    gamma: float | None = None
+    """Decay of the per-position loss weight exp(-(k-1)/gamma); None: 7 for B=16, 4 for B=8."""
+    streak_aware: bool = False
+    """Weight positions by the drafter's detached probability of reaching them."""
+    feature_noise: float = 0.0
+    """Std of Gaussian noise on the target features at step 0, cosine-annealed to 0 (0: off)."""
+    checkpoint_every: int = 500
+    """Save a checkpoint every this many steps (and always at the last step and on SIGTERM)."""
+    keep_last: int = 3
+    """Checkpoints kept; older ones are deleted."""
+    seed: int = 0
+    """Seed of the drafter's initialisation and of anchor sampling."""
+    device: str = "auto"
+    """Trainer device; auto: cuda when available, else cpu (torchrun: cuda:LOCAL_RANK)."""
+    compile: bool | None = None
+    """torch.compile the draft layers; None: on CUDA only."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0 and math.isfinite(self.lr), "lr", f"must be > 0, got {self.lr}")
+        _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        _check(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        _check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
+        _check(self.max_steps >= 0, "max_steps", "must be >= 0")
+        _check(self.epochs >= 1, "epochs", "must be >= 1")
+        _check(self.label_mode in ("data", "target_argmax", "target_kl"), "label_mode", f"must be data, target_argmax or target_kl, got {self.label_mode!r}")
+        _check(self.gamma is None or self.gamma > 0, "gamma", "must be > 0")
+        _check(self.feature_noise >= 0, "feature_noise", "must be >= 0")
+        _check(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+        _check(self.keep_last >= 1, "keep_last", "must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    """What the trainer reports and where."""
+
+    log_every: int = 10
+    """Steps between metric lines (metrics.jsonl, wandb, progress line)."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; offline writes the run under <run dir>/wandb for a later ``wandb sync``."""
+    wandb_project: str = "dflash"
+    """wandb project name."""
+    progress: bool = True
+    """A live progress line on the terminal."""
+
+    def __post_init__(self) -> None:
+        _check(self.log_every >= 1, "log_every", "must be >= 1")
+        _check(self.wandb_mode in ("offline", "online", "disabled"), "wandb_mode", f"must be offline, online or disabled, got {self.wandb_mode!r}")
+
+
+@dataclass
+class LaunchConfig:
+    """Which processes run where."""
+
+    num_producers: int = 2
+    """Producers (one target each). With producer_devices set, one per listed device."""
+    producer_devices: list[str] = field(default_factory=list)
+    """Devices of the producers, e.g. ["cuda:0"]; empty: num_producers on cpu (or cuda:0 when present)."""
+    trainer_devices: list[str] = field(default_factory=list)
+    """Devices of the trainer ranks; several: torchrun with one rank each."""
+    restart_backoff_s: float = 2.0
+    """First wait before restarting a crashed process; doubles per crash, reset after a minute up."""
+    max_restarts: int = 10
+    """Restarts of one process before the launcher gives up on the run."""
+    ready_timeout_s: float = 600.0
+    """How long the launcher waits for a producer to load its target and report ready."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_producers >= 1, "num_producers", "must be >= 1")
+        _check(self.restart_backoff_s >= 0, "restart_backoff_s", "must be >= 0")
+        _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        _check(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
+
+
+@dataclass
+class RunConfig:
+    """Everything about one run."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    ring: RingConfig = field(default_factory=RingConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.batching.token_budget >= self.data.max_seq_len,
+            "batching.token_budget",
+            f"must be >= data.max_seq_len ({self.data.max_seq_len}) so every document fits a slot",
+        )
+
+
+# -- building from plain data --------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; returns the value (ints widened to float)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} is not a {_type_name(tp)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: must be a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: must be a table, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: must be a table, got {value!r}")
+        return build(tp, value, key)
+    if tp is bool:
+        if type(value) is not bool:
+            raise ConfigError(f"{key}: must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if type(value) is not int:
+            raise ConfigError(f"{key}: must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if type(value) not in (int, float):
+            raise ConfigError(f"{key}: must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if type(value) is not str:
+            raise ConfigError(f"{key}: must be a string, got {value!r}")
+        return value
+    raise TypeError(f"{key}: unsupported annotation {tp}")
+
+
+def build(cls: type, data: dict, prefix: str = "") -> Any:
+    """Make dataclass ``cls`` from nested plain data; errors name the dotted key."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"unknown key {where}{unknown[0]} (known keys{' of ' + prefix if prefix else ''}: {', '.join(sorted(known))})")
+    kwargs = {name: _coerce(value, hints[name], f"{prefix}.{name}" if prefix else name) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        # Sections raise "<field>: message"; prefix it with the section's own key.
+        raise ConfigError(f"{prefix}.{exc}" if prefix and not str(exc).startswith(prefix + ".") else str(exc)) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value); the value is read as TOML, else taken as a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {part} is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = RunConfig) -> Any:
+    """Read a TOML file (or start from the defaults) and apply ``key=value`` overrides."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return build(cls, apply_overrides(data, list(overrides or [])))
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def to_toml(cfg: Any) -> str:
+    """The config as TOML (None values are left out: they are the defaults' way of saying unset)."""
+    lines: list[str] = []
+
+    def section(obj: Any, name: str) -> None:
+        scalars = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+        if name:
+            lines.append(f"[{name}]")
+        for key, value in scalars:
+            if value is not None and not dataclasses.is_dataclass(value):
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+        for key, value in scalars:
+            if dataclasses.is_dataclass(value):
+                section(value, f"{name}.{key}" if name else key)
+
+    section(cfg, "")
+    return "\n".join(lines).lstrip("\n")
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config atomically."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(to_toml(cfg))
+    tmp.replace(path)

@@ -1,0 +1,194 @@
+"""Slot ownership: the state machine of a ring's slots. Lives in the producer process only.
+
+    FREE -> FILLING -> READY (announced) -> LEASED (to one consumer) -> FREE (acked)
+
+Each fill gets a new generation number; an ack must name the slot, its generation and come from
+the consumer that holds the lease, or it is ignored. Reclaimed leases go back to READY in front of
+newer batches, oldest first. Thread-safe: the compute thread fills, the server thread leases.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class SlotState(IntEnum):
+    FREE = 0
+    FILLING = 1
+    READY = 2
+    LEASED = 3
+
+
+@dataclass
+class Slot:
+    index: int
+    state: SlotState = SlotState.FREE
+    generation: int = 0
+    seq: int = -1
+    """Announcement order; READY slots are served lowest first."""
+    holder: object = None
+    """Consumer key of the lease (LEASED only)."""
+    payload: object = None
+    """What the filler attached at publish (layout and metadata)."""
+    leased_at: float = 0.0
+
+
+@dataclass
+class Lease:
+    slot: int
+    generation: int
+    seq: int
+    payload: object
+
+
+@dataclass
+class SlotCounters:
+    published: int = 0
+    leased: int = 0
+    released: int = 0
+    reclaimed: int = 0
+    discarded: int = 0
+    stale_acks: int = 0
+    blocked_s: float = 0.0
+    """Seconds the filler waited for a free slot (backpressure)."""
+
+
+class SlotTable:
+    """Thread-safe slot states for one ring."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError("num_slots must be >= 1")
+        self._slots = [Slot(i) for i in range(num_slots)]
+        self._cond = threading.Condition()
+        self._next_seq = 0
+        self._next_generation = 1
+        self.counters = SlotCounters()
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    def acquire(self, timeout: float | None = None) -> int | None:
+        """FREE -> FILLING. Waits up to ``timeout`` for a free slot (counted as blocked time)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            started = time.monotonic()
+            try:
+                while True:
+                    for slot in self._slots:
+                        if slot.state is SlotState.FREE:
+                            slot.state = SlotState.FILLING
+                            slot.generation = self._next_generation
+                            self._next_generation += 1
+                            return slot.index
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return None
+                    self._cond.wait(remaining)
+            finally:
+                self.counters.blocked_s += time.monotonic() - started
+
+    def publish(self, index: int, payload: object) -> int:
+        """FILLING -> READY. Returns the announcement sequence number."""
+        with self._cond:
+            slot = self._slots[index]
+            if slot.state is not SlotState.FILLING:
+                raise RuntimeError(f"slot {index} is {slot.state.name}, not FILLING")
+            slot.state = SlotState.READY
+            slot.payload = payload
+            slot.seq = self._next_seq
+            self._next_seq += 1
+            self.counters.published += 1
+            self._cond.notify_all()
+            return slot.seq
+
+    def abort(self, index: int) -> None:
+        """FILLING -> FREE (the filler gave up on this slot)."""
+        with self._cond:
+            slot = self._slots[index]
+            if slot.state is SlotState.FILLING:
+                self._free(slot)
+
+    def lease_next(self, holder: object) -> Lease | None:
+        """READY -> LEASED for the oldest ready slot, or None if none is ready."""
+        with self._cond:
+            ready = [s for s in self._slots if s.state is SlotState.READY]
+            if not ready:
+                return None
+            slot = min(ready, key=lambda s: s.seq)
+            slot.state = SlotState.LEASED
+            slot.holder = holder
+            slot.leased_at = time.monotonic()
+            self.counters.leased += 1
+            return Lease(slot.index, slot.generation, slot.seq, slot.payload)
+
+    def release(self, holder: object, index: int, generation: int) -> bool:
+        """LEASED -> FREE if ``holder`` holds this slot at this generation; else ignored."""
+        with self._cond:
+            if not 0 <= index < len(self._slots):
+                self.counters.stale_acks += 1
+                return False
+            slot = self._slots[index]
+            if slot.state is not SlotState.LEASED or slot.generation != generation or slot.holder != holder:
+                self.counters.stale_acks += 1
+                return False
+            self._free(slot)
+            self.counters.released += 1
+            return True
+
+    def reclaim(self, holder: object) -> list[int]:
+        """LEASED -> READY for every slot ``holder`` leased; they keep their order in front."""
+        with self._cond:
+            taken = [s for s in self._slots if s.state is SlotState.LEASED and s.holder == holder]
+            for slot in taken:
+                slot.state = SlotState.READY
+                slot.holder = None
+            self.counters.reclaimed += len(taken)
+            if taken:
+                self._cond.notify_all()
+            return [s.index for s in taken]
+
+    def discard_ready(self, predicate) -> list[object]:
+        """READY -> FREE for ready slots whose payload matches ``predicate``; returns the payloads."""
+        with self._cond:
+            dropped = [s for s in self._slots if s.state is SlotState.READY and predicate(s.payload)]
+            payloads = [s.payload for s in dropped]
+            for slot in dropped:
+                self._free(slot)
+            self.counters.discarded += len(dropped)
+            return payloads
+
+    def held_by(self, holder: object) -> list[int]:
+        with self._cond:
+            return [s.index for s in self._slots if s.state is SlotState.LEASED and s.holder == holder]
+
+    def payloads(self, *states: SlotState) -> list[object]:
+        """Payloads of the slots in any of ``states`` (a snapshot)."""
+        with self._cond:
+            return [s.payload for s in self._slots if s.state in states]
+
+    def counts(self) -> dict[str, int]:
+        with self._cond:
+            out = {state.name.lower(): 0 for state in SlotState}
+            for slot in self._slots:
+                out[slot.state.name.lower()] += 1
+            return out
+
+    def has_ready(self) -> bool:
+        with self._cond:
+            return any(s.state is SlotState.READY for s in self._slots)
+
+    def wake(self) -> None:
+        """Wake a filler blocked in acquire (used at shutdown)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _free(self, slot: Slot) -> None:
+        slot.state = SlotState.FREE
+        slot.holder = None
+        slot.payload = None
+        self._cond.notify_all()

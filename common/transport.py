@@ -1,0 +1,504 @@
+"""Serving a ring to consumers (RingServer, in the producer) and consuming it (RingClient).
+
+RingServer runs one thread that owns the ROUTER socket. The filler (the producer's compute
+loop) calls ``acquire`` / ``publish`` from its own thread; ``acquire`` blocks only on a full ring
+(backpressure, counted as blocked time). The server leases READY slots to consumers that have
+credit, never blocks on a socket, reclaims the leases of consumers that stop answering within
+the heartbeat timeout or are superseded by a newer incarnation, and logs and drops every
+malformed message.
+
+RingClient is single-threaded: whoever owns it must call ``poll`` often (it sends the consumer's
+heartbeats); the trainer runs it in a feeder thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from common.codec import TensorSpec, read_tensors
+from common.protocol import (
+    Ack,
+    Batch,
+    Bye,
+    Credit,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Refuse,
+    VersionMismatch,
+    Welcome,
+    decode,
+)
+from common.ring import RingBuffer, attach_ring
+from common.slots import SlotTable
+from common.sockets import make_socket, send_nowait
+
+log = logging.getLogger(__name__)
+
+
+class HandshakeRefused(RuntimeError):
+    """The producer refused this consumer; the message says why."""
+
+
+class HandshakeTimeout(TimeoutError):
+    """No answer to HELLO within the timeout."""
+
+
+@dataclass
+class _Consumer:
+    identity: bytes
+    consumer_id: str
+    incarnation: int
+    pid: int
+    credits: int
+    last_seen: float
+
+
+@dataclass
+class ServerCounters:
+    messages: int = 0
+    dropped_malformed: int = 0
+    dropped_unknown_peer: int = 0
+    send_failures: int = 0
+    consumers_expired: int = 0
+    consumers_superseded: int = 0
+    refused: int = 0
+    socket_blocked: int = 0
+    """Times a send would have blocked (it never does: the message is dropped or the lease undone)."""
+    max_busy_s: float = 0.0
+    """Longest stretch the server thread spent handling messages without returning to its poll."""
+
+
+@dataclass
+class _RateLimitedLog:
+    every_s: float = 5.0
+    last: float = 0.0
+    suppressed: int = 0
+
+    def warn(self, text: str) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            extra = f" (+{self.suppressed} similar)" if self.suppressed else ""
+            log.warning("%s%s", text, extra)
+            self.last, self.suppressed = now, 0
+        else:
+            self.suppressed += 1
+
+
+HelloCheck = Callable[[Hello], "str | None"]
+
+
+class RingServer:
+    """Leases a ring's slots to consumers over one ROUTER socket."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        ring: RingBuffer,
+        *,
+        producer_id: int = 0,
+        describe: dict | None = None,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 10.0,
+        check_hello: HelloCheck | None = None,
+        stats: Callable[[], dict] | None = None,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.ring = ring
+        self.producer_id = producer_id
+        self.describe = dict(describe or {})
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.slots = SlotTable(ring.num_slots)
+        self.counters = ServerCounters()
+        self._check_hello = check_hello
+        self._stats = stats
+        self._ctx = ctx or zmq.Context.instance()
+        self._consumers: dict[bytes, _Consumer] = {}
+        self._newest_incarnation = -1
+        self._round_robin = 0
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=f"ring-server-{producer_id}", daemon=True)
+        self._bad_log = _RateLimitedLog()
+        self._error: BaseException | None = None
+
+    # -- filler side (any thread) ----------------------------------------------------------------
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread.start()
+        if not self._bound.wait(timeout_s) or self._error is not None:
+            raise RuntimeError(f"ring server could not bind {self.endpoint}: {self._error}")
+
+    def acquire(self, timeout_s: float | None = None) -> int | None:
+        """A FREE slot now FILLING, or None after ``timeout_s`` on a full ring."""
+        return self.slots.acquire(timeout_s)
+
+    def slot_view(self, index: int) -> torch.Tensor:
+        return self.ring.slot(index)
+
+    def publish(self, index: int, layout: list[TensorSpec], meta: dict) -> int:
+        """Announce a filled slot. Its bytes must be complete (stream synchronised) before this call."""
+        seq = self.slots.publish(index, (tuple(layout), dict(meta)))
+        self._wake()
+        return seq
+
+    def abort(self, index: int) -> None:
+        self.slots.abort(index)
+
+    def consumers(self) -> list[dict]:
+        return [
+            {"consumer_id": c.consumer_id, "incarnation": c.incarnation, "pid": c.pid, "credits": c.credits}
+            for c in list(self._consumers.values())
+        ]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake()
+        self.slots.wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already signalled (pipe full) or closing
+
+    # -- server thread ---------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        try:
+            sock = make_socket(self._ctx, zmq.ROUTER, bind=self.endpoint)
+        except BaseException as exc:
+            self._error = exc
+            self._bound.set()
+            return
+        self._bound.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_beat = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                timeout_ms = max(0.0, (next_beat - time.monotonic()) * 1000)
+                events = dict(poller.poll(timeout_ms))
+                busy_from = time.monotonic()
+                if self._wake_r in events:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                if sock in events:
+                    self._drain(sock)
+                self._dispatch(sock)
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._expire(now)
+                    self._beat(sock)
+                    next_beat = now + self.heartbeat_interval_s
+                self.counters.max_busy_s = max(self.counters.max_busy_s, time.monotonic() - busy_from)
+        finally:
+            sock.close(linger=0)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        for _ in range(1000):  # bounded so that dispatch and heartbeats still run under a flood
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self.counters.messages += 1
+            if len(frames) != 2:
+                self.counters.dropped_malformed += 1
+                self._bad_log.warn(f"dropped a message of {len(frames)} frames")
+                continue
+            identity, frame = frames
+            try:
+                message = decode(frame)
+            except VersionMismatch as exc:
+                self.counters.dropped_malformed += 1
+                self._bad_log.warn(f"refused a peer: {exc}")
+                send_nowait(sock, [identity, Refuse(reason=str(exc)).encode()])
+                continue
+            except ProtocolError as exc:
+                self.counters.dropped_malformed += 1
+                self._bad_log.warn(f"dropped a malformed message ({len(frame)} bytes): {exc}")
+                continue
+            self._handle(sock, identity, message)
+
+    def _handle(self, sock: zmq.Socket, identity: bytes, message: Message) -> None:
+        if isinstance(message, Hello):
+            self._on_hello(sock, identity, message)
+            return
+        consumer = self._consumers.get(identity)
+        if consumer is None:
+            self.counters.dropped_unknown_peer += 1
+            self._bad_log.warn(f"dropped {message.TYPE} from a peer that has not said hello")
+            return
+        consumer.last_seen = time.monotonic()
+        if isinstance(message, Ack):
+            self.slots.release(identity, message.slot, message.generation)
+        elif isinstance(message, Credit):
+            consumer.credits = min(consumer.credits + message.n, 1 << 20)
+        elif isinstance(message, Bye):
+            self._drop(identity, reason=f"said bye ({message.reason})")
+        elif isinstance(message, Heartbeat):
+            pass
+        else:
+            self.counters.dropped_malformed += 1
+            self._bad_log.warn(f"dropped a {message.TYPE} message, which consumers do not send")
+
+    def _on_hello(self, sock: zmq.Socket, identity: bytes, hello: Hello) -> None:
+        if hello.incarnation < self._newest_incarnation:
+            self._refuse(sock, identity, f"incarnation {hello.incarnation} is superseded by {self._newest_incarnation}")
+            return
+        if self._check_hello is not None:
+            reason = self._check_hello(hello)
+            if reason:
+                self._refuse(sock, identity, reason)
+                return
+        if hello.incarnation > self._newest_incarnation:
+            self._newest_incarnation = hello.incarnation
+            for old in [c for c in self._consumers.values() if c.incarnation < hello.incarnation]:
+                self.counters.consumers_superseded += 1
+                self._drop(old.identity, reason=f"superseded by incarnation {hello.incarnation}")
+        for old in [c for c in self._consumers.values() if c.consumer_id == hello.consumer_id or c.identity == identity]:
+            self._drop(old.identity, reason="reconnected")
+        self._consumers[identity] = _Consumer(
+            identity, hello.consumer_id, hello.incarnation, hello.pid, hello.credits, time.monotonic()
+        )
+        welcome = Welcome(
+            producer_id=self.producer_id,
+            pid=os.getpid(),
+            ring=self.ring.spec(),
+            describe=self.describe,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+        )
+        if not send_nowait(sock, [identity, welcome.encode()]):
+            self.counters.send_failures += 1
+            self._consumers.pop(identity, None)
+            return
+        log.info("consumer %s (pid %d, incarnation %d) connected", hello.consumer_id, hello.pid, hello.incarnation)
+
+    def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str) -> None:
+        self.counters.refused += 1
+        log.warning("refused a consumer: %s", reason)
+        send_nowait(sock, [identity, Refuse(reason=reason).encode()])
+
+    def _drop(self, identity: bytes, reason: str) -> None:
+        consumer = self._consumers.pop(identity, None)
+        reclaimed = self.slots.reclaim(identity)
+        if consumer is not None:
+            log.info("consumer %s %s; %d leases back in the ring", consumer.consumer_id, reason, len(reclaimed))
+
+    def _dispatch(self, sock: zmq.Socket) -> None:
+        """Lease READY slots to consumers with credit, round robin."""
+        while self.slots.has_ready():
+            hungry = [c for c in self._consumers.values() if c.credits > 0]
+            if not hungry:
+                return
+            consumer = hungry[self._round_robin % len(hungry)]
+            self._round_robin += 1
+            lease = self.slots.lease_next(consumer.identity)
+            if lease is None:
+                return
+            layout, meta = lease.payload
+            message = Batch(slot=lease.slot, generation=lease.generation, seq=lease.seq, layout=layout, meta=meta)
+            if send_nowait(sock, [consumer.identity, message.encode()]):
+                consumer.credits -= 1
+            else:
+                # The consumer's queue is full or it is gone: undo, and stop feeding it until it speaks.
+                self.counters.socket_blocked += 1
+                self.slots.reclaim(consumer.identity)
+                consumer.credits = 0
+
+    def _expire(self, now: float) -> None:
+        for consumer in list(self._consumers.values()):
+            if now - consumer.last_seen > self.heartbeat_timeout_s:
+                self.counters.consumers_expired += 1
+                self._drop(consumer.identity, reason=f"silent for {now - consumer.last_seen:.1f}s")
+
+    def stats(self) -> dict:
+        counts = self.slots.counts()
+        out = {
+            "producer_id": self.producer_id,
+            "ring": {"slots": self.slots.num_slots, **counts},
+            "blocked_s": round(self.slots.counters.blocked_s, 4),
+            "published": self.slots.counters.published,
+            "reclaimed": self.slots.counters.reclaimed,
+            "consumers": len(self._consumers),
+            "dropped_malformed": self.counters.dropped_malformed,
+            "socket_blocked": self.counters.socket_blocked,
+            "max_busy_s": round(self.counters.max_busy_s, 4),
+        }
+        if self._stats is not None:
+            out.update(self._stats())
+        return out
+
+    def _beat(self, sock: zmq.Socket) -> None:
+        if not self._consumers:
+            return
+        frame = Heartbeat(stats=self.stats()).encode()
+        for identity in list(self._consumers):
+            if not send_nowait(sock, [identity, frame]):
+                self.counters.send_failures += 1
+
+
+# -- consumer side -------------------------------------------------------------------------------
+
+
+@dataclass
+class Delivery:
+    """A leased slot: read ``tensors`` (views into the ring), then ``RingClient.ack`` it."""
+
+    slot: int
+    generation: int
+    seq: int
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+
+
+class RingClient:
+    """One consumer connection to one producer."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        consumer_id: str,
+        incarnation: int,
+        *,
+        expect: dict | None = None,
+        committed: dict | None = None,
+        credits: int = 2,
+        device: int | None = None,
+        heartbeat_interval_s: float = 1.0,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.consumer_id = consumer_id
+        self.incarnation = incarnation
+        self.expect = dict(expect or {})
+        self.committed = dict(committed or {})
+        self.initial_credits = credits
+        self.device = device
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=endpoint)
+        self.welcome: Welcome | None = None
+        self.ring: RingBuffer | None = None
+        self.producer_stats: dict = {}
+        self.last_heard = time.monotonic()
+        self._next_beat = 0.0
+        self.dropped_malformed = 0
+
+    def connect(self, timeout_s: float = 30.0) -> Welcome:
+        """HELLO, then wait for WELCOME (ring attached) or REFUSE (raises HandshakeRefused)."""
+        hello = Hello(
+            consumer_id=self.consumer_id,
+            incarnation=self.incarnation,
+            pid=os.getpid(),
+            credits=self.initial_credits,
+            expect=self.expect,
+            committed=self.committed,
+        )
+        self._send(hello)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(remaining * 1000, zmq.POLLIN):
+                raise HandshakeTimeout(f"no answer from the producer at {self.endpoint} within {timeout_s:.0f}s")
+            message = self._recv()
+            if isinstance(message, Refuse):
+                raise HandshakeRefused(f"producer at {self.endpoint} refused: {message.reason}")
+            if isinstance(message, Welcome):
+                self.welcome = message
+                self.ring = attach_ring(message.ring, self.device)
+                self.last_heard = time.monotonic()
+                return message
+
+    def poll(self, timeout_s: float = 0.0) -> list[Delivery]:
+        """Receive what has arrived (waiting up to ``timeout_s`` for the first); send heartbeats."""
+        deliveries: list[Delivery] = []
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._send(Heartbeat())
+            self._next_beat = now + self.heartbeat_interval_s
+        wait_ms = timeout_s * 1000
+        while self._sock.poll(wait_ms, zmq.POLLIN):
+            wait_ms = 0
+            message = self._recv()
+            if message is None:
+                continue
+            self.last_heard = time.monotonic()
+            if isinstance(message, Batch):
+                deliveries.append(self._deliver(message))
+            elif isinstance(message, Heartbeat):
+                self.producer_stats = message.stats
+            elif isinstance(message, Refuse):
+                raise HandshakeRefused(f"producer at {self.endpoint} dropped this consumer: {message.reason}")
+        return deliveries
+
+    def _deliver(self, message: Batch) -> Delivery:
+        if self.ring is None or message.slot >= self.ring.num_slots:
+            raise ProtocolError(f"batch for slot {message.slot} outside the ring")
+        tensors = read_tensors(self.ring.slot(message.slot), list(message.layout))
+        return Delivery(message.slot, message.generation, message.seq, message.meta, tensors)
+
+    def ack(self, delivery: Delivery) -> None:
+        """Give the slot back. The caller must not touch ``delivery.tensors`` afterwards."""
+        delivery.tensors = {}
+        self._send(Ack(slot=delivery.slot, generation=delivery.generation))
+
+    def grant(self, n: int = 1) -> None:
+        """Room for ``n`` more batches."""
+        if n > 0:
+            self._send(Credit(n=n))
+
+    def producer_silent_s(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    def close(self, reason: str = "closing") -> None:
+        if self._sock.closed:
+            return
+        try:
+            self._send(Bye(reason=reason))
+        except zmq.ZMQError:
+            pass
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        # A short linger lets BYE leave before the socket goes.
+        self._sock.close(linger=200)
+
+    def _send(self, message: Message) -> None:
+        # DEALER sends block only when the producer's queue is full for this long; a live producer
+        # drains continuously, so this never waits in practice, and a dead one must not hang us.
+        if not self._sock.poll(5000, zmq.POLLOUT):
+            raise TimeoutError(f"cannot send to the producer at {self.endpoint}: its queue is full")
+        self._sock.send(message.encode(), flags=zmq.NOBLOCK)
+
+    def _recv(self) -> Message | None:
+        frame = self._sock.recv(copy=True)
+        try:
+            return decode(frame)
+        except ProtocolError as exc:
+            self.dropped_malformed += 1
+            log.warning("dropped a malformed message from the producer: %s", exc)
+            return None

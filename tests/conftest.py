@@ -1,0 +1,45 @@
+"""Shared test setup: the repo root on sys.path for subprocesses, offline wandb, GPU markers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    count = _cuda_count()
+    for item in items:
+        if "gpu" in item.keywords and count < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "multigpu" in item.keywords and count < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))
+
+
+@pytest.fixture
+def short_tmp(tmp_path_factory):
+    """A short directory for ipc sockets (their paths are limited to ~100 characters)."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="df-", dir="/tmp"))
+    yield path
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,57 @@
+"""Config tree: TOML + dotted overrides, errors that name the key, resolved config round trip."""
+
+import pytest
+
+from common.config import ConfigError, RunConfig, load_config, save_config, to_dict
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_file_and_overrides(tmp_path):
+    path = _write(tmp_path, '[training]\nlr = 1e-3\n[data]\nformat = "synthetic"\nmean_len = 100\n')
+    cfg = load_config(path, ["training.lr=2e-4", "launch.num_producers=3", 'launch.producer_devices=["cuda:0", "cuda:1"]', "data.tokenizer=/some/path"])
+    assert cfg.training.lr == 2e-4
+    assert cfg.data.mean_len == 100
+    assert cfg.launch.num_producers == 3 and cfg.launch.producer_devices == ["cuda:0", "cuda:1"]
+    assert cfg.data.tokenizer == "/some/path"  # not TOML: taken as a string
+    assert cfg.drafter.block_size == RunConfig().drafter.block_size
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["target.config_overrides={num_hidden_layers = 3}", "drafter.layer_types=[\"sliding_attention\", \"full_attention\"]", "drafter.num_layers=2", "drafter.sliding_window=64"])
+    save_config(cfg, tmp_path / "config.toml")
+    again = load_config(tmp_path / "config.toml")
+    assert to_dict(again) == to_dict(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("training.lr=-1", "training.lr"),
+        ("training.lr=\"fast\"", "training.lr"),
+        ("training.nope=1", "training.nope"),
+        ("nosection.x=1", "nosection"),
+        ("ring.heartbeat_timeout_s=0.5", "ring.heartbeat_timeout_s"),
+        ("data.format=csv", "data.format"),
+        ("logging.progress=1", "logging.progress"),
+        ("drafter.layer_types=[\"full_attention\"]", "drafter.layer_types"),
+        ("batching.token_budget=100", "batching.token_budget"),
+        ("launch.producer_devices=[1, 2]", "launch.producer_devices[0]"),
+    ],
+)
+def test_errors_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        load_config(None, [override])
+
+
+def test_missing_file_and_bad_toml_name_the_path(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.toml")
+    with pytest.raises(ConfigError, match="run.toml"):
+        load_config(_write(tmp_path, "[training\nlr = 1"))
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["justtext"])
