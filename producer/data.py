@@ -1,0 +1,502 @@
+"""Data sources: documents addressed by a stable global sample id.
+
+Every source maps a sample id (0 .. len-1) to a :class:`Document` (token ids + loss mask) and
+can re-read any id at random, which the producer needs to recompute batches on replay:
+
+- ``chat``: JSONL, one ``{"messages": [{"role", "content"}, ...]}`` per line, rendered with the
+  target tokenizer's chat template; the loss mask covers the assistant turns only.
+- ``tokenized``: JSONL or parquet rows with ``input_ids`` and an optional ``loss_mask``.
+- ``synthetic``: a generator with learnable structure; sample i is a pure function of (seed, i).
+
+For files, the sample id is the record index across the listed files in order (line i of a
+JSONL file is one record, blank lines included, so ids never shift when a line is bad).
+A bad record (invalid JSON, wrong types, empty, too long with the ``drop`` policy, no loss
+tokens) is logged with its file and line, counted in :class:`DataStats` and skipped: ``get``
+returns ``None``. It never stops the producer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+import logging
+import os
+import re
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from common.config import DataConfig
+
+logger = logging.getLogger(__name__)
+
+
+# Enough to diagnose a broken file without flooding the log of a long-lived producer.
+_MAX_LOGGED_BAD_RECORDS = 100
+
+
+@dataclass
+class Document:
+    """One document: token ids and the mask of tokens that are training targets."""
+
+    sample_id: int
+    input_ids: np.ndarray
+    """int32 [L]"""
+    loss_mask: np.ndarray
+    """uint8 [L], 1 on target tokens (assistant turns)"""
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class BadRecord(Exception):
+    """A record that cannot become a document; the message says why."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class DataStats:
+    """Counters of one source; each sample id counts at most once."""
+
+    documents: int = 0
+    """Distinct good documents read."""
+    truncated: int = 0
+    """Distinct documents cut to max_seq_len."""
+    bad: Counter = field(default_factory=Counter)
+    """Distinct bad records per reason."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "documents": self.documents,
+            "truncated": self.truncated,
+            "bad_records": sum(self.bad.values()),
+            "bad_by_reason": dict(self.bad),
+        }
+
+
+class DataSource(ABC):
+    """Random access to documents by global sample id, with validation and length policy."""
+
+    def __init__(self, config: DataConfig):
+        self.config = config
+        self.stats = DataStats()
+        # Ids already counted, so re-reads (replay, later epochs) do not recount; a bitmap, not a
+        # set, to stay small for data sets of many millions of records.
+        self._seen: np.ndarray | None = None
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """Raw (input_ids, loss_mask) of a record; raises BadRecord."""
+
+    @abstractmethod
+    def location(self, sample_id: int) -> str:
+        """Where a record lives, for messages (e.g. ``data/a.jsonl:17``)."""
+
+    def get(self, sample_id: int) -> Document | None:
+        """The document with this id, or None when the record is bad (logged and counted)."""
+        if not 0 <= sample_id < len(self):
+            raise IndexError(f"sample id {sample_id} out of range [0, {len(self)})")
+        if self._seen is None:
+            self._seen = np.zeros(len(self), dtype=bool)
+        first_time = not self._seen[sample_id]
+        self._seen[sample_id] = True
+        try:
+            input_ids, loss_mask = self._read(sample_id)
+            document, truncated = self._apply_length_policy(sample_id, input_ids, loss_mask)
+        except BadRecord as bad:
+            if first_time:
+                self._report_bad(sample_id, bad)
+            return None
+        if first_time:
+            self.stats.documents += 1
+            self.stats.truncated += int(truncated)
+        return document
+
+    def _apply_length_policy(
+        self, sample_id: int, input_ids: np.ndarray, loss_mask: np.ndarray
+    ) -> tuple[Document, bool]:
+        max_len = self.config.max_seq_len
+        truncated = input_ids.shape[0] > max_len
+        if truncated:
+            if self.config.too_long == "drop":
+                raise BadRecord("too_long", f"{input_ids.shape[0]} tokens > max_seq_len={max_len}")
+            input_ids, loss_mask = input_ids[:max_len], loss_mask[:max_len]
+        if input_ids.shape[0] == 0:
+            raise BadRecord("empty", "no tokens")
+        if not loss_mask.any():
+            # Costs a target forward and trains nothing.
+            raise BadRecord("no_loss_tokens", "loss mask is all zeros" + (" after truncation" if truncated else ""))
+        document = Document(
+            sample_id,
+            np.ascontiguousarray(input_ids, dtype=np.int32),
+            np.ascontiguousarray(loss_mask, dtype=np.uint8),
+        )
+        return document, truncated
+
+    def _report_bad(self, sample_id: int, bad: BadRecord) -> None:
+        self.stats.bad[bad.reason] += 1
+        total = sum(self.stats.bad.values())
+        if total <= _MAX_LOGGED_BAD_RECORDS:
+            logger.warning("bad record %s (sample %d) skipped: %s", self.location(sample_id), sample_id, bad)
+            if total == _MAX_LOGGED_BAD_RECORDS:
+                logger.warning("further bad records are only counted (see data stats)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def expand_paths(paths: list[str]) -> list[str]:
+    """Paths in the given order, each glob pattern replaced by its sorted matches."""
+    expanded: list[str] = []
+    for path in paths:
+        if glob.has_magic(path):
+            matches = sorted(glob.glob(path))
+            if not matches:
+                raise FileNotFoundError(f"no file matches {path!r}")
+            expanded.extend(matches)
+        elif not os.path.isfile(path):
+            raise FileNotFoundError(f"data file not found: {path!r}")
+        else:
+            expanded.append(path)
+    return expanded
+
+
+def index_line_offsets(path: str, chunk_bytes: int = 1 << 24) -> np.ndarray:
+    """Byte offsets of line starts plus the file size: line i is ``[off[i], off[i+1])``.
+
+    A final line without a newline is a line; a trailing newline does not start an empty one.
+    """
+    newline_ends = []
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            newline_ends.append(np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 0x0A) + (size + 1))
+            size += len(chunk)
+    ends = np.concatenate([np.zeros(1, np.int64), *newline_ends]).astype(np.int64)
+    if ends[-1] != size:
+        ends = np.append(ends, size)
+    return ends
+
+
+class _RecordFiles:
+    """Global record index over several files, given each file's record count."""
+
+    def __init__(self, paths: list[str], counts: list[int]):
+        self.paths = paths
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def locate(self, sample_id: int) -> tuple[int, int]:
+        """(file index, record index inside that file)."""
+        file_index = bisect.bisect_right(self.starts, sample_id) - 1
+        return file_index, sample_id - self.starts[file_index]
+
+
+class JsonlSource(DataSource):
+    """JSONL records read at random through an index of line byte offsets."""
+
+    def __init__(self, config: DataConfig, paths: list[str]):
+        super().__init__(config)
+        self._offsets = [index_line_offsets(p) for p in paths]
+        self._files = _RecordFiles(paths, [len(o) - 1 for o in self._offsets])
+        # pread on a kept descriptor: no seek state, so reads are safe from several threads.
+        self._fds = [os.open(p, os.O_RDONLY) for p in paths]
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def location(self, sample_id: int) -> str:
+        file_index, line = self._files.locate(sample_id)
+        return f"{self._files.paths[file_index]}:{line + 1}"
+
+    def read_json(self, sample_id: int) -> Any:
+        file_index, line = self._files.locate(sample_id)
+        offsets = self._offsets[file_index]
+        start, end = int(offsets[line]), int(offsets[line + 1])
+        raw = os.pread(self._fds[file_index], end - start, start)
+        if not raw.strip():
+            raise BadRecord("empty", "blank line")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise BadRecord("invalid_json", str(error)) from None
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __del__(self) -> None:
+        if getattr(self, "_fds", None):
+            self.close()
+
+
+def _token_array(value: Any, name: str) -> np.ndarray:
+    if not isinstance(value, (list, np.ndarray)):
+        raise BadRecord("wrong_type", f"{name} must be a list of ints, got {type(value).__name__}")
+    array = np.asarray(value) if len(value) else np.zeros(0, np.int64)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise BadRecord("wrong_type", f"{name} must be a flat list of ints")
+    return array
+
+
+def validate_tokenized(record: Any, vocab_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, loss_mask) of a pre-tokenized record; loss_mask defaults to all ones."""
+    if not isinstance(record, dict):
+        raise BadRecord("wrong_type", f"record must be an object, got {type(record).__name__}")
+    if "input_ids" not in record:
+        raise BadRecord("missing_key", "input_ids")
+    input_ids = _token_array(record["input_ids"], "input_ids")
+    if input_ids.size and (input_ids.min() < 0 or (vocab_size is not None and input_ids.max() >= vocab_size)):
+        raise BadRecord("bad_value", f"input_ids outside [0, {vocab_size})")
+    if record.get("loss_mask") is None:
+        return input_ids, np.ones(input_ids.shape[0], np.uint8)
+    loss_mask = _token_array(record["loss_mask"], "loss_mask")
+    if loss_mask.shape != input_ids.shape:
+        raise BadRecord("bad_value", f"loss_mask has {loss_mask.shape[0]} entries for {input_ids.shape[0]} tokens")
+    if loss_mask.size and (loss_mask.min() < 0 or loss_mask.max() > 1):
+        raise BadRecord("bad_value", "loss_mask values must be 0 or 1")
+    return input_ids, loss_mask
+
+
+class TokenizedJsonlSource(JsonlSource):
+    """JSONL lines ``{"input_ids": [...], "loss_mask": [...]}`` (loss_mask optional)."""
+
+    def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
+        return validate_tokenized(self.read_json(sample_id), self.config.vocab_size)
+
+
+class ParquetSource(DataSource):
+    """Parquet files with an ``input_ids`` list column and an optional ``loss_mask`` column.
+
+    The token columns are decoded into memory once (Arrow buffers), so random access is a slice.
+    Keep data sets larger than memory in JSONL, which is read from disk by line offset.
+    """
+
+    def __init__(self, config: DataConfig, paths: list[str]):
+        super().__init__(config)
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError(
+                "reading parquet needs pyarrow: pip install pyarrow (or pip install 'dflash-stream[parquet]')"
+            ) from None
+        self._columns: list[dict[str, Any]] = []
+        for path in paths:
+            names = pq.read_schema(path).names
+            if "input_ids" not in names:
+                raise ValueError(f"{path}: parquet file has no input_ids column (columns: {names})")
+            wanted = [n for n in ("input_ids", "loss_mask") if n in names]
+            table = pq.read_table(path, columns=wanted)
+            self._columns.append({name: table.column(name).combine_chunks() for name in wanted})
+        self._files = _RecordFiles(paths, [len(c["input_ids"]) for c in self._columns])
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def location(self, sample_id: int) -> str:
+        file_index, row = self._files.locate(sample_id)
+        return f"{self._files.paths[file_index]}:row {row}"
+
+    def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
+        file_index, row = self._files.locate(sample_id)
+        columns = self._columns[file_index]
+        record = {}
+        for name, column in columns.items():
+            value = column[row]
+            record[name] = value.values.to_numpy(zero_copy_only=False) if value.is_valid else None
+        if record["input_ids"] is None:
+            raise BadRecord("missing_key", "input_ids is null")
+        return validate_tokenized(record, self.config.vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat
+
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
+
+
+def _validate_messages(record: Any) -> list[dict[str, Any]]:
+    if not isinstance(record, dict):
+        raise BadRecord("wrong_type", f"record must be an object, got {type(record).__name__}")
+    if "messages" not in record:
+        raise BadRecord("missing_key", "messages")
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise BadRecord("wrong_type", "messages must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRecord("wrong_type", f"messages[{i}] must be an object")
+        for key in ("role", "content"):
+            if key not in message:
+                raise BadRecord("missing_key", f"messages[{i}].{key}")
+            if not isinstance(message[key], str):
+                raise BadRecord("wrong_type", f"messages[{i}].{key} must be a string")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRecord("no_loss_tokens", "no assistant message")
+    return messages
+
+
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], **template_kwargs: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of a conversation rendered by the chat template, and its assistant-token mask.
+
+    Templates with ``{% generation %}`` blocks give the mask directly. For any other template
+    the assistant spans are found in the text of the full conversation by rendering prefixes:
+    an assistant turn starts where the prompt for it (history + generation header) ends, and ends
+    where the rendering of the history through that turn ends. Templates that render the last
+    turn differently (e.g. Qwen3 adds an empty think block to the final assistant turn only) are
+    handled by finding where that turn's tail rejoins the full text. Tokens are assigned to spans
+    by character offsets, so merges across turn boundaries cannot shift the mask.
+    """
+    if _GENERATION_TAG.search(tokenizer.chat_template or ""):
+        encoded = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **template_kwargs
+        )
+        return np.asarray(encoded["input_ids"], np.int64), np.asarray(encoded["assistant_masks"], np.uint8)
+
+    def render(prefix: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
+            prefix, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+
+    full = render(messages, False)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = _common_prefix_length(render(messages[:k], True), full) if k else 0
+        through = render(messages[: k + 1], False)
+        end = _common_prefix_length(through, full)
+        if end < len(through):
+            # The turn was rendered differently as the last one: its tail rejoins the full text at `end`.
+            tail = through[end:]
+            rejoined = next((i for i in range(len(tail)) if full.startswith(tail[i:], end)), None)
+            if rejoined is None:
+                raise BadRecord("template", f"cannot locate assistant turn {k} in the rendered conversation")
+            end += len(tail) - rejoined
+        spans.append((start, end))
+
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    token_starts = np.asarray([s for s, _ in encoded["offset_mapping"]], np.int64)
+    loss_mask = np.zeros(token_starts.shape[0], np.uint8)
+    for start, end in spans:
+        loss_mask[(token_starts >= start) & (token_starts < end)] = 1
+    return np.asarray(encoded["input_ids"], np.int64), loss_mask
+
+
+class ChatJsonlSource(JsonlSource):
+    """JSONL lines ``{"messages": [...]}`` rendered with the target's chat template."""
+
+    def __init__(self, config: DataConfig, paths: list[str], tokenizer: Any):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("chat data needs a tokenizer with a chat_template")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("chat data needs a fast tokenizer (character offsets locate the assistant turns)")
+        super().__init__(config, paths)
+        self.tokenizer = tokenizer
+
+    def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
+        messages = _validate_messages(self.read_json(sample_id))
+        try:
+            return render_chat(self.tokenizer, messages, **self.config.chat_template_kwargs)
+        except BadRecord:
+            raise
+        except Exception as error:  # a template may raise on content it rejects (e.g. role order)
+            raise BadRecord("template", f"{type(error).__name__}: {error}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic
+
+# Log-normal spread of the chat-like length mix; with mean 1000 and max 3072 this gives a few
+# dozen to a few thousand tokens, a long tail like real assistant answers.
+_CHAT_LENGTH_SIGMA = 0.8
+
+
+class SyntheticSource(DataSource):
+    """Deterministic documents with structure a small drafter can learn from context.
+
+    A document is a prompt (loss mask 0, about a tenth of it) and an answer (loss mask 1), both
+    made of segments of two kinds: arithmetic progressions ``a, a+s, a+2s, ... (mod V)`` (the next
+    token follows from the previous two) and a short random motif repeated (the next token is
+    a copy from earlier). Sample i depends only on (seed, i), so any sample can be regenerated.
+    """
+
+    def __len__(self) -> int:
+        return self.config.num_samples
+
+    def location(self, sample_id: int) -> str:
+        return f"synthetic(seed={self.config.seed}):{sample_id}"
+
+    def _length(self, rng: np.random.Generator) -> int:
+        cfg = self.config
+        if cfg.length_mode == "fixed":
+            return cfg.mean_len
+        mu = np.log(cfg.mean_len) - _CHAT_LENGTH_SIGMA**2 / 2  # so that the unclipped mean is mean_len
+        return int(np.clip(round(rng.lognormal(mu, _CHAT_LENGTH_SIGMA)), cfg.min_len, cfg.max_seq_len))
+
+    def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([self.config.seed, sample_id])
+        vocab = self.config.vocab_size
+        length = self._length(rng)
+        tokens = np.empty(length, np.int64)
+        filled = 0
+        while filled < length:
+            size = min(int(rng.integers(16, 129)), length - filled)
+            if rng.random() < 0.5:
+                start, step = rng.integers(0, vocab), rng.integers(1, min(vocab, 64))
+                segment = (start + step * np.arange(size)) % vocab
+            else:
+                motif = rng.integers(0, vocab, size=int(rng.integers(2, 9)))
+                segment = np.resize(motif, size)
+            tokens[filled : filled + size] = segment
+            filled += size
+        loss_mask = np.ones(length, np.uint8)
+        loss_mask[: length // 10] = 0
+        return tokens, loss_mask
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def build_data_source(config: DataConfig, tokenizer: Any = None) -> DataSource:
+    """The source described by ``config``; chat data uses ``tokenizer`` (or loads config.tokenizer)."""
+    if config.format == "synthetic":
+        if config.vocab_size is None:
+            raise ValueError("data.vocab_size must be set for synthetic data (the producer sets it from the target)")
+        return SyntheticSource(config)
+    paths = expand_paths(config.paths)
+    if config.format == "tokenized":
+        parquet = [p.endswith(".parquet") for p in paths]
+        if all(parquet):
+            return ParquetSource(config, paths)
+        if any(parquet):
+            raise ValueError("paths mixes parquet and JSONL files; use one kind per data set")
+        return TokenizedJsonlSource(config, paths)
+    if tokenizer is None:
+        if config.tokenizer is None:
+            raise ValueError("chat data needs a tokenizer: pass the target's or set tokenizer")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+    return ChatJsonlSource(config, paths, tokenizer)
