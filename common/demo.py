@@ -96,15 +96,19 @@ def run_producer(args: argparse.Namespace) -> int:
 
 def run_consumer(args: argparse.Namespace) -> int:
     """Receive ``count`` batches, verify each checksum, ack them (or hold them with --hold)."""
-    client = RingClient(args.endpoint, args.consumer_id, args.incarnation, credits=args.credits, device=args.device)
+    client = RingClient(args.endpoint, args.consumer_id, args.incarnation, credits=args.credits)
     client.connect(timeout_s=30)
+    print(json.dumps({"event": "connected", "ring": client.ring.spec(), "slot_device": str(client.ring.slot(0).device)}), flush=True)
     rng = random.Random(args.seed + 1)
     received: list[int] = []
     bad = 0
     deadline = time.monotonic() + args.timeout
     while len(received) < args.count and time.monotonic() < deadline:
         for delivery in client.poll(timeout_s=0.05):
-            if checksum(delivery.tensors) != delivery.meta["crc"]:
+            tensors = delivery.tensors
+            if args.copy_to:
+                tensors = {k: v.to(args.copy_to) for k, v in tensors.items()}
+            if checksum(tensors) != delivery.meta["crc"]:
                 bad += 1
             received.append(delivery.meta["index"])
             if args.hold:
@@ -159,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--credits", type=int, default=2)
     parser.add_argument("--consumer-id", default="demo")
     parser.add_argument("--incarnation", type=int, default=0)
+    parser.add_argument("--copy-to", default="", help="consumer: copy each batch to this device before checking it")
     parser.add_argument("--hold", action="store_true", help="keep leases without acking until killed")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--linger", type=float, default=1.0, help="producer: seconds to serve after the last ack")

@@ -251,26 +251,33 @@ class CudaRing:
         return cls(device, ptr.value, num_slots, slot_bytes, owner=True, handle=bytes(handle.reserved))
 
     @classmethod
-    def attach(cls, spec: dict, device: int | None = None) -> CudaRing:
-        """Open a producer's ring. It is mapped on the producer's GPU when this process sees it
-        (found by UUID), otherwise on ``device`` (or the current one) through peer access."""
+    def attach(cls, spec: dict) -> CudaRing:
+        """Open a producer's ring on the producer's GPU, found by UUID among this process's GPUs.
+
+        Readers on another GPU copy from it over the peer link (``slot(i).to(their_device)``).
+        """
         handle_bytes = bytes.fromhex(spec["handle"])
         if len(handle_bytes) != 64:
             raise RingMemoryError("a CUDA IPC handle has 64 bytes")
         local = local_device_of(spec["gpu_uuid"])
-        target = local if local is not None else (torch.cuda.current_device() if device is None else device)
-        torch.cuda.set_device(target)
+        if local is None:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+            raise RingMemoryError(
+                f"the producer's ring is on GPU {spec['gpu_uuid']}, which this process cannot see "
+                f"(CUDA_VISIBLE_DEVICES={visible}): make that GPU visible to the trainer or use ring.backend=host"
+            )
+        torch.cuda.set_device(local)
         torch.cuda.init()
-        torch.cuda.synchronize(target)  # makes the primary context current on this thread
+        torch.cuda.synchronize(local)  # makes the primary context current on this thread
         handle = _IpcHandle()
         ctypes.memmove(handle.reserved, handle_bytes, 64)
         ptr = ctypes.c_uint64()
         lazy_peer_access = 1
         _Driver.check(
             _Driver.lib().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, lazy_peer_access),
-            f"opening the producer's ring (GPU {spec['gpu_uuid']}) on local GPU {target}",
+            f"opening the producer's ring (GPU {spec['gpu_uuid']}, local cuda:{local})",
         )
-        return cls(target, ptr.value, int(spec["num_slots"]), int(spec["slot_bytes"]), owner=False, handle=handle_bytes)
+        return cls(local, ptr.value, int(spec["num_slots"]), int(spec["slot_bytes"]), owner=False, handle=handle_bytes)
 
     def slot(self, index: int) -> torch.Tensor:
         if not 0 <= index < self.num_slots:
@@ -311,7 +318,7 @@ def create_ring(backend: str, *, num_slots: int, slot_bytes: int, run_tag: str =
     raise ValueError(f"ring.backend must be 'host' or 'cuda', got {backend!r}")
 
 
-def attach_ring(spec: dict, device: int | None = None) -> RingBuffer:
+def attach_ring(spec: dict) -> RingBuffer:
     """Open the ring a WELCOME describes."""
     backend = spec.get("backend")
     try:
@@ -320,7 +327,7 @@ def attach_ring(spec: dict, device: int | None = None) -> RingBuffer:
         if backend == "cuda":
             if not torch.cuda.is_available():
                 raise RingMemoryError("the producer's ring is in GPU memory but this process has no CUDA")
-            return CudaRing.attach(spec, device)
+            return CudaRing.attach(spec)
     except (KeyError, TypeError, ValueError) as exc:
         raise RingMemoryError(f"malformed ring description: {exc}") from None
     raise RingMemoryError(f"unknown ring backend {backend!r}")

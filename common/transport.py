@@ -387,7 +387,6 @@ class RingClient:
         expect: dict | None = None,
         committed: dict | None = None,
         credits: int = 2,
-        device: int | None = None,
         heartbeat_interval_s: float = 1.0,
         ctx: zmq.Context | None = None,
     ) -> None:
@@ -397,7 +396,6 @@ class RingClient:
         self.expect = dict(expect or {})
         self.committed = dict(committed or {})
         self.initial_credits = credits
-        self.device = device
         self.heartbeat_interval_s = heartbeat_interval_s
         self._ctx = ctx or zmq.Context.instance()
         self._sock = make_socket(self._ctx, zmq.DEALER, connect=endpoint)
@@ -429,7 +427,7 @@ class RingClient:
                 raise HandshakeRefused(f"producer at {self.endpoint} refused: {message.reason}")
             if isinstance(message, Welcome):
                 self.welcome = message
-                self.ring = attach_ring(message.ring, self.device)
+                self.ring = attach_ring(message.ring)
                 self.last_heard = time.monotonic()
                 return message
 

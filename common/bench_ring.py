@@ -1,0 +1,194 @@
+"""Ring benchmark: slot hand-off throughput and protocol latency against the raw copy ceiling.
+
+    python -m common.bench_ring                  # every placement this machine has
+    python -m common.bench_ring --json out.json
+
+For each placement a real producer process serves a ring and a real consumer process receives
+each slot, copies it into its own memory (CPU tensor, or its GPU), waits for the copy and acks.
+The ceiling is the same copy from the same ring memory, in the same consumer, without the
+protocol. Latency is the announce + ack round trip of a 4 KiB slot with one credit (the
+consumer's time between consecutive deliveries; the producer republishes on every ack).
+
+Placements: host ring -> CPU; host ring (page-locked) -> GPU 0; CUDA IPC on one GPU;
+CUDA IPC from GPU 0 to GPU 1 (the consumer sees both GPUs; the producer only its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common.codec import TensorSpec
+from common.ring import create_ring
+from common.sockets import ipc_endpoint
+from common.transport import RingClient, RingServer
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Publish the ring's slots over and over (their bytes written once) until SIGTERM."""
+    ring = create_ring(args.backend, num_slots=args.slots, slot_bytes=args.slot_bytes, run_tag="bench", role="p0", device=0)
+    for index in range(ring.num_slots):
+        slot = ring.slot(index)
+        slot.copy_(torch.randint(0, 256, (slot.numel(),), dtype=torch.uint8, device=slot.device))
+    if args.backend == "cuda":
+        torch.cuda.synchronize()
+    server = RingServer(args.endpoint, ring, heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    server.start()
+    print(json.dumps({"event": "ready"}), flush=True)
+    layout = [TensorSpec("payload", "uint8", (args.slot_bytes,), 0)]
+    try:
+        while not stop["now"]:
+            index = server.acquire(timeout_s=0.1)
+            if index is not None:
+                server.publish(index, layout, {})
+    finally:
+        server.close()
+        ring.close()
+    return 0
+
+
+def consume(args: argparse.Namespace) -> int:
+    """Receive ``count`` slots, copy each to ``--dest``; then time the same copies without the protocol."""
+    dest_device = torch.device(args.dest)
+    client = RingClient(args.endpoint, "bench", 0, credits=args.credits)
+    client.connect(timeout_s=60)
+    ring = client.ring
+    dest = torch.empty(args.slot_bytes, dtype=torch.uint8, device=dest_device)
+    if dest_device.type == "cpu":
+        torch.set_num_threads(1)
+
+    def sync() -> None:
+        if dest_device.type == "cuda":
+            torch.cuda.synchronize(dest_device)
+
+    arrivals: list[float] = []
+    received = 0
+    started = None
+    while received < args.count + args.warmup:
+        for delivery in client.poll(timeout_s=1.0):
+            if received == args.warmup:
+                started = time.perf_counter()
+            arrivals.append(time.perf_counter())
+            if args.copy:
+                dest.copy_(delivery.tensors["payload"], non_blocking=True)
+                sync()
+            client.ack(delivery)
+            client.grant(1)
+            received += 1
+    elapsed = time.perf_counter() - started
+    handoff_gbps = args.count * args.slot_bytes / elapsed / 1e9
+    # The ceiling: the same copies from the same ring memory, no protocol.
+    raw_gbps = None
+    if args.copy:
+        sources = [ring.slot(i % ring.num_slots) for i in range(ring.num_slots)]
+        for i in range(args.warmup):
+            dest.copy_(sources[i % len(sources)], non_blocking=True)
+        sync()
+        t0 = time.perf_counter()
+        for i in range(args.count):
+            dest.copy_(sources[i % len(sources)], non_blocking=True)
+            sync()
+        raw_gbps = args.count * args.slot_bytes / (time.perf_counter() - t0) / 1e9
+    gaps = sorted((b - a) * 1e6 for a, b in zip(arrivals[args.warmup :], arrivals[args.warmup + 1 :]))
+    result = {
+        "slots_per_s": args.count / elapsed,
+        "handoff_GBps": handoff_gbps,
+        "raw_copy_GBps": raw_gbps,
+        "gap_us_p50": gaps[len(gaps) // 2] if gaps else None,
+        "gap_us_p99": gaps[int(len(gaps) * 0.99)] if gaps else None,
+    }
+    print(json.dumps({"event": "result", **result}), flush=True)
+    client.close()
+    return 0
+
+
+def _run_pair(name: str, backend: str, dest: str, slot_bytes: int, count: int, copy: bool, credits: int,
+              producer_env: dict, consumer_env: dict, slots: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="df-bench-", dir="/tmp") as tmp:
+        endpoint = ipc_endpoint(Path(tmp) / "p.ipc")
+        base = [sys.executable, "-m", "common.bench_ring"]
+        shared = ["--endpoint", endpoint, "--slot-bytes", str(slot_bytes)]
+        producer = subprocess.Popen(
+            [*base, "serve", *shared, "--backend", backend, "--slots", str(slots)],
+            stdout=subprocess.PIPE, text=True, env={**os.environ, **producer_env},
+        )
+        try:
+            json.loads(producer.stdout.readline())
+            warmup = max(3, count // 10)
+            cmd = [*base, "consume", *shared, "--dest", dest, "--count", str(count), "--warmup", str(warmup), "--credits", str(credits)]
+            if copy:
+                cmd.append("--copy")
+            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **consumer_env}, timeout=600)
+            if out.returncode != 0:
+                raise RuntimeError(f"{name}: consumer failed:\n{out.stderr[-3000:]}")
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+        finally:
+            producer.send_signal(signal.SIGTERM)
+            producer.wait(timeout=30)
+    result.pop("event")
+    return {"placement": name, "slot_MiB": slot_bytes / 2**20, **result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("role", nargs="?", choices=["all", "serve", "consume"], default="all")
+    parser.add_argument("--endpoint", default="")
+    parser.add_argument("--backend", choices=["host", "cuda"], default="host")
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--slot-bytes", type=int, default=64 << 20)
+    parser.add_argument("--dest", default="cpu")
+    parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--credits", type=int, default=2)
+    parser.add_argument("--copy", action="store_true")
+    parser.add_argument("--json", default="", help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.role == "serve":
+        return serve(args)
+    if args.role == "consume":
+        return consume(args)
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    big = args.slot_bytes
+    cases = [("host -> cpu", "host", "cpu", {}, {})]
+    if gpus >= 1:
+        cases += [
+            ("host (pinned) -> cuda:0", "host", "cuda:0", {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0"}),
+            ("cuda ipc, same GPU", "cuda", "cuda:0", {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0"}),
+        ]
+    if gpus >= 2:
+        # The producer sees only GPU 0; the consumer sees both and finds the ring's GPU by UUID.
+        cases.append(("cuda ipc, GPU0 -> GPU1", "cuda", "cuda:1", {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0,1"}))
+    rows = []
+    for name, backend, dest, penv, cenv in cases:
+        count = args.count if dest != "cpu" else max(20, args.count // 4)
+        rows.append(_run_pair(name, backend, dest, big, count, True, args.credits, penv, cenv, args.slots))
+    latency_backend, latency_env = ("cuda", {"CUDA_VISIBLE_DEVICES": "0"}) if gpus else ("host", {})
+    rows.append(_run_pair(f"latency ({latency_backend}, 4 KiB, 1 credit)", latency_backend, "cpu", 4096, 5000, False, 1, latency_env, latency_env, 2))
+
+    print(f"\n{'placement':36s} {'slot MiB':>8s} {'slots/s':>9s} {'hand-off GB/s':>14s} {'raw GB/s':>9s} {'ratio':>6s} {'p50 us':>8s} {'p99 us':>8s}")
+    for r in rows:
+        ratio = r["handoff_GBps"] / r["raw_copy_GBps"] if r["raw_copy_GBps"] else None
+        r["ratio"] = ratio
+        print(f"{r['placement']:36s} {r['slot_MiB']:8.3f} {r['slots_per_s']:9.1f} {r['handoff_GBps']:14.2f} "
+              f"{(r['raw_copy_GBps'] or 0):9.2f} {(ratio or 0):6.2f} {r['gap_us_p50']:8.0f} {r['gap_us_p99']:8.0f}")
+    payload = {"bench": "ring", "gpus": gpus, "device": torch.cuda.get_device_name(0) if gpus else "cpu", "rows": rows}
+    print(json.dumps(payload))
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up the project in ./.venv (idempotent): torch first (the pinned CPU build unless a torch is
+# already importable), then this package with its test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  # On these machines 2.13.0 is a CPU build on local disk; a plain 'torch' would pull a CUDA build.
+  .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+fi
+.venv/bin/python -m pip install -q -e ".[test]"
