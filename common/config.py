@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 SourceFormat = Literal["chat", "tokenized", "synthetic"]
 LengthMode = Literal["chat", "fixed"]
-LabelMode = Literal["data", "target_argmax", "target_kl"]
+LabelMode = Literal["data", "target_hard", "target_soft"]
 
 
 class ConfigError(ValueError):
@@ -233,7 +233,7 @@ class TrainingConfig:
     epochs: int = 6
     """Epochs of data when max_steps is 0."""
     label_mode: LabelMode = "data"
-    """data: the data tokens; target_argmax / target_kl: the target's distribution (needs its last hidden state)."""
+    """data: the data tokens; target_hard (argmax CE) / target_soft (KL): the target's distribution (needs its last hidden state)."""
     gamma: float | None = None
     """Decay of the per-position loss weight exp(-(k-1)/gamma); None: 7 for B=16, 4 for B=8."""
     streak_aware: bool = False
@@ -259,7 +259,7 @@ class TrainingConfig:
         _check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
         _check(self.max_steps >= 0, "max_steps", "must be >= 0")
         _check(self.epochs >= 1, "epochs", "must be >= 1")
-        _check(self.label_mode in ("data", "target_argmax", "target_kl"), "label_mode", f"must be data, target_argmax or target_kl, got {self.label_mode!r}")
+        _check(self.label_mode in ("data", "target_hard", "target_soft"), "label_mode", f"must be data, target_hard or target_soft, got {self.label_mode!r}")
         _check(self.gamma is None or self.gamma > 0, "gamma", "must be > 0")
         _check(self.feature_noise >= 0, "feature_noise", "must be >= 0")
         _check(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")

@@ -1,0 +1,115 @@
+"""Export formats (z-lab native, speculators): exact names and fields, and exact round trips."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.drafter_fixtures import random_batch, tiny_config, tiny_qwen3_target
+from trainer.export import export_speculators, export_zlab, load_drafter
+from trainer.model import DFlashDrafter
+from trainer.target_head import load_target_head
+
+
+def expected_weight_names(num_layers: int) -> set[str]:
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(num_layers):
+        names |= {f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"}
+        names |= {f"layers.{i}.self_attn.{n}_norm.weight" for n in "qk"}
+        names |= {f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        names |= {f"layers.{i}.{n}_layernorm.weight" for n in ("input", "post_attention")}
+    return names
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("target")
+    tiny_qwen3_target(directory, vocab_size=64, num_layers=6, hidden=32)
+    return directory
+
+
+def make_drafter(target_dir, dtype=torch.float32):
+    config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+                         target_layer_ids=[1, 3], num_target_layers=6)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config, load_target_head(target_dir))
+    with torch.no_grad():  # non-trivial norms so that a swapped name would show
+        for p in drafter.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return drafter.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "speculators"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_then_load_is_exact(tmp_path, target_dir, fmt, dtype):
+    drafter = make_drafter(target_dir, dtype)
+    out = tmp_path / fmt
+    if fmt == "zlab":
+        export_zlab(drafter, out, dtype=None)
+    else:
+        export_speculators(drafter, out, "org/tiny-qwen3", ["Qwen3ForCausalLM"], dtype=None)
+    assert set(load_file(str(out / "model.safetensors"))) == expected_weight_names(2)
+    loaded = load_drafter(out, load_target_head(target_dir))
+    assert loaded.config == drafter.config
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert loaded.target_head.lm_head_weight.dtype == torch.float32, "the target head keeps the target's dtype"
+    batch = random_batch([20, 12], drafter.config)
+    blocks, masks = drafter.prepare(batch, 8, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(batch.aux_hidden, blocks, masks), drafter(batch.aux_hidden, blocks, masks))
+
+
+def test_zlab_config_fields(tmp_path, target_dir):
+    drafter = make_drafter(target_dir)
+    export_zlab(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["block_size"] == 4
+    assert config["dflash_config"] == {"mask_token_id": 63, "target_layer_ids": [1, 3]}
+    assert config["num_target_layers"] == 6
+    assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 16
+    assert config["model_type"] == "qwen3" and config["num_hidden_layers"] == 2
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["head_dim"], config["vocab_size"]) == (32, 4, 2, 8, 64)
+    assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "bfloat16"
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert tensors["fc.weight"].shape == (32, 2 * 32)
+
+
+def test_speculators_config_fields_use_k_plus_1(tmp_path, target_dir):
+    drafter = make_drafter(target_dir)
+    export_speculators(drafter, tmp_path, "org/tiny-qwen3", ["Qwen3ForCausalLM"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash"
+    assert config["aux_hidden_state_layer_ids"] == [2, 4]  # decoder layers 1, 3 -> hidden_states[2], [4]
+    assert config["mask_token_id"] == 63 and config["block_size"] == 4 and config["target_hidden_size"] == 32
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "dflash" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 3
+    assert spec["verifier"]["name_or_path"] == "org/tiny-qwen3"
+    layer = config["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == 2 and layer["layer_types"] == ["sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_target_head_is_bit_identical(tmp_path, tied):
+    target = tiny_qwen3_target(tmp_path, tie_word_embeddings=tied)
+    head = load_target_head(tmp_path)
+    assert torch.equal(head.embed_weight, target.model.embed_tokens.weight)
+    assert torch.equal(head.lm_head_weight, target.lm_head.weight)
+    assert torch.equal(head.norm_weight, target.model.norm.weight)
+    head.to(torch.bfloat16)  # a dtype cast of the drafter must not touch the target's weights
+    assert torch.equal(head.lm_head_weight, target.lm_head.weight)
+    ids = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        captured = []
+        hook = target.model.layers[-1].register_forward_hook(lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
+        target(ids)
+        hook.remove()
+    logits = head.final_norm(captured[0].reshape(9, -1)) @ head.lm_head_weight.T
+    torch.testing.assert_close(logits, out.logits[0])

@@ -1,0 +1,136 @@
+"""Anchor sampling, block construction, and flex mask == dense reference mask."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_mask, flex_attention
+
+from common.batch import PackedBatch
+from tests.drafter_fixtures import random_batch, tiny_config
+from trainer.blocks import build_blocks, sample_anchors, valid_anchor_mask
+from trainer.masks import build_masks, dense_reference_mask, flex_block_mask
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_anchors_are_valid_sorted_unique_and_spread(seed):
+    config = tiny_config()
+    lengths = [int(x) for x in torch.randint(1, 60, (6,), generator=generator(100 + seed))] + [3, 2]
+    batch = random_batch(lengths, config, seed=seed, supervised_fraction=0.6)
+    anchors, valid = sample_anchors(batch.loss_mask, batch.cu_seqlens, 24, generator(seed))
+    assert anchors.shape == valid.shape == (24,)
+    real = anchors[valid]
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    # Valid anchor: loss_mask[a + 1] == 1 and a + 1 in the same document.
+    assert bool((batch.loss_mask[real + 1] == 1).all()) and bool((doc[real + 1] == doc[real]).all())
+    assert torch.equal(real, torch.sort(real).values) and real.unique().numel() == real.numel()
+    assert not valid[valid.sum():].any(), "padding blocks come last"
+    candidates = valid_anchor_mask(batch.loss_mask, doc)
+    num_candidates = int(candidates.sum())
+    assert int(valid.sum()) == min(24, num_candidates)
+    docs_with_candidates = set(doc[candidates].tolist())
+    if len(docs_with_candidates) <= 24:
+        assert set(doc[real].tolist()) == docs_with_candidates, "every document with a candidate gets an anchor"
+
+
+def test_short_document_gets_an_anchor_among_long_ones():
+    config = tiny_config()
+    batch = random_batch([400, 2, 400], config, supervised_fraction=1.0)
+    for seed in range(5):
+        anchors, valid = sample_anchors(batch.loss_mask, batch.cu_seqlens, 8, generator(seed))
+        assert 400 in anchors[valid].tolist()  # the only valid anchor of the 2-token document
+
+
+def test_sampling_is_reproducible_and_pads():
+    config = tiny_config()
+    batch = random_batch([30, 20], config, seed=3)
+    first = sample_anchors(batch.loss_mask, batch.cu_seqlens, 10, generator(7))
+    second = sample_anchors(batch.loss_mask, batch.cu_seqlens, 10, generator(7))
+    other = sample_anchors(batch.loss_mask, batch.cu_seqlens, 10, generator(8))
+    assert torch.equal(first[0], second[0]) and not torch.equal(first[0], other[0])
+    anchors, valid = sample_anchors(batch.loss_mask, batch.cu_seqlens, 200, generator(0))
+    assert anchors.shape == (200,) and int(valid.sum()) < 50 and not anchors[~valid].any()
+
+
+def test_blocks_content_and_positions():
+    config = tiny_config(block_size=4)
+    batch = random_batch([10, 7], config, seed=1, supervised_fraction=1.0)
+    blocks = build_blocks(batch, 6, 4, config.mask_token_id, generator(0))
+    positions = torch.cat([torch.arange(10), torch.arange(7)])
+    doc = torch.cat([torch.zeros(10), torch.ones(7)]).long()
+    for j in range(6):
+        if not blocks.valid[j]:
+            continue
+        a = int(blocks.anchors[j])
+        assert blocks.block_ids[j, 0] == batch.input_ids[a]
+        assert (blocks.block_ids[j, 1:] == config.mask_token_id).all()
+        assert blocks.block_positions[j].tolist() == [int(positions[a]) + s for s in range(4)]
+        assert blocks.doc_start[j] == (0 if a < 10 else 10)
+        for k in range(1, 4):
+            inside = a + k < 17 and doc[min(a + k, 16)] == doc[a]
+            assert bool(blocks.label_mask[j, k - 1]) == inside
+            if inside:
+                assert blocks.label_ids[j, k - 1] == batch.input_ids[a + k]
+
+
+def test_dense_mask_by_hand():
+    """Two documents [0..5] and [6..9]; anchors 3 (doc 0) and 7 (doc 1), one padding block; B = 2."""
+    config = tiny_config(block_size=2)
+    batch = PackedBatch(input_ids=torch.arange(10, dtype=torch.int32), loss_mask=torch.ones(10, dtype=torch.uint8),
+                        cu_seqlens=torch.tensor([0, 6, 10], dtype=torch.int32), sample_ids=torch.arange(2))
+    blocks = build_blocks(batch, 3, 2, config.mask_token_id, generator(0))
+    blocks.anchors = torch.tensor([3, 7, 0])
+    blocks.valid = torch.tensor([True, True, False])
+    blocks.doc_start = torch.tensor([0, 6, 0])
+    blocks.block_positions = torch.tensor([[3, 4], [1, 2], [0, 1]])
+    mask = dense_reference_mask(blocks).int()
+    expected_context = [[1, 1, 1, 0, 0, 0, 0, 0, 0, 0]] * 2 + [[0] * 6 + [1, 0, 0, 0]] * 2 + [[0] * 10] * 2
+    expected_blocks = [[1, 1, 0, 0, 0, 0]] * 2 + [[0, 0, 1, 1, 0, 0]] * 2 + [[0, 0, 0, 0, 1, 1]] * 2
+    assert mask.tolist() == [c + b for c, b in zip(expected_context, expected_blocks)]
+    windowed = dense_reference_mask(blocks, window=2).int()
+    # slot 0 of block 0 (position 3) sees positions > 1; slot 1 (position 4) sees positions > 2.
+    assert windowed[0, :10].tolist() == [0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert windowed[1, :10].tolist() == [0] * 10
+    torch.testing.assert_close(flex_dense(blocks, 2), windowed.bool())
+
+
+def flex_dense(blocks, window):
+    block_mask = flex_block_mask(blocks, window)
+    q_len, kv_len = block_mask.seq_lengths
+    return create_mask(block_mask.mask_mod, None, None, q_len, kv_len, device="cpu")[0, 0]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+@pytest.mark.parametrize("window", [None, 5, 37])
+@pytest.mark.parametrize("seed", range(3))
+def test_flex_mask_equals_dense_mask(block_size, window, seed):
+    config = tiny_config(block_size=block_size)
+    lengths = [int(x) for x in torch.randint(1, 90, (5,), generator=generator(seed))]
+    batch = random_batch(lengths, config, seed=seed, supervised_fraction=0.7)
+    blocks = build_blocks(batch, 40, block_size, config.mask_token_id, generator(seed))
+    dense = dense_reference_mask(blocks, window)
+    assert torch.equal(flex_dense(blocks, window), dense)
+    assert dense.any(dim=1).all(), "every query row sees at least its own block"
+
+    # The block-sparse structure must agree too: flex attention == SDPA with the dense mask.
+    heads, head_dim = 2, 8
+    kv_len = dense.shape[1]
+    gen = generator(seed)
+    q = torch.randn(1, heads, dense.shape[0], head_dim, generator=gen)
+    k, v = (torch.randn(1, heads, kv_len, head_dim, generator=gen) for _ in range(2))
+    with torch.no_grad():
+        out_flex = flex_attention(q, k, v, block_mask=flex_block_mask(blocks, window))
+        out_dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    torch.testing.assert_close(out_flex, out_dense, rtol=1e-5, atol=1e-5)
+
+
+def test_one_mask_per_layer_type():
+    config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    batch = random_batch([40, 30], config)
+    blocks = build_blocks(batch, 16, 4, config.mask_token_id, generator(0))
+    masks = build_masks(blocks, ["sliding_attention", "full_attention", "sliding_attention"], 6, dense=True)
+    assert set(masks) == {"sliding_attention", "full_attention"}
+    assert masks["sliding_attention"].sum() < masks["full_attention"].sum()

@@ -1,0 +1,172 @@
+"""Benchmark one DFlash training step (forward, backward, fused AdamW) at the Qwen3-8B draft shapes.
+
+Features are random and already on the device; weights are random bf16. One "sample" is one packed
+sequence of --seq-len tokens with --num-anchors blocks. MFU = model FLOPs (trainer.model.
+train_flops_per_sample: ~73 TFLOP per sample at the default shapes, frozen head weight gradient
+excluded) / time / the bf16 matmul rate measured here (an 8192^3 matmul).
+
+    python -m trainer.bench_step                       # H200: eager layers vs compiled layers
+    python -m trainer.bench_step --variants compile-layers --steps 20
+    python -m trainer.bench_step --tiny                # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from common.batch import PackedBatch
+from trainer.draft_config import DraftConfig
+from trainer.loss import LossConfig
+from trainer.model import DFlashDrafter, train_flops_per_sample
+from trainer.target_head import TargetHead
+
+VARIANTS = ("eager", "compile-layers", "compile-model")
+
+
+def qwen3_8b_draft(block_size: int) -> DraftConfig:
+    return DraftConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, target_hidden_size=4096,
+                       num_target_layers=36, target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669,
+                       block_size=block_size, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def tiny_draft(block_size: int) -> DraftConfig:
+    return DraftConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, vocab_size=1000, target_hidden_size=128,
+                       num_target_layers=8, target_layer_ids=[1, 5], mask_token_id=999, block_size=block_size)
+
+
+def random_batch(config: DraftConfig, seq_len: int, num_docs: int, device: torch.device) -> PackedBatch:
+    gen = torch.Generator().manual_seed(0)
+    cuts = torch.sort(torch.randperm(seq_len - 1, generator=gen)[: num_docs - 1] + 1).values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([seq_len])]).to(torch.int32)
+    loss_mask = torch.ones(seq_len, dtype=torch.uint8)
+    loss_mask[cu[:-1].long()] = 0  # a token of "prompt" per document
+    batch = PackedBatch(
+        input_ids=torch.randint(0, config.vocab_size, (seq_len,), generator=gen, dtype=torch.int32),
+        loss_mask=loss_mask, cu_seqlens=cu, sample_ids=torch.arange(num_docs),
+        aux_hidden=torch.randn(seq_len, config.fused_feature_size, generator=gen).to(torch.bfloat16),
+    )
+    return batch.to(device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_tflops(device: torch.device, size: int, repeats: int = 20) -> float:
+    """Measured dense bf16 matmul rate, TFLOP/s."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    synchronize(device)
+    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
+
+
+def build_drafter(config: DraftConfig, variant: str, device: torch.device, chunk_rows: int) -> DFlashDrafter:
+    head = TargetHead.random(config.vocab_size, config.hidden_size, torch.bfloat16, device)
+    drafter = DFlashDrafter(config, head, LossConfig(chunk_rows=chunk_rows)).to(device=device, dtype=torch.bfloat16)
+    if variant == "compile-layers":
+        for layer in drafter.layers:
+            layer.compile(dynamic=False)
+    elif variant == "compile-model":
+        drafter.compile(dynamic=False)  # compiles forward(): fc, embedding, rope and the layers together
+    return drafter
+
+
+def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, device: torch.device,
+                  peak_tflops: float) -> dict:
+    torch.manual_seed(0)
+    drafter = build_drafter(config, variant, device, args.chunk_rows)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
+    batch = random_batch(config, args.seq_len, args.num_docs, device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    prepared = drafter.prepare(batch, args.num_anchors, generator, args.compile_mask)
+
+    def step(prepared):
+        loss, metrics = drafter.forward_train(batch, args.num_anchors, generator, prepared=prepared)
+        loss.backward()
+        # Next step's anchors and masks are queued while the GPU still runs this backward.
+        next_prepared = drafter.prepare(batch, args.num_anchors, generator, args.compile_mask)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return next_prepared, metrics
+
+    for _ in range(args.warmup):
+        prepared, metrics = step(prepared)
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        prepared, metrics = step(prepared)
+    synchronize(device)
+    step_s = (time.perf_counter() - start) / args.steps
+    flops = train_flops_per_sample(config, args.seq_len, args.num_anchors)["total"]
+    return {
+        "variant": variant,
+        "step_ms": step_s * 1e3,
+        "samples_per_s": 1.0 / step_s,
+        "tokens_per_s": args.seq_len / step_s,
+        "tflop_per_sample": flops / 1e12,
+        "achieved_tflops": flops / step_s / 1e12,
+        "mfu": flops / step_s / 1e12 / peak_tflops,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan"),
+        "loss": float(metrics["loss"]),
+        "trainable_params": drafter.num_trainable_parameters(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
+    parser.add_argument("--variants", default="eager,compile-layers", help=f"comma list of {VARIANTS}")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per packed sequence (3072; tiny 256)")
+    parser.add_argument("--num-anchors", type=int, default=None, help="blocks per sequence (512; tiny 32)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-docs", type=int, default=4, help="documents packed in the sequence")
+    parser.add_argument("--chunk-rows", type=int, default=2048, help="head/loss rows per chunk")
+    parser.add_argument("--compile-mask", action="store_true", help="compile create_block_mask")
+    parser.add_argument("--matmul-size", type=int, default=None, help="size of the reference matmul (8192)")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = tiny_draft(args.block_size) if args.tiny else qwen3_8b_draft(args.block_size)
+    args.seq_len = args.seq_len or (256 if args.tiny else 3072)
+    args.num_anchors = args.num_anchors or (32 if args.tiny else 512)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    peak = matmul_tflops(device, args.matmul_size or (1024 if device.type == "cpu" else 8192))
+
+    results = [bench_variant(config, v, args, device, peak) for v in variants]
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
+          f"measured bf16 matmul {peak:.1f} TFLOP/s, seq {args.seq_len}, anchors {args.num_anchors}, "
+          f"B {args.block_size}, docs {args.num_docs}")
+    header = f"{'variant':<16}{'step ms':>10}{'samples/s':>11}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r['variant']:<16}{r['step_ms']:>10.1f}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>11.0f}"
+              f"{r['achieved_tflops']:>9.1f}{r['mfu']:>7.1%}{r['peak_mem_gib']:>10.1f}")
+    print(json.dumps({"bench": "dflash_train_step", "matmul_tflops": peak, "seq_len": args.seq_len,
+                      "num_anchors": args.num_anchors, "block_size": args.block_size, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The DFlash draft model configuration, derived from the target's Hugging Face config."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target decoder layers whose outputs feed the drafter (z-lab numbering: layer k).
+
+    One draft layer -> the middle layer; otherwise evenly spaced from layer 1 to layer L - 3.
+    The feature of layer k is ``hidden_states[k + 1]`` in Hugging Face ``output_hidden_states``.
+    """
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay constant of the public recipe: 7 for B = 16, 4 for B = 8, else scaled from 16."""
+    return {16: 7.0, 8: 4.0}.get(block_size, 7.0 * block_size / 16)
+
+
+@dataclass
+class DraftConfig:
+    """Shape and conditioning of a DFlash drafter (Qwen3-style layers with KV injection)."""
+
+    hidden_size: int
+    """Width of the draft layers (equals the target's hidden size for the released drafts)."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    num_hidden_layers: int
+    """Number of draft decoder layers."""
+    num_attention_heads: int
+    """Query heads per draft layer."""
+    num_key_value_heads: int
+    """Key/value heads per draft layer (grouped-query attention)."""
+    head_dim: int
+    """Width of one attention head."""
+    vocab_size: int
+    """Target vocabulary size (embedding and lm_head are the target's)."""
+    target_hidden_size: int
+    """Hidden size of the target; the fused feature is ``len(target_layer_ids) * target_hidden_size`` wide."""
+    num_target_layers: int
+    """Number of decoder layers of the target."""
+    target_layer_ids: list[int]
+    """Target decoder layers (0-based, z-lab numbering) whose outputs are the context features."""
+    mask_token_id: int
+    """Token id that fills the slots 1..B-1 of a block (a reserved id of the target vocabulary)."""
+    block_size: int = 16
+    """Tokens per draft block B (slot 0 is the given token, B - 1 are predicted)."""
+    layer_types: list[str] = field(default_factory=list)
+    """Per draft layer: "full_attention" or "sliding_attention" (empty -> all full)."""
+    sliding_window: int | None = None
+    """Context window of sliding-attention layers, in tokens."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (also the target's final norm)."""
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    """RoPE settings as Hugging Face ``rope_parameters``: rope_type, rope_theta and scaling fields."""
+    max_position_embeddings: int = 40960
+    """Longest position the RoPE settings were made for (used by some scaled rope types)."""
+    hidden_act: str = "silu"
+    """MLP activation; only SwiGLU with silu is implemented."""
+    attention_bias: bool = False
+    """Bias on q/k/v/o projections (Qwen3: none)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "target_hidden_size", "num_target_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must name at least one target layer")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids has duplicates: {self.target_layer_ids}")
+        if any(not 0 <= k < self.num_target_layers for k in self.target_layer_ids):
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} must lie in [0, {self.num_target_layers}) "
+                "(0-based decoder layers; the last layer's output is after the final norm in HF)")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} must lie in [0, vocab_size={self.vocab_size})")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not self.layer_types:
+            self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+        if any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"layer_types entries must be in {LAYER_TYPES}, got {self.layer_types}")
+        if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int when a layer slides, got {self.sliding_window!r}")
+        if "rope_theta" not in self.rope_parameters:
+            raise ValueError(f"rope_parameters must hold rope_theta, got {self.rope_parameters}")
+        self.rope_parameters.setdefault("rope_type", "default")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
+
+    @property
+    def fused_feature_size(self) -> int:
+        """Width of the concatenated target features ``[n * H_target]``."""
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DraftConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    @classmethod
+    def from_target(cls, target_config: Any, num_draft_layers: int = 5, tokenizer: Any = None,
+                    mask_token_id: int | None = None, **overrides: Any) -> DraftConfig:
+        """Derive a draft config from a target ``PretrainedConfig`` (Qwen3-like).
+
+        Sizes come from the target; the mask token from ``mask_token_id`` if given, else from the
+        tokenizer: its mask token if it has one, else the first id past the tokenizer (the id that
+        adding a ``<|MASK|>`` special token gets; 151669 for Qwen3), which must be inside the
+        target's embedding. Any field can be overridden by keyword.
+        """
+        text = getattr(target_config, "text_config", None) or target_config
+        hidden = int(text.hidden_size)
+        heads = int(text.num_attention_heads)
+        num_layers = int(overrides.pop("num_hidden_layers", num_draft_layers))
+        num_target_layers = int(text.num_hidden_layers)
+        if mask_token_id is None and "mask_token_id" not in overrides:
+            if tokenizer is None:
+                raise ValueError("mask_token_id: pass mask_token_id or a tokenizer to take it from")
+            mask_token_id = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else len(tokenizer)
+        values: dict[str, Any] = dict(
+            hidden_size=hidden,
+            intermediate_size=int(text.intermediate_size),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+            vocab_size=int(text.vocab_size),
+            target_hidden_size=hidden,
+            num_target_layers=num_target_layers,
+            target_layer_ids=build_target_layer_ids(num_target_layers, num_layers),
+            mask_token_id=mask_token_id,
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+            rope_parameters=target_rope_parameters(text),
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 40960)),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+def target_rope_parameters(config: Any) -> dict[str, Any]:
+    """RoPE settings of a HF config, from ``rope_parameters`` (transformers 5) or rope_theta/rope_scaling."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        if "rope_theta" not in params:  # per-layer-type nesting (e.g. Gemma): take the full-attention one
+            params = dict(params.get(FULL_ATTENTION, next(iter(params.values()))))
+        return params
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
+    return params

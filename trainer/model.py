@@ -1,0 +1,278 @@
+"""The DFlash drafter: fused target features injected as keys/values into Qwen3-style layers.
+
+Per step: anchors and blocks are sampled from the packed batch (trainer.blocks), one attention mask
+is built per layer type (trainer.masks), the blocks run through the draft layers with the context
+``ctx = hidden_norm(fc(concat_k h_k))`` prepended to every layer's keys and values, and the chunked
+head of trainer.loss turns the block slots into a loss without materialising N x B x vocab logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from common.batch import PackedBatch
+from trainer.blocks import DraftBlocks, build_blocks
+from trainer.draft_config import DraftConfig
+from trainer.loss import LossConfig, draft_loss
+from trainer.masks import build_masks
+from trainer.target_head import TargetHead
+
+_compiled_flex_attention = None
+
+
+def flex_attention_for(device: torch.device):
+    """flex_attention, compiled on CUDA (its eager path materialises the scores)."""
+    global _compiled_flex_attention
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in fp32, cast back, scale."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE over explicit positions, honouring the target's rope_theta and rope scaling type."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            # fp32 as in HF / vLLM, so the draft sees the same angles as at serving time
+            exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+            inv_freq, self.attention_scaling = 1.0 / config.rope_theta**exponents, 1.0
+        else:
+            from transformers import Qwen3Config
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            hf_config = Qwen3Config(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                                    head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
+                                    rope_parameters=dict(config.rope_parameters))
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+        # Not a buffer: a dtype cast of the module (drafter.to(bfloat16)) must not round the frequencies.
+        self.inv_freq = inv_freq.float()
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [L, head_dim] for positions [L]."""
+        if positions.device not in self._inv_freq_on:
+            self._inv_freq_on[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq_on[positions.device][None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [heads, L, D] (rotate-half convention of HF Qwen3)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DraftAttention(nn.Module):
+    """GQA attention whose queries are the block slots and whose keys/values are [ctx ; blocks]."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_rope: tuple[torch.Tensor, torch.Tensor],
+                context_rope: tuple[torch.Tensor, torch.Tensor], mask: BlockMask | torch.Tensor) -> torch.Tensor:
+        """x: [Q, H] normed block slots; ctx: [T, H] fused context (shared by all layers)."""
+        num_queries, num_context = x.shape[0], ctx.shape[0]
+        q = self.q_norm(self.q_proj(x).view(num_queries, self.num_heads, self.head_dim)).transpose(0, 1)
+        k_ctx = self.k_norm(self.k_proj(ctx).view(num_context, self.num_kv_heads, self.head_dim)).transpose(0, 1)
+        k_blk = self.k_norm(self.k_proj(x).view(num_queries, self.num_kv_heads, self.head_dim)).transpose(0, 1)
+        v_ctx = self.v_proj(ctx).view(num_context, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        v_blk = self.v_proj(x).view(num_queries, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        q = apply_rope(q, *block_rope)
+        k = torch.cat([apply_rope(k_ctx, *context_rope), apply_rope(k_blk, *block_rope)], dim=1)
+        v = torch.cat([v_ctx, v_blk], dim=1)
+        q, k, v = q[None], k[None], v[None]
+        if isinstance(mask, BlockMask):
+            out = flex_attention_for(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out[0].transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 layer; the injected context is used as is (not normed again per layer)."""
+
+    def __init__(self, config: DraftConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = DraftAttention(config)
+        self.mlp = DraftMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_rope: tuple[torch.Tensor, torch.Tensor],
+                context_rope: tuple[torch.Tensor, torch.Tensor], mask: BlockMask | torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, context_rope, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter with the target's frozen embedding / final norm / lm_head shared, not owned.
+
+    The state dict holds only trainable weights, named as in the z-lab export
+    (``fc``, ``hidden_norm``, ``layers.{i}...``, ``norm``).
+    """
+
+    def __init__(self, config: DraftConfig, target_head: TargetHead, loss_config: LossConfig | None = None,
+                 attention_backend: str | None = None) -> None:
+        super().__init__()
+        if target_head.hidden_size != config.hidden_size or target_head.vocab_size != config.vocab_size:
+            raise ValueError(f"target head {target_head.vocab_size}x{target_head.hidden_size} does not match "
+                             f"config vocab_size {config.vocab_size}, hidden_size {config.hidden_size}")
+        if attention_backend not in (None, "flex", "sdpa"):
+            raise ValueError(f"attention_backend must be None, 'flex' or 'sdpa', got {attention_backend!r}")
+        self.config = config
+        self.loss_config = loss_config or LossConfig()
+        self.attention_backend = attention_backend
+        self.fc = nn.Linear(config.fused_feature_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftDecoderLayer(config, t) for t in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.target_head = target_head
+        self.target_head.requires_grad_(False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def backend_for(self, device: torch.device) -> str:
+        """flex on CUDA; SDPA with dense masks on CPU (flex has no CPU backward)."""
+        return self.attention_backend or ("flex" if device.type == "cuda" else "sdpa")
+
+    def prepare(self, batch: PackedBatch, num_anchors: int, generator: torch.Generator,
+                compile_mask: bool = False) -> tuple[DraftBlocks, dict[str, BlockMask | torch.Tensor]]:
+        """Anchors, blocks and per-layer-type masks of a batch; no host sync, can run ahead of the step."""
+        blocks = build_blocks(batch, num_anchors, self.config.block_size, self.config.mask_token_id, generator)
+        dense = self.backend_for(batch.input_ids.device) == "sdpa"
+        return blocks, build_masks(blocks, self.config.layer_types, self.config.sliding_window, dense, compile_mask)
+
+    def fuse_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[T, n * H_target] target features -> [T, H] injected context."""
+        return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
+
+    def forward(self, aux_hidden: torch.Tensor, blocks: DraftBlocks,
+                masks: dict[str, BlockMask | torch.Tensor]) -> torch.Tensor:
+        """Draft hidden states [N, B, H] after the final norm."""
+        num_blocks, block_size = blocks.block_ids.shape
+        ctx = self.fuse_context(aux_hidden)
+        x = self.target_head.embed(blocks.block_ids.reshape(-1)).to(ctx.dtype)
+        block_rope = self.rotary(blocks.block_positions.reshape(-1), ctx.dtype)
+        context_rope = self.rotary(blocks.context_positions, ctx.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
+        return self.norm(x).view(num_blocks, block_size, -1)
+
+    def noisy_features(self, aux_hidden: torch.Tensor, generator: torch.Generator,
+                       step_fraction: float) -> torch.Tensor:
+        """Target features plus Gaussian noise relative to each layer's per-token RMS (cosine-annealed)."""
+        scale = self.loss_config.noise_scale(step_fraction)
+        if scale == 0.0 or not self.training:
+            return aux_hidden
+        per_layer = aux_hidden.view(aux_hidden.shape[0], len(self.config.target_layer_ids), -1).float()
+        rms = per_layer.pow(2).mean(-1, keepdim=True).sqrt()
+        noise = torch.randn(per_layer.shape, generator=generator, device=generator.device).to(aux_hidden.device)
+        return (per_layer + scale * rms * noise).view_as(aux_hidden).to(aux_hidden.dtype)
+
+    def forward_train(self, batch: PackedBatch, num_anchors: int, generator: torch.Generator,
+                      step_fraction: float = 0.0,
+                      prepared: tuple[DraftBlocks, dict[str, BlockMask | torch.Tensor]] | None = None,
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss (scalar, differentiable) and metrics (device tensors, no host sync) of one packed batch.
+
+        ``generator`` drives anchor sampling and feature noise; keep it on the batch's device.
+        ``step_fraction`` in [0, 1] is the training progress (feature-noise schedule).
+        ``prepared`` is the result of :meth:`prepare` when built ahead of time.
+        """
+        if batch.aux_hidden is None:
+            raise ValueError("batch has no aux_hidden (the target features)")
+        blocks, masks = prepared if prepared is not None else self.prepare(batch, num_anchors, generator)
+        aux_hidden = self.noisy_features(batch.aux_hidden, generator, step_fraction)
+        hidden = self(aux_hidden, blocks, masks)
+        target_hidden = None
+        if self.loss_config.label_mode != "data":
+            if batch.last_hidden is None:
+                raise ValueError(f"label_mode {self.loss_config.label_mode!r} needs batch.last_hidden")
+            target_hidden = self.target_head.final_norm(batch.last_hidden.to(self.target_head.norm_weight.dtype))
+        return draft_loss(hidden, blocks, self.target_head.lm_head_weight, self.loss_config, target_hidden)
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def train_flops_per_sample(config: DraftConfig, num_context: int, num_anchors: int) -> dict[str, float]:
+    """Matmul FLOPs of one training step on one packed sequence (forward + backward).
+
+    Backward of a trainable matmul costs 2x its forward (input and weight gradients); attention
+    backward ~2.5x forward (flash-style: dQ, dK, dV plus the recomputed scores); the frozen head
+    needs only the input gradient (1x). Attention counts only the visible key range per query
+    (context up to the anchor, plus its own block), as a block-sparse kernel does, averaged over
+    uniformly spread anchors (mean context = T / 2).
+    """
+    hidden, inter, heads, kv_heads, head_dim = (config.hidden_size, config.intermediate_size,
+                                                config.num_attention_heads, config.num_key_value_heads,
+                                                config.head_dim)
+    queries = num_anchors * config.block_size
+    kv_width = kv_heads * head_dim
+    per_layer = (
+        2 * queries * hidden * (heads * head_dim) * 2  # q_proj, o_proj
+        + 2 * (queries + num_context) * hidden * kv_width * 2  # k_proj, v_proj over blocks and context
+        + 2 * queries * hidden * inter * 3  # gate, up, down
+    )
+    mean_visible = num_context / 2 + config.block_size
+    attention = 2 * 2 * queries * mean_visible * heads * head_dim  # QK^T and PV
+    fc = 2 * num_context * config.fused_feature_size * hidden
+    head = 2 * num_anchors * (config.block_size - 1) * hidden * config.vocab_size
+    forward = config.num_hidden_layers * (per_layer + attention) + fc + head
+    backward = config.num_hidden_layers * (2 * per_layer + 2.5 * attention) + 2 * fc + head
+    return {"forward": float(forward), "backward": float(backward), "total": float(forward + backward),
+            "head": float(2 * head), "attention": float(config.num_hidden_layers * 3.5 * attention),
+            "gemm": float(config.num_hidden_layers * 3 * per_layer + 3 * fc)}
