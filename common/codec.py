@@ -90,6 +90,24 @@ def _view(slot: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return raw.view(DTYPES[spec.dtype]).view(spec.shape)
 
 
+def plan_layout(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], slot_bytes: int) -> list[TensorSpec]:
+    """Offsets for tensors of these shapes in a slot of ``slot_bytes``; SlotOverflow names the bytes needed."""
+    if len(shapes) > MAX_TENSORS:
+        raise SlotOverflow(f"at most {MAX_TENSORS} tensors per slot, got {len(shapes)}")
+    specs: list[TensorSpec] = []
+    offset = 0
+    for name, (shape, dtype) in shapes.items():
+        if dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor {name!r}: dtype {dtype} cannot travel through a slot")
+        spec = TensorSpec(name, DTYPE_NAMES[dtype], tuple(shape), offset)
+        offset = aligned(offset + spec.nbytes)
+        specs.append(spec)
+    needed = specs[-1].offset + specs[-1].nbytes if specs else 0
+    if needed > slot_bytes:
+        raise SlotOverflow(f"batch needs {needed} bytes but a slot holds {slot_bytes}")
+    return specs
+
+
 def write_tensors(slot: torch.Tensor, tensors: dict[str, torch.Tensor], non_blocking: bool = False) -> list[TensorSpec]:
     """Copy ``tensors`` into the flat uint8 ``slot``; return their layout.
 
@@ -98,19 +116,7 @@ def write_tensors(slot: torch.Tensor, tensors: dict[str, torch.Tensor], non_bloc
     """
     if slot.dtype != torch.uint8 or slot.dim() != 1:
         raise TypeError("slot must be a flat uint8 tensor")
-    if len(tensors) > MAX_TENSORS:
-        raise SlotOverflow(f"at most {MAX_TENSORS} tensors per slot, got {len(tensors)}")
-    specs: list[TensorSpec] = []
-    offset = 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in DTYPE_NAMES:
-            raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} cannot travel through a slot")
-        spec = TensorSpec(name, DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), offset)
-        offset = aligned(offset + spec.nbytes)
-        specs.append(spec)
-    needed = specs[-1].offset + specs[-1].nbytes if specs else 0
-    if needed > slot.numel():
-        raise SlotOverflow(f"batch needs {needed} bytes but a slot holds {slot.numel()}")
+    specs = plan_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, slot.numel())
     for spec, tensor in zip(specs, tensors.values()):
         if spec.nbytes:
             _view(slot, spec).copy_(tensor, non_blocking=non_blocking)

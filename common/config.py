@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import tomllib
 import types
 import typing
@@ -66,6 +67,7 @@ class TargetConfig:
         if self.config_json is not None:
             _check(Path(self.config_json).is_file(), "config_json", f"no such file {self.config_json}")
         _check(self.dtype in ("bfloat16", "float16", "float32"), "dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
+        _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _check(self.attention in ("auto", "varlen", "flex", "sdpa"), "attention", f"must be auto, varlen, flex or sdpa, got {self.attention!r}")
         _check(self.seed >= 0, "seed", "must be >= 0")
 

@@ -95,6 +95,7 @@ class _RateLimitedLog:
 
 
 HelloCheck = Callable[[Hello], "str | None"]
+WelcomeHook = Callable[[Hello, bool], None]
 
 
 class RingServer:
@@ -110,6 +111,7 @@ class RingServer:
         heartbeat_interval_s: float = 1.0,
         heartbeat_timeout_s: float = 10.0,
         check_hello: HelloCheck | None = None,
+        on_welcome: WelcomeHook | None = None,
         stats: Callable[[], dict] | None = None,
         ctx: zmq.Context | None = None,
     ) -> None:
@@ -122,6 +124,7 @@ class RingServer:
         self.slots = SlotTable(ring.num_slots)
         self.counters = ServerCounters()
         self._check_hello = check_hello
+        self._on_welcome = on_welcome
         self._stats = stats
         self._ctx = ctx or zmq.Context.instance()
         self._consumers: dict[bytes, _Consumer] = {}
@@ -273,13 +276,17 @@ class RingServer:
             if reason:
                 self._refuse(sock, identity, reason)
                 return
-        if hello.incarnation > self._newest_incarnation:
+        new_incarnation = hello.incarnation > self._newest_incarnation
+        if new_incarnation:
             self._newest_incarnation = hello.incarnation
             for old in [c for c in self._consumers.values() if c.incarnation < hello.incarnation]:
                 self.counters.consumers_superseded += 1
                 self._drop(old.identity, reason=f"superseded by incarnation {hello.incarnation}")
         for old in [c for c in self._consumers.values() if c.consumer_id == hello.consumer_id or c.identity == identity]:
             self._drop(old.identity, reason="reconnected")
+        if self._on_welcome is not None:
+            # After the superseded leases are back in the ring, before anything is leased again.
+            self._on_welcome(hello, new_incarnation)
         self._consumers[identity] = _Consumer(
             identity, hello.consumer_id, hello.incarnation, hello.pid, hello.credits, time.monotonic()
         )

@@ -1,0 +1,282 @@
+"""Throughput of the target side: plain HF forwards against the packed capture path.
+
+On an H200 (default): a Qwen3-8B-shaped target with random bf16 weights, capturing layers
+[1, 9, 17, 25, 33]. Reports tokens/s and MFU (against this GPU's own measured bf16 matmul rate) for
+
+- ``hf``:       plain HF forward (logits included) on padded uniform 16 x 1024 batches: the baseline;
+- ``hf-cut``:   the same through the base model cut after the deepest captured layer (no lm_head);
+- ``packed-*``: ``Target.capture`` on a chat length mix packed into token-budget batches, writing into a
+                preallocated ring-slot-like buffer, per attention kernel and compile setting.
+
+FLOPs (``producer.target.flops_per_document``): 2 * matmul params used * tokens + causal attention per
+document (2 * L(L+1) * heads * head_dim per layer); norms, rotary and embedding lookups are not counted.
+
+    python -m producer.bench_target                               # H200: ~3 minutes
+    python -m producer.bench_target --attn varlen,flex,sdpa --compile both
+    python -m producer.bench_target --tiny                        # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from common.batch import PackedBatch
+from common.config import TargetConfig
+from producer.target import (
+    DTYPES,
+    TINY_TARGET_CONFIG,
+    Target,
+    flops_per_document,
+    load_target_model,
+    resolve_device,
+)
+from trainer.draft_config import build_target_layer_ids
+
+QWEN3_8B_SHAPE = {
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def chat_lengths(count: int, seed: int, mean: float, low: int, high: int, sigma: float = 1.0) -> list[int]:
+    """Seeded lognormal document lengths clipped to [low, high], the median tuned so the mean is ``mean``."""
+    normal = torch.randn(count, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+    def clipped(mu: float) -> torch.Tensor:
+        return torch.exp(mu + sigma * normal).clamp(low, high).round()
+
+    lo_mu, hi_mu = math.log(low), math.log(high)
+    for _ in range(60):  # bisection: the clipped mean grows with mu
+        mid = (lo_mu + hi_mu) / 2
+        lo_mu, hi_mu = (mid, hi_mu) if clipped(mid).mean() < mean else (lo_mu, mid)
+    return [int(x) for x in clipped(lo_mu).tolist()]
+
+
+def pack_token_budget(lengths: list[int], budget: int, vocab: int, seed: int) -> list[PackedBatch]:
+    """Greedy in-order packing into batches of at most ``budget`` tokens, host tensors in pinned memory."""
+    generator = torch.Generator().manual_seed(seed)
+    groups: list[list[int]] = [[]]
+    for length in lengths:
+        if sum(groups[-1]) + length > budget:
+            groups.append([])
+        groups[-1].append(length)
+    pin = torch.cuda.is_available()
+    batches = []
+    for index, group in enumerate(groups):
+        total = sum(group)
+        cu = torch.zeros(len(group) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(group).cumsum(0)
+        ids = torch.randint(0, vocab, (total,), generator=generator, dtype=torch.int32)
+        batches.append(
+            PackedBatch(
+                input_ids=ids.pin_memory() if pin else ids,
+                loss_mask=torch.ones(total, dtype=torch.uint8),
+                cu_seqlens=cu.pin_memory() if pin else cu,
+                sample_ids=torch.arange(index * 10_000, index * 10_000 + len(group)),
+            )
+        )
+    return batches
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(device: torch.device, size: int, dtype: torch.dtype) -> float:
+    """Measured dense matmul FLOP/s (the MFU denominator)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    repeats = 10
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    synchronize(device)
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def timed(step: Callable[[int], None], count: int, warmup: int, device: torch.device) -> tuple[float, float]:
+    """(seconds for ``count`` steps after ``warmup`` steps, seconds of the warmup)."""
+    start = time.perf_counter()
+    for index in range(warmup):
+        step(index)
+    synchronize(device)
+    warm = time.perf_counter() - start
+    start = time.perf_counter()
+    for index in range(count):
+        step(index)
+    synchronize(device)
+    return time.perf_counter() - start, warm
+
+
+def bench_hf(model: nn.Module, cut_after: int | None, rows: int, length: int, count: int, warmup: int) -> dict:
+    """Plain HF forward on uniform [rows, length] batches; ``cut_after``: base model with fewer layers."""
+    config, device = model.config, next(model.parameters()).device
+    base = model.get_decoder()
+    ids = torch.randint(0, config.vocab_size, (rows, length), device=device)
+    all_layers, saved_attention = base.layers, config._attn_implementation
+    config._attn_implementation = "sdpa"  # exactly the stock SDPA path
+    if cut_after is not None:
+        base.layers = nn.ModuleList(list(all_layers)[: cut_after + 1])
+    forward = model if cut_after is None else base
+    try:
+        with torch.inference_mode():
+            seconds, warm = timed(lambda _: forward(input_ids=ids, use_cache=False), count, warmup, device)
+    finally:
+        base.layers, config._attn_implementation = all_layers, saved_attention
+    layers = config.num_hidden_layers if cut_after is None else cut_after + 1
+    flops = rows * flops_per_document(config, layers, length, with_lm_head=cut_after is None) * count
+    return {"seconds": seconds, "warmup_s": warm, "tokens": rows * length * count, "flops": flops}
+
+
+def bench_packed(target: Target, batches: list[PackedBatch], budget: int, count: int, warmup: int) -> dict:
+    """``Target.capture`` over the packed batches (cycled), into a preallocated ring-slot-like buffer."""
+    aux_slot = torch.empty(budget, target.aux_width, dtype=target.dtype, device=target.device)
+    last_slot = torch.empty(budget, target.hidden_size, dtype=target.dtype, device=target.device)
+
+    def step(index: int) -> None:
+        batch = batches[index % len(batches)]
+        total = batch.num_tokens
+        last = last_slot[:total] if target.capture_last_hidden else None
+        target.capture(batch, out_aux=aux_slot[:total], out_last=last)
+
+    seconds, warm = timed(step, count, warmup, target.device)
+    used = [batches[i % len(batches)] for i in range(count)]
+    config = target.model.config
+    flops = sum(
+        flops_per_document(config, target.num_layers_run, int(length))
+        for batch in used
+        for length in (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+    )
+    return {"seconds": seconds, "warmup_s": warm, "tokens": sum(b.num_tokens for b in used), "flops": flops}
+
+
+def relative_errors(got: torch.Tensor, want: torch.Tensor, hidden_size: int) -> list[float]:
+    """Per captured layer: max |got - want| / max |want| (bf16 rounding differences grow with depth)."""
+    errors = []
+    for start in range(0, want.shape[1], hidden_size):
+        a, b = got[:, start : start + hidden_size].float(), want[:, start : start + hidden_size].float()
+        errors.append(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)))
+    return errors
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny Qwen3 on CPU (proves the program runs)")
+    parser.add_argument("--attn", default=None, help="packed kernels, comma list of varlen,flex,sdpa (default: varlen,flex on CUDA)")
+    parser.add_argument("--compile", choices=("on", "off", "both"), default=None, help="torch.compile the layers (default: on for CUDA)")
+    parser.add_argument("--no-baselines", action="store_true", help="skip the plain HF forwards")
+    parser.add_argument("--last-hidden", action="store_true", help="also capture the last hidden state (runs every layer)")
+    parser.add_argument("--budget", type=int, default=None, help="tokens per packed batch (default 16384)")
+    parser.add_argument("--batches", type=int, default=None, help="timed batches per variant (default 16)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed batches per variant (compilation happens here)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json-out", default=None, help="also write the JSON line to this file")
+    args = parser.parse_args(argv)
+
+    if args.tiny:
+        cfg = TargetConfig(config_overrides=dict(TINY_TARGET_CONFIG), device="cpu", dtype="float32", seed=args.seed)
+        budget, rows, length, mean, low, high, draft_layers = args.budget or 1024, 4, 256, 120, 8, 384, 2
+        count = args.batches or 4
+    else:
+        cfg = TargetConfig(config_overrides=dict(QWEN3_8B_SHAPE), dtype="bfloat16", seed=args.seed)
+        budget, rows, length, mean, low, high, draft_layers = args.budget or 16384, 16, 1024, 1000, 32, 3072, 5
+        count = args.batches or 16
+    device = resolve_device(cfg)
+    attentions = (args.attn or ("varlen,flex" if device.type == "cuda" else "sdpa")).split(",")
+    compile_mode = args.compile or ("on" if device.type == "cuda" else "off")
+    compile_settings = {"on": [True], "off": [False], "both": [False, True]}[compile_mode]
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    peak = matmul_rate(device, 8192 if device.type == "cuda" else 1024, DTYPES[cfg.dtype])
+    start = time.perf_counter()
+    model = load_target_model(cfg)
+    synchronize(device)
+    load_s = time.perf_counter() - start
+    num_layers = model.config.num_hidden_layers
+    layer_ids = build_target_layer_ids(num_layers, draft_layers)
+
+    lengths = chat_lengths(count * budget // mean * 2, args.seed, mean, low, high)
+    batches = pack_token_budget(lengths, budget, model.config.vocab_size, args.seed)[:count]
+    fill = sum(b.num_tokens for b in batches) / (len(batches) * budget)
+    print(
+        f"device {device} | matmul {peak / 1e12:.0f} TFLOP/s | load {load_s:.1f}s | layers {layer_ids} | "
+        f"{len(batches)} batches of <= {budget} tokens, fill {fill:.1%}, "
+        f"{sum(len(b.sample_ids) for b in batches) / len(batches):.1f} docs/batch, mean length "
+        f"{sum(lengths) / len(lengths):.0f}",
+        flush=True,
+    )
+
+    results: dict[str, dict] = {}
+    if not args.no_baselines:
+        results["hf"] = bench_hf(model, None, rows, length, count, args.warmup)
+        results["hf-cut"] = bench_hf(model, layer_ids[-1], rows, length, count, args.warmup)
+    reference = None
+    for compiled in compile_settings:
+        for attention in attentions:
+            if attention == "sdpa" and compiled:
+                continue  # the per-document loop is never compiled
+            name = f"packed-{attention}" + ("+compile" if compiled else "")
+            try:
+                target = Target(model, layer_ids, capture_last_hidden=args.last_hidden, attention=attention, compile=compiled)
+                results[name] = bench_packed(target, batches, budget, count, args.warmup)
+                features = target.capture(batches[0])
+                if reference is None:
+                    reference = Target(model, layer_ids, capture_last_hidden=False, attention="sdpa", compile=False).capture(batches[0])
+                results[name]["rel_err_vs_sdpa"] = relative_errors(features.aux_hidden, reference.aux_hidden, target.hidden_size)
+            except Exception as error:  # one broken variant must not hide the others' numbers
+                results[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            print(f"  done {name}", flush=True)
+
+    print(f"\n{'variant':<24}{'tokens/s':>12}{'MFU':>8}{'TFLOP/s':>10}{'warmup s':>10}  rel err per layer vs sdpa")
+    for name, result in results.items():
+        if "error" in result:
+            print(f"{name:<24}  ERROR {result['error']}")
+            continue
+        result["tokens_per_s"] = result["tokens"] / result["seconds"]
+        result["tflops"] = result["flops"] / result["seconds"] / 1e12
+        result["mfu"] = result["flops"] / result["seconds"] / peak
+        errors = " ".join(f"{e:.0e}" for e in result.get("rel_err_vs_sdpa", []))
+        print(
+            f"{name:<24}{result['tokens_per_s']:>12,.0f}{result['mfu']:>8.1%}{result['tflops']:>10.1f}"
+            f"{result['warmup_s']:>10.1f}  {errors}"
+        )
+    line = json.dumps(
+        {
+            "bench": "target",
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "matmul_tflops": peak / 1e12,
+            "layer_ids": layer_ids,
+            "budget": budget,
+            "fill": fill,
+            "results": results,
+        }
+    )
+    print(line)
+    if args.json_out:
+        with open(args.json_out, "w") as handle:
+            handle.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

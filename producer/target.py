@@ -1,0 +1,441 @@
+"""The target side of a producer: load the target LLM and capture the hidden states a drafter needs.
+
+Layer numbering follows DFLASH.md: the feature of layer ``k`` is the OUTPUT of decoder layer ``k``,
+which is ``hidden_states[k + 1]`` of a Hugging Face forward with ``output_hidden_states=True``.
+``last_hidden`` is the output of the last decoder layer BEFORE the final norm; note that HF's
+``hidden_states[-1]`` is NOT that: transformers overwrites its last entry with the normed output.
+
+The packed forward does not call the HF model's ``forward``. It runs the embedding, the rotary
+embedding (from per-document positions) and the decoder layers itself, and stops after the deepest
+layer it needs: no later layers, no final norm, no lm_head, never logits. Attention is causal inside
+each document and never crosses a document boundary. The decoder layers are the model's own modules;
+only their attention kernel is swapped, through transformers' attention-function registry, for one
+that reads the packing (``PackedAttention``) passed down as a keyword argument:
+
+- ``varlen``: FlashAttention-2 varlen (``aten._flash_attention_forward`` with ``cu_seqlens``), CUDA
+  bf16/fp16. No mask to build, no host sync.
+- ``flex``: ``flex_attention`` with a document-causal ``BlockMask`` (compiled), CUDA.
+- ``sdpa``: one ``scaled_dot_product_attention`` per document, any device; the exact reference.
+
+Supported: decoder-only HF models whose base model is ``embed_tokens -> rotary_emb -> layers -> norm``
+(Llama, Mistral, Qwen2, Qwen3 and their kin). Sliding-window layers are honoured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import TargetConfig
+from common.batch import PackedBatch, document_ids, position_ids
+
+ATTENTION_BACKENDS = ("auto", "varlen", "flex", "sdpa")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Registered in transformers' attention registry; falls back to plain SDPA when no packing is given,
+# so the same model object still serves an ordinary HF forward (references, baselines).
+PACKED_ATTENTION_NAME = "dflash_packed"
+# Keys of config.to_dict() that describe how a model was loaded, not what it is.
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {"_name_or_path", "transformers_version", "_attn_implementation", "_attn_implementation_internal",
+     "_experts_implementation", "_experts_implementation_internal", "dtype", "torch_dtype", "use_cache"}
+)
+# The tiny default target: a Qwen3 that runs anywhere in milliseconds.
+TINY_TARGET_CONFIG: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+
+def resolve_device(cfg: TargetConfig) -> torch.device:
+    """``cfg.device`` with ``auto`` made concrete: cuda when available, else cpu."""
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+class CapturedFeatures(NamedTuple):
+    """What one packed forward produced (views of the caller's buffers when it gave them)."""
+
+    aux_hidden: torch.Tensor
+    """``[T, n * H]``: concat over ``layer_ids`` of the outputs of those decoder layers."""
+    last_hidden: torch.Tensor | None
+    """``[T, H]``: output of the last decoder layer before the final norm, when requested."""
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def build_target_config(cfg: TargetConfig):
+    """The transformers config the target is built from (the path's, the json's or the tiny default)."""
+    from transformers import AutoConfig
+
+    if cfg.path is not None:
+        config = AutoConfig.from_pretrained(cfg.path)
+        for key, value in cfg.config_overrides.items():
+            setattr(config, key, value)
+        return config
+    if cfg.config_json is not None:
+        fields = json.loads(Path(cfg.config_json).read_text())
+    else:
+        fields = dict(TINY_TARGET_CONFIG)
+    fields.update(cfg.config_overrides)
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("TargetConfig.config_json: the config has no 'model_type'")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def load_target_model(cfg: TargetConfig) -> nn.Module:
+    """The target as an eval-mode HF causal LM on ``cfg``'s device, its attention set to the packed kernel.
+
+    From ``cfg.path`` the stored weights are loaded straight onto the device. Otherwise the weights are
+    random (HF's own init, seeded by ``cfg.seed``) and are created on the device directly, so an
+    8B-shaped target never passes through host memory.
+    """
+    from transformers import AutoModelForCausalLM
+
+    _register_packed_attention()
+    device = resolve_device(cfg)
+    dtype = DTYPES[cfg.dtype]
+    config = build_target_config(cfg)
+    if cfg.path is not None:
+        placement = {"device_map": str(device)} if device.type == "cuda" else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.path, config=config, dtype=dtype, attn_implementation="sdpa", **placement
+        ).to(device)
+    else:
+        config._attn_implementation = "sdpa"
+        # A private RNG stream: the seed fixes the weights without resetting the caller's generators.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+            torch.manual_seed(cfg.seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config._attn_implementation = PACKED_ATTENTION_NAME
+    return model.eval().requires_grad_(False)
+
+
+def target_identity(config, embed_weight: torch.Tensor) -> str:
+    """Stable identity of a target, compared at the producer/trainer handshake.
+
+    ``{model_type}-L{layers}-H{hidden}-cfg{hash of the config's content}-emb{hash of embed_tokens}``.
+    The embedding hash covers every byte of the weight in its stored dtype: the drafter shares that
+    embedding, so it must be bit-identical on both sides.
+    """
+    fields = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    config_hash = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+    weight = embed_weight.detach().contiguous().cpu()
+    embed_digest = hashlib.sha256(str(weight.dtype).encode() + str(tuple(weight.shape)).encode())
+    embed_digest.update(weight.view(torch.uint8).numpy().tobytes())
+    return (
+        f"{config.model_type}-L{config.num_hidden_layers}-H{config.hidden_size}"
+        f"-cfg{config_hash[:16]}-emb{embed_digest.hexdigest()[:16]}"
+    )
+
+
+# -------------------------------------------------------------------------------------------- attention
+
+
+@dataclass
+class PackedAttention:
+    """How the documents of one packed batch attend; passed to every layer's attention kernel."""
+
+    backend: str
+    cu_seqlens: torch.Tensor
+    """int32 ``[D + 1]`` on the model's device."""
+    document_bounds: tuple[tuple[int, int], ...] = ()
+    """Host copy of (start, end) per document; ``sdpa`` only."""
+    block_masks: dict[int | None, Any] = field(default_factory=dict)
+    """``flex`` only: a document-causal BlockMask per sliding window (None: full attention)."""
+
+
+def packed_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    dflash_packed: PackedAttention | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention-interface kernel. q ``[1, Hq, T, D]``, k/v ``[1, Hkv, T, D]`` -> ``[1, T, Hq, D]``."""
+    if dflash_packed is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            sliding_window=sliding_window, **kwargs,
+        )
+    if query.shape[0] != 1:
+        raise ValueError("packed attention expects one packed row (batch dimension 1)")
+    if dflash_packed.backend == "varlen":
+        out = _varlen_attention(query, key, value, dflash_packed.cu_seqlens, scaling, sliding_window)
+    elif dflash_packed.backend == "flex":
+        out = _flex_attention(query, key, value, dflash_packed.block_masks[sliding_window], scaling)
+    else:
+        out = _per_document_sdpa(query, key, value, dflash_packed.document_bounds, scaling, sliding_window)
+    return out, None
+
+
+def _varlen_attention(query, key, value, cu_seqlens, scaling, sliding_window):
+    # FA2 varlen wants [T, heads, D]; it handles GQA itself. max_seqlen = T (from the shape, so no host
+    # value enters a compiled graph): the kernel's blocks past a document's end exit at once.
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    total = q.shape[0]
+    window = {} if sliding_window is None else {"window_size_left": sliding_window - 1, "window_size_right": 0}
+    out = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, total, total, 0.0, True, False, scale=scaling, **window
+    )[0]
+    return out.unsqueeze(0)
+
+
+_compiled_flex_attention = None
+
+
+def _flex_attention(query, key, value, block_mask, scaling):
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # Uncompiled flex attention is a slow reference; inside an outer torch.compile this is inlined.
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
+    out = _compiled_flex_attention(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _per_document_sdpa(query, key, value, document_bounds, scaling, sliding_window):
+    outputs = []
+    for start, end in document_bounds:
+        q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+        length = end - start
+        if sliding_window is not None and length > sliding_window:
+            offsets = torch.arange(length, device=q.device)
+            distance = offsets[:, None] - offsets[None, :]
+            mask = (distance >= 0) & (distance < sliding_window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        outputs.append(out)
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def document_causal_block_mask(document_ids: torch.Tensor, sliding_window: int | None = None):
+    """flex_attention BlockMask: causal inside each document (and within ``sliding_window`` if set)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(batch, head, q_index, kv_index):
+        visible = (document_ids[q_index] == document_ids[kv_index]) & (q_index >= kv_index)
+        if sliding_window is not None:
+            visible = visible & (q_index - kv_index < sliding_window)
+        return visible
+
+    total = document_ids.numel()
+    return create_block_mask(same_document_causal, None, None, total, total, device=document_ids.device)
+
+
+_registered = False
+
+
+def _register_packed_attention() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(PACKED_ATTENTION_NAME, packed_attention_forward)
+    # An ordinary HF forward through this model builds the masks SDPA would get.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION_NAME, sdpa_mask)
+    _registered = True
+
+
+def resolve_attention_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` -> varlen on CUDA in bf16/fp16 (sm80+), flex on other CUDA, sdpa on CPU."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention: {requested!r} is not one of {ATTENTION_BACKENDS}")
+    if requested != "auto":
+        if requested in ("varlen", "flex") and device.type != "cuda":
+            raise ValueError(f"attention: {requested!r} needs a CUDA device, got {device}")
+        if requested == "varlen" and dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError("attention: 'varlen' (FlashAttention-2) needs bfloat16 or float16")
+        return requested
+    if device.type != "cuda":
+        return "sdpa"
+    flash_ok = dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(device)[0] >= 8
+    return "varlen" if flash_ok else "flex"
+
+
+# ---------------------------------------------------------------------------------------------- capture
+
+
+class Target:
+    """A loaded target that captures the drafter's features from packed batches."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer_ids: list[int],
+        *,
+        capture_last_hidden: bool = False,
+        attention: str = "auto",
+        compile: bool | None = None,
+    ) -> None:
+        _register_packed_attention()
+        model.config._attn_implementation = PACKED_ATTENTION_NAME
+        self.model = model
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        for part in ("embed_tokens", "rotary_emb", "layers"):
+            if not hasattr(self.base, part):
+                raise TypeError(f"{type(model).__name__}: base model has no '{part}'; packed capture unsupported")
+        num_layers = len(self.base.layers)
+        if not layer_ids or sorted(set(layer_ids)) != list(layer_ids) or not 0 <= layer_ids[0] <= layer_ids[-1] < num_layers:
+            raise ValueError(f"layer_ids must be strictly increasing within [0, {num_layers}), got {layer_ids}")
+        self.layer_ids = list(layer_ids)
+        self.capture_last_hidden = capture_last_hidden
+        # The forward stops after the deepest captured layer (runs all of them for last_hidden).
+        self.num_layers_run = num_layers if capture_last_hidden else self.layer_ids[-1] + 1
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.hidden_size = int(model.config.hidden_size)
+        self.aux_width = len(self.layer_ids) * self.hidden_size
+        self.attention = resolve_attention_backend(attention, self.device, self.dtype)
+        if compile and self.attention == "sdpa":
+            # The per-document loop uses host lengths: a compiled graph would specialise on every batch.
+            raise ValueError("compile: not supported with attention 'sdpa' (use varlen or flex)")
+        self.compiled = self.device.type == "cuda" and self.attention != "sdpa" if compile is None else compile
+        layers = list(self.base.layers[: self.num_layers_run])
+        # One compiled graph serves every layer (their parameters are graph inputs); dynamic token counts.
+        self._run_layer = [torch.compile(layer, dynamic=True) for layer in layers] if self.compiled else layers
+        self._sliding_windows = {getattr(layer.self_attn, "sliding_window", None) for layer in layers}
+        self._slot_of_layer = {layer_id: slot for slot, layer_id in enumerate(self.layer_ids)}
+        self._identity: str | None = None
+
+    @classmethod
+    def load(cls, cfg: TargetConfig, layer_ids: list[int], capture_last_hidden: bool = False) -> Target:
+        """Load the target described by ``cfg`` and prepare capture of ``layer_ids``."""
+        model = load_target_model(cfg)
+        return cls(model, layer_ids, capture_last_hidden=capture_last_hidden, attention=cfg.attention, compile=cfg.compile)
+
+    @property
+    def identity(self) -> str:
+        """``target_identity`` of this model (hashed once, on first use)."""
+        if self._identity is None:
+            self._identity = target_identity(self.model.config, self.base.embed_tokens.weight)
+        return self._identity
+
+    @torch.inference_mode()
+    def capture(
+        self, batch: PackedBatch, out_aux: torch.Tensor | None = None, out_last: torch.Tensor | None = None
+    ) -> CapturedFeatures:
+        """Run the packed forward and write the features into ``out_aux`` / ``out_last`` when given
+        (e.g. views of a ring slot, ``[T, n * H]`` / ``[T, H]``, any float dtype), else into new tensors.
+
+        The batch may live on the host (pinned memory makes the upload asynchronous). Nothing in here
+        waits for the GPU except the ``sdpa`` backend when ``cu_seqlens`` is on the GPU.
+        """
+        total = batch.num_tokens
+        if total == 0 or int(batch.cu_seqlens.numel()) < 2:
+            raise ValueError("capture: empty batch")
+        aux = self._output(out_aux, (total, self.aux_width), "out_aux")
+        last = self._output(out_last, (total, self.hidden_size), "out_last") if self.capture_last_hidden else None
+        if out_last is not None and not self.capture_last_hidden:
+            raise ValueError("capture: out_last given but this Target was built without capture_last_hidden")
+
+        input_ids = batch.input_ids.to(self.device, non_blocking=True)
+        cu_seqlens = batch.cu_seqlens.to(self.device, dtype=torch.int32, non_blocking=True)
+        positions = position_ids(cu_seqlens, total=total).unsqueeze(0)
+        packed = self._packed_attention(batch.cu_seqlens, cu_seqlens, total)
+
+        hidden = self.base.embed_tokens(input_ids).unsqueeze(0)
+        rotary = self.base.rotary_emb(hidden, positions)
+        for index, layer in enumerate(self._run_layer):
+            hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary, dflash_packed=packed)
+            if isinstance(hidden, tuple):  # older transformers return (hidden_states, ...)
+                hidden = hidden[0]
+            slot = self._slot_of_layer.get(index)
+            if slot is not None:
+                aux[:, slot * self.hidden_size : (slot + 1) * self.hidden_size].copy_(hidden[0])
+        if last is not None:
+            last.copy_(hidden[0])
+        return CapturedFeatures(aux, last)
+
+    def warmup(self, num_tokens: int = 4096) -> None:
+        """One throwaway capture (two documents of ``num_tokens`` in all) so compilation happens at start."""
+        half = max(1, num_tokens // 2)
+        cu = torch.tensor([0, half, num_tokens], dtype=torch.int32)
+        batch = PackedBatch(
+            input_ids=torch.zeros(num_tokens, dtype=torch.int32),
+            loss_mask=torch.zeros(num_tokens, dtype=torch.uint8),
+            cu_seqlens=cu,
+            sample_ids=torch.arange(2),
+        )
+        self.capture(batch)
+
+    def _output(self, given: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor:
+        if given is None:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        if tuple(given.shape) != shape:
+            raise ValueError(f"capture: {name} has shape {tuple(given.shape)}, expected {shape}")
+        if not given.is_floating_point():
+            raise ValueError(f"capture: {name} must be a floating-point tensor, got {given.dtype}")
+        return given
+
+    def _packed_attention(self, host_cu_seqlens: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> PackedAttention:
+        packed = PackedAttention(self.attention, cu_seqlens)
+        if self.attention == "sdpa":
+            bounds = host_cu_seqlens.tolist()
+            packed.document_bounds = tuple(zip(bounds[:-1], bounds[1:]))
+        elif self.attention == "flex":
+            doc = document_ids(cu_seqlens, total=total)
+            packed.block_masks = {w: document_causal_block_mask(doc, w) for w in self._sliding_windows}
+        return packed
+
+
+def flops_per_document(config, num_layers: int, length: int, with_lm_head: bool = False) -> float:
+    """Forward FLOPs of one document: 2 * (matmul params used) * tokens + causal attention.
+
+    Matmul params per layer: q/k/v/o projections and the gated MLP (norms and embedding lookups are not
+    matmuls). Causal attention per layer: QK^T and PV over the L(L+1)/2 visible pairs, 2 FLOPs each per
+    head dimension: ``2 * 2 * L(L+1)/2 * heads * head_dim``.
+    """
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = config.num_key_value_heads
+    attention_params = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    mlp_params = 3 * hidden * config.intermediate_size
+    params = num_layers * (attention_params + mlp_params) + (hidden * config.vocab_size if with_lm_head else 0)
+    attention = num_layers * 2 * length * (length + 1) * heads * head_dim
+    return 2.0 * params * length + attention
+
+
+__all__ = [
+    "TINY_TARGET_CONFIG",
+    "CapturedFeatures",
+    "PackedAttention",
+    "Target",
+    "TargetConfig",
+    "build_target_config",
+    "default_target_layer_ids",
+    "document_causal_block_mask",
+    "flops_per_document",
+    "load_target_model",
+    "resolve_attention_backend",
+    "target_identity",
+]
