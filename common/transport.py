@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import zmq
@@ -219,6 +220,8 @@ class RingServer:
                 self.counters.max_busy_s = max(self.counters.max_busy_s, time.monotonic() - busy_from)
         finally:
             sock.close(linger=0)
+            if self.endpoint.startswith("ipc://"):
+                Path(self.endpoint[len("ipc://") :]).unlink(missing_ok=True)
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(1000):  # bounded so that dispatch and heartbeats still run under a flood

@@ -1,0 +1,394 @@
+"""The producer process: loads one target once and keeps its ring full for as long as it lives.
+
+    python -m producer.server --run-dir DIR --producer-id I [--device cuda:0]
+
+Main thread (compute): take the next batch of this producer's shard (replays first), pack it,
+run the target's packed forward writing the captured features straight into a ring slot (or, for
+a host ring fed from a GPU, copying them on a side stream), and hand the slot to the publisher.
+Publisher thread: waits for the slot's bytes to be complete (CUDA event) and announces it, so the
+copy of batch k overlaps the forward of batch k + 1. Server thread (common.transport.RingServer):
+leases, heartbeats, handshakes. Status thread: DIR/producers/p{I}.json once a second.
+
+The producer never waits for a trainer: with none connected it fills its ring and then waits
+(backpressure). A trainer whose target, layers, dtype or label needs differ is refused at HELLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.batch import PackedBatch
+from common.codec import bytes_needed, plan_layout, read_tensors
+from common.config import ConfigError, RunConfig, load_config
+from common.naming import owner_identity, sweep_stale
+from common.protocol import Hello
+from common.ring import RingMemoryError, create_ring
+from common.rundir import RunDir, atomic_write_json
+from common.slots import SlotState
+from common.sockets import ipc_endpoint
+from common.transport import RingServer
+from producer.batching import BatchPlan, RunningBatchStats, batch_stats
+from producer.data import build_data_source
+from producer.order import OrderConfig, ShardOrder
+from producer.stream import BatchStream, PlannedBatch, parse_committed
+from producer.target import DTYPES, Target
+from trainer.draft_config import build_target_layer_ids
+
+log = logging.getLogger("producer")
+
+EXIT_CONFIG_ERROR = 2
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM us when the launcher dies, so no orphan holds a GPU."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def feature_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
+    """The target layers both sides use: the configured ones, else the DFLASH.md rule."""
+    return list(cfg.drafter.target_layer_ids) or build_target_layer_ids(num_target_layers, cfg.drafter.num_layers)
+
+
+def slot_shapes(cfg: RunConfig, aux_width: int, hidden: int, dtype: torch.dtype, last_hidden: bool,
+                tokens: int, docs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of one batch of ``tokens`` tokens in ``docs`` documents, in slot order."""
+    shapes = {
+        "input_ids": ((tokens,), torch.int32),
+        "loss_mask": ((tokens,), torch.uint8),
+        "cu_seqlens": ((docs + 1,), torch.int32),
+        "sample_ids": ((docs,), torch.int64),
+        "aux_hidden": ((tokens, aux_width), dtype),
+    }
+    if last_hidden:
+        shapes["last_hidden"] = ((tokens, hidden), dtype)
+    return shapes
+
+
+def export_target_head(target: Target, out_dir: Path) -> None:
+    """Save embed_tokens, the final norm and lm_head (and config.json) for the trainer, once.
+
+    Needed when the target has random weights: the drafter must share them bit for bit.
+    """
+    if (out_dir / "model.safetensors").is_file():
+        return
+    from safetensors.torch import save_file
+
+    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model = target.model
+    tensors = {
+        "model.embed_tokens.weight": target.base.embed_tokens.weight,
+        "model.norm.weight": target.base.norm.weight,
+        "lm_head.weight": model.get_output_embeddings().weight,
+    }
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    model.config.to_json_file(str(tmp / "config.json"))
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:  # another producer got there first; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass
+class _Filled:
+    slot: int
+    planned: PlannedBatch
+    layout: list
+    meta: dict
+    done: torch.cuda.Event | None
+    keepalive: tuple
+
+
+class Producer:
+    """One target, one ring, one shard of the data."""
+
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str | None) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.producer_id = producer_id
+        self.stop = threading.Event()
+        target_cfg = dataclasses.replace(cfg.target, device=device) if device else cfg.target
+        self.needs_last = cfg.training.label_mode != "data"
+
+        started = time.monotonic()
+        from producer.target import build_target_config
+
+        num_layers = build_target_config(target_cfg).num_hidden_layers
+        self.layer_ids = feature_layer_ids(cfg, num_layers)
+        self.target = Target.load(target_cfg, self.layer_ids, capture_last_hidden=self.needs_last)
+        if self.target.device.type == "cuda":
+            torch.cuda.set_device(self.target.device)
+            self.target.warmup(min(4096, cfg.batching.token_budget))
+        self.load_s = time.monotonic() - started
+        if cfg.target.path is None:
+            export_target_head(self.target, run_dir.target_head)
+
+        data_cfg = cfg.data
+        if data_cfg.format == "synthetic" and data_cfg.vocab_size is None:
+            # Keep the last id free: with no tokenizer it is the drafter's mask token.
+            data_cfg = dataclasses.replace(data_cfg, vocab_size=int(self.target.model.config.vocab_size) - 1)
+        tokenizer = None
+        if data_cfg.format == "chat" and data_cfg.tokenizer is None and cfg.target.path is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
+        self.source = build_data_source(data_cfg, tokenizer=tokenizer)
+        num_shards = len(cfg.launch.producer_devices) or cfg.launch.num_producers
+        order = ShardOrder(len(self.source), OrderConfig(seed=data_cfg.shuffle_seed, num_shards=num_shards, shard_index=producer_id))
+        self.plan = BatchPlan(self.source, order, cfg.batching)
+        self.stream = BatchStream(self.plan, run_dir.committed_for(producer_id))
+        self.batch_stats = RunningBatchStats()
+
+        self.dtype = self.target.dtype
+        self.max_docs = cfg.batching.max_docs_per_batch or cfg.batching.token_budget
+        shapes = slot_shapes(cfg, self.target.aux_width, self.target.hidden_size, self.dtype, self.needs_last,
+                             cfg.batching.token_budget, self.max_docs)
+        self.slot_bytes = bytes_needed(shapes)
+        backend = cfg.ring.backend
+        if backend == "auto":
+            backend = "cuda" if self.target.device.type == "cuda" else "host"
+        device_index = (self.target.device.index or 0) if self.target.device.type == "cuda" else 0
+        self.ring = create_ring(backend, num_slots=cfg.ring.num_slots, slot_bytes=self.slot_bytes,
+                                run_tag=run_dir.root.name, role=f"p{producer_id}", device=device_index)
+        self.ring_on_target_device = (backend == "cuda") == (self.target.device.type == "cuda")
+        self.copy_stream = torch.cuda.Stream(self.target.device) if self.target.device.type == "cuda" else None
+
+        self.describe = {
+            "producer_id": producer_id,
+            "target_identity": self.target.identity,
+            "layer_ids": self.layer_ids,
+            "dtype": self.target.dtype.__repr__().removeprefix("torch."),
+            "last_hidden": self.needs_last,
+            "hidden_size": self.target.hidden_size,
+            "vocab_size": int(self.target.model.config.vocab_size),
+            "token_budget": cfg.batching.token_budget,
+        }
+        run_dir.sockets.mkdir(parents=True, exist_ok=True, mode=0o700)
+        sweep_stale(run_dir.sockets, prefix=f"p{producer_id}.", suffix=".ipc")
+        self.endpoint = ipc_endpoint(run_dir.sockets / f"p{producer_id}.{owner_identity()}.ipc")
+        self.server = RingServer(
+            self.endpoint,
+            self.ring,
+            producer_id=producer_id,
+            describe=self.describe,
+            heartbeat_interval_s=cfg.ring.heartbeat_interval_s,
+            heartbeat_timeout_s=cfg.ring.heartbeat_timeout_s,
+            check_hello=self._check_hello,
+            on_welcome=self._on_welcome,
+            stats=self._throughput_stats,
+        )
+        self._filled: queue.Queue[_Filled | None] = queue.Queue()
+        self._published_tokens: deque[tuple[float, int, float]] = deque()
+        self._lock = threading.Lock()
+
+    # -- handshake -------------------------------------------------------------------------------
+
+    def _check_hello(self, hello: Hello) -> str | None:
+        """Refuse a trainer whose expectations differ from what this producer ships; say which."""
+        for key in ("target_identity", "layer_ids", "dtype", "last_hidden"):
+            if key in hello.expect and hello.expect[key] != self.describe[key]:
+                return f"{key} differs: this producer ships {self.describe[key]!r}, the trainer expects {hello.expect[key]!r}"
+        try:
+            parse_committed(hello.committed)
+        except (TypeError, ValueError) as exc:
+            return f"malformed committed state: {exc}"
+        return None
+
+    def _on_welcome(self, hello: Hello, new_incarnation: bool) -> None:
+        if not new_incarnation:
+            return
+        in_ring = {payload[1]["ordinal"] for payload in self.server.slots.payloads(SlotState.READY, SlotState.LEASED)}
+        replays = self.stream.reconcile(hello.committed, in_ring)
+        dropped = self.server.slots.discard_ready(lambda payload: self.stream.is_committed(payload[1]["ordinal"]))
+        log.info("trainer incarnation %d: %d committed batches dropped from the ring, %d to recompute",
+                 hello.incarnation, len(dropped), replays)
+
+    # -- statistics ------------------------------------------------------------------------------
+
+    def _throughput_stats(self) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            while self._published_tokens and now - self._published_tokens[0][0] > 10.0:
+                self._published_tokens.popleft()
+            window = list(self._published_tokens)
+        if len(window) >= 2:
+            span = window[-1][0] - window[0][0]
+            tokens_per_s = sum(t for _, t, _ in window[1:]) / span if span > 0 else 0.0
+            blocked = (window[-1][2] - window[0][2]) / span if span > 0 else 0.0
+        else:
+            tokens_per_s, blocked = 0.0, 0.0
+        return {
+            "tokens_per_s": round(tokens_per_s, 1),
+            "blocked_fraction": round(min(1.0, blocked), 4),
+            "batching": self.batch_stats.as_dict(),
+            "data": self.source.stats.as_dict(),
+            "stream": self.stream.position(),
+        }
+
+    def write_status(self, ready: bool) -> None:
+        stats = self.server.stats()
+        atomic_write_json(self.run_dir.producer_status(self.producer_id), {
+            "id": self.producer_id,
+            "pid": os.getpid(),
+            "ready": ready,
+            "endpoint": self.endpoint,
+            "updated": time.time(),
+            "load_s": round(self.load_s, 2),
+            "device": str(self.target.device),
+            "ring": {**stats["ring"], "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
+            **{k: v for k, v in stats.items() if k != "ring"},
+        })
+
+    def _status_loop(self) -> None:
+        while not self.stop.wait(1.0):
+            self.write_status(ready=True)
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    def _fill(self, slot: int, planned: PlannedBatch) -> _Filled:
+        batch = self.plan.materialize(planned.cursor, planned.sample_ids)
+        if self.target.device.type == "cuda":
+            batch = PackedBatch.from_tensors({k: v.pin_memory() for k, v in batch.tensors().items()}, batch.epoch)
+        shapes = slot_shapes(self.cfg, self.target.aux_width, self.target.hidden_size, self.dtype, self.needs_last,
+                             batch.num_tokens, batch.num_docs)
+        layout = plan_layout(shapes, self.slot_bytes)
+        views = read_tensors(self.server.slot_view(slot), layout)
+        for name in ("input_ids", "loss_mask", "cu_seqlens", "sample_ids"):
+            views[name].copy_(getattr(batch, name), non_blocking=True)
+        done = None
+        keepalive: tuple = (batch,)
+        if self.ring_on_target_device:
+            self.target.capture(batch, out_aux=views["aux_hidden"], out_last=views.get("last_hidden"))
+            if self.target.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record()
+        else:
+            # GPU target, host ring: copy on a side stream so the next forward need not wait for it.
+            features = self.target.capture(batch)
+            self.copy_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.copy_stream):
+                views["aux_hidden"].copy_(features.aux_hidden, non_blocking=True)
+                if features.last_hidden is not None:
+                    views["last_hidden"].copy_(features.last_hidden, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            keepalive = (batch, features)
+        stats = batch_stats(batch)
+        meta = {
+            "producer": self.producer_id,
+            "ordinal": planned.ordinal,
+            "cursor": list(planned.cursor),
+            "epoch": planned.cursor.epoch,
+            "tokens": batch.num_tokens,
+            "docs": batch.num_docs,
+            "max_doc_len": stats.max_doc_len,
+            "replay": planned.replay,
+        }
+        self.batch_stats.update(stats)
+        return _Filled(slot, planned, layout, meta, done, keepalive)
+
+    def _publish_loop(self) -> None:
+        while True:
+            filled = self._filled.get()
+            if filled is None:
+                return
+            if filled.done is not None:
+                filled.done.synchronize()
+            if self.stream.finished(filled.planned.ordinal):
+                self.server.publish(filled.slot, filled.layout, filled.meta)
+                with self._lock:
+                    self._published_tokens.append((time.monotonic(), filled.meta["tokens"], self.server.slots.counters.blocked_s))
+            else:
+                self.server.abort(filled.slot)  # a trainer committed it while we computed it
+
+    def serve_forever(self) -> None:
+        self.server.start()
+        self.write_status(ready=True)
+        log.info("producer %d ready in %.1fs: %s, layers %s, ring %s x %d bytes (%s), endpoint %s",
+                 self.producer_id, self.load_s, self.target.identity, self.layer_ids, self.ring.num_slots,
+                 self.slot_bytes, self.ring.backend, self.endpoint)
+        threads = [threading.Thread(target=self._publish_loop, name="publisher", daemon=True),
+                   threading.Thread(target=self._status_loop, name="status", daemon=True)]
+        for thread in threads:
+            thread.start()
+        try:
+            while not self.stop.is_set():
+                slot = self.server.acquire(timeout_s=0.2)
+                if slot is None:
+                    continue
+                try:
+                    planned = self.stream.take()
+                    self._filled.put(self._fill(slot, planned))
+                except BaseException:
+                    self.server.abort(slot)
+                    raise
+        finally:
+            self._filled.put(None)
+            threads[0].join(timeout=30)
+            self.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+        self.ring.close()
+
+
+def run_producer(run_dir: str | Path, producer_id: int, device: str | None = None) -> int:
+    """Entry point of a producer process; returns its exit code."""
+    root = RunDir(run_dir)
+    die_with_parent()
+    try:
+        cfg = load_config(root.config)
+    except ConfigError as exc:
+        log.error("configuration error: %s", exc)
+        return EXIT_CONFIG_ERROR
+    try:
+        producer = Producer(cfg, root, producer_id, device)
+    except (ConfigError, RingMemoryError, ValueError) as exc:
+        log.error("cannot start producer %d: %s", producer_id, exc)
+        return EXIT_CONFIG_ERROR
+    def request_stop(signum, _frame):
+        log.info("signal %d: stopping", signum)
+        producer.stop.set()
+        producer.server.slots.wake()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    producer.serve_forever()
+    log.info("producer %d stopped cleanly", producer_id)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="DFlash producer: one target, one ring, one data shard.")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--producer-id", type=int, required=True)
+    parser.add_argument("--device", default=None, help="overrides target.device for this producer")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s producer-{args.producer_id} %(levelname)s %(message)s")
+    return run_producer(args.run_dir, args.producer_id, args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Which batch a producer computes next, so that every batch is trained exactly once.
+
+Batches of a shard's stream are numbered by their ordinal: the position of the batch in the
+deterministic stream (``BatchPlan.iter_batches`` from the start). A trainer commits, per producer,
+a prefix of ordinals plus a few beyond it (several consumers finish out of order):
+
+    committed = {"ordinal": n, "last_cursor": [epoch, window, index] of ordinal n - 1, "extra": [ordinals > n]}
+
+When a trainer incarnation says HELLO with its committed state, the producer reconciles:
+ready slots holding committed batches are dropped; batches it produced that are neither committed
+nor still in the ring (a dead trainer consumed them after its last checkpoint) are queued for
+recompute; committed ordinals ahead are skipped. The stream then continues. A producer that starts
+fresh begins from the committed state of the latest checkpoint (or the stream start).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from producer.batching import BatchCursor, BatchPlan
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    ordinal: int
+    cursor: BatchCursor
+    sample_ids: list[int]
+    replay: bool = False
+
+
+def parse_committed(committed: dict | None) -> tuple[int, BatchCursor | None, set[int]]:
+    """(next ordinal, cursor of the ordinal before it, committed ordinals beyond) from a HELLO/checkpoint."""
+    if not committed:
+        return 0, None, set()
+    ordinal = int(committed.get("ordinal", 0))
+    last = committed.get("last_cursor")
+    if ordinal < 0 or (ordinal > 0) != (last is not None):
+        raise ValueError(f"committed state is inconsistent: {committed}")
+    cursor = BatchCursor(*(int(x) for x in last)) if last is not None else None
+    extra = {int(o) for o in committed.get("extra", []) if int(o) > ordinal}
+    return ordinal, cursor, extra
+
+
+class BatchStream:
+    """Thread-safe source of the next batch to compute (compute thread) and reconciliation (server thread)."""
+
+    def __init__(self, plan: BatchPlan, committed: dict | None = None) -> None:
+        self.plan = plan
+        self._lock = threading.Lock()
+        self._history: dict[int, BatchCursor] = {}
+        """Ordinal -> cursor of every batch handed out and not yet known to be committed."""
+        self._replay: list[int] = []
+        self._in_flight: set[int] = set()
+        self._skip: set[int] = set()
+        self._committed_below = 0
+        self._committed_extra: set[int] = set()
+        self._next_ordinal = 0
+        self._iter: Iterator[tuple[BatchCursor, list[int]]] = iter(())
+        self.replayed = 0
+        self._seek(*parse_committed(committed))
+
+    def _seek(self, ordinal: int, last_cursor: BatchCursor | None, extra: set[int]) -> None:
+        start = last_cursor.next() if last_cursor is not None else BatchCursor(0, 0, 0)
+        self._iter = self.plan.iter_batches(start)
+        self._next_ordinal = ordinal
+        self._committed_below = ordinal
+        self._committed_extra = set(extra)
+        self._skip = set(extra)
+
+    def take(self) -> PlannedBatch:
+        """The next batch to compute: queued replays first, then the stream (committed ones skipped)."""
+        with self._lock:
+            if self._replay:
+                ordinal = self._replay.pop(0)
+                cursor = self._history[ordinal]
+                self._in_flight.add(ordinal)
+                self.replayed += 1
+                return PlannedBatch(ordinal, cursor, self.plan.batch_at(cursor), replay=True)
+            while True:
+                cursor, sample_ids = next(self._iter)
+                ordinal = self._next_ordinal
+                self._next_ordinal += 1
+                if ordinal in self._skip:
+                    self._skip.discard(ordinal)
+                    continue
+                self._history[ordinal] = cursor
+                self._in_flight.add(ordinal)
+                return PlannedBatch(ordinal, cursor, sample_ids)
+
+    def finished(self, ordinal: int) -> bool:
+        """The compute thread is done with ``ordinal``; False if it became committed meanwhile (drop it)."""
+        with self._lock:
+            self._in_flight.discard(ordinal)
+            return not self._is_committed(ordinal)
+
+    def is_committed(self, ordinal: int) -> bool:
+        with self._lock:
+            return self._is_committed(ordinal)
+
+    def _is_committed(self, ordinal: int) -> bool:
+        return ordinal < self._committed_below or ordinal in self._committed_extra
+
+    def reconcile(self, committed: dict | None, in_ring: set[int]) -> int:
+        """Apply a new trainer incarnation's committed state; returns how many batches go to replay.
+
+        ``in_ring``: ordinals now READY or LEASED in the ring (they will be served again as they are).
+        """
+        ordinal, last_cursor, extra = parse_committed(committed)
+        with self._lock:
+            if ordinal > self._next_ordinal:
+                # The trainer is ahead of us (we restarted from an older checkpoint): jump forward.
+                self._history.clear()
+                self._replay.clear()
+                self._seek(ordinal, last_cursor, extra)
+                return 0
+            self._committed_below = ordinal
+            self._committed_extra = set(extra)
+            self._skip = {o for o in extra if o >= self._next_ordinal}
+            for old in [o for o in self._history if self._is_committed(o)]:
+                del self._history[old]
+            lost = [
+                o for o in self._history
+                if o not in in_ring and o not in self._in_flight and o not in self._replay
+            ]
+            self._replay = sorted(set(self._replay + lost) - {o for o in self._replay if self._is_committed(o)})
+            return len(lost)
+
+    def position(self) -> dict:
+        with self._lock:
+            return {"next_ordinal": self._next_ordinal, "replay_queue": len(self._replay), "replayed": self.replayed}
