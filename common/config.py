@@ -102,6 +102,8 @@ class DataConfig:
     """Synthetic only: mean document length in tokens (the length in fixed mode)."""
     min_len: int = 32
     """Synthetic only: shortest document in chat mode."""
+    max_step: int = 63
+    """Synthetic only: largest stride of the arithmetic runs (small strides are easier to learn)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
@@ -112,6 +114,7 @@ class DataConfig:
         _check(self.too_long in ("truncate", "drop"), "too_long", f"must be 'truncate' or 'drop', got {self.too_long!r}")
         _check(self.vocab_size is None or self.vocab_size >= 2, "vocab_size", f"must be >= 2, got {self.vocab_size}")
         _check(self.shuffle_seed >= 0, "shuffle_seed", "must be >= 0")
+        _check(self.max_step >= 1, "max_step", "must be >= 1")
         if self.format == "synthetic":
             _check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
             _check(self.length_mode in ("chat", "fixed"), "length_mode", f"must be 'chat' or 'fixed', got {self.length_mode!r}")
@@ -158,8 +161,6 @@ class DrafterConfig:
     """Context window of sliding-attention layers."""
     mask_token_id: int | None = None
     """Id of the mask token; None: from the target's tokenizer, else the last id of the vocabulary."""
-    hidden_size: int | None = None
-    """Draft width; None: the target's."""
     intermediate_size: int | None = None
     """MLP width; None: the target's."""
     num_attention_heads: int | None = None

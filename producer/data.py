@@ -464,7 +464,7 @@ class SyntheticSource(DataSource):
         while filled < length:
             size = min(int(rng.integers(16, 129)), length - filled)
             if rng.random() < 0.5:
-                start, step = rng.integers(0, vocab), rng.integers(1, min(vocab, 64))
+                start, step = rng.integers(0, vocab), rng.integers(1, min(vocab, self.config.max_step + 1))
                 segment = (start + step * np.arange(size)) % vocab
             else:
                 motif = rng.integers(0, vocab, size=int(rng.integers(2, 9)))

@@ -156,6 +156,11 @@ class Producer:
         order = ShardOrder(len(self.source), OrderConfig(seed=data_cfg.shuffle_seed, num_shards=num_shards, shard_index=producer_id))
         self.plan = BatchPlan(self.source, order, cfg.batching)
         self.stream = BatchStream(self.plan, run_dir.committed_for(producer_id))
+        # With training.max_steps = 0 the trainer sizes the run from the epoch's batch count.
+        self.epoch_batches = (
+            sum(len(self.plan.window_batches(0, w)) for w in range(self.plan.num_windows()))
+            if cfg.training.max_steps == 0 else None
+        )
         self.batch_stats = RunningBatchStats()
 
         self.dtype = self.target.dtype
@@ -255,6 +260,7 @@ class Producer:
             "load_s": round(self.load_s, 2),
             "device": str(self.target.device),
             "ring": {**stats["ring"], "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
+            **({"epoch_batches": self.epoch_batches} if self.epoch_batches is not None else {}),
             **{k: v for k, v in stats.items() if k != "ring"},
         })
 

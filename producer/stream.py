@@ -82,8 +82,8 @@ class BatchStream:
                 cursor, sample_ids = next(self._iter)
                 ordinal = self._next_ordinal
                 self._next_ordinal += 1
-                if ordinal in self._skip:
-                    self._skip.discard(ordinal)
+                if ordinal < self._committed_below or ordinal in self._skip:
+                    self._skip.discard(ordinal)  # committed while we were behind: never computed
                     continue
                 self._history[ordinal] = cursor
                 self._in_flight.add(ordinal)

@@ -1,0 +1,162 @@
+"""The live state of a run, from the files in its run directory (no sockets, no signals).
+
+    python -m launch.status --run-dir DIR [--json]     (or: launch/run_all.sh status ...)
+
+Exit 0 when a launcher runs this directory, 1 otherwise (the state is printed either way).
+A pid counts as alive when the process exists and is the one recorded (pid plus start time from
+launcher.json, so a recycled pid is not mistaken for it); without a launcher record, a producer
+counts as alive when its pid exists and its p{I}.json was updated within the last 10 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from launch.rundir import RunDir, last_json_line, process_alive, read_json
+
+STALE_AFTER_S = 10.0
+RING_FIELDS = ("slots", "free", "filling", "ready", "leased")
+
+
+def _age(updated: object, now: float) -> float | None:
+    return round(now - float(updated), 1) if isinstance(updated, (int, float)) else None
+
+
+def _producer_status(producer_id: int, record: dict | None, status: dict | None, now: float) -> dict:
+    status = status or {}
+    age = _age(status.get("updated"), now)
+    if record is not None and record.get("pid"):
+        pid = record["pid"]
+        alive = process_alive(pid, record.get("start_ticks"))
+    else:
+        pid = status.get("pid")
+        alive = process_alive(pid) and age is not None and age <= STALE_AFTER_S
+    # p{I}.json of an earlier incarnation describes a ring that no longer exists.
+    current = bool(status) and status.get("pid") == pid
+    ring = status.get("ring") if current and isinstance(status.get("ring"), dict) else {}
+    return {
+        "id": producer_id,
+        "pid": pid,
+        "alive": alive,
+        "ready": bool(alive and current and status.get("ready")),
+        "device": (record or {}).get("device"),
+        "endpoint": status.get("endpoint") if current else None,
+        "ring": {name: ring.get(name) for name in RING_FIELDS},
+        "tokens_per_s": status.get("tokens_per_s") if current else None,
+        "blocked_fraction": status.get("blocked_fraction") if current else None,
+        "restarts": (record or {}).get("restarts", 0),
+        "updated_age_s": age,
+    }
+
+
+def collect_status(run_dir: Path) -> dict:
+    """The state of the run as plain data (the --json output)."""
+    run = RunDir(Path(run_dir).resolve())
+    now = time.time()
+    launcher = read_json(run.launcher) or {}
+    launcher_alive = process_alive(launcher.get("pid"), launcher.get("start_ticks"))
+    records = {r.get("id"): r for r in launcher.get("producers") or [] if isinstance(r, dict)}
+    files = {}
+    for path in run.producers.glob("p*.json"):
+        try:
+            files[int(path.stem[1:])] = read_json(path)
+        except ValueError:
+            continue  # not a p{I}.json
+    producers = [_producer_status(i, records.get(i), files.get(i), now) for i in sorted(set(records) | set(files))]
+
+    trainer_record = launcher.get("trainer") if isinstance(launcher.get("trainer"), dict) else {}
+    trainer_file = read_json(run.trainer_status) or {}
+    if trainer_record.get("pid"):
+        trainer_pid = trainer_record["pid"]  # under torchrun: torchrun's pid; trainer.json has rank 0's
+        trainer_alive = process_alive(trainer_pid, trainer_record.get("start_ticks"))
+    else:
+        trainer_pid = trainer_file.get("pid")
+        trainer_alive = process_alive(trainer_pid) and (_age(trainer_file.get("updated"), now) or 0) <= STALE_AFTER_S
+    trainer = {
+        "pid": trainer_pid,
+        "alive": trainer_alive,
+        "step": trainer_file.get("step"),
+        "max_steps": trainer_file.get("max_steps"),
+        "state": trainer_file.get("state"),
+        "incarnation": trainer_file.get("incarnation"),
+        "devices": trainer_record.get("devices"),
+        "restarts": trainer_record.get("restarts", 0),
+        "updated_age_s": _age(trainer_file.get("updated"), now),
+    }
+    return {
+        "run_dir": str(run.root),
+        "launcher": {
+            "pid": launcher.get("pid"),
+            "alive": launcher_alive,
+            "state": launcher.get("state"),
+            "exit_code": launcher.get("exit_code"),
+            "uptime_s": _age(launcher.get("started"), now) if launcher_alive else None,
+        },
+        "producers": producers,
+        "trainer": trainer,
+        "metrics": last_json_line(run.metrics),
+    }
+
+
+def _cell(value: object, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def format_status(status: dict) -> str:
+    """A compact human view."""
+    launcher = status["launcher"]
+    uptime = launcher["uptime_s"]
+    lines = [
+        f"run       {status['run_dir']}",
+        f"launcher  pid {_cell(launcher['pid'])}  {'running' if launcher['alive'] else 'not running'}"
+        f"  state {_cell(launcher['state'])}" + (f"  up {uptime:.0f} s" if uptime is not None else "")
+        + (f"  exit {launcher['exit_code']}" if launcher["exit_code"] is not None and not launcher["alive"] else ""),
+        "",
+        f"{'producer':<9} {'pid':>8} {'alive':<6} {'ready':<6} {'device':<8} {'ring free/fill/ready/leased':<28} "
+        f"{'tok/s':>10} {'blocked':>8} {'restarts':>8} {'updated':>8}",
+    ]
+    for p in status["producers"]:
+        ring = p["ring"]
+        ring_text = "-" if ring["slots"] is None else f"{ring['free']}/{ring['filling']}/{ring['ready']}/{ring['leased']} of {ring['slots']}"
+        lines.append(
+            f"{p['id']:<9} {_cell(p['pid']):>8} {'yes' if p['alive'] else 'no':<6} {'yes' if p['ready'] else 'no':<6} "
+            f"{_cell(p['device']):<8} {ring_text:<28} {_cell(p['tokens_per_s'], '{:.0f}'):>10} "
+            f"{_cell(p['blocked_fraction'], '{:.0%}'):>8} {p['restarts']:>8} {_cell(p['updated_age_s'], '{}s'):>8}"
+        )
+    t = status["trainer"]
+    steps = f"{_cell(t['step'])}/{_cell(t['max_steps'])}"
+    lines += [
+        "",
+        f"trainer   pid {_cell(t['pid'])}  {'alive' if t['alive'] else 'not alive'}  state {_cell(t['state'])}  step {steps}"
+        f"  incarnation {_cell(t['incarnation'])}  restarts {t['restarts']}  devices {','.join(t['devices'] or []) or '-'}",
+    ]
+    if status["metrics"]:
+        text = json.dumps(status["metrics"], separators=(",", ":"))
+        lines.append(f"metrics   {text if len(text) <= 160 else text[:157] + '...'}")
+    return "\n".join(lines)
+
+
+def show_status(run_dir: Path, as_json: bool = False) -> int:
+    """Print the state; 0 if a launcher runs the directory, else 1."""
+    if not Path(run_dir).is_dir():
+        print(f"error: no run directory {run_dir}", file=sys.stderr)
+        return 1
+    status = collect_status(run_dir)
+    print(json.dumps(status, indent=1) if as_json else format_status(status))
+    return 0 if status["launcher"]["alive"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="launch/run_all.sh status", description="Show the live state of a pipeline.")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    return show_status(args.run_dir, as_json=args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

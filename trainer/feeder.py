@@ -1,0 +1,248 @@
+"""The trainer's side of the rings: receive batches ahead of the step, copy them out, ack at once.
+
+A ``Feeder`` thread owns one RingClient per producer. It copies each leased slot into the
+trainer's own memory (its GPU, or a CPU tensor), waits for the copy, acks the slot and grants a
+new credit, then queues the batch. So the ring is never held by the step, the next batches are
+staged while the current step runs, and a producer can refill its slot at once.
+
+Exactly-once bookkeeping (``Commits``): per producer, which stream ordinals this trainer has
+received and which it has trained. A HELLO carries the received set (a restarted producer must not
+produce again what sits in our queue); a checkpoint stores the trained set.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common.batch import PackedBatch
+from common.rundir import RunDir
+from common.transport import HandshakeRefused, HandshakeTimeout, RingClient
+
+log = logging.getLogger("trainer.feeder")
+
+
+class OrdinalSet:
+    """A set of stream ordinals stored as a prefix plus exceptions, with the cursor of the prefix's end."""
+
+    def __init__(self, state: dict | None = None) -> None:
+        state = state or {}
+        self.prefix = int(state.get("ordinal", 0))
+        self.last_cursor = state.get("last_cursor")
+        self.extra: dict[int, list] = {int(o): None for o in state.get("extra", [])}
+        for ordinal, cursor in state.get("extra_cursors", {}).items():
+            self.extra[int(ordinal)] = cursor
+
+    def add(self, ordinal: int, cursor: list) -> None:
+        if ordinal < self.prefix or ordinal in self.extra:
+            raise ValueError(f"ordinal {ordinal} added twice")
+        self.extra[ordinal] = cursor
+        while self.prefix in self.extra:
+            self.last_cursor = self.extra.pop(self.prefix)
+            self.prefix += 1
+
+    def __contains__(self, ordinal: int) -> bool:
+        return ordinal < self.prefix or ordinal in self.extra
+
+    def state(self) -> dict:
+        return {
+            "ordinal": self.prefix,
+            "last_cursor": self.last_cursor,
+            "extra": sorted(self.extra),
+            "extra_cursors": {str(o): c for o, c in sorted(self.extra.items())},
+        }
+
+
+@dataclass
+class Commits:
+    """Received and trained ordinals per producer id."""
+
+    trained: dict[int, OrdinalSet] = field(default_factory=dict)
+    received: dict[int, OrdinalSet] = field(default_factory=dict)
+
+    @classmethod
+    def from_checkpoint(cls, committed: dict) -> Commits:
+        trained = {int(p): OrdinalSet(s) for p, s in committed.items()}
+        received = {int(p): OrdinalSet(s) for p, s in committed.items()}
+        return cls(trained, received)
+
+    def mark_received(self, producer: int, ordinal: int, cursor: list) -> None:
+        self.received.setdefault(producer, OrdinalSet()).add(ordinal, cursor)
+
+    def mark_trained(self, producer: int, ordinal: int, cursor: list) -> None:
+        self.trained.setdefault(producer, OrdinalSet()).add(ordinal, cursor)
+
+    def trained_state(self) -> dict:
+        return {str(p): s.state() for p, s in sorted(self.trained.items())}
+
+    def received_state(self, producer: int) -> dict:
+        return self.received.get(producer, OrdinalSet()).state()
+
+
+@dataclass
+class Received:
+    """A batch copied out of a ring, with where it came from."""
+
+    batch: PackedBatch
+    producer: int
+    ordinal: int
+    cursor: list
+    meta: dict
+
+
+@dataclass
+class _Link:
+    producer: int
+    client: RingClient | None = None
+    pid: int | None = None
+    down_since: float | None = None
+    stats: dict = field(default_factory=dict)
+
+
+class Feeder:
+    """Background thread that keeps ``depth`` batches staged from every producer."""
+
+    def __init__(self, run_dir: RunDir, *, consumer_id: str, incarnation: int, expect: dict, commits: Commits,
+                 device: torch.device, credits: int, heartbeat_interval_s: float, handshake_timeout_s: float,
+                 depth: int = 4) -> None:
+        self.run_dir = run_dir
+        self.consumer_id = consumer_id
+        self.incarnation = incarnation
+        self.expect = expect
+        self.commits = commits
+        self.device = device
+        self.credits = credits
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.queue: queue.Queue[Received] = queue.Queue(maxsize=depth)
+        self.links: dict[int, _Link] = {}
+        self.refusal: str | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="feeder", daemon=True)
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def get(self, timeout: float) -> Received | None:
+        try:
+            return self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def producer_stats(self) -> dict[int, dict]:
+        with self._lock:
+            return {p: {**link.stats, "up": link.client is not None} for p, link in self.links.items()}
+
+    def close(self) -> None:
+        """Stop the thread and say BYE to every producer (their leases go back at once)."""
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    # -- thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        next_discovery = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_discovery:
+                    self._discover()
+                    next_discovery = now + 1.0
+                got_any = False
+                for link in list(self.links.values()):
+                    if link.client is None:
+                        continue
+                    got_any |= self._pump(link)
+                if not got_any:
+                    time.sleep(0.002)
+        finally:
+            for link in self.links.values():
+                if link.client is not None:
+                    link.client.close("trainer stopping")
+                    link.client = None
+
+    def _discover(self) -> None:
+        """Connect to producers that are ready and not connected (first start, or restarted)."""
+        for status in self.run_dir.producer_statuses():
+            producer, pid = int(status["id"]), status.get("pid")
+            link = self.links.setdefault(producer, _Link(producer))
+            if link.client is not None or not status.get("ready"):
+                continue
+            client = RingClient(
+                status["endpoint"], self.consumer_id, self.incarnation,
+                expect=self.expect, committed=self.commits.received_state(producer),
+                credits=self.credits, heartbeat_interval_s=self.heartbeat_interval_s,
+            )
+            try:
+                welcome = client.connect(timeout_s=min(self.handshake_timeout_s, 10.0))
+            except HandshakeRefused as exc:
+                client.close("refused")
+                self.refusal = str(exc)
+                log.error("%s", exc)
+                continue
+            except (HandshakeTimeout, OSError) as exc:
+                client.close("no answer")
+                log.warning("producer %d not answering yet: %s", producer, exc)
+                continue
+            if link.down_since is not None:
+                log.warning("producer %d back after %.1fs (pid %s)", producer, time.monotonic() - link.down_since, welcome.pid)
+            link.client, link.pid, link.down_since = client, welcome.pid, None
+            log.info("connected to producer %d (pid %d, ring %s)", producer, welcome.pid, welcome.ring.get("backend"))
+
+    def _pump(self, link: _Link) -> bool:
+        client = link.client
+        timeout = client.welcome.heartbeat_timeout_s
+        try:
+            deliveries = client.poll(0)
+        except (HandshakeRefused, TimeoutError) as exc:
+            log.warning("producer %d dropped us: %s", link.producer, exc)
+            deliveries, timeout = [], -1.0
+        with self._lock:
+            link.stats = client.producer_stats
+        if client.producer_silent_s() > timeout:
+            log.warning("producer %d silent for %.1fs: training on the others until it is back",
+                        link.producer, client.producer_silent_s())
+            client.close("producer silent")
+            link.client, link.down_since = None, time.monotonic()
+            return False
+        for delivery in deliveries:
+            ordinal = int(delivery.meta["ordinal"])
+            if ordinal in self.commits.received.get(link.producer, OrdinalSet()):
+                # Never train a batch twice, whatever a producer sends.
+                log.error("producer %d sent batch %d again; dropped", link.producer, ordinal)
+                client.ack(delivery)
+                client.grant(1)
+                continue
+            received = self._copy_out(link.producer, delivery)
+            client.ack(delivery)
+            while not self._stop.is_set():
+                try:
+                    self.queue.put(received, timeout=0.05)
+                    break
+                except queue.Full:
+                    client.poll(0)  # keep heartbeats going while the step runs
+            client.grant(1)
+        return bool(deliveries)
+
+    def _copy_out(self, producer: int, delivery) -> Received:
+        """Copy the slot's tensors into our memory and wait for the copy: after this the slot is free."""
+        meta = delivery.meta
+        if self._copy_stream is not None:
+            with torch.cuda.stream(self._copy_stream):
+                tensors = {k: v.to(self.device, non_blocking=True) for k, v in delivery.tensors.items()}
+            self._copy_stream.synchronize()
+        else:
+            tensors = {k: v.clone() for k, v in delivery.tensors.items()}
+        batch = PackedBatch.from_tensors(tensors, epoch=int(meta["epoch"]), meta=meta)
+        ordinal, cursor = int(meta["ordinal"]), list(meta["cursor"])
+        self.commits.mark_received(producer, ordinal, cursor)
+        return Received(batch, producer, ordinal, cursor, meta)

@@ -1,0 +1,508 @@
+"""The trainer process: the drafter's training loop, fed by the producers' rings.
+
+    python -m trainer.train --run-dir DIR                       # standalone
+    torchrun --nproc-per-node N -m trainer.train --run-dir DIR  # DDP, one rank per GPU
+
+Read top to bottom: ``Trainer.__init__`` builds the drafter from the target's frozen head and
+resumes the latest checkpoint; ``run`` is the loop: take a staged batch, one optimizer step, the
+ledger line, metrics every ``log_every`` steps, a checkpoint every ``checkpoint_every`` steps and at
+the end. SIGTERM or Ctrl-C: the step in flight finishes, a checkpoint is written, the leases are
+given back (BYE) and the process exits 0, leaving the producers' rings full for the next trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.config import ConfigError, RunConfig, load_config, to_dict
+from common.rundir import RunDir, atomic_write_json, read_json
+from trainer.draft_config import DraftConfig
+from trainer.export import export_zlab, load_drafter
+from trainer.feeder import Commits, Feeder, Received
+from trainer.loss import LossConfig
+from trainer.model import DFlashDrafter, train_flops_per_sample
+from trainer.target_head import load_target_head
+
+log = logging.getLogger("trainer")
+EXIT_CONFIG_ERROR = 2
+
+
+class _TrainStep(nn.Module):
+    """Routes DDP's forward to ``forward_train`` so gradients are all-reduced."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch, num_anchors: int, generator: torch.Generator, step_fraction: float):
+        return self.drafter.forward_train(batch, num_anchors, generator, step_fraction)
+
+
+def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
+    listed = [d for d in os.environ.get("DFLASH_TRAINER_DEVICES", "").split(",") if d]
+    if listed:
+        return torch.device(listed[local_rank])
+    if cfg.training.device != "auto":
+        return torch.device(cfg.training.device)
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def lr_lambda(cfg: RunConfig, max_steps: int):
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak."""
+    warmup = max(1, int(cfg.training.warmup_ratio * max_steps))
+    floor = cfg.training.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: RunDir) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = resolve_device(cfg, self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1:
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.stop_requested = False
+        self.state = "starting"
+        self.step = 0
+
+        # The incarnation orders trainer lifetimes: producers drop leases of older ones.
+        self.incarnation = self._broadcast(time.time_ns() // 1000)
+        self.write_status()
+
+        # -- the drafter, sharing the target's frozen embedding, final norm and lm_head ----------
+        head_dir = Path(cfg.target.path) if cfg.target.path else run_dir.target_head
+        self._wait_for(lambda: (head_dir / "config.json").is_file() and any(head_dir.glob("*.safetensors")),
+                       f"the target head in {head_dir} (written by the first producer)")
+        from transformers import AutoConfig
+
+        target_config = AutoConfig.from_pretrained(head_dir)
+        for key, value in cfg.target.config_overrides.items():
+            setattr(target_config, key, value)
+        self.head = load_target_head(head_dir, device=self.device)
+        self.draft_config = self._draft_config(target_config, head_dir)
+        self.loss_config = LossConfig(
+            label_mode=cfg.training.label_mode,
+            gamma=cfg.training.gamma,
+            weighting="streak" if cfg.training.streak_aware else "decay",
+            feature_noise=cfg.training.feature_noise,
+        )
+        from producer.target import target_identity
+
+        self.expect = {
+            "target_identity": target_identity(target_config, self.head.embed_weight),
+            "layer_ids": list(self.draft_config.target_layer_ids),
+            "dtype": cfg.target.dtype,
+            "last_hidden": cfg.training.label_mode != "data",
+        }
+
+        latest = run_dir.latest_checkpoint()
+        torch.manual_seed(cfg.training.seed)
+        if latest is not None:
+            self.drafter = load_drafter(latest / "drafter", self.head, self.loss_config).to(self.device)
+        else:
+            self.drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config).to(self.device)
+        self.model: nn.Module = _TrainStep(self.drafter)
+        if self.world_size > 1:
+            self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+        self.max_steps = cfg.training.max_steps or self._steps_from_epochs()
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay,
+                                           betas=(0.9, 0.95), fused=self.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps))
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + self.rank)
+        self.commits = Commits()
+        self.wandb_id = None
+        if latest is not None:
+            self._load_checkpoint(latest)
+        self.wandb = self._init_wandb()
+
+        self.feeder = Feeder(
+            run_dir, consumer_id=f"trainer/r{self.rank}", incarnation=self.incarnation, expect=self.expect,
+            commits=self.commits, device=self.device, credits=cfg.ring.credits,
+            heartbeat_interval_s=cfg.ring.heartbeat_interval_s, handshake_timeout_s=cfg.ring.handshake_timeout_s,
+        )
+        self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
+        self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
+        self.flops_cache: dict[int, float] = {}
+        log.info("trainer rank %d/%d on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters",
+                 self.rank, self.world_size, self.device, self.incarnation,
+                 f"resumed from {latest.name}" if latest else "fresh start", self.step, self.max_steps,
+                 self.drafter.num_trainable_parameters() / 1e6)
+
+    # -- set-up helpers --------------------------------------------------------------------------
+
+    def _draft_config(self, target_config, head_dir: Path) -> DraftConfig:
+        d = self.cfg.drafter
+        overrides = {"block_size": d.block_size}
+        if d.target_layer_ids:
+            overrides["target_layer_ids"] = list(d.target_layer_ids)
+        if d.layer_types:
+            overrides["layer_types"] = list(d.layer_types)
+        if d.sliding_window is not None:
+            overrides["sliding_window"] = d.sliding_window
+        for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads"):
+            if getattr(d, name) is not None:
+                overrides[name] = getattr(d, name)
+        tokenizer = None
+        mask = d.mask_token_id
+        if mask is None:
+            try:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(head_dir)
+            except (OSError, ValueError):
+                mask = int(target_config.vocab_size) - 1  # no tokenizer: the last id (kept out of synthetic data)
+        return DraftConfig.from_target(target_config, num_draft_layers=d.num_layers, tokenizer=tokenizer,
+                                       mask_token_id=mask, **overrides)
+
+    def _steps_from_epochs(self) -> int:
+        expected = len(self.cfg.launch.producer_devices) or self.cfg.launch.num_producers
+        self._wait_for(lambda: len([s for s in self.run_dir.producer_statuses() if "epoch_batches" in s]) >= expected,
+                       "the producers' epoch sizes")
+        per_epoch = sum(s["epoch_batches"] for s in self.run_dir.producer_statuses())
+        return max(1, math.ceil(self.cfg.training.epochs * per_epoch / self.world_size))
+
+    def _wait_for(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.cfg.launch.ready_timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gave up waiting for {what} after {self.cfg.launch.ready_timeout_s:.0f}s")
+            if self.stop_requested:
+                raise KeyboardInterrupt
+            time.sleep(0.2)
+
+    def _broadcast(self, value: int) -> int:
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _init_wandb(self):
+        if self.rank != 0 or self.cfg.logging.wandb_mode == "disabled":
+            return None
+        import wandb
+
+        id_file = self.run_dir.wandb / "run_id"
+        self.run_dir.wandb.mkdir(parents=True, exist_ok=True)
+        if self.wandb_id is None:
+            self.wandb_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+        id_file.write_text(self.wandb_id)
+        return wandb.init(project=self.cfg.logging.wandb_project, id=self.wandb_id, resume="allow",
+                          dir=str(self.run_dir.root), mode=self.cfg.logging.wandb_mode, name=self.run_dir.root.name,
+                          config=to_dict(self.cfg), settings=wandb.Settings(silent=True, x_disable_stats=True))
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.empty(0),
+        }
+
+    def _load_checkpoint(self, path: Path) -> None:
+        meta = read_json(path / "trainer_state.json")
+        state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        # A restart may change the learning rate: the schedule keeps its step, the peak is the new one.
+        self.scheduler.base_lrs = [self.cfg.training.lr for _ in self.scheduler.base_lrs]
+        self.scheduler.lr_lambdas = [lr_lambda(self.cfg, self.max_steps)]
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["initial_lr"] = self.cfg.training.lr
+            group["lr"] = self.cfg.training.lr * self.scheduler.lr_lambdas[0](meta["step"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and state["cuda_rng"].numel():
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.step = int(meta["step"])
+        self.commits = Commits.from_checkpoint(meta["committed"])
+        self.wandb_id = meta.get("wandb_id")
+
+    def save_checkpoint(self) -> None:
+        """Write checkpoints/step-N atomically (a temporary folder renamed whole), then point latest.json at it."""
+        if self.rank == 0:
+            self.state = "checkpointing"
+            self.write_status()
+            root = self.run_dir.checkpoints
+            name = f"step-{self.step:08d}"
+            tmp = root / f".{name}.{os.getpid()}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            export_zlab(self.drafter, tmp / "drafter", dtype=None)
+            torch.save(self.state_dict(), tmp / "train_state.pt")
+            atomic_write_json(tmp / "trainer_state.json", {
+                "step": self.step,
+                "max_steps": self.max_steps,
+                "incarnation": self.incarnation,
+                "committed": self.commits.trained_state(),
+                "wandb_id": self.wandb_id,
+                "lr": self.cfg.training.lr,
+                "saved": time.time(),
+            })
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+            final = root / name
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            atomic_write_json(root / "latest.json", {"name": name, "step": self.step})
+            kept = sorted(p for p in root.glob("step-*") if p.is_dir())
+            for old in kept[: -self.cfg.training.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+            log.info("checkpoint %s written", name)
+            self.state = "training"
+        if self.world_size > 1:
+            dist.barrier()
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def next_batch(self) -> tuple[Received | None, float]:
+        """The next staged batch and the seconds we waited for it (starved time)."""
+        started = time.perf_counter()
+        while not self.stop_requested:
+            received = self.feeder.get(timeout=0.5)
+            if received is not None:
+                return received, time.perf_counter() - started
+            if self.feeder.refusal:
+                raise ConfigError(f"a producer refused this trainer: {self.feeder.refusal}")
+        return None, time.perf_counter() - started
+
+    def train_step(self, received: Received) -> dict[str, torch.Tensor]:
+        """Forward, backward, clip, optimizer and scheduler step; metrics stay on the device."""
+        self.model.train()
+        with self.autocast:
+            loss, metrics = self.model(received.batch, self.cfg.drafter.num_anchors, self.generator,
+                                       self.step / max(1, self.max_steps))
+        loss.backward()
+        clip = self.cfg.training.grad_clip or float("inf")
+        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return metrics
+
+    def record(self, received: Received) -> None:
+        """Mark the step's batches trained (all ranks) and append the ledger line (rank 0)."""
+        mine = [received.producer, received.ordinal, received.cursor, received.batch.epoch,
+                received.batch.sample_ids.tolist()]
+        everyone = [mine]
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, mine)
+        for producer, ordinal, cursor, _, _ in everyone:
+            self.commits.mark_trained(producer, ordinal, cursor)
+        if self.ledger is not None:
+            samples = [[p, epoch, s] for p, _, _, epoch, ids in everyone for s in ids]
+            batches = [[p, o] for p, o, _, _, _ in everyone]
+            self.ledger.write(json.dumps({"step": self.step, "incarnation": self.incarnation,
+                                          "samples": samples, "batches": batches}) + "\n")
+            self.ledger.flush()
+
+    def run(self) -> str:
+        self.feeder.start()
+        self.state = "training"
+        self.write_status()
+        window = _Window()
+        while self.step < self.max_steps and not self.stop_requested:
+            received, starved = self.next_batch()
+            if received is None:
+                break
+            started = time.perf_counter()
+            metrics = self.train_step(received)
+            self.step += 1
+            self.record(received)
+            window.add(received, metrics, starved, time.perf_counter() - started, self._flops(received))
+            if self.step % self.cfg.logging.log_every == 0 or self.step == self.max_steps:
+                self.log_metrics(window)
+                window = _Window()
+            if self.step % self.cfg.training.checkpoint_every == 0 and self.step < self.max_steps:
+                self.save_checkpoint()
+        finished = self.step >= self.max_steps
+        self.save_checkpoint()  # always on the last step, and on a requested stop
+        self.state = "finished" if finished else "stopped"
+        return self.state
+
+    def _flops(self, received: Received) -> float:
+        """Model FLOPs of this batch's step (forward + backward), for MFU."""
+        tokens = received.batch.num_tokens
+        if tokens not in self.flops_cache:
+            counts = train_flops_per_sample(self.draft_config, tokens, self.cfg.drafter.num_anchors)
+            self.flops_cache[tokens] = counts["total"]
+        return self.flops_cache[tokens]
+
+    def log_metrics(self, window: _Window) -> None:
+        if self.rank != 0:
+            return
+        record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], **window.summary(), "time": time.time()}
+        for producer, stats in sorted(self.feeder.producer_stats().items()):
+            ring = stats.get("ring", {})
+            slots = max(1, ring.get("slots", 1))
+            prefix = f"producer/{producer}"
+            record[f"{prefix}/up"] = int(stats.get("up", False))
+            for key in ("free", "filling", "ready", "leased"):
+                record[f"ring/{producer}/{key}"] = ring.get(key, 0) / slots
+            record[f"{prefix}/tokens_per_s"] = stats.get("tokens_per_s", 0.0)
+            record[f"{prefix}/blocked_fraction"] = stats.get("blocked_fraction", 0.0)
+            batching = stats.get("batching", {})
+            for key in ("padding_efficiency", "mean_seq_len", "mean_docs_per_batch", "mean_tokens_per_batch"):
+                if key in batching:
+                    record[f"data/{producer}/{key}"] = batching[key]
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=self.step)
+        self.last_record = record
+        self.write_status()
+        if self.cfg.logging.progress:
+            print(f"step {self.step}/{self.max_steps}  loss {record['loss']:.3f}  tau {record['tau']:.2f}  "
+                  f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s  starved {record['starved_fraction']:.0%}",
+                  flush=True)
+
+    def write_status(self) -> None:
+        if self.rank != 0:
+            return
+        last = getattr(self, "last_record", {})
+        atomic_write_json(self.run_dir.trainer_status, {
+            "pid": os.getpid(), "incarnation": self.incarnation, "step": self.step,
+            "max_steps": getattr(self, "max_steps", None), "state": self.state, "updated": time.time(),
+            "loss": last.get("loss"), "tau": last.get("tau"), "tokens_per_s": last.get("tokens_per_s"),
+        })
+
+    def close(self) -> None:
+        self.feeder.close()
+        self.write_status()
+        for f in (self.ledger, self.metrics_file):
+            if f is not None:
+                f.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.world_size > 1:
+            dist.destroy_process_group()
+
+
+class _Window:
+    """Metrics of the steps since the last log line; read from the device only when logged."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.steps = 0
+        self.tokens = 0
+        self.docs = 0
+        self.starved = 0.0
+        self.step_time = 0.0
+        self.flops = 0.0
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, received: Received, metrics: dict[str, torch.Tensor], starved: float, step_time: float, flops: float) -> None:
+        self.steps += 1
+        self.tokens += received.batch.num_tokens
+        self.docs += received.batch.num_docs
+        self.starved += starved
+        self.step_time += step_time
+        self.flops += flops
+        for key in ("loss", "tau", "grad_norm", "acc"):
+            value = metrics[key].detach().float()
+            self.sums[key] = self.sums[key] + value if key in self.sums else value
+
+    def summary(self) -> dict:
+        wall = time.perf_counter() - self.started
+        out = {key: (value / self.steps).tolist() for key, value in self.sums.items()}
+        acc = out.pop("acc")
+        for k, a in enumerate(acc, start=1):
+            out[f"acc/{k}"] = a
+        out.update({
+            "tokens_per_s": self.tokens / wall,
+            "samples_per_s": self.docs / wall,
+            "step_time_s": self.step_time / self.steps,
+            "starved_fraction": self.starved / wall,
+            "tflops": self.flops / wall / 1e12,
+        })
+        return out
+
+
+def run_trainer(run_dir: str | Path) -> int:
+    root = RunDir(run_dir)
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # die with the launcher
+    except OSError:
+        pass
+    try:
+        cfg = load_config(root.config)
+    except ConfigError as exc:
+        log.error("configuration error: %s", exc)
+        return EXIT_CONFIG_ERROR
+    trainer = None
+
+    def request_stop(signum, _frame):
+        log.info("signal %d: finishing the step, then checkpoint and exit", signum)
+        if trainer is not None:
+            trainer.stop_requested = True
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        trainer = Trainer(cfg, root)
+    except ConfigError as exc:
+        log.error("configuration error: %s", exc)
+        return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        return 0
+    try:
+        state = trainer.run()
+    except ConfigError as exc:
+        log.error("%s", exc)
+        trainer.state = "stopped"
+        return EXIT_CONFIG_ERROR
+    finally:
+        trainer.close()
+    log.info("trainer %s at step %d", state, trainer.step)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="DFlash trainer: trains the drafter from the producers' rings.")
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer-r{os.environ.get('RANK', 0)} %(levelname)s %(message)s")
+    return run_trainer(args.run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
