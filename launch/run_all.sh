@@ -12,7 +12,9 @@
 # Everything else (devices, CUDA detection, restarts) is in launch/supervisor.py.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [ -x "$ROOT/.venv/bin/python" ]; then
+if [ -n "${DFLASH_PYTHON:-}" ]; then
+  PY="$DFLASH_PYTHON"  # an interpreter chosen by the caller (tests use their own)
+elif [ -x "$ROOT/.venv/bin/python" ]; then
   PY="$ROOT/.venv/bin/python"
 else
   PY=python3

@@ -363,6 +363,8 @@ class Supervisor:
         self.signals: list[int] = []
         self.restart_requested = False
         self._last_record: dict | None = None
+        self._last_shown_step: int | None = None
+        self._progress_width = 0
 
     def _make_trainer(self) -> ManagedProcess:
         devices = trainer_devices(self.cfg, self.has_cuda)
@@ -412,6 +414,7 @@ class Supervisor:
                 if exit_code is None and self.restart_requested:
                     self._handle_restart_request()
                 self._write_launcher_json()
+                self._show_progress()
                 if exit_code is None:
                     time.sleep(POLL_INTERVAL_S)
         finally:
@@ -419,6 +422,25 @@ class Supervisor:
             self.state = self.outcome
             self._write_launcher_json(exit_code)
         return exit_code
+
+    def _show_progress(self) -> None:
+        """A live progress line from trainer.json and the producers' status files."""
+        status = read_json(self.run.trainer_status) or {}
+        step = status.get("step")
+        if step is None or step == self._last_shown_step:
+            return
+        self._last_shown_step = step
+        rates = [p.get("tokens_per_s", 0.0) for p in self.run.producer_statuses()]
+        parts = [f"step {step}/{status.get('max_steps')}"]
+        if status.get("loss") is not None:
+            parts += [f"loss {status['loss']:.3f}", f"tau {status['tau']:.2f}", f"train {status['tokens_per_s']:.0f} tok/s"]
+        parts.append("producers " + " ".join(f"{r:.0f}" for r in rates) + " tok/s")
+        line = "  ".join(parts)
+        if sys.stdout.isatty():
+            print("\r" + line.ljust(self._progress_width), end="", flush=True)
+            self._progress_width = len(line)
+        elif status.get("loss") is not None:  # trainer.json changes at each metrics line
+            print(line, flush=True)
 
     # -- producers
 

@@ -10,6 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("DFLASH_PYTHON", sys.executable)  # launch/run_all.sh runs the tests' interpreter
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

@@ -1,0 +1,178 @@
+"""The whole pipeline on CPU through launch/run_all.sh: real producers, trainer, supervisor.
+
+Each test runs a small synthetic epoch (2 producers) and audits the sample ledger: in the
+checkpoint lineage (for every step, the line of the latest trainer incarnation) every sample of
+epoch 0 appears exactly once, and nothing appears twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from common.rundir import RunDir, read_json
+from producer.order import OrderConfig, ShardOrder
+from wandb_log import history
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_SAMPLES = 160
+SMALL = [
+    f"data.num_samples={NUM_SAMPLES}", "data.mean_len=48", "data.min_len=16", "data.max_seq_len=256",
+    "batching.token_budget=512", "batching.window_docs=32", "drafter.num_anchors=32",
+    "training.checkpoint_every=8", "logging.log_every=4", "ring.heartbeat_interval_s=0.25",
+    "ring.heartbeat_timeout_s=2.0", "launch.restart_backoff_s=0.5",
+]
+
+
+def run_all(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(ROOT / "launch" / "run_all.sh"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    log = open(run_dir.parent / "launcher.out", "w")
+    return subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL, *overrides],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(predicate, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def trainer_step(run: RunDir) -> int:
+    return (read_json(run.trainer_status) or {}).get("step", 0)
+
+
+def producer_pids(run: RunDir) -> dict[int, int]:
+    return {s["id"]: s["pid"] for s in run.producer_statuses()}
+
+
+def finish(launcher: subprocess.Popen, run_dir: Path, timeout: float = 240.0) -> None:
+    try:
+        code = launcher.wait(timeout=timeout)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGINT)
+            launcher.wait(timeout=60)
+    output = (run_dir.parent / "launcher.out").read_text()
+    assert code == 0, output[-3000:]
+
+
+def lineage(run: RunDir) -> list[dict]:
+    """For each step, the ledger line of the latest incarnation that wrote it."""
+    by_step: dict[int, dict] = {}
+    for line in run.ledger.read_text().splitlines():
+        record = json.loads(line)
+        current = by_step.get(record["step"])
+        if current is None or record["incarnation"] >= current["incarnation"]:
+            by_step[record["step"]] = record
+    steps = sorted(by_step)
+    assert steps == list(range(1, len(steps) + 1)), "the lineage has a line for every step"
+    return [by_step[s] for s in steps]
+
+
+def shard(producer: int, epoch: int) -> set[int]:
+    order = ShardOrder(NUM_SAMPLES, OrderConfig(seed=0, num_shards=2, shard_index=producer))
+    return {int(i) for i in order.epoch_ids(epoch)}
+
+
+def assert_exactly_once(run: RunDir, both_past_epoch0: bool = True) -> Counter:
+    """Nothing trained twice; every producer that went on to epoch 1 delivered all of its epoch 0."""
+    lines = lineage(run)
+    triples = Counter(tuple(t) for line in lines for t in line["samples"])
+    repeated = [t for t, n in triples.items() if n > 1]
+    assert not repeated, f"trained twice: {repeated[:5]}"
+    finished = {p for (p, epoch, _) in triples if epoch >= 1}
+    if both_past_epoch0:
+        assert finished == {0, 1}, "the run should take both shards past epoch 0"
+    for producer in finished:
+        got = {sample for (p, epoch, sample) in triples if p == producer and epoch == 0}
+        missing = shard(producer, 0) - got
+        assert not missing, f"producer {producer}: {len(missing)} samples of epoch 0 never trained"
+    return Counter(line["incarnation"] for line in lines)
+
+
+@pytest.fixture
+def run_dir(short_tmp) -> Path:
+    return short_tmp / "run"
+
+
+def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
+    launcher = start(run_dir, "training.max_steps=60")
+    finish(launcher, run_dir)
+    run = RunDir(run_dir)
+    assert read_json(run.trainer_status)["state"] == "finished"
+    assert (run.checkpoints / "step-00000060" / "drafter" / "model.safetensors").is_file()
+    assert len(list(run.checkpoints.glob("step-*"))) == 2  # keep_last = 2 in tiny.toml
+    metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    assert metrics[-1]["step"] == 60 and all(f"ring/{p}/free" in metrics[-1] for p in (0, 1))
+    rows = history(run_dir)
+    assert rows and all("ring/0/ready" in row and "ring/1/leased" in row for row in rows), "wandb holds the ring series"
+    assert {"loss", "tau", "producer/0/tokens_per_s", "starved_fraction"} <= set(rows[-1])
+    lines = lineage(run)
+    assert len(lines) == 60 and {p for line in lines for p, _, _ in line["samples"]} == {0, 1}
+
+
+def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=2")
+    run = RunDir(run_dir)
+    wait_for(lambda: trainer_step(run) >= 12, "step 12")
+    producers = producer_pids(run)
+    victim = read_json(run.trainer_status)["pid"]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: (read_json(run.trainer_status) or {}).get("pid") not in (None, victim), "a new trainer")
+    finish(launcher, run_dir)
+    assert producer_pids(run) == producers, "targets were not reloaded"
+    incarnations = assert_exactly_once(run)
+    assert len(incarnations) == 2
+    assert read_json(run.trainer_status)["state"] == "finished"
+
+
+def test_restart_trainer_with_a_new_learning_rate(run_dir):
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=2", "training.lr=1e-3", "training.warmup_ratio=0.0",
+                     "training.min_lr_ratio=1.0")
+    run = RunDir(run_dir)
+    wait_for(lambda: trainer_step(run) >= 10, "step 10")
+    producers = producer_pids(run)
+    answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4")
+    assert answer.returncode == 0, answer.stdout + answer.stderr
+    refused = run_all("restart-trainer", "--run-dir", str(run_dir), "drafter.num_layers=3")
+    assert refused.returncode == 2 and "drafter.num_layers" in refused.stdout + refused.stderr
+    finish(launcher, run_dir)
+    assert producer_pids(run) == producers
+    assert_exactly_once(run)
+    metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    rates = {round(m["lr"], 8) for m in metrics}
+    assert rates == {1e-3, 2e-4}, rates  # constant schedule: the old rate, then the new one
+    assert metrics[-1]["lr"] == pytest.approx(2e-4)
+
+
+def test_kill9_producer_trainer_keeps_going_and_shard_resumes(run_dir):
+    # Long enough that producer 0 is back (a fresh process loads its target) well before the end.
+    launcher = start(run_dir, "training.max_steps=300", "training.checkpoint_every=50", "logging.log_every=10")
+    run = RunDir(run_dir)
+    wait_for(lambda: trainer_step(run) >= 8, "step 8")
+    before = producer_pids(run)
+    os.kill(before[0], signal.SIGKILL)
+    killed_at_step = trainer_step(run)
+    wait_for(lambda: producer_pids(run).get(0) not in (None, before[0]) and (read_json(run.producer_status(0)) or {}).get("ready"),
+             "producer 0 restarted")
+    finish(launcher, run_dir)
+    after = producer_pids(run)
+    assert after[1] == before[1] and after[0] != before[0]
+    assert_exactly_once(run)
+    assert trainer_step(run) > killed_at_step
+    metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    assert any(m["producer/0/up"] == 0 for m in metrics), "the trainer reported producer 0 down and kept training"
