@@ -73,9 +73,11 @@ def matmul_tflops(device: torch.device, size: int, repeats: int = 20) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
-def build_drafter(config: DraftConfig, variant: str, device: torch.device, chunk_rows: int) -> DFlashDrafter:
+def build_drafter(config: DraftConfig, variant: str, device: torch.device, chunk_rows: int,
+                  master_fp32: bool = False) -> DFlashDrafter:
     head = TargetHead.random(config.vocab_size, config.hidden_size, torch.bfloat16, device)
-    drafter = DFlashDrafter(config, head, LossConfig(chunk_rows=chunk_rows)).to(device=device, dtype=torch.bfloat16)
+    param_dtype = torch.float32 if master_fp32 else torch.bfloat16
+    drafter = DFlashDrafter(config, head, LossConfig(chunk_rows=chunk_rows)).to(device=device, dtype=param_dtype)
     if variant == "compile-layers":
         for layer in drafter.layers:
             layer.compile(dynamic=False)
@@ -87,14 +89,16 @@ def build_drafter(config: DraftConfig, variant: str, device: torch.device, chunk
 def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, device: torch.device,
                   peak_tflops: float) -> dict:
     torch.manual_seed(0)
-    drafter = build_drafter(config, variant, device, args.chunk_rows)
+    drafter = build_drafter(config, variant, device, args.chunk_rows, args.master_fp32)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.master_fp32)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
     batch = random_batch(config, args.seq_len, args.num_docs, device)
     generator = torch.Generator(device=device).manual_seed(0)
     prepared = drafter.prepare(batch, args.num_anchors, generator, args.compile_mask)
 
     def step(prepared):
-        loss, metrics = drafter.forward_train(batch, args.num_anchors, generator, prepared=prepared)
+        with autocast:
+            loss, metrics = drafter.forward_train(batch, args.num_anchors, generator, prepared=prepared)
         loss.backward()
         # Next step's anchors and masks are queued while the GPU still runs this backward.
         next_prepared = drafter.prepare(batch, args.num_anchors, generator, args.compile_mask)
@@ -139,6 +143,8 @@ def main() -> None:
     parser.add_argument("--num-docs", type=int, default=4, help="documents packed in the sequence")
     parser.add_argument("--chunk-rows", type=int, default=2048, help="head/loss rows per chunk")
     parser.add_argument("--compile-mask", action="store_true", help="compile create_block_mask")
+    parser.add_argument("--master-fp32", action="store_true",
+                        help="fp32 parameters and optimizer under bf16 autocast (what trainer.train does)")
     parser.add_argument("--matmul-size", type=int, default=None, help="size of the reference matmul (8192)")
     args = parser.parse_args()
 

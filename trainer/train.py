@@ -128,6 +128,10 @@ class Trainer:
             self.drafter = load_drafter(latest / "drafter", self.head, self.loss_config).to(self.device)
         else:
             self.drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config).to(self.device)
+        if cfg.training.compile if cfg.training.compile is not None else self.device.type == "cuda":
+            # Fuses norms, rotary and SwiGLU per layer; token counts vary, so shapes are dynamic.
+            for layer in self.drafter.layers:
+                layer.compile(dynamic=True)
         self.model: nn.Module = _TrainStep(self.drafter)
         if self.world_size > 1:
             self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)

@@ -1,0 +1,149 @@
+"""Benchmark: time from restart-trainer to the first new optimizer step, against stopping and
+starting the whole pipeline (targets reloaded), on the same run.
+
+    python -m launch.bench_restart             # Qwen3-8B-shaped target and draft, one GPU
+    python -m launch.bench_restart --tiny      # the tiny CPU default (smoke run)
+
+Sequence: start the pipeline and wait for training to run; ``restart-trainer`` with a changed
+learning rate and time until the new trainer's first step; ``stop`` and a fresh ``run_all.sh`` on
+the same run directory (it resumes) and time until its first step. The trainer writes trainer.json
+every step here (logging.log_every=1), so steps are seen within the launcher's poll.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common.rundir import RunDir, read_json
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3_8B = {
+    "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}
+
+
+def overrides_for(tiny: bool, run_dir: Path) -> list[str]:
+    common = ["training.max_steps=1000000", "training.checkpoint_every=1000000", "logging.log_every=1",
+              "logging.progress=false", "launch.restart_backoff_s=0.5"]
+    if tiny:
+        return common
+    config_json = run_dir.parent / "qwen3-8b.json"
+    config_json.write_text(json.dumps(QWEN3_8B))
+    return common + [
+        f'target.config_json="{config_json}"', 'target.dtype="bfloat16"', "target.config_overrides={}",
+        "data.num_samples=100000", "data.mean_len=1000", "data.min_len=32", "data.max_seq_len=3072", "data.max_step=63",
+        "batching.token_budget=3072", "batching.window_docs=256",
+        "drafter.num_layers=5", "drafter.block_size=16", "drafter.num_anchors=512",
+        'ring.backend="cuda"', "ring.num_slots=4", "ring.heartbeat_interval_s=1.0", "ring.heartbeat_timeout_s=30.0",
+        'launch.producer_devices=["cuda:0"]', 'launch.trainer_devices=["cuda:0"]', "training.lr=6e-4",
+    ]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def trainer(run: RunDir) -> dict:
+    return read_json(run.trainer_status) or {}
+
+
+def launch(run_dir: Path, overrides: list[str], log_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *overrides],
+                            cwd=ROOT, stdout=open(log_path, "a"), stderr=subprocess.STDOUT)
+
+
+def first_step_after(run: RunDir, old_incarnation: int | None, timeout: float) -> tuple[float, int]:
+    """Wait for a trainer other than ``old_incarnation`` to finish a step past the latest checkpoint."""
+
+    def ready():
+        status = trainer(run)
+        latest = read_json(run.checkpoints / "latest.json") or {"step": 0}
+        fresh = status.get("incarnation") not in (None, old_incarnation)
+        if fresh and status.get("state") == "training" and status.get("step", 0) > latest["step"]:
+            return status["incarnation"]
+        return None
+
+    incarnation = wait_for(ready, timeout, "the first step of a new trainer")
+    return time.monotonic(), incarnation
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--warm-steps", type=int, default=5, help="steps before the restart (compilation done)")
+    args = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="df-restart-", dir="/tmp"))
+    run_dir = tmp / "run"
+    run = RunDir(run_dir)
+    log_path = tmp / "launcher.log"
+    overrides = overrides_for(args.tiny, run_dir)
+    results: dict[str, float] = {}
+
+    started = time.monotonic()
+    launcher = launch(run_dir, overrides, log_path)
+    try:
+        wait_for(lambda: len([s for s in run.producer_statuses() if s.get("ready")]) >= 1, args.timeout, "producers ready")
+        results["cold_producers_ready_s"] = time.monotonic() - started
+        t, inc = first_step_after(run, None, args.timeout)
+        results["cold_first_step_s"] = t - started
+        wait_for(lambda: trainer(run).get("step", 0) >= args.warm_steps, args.timeout, "warm steps")
+        producer_pids = {s["id"]: s["pid"] for s in run.producer_statuses()}
+
+        # 1. restart-trainer: producers and their rings stay; only the trainer is replaced.
+        t0 = time.monotonic()
+        answer = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "restart-trainer", "--run-dir", str(run_dir),
+                                 "training.lr=3e-4"], cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        if answer.returncode != 0:
+            raise RuntimeError(answer.stdout + answer.stderr)
+        t1, inc2 = first_step_after(run, inc, args.timeout)
+        results["restart_trainer_to_first_step_s"] = t1 - t0
+        assert {s["id"]: s["pid"] for s in run.producer_statuses()} == producer_pids, "producers were not touched"
+
+        # 2. the whole pipeline: stop everything, start again on the same run directory (resume).
+        t2 = time.monotonic()
+        stopped = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        launcher.wait(timeout=args.timeout)
+        results["full_stop_s"] = time.monotonic() - t2
+        if stopped.returncode != 0:
+            raise RuntimeError(stopped.stdout + stopped.stderr)
+        t3 = time.monotonic()
+        launcher = launch(run_dir, [], log_path)
+        t4, _ = first_step_after(run, inc2, args.timeout)
+        results["full_start_to_first_step_s"] = t4 - t3
+        results["full_restart_to_first_step_s"] = t4 - t2
+    finally:
+        subprocess.run([str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)], cwd=ROOT,
+                       capture_output=True, timeout=300)
+        if launcher.poll() is None:
+            launcher.kill()
+    speedup = results["full_restart_to_first_step_s"] / results["restart_trainer_to_first_step_s"]
+    print(f"\n{'measure':40s} {'seconds':>9s}")
+    for key, value in results.items():
+        print(f"{key:40s} {value:9.1f}")
+    print(f"{'full restart / restart-trainer':40s} {speedup:9.1f}x")
+    print(json.dumps({"bench": "restart", "tiny": args.tiny, **results, "speedup": speedup,
+                      "log": str(log_path)}))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "restart_launcher.log").write_text(log_path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
