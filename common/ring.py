@@ -248,7 +248,9 @@ class CudaRing:
         except BaseException:
             lib.cuMemFree_v2(ptr.value)
             raise
-        return cls(device, ptr.value, num_slots, slot_bytes, owner=True, handle=bytes(handle.reserved))
+        # Not bytes(handle.reserved): a c_char array stops at its first NUL byte.
+        handle_bytes = ctypes.string_at(ctypes.addressof(handle), ctypes.sizeof(handle))
+        return cls(device, ptr.value, num_slots, slot_bytes, owner=True, handle=handle_bytes)
 
     @classmethod
     def attach(cls, spec: dict) -> CudaRing:
@@ -270,7 +272,7 @@ class CudaRing:
         torch.cuda.init()
         torch.cuda.synchronize(local)  # makes the primary context current on this thread
         handle = _IpcHandle()
-        ctypes.memmove(handle.reserved, handle_bytes, 64)
+        ctypes.memmove(ctypes.addressof(handle), handle_bytes, 64)
         ptr = ctypes.c_uint64()
         lazy_peer_access = 1
         _Driver.check(

@@ -82,6 +82,14 @@ def first_step_after(run: RunDir, old_incarnation: int | None, timeout: float) -
     return time.monotonic(), incarnation
 
 
+class _Results(dict):
+    """Prints each figure as soon as it is measured (a run cut short still reports what it got)."""
+
+    def __setitem__(self, key: str, value: float) -> None:
+        super().__setitem__(key, value)
+        print(f"{key:40s} {value:9.1f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
@@ -93,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     run = RunDir(run_dir)
     log_path = tmp / "launcher.log"
     overrides = overrides_for(args.tiny, run_dir)
-    results: dict[str, float] = {}
+    results = _Results()
 
     started = time.monotonic()
     launcher = launch(run_dir, overrides, log_path)
@@ -131,17 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         subprocess.run([str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)], cwd=ROOT,
                        capture_output=True, timeout=300)
+        if os.environ.get("OUT"):  # the device machine keeps nothing: bring the logs back
+            for path in [log_path, *sorted((run_dir / "logs").glob("*.log"))][:5]:
+                Path(os.environ["OUT"], f"restart_{path.name}").write_text(path.read_text()[-200_000:])
         if launcher.poll() is None:
             launcher.kill()
     speedup = results["full_restart_to_first_step_s"] / results["restart_trainer_to_first_step_s"]
-    print(f"\n{'measure':40s} {'seconds':>9s}")
-    for key, value in results.items():
-        print(f"{key:40s} {value:9.1f}")
     print(f"{'full restart / restart-trainer':40s} {speedup:9.1f}x")
     print(json.dumps({"bench": "restart", "tiny": args.tiny, **results, "speedup": speedup,
                       "log": str(log_path)}))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "restart_launcher.log").write_text(log_path.read_text())
     return 0
 
 

@@ -134,3 +134,21 @@ def test_one_mask_per_layer_type():
     masks = build_masks(blocks, ["sliding_attention", "full_attention", "sliding_attention"], 6, dense=True)
     assert set(masks) == {"sliding_attention", "full_attention"}
     assert masks["sliding_attention"].sum() < masks["full_attention"].sum()
+
+
+def test_padding_document_changes_no_real_block():
+    """The trainer pads batches to a fixed length with one extra document; real blocks must not
+    see it, so the loss is the same with and without it (same anchors)."""
+    from trainer.feeder import pad_packed
+    from trainer.loss import LossConfig
+    from trainer.model import DFlashDrafter
+    from tests.drafter_fixtures import random_batch, random_head, tiny_config
+
+    config = tiny_config()
+    drafter = DFlashDrafter(config, random_head(config), LossConfig())
+    batch = random_batch([40, 25, 33], config, seed=3)
+    padded = PackedBatch.from_tensors(pad_packed(batch.tensors(), 128))
+    assert padded.num_tokens == 128 and padded.cu_seqlens.tolist()[-2:] == [98, 128]
+    loss, _ = drafter.forward_train(batch, 16, torch.Generator().manual_seed(0))
+    padded_loss, _ = drafter.forward_train(padded, 16, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(padded_loss, loss)

@@ -67,7 +67,8 @@ def finish(launcher: subprocess.Popen, run_dir: Path, timeout: float = 240.0) ->
             launcher.send_signal(signal.SIGINT)
             launcher.wait(timeout=60)
     output = (run_dir.parent / "launcher.out").read_text()
-    assert code == 0, output[-3000:]
+    logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-2500:] for p in sorted((run_dir / "logs").glob("*.log")))
+    assert code == 0, output[-3000:] + logs
 
 
 def lineage(run: RunDir) -> list[dict]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.batch import position_ids
-from common.config import TargetConfig, load_config, save_config
+from common.config import load_config, save_config
 from common.naming import SHM_DIR
 from common.rundir import RunDir, read_json
 from common.transport import HandshakeRefused, RingClient
@@ -70,7 +70,7 @@ def test_features_match_a_plain_forward_and_shutdown_is_clean(run_dir):
     batches = receive(client, 3)
     client.close()
 
-    model = load_target_model(TargetConfig(dtype="float32", device="cpu"))  # same seed: same weights
+    model = load_target_model(load_config(run_dir.config).target)  # same config and seed: same weights
     for batch in batches:
         t = batch["tensors"]
         cu = t["cu_seqlens"].tolist()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.batch import PackedBatch
+from common.ring import RingMemoryError
 from common.rundir import RunDir
 from common.transport import HandshakeRefused, HandshakeTimeout, RingClient
 
@@ -93,6 +94,31 @@ class Received:
     ordinal: int
     cursor: list
     meta: dict
+    sample_ids: list[int]
+    """The batch's documents (``batch`` may carry one more: the padding)."""
+    num_tokens: int
+    """Real tokens of the batch, padding excluded."""
+
+
+def pad_packed(tensors: dict[str, torch.Tensor], total: int) -> dict[str, torch.Tensor]:
+    """Pad a packed batch to ``total`` tokens with one extra document that no block can see.
+
+    Fixed shapes let compiled kernels (and flex attention) be built once instead of once per
+    batch length. The padding has no loss tokens, so it never holds an anchor, and attention
+    never crosses documents, so no real block sees it.
+    """
+    extra = total - int(tensors["input_ids"].numel())
+    if extra <= 0:
+        return tensors
+    out = dict(tensors)
+    for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+        if name in tensors:
+            t = tensors[name]
+            out[name] = torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])
+    cu = tensors["cu_seqlens"]
+    out["cu_seqlens"] = torch.cat([cu, cu.new_full((1,), total)])
+    out["sample_ids"] = torch.cat([tensors["sample_ids"], tensors["sample_ids"].new_full((1,), -1)])
+    return out
 
 
 @dataclass
@@ -109,7 +135,7 @@ class Feeder:
 
     def __init__(self, run_dir: RunDir, *, consumer_id: str, incarnation: int, expect: dict, commits: Commits,
                  device: torch.device, credits: int, heartbeat_interval_s: float, handshake_timeout_s: float,
-                 depth: int = 4) -> None:
+                 depth: int = 4, pad_to: int | None = None) -> None:
         self.run_dir = run_dir
         self.consumer_id = consumer_id
         self.incarnation = incarnation
@@ -119,9 +145,12 @@ class Feeder:
         self.credits = credits
         self.heartbeat_interval_s = heartbeat_interval_s
         self.handshake_timeout_s = handshake_timeout_s
+        self.pad_to = pad_to
         self.queue: queue.Queue[Received] = queue.Queue(maxsize=depth)
         self.links: dict[int, _Link] = {}
         self.refusal: str | None = None
+        """Why a producer refused us, or why its ring could not be opened: fatal for the trainer."""
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="feeder", daemon=True)
@@ -164,6 +193,9 @@ class Feeder:
                     got_any |= self._pump(link)
                 if not got_any:
                     time.sleep(0.002)
+        except BaseException as exc:  # the trainer's main thread re-raises it
+            log.exception("feeder failed")
+            self.error = exc
         finally:
             for link in self.links.values():
                 if link.client is not None:
@@ -188,6 +220,11 @@ class Feeder:
                 client.close("refused")
                 self.refusal = str(exc)
                 log.error("%s", exc)
+                continue
+            except RingMemoryError as exc:
+                client.close("cannot open ring")
+                self.refusal = f"cannot open producer {producer}'s ring: {exc}"
+                log.error("%s", self.refusal)
                 continue
             except (HandshakeTimeout, OSError) as exc:
                 client.close("no answer")
@@ -236,13 +273,20 @@ class Feeder:
     def _copy_out(self, producer: int, delivery) -> Received:
         """Copy the slot's tensors into our memory and wait for the copy: after this the slot is free."""
         meta = delivery.meta
+        sample_ids = delivery.tensors["sample_ids"].tolist()
+        num_tokens = int(delivery.tensors["input_ids"].numel())
         if self._copy_stream is not None:
             with torch.cuda.stream(self._copy_stream):
-                tensors = {k: v.to(self.device, non_blocking=True) for k, v in delivery.tensors.items()}
+                # copy=True: a ring on our own GPU would otherwise be aliased, not copied.
+                tensors = {k: v.to(self.device, non_blocking=True, copy=True) for k, v in delivery.tensors.items()}
+                if self.pad_to:
+                    tensors = pad_packed(tensors, self.pad_to)
             self._copy_stream.synchronize()
         else:
             tensors = {k: v.clone() for k, v in delivery.tensors.items()}
+            if self.pad_to:
+                tensors = pad_packed(tensors, self.pad_to)
         batch = PackedBatch.from_tensors(tensors, epoch=int(meta["epoch"]), meta=meta)
         ordinal, cursor = int(meta["ordinal"]), list(meta["cursor"])
         self.commits.mark_received(producer, ordinal, cursor)
-        return Received(batch, producer, ordinal, cursor, meta)
+        return Received(batch, producer, ordinal, cursor, meta, sample_ids, num_tokens)

@@ -128,10 +128,12 @@ class Trainer:
             self.drafter = load_drafter(latest / "drafter", self.head, self.loss_config).to(self.device)
         else:
             self.drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config).to(self.device)
-        if cfg.training.compile if cfg.training.compile is not None else self.device.type == "cuda":
-            # Fuses norms, rotary and SwiGLU per layer; token counts vary, so shapes are dynamic.
+        self.compiled = cfg.training.compile if cfg.training.compile is not None else self.device.type == "cuda"
+        if self.compiled:
+            # Fuses norms, rotary and SwiGLU per layer. Batches are padded to the token budget
+            # (see pad_packed), so shapes are fixed and each kernel is compiled once.
             for layer in self.drafter.layers:
-                layer.compile(dynamic=True)
+                layer.compile(dynamic=False)
         self.model: nn.Module = _TrainStep(self.drafter)
         if self.world_size > 1:
             self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -153,6 +155,7 @@ class Trainer:
             run_dir, consumer_id=f"trainer/r{self.rank}", incarnation=self.incarnation, expect=self.expect,
             commits=self.commits, device=self.device, credits=cfg.ring.credits,
             heartbeat_interval_s=cfg.ring.heartbeat_interval_s, handshake_timeout_s=cfg.ring.handshake_timeout_s,
+            pad_to=cfg.batching.token_budget if self.compiled else None,
         )
         self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
@@ -304,6 +307,8 @@ class Trainer:
                 return received, time.perf_counter() - started
             if self.feeder.refusal:
                 raise ConfigError(f"a producer refused this trainer: {self.feeder.refusal}")
+            if self.feeder.error is not None:
+                raise RuntimeError("the feeder thread failed") from self.feeder.error
         return None, time.perf_counter() - started
 
     def train_step(self, received: Received) -> dict[str, torch.Tensor]:
@@ -322,8 +327,7 @@ class Trainer:
 
     def record(self, received: Received) -> None:
         """Mark the step's batches trained (all ranks) and append the ledger line (rank 0)."""
-        mine = [received.producer, received.ordinal, received.cursor, received.batch.epoch,
-                received.batch.sample_ids.tolist()]
+        mine = [received.producer, received.ordinal, received.cursor, received.batch.epoch, received.sample_ids]
         everyone = [mine]
         if self.world_size > 1:
             everyone = [None] * self.world_size
@@ -363,7 +367,7 @@ class Trainer:
 
     def _flops(self, received: Received) -> float:
         """Model FLOPs of this batch's step (forward + backward), for MFU."""
-        tokens = received.batch.num_tokens
+        tokens = received.num_tokens  # useful work only: padding is not counted
         if tokens not in self.flops_cache:
             counts = train_flops_per_sample(self.draft_config, tokens, self.cfg.drafter.num_anchors)
             self.flops_cache[tokens] = counts["total"]
@@ -434,8 +438,8 @@ class _Window:
 
     def add(self, received: Received, metrics: dict[str, torch.Tensor], starved: float, step_time: float, flops: float) -> None:
         self.steps += 1
-        self.tokens += received.batch.num_tokens
-        self.docs += received.batch.num_docs
+        self.tokens += received.num_tokens
+        self.docs += len(received.sample_ids)
         self.starved += starved
         self.step_time += step_time
         self.flops += flops
