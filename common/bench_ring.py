@@ -83,8 +83,7 @@ def consume(args: argparse.Namespace) -> int:
             if args.copy:
                 dest.copy_(delivery.tensors["payload"], non_blocking=True)
                 sync()
-            client.ack(delivery)
-            client.grant(1)
+            client.ack(delivery, grant=1)
             received += 1
     elapsed = time.perf_counter() - started
     handoff_gbps = args.count * args.slot_bytes / elapsed / 1e9

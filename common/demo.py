@@ -114,8 +114,7 @@ def run_consumer(args: argparse.Namespace) -> int:
             if args.hold:
                 continue
             _sleep_us(rng, args.max_delay_us)
-            client.ack(delivery)
-            client.grant(1)
+            client.ack(delivery, grant=1)
     # Wait for one heartbeat sent after the last batch, so the producer's statistics are current.
     client.producer_stats = {}
     beat_deadline = time.monotonic() + 5

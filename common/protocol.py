@@ -8,7 +8,7 @@ eval: dtype names and message types are looked up in fixed tables.
 Conversation (consumer = DEALER, producer = ROUTER):
     consumer HELLO  -> producer WELCOME | REFUSE
     producer BATCH  (one per lease, only while the consumer has credit)
-    consumer ACK    (slot released; the consumer never reads it again)
+    consumer ACK    (slot released; the consumer never reads it again; may carry credit)
     consumer CREDIT (room for n more batches)
     both     HEARTBEAT (producer's carries its statistics)
     consumer BYE    (leases go back to the ring at once)
@@ -194,15 +194,18 @@ class Batch(Message):
 
 @dataclass(frozen=True)
 class Ack(Message):
-    """Consumer -> producer: I am done with this slot."""
+    """Consumer -> producer: I am done with this slot (and, with ``credit``, send me more)."""
 
     TYPE: ClassVar[str] = "ack"
     slot: int
     generation: int
+    credit: int = 0
+    """Credits granted with the ack: one message per slot instead of two."""
 
     def check(self) -> None:
         _int("slot", self.slot, 0, 1 << 20)
         _int("generation", self.generation)
+        _int("credit", self.credit, 0, 1 << 20)
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,12 @@ class Bye(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (Hello, Welcome, Refuse, Batch, Ack, Credit, Heartbeat, Bye)
 }
+# Field names and required fields per type, computed once: decode runs for every message.
+_FIELD_NAMES = {cls: frozenset(f.name for f in fields(cls)) for cls in MESSAGE_TYPES.values()}
+_REQUIRED = {
+    cls: frozenset(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+    for cls in MESSAGE_TYPES.values()
+}
 
 
 def decode(frame: bytes) -> Message:
@@ -260,9 +269,8 @@ def decode(frame: bytes) -> Message:
     # Refuse is readable across versions so that a version mismatch can be explained to the peer.
     if body.get("v") != PROTOCOL_VERSION and cls is not Refuse:
         raise VersionMismatch(body.get("v"))
-    names = {f.name for f in fields(cls)}
-    given = set(body) - {"v", "t"}
-    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+    names, required = _FIELD_NAMES[cls], _REQUIRED[cls]
+    given = body.keys() - {"v", "t"}
     if not given <= names:
         raise ProtocolError(f"{kind}: unknown fields {sorted(given - names)[:4]}")
     if not required <= given:

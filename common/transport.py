@@ -260,6 +260,8 @@ class RingServer:
         consumer.last_seen = time.monotonic()
         if isinstance(message, Ack):
             self.slots.release(identity, message.slot, message.generation)
+            if message.credit:
+                consumer.credits = min(consumer.credits + message.credit, 1 << 20)
         elif isinstance(message, Credit):
             consumer.credits = min(consumer.credits + message.n, 1 << 20)
         elif isinstance(message, Bye):
@@ -441,13 +443,17 @@ class RingClient:
                 self.last_heard = time.monotonic()
                 return message
 
-    def poll(self, timeout_s: float = 0.0) -> list[Delivery]:
-        """Receive what has arrived (waiting up to ``timeout_s`` for the first); send heartbeats."""
-        deliveries: list[Delivery] = []
+    def keepalive(self) -> None:
+        """Send our heartbeat if one is due, receiving nothing (for a caller busy elsewhere)."""
         now = time.monotonic()
         if now >= self._next_beat:
             self._send(Heartbeat())
             self._next_beat = now + self.heartbeat_interval_s
+
+    def poll(self, timeout_s: float = 0.0) -> list[Delivery]:
+        """Receive what has arrived (waiting up to ``timeout_s`` for the first); send heartbeats."""
+        deliveries: list[Delivery] = []
+        self.keepalive()
         wait_ms = timeout_s * 1000
         while self._sock.poll(wait_ms, zmq.POLLIN):
             wait_ms = 0
@@ -469,10 +475,10 @@ class RingClient:
         tensors = read_tensors(self.ring.slot(message.slot), list(message.layout))
         return Delivery(message.slot, message.generation, message.seq, message.meta, tensors)
 
-    def ack(self, delivery: Delivery) -> None:
-        """Give the slot back. The caller must not touch ``delivery.tensors`` afterwards."""
+    def ack(self, delivery: Delivery, grant: int = 0) -> None:
+        """Give the slot back (granting ``grant`` more batches). Do not touch ``delivery.tensors`` after."""
         delivery.tensors = {}
-        self._send(Ack(slot=delivery.slot, generation=delivery.generation))
+        self._send(Ack(slot=delivery.slot, generation=delivery.generation, credit=grant))
 
     def grant(self, n: int = 1) -> None:
         """Room for ``n`` more batches."""

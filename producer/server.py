@@ -319,12 +319,15 @@ class Producer:
                 return
             if filled.done is not None:
                 filled.done.synchronize()
-            if self.stream.finished(filled.planned.ordinal):
+            ordinal = filled.planned.ordinal
+            if self.stream.is_committed(ordinal):
+                self.server.abort(filled.slot)  # a trainer committed it while we computed it
+            else:
                 self.server.publish(filled.slot, filled.layout, filled.meta)
                 with self._lock:
                     self._published_tokens.append((time.monotonic(), filled.meta["tokens"], self.server.slots.counters.blocked_s))
-            else:
-                self.server.abort(filled.slot)  # a trainer committed it while we computed it
+            # Only now: until published, a reconciliation must see it as in flight, not lost.
+            self.stream.finished(ordinal)
 
     def serve_forever(self) -> None:
         self.server.start()

@@ -89,11 +89,10 @@ class BatchStream:
                 self._in_flight.add(ordinal)
                 return PlannedBatch(ordinal, cursor, sample_ids)
 
-    def finished(self, ordinal: int) -> bool:
-        """The compute thread is done with ``ordinal``; False if it became committed meanwhile (drop it)."""
+    def finished(self, ordinal: int) -> None:
+        """``ordinal`` is published (or dropped): it is in the ring now, no longer in flight."""
         with self._lock:
             self._in_flight.discard(ordinal)
-            return not self._is_committed(ordinal)
 
     def is_committed(self, ordinal: int) -> bool:
         with self._lock:

@@ -134,3 +134,26 @@ def test_new_incarnation_gets_uncommitted_batches_recomputed(run_dir):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_feeder_with_a_full_queue_loses_no_batch(run_dir):
+    """A slow trainer keeps its staging queue full; batches arriving meanwhile must wait in the
+    socket, not be taken off it and forgotten (they would stay leased and never be trained)."""
+    from trainer.feeder import Commits, Feeder
+
+    proc = start_producer(run_dir)
+    feeder = Feeder(run_dir, consumer_id="trainer/r0", incarnation=1, expect={}, commits=Commits(),
+                    device=torch.device("cpu"), credits=2, heartbeat_interval_s=0.2, handshake_timeout_s=10, depth=1)
+    try:
+        feeder.start()
+        ordinals = []
+        while len(ordinals) < 10:
+            received = feeder.get(timeout=30)
+            assert received is not None, f"stalled after {ordinals}"
+            ordinals.append(received.ordinal)
+            time.sleep(0.3)  # a slow step: the queue refills and more batches arrive meanwhile
+        assert ordinals == list(range(10))
+    finally:
+        feeder.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
