@@ -22,13 +22,19 @@ _IDENTITY_RE = re.compile(r"\.(\d+)-(\d+)(?:\.[a-z]+)?$")
 
 
 def process_start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot, or None if no such process."""
+    """Start time of ``pid`` in clock ticks since boot, or None if it is not running.
+
+    A zombie (exited, not yet reaped) counts as not running: its resources are stale, and a
+    supervisor in that state must not look alive to ``stop`` and ``status``.
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    except (OSError, ValueError):
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
     return int(fields[19])
 
 

@@ -28,11 +28,12 @@ def atomic_write_json(path: Path, data: dict) -> None:
 
 
 def read_json(path: Path) -> dict | None:
-    """The JSON object in ``path``, or None if it does not exist or is not (yet) valid."""
+    """The JSON object in ``path``, or None when it is missing, unreadable or not an object."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 class RunDir:

@@ -18,8 +18,10 @@ import json
 import os
 from pathlib import Path
 
+from common.naming import process_start_ticks
 from common.rundir import RunDir as SharedRunDir
 from common.rundir import atomic_write_json as write_json_atomic
+from common.rundir import read_json
 
 __all__ = ["RunDir", "write_json_atomic", "read_json", "last_json_line", "process_start_ticks", "process_alive"]
 
@@ -56,15 +58,6 @@ class RunDir(SharedRunDir):
             folder.mkdir(parents=True, exist_ok=True)
 
 
-def read_json(path: Path) -> dict | None:
-    """The JSON object in ``path``, or None when it is missing or unreadable."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def last_json_line(path: Path, tail_bytes: int = 65536) -> dict | None:
     """The last complete JSON object of a JSON-lines file (read from its end), or None."""
     try:
@@ -83,22 +76,6 @@ def last_json_line(path: Path, tail_bytes: int = 65536) -> dict | None:
         if isinstance(data, dict):
             return data
     return None
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of a live (non-zombie) process in clock ticks since boot, else None.
-
-    Unlike ``common.naming.process_start_ticks`` a zombie counts as dead: a supervisor that has
-    exited but not yet been reaped by its parent must not look alive to ``stop`` and ``status``.
-    """
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (OSError, ValueError):
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
 
 
 def process_alive(pid: int | None, start_ticks: int | None = None) -> bool:

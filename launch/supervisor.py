@@ -597,8 +597,16 @@ class Supervisor:
     # -- shutdown
 
     def _stop_process(self, process: ManagedProcess, timeout_s: float) -> None:
-        """SIGTERM, wait up to ``timeout_s``, then SIGKILL the group."""
+        """SIGTERM, then wait for the exit (SIGKILL of the group after ``timeout_s``)."""
         process.send(signal.SIGTERM)
+        self._await_exit(process, timeout_s)
+
+    def _await_exit(self, process: ManagedProcess, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a process already told to stop, then SIGKILL its group.
+
+        Never a second SIGTERM: one arriving while Python shuts down (handlers back to default)
+        kills a process that was exiting cleanly.
+        """
         returncode = process.wait(timeout_s, hurry=self._hurry)
         if returncode is None:
             log.warning("%s pid %d did not exit in time: SIGKILL", process.name, process.pid)
@@ -618,7 +626,7 @@ class Supervisor:
             producer.send(signal.SIGTERM)
         deadline = time.monotonic() + PRODUCER_STOP_TIMEOUT_S
         for producer in running:
-            self._stop_process(producer, max(0.0, deadline - time.monotonic()))
+            self._await_exit(producer, max(0.0, deadline - time.monotonic()))
 
     def _write_launcher_json(self, exit_code: int | None = None) -> None:
         record = {

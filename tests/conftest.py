@@ -34,6 +34,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))
 
 
+def _child_pids(parent: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children
+
+
+@pytest.fixture(autouse=True)
+def no_orphan_processes():
+    """Whatever a test started and did not stop (say, after a failed assertion) is killed here,
+    so no producer outlives its test holding shared memory."""
+    yield
+    import signal
+
+    for pid in _child_pids(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.fixture
 def short_tmp(tmp_path_factory):
     """A short directory for ipc sockets (their paths are limited to ~100 characters)."""
