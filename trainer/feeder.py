@@ -98,6 +98,8 @@ class Received:
     """The batch's documents (``batch`` may carry one more: the padding)."""
     num_tokens: int
     """Real tokens of the batch, padding excluded."""
+    prepared: object = None
+    """Its anchors and block masks, once the trainer built them ahead of its step."""
 
 
 def pad_packed(tensors: dict[str, torch.Tensor], total: int) -> dict[str, torch.Tensor]:

@@ -49,8 +49,8 @@ class _TrainStep(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, batch, num_anchors: int, generator: torch.Generator, step_fraction: float):
-        return self.drafter.forward_train(batch, num_anchors, generator, step_fraction)
+    def forward(self, batch, num_anchors: int, generator: torch.Generator, step_fraction: float, prepared=None):
+        return self.drafter.forward_train(batch, num_anchors, generator, step_fraction, prepared=prepared)
 
 
 def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
@@ -160,6 +160,7 @@ class Trainer:
         self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
         self.flops_cache: dict[int, float] = {}
+        self._upcoming: Received | None = None
         log.info("trainer rank %d/%d on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters",
                  self.rank, self.world_size, self.device, self.incarnation,
                  f"resumed from {latest.name}" if latest else "fresh start", self.step, self.max_steps,
@@ -300,6 +301,9 @@ class Trainer:
 
     def next_batch(self) -> tuple[Received | None, float]:
         """The next staged batch and the seconds we waited for it (starved time)."""
+        if self._upcoming is not None:
+            received, self._upcoming = self._upcoming, None
+            return received, 0.0
         started = time.perf_counter()
         while not self.stop_requested:
             received = self.feeder.get(timeout=0.5)
@@ -316,14 +320,23 @@ class Trainer:
         self.model.train()
         with self.autocast:
             loss, metrics = self.model(received.batch, self.cfg.drafter.num_anchors, self.generator,
-                                       self.step / max(1, self.max_steps))
+                                       self.step / max(1, self.max_steps), received.prepared)
         loss.backward()
+        self._prepare_upcoming()
         clip = self.cfg.training.grad_clip or float("inf")
         metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return metrics
+
+    def _prepare_upcoming(self) -> None:
+        """Sample the next batch's anchors and build its block masks while the GPU still runs this
+        step's backward, so mask building is off the critical path."""
+        if self._upcoming is None:
+            self._upcoming = self.feeder.get(timeout=0)
+        if self._upcoming is not None and self._upcoming.prepared is None:
+            self._upcoming.prepared = self.drafter.prepare(self._upcoming.batch, self.cfg.drafter.num_anchors, self.generator)
 
     def record(self, received: Received) -> None:
         """Mark the step's batches trained (all ranks) and append the ledger line (rank 0)."""
