@@ -89,16 +89,23 @@ def shard(producer: int, epoch: int) -> set[int]:
     return {int(i) for i in order.epoch_ids(epoch)}
 
 
-def assert_exactly_once(run: RunDir, both_past_epoch0: bool = True) -> Counter:
-    """Nothing trained twice; every producer that went on to epoch 1 delivered all of its epoch 0."""
+def assert_exactly_once(run: RunDir, must_reach: set[int] | None = None) -> Counter:
+    """Nothing trained twice, and every producer that reached epoch 2 delivered all of its epoch 0.
+
+    Why epoch 2: after a trainer restart, batches a producer already had in its ring (possibly of
+    epoch 1) are served before the recomputed ones, so a run that stops just past an epoch boundary
+    may legitimately still owe a few. A producer is never more than its ring, the trainer's credits
+    and staging queue ahead (10 batches here, less than an epoch), so once it trains epoch 2
+    anything of epoch 0 still missing was lost.
+    """
     lines = lineage(run)
     triples = Counter(tuple(t) for line in lines for t in line["samples"])
     repeated = [t for t, n in triples.items() if n > 1]
     assert not repeated, f"trained twice: {repeated[:5]}"
-    finished = {p for (p, epoch, _) in triples if epoch >= 1}
-    if both_past_epoch0:
-        assert finished == {0, 1}, "the run should take both shards past epoch 0"
-    for producer in finished:
+    reached = {p for (p, epoch, _) in triples if epoch >= 2}
+    # The trainer takes from whichever producer has a batch ready, so shards need not advance evenly.
+    assert reached >= (must_reach or set()) and reached, f"only producers {sorted(reached)} reached epoch 2"
+    for producer in reached:
         got = {sample for (p, epoch, sample) in triples if p == producer and epoch == 0}
         missing = shard(producer, 0) - got
         assert not missing, f"producer {producer}: {len(missing)} samples of epoch 0 never trained"
@@ -127,7 +134,7 @@ def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
 
 
 def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=2")
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3")
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 12, "step 12")
     producers = producer_pids(run)
@@ -142,7 +149,7 @@ def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
 
 
 def test_restart_trainer_with_a_new_learning_rate(run_dir):
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=2", "training.lr=1e-3", "training.warmup_ratio=0.0",
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", "training.lr=1e-3", "training.warmup_ratio=0.0",
                      "training.min_lr_ratio=1.0")
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 10, "step 10")
@@ -173,7 +180,7 @@ def test_kill9_producer_trainer_keeps_going_and_shard_resumes(run_dir):
     finish(launcher, run_dir)
     after = producer_pids(run)
     assert after[1] == before[1] and after[0] != before[0]
-    assert_exactly_once(run)
+    assert_exactly_once(run, must_reach={0})
     assert trainer_step(run) > killed_at_step
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     assert any(m["producer/0/up"] == 0 for m in metrics), "the trainer reported producer 0 down and kept training"
