@@ -221,9 +221,12 @@ class Producer:
     def _on_welcome(self, hello: Hello, new_incarnation: bool) -> None:
         if not new_incarnation:
             return
-        in_ring = {payload[1]["ordinal"] for payload in self.server.slots.payloads(SlotState.READY, SlotState.LEASED)}
-        replays = self.stream.reconcile(hello.committed, in_ring)
-        dropped = self.server.slots.discard_ready(lambda payload: self.stream.is_committed(payload[1]["ordinal"]))
+        def ring_ordinals() -> set[int]:
+            return {payload[1]["ordinal"] for payload in self.server.slots.payloads(SlotState.READY, SlotState.LEASED)}
+
+        replays = self.stream.reconcile(hello.committed, ring_ordinals)
+        committed = self.stream.committed_snapshot()
+        dropped = self.server.slots.discard_ready(lambda payload: committed(payload[1]["ordinal"]))
         log.info("trainer incarnation %d: %d committed batches dropped from the ring, %d to recompute",
                  hello.incarnation, len(dropped), replays)
 
@@ -319,15 +322,14 @@ class Producer:
                 return
             if filled.done is not None:
                 filled.done.synchronize()
-            ordinal = filled.planned.ordinal
-            if self.stream.is_committed(ordinal):
-                self.server.abort(filled.slot)  # a trainer committed it while we computed it
-            else:
-                self.server.publish(filled.slot, filled.layout, filled.meta)
+            published = self.stream.publish(
+                filled.planned.ordinal,
+                publish=lambda: self.server.publish(filled.slot, filled.layout, filled.meta),
+                drop=lambda: self.server.abort(filled.slot),  # a trainer committed it while we computed it
+            )
+            if published:
                 with self._lock:
                     self._published_tokens.append((time.monotonic(), filled.meta["tokens"], self.server.slots.counters.blocked_s))
-            # Only now: until published, a reconciliation must see it as in flight, not lost.
-            self.stream.finished(ordinal)
 
     def serve_forever(self) -> None:
         self.server.start()

@@ -16,7 +16,7 @@ fresh begins from the committed state of the latest checkpoint (or the stream st
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from producer.batching import BatchCursor, BatchPlan
@@ -89,25 +89,39 @@ class BatchStream:
                 self._in_flight.add(ordinal)
                 return PlannedBatch(ordinal, cursor, sample_ids)
 
-    def finished(self, ordinal: int) -> None:
-        """``ordinal`` is published (or dropped): it is in the ring now, no longer in flight."""
+    def publish(self, ordinal: int, publish: Callable[[], None], drop: Callable[[], None]) -> bool:
+        """Announce a computed batch (``publish``), or ``drop`` it if a trainer committed it meanwhile.
+
+        Atomic with ``reconcile``: a batch is in flight or in the ring, never neither, so a
+        reconciliation can never miss it (the trainer may consume and ack it the moment it is out).
+        Lock order: this stream's lock, then the ring's.
+        """
         with self._lock:
             self._in_flight.discard(ordinal)
+            if self._is_committed(ordinal):
+                drop()
+                return False
+            publish()
+            return True
 
-    def is_committed(self, ordinal: int) -> bool:
+    def committed_snapshot(self) -> Callable[[int], bool]:
+        """A lock-free test of the current committed state (for use under the ring's lock)."""
         with self._lock:
-            return self._is_committed(ordinal)
+            below, extra = self._committed_below, frozenset(self._committed_extra)
+        return lambda ordinal: ordinal < below or ordinal in extra
 
     def _is_committed(self, ordinal: int) -> bool:
         return ordinal < self._committed_below or ordinal in self._committed_extra
 
-    def reconcile(self, committed: dict | None, in_ring: set[int]) -> int:
+    def reconcile(self, committed: dict | None, ring_ordinals: Callable[[], set[int]]) -> int:
         """Apply a new trainer incarnation's committed state; returns how many batches go to replay.
 
-        ``in_ring``: ordinals now READY or LEASED in the ring (they will be served again as they are).
+        ``ring_ordinals()``: ordinals now READY or LEASED in the ring (they will be served again as
+        they are), read under this stream's lock so that no publish slips in between.
         """
         ordinal, last_cursor, extra = parse_committed(committed)
         with self._lock:
+            in_ring = ring_ordinals()
             if ordinal > self._next_ordinal:
                 # The trainer is ahead of us (we restarted from an older checkpoint): jump forward.
                 self._history.clear()
