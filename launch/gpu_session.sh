@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the project in one go, for one device-tool call (the device
+# machine keeps nothing between calls). Logs and JSON go to $OUT (default ./gpu-out); a summary is
+# printed last. Each step has its own time limit so that one slow step cannot eat the others.
+#   bash launch/gpu_session.sh [tests|ring|producer|step|restart ...]   (default: all)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 DFLASH_PYTHON=${DFLASH_PYTHON:-python3} WANDB_MODE=offline PYTHONPATH=$PWD
+PY=$DFLASH_PYTHON
+steps=${*:-tests ring producer step restart}
+summary=()
+run() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 8 "$OUT/$name.log" | cut -c1-300
+  summary+=("$name rc=$rc")
+}
+for step in $steps; do
+  case $step in
+    tests) run gpu_tests 420 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py ;;
+    ring) run ring 150 $PY -m common.bench_ring --count 100 --json "$OUT/ring.json" ;;
+    producer) run producer 240 $PY -m producer.bench_producer --warmup 30 --seconds 40 ;;
+    step) run step 300 $PY -m trainer.bench_step --variants eager,compile-layers --warmup 3 --steps 10
+          run step_fp32 200 $PY -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
+    restart) run restart 560 $PY -m launch.bench_restart --timeout 240 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+printf '%s\n' "${summary[@]}"

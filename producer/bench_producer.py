@@ -1,0 +1,114 @@
+"""Benchmark: the producer process end to end (data, packing, capture, ring writes, announcements).
+
+    python -m producer.bench_producer                # Qwen3-8B-shaped target on cuda:0, CUDA ring
+    python -m producer.bench_producer --ring host    # page-locked host ring (copies on a side stream)
+    python -m producer.bench_producer --tiny         # the tiny CPU default (smoke run)
+
+A real ``producer.server`` process fills its ring; a consumer in this process takes every batch,
+acks it at once (no training) and counts tokens. After a warm-up the rate over ``--seconds`` is
+the producer's throughput with everything included; the consumer never holds it back, so it is
+what the target GPU delivers. MFU uses the same FLOP count as ``producer.bench_target``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common.config import load_config, save_config
+from common.rundir import RunDir, read_json
+from common.transport import RingClient
+from launch.bench_restart import QWEN3_8B
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--ring", choices=["cuda", "host"], default="cuda")
+    parser.add_argument("--budget", type=int, default=16384, help="tokens per batch (one ring slot)")
+    parser.add_argument("--warmup", type=float, default=20.0, help="seconds before measuring")
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 matmul rate for MFU (measured if omitted)")
+    args = parser.parse_args(argv)
+
+    run = RunDir(Path(tempfile.mkdtemp(prefix="df-prod-", dir="/tmp")) / "run")
+    run.root.mkdir(parents=True)
+    overrides = ["launch.num_producers=1", "training.max_steps=1"]
+    if not args.tiny:
+        config_json = run.root / "qwen3-8b.json"
+        config_json.write_text(json.dumps(QWEN3_8B))
+        overrides += [
+            f'target.config_json="{config_json}"', 'target.dtype="bfloat16"', "target.config_overrides={}",
+            "data.num_samples=100000", "data.mean_len=1000", "data.min_len=32", "data.max_seq_len=3072",
+            "data.max_step=63", f"batching.token_budget={args.budget}", "batching.window_docs=512",
+            "drafter.num_layers=5", f'ring.backend="{args.ring}"', "ring.num_slots=4", "ring.heartbeat_timeout_s=30.0",
+        ]
+    cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
+    save_config(cfg, run.config)
+    device = "cpu" if args.tiny else "cuda:0"
+    producer = subprocess.Popen([sys.executable, "-m", "producer.server", "--run-dir", str(run.root), "--producer-id", "0",
+                                 "--device", device], cwd=ROOT, stdout=open(run.root / "producer.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        started = time.monotonic()
+        while not (read_json(run.producer_status(0)) or {}).get("ready"):
+            if producer.poll() is not None or time.monotonic() - started > 600:
+                raise RuntimeError((run.root / "producer.log").read_text()[-3000:])
+            time.sleep(0.2)
+        ready_s = time.monotonic() - started
+        status = read_json(run.producer_status(0))
+        client = RingClient(status["endpoint"], "bench", 1, credits=4)
+        client.connect(60)
+        tokens = docs = batches = 0
+        lengths: list[int] = []
+        measure_from = time.monotonic() + args.warmup
+        measure_to = measure_from + args.seconds
+        while time.monotonic() < measure_to:
+            for delivery in client.poll(timeout_s=0.05):
+                if time.monotonic() >= measure_from:
+                    tokens += delivery.meta["tokens"]
+                    docs += delivery.meta["docs"]
+                    batches += 1
+                    cu = delivery.tensors["cu_seqlens"].tolist()
+                    lengths += [b - a for a, b in zip(cu[:-1], cu[1:])]
+                client.ack(delivery, grant=1)
+        stats = client.producer_stats
+        client.close()
+    finally:
+        producer.terminate()
+        producer.wait(timeout=60)
+    tokens_per_s = tokens / args.seconds
+    ring = status["ring"]["backend"]
+    result = {"bench": "producer", "tiny": args.tiny, "ring": ring, "budget": cfg.batching.token_budget, "ready_s": ready_s,
+              "tokens_per_s": tokens_per_s, "batches": batches, "docs_per_batch": docs / max(1, batches),
+              "mean_doc_len": sum(lengths) / max(1, len(lengths)), "producer_blocked_fraction": stats.get("blocked_fraction"),
+              "padding_efficiency": stats.get("batching", {}).get("padding_efficiency")}
+    if not args.tiny:
+        from transformers import AutoConfig
+
+        from producer.target import flops_per_document
+
+        peak = args.peak_tflops
+        if peak is None:
+            from trainer.bench_step import matmul_tflops
+            import torch
+
+            peak = matmul_tflops(torch.device("cuda:0"), 8192)
+        config = AutoConfig.for_model(**QWEN3_8B)
+        flops = sum(flops_per_document(config, 34, n) for n in lengths)  # layers 0..33 run
+        result.update({"peak_tflops": peak, "mfu": flops / args.seconds / 1e12 / peak})
+    print(f"\nproducer process ({ring} ring): {tokens_per_s:,.0f} tokens/s over {args.seconds:.0f} s, "
+          f"{batches} batches of {result['docs_per_batch']:.1f} docs (mean {result['mean_doc_len']:.0f} tokens)"
+          + (f", MFU {result['mfu']:.1%}" if "mfu" in result else "") + f"; ready after {ready_s:.1f} s")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
