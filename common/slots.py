@@ -33,7 +33,6 @@ class Slot:
     """Consumer key of the lease (LEASED only)."""
     payload: object = None
     """What the filler attached at publish (layout and metadata)."""
-    leased_at: float = 0.0
 
 
 @dataclass
@@ -122,7 +121,6 @@ class SlotTable:
             slot = min(ready, key=lambda s: s.seq)
             slot.state = SlotState.LEASED
             slot.holder = holder
-            slot.leased_at = time.monotonic()
             self.counters.leased += 1
             return Lease(slot.index, slot.generation, slot.seq, slot.payload)
 
@@ -161,10 +159,6 @@ class SlotTable:
                 self._free(slot)
             self.counters.discarded += len(dropped)
             return payloads
-
-    def held_by(self, holder: object) -> list[int]:
-        with self._cond:
-            return [s.index for s in self._slots if s.state is SlotState.LEASED and s.holder == holder]
 
     def payloads(self, *states: SlotState) -> list[object]:
         """Payloads of the slots in any of ``states`` (a snapshot)."""

@@ -161,12 +161,6 @@ class RingServer:
     def abort(self, index: int) -> None:
         self.slots.abort(index)
 
-    def consumers(self) -> list[dict]:
-        return [
-            {"consumer_id": c.consumer_id, "incarnation": c.incarnation, "pid": c.pid, "credits": c.credits}
-            for c in list(self._consumers.values())
-        ]
-
     def close(self) -> None:
         self._stop.set()
         self._wake()
