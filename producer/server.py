@@ -45,7 +45,7 @@ from producer.batching import BatchPlan, RunningBatchStats, batch_stats
 from producer.data import build_data_source
 from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
-from producer.target import DTYPES, Target
+from producer.target import Target
 from trainer.draft_config import build_target_layer_ids
 
 log = logging.getLogger("producer")

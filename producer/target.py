@@ -432,10 +432,10 @@ __all__ = [
     "Target",
     "TargetConfig",
     "build_target_config",
-    "default_target_layer_ids",
     "document_causal_block_mask",
     "flops_per_document",
     "load_target_model",
     "resolve_attention_backend",
+    "resolve_device",
     "target_identity",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,3 +32,14 @@ def read_event(proc: subprocess.Popen, event: str) -> dict:
         if record.get("event") == event:
             return record
     raise AssertionError(f"process ended without {event!r}: {proc.stderr.read()[-2000:]}")
+
+
+def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 20.0) -> object:
+    """Poll ``predicate`` until it returns something truthy (returned), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -12,9 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import tomllib
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from common.config import load_config
 from common.naming import owner_identity
 from launch import supervisor
 from launch.rundir import RunDir, process_alive, read_json
+from peers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ALL = str(ROOT / "launch" / "run_all.sh")
@@ -45,16 +44,6 @@ def launcher_env(**extra: str) -> dict[str, str]:
     env[supervisor.TRAINER_CMD_ENV] = f"{STANDIN} trainer"
     env.update(extra)
     return env
-
-
-def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 20.0) -> object:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Pipeline:

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from common.rundir import RunDir, read_json
 from producer.order import OrderConfig, ShardOrder
+from peers import wait_for
 from wandb_log import history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,16 +39,6 @@ def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
     log = open(run_dir.parent / "launcher.out", "w")
     return subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL, *overrides],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_for(predicate, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def trainer_step(run: RunDir) -> int:
@@ -136,11 +126,11 @@ def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
 def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
     launcher = start(run_dir, "training.max_steps=0", "training.epochs=3")
     run = RunDir(run_dir)
-    wait_for(lambda: trainer_step(run) >= 12, "step 12")
+    wait_for(lambda: trainer_step(run) >= 12, "step 12", 120)
     producers = producer_pids(run)
     victim = read_json(run.trainer_status)["pid"]
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: (read_json(run.trainer_status) or {}).get("pid") not in (None, victim), "a new trainer")
+    wait_for(lambda: (read_json(run.trainer_status) or {}).get("pid") not in (None, victim), "a new trainer", 120)
     finish(launcher, run_dir)
     assert producer_pids(run) == producers, "targets were not reloaded"
     incarnations = assert_exactly_once(run)
@@ -152,7 +142,7 @@ def test_restart_trainer_with_a_new_learning_rate(run_dir):
     launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", "training.lr=1e-3", "training.warmup_ratio=0.0",
                      "training.min_lr_ratio=1.0")
     run = RunDir(run_dir)
-    wait_for(lambda: trainer_step(run) >= 10, "step 10")
+    wait_for(lambda: trainer_step(run) >= 10, "step 10", 120)
     producers = producer_pids(run)
     answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4")
     assert answer.returncode == 0, answer.stdout + answer.stderr
@@ -171,12 +161,12 @@ def test_kill9_producer_trainer_keeps_going_and_shard_resumes(run_dir):
     # Long enough that producer 0 is back (a fresh process loads its target) well before the end.
     launcher = start(run_dir, "training.max_steps=300", "training.checkpoint_every=50", "logging.log_every=10")
     run = RunDir(run_dir)
-    wait_for(lambda: trainer_step(run) >= 8, "step 8")
+    wait_for(lambda: trainer_step(run) >= 8, "step 8", 120)
     before = producer_pids(run)
     os.kill(before[0], signal.SIGKILL)
     killed_at_step = trainer_step(run)
     wait_for(lambda: producer_pids(run).get(0) not in (None, before[0]) and (read_json(run.producer_status(0)) or {}).get("ready"),
-             "producer 0 restarted")
+             "producer 0 restarted", 120)
     finish(launcher, run_dir)
     after = producer_pids(run)
     assert after[1] == before[1] and after[0] != before[0]

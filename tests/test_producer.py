@@ -1,7 +1,5 @@
 """The producer process: real target, real ring, real sockets; exactly-once replay at HELLO."""
 
-import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.batch import position_ids
 from common.config import load_config, save_config
 from common.naming import SHM_DIR
 from common.rundir import RunDir, read_json

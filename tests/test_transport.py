@@ -1,7 +1,5 @@
 """Producer and consumer processes over real ZeroMQ sockets and a real /dev/shm ring."""
 
-import json
-import os
 import random
 import re
 import signal

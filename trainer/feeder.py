@@ -207,7 +207,7 @@ class Feeder:
     def _discover(self) -> None:
         """Connect to producers that are ready and not connected (first start, or restarted)."""
         for status in self.run_dir.producer_statuses():
-            producer, pid = int(status["id"]), status.get("pid")
+            producer = int(status["id"])
             link = self.links.setdefault(producer, _Link(producer))
             if link.client is not None or not status.get("ready"):
                 continue
