@@ -96,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
 
         peak = args.peak_tflops
         if peak is None:
-            from trainer.bench_step import matmul_tflops
             import torch
+
+            from common.benchutil import matmul_tflops
 
             peak = matmul_tflops(torch.device("cuda:0"), 8192)
         config = AutoConfig.for_model(**QWEN3_8B)

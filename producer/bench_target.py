@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from common.batch import PackedBatch
+from common.benchutil import matmul_tflops, synchronize
 from common.config import TargetConfig
 from producer.target import (
     DTYPES,
@@ -93,26 +94,6 @@ def pack_token_budget(lengths: list[int], budget: int, vocab: int, seed: int) ->
             )
         )
     return batches
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def matmul_rate(device: torch.device, size: int, dtype: torch.dtype) -> float:
-    """Measured dense matmul FLOP/s (the MFU denominator)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    synchronize(device)
-    repeats = 10
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    synchronize(device)
-    return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
 def timed(step: Callable[[int], None], count: int, warmup: int, device: torch.device) -> tuple[float, float]:
@@ -208,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     compile_settings = {"on": [True], "off": [False], "both": [False, True]}[compile_mode]
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    peak = matmul_rate(device, 8192 if device.type == "cuda" else 1024, DTYPES[cfg.dtype])
+    peak = matmul_tflops(device, 8192 if device.type == "cuda" else 1024, DTYPES[cfg.dtype]) * 1e12
     start = time.perf_counter()
     model = load_target_model(cfg)
     synchronize(device)

@@ -19,6 +19,7 @@ import time
 import torch
 
 from common.batch import PackedBatch
+from common.benchutil import matmul_tflops, synchronize
 from trainer.draft_config import DraftConfig
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter, train_flops_per_sample
@@ -52,25 +53,6 @@ def random_batch(config: DraftConfig, seq_len: int, num_docs: int, device: torch
         aux_hidden=torch.randn(seq_len, config.fused_feature_size, generator=gen).to(torch.bfloat16),
     )
     return batch.to(device)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def matmul_tflops(device: torch.device, size: int, repeats: int = 20) -> float:
-    """Measured dense bf16 matmul rate, TFLOP/s."""
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    synchronize(device)
-    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
 def build_drafter(config: DraftConfig, variant: str, device: torch.device, chunk_rows: int,
