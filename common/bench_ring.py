@@ -4,9 +4,10 @@
     python -m common.bench_ring --json out.json
 
 For each placement a real producer process serves a ring and a real consumer process receives
-each slot, copies it into its own memory (CPU tensor, or its GPU), waits for the copy and acks.
-The ceiling is the same copy from the same ring memory, in the same consumer, without the
-protocol. Latency is the announce + ack round trip of a 4 KiB slot with one credit (the
+each slot and copies it into its own memory (CPU tensor, or its GPU); with two credits the copy
+of one slot overlaps the protocol of the next, and a slot is acked once its copy is done. The
+ceiling is the same copies back to back from the same ring memory, in the same consumer, without
+the protocol. Latency is the announce + ack round trip of a 4 KiB slot with one credit (the
 consumer's time between consecutive deliveries; the producer republishes on every ack).
 
 Placements: host ring -> CPU; host ring (page-locked) -> GPU 0; CUDA IPC on one GPU;
@@ -72,6 +73,10 @@ def consume(args: argparse.Namespace) -> int:
         if dest_device.type == "cuda":
             torch.cuda.synchronize(dest_device)
 
+    # Two destination buffers so that a slot's copy overlaps the protocol of the next one, as a
+    # feeder does: copy slot i, then wait for slot i-1's copy and ack it.
+    dests = [dest, torch.empty_like(dest)]
+    in_flight = None
     arrivals: list[float] = []
     received = 0
     started = None
@@ -80,11 +85,21 @@ def consume(args: argparse.Namespace) -> int:
             if received == args.warmup:
                 started = time.perf_counter()
             arrivals.append(time.perf_counter())
+            copied = None
             if args.copy:
-                dest.copy_(delivery.tensors["payload"], non_blocking=True)
-                sync()
-            client.ack(delivery, grant=1)
+                dests[received % 2].copy_(delivery.tensors["payload"], non_blocking=True)
+                if dest_device.type == "cuda":
+                    copied = torch.cuda.Event()
+                    copied.record(torch.cuda.current_stream(dest_device))
+            if in_flight is not None:
+                _finish(client, *in_flight)
+            in_flight = (delivery, copied)
+            if args.credits == 1:  # the next slot comes only after this ack: nothing to overlap
+                _finish(client, *in_flight)
+                in_flight = None
             received += 1
+    if in_flight is not None:
+        _finish(client, *in_flight)
     elapsed = time.perf_counter() - started
     handoff_gbps = args.count * args.slot_bytes / elapsed / 1e9
     # The ceiling: the same copies from the same ring memory, no protocol.
@@ -97,7 +112,7 @@ def consume(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         for i in range(args.count):
             dest.copy_(sources[i % len(sources)], non_blocking=True)
-            sync()
+        sync()
         raw_gbps = args.count * args.slot_bytes / (time.perf_counter() - t0) / 1e9
     gaps = sorted((b - a) * 1e6 for a, b in zip(arrivals[args.warmup :], arrivals[args.warmup + 1 :]))
     result = {
@@ -110,6 +125,13 @@ def consume(args: argparse.Namespace) -> int:
     print(json.dumps({"event": "result", **result}), flush=True)
     client.close()
     return 0
+
+
+def _finish(client: RingClient, delivery, copied) -> None:
+    """Wait until a delivery's copy is done (never read a slot after acking it), then ack it."""
+    if copied is not None:
+        copied.synchronize()
+    client.ack(delivery, grant=1)
 
 
 def _run_pair(name: str, backend: str, dest: str, slot_bytes: int, count: int, copy: bool, credits: int,

@@ -20,9 +20,9 @@ run() {  # name, seconds, command...
 }
 for step in $steps; do
   case $step in
-    tests) run gpu_tests 420 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py ;;
-    ring) run ring 150 $PY -m common.bench_ring --count 100 --json "$OUT/ring.json" ;;
-    producer) run producer 240 $PY -m producer.bench_producer --warmup 30 --seconds 40 ;;
+    tests) run gpu_tests 270 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py ;;
+    ring) run ring 110 $PY -m common.bench_ring --count 100 --json "$OUT/ring.json" ;;
+    producer) run producer 180 $PY -m producer.bench_producer --warmup 20 --seconds 30 ;;
     step) run step 300 $PY -m trainer.bench_step --variants eager,compile-layers --warmup 3 --steps 10
           run step_fp32 200 $PY -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
     restart) run restart 560 $PY -m launch.bench_restart --timeout 240 ;;
