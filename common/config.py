@@ -312,6 +312,38 @@ class LaunchConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Acceptance evaluation by real speculative decoding against the target (trainer/evaluate.py)."""
+
+    every_steps: int = 0
+    """Evaluate every this many optimizer steps (trainer rank 0; eval/* lines in metrics.jsonl); 0: never.
+    A multiple of logging.log_every, so the evaluation follows a metrics line and stays out of its throughput."""
+    num_prompts: int = 8
+    """Held-out documents whose prompts are decoded (and whose teacher-forced tau is the simulated one)."""
+    max_new_tokens: int = 64
+    """Tokens generated per prompt (fewer when the target emits its end-of-sequence token)."""
+    prompt_len: int = 0
+    """Prompt of a held-out document: its first prompt_len tokens; 0: the tokens before its first
+    supervised token (the prompt turn of chat data)."""
+    paths: list[str] = field(default_factory=list)
+    """Held-out files in data.format; empty: synthetic data holds out the documents after
+    data.num_samples (never trained on); other formats need files."""
+    gap_tolerance: float = 0.25
+    """Largest |real - simulated tau| without a warning, as a fraction of the most a block can gain
+    (B - 1). The tiny default ends near 0.17 (real 2.0, simulated 2.5 of B = 4): real decoding meets
+    more blocks where the drafter fails early, and its random target's own text is not the data."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.paths, str):
+            self.paths = [self.paths]
+        _check(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")
+        _check(self.num_prompts >= 1, "num_prompts", f"must be >= 1, got {self.num_prompts}")
+        _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        _check(self.prompt_len >= 0, "prompt_len", f"must be >= 0, got {self.prompt_len}")
+        _check(self.gap_tolerance > 0, "gap_tolerance", f"must be > 0, got {self.gap_tolerance}")
+
+
+@dataclass
 class RunConfig:
     """Everything about one run."""
 
@@ -323,12 +355,23 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         _check(
             self.batching.token_budget >= self.data.max_seq_len,
             "batching.token_budget",
             f"must be >= data.max_seq_len ({self.data.max_seq_len}) so every document fits a slot",
+        )
+        _check(
+            self.eval.every_steps % self.logging.log_every == 0,
+            "eval.every_steps",
+            f"must be a multiple of logging.log_every ({self.logging.log_every}), got {self.eval.every_steps}",
+        )
+        _check(
+            not self.eval.every_steps or self.data.format == "synthetic" or bool(self.eval.paths),
+            "eval.paths",
+            f"must name held-out files to evaluate on data.format={self.data.format!r}",
         )
 
 

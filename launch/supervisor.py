@@ -75,7 +75,7 @@ MAX_IPC_PATH = 100
 
 # Keys restart-trainer may change: the producers never read them. Everything else (target, data,
 # batching, drafter, ring, launch.num_producers/producer_devices) shapes what producers ship.
-TRAINER_ONLY_KEYS = ("training.", "logging.", "launch.trainer_devices", "launch.restart_backoff_s",
+TRAINER_ONLY_KEYS = ("training.", "logging.", "eval.", "launch.trainer_devices", "launch.restart_backoff_s",
                      "launch.max_restarts", "launch.ready_timeout_s")
 # Keys inside those sections that the producers do read.
 PRODUCER_READ_KEYS = {"training.label_mode": "producers ship the target's last hidden state only for target_* labels"}

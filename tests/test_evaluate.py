@@ -1,0 +1,273 @@
+"""Acceptance evaluation: real speculative decoding against a tiny random Qwen3 target on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from common.batch import PackedBatch
+from common.config import ConfigError, RunConfig, load_config, save_config
+from producer.data import build_data_source
+from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
+from trainer.blocks import build_blocks
+from trainer.evaluate import (
+    DraftContext,
+    GreedyTarget,
+    TrainingEvaluation,
+    build_evaluator,
+    greedy_decode,
+    held_out_documents,
+    main,
+    speculative_decode,
+    target_head_of,
+)
+from trainer.export import export_zlab
+from trainer.masks import build_masks
+from trainer.model import DFlashDrafter
+
+LAYER_IDS = [1, 3]
+BLOCK = 4
+SMALL_DATA = ["data.num_samples=20", "data.mean_len=48", "data.min_len=24", "data.max_seq_len=96",
+              "batching.token_budget=128", "drafter.num_anchors=16", "eval.num_prompts=3", "eval.max_new_tokens=24"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Forwards of a few tokens run faster on one thread, and far faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("target")
+    tiny_qwen3_target(directory, vocab_size=64, num_layers=6, hidden=32)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def target_model(target_dir):
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def target(target_model) -> GreedyTarget:
+    return GreedyTarget(target_model, LAYER_IDS)
+
+
+def random_drafter(target_model, **overrides) -> DFlashDrafter:
+    torch.manual_seed(0)
+    config = tiny_config(target_layer_ids=LAYER_IDS, block_size=BLOCK, **overrides)
+    return DFlashDrafter(config, target_head_of(target_model)).eval()
+
+
+class OracleContext:
+    """A constructed drafter that proposes the target's own greedy continuation, except at the slots
+    ``corrupt`` picks (then a wrong token), so acceptance lengths can be steered. It keeps the features
+    it is given, to check what enters the drafter's context."""
+
+    def __init__(self, prompt_len: int, reference: list[int], block_size: int = BLOCK, corrupt=lambda: False):
+        self.prompt_len, self.reference, self.block_size, self.corrupt = prompt_len, reference, block_size, corrupt
+        self.features: list[torch.Tensor] = []
+
+    def extend(self, features: torch.Tensor) -> None:
+        self.features.append(features)
+
+    def propose(self, token: int, position: int) -> torch.Tensor:
+        start = position + 1 - self.prompt_len  # index in the generated text of the token after the anchor
+        right = self.reference[start: start + self.block_size - 1]
+        return torch.tensor([(t + 1) % 64 if self.corrupt() else t for t in right])
+
+
+def prompt(seed: int, length: int = 12) -> torch.Tensor:
+    return torch.randint(0, 63, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_decode_matches_hf_generate(target_model, target):
+    """The reference itself: our cached greedy loop is Hugging Face's greedy generate."""
+    ids = prompt(0)
+    expected = target_model.generate(ids[None], max_new_tokens=20, do_sample=False, pad_token_id=0)[0, 12:]
+    assert greedy_decode(target, ids, 20) == expected.tolist()
+
+
+def test_lossless_with_random_and_partially_right_drafters(target_model, target):
+    flips = torch.Generator().manual_seed(1)
+    seen = set()
+    for seed in range(3):
+        ids = prompt(seed)
+        plain = greedy_decode(target, ids, 40)
+        random_run = speculative_decode(DraftContext(random_drafter(target_model)), target, ids, 40)
+        assert random_run.tokens == plain
+        # Every acceptance length 0..B-1, so the caches are cropped by every amount.
+        oracle = OracleContext(len(ids), greedy_decode(target, ids, 40 + BLOCK),
+                               corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.25))
+        partial = speculative_decode(oracle, target, ids, 40)
+        assert partial.tokens == plain
+        seen.update(partial.accepted)
+    assert seen == set(range(BLOCK))
+
+
+def test_lossless_stops_after_the_stop_token(target_model, target):
+    ids = prompt(3)
+    plain = greedy_decode(target, ids, 30)
+    stop = frozenset({plain[9]})
+    expected = plain[: plain.index(plain[9]) + 1]
+    assert greedy_decode(target, ids, 30, stop) == expected
+    assert speculative_decode(DraftContext(random_drafter(target_model)), target, ids, 30, stop).tokens == expected
+
+
+def test_drafter_context_is_the_kept_tokens_features(target):
+    """After rejections the drafter's context holds the features of exactly the kept tokens, in order:
+    those a single forward over the final text gives."""
+    ids = prompt(6)
+    flips = torch.Generator().manual_seed(2)
+    oracle = OracleContext(len(ids), greedy_decode(target, ids, 40 + BLOCK),
+                           corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.3))
+    decoded = speculative_decode(oracle, target, ids, 40)
+    assert 0 < sum(decoded.accepted) < (BLOCK - 1) * len(decoded.accepted)  # some rejected, some accepted
+    text = torch.cat([ids, torch.tensor(decoded.tokens)])
+    target.reset()
+    _, expected = target.forward(text[:-1], 0, logits=False)  # every kept token but the last (the next anchor)
+    torch.testing.assert_close(torch.cat(oracle.features)[: len(text) - 1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_oracle_drafter_reaches_tau_b(target):
+    ids = prompt(4)
+    new_tokens = 41
+    decoded = speculative_decode(OracleContext(len(ids), greedy_decode(target, ids, new_tokens + BLOCK)),
+                                 target, ids, new_tokens)
+    assert decoded.tokens == greedy_decode(target, ids, new_tokens)
+    assert decoded.accepted == [BLOCK - 1] * 10  # the prefill gives 1 token, each verify forward B = 4
+    assert 1 + sum(decoded.accepted) / len(decoded.accepted) == BLOCK
+
+
+def test_random_drafter_stays_near_one(target_model, target_dir):
+    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4",
+                             "eval.max_new_tokens=32"])
+    drafter = random_drafter(target_model)
+    report = build_evaluator(cfg, target_model, drafter).evaluate(drafter)
+    assert 1.0 <= report.tau < 1.15
+    assert 1.0 <= report.sim_tau < 1.15
+    assert report.tau == pytest.approx(1 + sum(report.accept_pos))
+    assert report.greedy_forwards == report.generated_tokens == 4 * 32
+    assert 0.0 <= report.forwards_saved < 0.15  # about one token per target forward: nothing saved
+    metrics = report.metrics()
+    assert metrics["eval/tau_gap"] == pytest.approx(report.tau - report.sim_tau)
+    assert report.gap_within(0.1)
+    assert not dataclasses.replace(report, tau=1.2, sim_tau=2.5).gap_within(0.25)  # 1.3 > 0.25 * (B - 1)
+    assert {f"eval/accept_pos_{k}" for k in range(1, BLOCK)} <= metrics.keys()
+
+
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
+def test_decoding_drafter_sees_what_training_showed_it(target_model, target, layer_types):
+    """Proposals while decoding equal the training forward's argmax on the same anchors: same context
+    (every token strictly before the anchor), same positions, same sliding window."""
+    overrides = {"layer_types": layer_types, "sliding_window": 5} if layer_types else {}
+    drafter = random_drafter(target_model, **overrides)
+    for name, weight in drafter.named_parameters():  # larger weights, so the argmaxes depend on the context
+        if name.endswith("proj.weight") or name == "fc.weight":
+            torch.nn.init.normal_(weight, std=0.3)
+    ids = prompt(5, length=24)
+    target.reset()
+    _, features = target.forward(ids, 0, logits=False)
+    batch = PackedBatch(input_ids=ids.int(), loss_mask=torch.ones(24, dtype=torch.uint8),
+                        cu_seqlens=torch.tensor([0, 24], dtype=torch.int32), sample_ids=torch.tensor([0]),
+                        aux_hidden=features)
+    config = drafter.config
+    blocks = build_blocks(batch, 24, BLOCK, config.mask_token_id, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = drafter(features, blocks, build_masks(blocks, config.layer_types, config.sliding_window, dense=True))
+        trained = (hidden[:, 1:] @ drafter.target_head.lm_head_weight.T).argmax(-1)
+        for j, anchor in enumerate(blocks.anchors[blocks.valid].tolist()):
+            context = DraftContext(drafter)
+            context.extend(features[:anchor])
+            assert torch.equal(context.propose(int(ids[anchor]), anchor), trained[j]), f"anchor {anchor}"
+    assert blocks.valid.sum() == 23
+
+
+def test_held_out_split_is_disjoint_and_deterministic():
+    cfg = load_config(None, SMALL_DATA)
+    documents = held_out_documents(cfg, vocab_size=64)
+    assert [d.sample_id for d in documents] == [20, 21, 22]  # training uses ids 0 .. 19
+    again = held_out_documents(cfg, vocab_size=64)
+    assert all((a.input_ids == b.input_ids).all() for a, b in zip(documents, again))
+    training = build_data_source(dataclasses.replace(cfg.data, vocab_size=63))
+    assert len(training) == 20
+    for held_out in documents:  # and none repeats a training document
+        assert all(not (training.get(i).input_ids[:24] == held_out.input_ids[:24]).all() for i in range(20))
+
+
+def test_eval_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"^eval\.num_prompts"):
+        load_config(None, ["eval.num_prompts=0"])
+    with pytest.raises(ConfigError, match=r"^eval\.gap_tolerance"):
+        load_config(None, ["eval.gap_tolerance=0"])
+    with pytest.raises(ConfigError, match=r"^eval\.every_steps: must be a multiple of logging\.log_every"):
+        load_config(None, ["eval.every_steps=15", "logging.log_every=10"])
+    with pytest.raises(ConfigError, match=r"^eval\.paths"):
+        load_config(None, ["eval.every_steps=10", "data.format=tokenized", "data.paths=['x.jsonl']"])
+    assert RunConfig().eval.every_steps == 0  # off unless asked for
+    assert load_config("launch/tiny.toml").eval.every_steps > 0
+
+
+def test_training_evaluation_logs_when_due(tmp_path, target_dir, target_model):
+    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32",
+                             "eval.every_steps=4", "logging.log_every=2"])
+    drafter = random_drafter(target_model).train()
+    evaluation = TrainingEvaluation(cfg, torch.device("cpu"))
+    metrics = tmp_path / "metrics.jsonl"
+    with open(metrics, "w") as f:
+        for step in (2, 4, 6, 8):
+            evaluation.maybe_log(step, drafter, f, None)
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [4, 8]
+    assert 1.0 <= lines[0]["eval/tau"] <= BLOCK and "eval/tau_gap" in lines[0] and "eval/accept_pos_3" in lines[0]
+    assert drafter.training  # the drafter goes back to training mode
+
+
+def test_training_evaluation_refuses_another_target(tmp_path, target_dir):
+    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32",
+                             "eval.every_steps=2", "logging.log_every=2"])
+    other = tiny_qwen3_target(tmp_path / "other", vocab_size=64, num_layers=6, hidden=32, seed=1)
+    drafter = random_drafter(other)
+    evaluation = TrainingEvaluation(cfg, torch.device("cpu"))
+    metrics = tmp_path / "metrics.jsonl"
+    with open(metrics, "w") as f:
+        evaluation.maybe_log(2, drafter, f, None)
+    assert evaluation.disabled and metrics.read_text() == ""
+
+
+def test_command_evaluates_a_run_checkpoint(tmp_path, target_dir, target_model, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32"]),
+                run / "config.toml")
+    export_zlab(random_drafter(target_model), run / "checkpoints" / "step-00000010" / "drafter", dtype=None)
+    out_json = tmp_path / "eval.json"
+    assert main(["--checkpoint", str(run / "checkpoints" / "step-00000010"), "--json-out", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "tau (real)" in printed and "tau (simulated)" in printed
+    result = json.loads(printed.strip().splitlines()[-1])
+    assert result == json.loads(out_json.read_text())
+    assert result["num_prompts"] == 3 and 1.0 <= result["tau"] < 1.2 and result["generated_tokens"] == 3 * 24
+
+
+def test_command_refuses_a_target_that_is_not_the_runs(tmp_path, capsys):
+    """A random-weight target rebuilt from the run's config must be the producers' (their head is in RUN/target)."""
+    from producer.target import load_target_model
+
+    run = tmp_path / "run"
+    cfg = load_config(None, [*SMALL_DATA, "target.config_overrides={vocab_size = 64}", "target.dtype=float32"])
+    (run / "checkpoints" / "step-00000010" / "drafter").mkdir(parents=True)
+    save_config(cfg, run / "config.toml")
+    other = load_target_model(dataclasses.replace(cfg.target, seed=1, device="cpu"))
+    other.save_pretrained(run / "target")
+    assert main(["--checkpoint", str(run / "checkpoints" / "step-00000010")]) == 2
+    assert "not the run's" in capsys.readouterr().err

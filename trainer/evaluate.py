@@ -1,0 +1,558 @@
+"""Acceptance evaluation: real greedy speculative decoding of the target with the drafter.
+
+    python -m trainer.evaluate --checkpoint RUN/checkpoints/step-N     # the run's target and held-out data
+    python -m trainer.evaluate --checkpoint DIR --target HF_DIR [--config FILE] [key=value ...]
+
+Each held-out prompt is decoded alone (batch 1), as a server would:
+  1. the target prefills the prompt into its KV cache: the first new token, and the drafter's features
+     (outputs of the captured target layers) of every prompt token;
+  2. the drafter fills the block ``[last kept token, MASK x (B-1)]`` from the features of every kept
+     token before it;
+  3. the target verifies the block in one forward: the drafted tokens that equal its own greedy tokens
+     are kept, plus its token after them (the correction, or a bonus when all B-1 were right);
+  4. the target's KV cache is cropped to the kept tokens, and the drafter's context is extended with the
+     kept tokens' features from that same forward (rejected tokens never enter it). Back to 2.
+Every kept token is the target's greedy choice given the kept prefix, so the text is exactly plain
+greedy decoding (lossless). tau is the mean number of tokens kept per verify forward, correction
+included (1 <= tau <= B).
+
+Next to it the simulated tau: the training metric (teacher-forced blocks, ``trainer.loss.draft_metrics``)
+on the same held-out documents with the same weights. Their gap is what teacher forcing hides: wrong
+feature layers or positions, or a target whose own text differs from the training data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import nn
+
+from common.batch import PackedBatch
+from common.config import ConfigError, EvalConfig, RunConfig, load_config
+from producer.data import Document, build_data_source
+from trainer.blocks import build_blocks
+from trainer.draft_config import SLIDING_ATTENTION
+from trainer.export import load_drafter
+from trainer.loss import LossConfig, draft_loss
+from trainer.masks import build_masks
+from trainer.model import DFlashDrafter
+from trainer.target_head import TargetHead, load_target_head
+
+log = logging.getLogger("trainer.evaluate")
+
+
+# -- the target side ------------------------------------------------------------------------------
+
+
+class GreedyTarget:
+    """The target as a greedy verifier: forwards through its KV cache that return its argmax tokens and
+    the drafter's features of the same tokens.
+
+    Features are the outputs of decoder layers ``layer_ids`` read by forward hooks, i.e. exactly what the
+    producers capture (before the final norm, even for the last layer; HF's ``hidden_states[-1]`` is after
+    it). With ``capture_last`` the last decoder layer's output is kept too (target label modes).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], capture_last: bool = False) -> None:
+        self.model = model
+        layers = model.get_decoder().layers
+        self.layer_ids = list(layer_ids)
+        self.last_layer = len(layers) - 1 if capture_last else None
+        self.device = next(model.parameters()).device
+        # transformers 5 renamed the forward's past_key_values to cache.
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._outputs: dict[int, torch.Tensor] = {}
+        for k in {*self.layer_ids, *([self.last_layer] if capture_last else [])}:
+            layers[k].register_forward_hook(partial(self._keep_output, k))
+        self.cache = None
+
+    def _keep_output(self, layer_id: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        self._outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+    def reset(self) -> None:
+        """Empty the KV cache (a new prompt)."""
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        if hasattr(self.cache, "activate_past_recording"):  # sliding-window layers can then be cropped
+            self.cache.activate_past_recording()
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, start: int,
+                logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Tokens ``[L]`` at positions ``start ..`` through the cache: (the target's greedy next token after
+        each ``[L]``, or None without ``logits``; the drafter's features ``[L, n * H]``)."""
+        positions = torch.arange(start, start + token_ids.shape[0], device=self.device)[None]
+        # In its own dtype as the producers run it, whatever autocast the drafter runs under; logits_to_keep=1
+        # skips the vocabulary-wide head where no token is needed (a long prefill).
+        with torch.autocast(self.device.type, enabled=False):
+            out = self.model(input_ids=token_ids[None].to(self.device), position_ids=positions, use_cache=True,
+                             logits_to_keep=0 if logits else 1, **{self._cache_arg: self.cache})
+        features = torch.cat([self._outputs[k][0] for k in self.layer_ids], dim=-1)
+        return (out.logits[0].argmax(-1) if logits else None), features
+
+    def last_hidden(self) -> torch.Tensor:
+        """``[L, H]`` output of the last decoder layer in the latest forward (needs ``capture_last``)."""
+        return self._outputs[self.last_layer][0]
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions of the KV cache."""
+        extra = self.cache.get_seq_length() - length
+        if extra > 0:
+            self.cache.crop(-extra)  # negative: tokens to remove, the meaning every transformers version shares
+
+
+# -- the drafter side -----------------------------------------------------------------------------
+
+
+class DraftContext:
+    """The drafter during decoding: the fused context of every kept token before the block, and proposals.
+
+    The context is cached fused (``hidden_norm(fc(features))``, one row per kept token); each proposal runs
+    the drafter's own layers on it, so decoding exercises exactly the trained forward.
+    """
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+        config = drafter.config
+        self.block_size = config.block_size
+        self.mask_token_id = config.mask_token_id
+        self.window = config.sliding_window
+        self.ctx = torch.empty(0, config.hidden_size, device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
+
+    def extend(self, features: torch.Tensor) -> None:
+        """Append the target features ``[n, n_layers * H]`` of newly kept tokens."""
+        self.ctx = torch.cat([self.ctx, self.drafter.fuse_context(features)])
+
+    def propose(self, token: int, position: int) -> torch.Tensor:
+        """Greedy draft tokens ``[B - 1]`` for slots 1.. of the block anchored at ``token``, at ``position``
+        (equal to the number of context tokens: the anchor's own features are never context)."""
+        drafter, ctx, device = self.drafter, self.ctx, self.ctx.device
+        block_ids = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=device)
+        block_ids[0] = token
+        block_positions = position + torch.arange(self.block_size, device=device)
+        context_positions = torch.arange(ctx.shape[0], device=device)
+        x = drafter.target_head.embed(block_ids).to(ctx.dtype)
+        block_rope = drafter.rotary(block_positions, ctx.dtype)
+        context_rope = drafter.rotary(context_positions, ctx.dtype)
+        masks = {}
+        for layer_type in dict.fromkeys(drafter.config.layer_types):
+            # The whole context and the whole block; sliding layers only the window before each slot
+            # (the training mask of trainer.masks for one block over one document).
+            context = torch.ones(self.block_size, ctx.shape[0], dtype=torch.bool, device=device)
+            if layer_type == SLIDING_ATTENTION:
+                context = (block_positions[:, None] - context_positions[None, :]) < self.window
+            masks[layer_type] = torch.cat([context, context.new_ones(self.block_size, self.block_size)], dim=1)
+        for layer in drafter.layers:
+            x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
+        head = drafter.target_head.lm_head_weight
+        return (drafter.norm(x)[1:].to(head.dtype) @ head.T).argmax(-1)
+
+
+# -- decoding -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Decoded:
+    """One prompt's speculative decoding."""
+
+    tokens: list[int]
+    """The generated tokens (prompt excluded), cut at max_new_tokens or after the first stop token."""
+    accepted: list[int]
+    """Per verify forward: how many drafted tokens the target accepted (0 .. B-1)."""
+
+
+def _cut(tokens: list[int], max_new_tokens: int, stop_token_ids: frozenset[int]) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    for i, token in enumerate(tokens):
+        if token in stop_token_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+@torch.no_grad()
+def speculative_decode(context: DraftContext, target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: int,
+                       stop_token_ids: frozenset[int] = frozenset()) -> Decoded:
+    """Greedy speculative decoding of ``prompt`` ``[P]`` with a fresh drafter ``context``: the target's greedy
+    text, and what was accepted.
+
+    Blocks are always full; the last one may run past ``max_new_tokens`` or a stop token, and the text is
+    cut there while its acceptance still counts, so tau measures the drafter and not where the text ends.
+    """
+    target.reset()
+    greedy, features = target.forward(prompt, 0)
+    context.extend(features)
+    tokens, accepted = [int(greedy[-1])], []
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_token_ids:
+        anchor = prompt.shape[0] + len(tokens) - 1  # position of the last kept token
+        drafted = context.propose(tokens[-1], anchor)
+        block = torch.cat([drafted.new_tensor([tokens[-1]]), drafted])
+        verified, features = target.forward(block, anchor)  # verified[i]: the target's token after block[:i + 1]
+        num_accepted = int((drafted == verified[:-1]).long().cumprod(0).sum())
+        accepted.append(num_accepted)
+        tokens += drafted[:num_accepted].tolist() + [int(verified[num_accepted])]
+        target.crop(anchor + num_accepted + 1)  # the anchor and the accepted drafts; the correction is next anchor
+        context.extend(features[: num_accepted + 1])
+    return Decoded(_cut(tokens, max_new_tokens, stop_token_ids), accepted)
+
+
+@torch.no_grad()
+def greedy_decode(target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: int,
+                  stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
+    """Plain greedy decoding, one target forward per token: the reference speculative decoding must equal."""
+    target.reset()
+    greedy, _ = target.forward(prompt, 0)
+    tokens = [int(greedy[-1])]
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_token_ids:
+        greedy, _ = target.forward(greedy[-1:], prompt.shape[0] + len(tokens) - 1)
+        tokens.append(int(greedy[-1]))
+    return tokens
+
+
+# -- simulated acceptance ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def simulated_acceptance(drafter: DFlashDrafter, target: GreedyTarget, documents: list[Document], num_anchors: int,
+                         seed: int = 0) -> tuple[float, list[float]]:
+    """The training metric on ``documents``: (tau, acc_k) of teacher-forced blocks at up to ``num_anchors``
+    anchors per document, labelled as ``drafter.loss_config`` says. Dense masks, one document at a time."""
+    config, device = drafter.config, target.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    streaks = blocks_seen = 0.0
+    correct = torch.zeros(config.block_size - 1, device=device)
+    supervised = torch.zeros(config.block_size - 1, device=device)
+    for document in documents:
+        input_ids = torch.as_tensor(document.input_ids, device=device)
+        target.reset()
+        _, features = target.forward(input_ids, 0, logits=False)
+        batch = PackedBatch(input_ids=input_ids, loss_mask=torch.as_tensor(document.loss_mask, device=device),
+                            cu_seqlens=torch.tensor([0, len(document)], dtype=torch.int32, device=device),
+                            sample_ids=torch.tensor([document.sample_id], device=device), aux_hidden=features)
+        blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator)
+        masks = build_masks(blocks, config.layer_types, config.sliding_window, dense=True)
+        hidden = drafter(features, blocks, masks)
+        target_hidden = None
+        if drafter.loss_config.label_mode != "data":
+            head = drafter.target_head
+            target_hidden = head.final_norm(target.last_hidden().to(head.norm_weight.dtype))
+        _, metrics = draft_loss(hidden, blocks, drafter.target_head.lm_head_weight, drafter.loss_config, target_hidden)
+        streaks += float((metrics["tau"] - 1) * metrics["num_blocks"])
+        blocks_seen += float(metrics["num_blocks"])
+        per_slot = blocks.label_mask.float().sum(0)
+        correct += metrics["acc"] * per_slot
+        supervised += per_slot
+    return 1.0 + streaks / max(blocks_seen, 1.0), (correct / supervised.clamp_min(1.0)).tolist()
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+@dataclass
+class AcceptanceReport:
+    """Real and simulated acceptance of one drafter on a set of held-out prompts."""
+
+    block_size: int
+    num_prompts: int
+    tau: float
+    """Mean tokens kept per verify forward, the correction token included (1 .. B)."""
+    accept_pos: list[float]
+    """k = 1..B-1: fraction of verify forwards whose accepted streak reaches slot k (tau = 1 + their sum)."""
+    sim_tau: float
+    """The training metric (teacher-forced tau) on the same held-out documents."""
+    sim_acc: list[float]
+    """Teacher-forced per-slot accuracy acc_k, k = 1..B-1."""
+    generated_tokens: int
+    target_forwards: int
+    """Prefills plus verify forwards."""
+    seconds: float
+
+    @property
+    def tau_gap(self) -> float:
+        """Real minus simulated tau."""
+        return self.tau - self.sim_tau
+
+    def gap_within(self, tolerance: float) -> bool:
+        """Whether |real - simulated tau| is at most ``tolerance`` of the most a block can gain (B - 1)."""
+        return abs(self.tau_gap) <= tolerance * (self.block_size - 1)
+
+    @property
+    def greedy_forwards(self) -> int:
+        """Target forwards plain greedy decoding needs for the same text: one per generated token."""
+        return self.generated_tokens
+
+    @property
+    def forwards_saved(self) -> float:
+        """Fraction of the plain-greedy target forwards that speculative decoding saved."""
+        return 1.0 - self.target_forwards / max(self.greedy_forwards, 1)
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        out = {"tau": self.tau, "sim_tau": self.sim_tau, "tau_gap": self.tau_gap, "forwards_saved": self.forwards_saved,
+               "target_forwards": self.target_forwards, "greedy_forwards": self.greedy_forwards,
+               "generated_tokens": self.generated_tokens, "num_prompts": self.num_prompts, "seconds": self.seconds}
+        out.update({f"accept_pos_{k}": p for k, p in enumerate(self.accept_pos, start=1)})
+        out.update({f"sim_acc_{k}": a for k, a in enumerate(self.sim_acc, start=1)})
+        return {prefix + key: value for key, value in out.items()}
+
+    def table(self) -> str:
+        lines = [
+            f"{self.num_prompts} prompts, {self.generated_tokens} tokens generated, block size {self.block_size}",
+            f"tau (real)       {self.tau:6.3f}   mean tokens per target verify forward (max {self.block_size})",
+            f"tau (simulated)  {self.sim_tau:6.3f}   teacher-forced on the same documents; gap {self.tau_gap:+.3f}",
+            f"target forwards  {self.target_forwards:6d}   vs {self.greedy_forwards} for plain greedy: "
+            f"{self.forwards_saved:.1%} saved",
+            "slot k    accepted (real, streak reaches k)    acc_k (simulated)",
+        ]
+        lines += [f"{k:6d}    {p:10.3f}                           {a:10.3f}"
+                  for k, (p, a) in enumerate(zip(self.accept_pos, self.sim_acc), start=1)]
+        return "\n".join(lines)
+
+
+def prompt_of(document: Document, prompt_len: int) -> torch.Tensor:
+    """The document's first ``prompt_len`` tokens, or with 0 those before its first supervised token."""
+    if prompt_len == 0:
+        supervised = document.loss_mask.nonzero()[0]
+        prompt_len = int(supervised[0]) if supervised.size else len(document)
+    return torch.as_tensor(document.input_ids[:prompt_len], dtype=torch.long)
+
+
+class Evaluator:
+    """Real and simulated acceptance of drafters against one loaded target, on fixed held-out documents."""
+
+    def __init__(self, target_model: nn.Module, documents: list[Document], config: EvalConfig,
+                 layer_ids: list[int], num_anchors: int, capture_last: bool = False,
+                 stop_token_ids: frozenset[int] = frozenset()) -> None:
+        self.target = GreedyTarget(target_model, layer_ids, capture_last)
+        self.documents = [d for d in documents if prompt_of(d, config.prompt_len).numel()]
+        if not self.documents:
+            raise ValueError("no held-out document has a prompt (tokens before its first supervised token); "
+                             "set eval.prompt_len")
+        self.config = config
+        self.num_anchors = num_anchors
+        self.stop_token_ids = frozenset(stop_token_ids)
+
+    @torch.no_grad()
+    def evaluate(self, drafter: DFlashDrafter) -> AcceptanceReport:
+        if list(drafter.config.target_layer_ids) != self.target.layer_ids:
+            raise ValueError(f"drafter reads target layers {drafter.config.target_layer_ids}, "
+                             f"this evaluator captures {self.target.layer_ids}")
+        started = time.perf_counter()
+        was_training, threads = drafter.training, torch.get_num_threads()
+        drafter.eval()
+        if self.target.device.type == "cpu":
+            # Forwards of a few tokens: OpenMP threads cost more than they give (far more on a busy CPU).
+            torch.set_num_threads(1)
+        try:
+            # Eager: layers compiled for the trainer's fixed shapes would recompile for every context length.
+            with torch.compiler.set_stance("force_eager"), _drafter_autocast(self.target.device):
+                decoded = [speculative_decode(DraftContext(drafter), self.target, prompt_of(d, self.config.prompt_len),
+                                              self.config.max_new_tokens, self.stop_token_ids)
+                           for d in self.documents]
+                sim_tau, sim_acc = simulated_acceptance(drafter, self.target, self.documents, self.num_anchors)
+        finally:
+            drafter.train(was_training)
+            torch.set_num_threads(threads)
+        accepted = torch.tensor([n for d in decoded for n in d.accepted], dtype=torch.float64)
+        slots = torch.arange(1, drafter.config.block_size, dtype=torch.float64)
+        accept_pos = ((accepted[:, None] >= slots[None, :]).double().mean(0) if accepted.numel()
+                      else torch.zeros_like(slots))
+        return AcceptanceReport(
+            block_size=drafter.config.block_size, num_prompts=len(decoded),
+            tau=1.0 + (float(accepted.mean()) if accepted.numel() else 0.0), accept_pos=accept_pos.tolist(),
+            sim_tau=sim_tau, sim_acc=sim_acc, generated_tokens=sum(len(d.tokens) for d in decoded),
+            target_forwards=len(decoded) + int(accepted.numel()), seconds=time.perf_counter() - started,
+        )
+
+
+def _drafter_autocast(device: torch.device):
+    """The trainer's autocast for the drafter (bf16 on CUDA); GreedyTarget turns it off for the target."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+# -- building from a run config ------------------------------------------------------------------
+
+
+def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
+    """The first ``eval.num_prompts`` good documents of the held-out split.
+
+    ``eval.paths`` when given (files in ``data.format``); else, for synthetic data, the documents with ids
+    ``data.num_samples ..``: generated exactly like the training ones, which are ids ``0 .. num_samples - 1``,
+    so never trained on.
+    """
+    data = cfg.data
+    if data.format == "synthetic" and data.vocab_size is None:
+        data = dataclasses.replace(data, vocab_size=vocab_size - 1)  # as the producers: the last id stays free
+    tokenizer = None
+    if data.format == "chat" and data.tokenizer is None and cfg.target.path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)  # as the producers: the target's own
+    if cfg.eval.paths:
+        source, first = build_data_source(dataclasses.replace(data, paths=list(cfg.eval.paths)), tokenizer), 0
+    elif data.format == "synthetic":
+        extended = dataclasses.replace(data, num_samples=data.num_samples + cfg.eval.num_prompts)
+        source, first = build_data_source(extended), data.num_samples
+    else:
+        raise ConfigError(f"eval.paths: needs held-out files for data.format={data.format!r}")
+    documents = []
+    for sample_id in range(first, len(source)):
+        document = source.get(sample_id)
+        if document is not None:
+            documents.append(document)
+        if len(documents) == cfg.eval.num_prompts:
+            break
+    return documents
+
+
+def stop_tokens_of(model: nn.Module) -> frozenset[int]:
+    """The target's end-of-sequence ids (none for a config without them)."""
+    eos = getattr(model.config, "eos_token_id", None)
+    return frozenset() if eos is None else frozenset(eos if isinstance(eos, list) else [eos])
+
+
+def target_head_of(model: nn.Module) -> TargetHead:
+    """The loaded target's own embedding, final norm and lm_head (bit-identical by construction)."""
+    base = model.get_decoder()
+    return TargetHead(base.embed_tokens.weight, model.get_output_embeddings().weight, base.norm.weight,
+                      float(getattr(model.config, "rms_norm_eps", 1e-6)))
+
+
+def build_evaluator(cfg: RunConfig, target_model: nn.Module, drafter: DFlashDrafter) -> Evaluator:
+    """An evaluator for ``drafter`` on the held-out split of ``cfg``'s data."""
+    documents = held_out_documents(cfg, int(target_model.config.vocab_size))
+    return Evaluator(target_model, documents, cfg.eval, list(drafter.config.target_layer_ids),
+                     num_anchors=cfg.drafter.num_anchors, capture_last=drafter.loss_config.label_mode != "data",
+                     stop_token_ids=stop_tokens_of(target_model))
+
+
+class TrainingEvaluation:
+    """The periodic evaluation of the trainer (rank 0): every ``eval.every_steps`` steps.
+
+    The target is loaded into the trainer process, on its device, at the first evaluation. Evaluation is
+    auxiliary: if it fails (e.g. a random-weight target drawn on another device type than the producers',
+    so not the target the drafter shares its head with) the error is logged once, evaluation is switched
+    off, and training goes on.
+    """
+
+    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.evaluator: Evaluator | None = None
+        self.disabled = False
+
+    def _build(self, drafter: DFlashDrafter) -> Evaluator:
+        from producer.target import load_target_model
+
+        model = load_target_model(dataclasses.replace(self.cfg.target, device=str(self.device)))
+        loaded, shared = target_head_of(model), drafter.target_head
+        if not (torch.equal(loaded.embed_weight, shared.embed_weight)
+                and torch.equal(loaded.lm_head_weight, shared.lm_head_weight)):
+            raise ValueError("the target loaded for evaluation is not the producers' (embedding or lm_head differ)")
+        return build_evaluator(self.cfg, model, drafter)
+
+    def maybe_log(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str], wandb_run: Any) -> None:
+        """Evaluate when due and write ``eval/*`` at ``step``: a line of its own in metrics.jsonl, and into
+        wandb's row of that step (next to the training tau)."""
+        if step % self.cfg.eval.every_steps or self.disabled:
+            return
+        try:
+            self.evaluator = self.evaluator or self._build(drafter)
+            report = self.evaluator.evaluate(drafter)
+        except Exception:
+            self.disabled = True
+            log.exception("evaluation failed; it is off for the rest of this trainer's life")
+            return
+        metrics = report.metrics()
+        metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
+        metrics_file.flush()
+        if wandb_run is not None:
+            wandb_run.log(metrics, step=step)
+        log.info("eval at step %d: tau %.3f real, %.3f simulated (gap %+.3f), %.1f%% target forwards saved, %.1fs",
+                 step, report.tau, report.sim_tau, report.tau_gap, 100 * report.forwards_saved, report.seconds)
+        if not report.gap_within(self.cfg.eval.gap_tolerance):
+            log.warning("real and simulated tau differ by more than eval.gap_tolerance (%.2f of B - 1): check the "
+                        "target layer ids, the rope settings, the loss mask and whether the data is the target's "
+                        "own text", self.cfg.eval.gap_tolerance)
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def _drafter_dir(checkpoint: Path) -> Path:
+    """An export dir, or a trainer checkpoint (step-N) holding one in ``drafter/``."""
+    return checkpoint / "drafter" if (checkpoint / "drafter" / "config.json").is_file() else checkpoint
+
+
+def _run_dir_of(checkpoint: Path) -> Path | None:
+    """The run directory above a checkpoint (the first parent with a config.toml)."""
+    return next((p for p in checkpoint.resolve().parents if (p / "config.toml").is_file()), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Real greedy speculative decoding of the target with an exported DFlash drafter: tau, "
+                    "per-position acceptance and target forwards saved on held-out data.")
+    parser.add_argument("--checkpoint", required=True, type=Path,
+                        help="exported drafter dir (z-lab or speculators), or a run's checkpoints/step-N")
+    parser.add_argument("--run-dir", type=Path, help="run whose config.toml names the target and data "
+                        "(default: the run the checkpoint is in)")
+    parser.add_argument("--config", type=Path, help="a run TOML instead of a run dir")
+    parser.add_argument("--target", help="Hugging Face target dir (replaces the config's target)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--json-out", type=Path, help="also write the JSON here")
+    parser.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. eval.num_prompts=32")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    run_dir = args.run_dir or (None if args.config else _run_dir_of(args.checkpoint))
+    config_file = args.config or (run_dir / "config.toml" if run_dir else None)
+    overrides = list(args.overrides)
+    if args.target:
+        overrides += [f"target.path={json.dumps(args.target)}", "target.config_overrides={}"]
+    try:
+        cfg = load_config(config_file, overrides)
+        # Random target weights depend on the device type they are drawn on: by default the producers'.
+        device = args.device if args.device != "auto" else next(iter(cfg.launch.producer_devices), "auto")
+        cfg.target = dataclasses.replace(cfg.target, device=device)
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+
+    from producer.target import load_target_model
+
+    model = load_target_model(cfg.target)
+    head = target_head_of(model)
+    produced = run_dir / "target" if run_dir is not None and cfg.target.path is None else None
+    if produced is not None and (produced / "config.json").is_file():
+        shipped = load_target_head(produced, device=head.embed_weight.device)
+        if not torch.equal(shipped.embed_weight, head.embed_weight):
+            print(f"the target built here is not the run's (its head is in {produced}): try --device cpu or the "
+                  "producers' device", file=sys.stderr)
+            return 2
+    loss_config = LossConfig(label_mode=cfg.training.label_mode)
+    drafter = load_drafter(_drafter_dir(args.checkpoint), head, loss_config).to(head.embed_weight.device)
+    report = build_evaluator(cfg, model, drafter).evaluate(drafter)
+    print(report.table())
+    within = report.gap_within(cfg.eval.gap_tolerance)
+    if not within:
+        print(f"the gap exceeds eval.gap_tolerance: {cfg.eval.gap_tolerance} of B - 1 = {report.block_size - 1}")
+    result = {"checkpoint": str(args.checkpoint), **report.metrics(prefix=""), "gap_within_tolerance": within}
+    print(json.dumps(result))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
