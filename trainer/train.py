@@ -370,6 +370,13 @@ class Trainer:
             window.add(received, metrics, starved, time.perf_counter() - started, self._flops(received))
             if self.step % self.cfg.logging.log_every == 0 or self.step == self.max_steps:
                 self.log_metrics(window)
+                if self.rank == 0 and self.cfg.eval.every_steps:
+                    # Acceptance evaluation by real speculative decoding (trainer/evaluate.py); it loads the target
+                    # into this process the first time. Before the window restarts, so it stays out of tokens/s.
+                    from trainer.evaluate import TrainingEvaluation
+
+                    self.evaluation = getattr(self, "evaluation", None) or TrainingEvaluation(self.cfg, self.device)
+                    self.evaluation.maybe_log(self.step, self.drafter, self.metrics_file, self.wandb)
                 window = _Window()
             if self.step % self.cfg.training.checkpoint_every == 0 and self.step < self.max_steps:
                 self.save_checkpoint()
