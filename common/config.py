@@ -203,10 +203,20 @@ class RingConfig:
     """Silence after which a peer is dead and its leases go back to the ring."""
     handshake_timeout_s: float = 60.0
     """How long a consumer waits for WELCOME."""
+    headroom_slots: int = 0
+    """Slots a producer keeps free while its consumers keep taking batches, filled only when they
+    pause (no lease for ``pause_detect_s``) or are absent. On a GPU shared with a trainer rank this
+    moves target work into the trainer's pauses (checkpoints, evaluations) instead of competing
+    with its steps; after a pause the trainer trains from the backlog with the GPU to itself.
+    0: always fill the whole ring (right for a producer with a GPU of its own)."""
+    pause_detect_s: float = 1.0
+    """Seconds without a lease after which a producer treats its consumers as paused (see headroom_slots)."""
 
     def __post_init__(self) -> None:
         _check(self.backend in ("auto", "host", "cuda"), "backend", f"must be auto, host or cuda, got {self.backend!r}")
         _check(self.num_slots >= 1, "num_slots", "must be >= 1")
+        _check(0 <= self.headroom_slots < self.num_slots, "headroom_slots", f"must be in [0, num_slots={self.num_slots})")
+        _check(self.pause_detect_s > 0, "pause_detect_s", "must be > 0")
         _check(self.credits >= 1, "credits", "must be >= 1")
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
         _check(
@@ -253,8 +263,15 @@ class TrainingConfig:
     """Trainer device; auto: cuda when available, else cpu (torchrun: cuda:LOCAL_RANK)."""
     compile: bool | None = None
     """torch.compile the draft layers; None: on CUDA only."""
+    stall_every_steps: int = 0
+    """Benchmark aid: pause the training loop every this many steps (0: never), a stand-in for the
+    evaluations and other pauses of real training. The feeder keeps heartbeats going meanwhile."""
+    stall_s: float = 0.0
+    """Benchmark aid: how long each pause of ``stall_every_steps`` lasts, in seconds."""
 
     def __post_init__(self) -> None:
+        _check(self.stall_every_steps >= 0, "stall_every_steps", "must be >= 0")
+        _check(self.stall_s >= 0, "stall_s", "must be >= 0")
         _check(self.lr > 0 and math.isfinite(self.lr), "lr", f"must be > 0, got {self.lr}")
         _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         _check(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")

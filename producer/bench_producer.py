@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=16384, help="tokens per batch (one ring slot)")
     parser.add_argument("--warmup", type=float, default=20.0, help="seconds before measuring")
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--fixed-len", type=int, default=0,
+                        help="every document this many tokens (default: the chat length mix, mean 1,000)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 matmul rate for MFU (measured if omitted)")
     args = parser.parse_args(argv)
 
@@ -46,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         config_json.write_text(json.dumps(QWEN3_8B))
         overrides += [
             f'target.config_json="{config_json}"', 'target.dtype="bfloat16"', "target.config_overrides={}",
-            "data.num_samples=100000", "data.mean_len=1000", "data.min_len=32", "data.max_seq_len=3072",
+            "data.num_samples=100000", f"data.mean_len={args.fixed_len or 1000}", "data.min_len=32",
+            f"data.max_seq_len={max(3072, args.fixed_len)}",
+            *(['data.length_mode="fixed"'] if args.fixed_len else []),
             "data.max_step=63", f"batching.token_budget={args.budget}", "batching.window_docs=512",
             "drafter.num_layers=5", f'ring.backend="{args.ring}"', "ring.num_slots=4", "ring.heartbeat_timeout_s=30.0",
         ]
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_s = tokens / args.seconds
     ring = status["ring"]["backend"]
     result = {"bench": "producer", "tiny": args.tiny, "ring": ring, "budget": cfg.batching.token_budget, "ready_s": ready_s,
-              "tokens_per_s": tokens_per_s, "batches": batches, "docs_per_batch": docs / max(1, batches),
+              "tokens_per_s": tokens_per_s, "samples_per_s": docs / args.seconds, "batches": batches, "docs_per_batch": docs / max(1, batches),
               "mean_doc_len": sum(lengths) / max(1, len(lengths)), "producer_blocked_fraction": stats.get("blocked_fraction"),
               "padding_efficiency": stats.get("batching", {}).get("padding_efficiency")}
     if not args.tiny:

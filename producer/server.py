@@ -108,6 +108,22 @@ def export_target_head(target: Target, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_shards: int) -> BatchPlan:
+    """The batches of one shard of the run's data, in their deterministic order."""
+    data_cfg = cfg.data
+    if data_cfg.format == "synthetic" and data_cfg.vocab_size is None:
+        # Keep the last id free: with no tokenizer it is the drafter's mask token.
+        data_cfg = dataclasses.replace(data_cfg, vocab_size=target_vocab_size - 1)
+    tokenizer = None
+    if data_cfg.format == "chat" and data_cfg.tokenizer is None and cfg.target.path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
+    source = build_data_source(data_cfg, tokenizer=tokenizer)
+    order = ShardOrder(len(source), OrderConfig(seed=data_cfg.shuffle_seed, num_shards=num_shards, shard_index=shard_index))
+    return BatchPlan(source, order, cfg.batching)
+
+
 @dataclass
 class _Filled:
     slot: int
@@ -142,19 +158,8 @@ class Producer:
         if cfg.target.path is None:
             export_target_head(self.target, run_dir.target_head)
 
-        data_cfg = cfg.data
-        if data_cfg.format == "synthetic" and data_cfg.vocab_size is None:
-            # Keep the last id free: with no tokenizer it is the drafter's mask token.
-            data_cfg = dataclasses.replace(data_cfg, vocab_size=int(self.target.model.config.vocab_size) - 1)
-        tokenizer = None
-        if data_cfg.format == "chat" and data_cfg.tokenizer is None and cfg.target.path is not None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
-        self.source = build_data_source(data_cfg, tokenizer=tokenizer)
         num_shards = len(cfg.launch.producer_devices) or cfg.launch.num_producers
-        order = ShardOrder(len(self.source), OrderConfig(seed=data_cfg.shuffle_seed, num_shards=num_shards, shard_index=producer_id))
-        self.plan = BatchPlan(self.source, order, cfg.batching)
+        self.plan = build_plan(cfg, int(self.target.model.config.vocab_size), producer_id, num_shards)
         self.stream = BatchStream(self.plan, run_dir.committed_for(producer_id))
         # With training.max_steps = 0 the trainer sizes the run from the epoch's batch count.
         self.epoch_batches = (
@@ -202,6 +207,7 @@ class Producer:
             stats=self._throughput_stats,
         )
         self._filled: queue.Queue[_Filled | None] = queue.Queue()
+        self._leases_seen, self._last_lease = 0, float("-inf")  # for ring.headroom_slots
         self._published_tokens: deque[tuple[float, int, float]] = deque()
         self._lock = threading.Lock()
 
@@ -248,7 +254,7 @@ class Producer:
             "tokens_per_s": round(tokens_per_s, 1),
             "blocked_fraction": round(min(1.0, blocked), 4),
             "batching": self.batch_stats.as_dict(),
-            "data": self.source.stats.as_dict(),
+            "data": self.plan.source.stats.as_dict(),
             "stream": self.stream.position(),
         }
 
@@ -343,6 +349,9 @@ class Producer:
             thread.start()
         try:
             while not self.stop.is_set():
+                if not self._may_fill():
+                    self._hold_back(0.005)
+                    continue
                 slot = self.server.acquire(timeout_s=0.2)
                 if slot is None:
                     continue
@@ -356,6 +365,25 @@ class Producer:
             self._filled.put(None)
             threads[0].join(timeout=30)
             self.close()
+
+    def _may_fill(self) -> bool:
+        """Whether to fill a slot now: always, unless ring.headroom_slots asks to keep some free
+        while the consumers keep taking batches (see RingConfig.headroom_slots)."""
+        headroom = self.cfg.ring.headroom_slots
+        if headroom == 0:
+            return True
+        counters = self.server.slots.counters
+        now = time.monotonic()
+        if counters.leased != self._leases_seen:
+            self._leases_seen, self._last_lease = counters.leased, now
+        if now - self._last_lease > self.cfg.ring.pause_detect_s:
+            return True  # consumers paused or absent: fill the headroom for them
+        return self.server.slots.counts()["free"] > headroom
+
+    def _hold_back(self, seconds: float) -> None:
+        """Wait while the headroom is kept free; counted as blocked time (the ring is full enough)."""
+        self.stop.wait(seconds)
+        self.server.slots.counters.blocked_s += seconds  # only this thread writes blocked_s
 
     def close(self) -> None:
         self.stop.set()

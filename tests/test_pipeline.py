@@ -173,4 +173,4 @@ def test_kill9_producer_trainer_keeps_going_and_shard_resumes(run_dir):
     assert_exactly_once(run, must_reach={0})
     assert trainer_step(run) > killed_at_step
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
-    assert any(m["producer/0/up"] == 0 for m in metrics), "the trainer reported producer 0 down and kept training"
+    assert any(m.get("producer/0/up") == 0 for m in metrics), "the trainer reported producer 0 down and kept training"

@@ -84,6 +84,7 @@ def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, d
         loss.backward()
         # Next step's anchors and masks are queued while the GPU still runs this backward.
         next_prepared = drafter.prepare(batch, args.num_anchors, generator, args.compile_mask)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)  # as the trainer does
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return next_prepared, metrics

@@ -77,7 +77,7 @@ def lr_lambda(cfg: RunConfig, max_steps: int):
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: RunDir) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, coupled: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.rank = int(os.environ.get("RANK", 0))
@@ -86,8 +86,12 @@ class Trainer:
         self.device = resolve_device(cfg, self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.cpu_group = None
         if self.world_size > 1:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            # Per-step bookkeeping (which batches each rank trained) goes through a CPU group: an
+            # object collective on NCCL would wait for the GPU to finish the step (a host sync).
+            self.cpu_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else dist.group.WORLD
         self.stop_requested = False
         self.state = "starting"
         self.step = 0
@@ -95,6 +99,13 @@ class Trainer:
         # The incarnation orders trainer lifetimes: producers drop leases of older ones.
         self.incarnation = self._broadcast(time.time_ns() // 1000)
         self.write_status()
+
+        # The coupled baseline (trainer/coupled.py) loads the target here and exports its head.
+        self.coupled = None
+        if coupled:
+            from trainer.coupled import CoupledSource
+
+            self.coupled = CoupledSource(cfg, run_dir, self.rank, self.world_size, self.device)
 
         # -- the drafter, sharing the target's frozen embedding, final norm and lm_head ----------
         head_dir = Path(cfg.target.path) if cfg.target.path else run_dir.target_head
@@ -151,11 +162,12 @@ class Trainer:
             self._load_checkpoint(latest)
         self.wandb = self._init_wandb()
 
-        self.feeder = Feeder(
+        pad_to = cfg.batching.token_budget if self.compiled else None
+        self.feeder = self.coupled.bind(self.commits, pad_to) if self.coupled else Feeder(
             run_dir, consumer_id=f"trainer/r{self.rank}", incarnation=self.incarnation, expect=self.expect,
             commits=self.commits, device=self.device, credits=cfg.ring.credits,
             heartbeat_interval_s=cfg.ring.heartbeat_interval_s, handshake_timeout_s=cfg.ring.handshake_timeout_s,
-            pad_to=cfg.batching.token_budget if self.compiled else None,
+            pad_to=pad_to,
         )
         self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
@@ -344,14 +356,14 @@ class Trainer:
         everyone = [mine]
         if self.world_size > 1:
             everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, mine)
+            dist.all_gather_object(everyone, mine, group=self.cpu_group)
         for producer, ordinal, cursor, _, _ in everyone:
             self.commits.mark_trained(producer, ordinal, cursor)
         if self.ledger is not None:
             samples = [[p, epoch, s] for p, _, _, epoch, ids in everyone for s in ids]
             batches = [[p, o] for p, o, _, _, _ in everyone]
             self.ledger.write(json.dumps({"step": self.step, "incarnation": self.incarnation,
-                                          "samples": samples, "batches": batches}) + "\n")
+                                          "samples": samples, "batches": batches, "time": time.time()}) + "\n")
             self.ledger.flush()
 
     def run(self) -> str:
@@ -380,10 +392,22 @@ class Trainer:
                 window = _Window()
             if self.step % self.cfg.training.checkpoint_every == 0 and self.step < self.max_steps:
                 self.save_checkpoint()
+            if self.cfg.training.stall_every_steps and self.step % self.cfg.training.stall_every_steps == 0:
+                self._stall()
         finished = self.step >= self.max_steps
         self.save_checkpoint()  # always on the last step, and on a requested stop
         self.state = "finished" if finished else "stopped"
         return self.state
+
+    def _stall(self) -> None:
+        """Pause the loop for training.stall_s (a benchmark's stand-in for an evaluation)."""
+        self.state = "stalled"
+        self.write_status()
+        until = time.monotonic() + self.cfg.training.stall_s
+        while time.monotonic() < until and not self.stop_requested:
+            time.sleep(min(0.1, max(0.0, until - time.monotonic())))
+        self.state = "training"
+        self.write_status()
 
     def _flops(self, received: Received) -> float:
         """Model FLOPs of this batch's step (forward + backward), for MFU."""
@@ -483,7 +507,7 @@ class _Window:
         return out
 
 
-def run_trainer(run_dir: str | Path) -> int:
+def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
     root = RunDir(run_dir)
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # die with the launcher
@@ -506,7 +530,7 @@ def run_trainer(run_dir: str | Path) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        trainer = Trainer(cfg, root)
+        trainer = Trainer(cfg, root, coupled=coupled)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
         return EXIT_CONFIG_ERROR
@@ -527,9 +551,11 @@ def run_trainer(run_dir: str | Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="DFlash trainer: trains the drafter from the producers' rings.")
     parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--coupled", action="store_true",
+                        help="benchmark baseline: run the target in this process before each step (trainer/coupled.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer-r{os.environ.get('RANK', 0)} %(levelname)s %(message)s")
-    return run_trainer(args.run_dir)
+    return run_trainer(args.run_dir, coupled=args.coupled)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,438 @@
+"""Benchmark (issue 6): the decoupled pipeline against its stages alone and the coupled baseline.
+
+    python -m launch.bench_pipeline                             # every run this machine's GPUs allow
+    python -m launch.bench_pipeline --runs trainer,split-2,coupled-2 --seconds 40
+    python -m launch.bench_pipeline --tiny                      # CPU smoke run of every run kind
+    python -m launch.bench_pipeline plot RESULTS.json --png docs/ring_occupancy.png
+
+Qwen3-8B-shaped target and draft (DFLASH.md), random bf16 weights, samples of --length tokens (one
+sample per ring slot and per step), 512 anchors, block 16, fp32 master weights under bf16 autocast.
+Every run starts the real processes (``launch/run_all.sh``, or ``trainer.train --coupled``) and
+measures a steady window after warm-up, from the ledger's timestamps (samples trained) and the
+producers' status files (slots published, ring occupancy), sampled every 0.25 s.
+
+Runs (placement as producers -> trainer ranks):
+  producer       producer alone (``producer.bench_producer``): samples/s one target GPU delivers
+  trainer        trainer step alone on data already on its GPU (``trainer.bench_step``)
+  shared-1       producer and trainer on GPU 0
+  coupled-1      target forward then drafter step in one process on GPU 0 (``trainer/coupled.py``)
+  split-2        producer on GPU 0, trainer on GPU 1
+  balanced-2     producer on GPU 0, trainer ranks on GPUs 0 and 1
+  shared-2       producers on GPUs 0 and 1, trainer ranks on GPUs 0 and 1
+  coupled-2      the coupled loop on GPUs 0 and 1 (DDP, each rank its own shard)
+  stall          split-2 with a lighter draft step (--stall-anchors, so the trainer outruns the
+                 producer and the ring has room); once the ring is drained the trainer process is
+                 frozen (SIGSTOP) for --stall-s, then let go
+  *-stalls       shared-2 / coupled-2 with the stalls of real training: a checkpoint and a
+                 --pause-s evaluation stand-in every --stall-every steps; shared-2 keeps
+                 ring.headroom_slots free for them
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from common.config import load_config, save_config
+from common.rundir import read_json
+from launch.bench_restart import QWEN3_8B, wait_for
+from launch.rundir import RunDir
+
+ROOT = Path(__file__).resolve().parents[1]
+PLACEMENTS = {  # name: (producer devices, trainer devices, coupled)
+    "shared-1": (["cuda:0"], ["cuda:0"], False),
+    "coupled-1": ([], ["cuda:0"], True),
+    "split-2": (["cuda:0"], ["cuda:1"], False),
+    "balanced-2": (["cuda:0"], ["cuda:0", "cuda:1"], False),
+    "shared-2": (["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"], False),
+    "coupled-2": ([], ["cuda:0", "cuda:1"], True),
+    "stall": (["cuda:0"], ["cuda:1"], False),
+    "shared-2-stalls": (["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"], False),
+    "coupled-2-stalls": ([], ["cuda:0", "cuda:1"], True),
+}
+TINY_PLACEMENTS = {name: (["cpu"] * len(p), ["cpu"] * min(1, len(t)), c) for name, (p, t, c) in PLACEMENTS.items()}
+
+
+def base_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    common = ["training.max_steps=1000000", "training.checkpoint_every=1000000", "logging.log_every=10",
+              "logging.progress=false", 'logging.wandb_mode="disabled"', "launch.restart_backoff_s=0.5",
+              'data.length_mode="fixed"']
+    if args.tiny:
+        return common + ["data.mean_len=48", "data.max_seq_len=64", "batching.token_budget=64", "ring.num_slots=8"]
+    config_json = run_dir.parent / "qwen3-8b.json"
+    config_json.write_text(json.dumps(QWEN3_8B))
+    return common + [
+        f'target.config_json="{config_json}"', 'target.dtype="bfloat16"', "target.config_overrides={}",
+        "data.num_samples=1000000", f"data.mean_len={args.length}", f"data.max_seq_len={args.length}", "data.max_step=63",
+        f"batching.token_budget={args.length}", "batching.window_docs=256",
+        "drafter.num_layers=5", "drafter.block_size=16", f"drafter.num_anchors={args.anchors}",
+        'ring.backend="cuda"', f"ring.num_slots={args.slots}", "ring.heartbeat_interval_s=1.0", "ring.heartbeat_timeout_s=60.0",
+    ]
+
+
+def run_overrides(name: str, args: argparse.Namespace) -> list[str]:
+    """What a run changes on top of the base: its stalls and, for the stall test, the lighter step."""
+    if name == "stall":
+        return [f"drafter.num_anchors={args.stall_anchors}", f"ring.num_slots={args.stall_slots}"]
+    if name.endswith("-stalls"):
+        stalls = [f"training.checkpoint_every={args.stall_every}", f"training.stall_every_steps={args.stall_every}",
+                  f"training.stall_s={args.pause_s}"]
+        if not name.startswith("coupled"):
+            stalls += [f"ring.num_slots={args.stall_slots}", f"ring.headroom_slots={args.stall_slots - args.slots}"]
+        return stalls
+    return []
+
+
+class Sampler(threading.Thread):
+    """Polls producer and trainer status files: the time series of slots published and ring occupancy."""
+
+    def __init__(self, run: RunDir, period_s: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.rundir, self.period_s = run, period_s
+        self.rows: list[dict] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.period_s):
+            row = {"t": time.time(), "trainer_state": (read_json(self.rundir.trainer_status) or {}).get("state")}
+            for status in self.rundir.producer_statuses():
+                ring = status.get("ring", {})
+                p = int(status["id"])
+                row[f"p{p}"] = {"published": status.get("published", 0), "blocked_s": status.get("blocked_s", 0.0),
+                                "updated": status.get("updated"), **{k: ring.get(k, 0) for k in ("slots", "free", "filling", "ready", "leased")}}
+            self.rows.append(row)
+
+
+def ledger_rows(run: RunDir) -> list[dict]:
+    if not run.ledger.is_file():
+        return []
+    rows = [json.loads(line) for line in run.ledger.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "time" in r]
+
+
+def samples_between(rows: list[dict], t0: float, t1: float) -> int:
+    return sum(len(r["samples"]) for r in rows if t0 < r["time"] <= t1)
+
+
+def published_rate(timeline: list[dict], t0: float, t1: float) -> float:
+    """Slots published per second by all producers in [t0, t1], from the sampled status files."""
+    inside = [r for r in timeline if t0 <= r["t"] <= t1]
+    if len(inside) < 2:
+        return float("nan")
+    first, last = inside[0], inside[-1]
+    keys = [k for k in last if k.startswith("p") and k in first]
+    published = sum(last[k]["published"] - first[k]["published"] for k in keys)
+    span = max(1e-9, max(last[k]["updated"] for k in keys) - min(first[k]["updated"] for k in keys)) if keys else 0
+    return published / span if keys else float("nan")
+
+
+def kill_run(run: RunDir) -> None:
+    """SIGKILL the supervisor, then every child's process group (a benchmark needs no final checkpoint)."""
+    launcher = read_json(run.launcher) or {}
+    pids = [launcher.get("pid")]
+    pids += [p.get("pid") for p in launcher.get("producers", [])] + [launcher.get("trainer", {}).get("pid")]
+    for i, pid in enumerate(pids):
+        if not pid:
+            continue
+        try:
+            (os.kill if i == 0 else os.killpg)(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
+    """One pipeline or coupled run: start it, wait for warm steps, measure a window, kill it."""
+    producer_devices, trainer_devices, coupled = placements[name]
+    tmp = Path(tempfile.mkdtemp(prefix=f"df-{name}-", dir="/tmp"))
+    run = RunDir(tmp / "run")
+    overrides = base_overrides(args, run.root) + run_overrides(name, args)
+    log = open(tmp / "launcher.log", "w")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if coupled:
+        overrides += [f"training.device=\"{trainer_devices[0]}\""] if len(trainer_devices) == 1 else []
+        cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
+        run.root.mkdir(parents=True)
+        save_config(cfg, run.config)
+        trainer = ["-m", "trainer.train", "--run-dir", str(run.root), "--coupled"]
+        if len(trainer_devices) > 1:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in trainer_devices)
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(trainer_devices)}", *trainer]
+        else:
+            command = [sys.executable, *trainer]
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    else:
+        devices = [f"launch.producer_devices={json.dumps(producer_devices)}", f"launch.trainer_devices={json.dumps(trainer_devices)}"]
+        proc = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run.root), *overrides, *devices],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    sampler = Sampler(run)
+    started = time.time()
+    result: dict = {"run": name, "producers": producer_devices, "trainer": trainer_devices, "coupled": coupled}
+    try:
+        sampler.start()
+
+        def warm() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name}: exited early; see {tmp}/launcher.log and {run.root}/logs")
+            rows = ledger_rows(run)
+            return len(rows) >= args.warm_steps
+
+        wait_for(warm, args.timeout, f"{name}: {args.warm_steps} warm steps")
+        result["first_step_after_s"] = ledger_rows(run)[0]["time"] - started
+        if name == "stall" or name.endswith("-stalls"):
+            result.update(measure_stalls(name, args, run, sampler))
+        else:
+            t0 = time.time()
+            time.sleep(args.seconds)
+            t1 = time.time()
+            rows = ledger_rows(run)
+            result["samples_per_s"] = samples_between(rows, t0, t1) / (t1 - t0)
+            result["net_samples_per_s"] = net_rate(rows, sampler.rows, t0, t1)
+            result["producer_samples_per_s"] = published_rate(sampler.rows, t0, t1)
+            result["window_s"] = t1 - t0
+    finally:
+        sampler.done.set()
+        if coupled:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            kill_run(run)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        log.close()
+        shutil.rmtree(run.checkpoints, ignore_errors=True)  # GBs each at the 8B shapes
+    result["timeline"] = [r for r in sampler.rows if r["t"] >= started]
+    result["ledger"] = [[r["time"], len(r["samples"])] for r in ledger_rows(run)]
+    return result
+
+
+def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sampler) -> dict:
+    """Runs with pauses: the whole window's rate, and around the first pause the producer's rate
+    during it and the trainer's before and after it."""
+    if name == "stall":
+        # Pause once the backlog of the start is drained (the ring stays nearly empty: the lighter
+        # step outruns the producer). SIGSTOP freezes the whole trainer, its feeder thread too.
+        def drained() -> bool:
+            recent = [r for r in sampler.rows[-12:] if "p0" in r]
+            return len(recent) == 12 and all(r["p0"]["ready"] <= 2 for r in recent)
+
+        try:
+            wait_for(drained, args.timeout / 2, "a drained ring")
+        except TimeoutError:  # the trainer does not outrun the producer here: pause anyway, and say so
+            print("stall: the ring never drained; pausing with a backlog", flush=True)
+        pid = int(read_json(run.trainer_status)["pid"])
+        paused = time.time()
+        os.kill(pid, signal.SIGSTOP)  # the trainer's heartbeat timeout (60 s here) outlasts the pause
+        time.sleep(args.stall_s)
+        os.kill(pid, signal.SIGCONT)
+        resumed = time.time()
+        time.sleep(args.seconds)
+        rows = ledger_rows(run)
+        before, after = (paused - args.seconds, paused), (resumed, resumed + args.seconds)
+        peak = max((r for r in sampler.rows if "p0" in r and paused <= r["t"] <= resumed + 1), key=lambda r: r["p0"]["ready"])
+        caught_up = next((r["t"] for r in sampler.rows if "p0" in r and r["t"] > resumed and r["p0"]["ready"] <= 2), None)
+        return {
+            "stall_s": resumed - paused, "paused_at": paused, "resumed_at": resumed,
+            "drained_before": drained(),
+            "trainer_before_samples_per_s": samples_between(rows, *before) / args.seconds,
+            "trainer_after_samples_per_s": samples_between(rows, *after) / args.seconds,
+            "producer_before_samples_per_s": published_rate(sampler.rows, *before),
+            "producer_during_samples_per_s": published_rate(sampler.rows, paused + 1.0, resumed),
+            "producer_after_samples_per_s": published_rate(sampler.rows, *after),
+            "ready_at_resume": peak["p0"]["ready"],
+            "catch_up_s": caught_up - resumed if caught_up else None,
+        }
+    # Whole cycles only: from the end of one checkpoint to the end of the --cycles-th after it.
+    def checkpoint_step() -> int:
+        return (read_json(run.checkpoints / "latest.json") or {}).get("step", 0)
+
+    first = wait_for(checkpoint_step, args.timeout, "the first checkpoint")
+    t0 = time.time()
+    wait_for(lambda: checkpoint_step() >= first + args.cycles * args.stall_every, args.timeout * args.cycles, "whole cycles")
+    t1 = time.time()
+    rows = ledger_rows(run)
+    return {"samples_per_s": samples_between(rows, t0, t1) / (t1 - t0), "window_s": t1 - t0,
+            "producer_samples_per_s": published_rate(sampler.rows, t0, t1),
+            "net_samples_per_s": net_rate(rows, sampler.rows, t0, t1)}
+
+
+def backlog_at(timeline: list[dict], t: float) -> int:
+    """Batches in the rings (ready, leased or filling) at the sample nearest to ``t``."""
+    rows = [r for r in timeline if any(k.startswith("p") and k[1:].isdigit() for k in r)]
+    if not rows:
+        return 0
+    row = min(rows, key=lambda r: abs(r["t"] - t))
+    return sum(v["ready"] + v["leased"] + v["filling"] for k, v in row.items() if k.startswith("p") and k[1:].isdigit())
+
+
+def net_rate(ledger: list[dict], timeline: list[dict], t0: float, t1: float) -> float:
+    """Samples trained per second, corrected for the rings' backlog change: a trainer draining a
+    backlog made before the window is not credited with it (nor one that grows a backlog debited)."""
+    grown = backlog_at(timeline, t1) - backlog_at(timeline, t0)
+    return (samples_between(ledger, t0, t1) + grown) / (t1 - t0)
+
+
+def run_stage(name: str, args: argparse.Namespace) -> dict:
+    """The producer alone or the trainer alone, by their own benchmark programs (last line is JSON)."""
+    if name == "producer":
+        command = ["-m", "producer.bench_producer", "--warmup", str(args.warmup_s), "--seconds", str(args.seconds)]
+        command += ["--tiny"] if args.tiny else ["--fixed-len", str(args.length), "--budget", str(args.length)]
+    else:
+        command = ["-m", "trainer.bench_step", "--variants", "compile-layers" if not args.tiny else "eager",
+                   "--master-fp32", "--num-docs", "1", "--steps", "20", "--warmup", "3"]
+        command += ["--tiny"] if args.tiny else ["--seq-len", str(args.length), "--num-anchors", str(args.anchors)]
+    out = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{name}: {out.stdout[-2000:]}{out.stderr[-3000:]}")
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    if name == "producer":
+        return {"run": name, "samples_per_s": data["samples_per_s"], "tokens_per_s": data["tokens_per_s"], "mfu": data.get("mfu")}
+    step = data["results"][0]
+    return {"run": name, "samples_per_s": step["samples_per_s"], "tokens_per_s": step["tokens_per_s"], "mfu": step["mfu"],
+            "step_ms": step["step_ms"]}
+
+
+def ideal(name: str, stages: dict) -> float | None:
+    """The rate a placement could reach: per GPU, the stages it runs take their alone-times in turn."""
+    if "producer" not in stages or "trainer" not in stages or name not in PLACEMENTS:
+        return None
+    p, t = stages["producer"]["samples_per_s"], stages["trainer"]["samples_per_s"]
+    producers, trainers, coupled = PLACEMENTS[name]
+    if coupled or producers == trainers:
+        return len(trainers) / (1 / p + 1 / t)  # every GPU does both, one after the other
+    if not set(producers) & set(trainers):
+        return min(len(producers) * p, len(trainers) * t)
+    # balanced-2: DDP keeps the ranks in step, so the shared GPU sets the pace: per step it runs the
+    # target for every rank's sample and its own rank's step.
+    n = len(trainers)
+    return n / (n / p + 1 / t)
+
+
+def print_table(results: list[dict], stages: dict) -> None:
+    header = (f"{'run':<18}{'producers':>14}{'trainer':>18}{'samples/s':>11}{'net':>8}{'ideal':>8}{'of ideal':>10}"
+              f"{'producer/s':>12}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        best = ideal(r["run"], stages)
+        rate = r.get("samples_per_s", float("nan"))
+        net = r.get("net_samples_per_s", rate)
+        print(f"{r['run']:<18}{','.join(r.get('producers', [])) or '-':>14}{','.join(r.get('trainer', [])) or '-':>18}"
+              f"{rate:>11.2f}{net:>8.2f}{(best or float('nan')):>8.2f}{(net / best if best else float('nan')):>10.1%}"
+              f"{r.get('producer_samples_per_s', float('nan')):>12.2f}")
+    for r in results:
+        if r["run"] == "stall":
+            print(f"stall test: trainer paused {r['stall_s']:.1f} s; producer {r['producer_before_samples_per_s']:.2f} samples/s "
+                  f"before, {r['producer_during_samples_per_s']:.2f} during, {r['producer_after_samples_per_s']:.2f} after; "
+                  f"trainer {r['trainer_before_samples_per_s']:.2f} before, {r['trainer_after_samples_per_s']:.2f} after; "
+                  f"{r['ready_at_resume']} slots ready at resume, drained {r['catch_up_s']} s later")
+
+
+def plot(results_path: Path, png: Path) -> None:
+    """Ring occupancy over time of the stall run (ready / leased / free fractions) and the trainer's steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = json.loads(results_path.read_text())
+    stall = next(r for r in results["runs"] if r["run"] == "stall")
+    t0 = stall["timeline"][0]["t"]
+    rows = [r for r in stall["timeline"] if "p0" in r]
+    t = [r["t"] - t0 for r in rows]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 5.5), sharex=True)
+    for key, colour in (("ready", "tab:green"), ("leased", "tab:orange"), ("free", "tab:grey")):
+        ax.plot(t, [r["p0"][key] / max(1, r["p0"]["slots"]) for r in rows], label=key, color=colour)
+    for axis in (ax, ax2):
+        axis.axvspan(stall["paused_at"] - t0, stall["resumed_at"] - t0, color="tab:red", alpha=0.12,
+                     label="trainer paused" if axis is ax else None)
+    ax.set_ylabel("fraction of ring slots")
+    ax.set_title(f"ring of producer 0 while the trainer pauses {stall['stall_s']:.0f} s")
+    ax.legend(loc="upper left")
+    ledger = stall["ledger"]
+    ax2.plot([x - t0 for x, _ in ledger], [sum(n for _, n in ledger[: i + 1]) for i in range(len(ledger))], label="trained")
+    ax2.plot(t, [r["p0"]["published"] - rows[0]["p0"]["published"] for r in rows], label="published by the producer")
+    ax2.set_xlabel("seconds")
+    ax2.set_ylabel("samples")
+    ax2.legend(loc="upper left")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:
+        parser = argparse.ArgumentParser(prog="bench_pipeline plot")
+        parser.add_argument("results", type=Path)
+        parser.add_argument("--png", type=Path, default=ROOT / "docs" / "ring_occupancy.png")
+        args = parser.parse_args(argv[1:])
+        plot(args.results, args.png)
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--runs", default=None, help="comma list (default: all that this machine's GPUs allow)")
+    parser.add_argument("--length", type=int, default=3072, help="tokens per sample (one sample per slot and step)")
+    parser.add_argument("--anchors", type=int, default=512)
+    parser.add_argument("--slots", type=int, default=8, help="ring slots of the steady runs")
+    parser.add_argument("--seconds", type=float, default=30.0, help="measured window of each steady run")
+    parser.add_argument("--warm-steps", type=int, default=8, help="trainer steps before measuring")
+    parser.add_argument("--warmup-s", type=float, default=15.0, help="producer-alone warm-up")
+    parser.add_argument("--stall-s", type=float, default=30.0)
+    parser.add_argument("--stall-anchors", type=int, default=64, help="stall run: anchors (a lighter step)")
+    parser.add_argument("--stall-slots", type=int, default=480, help="stall runs: ring slots (room for the pause)")
+    parser.add_argument("--stall-every", type=int, default=60, help="*-stalls: checkpoint and pause every N steps")
+    parser.add_argument("--pause-s", type=float, default=10.0, help="*-stalls: the evaluation stand-in")
+    parser.add_argument("--cycles", type=int, default=2, help="*-stalls: checkpoint cycles measured")
+    parser.add_argument("--timeout", type=float, default=400.0)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    placements = TINY_PLACEMENTS if args.tiny else PLACEMENTS
+    if args.tiny:
+        args.length, args.stall_slots, args.slots = 64, 64, 8
+    gpus = 0
+    if not args.tiny:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    names = args.runs.split(",") if args.runs else ["producer", "trainer"] + [
+        n for n, (p, t, _) in PLACEMENTS.items() if args.tiny or max(int(d.split(":")[1]) for d in p + t) < gpus]
+    stages: dict = {}
+    results: list[dict] = []
+    for name in names:
+        print(f"== {name} ({time.strftime('%H:%M:%S')})", flush=True)
+        try:
+            result = run_stage(name, args) if name in ("producer", "trainer") else measure(name, args, placements)
+        except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
+            print(f"{name} failed: {exc}", flush=True)
+            results.append({"run": name, "error": str(exc)[-2000:]})
+            if os.environ.get("OUT"):
+                for log in Path("/tmp").glob(f"df-{name}-*/run/logs/*.log"):
+                    Path(os.environ["OUT"], f"{name}-{log.name}").write_text(log.read_text()[-100_000:])
+            continue
+        if name in ("producer", "trainer"):
+            stages[name] = result
+        results.append(result)
+        print({k: v for k, v in result.items() if k not in ("timeline", "ledger")}, flush=True)
+        if args.json:  # after every run: a run cut short keeps what it measured
+            args.json.write_text(json.dumps({"bench": "pipeline", "tiny": args.tiny, "runs": results}))
+    print()
+    print_table([r for r in results if "error" not in r], stages)
+    record = {"bench": "pipeline", "tiny": args.tiny, "length": args.length, "anchors": args.anchors, "runs": results}
+    if args.json:
+        args.json.write_text(json.dumps(record))
+    print(json.dumps({**record, "runs": [{k: v for k, v in r.items() if k not in ("timeline", "ledger")} for r in results]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
