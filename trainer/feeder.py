@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.batch import PackedBatch
+from common.batchcheck import check_delivery
 from common.ring import RingMemoryError
 from common.rundir import RunDir
 from common.transport import HandshakeRefused, HandshakeTimeout, RingClient
@@ -215,6 +216,7 @@ class Feeder:
                 status["endpoint"], self.consumer_id, self.incarnation,
                 expect=self.expect, committed=self.commits.received_state(producer),
                 credits=self.credits, heartbeat_interval_s=self.heartbeat_interval_s,
+                accept=check_delivery,  # a batch that breaks the contract is dropped, never trained
             )
             try:
                 welcome = client.connect(timeout_s=min(self.handshake_timeout_s, 10.0))
@@ -288,6 +290,10 @@ class Feeder:
                 if self.pad_to:
                     tensors = pad_packed(tensors, self.pad_to)
             self._copy_stream.synchronize()
+            # The step reads these on the default stream: without this the allocator could hand
+            # their memory to the next copy while the step's kernels still read it.
+            for tensor in tensors.values():
+                tensor.record_stream(torch.cuda.default_stream(self.device))
         else:
             tensors = {k: v.clone() for k, v in delivery.tensors.items()}
             if self.pad_to:
