@@ -9,7 +9,7 @@ bounds before any view is made, so a hostile announcement can never point outsid
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +32,8 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_TENSORS = 16
 MAX_DIMS = 8
+MAX_SIZE = 1 << 40
+MAX_OFFSET = 1 << 50
 
 
 class SlotOverflow(ValueError):
@@ -42,9 +44,8 @@ class LayoutError(ValueError):
     """A tensor layout is malformed or points outside its slot."""
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """Where one named tensor lies in a slot."""
+class TensorSpec(NamedTuple):
+    """Where one named tensor lies in a slot (a tuple: cheap to build for every announcement)."""
 
     name: str
     dtype: str
@@ -60,19 +61,20 @@ class TensorSpec:
 
     @classmethod
     def from_wire(cls, item: object) -> TensorSpec:
-        if not (isinstance(item, (list, tuple)) and len(item) == 4):
+        if type(item) not in (list, tuple) or len(item) != 4:
             raise LayoutError(f"tensor spec must be [name, dtype, shape, offset], got {type(item).__name__}")
         name, dtype, shape, offset = item
-        if not isinstance(name, str) or not 0 < len(name) <= 64:
+        if type(name) is not str or not 0 < len(name) <= 64:
             raise LayoutError("tensor name must be a string of 1..64 characters")
-        if dtype not in DTYPES:
-            raise LayoutError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
+        if type(dtype) is not str or dtype not in DTYPES:
+            raise LayoutError(f"tensor {name!r}: unknown dtype {repr(dtype)[:32]}")
+        if type(shape) not in (list, tuple) or len(shape) > MAX_DIMS:
             raise LayoutError(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} sizes")
-        if not all(type(d) is int and 0 <= d < 2**40 for d in shape):
-            raise LayoutError(f"tensor {name!r}: sizes must be integers in [0, 2**40)")
-        if type(offset) is not int or offset < 0 or offset % ALIGN:
-            raise LayoutError(f"tensor {name!r}: offset must be a non-negative multiple of {ALIGN}")
+        for size in shape:
+            if type(size) is not int or not 0 <= size < MAX_SIZE:
+                raise LayoutError(f"tensor {name!r}: sizes must be integers in [0, 2**40)")
+        if type(offset) is not int or not 0 <= offset < MAX_OFFSET or offset % ALIGN:
+            raise LayoutError(f"tensor {name!r}: offset must be a multiple of {ALIGN} in [0, 2**50)")
         return cls(name, dtype, tuple(shape), offset)
 
 
@@ -85,9 +87,47 @@ def bytes_needed(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
     return sum(aligned(math.prod(shape) * dtype.itemsize) for shape, dtype in shapes.values())
 
 
-def _view(slot: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    raw = slot[spec.offset : spec.offset + spec.nbytes]
-    return raw.view(DTYPES[spec.dtype]).view(spec.shape)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    step = 1
+    for dim in range(len(shape) - 1, -1, -1):
+        strides[dim] = step
+        step *= shape[dim]
+    return tuple(strides)
+
+
+def _views(slot: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+    """Views of ``specs`` in the flat uint8 ``slot``, each checked to lie inside it, apart from the others.
+
+    One ``as_strided`` per tensor on a typed view of the slot (one per dtype) instead of a slice and
+    two views: this runs for every batch on the latency path.
+    """
+    if slot.dtype != torch.uint8 or slot.dim() != 1:
+        raise TypeError("slot must be a flat uint8 tensor")
+    if len(specs) > MAX_TENSORS:
+        raise LayoutError(f"at most {MAX_TENSORS} tensors per slot, got {len(specs)}")
+    size = slot.numel()
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    taken: list[tuple[int, int]] = []
+    out: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        dtype = DTYPES[spec.dtype]
+        itemsize = dtype.itemsize
+        end = spec.offset + math.prod(spec.shape) * itemsize
+        if end > size:
+            raise LayoutError(f"tensor {spec.name!r} ends at byte {end}, past the slot's {size}")
+        if spec.name in out:
+            raise LayoutError(f"tensor {spec.name!r} appears twice")
+        if end > spec.offset and any(spec.offset < e and s < end for s, e in taken):
+            raise LayoutError(f"tensor {spec.name!r} overlaps another tensor")
+        taken.append((spec.offset, end))
+        base = typed.get(dtype)
+        if base is None:
+            if size % itemsize or slot.storage_offset() % itemsize:
+                raise LayoutError(f"a slot of {size} bytes at byte {slot.storage_offset()} cannot hold {spec.dtype} tensors")
+            base = typed[dtype] = slot.view(dtype)
+        out[spec.name] = base.as_strided(spec.shape, _contiguous_strides(spec.shape), base.storage_offset() + spec.offset // itemsize)
+    return out
 
 
 def plan_layout(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], slot_bytes: int) -> list[TensorSpec]:
@@ -114,29 +154,13 @@ def write_tensors(slot: torch.Tensor, tensors: dict[str, torch.Tensor], non_bloc
     Non-contiguous tensors are fine (``copy_`` gathers them). Raises SlotOverflow, naming the
     bytes needed, when they do not fit.
     """
-    if slot.dtype != torch.uint8 or slot.dim() != 1:
-        raise TypeError("slot must be a flat uint8 tensor")
     specs = plan_layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}, slot.numel())
-    for spec, tensor in zip(specs, tensors.values()):
-        if spec.nbytes:
-            _view(slot, spec).copy_(tensor, non_blocking=non_blocking)
+    for view, tensor in zip(_views(slot, specs).values(), tensors.values()):
+        if view.numel():
+            view.copy_(tensor, non_blocking=non_blocking)
     return specs
 
 
 def read_tensors(slot: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
-    """Zero-copy views of the tensors described by ``specs``; every spec is bounds-checked."""
-    if len(specs) > MAX_TENSORS:
-        raise LayoutError(f"at most {MAX_TENSORS} tensors per slot")
-    out: dict[str, torch.Tensor] = {}
-    taken: list[tuple[int, int]] = []
-    for spec in specs:
-        end = spec.offset + spec.nbytes
-        if end > slot.numel():
-            raise LayoutError(f"tensor {spec.name!r} ends at byte {end}, past the slot's {slot.numel()}")
-        if spec.name in out:
-            raise LayoutError(f"tensor {spec.name!r} appears twice")
-        if spec.nbytes and any(spec.offset < e and s < end for s, e in taken):
-            raise LayoutError(f"tensor {spec.name!r} overlaps another tensor")
-        taken.append((spec.offset, end))
-        out[spec.name] = _view(slot, spec)
-    return out
+    """Zero-copy views of the tensors described by ``specs``; every spec is bounds-checked first."""
+    return _views(slot, specs)

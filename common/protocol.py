@@ -23,6 +23,7 @@ from typing import ClassVar
 import msgpack
 
 from common.codec import LayoutError, TensorSpec
+from common.naming import SEGMENT_PREFIX, SHM_DIR
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20
@@ -38,11 +39,24 @@ class ProtocolError(ValueError):
 
 class VersionMismatch(ProtocolError):
     def __init__(self, theirs: object) -> None:
-        super().__init__(f"peer speaks protocol version {theirs!r}, this process speaks {PROTOCOL_VERSION}")
+        # The peer's value is shown cut short: it is untrusted and the reason travels in a REFUSE.
+        super().__init__(f"peer speaks protocol version {repr(theirs)[:32]}, this process speaks {PROTOCOL_VERSION}")
         self.theirs = theirs
 
 
 # -- field checks -------------------------------------------------------------------------------
+
+# Bounds the unpacker enforces while it parses, so a hostile length never allocates: bin and ext
+# types are refused outright (no field carries bytes), strings and collections are capped. A string
+# limit in bytes: four per character covers UTF-8, and the per-field checks count characters.
+_UNPACK_LIMITS = {
+    "max_bin_len": 0,
+    "max_ext_len": 0,
+    "max_str_len": 4 * MAX_STR,
+    "max_array_len": MAX_COLLECTION,
+    "max_map_len": MAX_COLLECTION,
+}
+MAX_KEY = 256
 
 
 def _int(name: str, value: object, lo: int = 0, hi: int = MAX_INT) -> int:
@@ -63,36 +77,87 @@ def _str(name: str, value: object, max_len: int = MAX_STR) -> str:
     return value
 
 
-def _plain(name: str, value: object, depth: int = 0) -> object:
-    """JSON-like data: None, bool, int, float, str, lists and string-keyed maps, bounded."""
-    if depth > MAX_DEPTH:
-        raise ProtocolError(f"field {name!r} is nested too deeply")
-    if value is None or type(value) in (bool, int, float):
-        if type(value) is int and not -MAX_INT <= value <= MAX_INT:
+def _plain(name: str, value: object, depth: int = 0) -> None:
+    """Raise unless ``value`` is JSON-like data: None, bool, int, float, str, lists and string-keyed
+    maps, bounded in size and depth. Runs on every message, so scalars are checked inline."""
+    kind = type(value)
+    if kind is str:
+        if len(value) > MAX_STR:
+            raise ProtocolError(f"field {name!r} holds a string longer than {MAX_STR}")
+        return
+    if kind is int:
+        if not -MAX_INT <= value <= MAX_INT:
             raise ProtocolError(f"field {name!r} holds an integer out of range")
-        return value
-    if type(value) is str:
-        return _str(name, value)
-    if type(value) is list:
-        if len(value) > MAX_COLLECTION:
-            raise ProtocolError(f"field {name!r} holds a list longer than {MAX_COLLECTION}")
-        return [_plain(name, v, depth + 1) for v in value]
-    if type(value) is dict:
-        if len(value) > MAX_COLLECTION:
-            raise ProtocolError(f"field {name!r} holds a map larger than {MAX_COLLECTION}")
-        out = {}
-        for key, v in value.items():
-            if type(key) is not str or len(key) > 256:
-                raise ProtocolError(f"field {name!r} holds a non-string or long key")
-            out[key] = _plain(name, v, depth + 1)
-        return out
-    raise ProtocolError(f"field {name!r} holds a value of type {type(value).__name__}")
+        return
+    if kind is float:
+        if not math.isfinite(value):  # JSON has no NaN or infinity, and int(inf) raises
+            raise ProtocolError(f"field {name!r} holds a non-finite number")
+        return
+    if value is None or kind is bool:
+        return
+    if kind is dict:
+        items = value.values()
+        for key in value:
+            if type(key) is not str or len(key) > MAX_KEY:
+                raise ProtocolError(f"field {name!r} holds a non-string key or one longer than {MAX_KEY}")
+    elif kind is list:
+        items = value
+    else:
+        raise ProtocolError(f"field {name!r} holds a value of type {kind.__name__}")
+    if len(value) > MAX_COLLECTION:
+        raise ProtocolError(f"field {name!r} holds a collection larger than {MAX_COLLECTION}")
+    if items and depth >= MAX_DEPTH:
+        raise ProtocolError(f"field {name!r} is nested deeper than {MAX_DEPTH}")
+    for item in items:
+        _plain(name, item, depth + 1)
 
 
-def _map(name: str, value: object) -> dict:
+def _map(name: str, value: object) -> None:
     if type(value) is not dict:
         raise ProtocolError(f"field {name!r} must be a map")
-    return _plain(name, value)  # type: ignore[return-value]
+    _plain(name, value)
+
+
+MAX_SLOTS = 1 << 20
+MAX_SLOT_BYTES = 1 << 44
+
+
+def _ring_spec(value: object) -> None:
+    """A WELCOME's ring description: the fields ``common.ring.attach_ring`` reads, typed and bounded."""
+    _map("ring", value)
+    backend = value.get("backend")
+    _int("ring.num_slots", value.get("num_slots"), 1, MAX_SLOTS)
+    _int("ring.slot_bytes", value.get("slot_bytes"), 1, MAX_SLOT_BYTES)
+    if backend == "host":
+        folder, _, name = _str("ring.path", value.get("path"), 255).rpartition("/")
+        if folder != str(SHM_DIR) or not name.startswith(f"{SEGMENT_PREFIX}."):
+            raise ProtocolError(f"field 'ring.path' must name a {SEGMENT_PREFIX}.* segment in {SHM_DIR}")
+    elif backend == "cuda":
+        handle = _str("ring.handle", value.get("handle"), 128)
+        if len(handle) != 128 or any(c not in "0123456789abcdef" for c in handle):
+            raise ProtocolError("field 'ring.handle' must be 128 lowercase hex digits (a 64-byte CUDA IPC handle)")
+        _str("ring.gpu_uuid", value.get("gpu_uuid"), 64)
+    else:
+        raise ProtocolError(f"field 'ring.backend' must be 'host' or 'cuda', got {repr(backend)[:32]}")
+
+
+# Keys of a producer's HEARTBEAT statistics that consumers read, with the types they must have.
+_STATS_NUMBERS = ("tokens_per_s", "blocked_fraction", "blocked_s")
+_STATS_MAPS_OF_NUMBERS = ("ring", "batching")
+
+
+def _stats(value: object) -> None:
+    _map("stats", value)
+    for key in _STATS_NUMBERS:
+        if key in value:
+            _float(f"stats.{key}", value[key], 0.0, 1e15)
+    for key in _STATS_MAPS_OF_NUMBERS:
+        if key in value:
+            inner = value[key]
+            if type(inner) is not dict:
+                raise ProtocolError(f"field 'stats.{key}' must be a map")
+            for inner_key, number in inner.items():
+                _float(f"stats.{key}.{inner_key}", number, 0.0, 1e15)
 
 
 # -- messages -----------------------------------------------------------------------------------
@@ -108,10 +173,13 @@ class Message:
     def encode(self) -> bytes:
         self.check()
         body = {"v": PROTOCOL_VERSION, "t": self.TYPE}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            body[f.name] = [s.to_wire() for s in value] if f.name == "layout" else value
-        return msgpack.packb(body, use_bin_type=True)
+        for name in _FIELD_ORDER[type(self)]:
+            body[name] = getattr(self, name)
+        return msgpack.packb(self._to_wire(body), use_bin_type=True)
+
+    def _to_wire(self, body: dict) -> dict:
+        """The frame's body from the field values (types with non-plain fields convert them)."""
+        return body
 
 
 @dataclass(frozen=True)
@@ -155,7 +223,7 @@ class Welcome(Message):
     def check(self) -> None:
         _int("producer_id", self.producer_id, 0, 1 << 20)
         _int("pid", self.pid, 0, 2**31)
-        _map("ring", self.ring)
+        _ring_spec(self.ring)
         _map("describe", self.describe)
         _float("heartbeat_interval_s", self.heartbeat_interval_s, 1e-3, 3600)
         _float("heartbeat_timeout_s", self.heartbeat_timeout_s, 1e-3, 3600)
@@ -190,6 +258,10 @@ class Batch(Message):
         if not isinstance(self.layout, tuple) or len(self.layout) > 16:
             raise ProtocolError("field 'layout' must hold at most 16 tensor specs")
         _map("meta", self.meta)
+
+    def _to_wire(self, body: dict) -> dict:
+        body["layout"] = [spec.to_wire() for spec in self.layout]
+        return body
 
 
 @dataclass(frozen=True)
@@ -227,7 +299,7 @@ class Heartbeat(Message):
     stats: dict = field(default_factory=dict)
 
     def check(self) -> None:
-        _map("stats", self.stats)
+        _stats(self.stats)
 
 
 @dataclass(frozen=True)
@@ -244,8 +316,9 @@ class Bye(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (Hello, Welcome, Refuse, Batch, Ack, Credit, Heartbeat, Bye)
 }
-# Field names and required fields per type, computed once: decode runs for every message.
-_FIELD_NAMES = {cls: frozenset(f.name for f in fields(cls)) for cls in MESSAGE_TYPES.values()}
+# Field names and required fields per type, computed once: encode and decode run for every message.
+_FIELD_ORDER = {cls: tuple(f.name for f in fields(cls)) for cls in MESSAGE_TYPES.values()}
+_FIELD_NAMES = {cls: frozenset(names) for cls, names in _FIELD_ORDER.items()}
 _REQUIRED = {
     cls: frozenset(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
     for cls in MESSAGE_TYPES.values()
@@ -257,33 +330,32 @@ def decode(frame: bytes) -> Message:
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
-        body = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True)
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=True, use_list=True, **_UNPACK_LIMITS)
     except Exception as exc:  # msgpack raises many types for garbage; all mean the same here
         raise ProtocolError(f"not msgpack: {type(exc).__name__}") from None
     if type(body) is not dict:
         raise ProtocolError("a message must be a map")
-    kind = body.get("t")
+    version, kind = body.pop("v", None), body.pop("t", None)
     cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {str(kind)[:32]!r}")
+        raise ProtocolError(f"unknown message type {repr(kind)[:32]}")
     # Refuse is readable across versions so that a version mismatch can be explained to the peer.
-    if body.get("v") != PROTOCOL_VERSION and cls is not Refuse:
-        raise VersionMismatch(body.get("v"))
+    if (type(version) is not int or version != PROTOCOL_VERSION) and cls is not Refuse:
+        raise VersionMismatch(version)
     names, required = _FIELD_NAMES[cls], _REQUIRED[cls]
-    given = body.keys() - {"v", "t"}
-    if not given <= names:
-        raise ProtocolError(f"{kind}: unknown fields {sorted(given - names)[:4]}")
-    if not required <= given:
-        raise ProtocolError(f"{kind}: missing fields {sorted(required - given)}")
-    kwargs = {name: body[name] for name in given}
+    if not body.keys() <= names:
+        unknown = sorted(repr(key)[:32] for key in body.keys() - names)  # keys may be str or bytes
+        raise ProtocolError(f"{kind}: unknown fields {unknown[:4]}")
+    if not required <= body.keys():
+        raise ProtocolError(f"{kind}: missing fields {sorted(required - body.keys())}")
     if cls is Batch:
-        raw_layout = kwargs.get("layout")
+        raw_layout = body["layout"]
         if type(raw_layout) is not list or len(raw_layout) > 16:
             raise ProtocolError("batch: field 'layout' must be a list of at most 16 tensor specs")
         try:
-            kwargs["layout"] = tuple(TensorSpec.from_wire(item) for item in raw_layout)
+            body["layout"] = tuple(TensorSpec.from_wire(item) for item in raw_layout)
         except LayoutError as exc:
             raise ProtocolError(f"batch: {exc}") from None
-    message = cls(**kwargs)
+    message = cls(**body)
     message.check()
     return message

@@ -2,8 +2,8 @@
 
     FREE -> FILLING -> READY (announced) -> LEASED (to one consumer) -> FREE (acked)
 
-Each fill gets a new generation number; an ack must name the slot, its generation and come from
-the consumer that holds the lease, or it is ignored. Reclaimed leases go back to READY in front of
+Each fill gets a new generation number and the next sequence number; an ack must name the slot,
+its generation and come from the consumer that holds the lease, or it is ignored. Reclaimed leases go back to READY in front of
 newer batches, oldest first. Thread-safe: the compute thread fills, the server thread leases.
 """
 
@@ -28,7 +28,8 @@ class Slot:
     state: SlotState = SlotState.FREE
     generation: int = 0
     seq: int = -1
-    """Announcement order; READY slots are served lowest first."""
+    """Fill order (given at acquire, so the announcement can be built before publish); READY slots
+    are served lowest first."""
     holder: object = None
     """Consumer key of the lease (LEASED only)."""
     payload: object = None
@@ -83,6 +84,8 @@ class SlotTable:
                             slot.state = SlotState.FILLING
                             slot.generation = self._next_generation
                             self._next_generation += 1
+                            slot.seq = self._next_seq
+                            self._next_seq += 1
                             return slot.index
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -91,16 +94,22 @@ class SlotTable:
             finally:
                 self.counters.blocked_s += time.monotonic() - started
 
+    def filling(self, index: int) -> tuple[int, int]:
+        """(generation, seq) of a FILLING slot."""
+        with self._cond:
+            slot = self._slots[index]
+            if slot.state is not SlotState.FILLING:
+                raise RuntimeError(f"slot {index} is {slot.state.name}, not FILLING")
+            return slot.generation, slot.seq
+
     def publish(self, index: int, payload: object) -> int:
-        """FILLING -> READY. Returns the announcement sequence number."""
+        """FILLING -> READY. Returns the slot's sequence number."""
         with self._cond:
             slot = self._slots[index]
             if slot.state is not SlotState.FILLING:
                 raise RuntimeError(f"slot {index} is {slot.state.name}, not FILLING")
             slot.state = SlotState.READY
             slot.payload = payload
-            slot.seq = self._next_seq
-            self._next_seq += 1
             self.counters.published += 1
             self._cond.notify_all()
             return slot.seq
@@ -115,17 +124,23 @@ class SlotTable:
     def lease_next(self, holder: object) -> Lease | None:
         """READY -> LEASED for the oldest ready slot, or None if none is ready."""
         with self._cond:
-            ready = [s for s in self._slots if s.state is SlotState.READY]
-            if not ready:
+            slot = None
+            for candidate in self._slots:
+                if candidate.state is SlotState.READY and (slot is None or candidate.seq < slot.seq):
+                    slot = candidate
+            if slot is None:
                 return None
-            slot = min(ready, key=lambda s: s.seq)
             slot.state = SlotState.LEASED
             slot.holder = holder
             self.counters.leased += 1
             return Lease(slot.index, slot.generation, slot.seq, slot.payload)
 
-    def release(self, holder: object, index: int, generation: int) -> bool:
-        """LEASED -> FREE if ``holder`` holds this slot at this generation; else ignored."""
+    def release(self, holder: object, index: int, generation: int, notify: bool = True) -> bool:
+        """LEASED -> FREE if ``holder`` holds this slot at this generation; else ignored.
+
+        With ``notify=False`` a filler waiting in ``acquire`` is not woken until ``wake``: the server
+        thread first sends its next lease, then lets the filler compete for the CPU.
+        """
         with self._cond:
             if not 0 <= index < len(self._slots):
                 self.counters.stale_acks += 1
@@ -134,8 +149,19 @@ class SlotTable:
             if slot.state is not SlotState.LEASED or slot.generation != generation or slot.holder != holder:
                 self.counters.stale_acks += 1
                 return False
-            self._free(slot)
+            self._free(slot, notify)
             self.counters.released += 1
+            return True
+
+    def unlease(self, holder: object, index: int, generation: int) -> bool:
+        """LEASED -> READY for one lease whose announcement never left (it keeps its place in front)."""
+        with self._cond:
+            slot = self._slots[index]
+            if slot.state is not SlotState.LEASED or slot.generation != generation or slot.holder != holder:
+                return False
+            slot.state = SlotState.READY
+            slot.holder = None
+            self.counters.reclaimed += 1
             return True
 
     def reclaim(self, holder: object) -> list[int]:
@@ -172,17 +198,14 @@ class SlotTable:
                 out[slot.state.name.lower()] += 1
             return out
 
-    def has_ready(self) -> bool:
-        with self._cond:
-            return any(s.state is SlotState.READY for s in self._slots)
-
     def wake(self) -> None:
         """Wake a filler blocked in acquire (used at shutdown)."""
         with self._cond:
             self._cond.notify_all()
 
-    def _free(self, slot: Slot) -> None:
+    def _free(self, slot: Slot, notify: bool = True) -> None:
         slot.state = SlotState.FREE
         slot.holder = None
         slot.payload = None
-        self._cond.notify_all()
+        if notify:
+            self._cond.notify_all()

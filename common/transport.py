@@ -8,7 +8,9 @@ the heartbeat timeout or are superseded by a newer incarnation, and logs and dro
 malformed message.
 
 RingClient is single-threaded: whoever owns it must call ``poll`` often (it sends the consumer's
-heartbeats); the trainer runs it in a feeder thread.
+heartbeats); the trainer runs it in a feeder thread. It trusts its producer no more than the
+producer trusts it: malformed messages are logged and dropped, and a batch whose layout does not
+fit the ring, or that fails the owner's ``accept`` check, is dropped and acked with its credit.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from common.codec import TensorSpec, read_tensors
+from common.codec import LayoutError, TensorSpec, read_tensors
 from common.protocol import (
     Ack,
     Batch,
@@ -41,7 +43,7 @@ from common.protocol import (
 )
 from common.ring import RingBuffer, attach_ring
 from common.slots import SlotTable
-from common.sockets import make_socket, send_nowait
+from common.sockets import CurveKeys, make_socket, send_nowait, start_authenticator
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ class ServerCounters:
     """Times a send would have blocked (it never does: the message is dropped or the lease undone)."""
     max_busy_s: float = 0.0
     """Longest stretch the server thread spent handling messages without returning to its poll."""
+    internal_errors: int = 0
+    """Valid messages whose handling raised (a bug, logged with its traceback); zero in every test."""
 
 
 @dataclass
@@ -97,6 +101,9 @@ class _RateLimitedLog:
 
 HelloCheck = Callable[[Hello], "str | None"]
 WelcomeHook = Callable[[Hello, bool], None]
+DeliveryCheck = Callable[["Delivery", dict], None]
+"""Checks a delivered batch against the producer's WELCOME description (e.g.
+``common.batchcheck.check_batch``); raising ValueError drops the batch (see RingClient)."""
 
 
 class RingServer:
@@ -114,8 +121,11 @@ class RingServer:
         check_hello: HelloCheck | None = None,
         on_welcome: WelcomeHook | None = None,
         stats: Callable[[], dict] | None = None,
+        curve: CurveKeys | None = None,
         ctx: zmq.Context | None = None,
     ) -> None:
+        if curve is not None and ctx is not None:
+            raise ValueError("a CURVE server makes its own context (its ZAP handler is per context): do not pass ctx")
         self.endpoint = endpoint
         self.ring = ring
         self.producer_id = producer_id
@@ -127,15 +137,21 @@ class RingServer:
         self._check_hello = check_hello
         self._on_welcome = on_welcome
         self._stats = stats
-        self._ctx = ctx or zmq.Context.instance()
+        self._curve = curve
+        self._ctx = zmq.Context() if curve is not None else ctx or zmq.Context.instance()
         self._consumers: dict[bytes, _Consumer] = {}
         self._newest_incarnation = -1
         self._round_robin = 0
+        self._credit_waiting = False
+        """Some consumer has credit (set by the server thread, read by the filler in ``publish``)."""
+        self._freed = False
+        """Acks freed slots whose waiting filler is not woken yet (see ``_serve``)."""
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"ring-server-{producer_id}", daemon=True)
         self._bad_log = _RateLimitedLog()
+        self._refused_log = _RateLimitedLog()
         self._error: BaseException | None = None
 
     # -- filler side (any thread) ----------------------------------------------------------------
@@ -153,9 +169,20 @@ class RingServer:
         return self.ring.slot(index)
 
     def publish(self, index: int, layout: list[TensorSpec], meta: dict) -> int:
-        """Announce a filled slot. Its bytes must be complete (stream synchronised) before this call."""
-        seq = self.slots.publish(index, (tuple(layout), dict(meta)))
-        self._wake()
+        """Announce a filled slot. Its bytes must be complete (stream synchronised) before this call.
+
+        The slot's payload is ``(layout, meta, frame)``: the BATCH frame is encoded here, on the
+        filler's thread, so leasing the slot costs the server thread one send.
+        """
+        layout, meta = tuple(layout), dict(meta)
+        generation, seq = self.slots.filling(index)
+        frame = Batch(slot=index, generation=generation, seq=seq, layout=layout, meta=meta).encode()
+        self.slots.publish(index, (layout, meta, frame))
+        # Read after publishing: the server thread raises the flag before it looks for ready slots,
+        # so either it sees this slot or we see the flag. Without credit to spend it would wake for
+        # nothing: the next ACK or CREDIT dispatches the slot (saves a thread hand-off per slot).
+        if self._credit_waiting:
+            self._wake()
         return seq
 
     def abort(self, index: int) -> None:
@@ -182,9 +209,14 @@ class RingServer:
     # -- server thread ---------------------------------------------------------------------------
 
     def _serve(self) -> None:
+        auth = None
         try:
-            sock = make_socket(self._ctx, zmq.ROUTER, bind=self.endpoint)
+            if self._curve is not None:
+                auth = start_authenticator(self._ctx, self._curve)
+            sock = make_socket(self._ctx, zmq.ROUTER, bind=self.endpoint, curve=self._curve)
         except BaseException as exc:
+            if auth is not None:
+                auth.stop()
             self._error = exc
             self._bound.set()
             return
@@ -206,6 +238,10 @@ class RingServer:
                 if sock in events:
                     self._drain(sock)
                 self._dispatch(sock)
+                if self._freed:
+                    # Woken after the leases went out, so the filler does not delay them.
+                    self._freed = False
+                    self.slots.wake()
                 now = time.monotonic()
                 if now >= next_beat:
                     self._expire(now)
@@ -214,15 +250,18 @@ class RingServer:
                 self.counters.max_busy_s = max(self.counters.max_busy_s, time.monotonic() - busy_from)
         finally:
             sock.close(linger=0)
+            if auth is not None:
+                auth.stop()
+                self._ctx.term()
             if self.endpoint.startswith("ipc://"):
                 Path(self.endpoint[len("ipc://") :]).unlink(missing_ok=True)
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(1000):  # bounded so that dispatch and heartbeats still run under a flood
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+            # Asking first is cheaper than the zmq.Again a NOBLOCK receive raises on an empty queue.
+            if not sock.get(zmq.EVENTS) & zmq.POLLIN:
                 return
+            frames = sock.recv_multipart(copy=True)
             self.counters.messages += 1
             if len(frames) != 2:
                 self.counters.dropped_malformed += 1
@@ -240,7 +279,11 @@ class RingServer:
                 self.counters.dropped_malformed += 1
                 self._bad_log.warn(f"dropped a malformed message ({len(frame)} bytes): {exc}")
                 continue
-            self._handle(sock, identity, message)
+            try:
+                self._handle(sock, identity, message)
+            except Exception:  # a bug must not end the server thread: the ring would never be served again
+                self.counters.internal_errors += 1
+                log.exception("failed to handle a %s message; dropped it", message.TYPE)
 
     def _handle(self, sock: zmq.Socket, identity: bytes, message: Message) -> None:
         if isinstance(message, Hello):
@@ -253,11 +296,12 @@ class RingServer:
             return
         consumer.last_seen = time.monotonic()
         if isinstance(message, Ack):
-            self.slots.release(identity, message.slot, message.generation)
+            if self.slots.release(identity, message.slot, message.generation, notify=False):
+                self._freed = True
             if message.credit:
-                consumer.credits = min(consumer.credits + message.credit, 1 << 20)
+                self._add_credit(consumer, message.credit)
         elif isinstance(message, Credit):
-            consumer.credits = min(consumer.credits + message.n, 1 << 20)
+            self._add_credit(consumer, message.n)
         elif isinstance(message, Bye):
             self._drop(identity, reason=f"said bye ({message.reason})")
         elif isinstance(message, Heartbeat):
@@ -265,6 +309,10 @@ class RingServer:
         else:
             self.counters.dropped_malformed += 1
             self._bad_log.warn(f"dropped a {message.TYPE} message, which consumers do not send")
+
+    def _add_credit(self, consumer: _Consumer, n: int) -> None:
+        consumer.credits = min(consumer.credits + n, 1 << 20)
+        self._credit_waiting = True  # before _dispatch looks for ready slots (see publish)
 
     def _on_hello(self, sock: zmq.Socket, identity: bytes, hello: Hello) -> None:
         if hello.incarnation < self._newest_incarnation:
@@ -287,8 +335,10 @@ class RingServer:
             # After the superseded leases are back in the ring, before anything is leased again.
             self._on_welcome(hello, new_incarnation)
         self._consumers[identity] = _Consumer(
-            identity, hello.consumer_id, hello.incarnation, hello.pid, hello.credits, time.monotonic()
+            identity, hello.consumer_id, hello.incarnation, hello.pid, 0, time.monotonic()
         )
+        if hello.credits:
+            self._add_credit(self._consumers[identity], hello.credits)
         welcome = Welcome(
             producer_id=self.producer_id,
             pid=os.getpid(),
@@ -305,7 +355,7 @@ class RingServer:
 
     def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str) -> None:
         self.counters.refused += 1
-        log.warning("refused a consumer: %s", reason)
+        self._refused_log.warn(f"refused a consumer: {reason}")
         send_nowait(sock, [identity, Refuse(reason=reason).encode()])
 
     def _drop(self, identity: bytes, reason: str) -> None:
@@ -316,24 +366,24 @@ class RingServer:
 
     def _dispatch(self, sock: zmq.Socket) -> None:
         """Lease READY slots to consumers with credit, round robin."""
-        while self.slots.has_ready():
+        while True:
             hungry = [c for c in self._consumers.values() if c.credits > 0]
             if not hungry:
-                return
+                break
             consumer = hungry[self._round_robin % len(hungry)]
             self._round_robin += 1
             lease = self.slots.lease_next(consumer.identity)
             if lease is None:
-                return
-            layout, meta = lease.payload
-            message = Batch(slot=lease.slot, generation=lease.generation, seq=lease.seq, layout=layout, meta=meta)
-            if send_nowait(sock, [consumer.identity, message.encode()]):
+                break
+            if send_nowait(sock, [consumer.identity, lease.payload[2]]):
                 consumer.credits -= 1
             else:
-                # The consumer's queue is full or it is gone: undo, and stop feeding it until it speaks.
+                # The consumer's queue is full or it is gone: undo this lease, and stop feeding it until it speaks.
                 self.counters.socket_blocked += 1
-                self.slots.reclaim(consumer.identity)
+                self.slots.unlease(consumer.identity, lease.slot, lease.generation)
+                log.warning("send to consumer %s would block; slot %d back in the ring", consumer.consumer_id, lease.slot)
                 consumer.credits = 0
+        self._credit_waiting = any(c.credits > 0 for c in self._consumers.values())
 
     def _expire(self, now: float) -> None:
         for consumer in list(self._consumers.values()):
@@ -349,9 +399,14 @@ class RingServer:
             "blocked_s": round(self.slots.counters.blocked_s, 4),
             "published": self.slots.counters.published,
             "reclaimed": self.slots.counters.reclaimed,
+            "released": self.slots.counters.released,
+            "stale_acks": self.slots.counters.stale_acks,
             "consumers": len(self._consumers),
             "dropped_malformed": self.counters.dropped_malformed,
+            "dropped_unknown_peer": self.counters.dropped_unknown_peer,
+            "refused": self.counters.refused,
             "socket_blocked": self.counters.socket_blocked,
+            "internal_errors": self.counters.internal_errors,
             "max_busy_s": round(self.counters.max_busy_s, 4),
         }
         if self._stats is not None:
@@ -394,6 +449,8 @@ class RingClient:
         committed: dict | None = None,
         credits: int = 2,
         heartbeat_interval_s: float = 1.0,
+        accept: DeliveryCheck | None = None,
+        curve: CurveKeys | None = None,
         ctx: zmq.Context | None = None,
     ) -> None:
         self.endpoint = endpoint
@@ -403,14 +460,20 @@ class RingClient:
         self.committed = dict(committed or {})
         self.initial_credits = credits
         self.heartbeat_interval_s = heartbeat_interval_s
+        self._accept = accept
         self._ctx = ctx or zmq.Context.instance()
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=endpoint)
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=endpoint, curve=curve)
+        self._poller = zmq.Poller()  # kept: Socket.poll builds a new Poller on every call
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._slots: list[torch.Tensor] = []
         self.welcome: Welcome | None = None
         self.ring: RingBuffer | None = None
         self.producer_stats: dict = {}
         self.last_heard = time.monotonic()
         self._next_beat = 0.0
         self.dropped_malformed = 0
+        """Messages from the producer that were dropped: undecodable, or batches that fail the checks."""
+        self._bad_log = _RateLimitedLog()
 
     def connect(self, timeout_s: float = 30.0) -> Welcome:
         """HELLO, then wait for WELCOME (ring attached) or REFUSE (raises HandshakeRefused)."""
@@ -426,14 +489,23 @@ class RingClient:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(remaining * 1000, zmq.POLLIN):
+            if remaining <= 0 or not self._poller.poll(remaining * 1000):
                 raise HandshakeTimeout(f"no answer from the producer at {self.endpoint} within {timeout_s:.0f}s")
             message = self._recv()
             if isinstance(message, Refuse):
                 raise HandshakeRefused(f"producer at {self.endpoint} refused: {message.reason}")
             if isinstance(message, Welcome):
+                # The producer checks our expectations too; checking here as well means a producer
+                # that ignores them (or is not ours) never gets its ring opened.
+                for key, wanted in self.expect.items():
+                    if message.describe.get(key) != wanted:
+                        raise HandshakeRefused(
+                            f"producer at {self.endpoint} ships {key}={message.describe.get(key)!r}, "
+                            f"this consumer expects {wanted!r}"
+                        )
                 self.welcome = message
                 self.ring = attach_ring(message.ring)
+                self._slots = [self.ring.slot(i) for i in range(self.ring.num_slots)]
                 self.last_heard = time.monotonic()
                 return message
 
@@ -448,26 +520,44 @@ class RingClient:
         """Receive what has arrived (waiting up to ``timeout_s`` for the first); send heartbeats."""
         deliveries: list[Delivery] = []
         self.keepalive()
-        wait_ms = timeout_s * 1000
-        while self._sock.poll(wait_ms, zmq.POLLIN):
-            wait_ms = 0
+        if not self._readable() and (timeout_s <= 0 or not self._poller.poll(timeout_s * 1000)):
+            return deliveries
+        while self._readable():
             message = self._recv()
             if message is None:
                 continue
             self.last_heard = time.monotonic()
             if isinstance(message, Batch):
-                deliveries.append(self._deliver(message))
+                delivery = self._deliver(message)
+                if delivery is not None:
+                    deliveries.append(delivery)
             elif isinstance(message, Heartbeat):
                 self.producer_stats = message.stats
             elif isinstance(message, Refuse):
                 raise HandshakeRefused(f"producer at {self.endpoint} dropped this consumer: {message.reason}")
         return deliveries
 
-    def _deliver(self, message: Batch) -> Delivery:
-        if self.ring is None or message.slot >= self.ring.num_slots:
-            raise ProtocolError(f"batch for slot {message.slot} outside the ring")
-        tensors = read_tensors(self.ring.slot(message.slot), list(message.layout))
-        return Delivery(message.slot, message.generation, message.seq, message.meta, tensors)
+    def _readable(self) -> bool:
+        # Asking EVENTS is cheaper than a zero-timeout poll.
+        return bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
+
+    def _deliver(self, message: Batch) -> Delivery | None:
+        """The batch as views into its slot, or None when it does not fit the ring or fails ``accept``."""
+        try:
+            if self.ring is None or message.slot >= self.ring.num_slots:
+                raise LayoutError(f"slot {message.slot} is outside the ring")
+            tensors = read_tensors(self._slots[message.slot], list(message.layout))
+            delivery = Delivery(message.slot, message.generation, message.seq, message.meta, tensors)
+            if self._accept is not None:
+                self._accept(delivery, self.welcome.describe)
+        except (LayoutError, ValueError, TypeError, KeyError) as exc:
+            # Nothing was read. The ack returns the slot and the credit this batch used, so an
+            # honest producer with a bug loses nothing and our credit window does not shrink.
+            self.dropped_malformed += 1
+            self._bad_log.warn(f"dropped batch (slot {message.slot}) from the producer at {self.endpoint}: {exc}")
+            self._send(Ack(slot=message.slot, generation=message.generation, credit=1))
+            return None
+        return delivery
 
     def ack(self, delivery: Delivery, grant: int = 0) -> None:
         """Give the slot back (granting ``grant`` more batches). Do not touch ``delivery.tensors`` after."""
@@ -496,11 +586,17 @@ class RingClient:
         self._sock.close(linger=200)
 
     def _send(self, message: Message) -> None:
-        # DEALER sends block only when the producer's queue is full for this long; a live producer
-        # drains continuously, so this never waits in practice, and a dead one must not hang us.
+        # A DEALER send would block only while the producer's queue is full; a live producer drains
+        # continuously, so the first try succeeds in practice, and a dead one must not hang us.
+        frame = message.encode()
+        try:
+            self._sock.send(frame, flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            pass
         if not self._sock.poll(5000, zmq.POLLOUT):
             raise TimeoutError(f"cannot send to the producer at {self.endpoint}: its queue is full")
-        self._sock.send(message.encode(), flags=zmq.NOBLOCK)
+        self._sock.send(frame, flags=zmq.NOBLOCK)
 
     def _recv(self) -> Message | None:
         frame = self._sock.recv(copy=True)
@@ -508,5 +604,5 @@ class RingClient:
             return decode(frame)
         except ProtocolError as exc:
             self.dropped_malformed += 1
-            log.warning("dropped a malformed message from the producer: %s", exc)
+            self._bad_log.warn(f"dropped a malformed message from the producer at {self.endpoint}: {exc}")
             return None
