@@ -70,9 +70,14 @@ class TensorSpec(NamedTuple):
             raise LayoutError(f"tensor {name!r}: unknown dtype {repr(dtype)[:32]}")
         if type(shape) not in (list, tuple) or len(shape) > MAX_DIMS:
             raise LayoutError(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} sizes")
+        span = 1
         for size in shape:
             if type(size) is not int or not 0 <= size < MAX_SIZE:
                 raise LayoutError(f"tensor {name!r}: sizes must be integers in [0, 2**40)")
+            span *= max(size, 1)
+        if span >= MAX_SIZE:
+            # Even when another size is 0 (no elements): the strides must fit in 64 bits.
+            raise LayoutError(f"tensor {name!r}: sizes multiply to {span}, more than 2**40 elements")
         if type(offset) is not int or not 0 <= offset < MAX_OFFSET or offset % ALIGN:
             raise LayoutError(f"tensor {name!r}: offset must be a multiple of {ALIGN} in [0, 2**50)")
         return cls(name, dtype, tuple(shape), offset)

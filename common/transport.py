@@ -64,6 +64,8 @@ class _Consumer:
     pid: int
     credits: int
     last_seen: float
+    paused_until: float = 0.0
+    """After a send to it would have blocked, it gets no batches until then (its credits stay)."""
 
 
 @dataclass
@@ -366,8 +368,9 @@ class RingServer:
 
     def _dispatch(self, sock: zmq.Socket) -> None:
         """Lease READY slots to consumers with credit, round robin."""
+        now = time.monotonic()
         while True:
-            hungry = [c for c in self._consumers.values() if c.credits > 0]
+            hungry = [c for c in self._consumers.values() if c.credits > 0 and c.paused_until <= now]
             if not hungry:
                 break
             consumer = hungry[self._round_robin % len(hungry)]
@@ -378,11 +381,13 @@ class RingServer:
             if send_nowait(sock, [consumer.identity, lease.payload[2]]):
                 consumer.credits -= 1
             else:
-                # The consumer's queue is full or it is gone: undo this lease, and stop feeding it until it speaks.
+                # Its queue is full or it is gone: undo this lease and try it again a heartbeat later
+                # (a gone consumer expires meanwhile). Its credits stay: taking them would starve
+                # a consumer that has nothing left to ack.
                 self.counters.socket_blocked += 1
                 self.slots.unlease(consumer.identity, lease.slot, lease.generation)
+                consumer.paused_until = now + self.heartbeat_interval_s
                 log.warning("send to consumer %s would block; slot %d back in the ring", consumer.consumer_id, lease.slot)
-                consumer.credits = 0
         self._credit_waiting = any(c.credits > 0 for c in self._consumers.values())
 
     def _expire(self, now: float) -> None:

@@ -77,6 +77,7 @@ def test_bytes_needed_matches_layout():
         ["", "uint8", [4], 0],  # empty name
         ["x", "uint8", 4, 0],  # shape not a list
         ["x", "uint8"],  # short
+        ["x", "uint8", [0, 1 << 39, 1 << 39, 1 << 39], 0],  # no elements, but strides past 64 bits (found by fuzzing)
     ],
 )
 def test_hostile_layouts_are_refused(wire):
@@ -93,3 +94,31 @@ def test_overlapping_and_duplicate_specs_are_refused():
         read_tensors(slot, [a, b])
     with pytest.raises(LayoutError, match="twice"):
         read_tensors(slot, [a, TensorSpec("a", "uint8", (1,), 1024)])
+
+
+def test_no_layout_reaches_outside_its_slot():
+    """20,000 random layouts, most of them hostile, over a slot in the middle of a larger buffer:
+    each is refused, or every view it yields lies inside the slot."""
+    import random
+
+    from common.codec import DTYPES, MAX_DIMS
+
+    rng = random.Random(3)
+    buffer = torch.zeros(3 * 4096, dtype=torch.uint8)
+    slot = buffer[4096:8192]
+    start, end = slot.data_ptr(), slot.data_ptr() + slot.numel()
+    sizes = [0, 1, 2, 3, 255, 256, 1024, 4095, 4096, 4097, 1 << 20, (1 << 40) - 1]
+    offsets = [0, 256, 3840, 4096, 8192, 1 << 30, (1 << 50) - 256]
+    accepted = 0
+    for _ in range(20_000):
+        wire = [[rng.choice(["a", "b", "c"]), rng.choice(list(DTYPES)), [rng.choice(sizes) for _ in range(rng.randrange(MAX_DIMS + 1))],
+                 rng.choice(offsets)] for _ in range(rng.randrange(1, 4))]
+        try:
+            views = read_tensors(slot, [TensorSpec.from_wire(item) for item in wire])
+        except LayoutError:
+            continue
+        accepted += 1
+        for view in views.values():
+            if view.numel():
+                assert start <= view.data_ptr() and view.data_ptr() + view.numel() * view.element_size() <= end, wire
+    assert accepted > 1000
