@@ -1,9 +1,11 @@
 """The run directory: where every file of a run lives, and atomic JSON files.
 
+    DIR/format.json            the layout version of this folder (RUN_DIR_FORMAT); others are refused
     DIR/config.toml            resolved config
     DIR/producers/p{I}.json    producer I's status (written about once a second)
     DIR/trainer.json           the trainer's status
-    DIR/sockets/               ipc sockets (names carry their owner's identity)
+    DIR/sockets/               ipc sockets (names carry their owner's identity), mode 0700
+    DIR/secrets/curve.json     the run's CURVE keys for tcp endpoints (common/sockets.py), mode 0600
     DIR/checkpoints/           step-XXXXXXXX/ folders and latest.json (pointer, written last)
     DIR/target/                the target's frozen head for the trainer when the target has no path
     DIR/ledger.jsonl, DIR/metrics.jsonl, DIR/logs/, DIR/wandb/
@@ -15,16 +17,64 @@ import json
 import os
 from pathlib import Path
 
+from common.config import ConfigError
+
+RUN_DIR_FORMAT = 1
+"""Layout version of a run directory. Raise it when a change makes older run directories unreadable
+(or newer ones unreadable by older code): each side then refuses the other's folder, clearly."""
+
+
+class RunDirFormatError(ConfigError):
+    """The run directory was made by a version of this software with another layout."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk...); the previous one is still the latest."""
+
+
+_RENAME_EXCHANGE = 2
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Move the complete folder ``new`` to ``final``, replacing a folder there atomically.
+
+    An existing ``final`` is swapped with ``new`` in one step (renameat2 RENAME_EXCHANGE), so a
+    reader (or a crash) always finds a complete ``final``; the old contents are then removed.
+    Where the file system cannot swap, the old folder is moved aside first.
+    """
+    import ctypes
+    import shutil
+
+    if not final.exists():
+        os.replace(new, final)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd = -100
+    if libc.renameat2(at_fdcwd, os.fsencode(new), at_fdcwd, os.fsencode(final), _RENAME_EXCHANGE) == 0:
+        shutil.rmtree(new)  # now holds the old contents
+        return
+    aside = final.with_name(f".{final.name}.{os.getpid()}.old")
+    os.replace(final, aside)
+    os.replace(new, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
 
 def atomic_write_json(path: Path, data: dict) -> None:
-    """Write ``data`` so that readers see the old file or the new one, never a half-written one."""
+    """Write ``data`` so that readers see the old file or the new one, never a half-written one.
+
+    On failure (a full disk) the old file stays as it was and the temporary file is removed.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_json(path: Path) -> dict | None:
@@ -43,12 +93,44 @@ class RunDir:
         self.root = Path(root).resolve()
 
     @property
+    def format_file(self) -> Path:
+        return self.root / "format.json"
+
+    def check_format(self) -> None:
+        """Raise RunDirFormatError unless this folder has this software's layout (or is new).
+
+        A run directory without ``format.json`` predates the marker and has format 1.
+        """
+        path = self.format_file
+        if not path.exists():
+            return
+        data = read_json(path)
+        found = data.get("format") if data is not None else None
+        if type(found) is not int:
+            raise RunDirFormatError(f"{path}: not a run directory format marker (expected {{\"format\": <int>}})")
+        if found != RUN_DIR_FORMAT:
+            raise RunDirFormatError(
+                f"{self.root} is a run directory of format {found} (written by {data.get('software', 'an unknown version')}); "
+                f"this version reads format {RUN_DIR_FORMAT}. Resume it with the version that made it, or use a new --run-dir. "
+                "Nothing in it was changed."
+            )
+
+    def write_format(self) -> None:
+        """Mark the folder with this software's layout version (kept if already there)."""
+        if not self.format_file.exists():
+            atomic_write_json(self.format_file, {"format": RUN_DIR_FORMAT, "software": "dflash-stream"})
+
+    @property
     def config(self) -> Path:
         return self.root / "config.toml"
 
     @property
     def sockets(self) -> Path:
         return self.root / "sockets"
+
+    @property
+    def curve_keys(self) -> Path:
+        return self.root / "secrets" / "curve.json"
 
     @property
     def logs(self) -> Path:

@@ -53,9 +53,15 @@ class RunDir(SharedRunDir):
         return self.logs / f"{name}.log"
 
     def create(self) -> None:
-        """Make the run directory and the folders every process expects to exist."""
+        """Make the run directory and the folders every process expects to exist; mark its format.
+
+        Refuses (RunDirFormatError) a folder of another format before touching anything in it.
+        """
+        self.check_format()
         for folder in (self.root, self.logs, self.producers, self.sockets, self.control, self.checkpoints, self.wandb):
             folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.sockets, 0o700)  # only the run's user may reach the producers' sockets
+        self.write_format()
 
 
 def last_json_line(path: Path, tail_bytes: int = 65536) -> dict | None:

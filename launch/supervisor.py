@@ -100,6 +100,7 @@ def resolve_run(run_dir: Path | None, config_file: Path | None, overrides: list[
         while run_dir.exists():
             run_dir = run_dir.with_name(run_dir.name + "-1")
     run = RunDir(run_dir.resolve())
+    run.check_format()  # before reading anything of a folder another version made
     resumed = run.config.is_file()
     if resumed:
         if config_file is not None and to_dict(load_config(config_file)) != to_dict(load_config(run.config)):

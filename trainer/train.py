@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common.config import ConfigError, RunConfig, load_config, to_dict
-from common.rundir import RunDir, atomic_write_json, read_json
+from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json, replace_dir
 from trainer.draft_config import DraftConfig
 from trainer.export import export_zlab, load_drafter
 from trainer.feeder import Commits, Feeder, Received
@@ -272,35 +272,46 @@ class Trainer:
         self.wandb_id = meta.get("wandb_id")
 
     def save_checkpoint(self) -> None:
-        """Write checkpoints/step-N atomically (a temporary folder renamed whole), then point latest.json at it."""
+        """Write checkpoints/step-N atomically (a temporary folder renamed whole), then point latest.json at it.
+
+        If anything cannot be written (a full disk), the partial folder is removed and
+        CheckpointError says so: the previous checkpoint and latest.json are untouched.
+        """
         if self.rank == 0:
             self.state = "checkpointing"
             self.write_status()
             root = self.run_dir.checkpoints
             name = f"step-{self.step:08d}"
             tmp = root / f".{name}.{os.getpid()}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            export_zlab(self.drafter, tmp / "drafter", dtype=None)
-            torch.save(self.state_dict(), tmp / "train_state.pt")
-            atomic_write_json(tmp / "trainer_state.json", {
-                "step": self.step,
-                "max_steps": self.max_steps,
-                "incarnation": self.incarnation,
-                "committed": self.commits.trained_state(),
-                "wandb_id": self.wandb_id,
-                "lr": self.cfg.training.lr,
-                "saved": time.time(),
-            })
-            for f in tmp.rglob("*"):
-                if f.is_file():
-                    with open(f, "rb") as fh:
-                        os.fsync(fh.fileno())
-            final = root / name
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            atomic_write_json(root / "latest.json", {"name": name, "step": self.step})
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                export_zlab(self.drafter, tmp / "drafter", dtype=None)
+                torch.save(self.state_dict(), tmp / "train_state.pt")
+                atomic_write_json(tmp / "trainer_state.json", {
+                    "step": self.step,
+                    "max_steps": self.max_steps,
+                    "incarnation": self.incarnation,
+                    "committed": self.commits.trained_state(),
+                    "wandb_id": self.wandb_id,
+                    "lr": self.cfg.training.lr,
+                    "saved": time.time(),
+                })
+                for f in tmp.rglob("*"):
+                    if f.is_file():
+                        with open(f, "rb") as fh:
+                            os.fsync(fh.fileno())
+                # A folder of the same step (saved again after a resume) is swapped, never missing.
+                replace_dir(tmp, root / name)
+                atomic_write_json(root / "latest.json", {"name": name, "step": self.step})
+            except Exception as exc:  # torch and safetensors report a full disk as RuntimeError, not OSError
+                shutil.rmtree(tmp, ignore_errors=True)
+                latest = self.run_dir.latest_checkpoint()
+                message = (f"cannot write checkpoint {name} into {root}: {exc} "
+                           f"({shutil.disk_usage(root).free} bytes free there). Nothing was lost: "
+                           f"{latest.name if latest else 'no checkpoint'} stays the latest and a restart resumes from it.")
+                log.error("%s", message)
+                raise CheckpointError(message) from exc
             kept = sorted(p for p in root.glob("step-*") if p.is_dir())
             for old in kept[: -self.cfg.training.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)

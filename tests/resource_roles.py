@@ -1,0 +1,94 @@
+"""Programs the resource tests run inside a small file system (a tmpfs in a private mount namespace).
+
+    python -m tests.resource_roles checkpoint --run-dir DIR --limit tmpfs|rlimit
+
+``checkpoint``: a real Trainer (tiny config, the target head exported as a producer would) writes
+checkpoint step 0, then step 7 onto a full disk (``tmpfs``: DIR/checkpoints is a small tmpfs that
+this program fills; ``rlimit``: RLIMIT_FSIZE where no mount namespace is available), then step 7
+again once there is room. Prints one JSON line with what it saw after each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _checkpoint_state(run) -> dict:
+    """What a restart would find: the latest checkpoint, whether it loads, and stray partial folders."""
+    from common.rundir import read_json
+
+    latest = run.latest_checkpoint()
+    state = {"latest": latest.name if latest else None, "pointer": read_json(run.checkpoints / "latest.json"),
+             "partial": sorted(p.name for p in run.checkpoints.iterdir() if p.name.startswith("."))}
+    if latest is not None:
+        state["step"] = read_json(latest / "trainer_state.json")["step"]
+        state["loads"] = bool(torch.load(latest / "train_state.pt", map_location="cpu", weights_only=True)["optimizer"])
+        state["drafter_files"] = sorted(p.name for p in (latest / "drafter").iterdir())
+    return state
+
+
+def checkpoint(args: argparse.Namespace) -> int:
+    from common.config import load_config, save_config
+    from common.rundir import CheckpointError, RunDir
+    from producer.server import export_target_head, feature_layer_ids
+    from producer.target import Target, build_target_config
+    from trainer.train import Trainer
+
+    run = RunDir(args.run_dir)
+    cfg = load_config(ROOT / "launch" / "tiny.toml", ['logging.wandb_mode="disabled"'])
+    save_config(cfg, run.config)
+    layer_ids = feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers)
+    target = Target.load(cfg.target, layer_ids, capture_last_hidden=cfg.training.label_mode != "data")
+    export_target_head(target, run.target_head)
+    trainer = Trainer(cfg, run)
+    report: dict = {}
+    trainer.save_checkpoint()
+    report["first"] = _checkpoint_state(run)
+
+    filler = run.checkpoints / "filler"
+    if args.limit == "tmpfs":
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+    else:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+    trainer.step = 7
+    try:
+        trainer.save_checkpoint()
+        report["error"] = None
+    except CheckpointError as exc:
+        report["error"] = str(exc)
+    report["after_failure"] = _checkpoint_state(run)
+
+    filler.unlink(missing_ok=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    trainer.save_checkpoint()
+    report["after_room"] = _checkpoint_state(run)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("role", choices=["checkpoint"])
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--limit", choices=["tmpfs", "rlimit"], default="tmpfs")
+    return checkpoint(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
