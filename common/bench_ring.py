@@ -2,6 +2,7 @@
 
     python -m common.bench_ring                  # every placement this machine has
     python -m common.bench_ring --json out.json
+    python -m common.bench_ring --latency-only --repeat 7 --baseline /tmp/base   # before/after
 
 For each placement a real producer process serves a ring and a real consumer process receives
 each slot and copies it into its own memory (CPU tensor, or its GPU); with two credits the copy
@@ -12,6 +13,10 @@ consumer's time between consecutive deliveries; the producer republishes on ever
 
 Placements: host ring -> CPU; host ring (page-locked) -> GPU 0; CUDA IPC on one GPU;
 CUDA IPC from GPU 0 to GPU 1 (the consumer sees both GPUs; the producer only its own).
+
+``--baseline DIR`` runs the latency pair of another version too (DIR holds its ``common/``, e.g.
+``git archive <commit> common | tar -x -C DIR``), alternating with this one ``--repeat`` times so
+both see the same machine load; each reports the median of its runs' p50 and p99.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from common.codec import TensorSpec
 from common.ring import create_ring
 from common.sockets import ipc_endpoint
 from common.transport import RingClient, RingServer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -135,14 +142,17 @@ def _finish(client: RingClient, delivery, copied) -> None:
 
 
 def _run_pair(name: str, backend: str, dest: str, slot_bytes: int, count: int, copy: bool, credits: int,
-              producer_env: dict, consumer_env: dict, slots: int) -> dict:
+              producer_env: dict, consumer_env: dict, slots: int, tree: Path = ROOT) -> dict:
+    """One producer and one consumer process, both running ``common.bench_ring`` of ``tree``."""
     with tempfile.TemporaryDirectory(prefix="df-bench-", dir="/tmp") as tmp:
         endpoint = ipc_endpoint(Path(tmp) / "p.ipc")
         base = [sys.executable, "-m", "common.bench_ring"]
         shared = ["--endpoint", endpoint, "--slot-bytes", str(slot_bytes)]
+        tree_env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+        producer_env, consumer_env = {**producer_env, **tree_env}, {**consumer_env, **tree_env}
         producer = subprocess.Popen(
             [*base, "serve", *shared, "--backend", backend, "--slots", str(slots)],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, **producer_env},
+            stdout=subprocess.PIPE, text=True, env={**os.environ, **producer_env}, cwd=tree,
         )
         try:
             json.loads(producer.stdout.readline())
@@ -150,7 +160,7 @@ def _run_pair(name: str, backend: str, dest: str, slot_bytes: int, count: int, c
             cmd = [*base, "consume", *shared, "--dest", dest, "--count", str(count), "--warmup", str(warmup), "--credits", str(credits)]
             if copy:
                 cmd.append("--copy")
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **consumer_env}, timeout=600)
+            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **consumer_env}, timeout=600, cwd=tree)
             if out.returncode != 0:
                 raise RuntimeError(f"{name}: consumer failed:\n{out.stderr[-3000:]}")
             result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -174,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--credits", type=int, default=2)
     parser.add_argument("--copy", action="store_true")
     parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument("--latency-only", action="store_true", help="only the 4 KiB one-credit round trip")
+    parser.add_argument("--repeat", type=int, default=1, help="latency runs per version (the median is reported)")
+    parser.add_argument("--baseline", type=Path, default=None, help="a tree with another version's common/ to compare with")
     args = parser.parse_args(argv)
     if args.role == "serve":
         return serve(args)
@@ -192,11 +205,22 @@ def main(argv: list[str] | None = None) -> int:
         # The producer sees only GPU 0; the consumer sees both and finds the ring's GPU by UUID.
         cases.append(("cuda ipc, GPU0 -> GPU1", "cuda", "cuda:1", {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0,1"}))
     rows = []
-    for name, backend, dest, penv, cenv in cases:
+    for name, backend, dest, penv, cenv in [] if args.latency_only else cases:
         count = args.count if dest != "cpu" else max(20, args.count // 4)
         rows.append(_run_pair(name, backend, dest, big, count, True, args.credits, penv, cenv, args.slots))
     latency_backend, latency_env = ("cuda", {"CUDA_VISIBLE_DEVICES": "0"}) if gpus else ("host", {})
-    rows.append(_run_pair(f"latency ({latency_backend}, 4 KiB, 1 credit)", latency_backend, "cpu", 4096, 5000, False, 1, latency_env, latency_env, 2))
+    trees = [("", ROOT)] + ([(" baseline", args.baseline.resolve())] if args.baseline else [])
+    runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
+    for _ in range(args.repeat):
+        for label, tree in trees:  # alternating, so that both versions see the same machine load
+            runs[label].append(_run_pair(f"latency{label} ({latency_backend}, 4 KiB, 1 credit)", latency_backend, "cpu", 4096,
+                                         5000, False, 1, latency_env, latency_env, 2, tree=tree))
+    for label, results in runs.items():
+        row = dict(results[0])
+        for key in ("slots_per_s", "gap_us_p50", "gap_us_p99"):
+            row[key] = sorted(r[key] for r in results)[len(results) // 2]
+        row["runs_p50"] = [round(r["gap_us_p50"], 1) for r in results]
+        rows.append(row)
 
     print(f"\n{'placement':36s} {'slot MiB':>8s} {'slots/s':>9s} {'hand-off GB/s':>14s} {'raw GB/s':>9s} {'ratio':>6s} {'p50 us':>8s} {'p99 us':>8s}")
     for r in rows:
@@ -205,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['placement']:36s} {r['slot_MiB']:8.3f} {r['slots_per_s']:9.1f} {r['handoff_GBps']:14.2f} "
               f"{(r['raw_copy_GBps'] or 0):9.2f} {(ratio or 0):6.2f} {r['gap_us_p50']:8.0f} {r['gap_us_p99']:8.0f}")
     payload = {"bench": "ring", "gpus": gpus, "device": torch.cuda.get_device_name(0) if gpus else "cpu", "rows": rows}
+    if args.baseline:
+        this, base = (rows[-2]["gap_us_p50"], rows[-1]["gap_us_p50"])
+        payload["latency_p50_ratio"] = this / base
+        print(f"latency p50: {this:.0f} us here, {base:.0f} us baseline ({args.baseline}): {this / base:.2f}x")
     print(json.dumps(payload))
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=1))

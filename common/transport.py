@@ -525,7 +525,7 @@ class RingClient:
         """Receive what has arrived (waiting up to ``timeout_s`` for the first); send heartbeats."""
         deliveries: list[Delivery] = []
         self.keepalive()
-        if not self._readable() and (timeout_s <= 0 or not self._poller.poll(timeout_s * 1000)):
+        if not self._poller.poll(timeout_s * 1000):
             return deliveries
         while self._readable():
             message = self._recv()
