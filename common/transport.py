@@ -580,6 +580,8 @@ class RingClient:
     def close(self, reason: str = "closing") -> None:
         if self._sock.closed:
             return
+        if self.dropped_malformed:
+            log.warning("dropped %d malformed messages or batches from the producer at %s", self.dropped_malformed, self.endpoint)
         try:
             self._send(Bye(reason=reason))
         except zmq.ZMQError:

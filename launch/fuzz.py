@@ -34,6 +34,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -471,27 +472,34 @@ def fuzz_producer(messages: int, seed: int) -> dict:
     return report
 
 
-# -- attacking a consumer (the trainer's intake) --------------------------------------------------
+# -- attacking a consumer (the trainer's intake, or the whole trainer) ---------------------------
 
-DESCRIBE = {"producer_id": 0, "target_identity": "fuzz", "layer_ids": [1, 3], "dtype": "bfloat16", "last_hidden": False,
-            "hidden_size": 16, "vocab_size": 100, "token_budget": 256}
-AUX_WIDTH = len(DESCRIBE["layer_ids"]) * DESCRIBE["hidden_size"]
+INTAKE_DESCRIBE = {"producer_id": 0, "target_identity": "fuzz", "layer_ids": [1, 3], "dtype": "bfloat16", "last_hidden": False,
+                   "hidden_size": 16, "vocab_size": 100, "token_budget": 256}
 
 
-def good_batch(rng: random.Random, ordinal: int) -> tuple[dict[str, torch.Tensor], dict]:
-    """A batch that keeps the packed-batch contract for DESCRIBE, and its metadata."""
+def _widths(describe: dict) -> tuple[int, torch.dtype]:
+    from common.codec import DTYPES
+
+    return len(describe["layer_ids"]) * describe["hidden_size"], DTYPES[describe["dtype"]]
+
+
+def good_batch(rng: random.Random, ordinal: int, describe: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """A batch that keeps the packed-batch contract for ``describe``, and its metadata."""
     gen = torch.Generator().manual_seed(ordinal)
+    width, dtype = _widths(describe)
     docs = rng.randrange(1, 6)
-    lengths = [rng.randrange(1, DESCRIBE["token_budget"] // docs + 1) for _ in range(docs)]
+    lengths = [rng.randrange(2, describe["token_budget"] // docs + 1) for _ in range(docs)]
     tokens = sum(lengths)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     tensors = {
-        "input_ids": torch.randint(0, DESCRIBE["vocab_size"], (tokens,), dtype=torch.int32, generator=gen),
-        "loss_mask": torch.randint(0, 2, (tokens,), dtype=torch.uint8, generator=gen),
-        "cu_seqlens": cu,
+        "input_ids": torch.randint(0, describe["vocab_size"] - 1, (tokens,), dtype=torch.int32, generator=gen),
+        "loss_mask": torch.ones(tokens, dtype=torch.uint8),
+        "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
         "sample_ids": torch.arange(ordinal * 10, ordinal * 10 + docs, dtype=torch.int64),
-        "aux_hidden": torch.randn(tokens, AUX_WIDTH, generator=gen).to(torch.bfloat16),
+        "aux_hidden": torch.randn(tokens, width, generator=gen).to(dtype),
     }
+    if describe["last_hidden"]:
+        tensors["last_hidden"] = torch.randn(tokens, describe["hidden_size"], generator=gen).to(dtype)
     meta = {"producer": 0, "ordinal": ordinal, "cursor": [0, 0, ordinal], "epoch": 0, "tokens": tokens, "docs": docs}
     return tensors, meta
 
@@ -503,16 +511,154 @@ def tensors_crc(tensors: dict[str, torch.Tensor]) -> int:
     return crc
 
 
-def slot_bytes_for_describe() -> int:
-    budget = DESCRIBE["token_budget"]
+def slot_bytes_for(describe: dict) -> int:
+    budget = describe["token_budget"]
+    width, dtype = _widths(describe)
     shapes = {"input_ids": ((budget,), torch.int32), "loss_mask": ((budget,), torch.uint8),
               "cu_seqlens": ((budget + 1,), torch.int32), "sample_ids": ((budget,), torch.int64),
-              "aux_hidden": ((budget, AUX_WIDTH), torch.bfloat16)}
+              "aux_hidden": ((budget, width), dtype), "last_hidden": ((budget, describe["hidden_size"]), dtype)}
     return bytes_needed(shapes)
 
 
-def to_consumer(h: Hostile, ring: HostRing, hostile_slot: int, good: list[tuple[int, int, list, dict]]) -> tuple[str, bytes]:
+def hostile_contents(slot: torch.Tensor, describe: dict) -> tuple[TensorSpec, ...]:
+    """Tensors of the right names, dtypes and shapes whose values break the contract (token ids past
+    the vocabulary, falling document boundaries): only a check of the values catches them."""
+    tokens = 8
+    width, dtype = _widths(describe)
+    tensors = {
+        "input_ids": torch.full((tokens,), describe["vocab_size"] + 5, dtype=torch.int32),
+        "loss_mask": torch.ones(tokens, dtype=torch.uint8),
+        "cu_seqlens": torch.tensor([0, 6, 3, tokens], dtype=torch.int32),
+        "sample_ids": torch.arange(3, dtype=torch.int64),
+        "aux_hidden": torch.zeros(tokens, width, dtype=dtype),
+    }
+    if describe["last_hidden"]:
+        tensors["last_hidden"] = torch.zeros(tokens, describe["hidden_size"], dtype=dtype)
+    return tuple(write_tensors(slot, tensors))
+
+
+class HostileProducer:
+    """A ring and a ROUTER socket that serve one consumer well-formed batches among hostile messages."""
+
+    def __init__(self, rng: random.Random, endpoint: str, describe: dict, num_slots: int = 6) -> None:
+        self.rng = rng
+        self.describe = describe
+        self.ring = HostRing.create("fuzz", "p0", num_slots=num_slots, slot_bytes=slot_bytes_for(describe))
+        self.hostile_slot = num_slots - 1  # never holds a well-formed batch
+        self.hostile_layout = hostile_contents(self.ring.slot(self.hostile_slot), describe)
+        self.hostile = Hostile(rng, num_slots)
+        self.ctx = zmq.Context()
+        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoint)
+        self.identity = b""
+        self.credits = 0
+        self.leases: dict[int, int] = {}  # slot -> generation of the well-formed batch in it
+        self.next_generation = 1
+        self.ordinal = 0
+        self.sent_good: dict[int, int] = {}  # ordinal -> crc
+        self.good: list[tuple[int, int, list, dict]] = []  # (slot, generation, layout, meta), for replays
+        self.kinds: Counter = Counter()
+        self.next_beat = 0.0
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+        self.ring.close()
+
+    def handshake(self, timeout_s: float = 120) -> None:
+        """Wait for HELLO; answer with malformed WELCOMEs first (to be waited out), then the real one."""
+        if not self.sock.poll(timeout_s * 1000):
+            raise RuntimeError("the consumer never said hello")
+        self.identity, frame = self.sock.recv_multipart()
+        self.credits = decode(frame).credits
+        welcome = _header("welcome", producer_id=0, pid=os.getpid(), ring=self.ring.spec(), describe=self.describe,
+                          heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0)
+        for _ in range(50):
+            # (Not bit flips of the real WELCOME: one in the ring's path is well-formed, and a ring
+            # that cannot be opened ends the trainer on purpose, see trainer/feeder.py.)
+            h = self.hostile
+            self._send(self.rng.choice([h.mutate(welcome, PRODUCER_MESSAGE_KINDS["welcome"]), h.header(welcome), h.garbage(b"")]))
+            self.kinds["bad-welcome"] += 1
+        self._send(_pack(welcome))
+
+    def _send(self, frame: bytes) -> bool:
+        try:
+            self.sock.send_multipart([self.identity, frame], flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            time.sleep(0.005)  # the consumer's queue is full: let it drain
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:  # it left (after its BYE, at the end)
+                return False
+            raise
+
+    def serve(self, wait_ms: int = 0, batch: bool = True) -> None:
+        """Take acks and credits, send a heartbeat when due and (``batch``) a well-formed batch when there is room."""
+        while self.sock.poll(wait_ms):
+            wait_ms = 0
+            frames = self.sock.recv_multipart()
+            try:
+                message = decode(frames[-1])
+            except ProtocolError:
+                continue
+            if isinstance(message, Ack):
+                self.credits += message.credit
+                if self.leases.get(message.slot) == message.generation:
+                    del self.leases[message.slot]
+            elif isinstance(message, Credit):
+                self.credits += message.n
+            elif isinstance(message, Hello):
+                raise RuntimeError("the consumer reconnected: it gave up on this producer")
+        now = time.monotonic()
+        if now >= self.next_beat:
+            self._send(Heartbeat(stats={"ring": {"slots": self.ring.num_slots}}).encode())
+            self.next_beat = now + 0.2
+        free = [s for s in range(self.hostile_slot) if s not in self.leases]
+        if batch and self.credits > 0 and free:
+            slot = self.rng.choice(free)
+            tensors, meta = good_batch(self.rng, self.ordinal, self.describe)
+            layout = write_tensors(self.ring.slot(slot), tensors)
+            if self._send(Batch(slot=slot, generation=self.next_generation, seq=self.ordinal, layout=tuple(layout), meta=meta).encode()):
+                self.leases[slot] = self.next_generation
+                self.good.append((slot, self.next_generation, [spec.to_wire() for spec in layout], meta))
+                self.sent_good[self.ordinal] = tensors_crc(tensors)
+                self.credits -= 1
+                self.next_generation += 1
+                self.ordinal += 1
+
+    def attack(self, messages: int, good_every: int = 1) -> None:
+        """``messages`` hostile messages, with well-formed batches in between as credit allows (at
+        most one per ``good_every`` hostile ones: a trainer takes a step for each)."""
+        sent = sum(self.kinds.values())
+        last_good = -good_every
+        while sent < messages:
+            before = self.ordinal
+            self.serve(batch=sent - last_good >= good_every)
+            if self.ordinal != before:
+                last_good = sent
+            for _ in range(self.rng.randrange(1, 20)):
+                kind, frame = to_consumer(self, self.good[-64:])
+                if not self._send(frame):
+                    continue
+                self.kinds[kind] += 1
+                sent += 1
+                try:
+                    if isinstance(decode(frame), Batch):
+                        self.credits -= 1  # a batch the consumer will drop and ack, returning this credit
+                except ProtocolError:
+                    pass
+
+    def calm(self, batches: int, timeout_s: float = 60) -> None:
+        """Then only well-formed batches: the consumer must still take them."""
+        target = self.ordinal + batches
+        deadline = time.monotonic() + timeout_s
+        while self.ordinal < target and time.monotonic() < deadline:
+            self.serve(wait_ms=10)
+
+
+def to_consumer(p: HostileProducer, good: list[tuple[int, int, list, dict]]) -> tuple[str, bytes]:
     """One hostile message for a consumer. ``good``: (slot, generation, layout wire, meta) of batches sent before."""
+    h, ring = p.hostile, p.ring
     rng = h.rng
     generation = (1 << 40) + rng.randrange(1 << 30)  # never one of the well-formed batches' generations
     roll = rng.randrange(100)
@@ -528,12 +674,11 @@ def to_consumer(h: Hostile, ring: HostRing, hostile_slot: int, good: list[tuple[
         return "huge", h.huge(body, PRODUCER_MESSAGE_KINDS[kind])
     if roll < 38:
         other = rng.choice(list(CONSUMER_MESSAGE_KINDS))
-        return "wrong-direction", _consumer_body(rng, other, h.num_slots) and _pack(_consumer_body(rng, other, h.num_slots))
+        return "wrong-direction", _pack(_consumer_body(rng, other, h.num_slots))
     slot_bytes = ring.slot_bytes
     if roll < 46:
         slot = rng.choice([ring.num_slots, ring.num_slots + rng.randrange(100), (1 << 20)])
-        layout = [["input_ids", "int32", [4], 0]]
-        return "foreign-slot", Batch(slot=slot, generation=generation, seq=0, layout=tuple(TensorSpec.from_wire(x) for x in layout), meta={}).encode()
+        return "foreign-slot", _pack(_header("batch", slot=slot, generation=generation, seq=0, layout=[["input_ids", "int32", [4], 0]], meta={}))
     if roll < 60:
         # Layouts that point past the slot, overlap, repeat names, or are malformed.
         choice = rng.randrange(8)
@@ -555,7 +700,7 @@ def to_consumer(h: Hostile, ring: HostRing, hostile_slot: int, good: list[tuple[
             wire = [["x", rng.choice(["complex64", "object", "float8", "<f4"]), [1], 0]]
         return "layout-outside", _pack(_header("batch", slot=rng.randrange(ring.num_slots), generation=generation, seq=0, layout=wire, meta={}))
     if roll < 78 and good:
-        # A valid layout over the hostile slot's bytes that breaks the batch contract in one way.
+        # A layout inside the slot that breaks the batch contract in one way.
         slot, _, wire, meta = rng.choice(good)
         wire = [list(item) for item in wire]
         meta = dict(meta)
@@ -570,14 +715,15 @@ def to_consumer(h: Hostile, ring: HostRing, hostile_slot: int, good: list[tuple[
             wire = [item for item in wire if item[0] != rng.choice(["input_ids", "cu_seqlens", "sample_ids", "aux_hidden", "loss_mask"])]
         elif choice == 4:
             item = rng.choice(wire)
-            item[1] = rng.choice(["float32", "int64", "uint8", "int16"]) if item[1] != "float32" else "int32"
+            item[1] = rng.choice(["float64", "int64", "uint8", "int16"]) if item[1] != "int16" else "int32"
         elif choice == 5:
             aux = next(item for item in wire if item[0] == "aux_hidden")
             aux[2] = [aux[2][0], aux[2][1] // 2]
         elif choice == 6:
-            wire.append(["last_hidden", "bfloat16", [1, 1], slot_bytes - ALIGN])
+            wire = [item for item in wire if item[0] != "last_hidden"] + [["last_hidden", "int8", [1, 1], slot_bytes - ALIGN]]
         else:
-            return "contract", Batch(slot=hostile_slot, generation=generation, seq=0, layout=HOSTILE_LAYOUT, meta=meta).encode()
+            # Right names, dtypes and shapes; wrong values (token ids past the vocabulary, falling boundaries).
+            return "contract", Batch(slot=p.hostile_slot, generation=generation, seq=0, layout=p.hostile_layout, meta=meta).encode()
         return "contract", _pack(_header("batch", slot=slot, generation=generation, seq=0, layout=wire, meta=meta))
     if roll < 86 and good:
         slot, gen, wire, meta = rng.choice(good)
@@ -586,27 +732,8 @@ def to_consumer(h: Hostile, ring: HostRing, hostile_slot: int, good: list[tuple[
         stats = rng.choice([{"ring": "x"}, {"ring": {"slots": -1}}, {"tokens_per_s": "fast"}, {"batching": [1]},
                             {"ring": {"free": float("nan")}}, h.bad_map()])
         return "bad-stats", _pack(_header("heartbeat", stats=stats))
-    welcome = _header("welcome", producer_id=0, pid=1, ring=ring.spec(), describe=DESCRIBE,
-                      heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0)
+    welcome = _header("welcome", producer_id=0, pid=1, ring=ring.spec(), describe=p.describe, heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0)
     return "welcome-again", _pack(welcome) if rng.random() < 0.3 else h.mutate(welcome, PRODUCER_MESSAGE_KINDS["welcome"])
-
-
-HOSTILE_LAYOUT: tuple[TensorSpec, ...] = ()
-"""Layout of the hostile slot's contents (set by ``fuzz_consumer``)."""
-
-
-def hostile_contents(slot: torch.Tensor) -> tuple[TensorSpec, ...]:
-    """Tensors of the right names, dtypes and shapes whose values break the contract (token ids past
-    the vocabulary, falling document boundaries): only a check of the values catches them."""
-    tokens = 8
-    tensors = {
-        "input_ids": torch.full((tokens,), DESCRIBE["vocab_size"] + 5, dtype=torch.int32),
-        "loss_mask": torch.ones(tokens, dtype=torch.uint8),
-        "cu_seqlens": torch.tensor([0, 6, 3, tokens], dtype=torch.int32),
-        "sample_ids": torch.arange(3, dtype=torch.int64),
-        "aux_hidden": torch.zeros(tokens, AUX_WIDTH, dtype=torch.bfloat16),
-    }
-    return tuple(write_tensors(slot, tensors))
 
 
 def feeder_role(args: argparse.Namespace) -> int:
@@ -625,8 +752,7 @@ def feeder_role(args: argparse.Namespace) -> int:
         item = feeder.get(timeout=0.05)
         if item is not None:
             received += 1
-            print(json.dumps({"event": "batch", "ordinal": item.ordinal, "crc": tensors_crc(item.batch.tensors()),
-                              "sample_ids": item.sample_ids}), flush=True)
+            print(json.dumps({"event": "batch", "ordinal": item.ordinal, "crc": tensors_crc(item.batch.tensors())}), flush=True)
     link = feeder.links.get(0)
     dropped = link.client.dropped_malformed if link is not None and link.client is not None else None
     error = repr(feeder.error) if feeder.error is not None else None
@@ -636,133 +762,36 @@ def feeder_role(args: argparse.Namespace) -> int:
 
 
 def fuzz_consumer(messages: int, seed: int) -> dict:
-    """Attack a live consumer process (the trainer's intake); returns the report."""
-    global HOSTILE_LAYOUT
+    """Attack a live consumer process running the trainer's intake; returns the report."""
     from common.rundir import RunDir, atomic_write_json
 
-    rng = random.Random(seed)
     tmp = Path(tempfile.mkdtemp(prefix="df-fz-", dir="/tmp"))
     run = RunDir(tmp / "run")
     endpoint = ipc_endpoint(tmp / "p0.ipc")
-    ring = HostRing.create("fuzz", "p0", num_slots=6, slot_bytes=slot_bytes_for_describe())
-    hostile_slot = ring.num_slots - 1
-    HOSTILE_LAYOUT = hostile_contents(ring.slot(hostile_slot))
-    ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.ROUTER, bind=endpoint)
+    producer = HostileProducer(random.Random(seed), endpoint, INTAKE_DESCRIBE)
     atomic_write_json(run.producer_status(0), {"id": 0, "pid": os.getpid(), "ready": True, "endpoint": endpoint})
     consumer = _spawn("launch.fuzz", "_feeder", "--run-dir", str(run.root), log=tmp / "feeder.log")
     lines = _Lines(consumer)
-    hostile = Hostile(rng, ring.num_slots)
-    kinds: Counter = Counter()
-    sent_good: dict[int, int] = {}  # ordinal -> crc
-    good: list[tuple[int, int, list, dict]] = []
-    leases: dict[int, int] = {}  # slot -> generation of the well-formed batch in it
     report: dict = {"side": "consumer"}
     try:
-        # Handshake: malformed WELCOMEs first (the consumer must wait them out), then the real one.
-        if not sock.poll(30_000):
-            raise RuntimeError(f"the consumer never said hello: {_log_tail(tmp / 'feeder.log')}")
-        identity, frame = sock.recv_multipart()
-        hello = decode(frame)
-        credits = hello.credits
-        welcome = _header("welcome", producer_id=0, pid=os.getpid(), ring=ring.spec(), describe=DESCRIBE,
-                          heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0)
-        for _ in range(50):
-            # (Not bit flips of the real WELCOME: one in the ring's path is well-formed, and a ring
-            # that cannot be opened ends the trainer on purpose, see trainer/feeder.py.)
-            sock.send_multipart([identity, rng.choice([hostile.mutate(welcome, PRODUCER_MESSAGE_KINDS["welcome"]),
-                                                        hostile.header(welcome), hostile.garbage(b"")])])
-            kinds["bad-welcome"] += 1
-        sock.send_multipart([identity, _pack(welcome)])
-        next_generation, ordinal, next_beat = 1, 0, 0.0
+        producer.handshake()
         started = time.monotonic()
-        sent = sum(kinds.values())
-        while sent < messages or len(leases) or time.monotonic() - started > 600:
-            while sock.poll(0):
-                frames = sock.recv_multipart()
-                try:
-                    message = decode(frames[-1])
-                except ProtocolError:
-                    continue
-                if isinstance(message, Ack):
-                    credits += message.credit
-                    if leases.get(message.slot) == message.generation:
-                        del leases[message.slot]
-                elif isinstance(message, Credit):
-                    credits += message.n
-                elif isinstance(message, Hello):
-                    raise RuntimeError("the consumer reconnected: it gave up on this producer")
-            now = time.monotonic()
-            if now >= next_beat:
-                sock.send_multipart([identity, Heartbeat(stats={"ring": {"slots": ring.num_slots}}).encode()])
-                next_beat = now + 0.2
-            free = [s for s in range(hostile_slot) if s not in leases]
-            if credits > 0 and free and sent < messages:
-                slot = rng.choice(free)
-                tensors, meta = good_batch(rng, ordinal)
-                layout = write_tensors(ring.slot(slot), tensors)
-                wire = [spec.to_wire() for spec in layout]
-                sock.send_multipart([identity, Batch(slot=slot, generation=next_generation, seq=ordinal, layout=tuple(layout), meta=meta).encode()])
-                leases[slot] = next_generation
-                good.append((slot, next_generation, wire, meta))
-                sent_good[ordinal] = tensors_crc(tensors)
-                credits -= 1
-                next_generation += 1
-                ordinal += 1
-            if sent >= messages:
-                time.sleep(0.001)
-                continue
-            for _ in range(rng.randrange(1, 20)):
-                kind, frame = to_consumer(hostile, ring, hostile_slot, good[-64:])
-                try:
-                    sock.send_multipart([identity, frame], flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    time.sleep(0.005)  # the consumer's queue is full: let it drain
-                    continue
-                kinds[kind] += 1
-                sent += 1
-                try:
-                    if isinstance(decode(frame), Batch):
-                        credits -= 1  # a batch the consumer will drop and ack, returning this credit
-                except ProtocolError:
-                    pass
-        report.update(messages=sent, kinds=dict(kinds), fuzz_s=round(time.monotonic() - started, 1), well_formed_batches=len(sent_good))
-        # Then only well-formed batches: the intake must still take them.
-        deadline = time.monotonic() + 30
-        extra = 0
-        while extra < 50 and time.monotonic() < deadline:
-            while sock.poll(10):
-                try:
-                    message = decode(sock.recv_multipart()[-1])
-                except ProtocolError:
-                    continue
-                if isinstance(message, Ack):
-                    credits += message.credit
-                    if leases.get(message.slot) == message.generation:
-                        del leases[message.slot]
-                elif isinstance(message, Credit):
-                    credits += message.n
-            free = [s for s in range(hostile_slot) if s not in leases]
-            if credits > 0 and free:
-                tensors, meta = good_batch(rng, ordinal)
-                layout = write_tensors(ring.slot(free[0]), tensors)
-                sock.send_multipart([identity, Batch(slot=free[0], generation=next_generation, seq=ordinal, layout=tuple(layout), meta=meta).encode()])
-                leases[free[0]] = next_generation
-                sent_good[ordinal] = tensors_crc(tensors)
-                credits, next_generation, ordinal, extra = credits - 1, next_generation + 1, ordinal + 1, extra + 1
-            sock.send_multipart([identity, Heartbeat().encode()])
-        lines.wait(lambda r: r.get("event") == "batch" and r["ordinal"] == ordinal - 1, 30)
+        producer.attack(messages)
+        report.update(messages=sum(producer.kinds.values()), kinds=dict(producer.kinds), fuzz_s=round(time.monotonic() - started, 1))
+        producer.calm(50)
+        last = producer.ordinal - 1
+        lines.wait(lambda r: r.get("event") == "batch" and r["ordinal"] == last, 30)
         report["consumer_alive"] = consumer.poll() is None
         consumer.send_signal(signal.SIGTERM)
         summary = lines.wait(lambda r: r.get("event") == "done", 60) or {}
         consumer.wait(timeout=30)
         got = [r for r in lines.records if r.get("event") == "batch"]
-        report["consumer"] = summary
+        report.update(consumer=summary, well_formed_batches=len(producer.sent_good))
         checks = {
             "consumer never crashed": report["consumer_alive"] and consumer.returncode == 0 and summary.get("error") is None,
             "never refused or gave up": summary.get("refusal") is None,
-            "every well-formed batch trained once, bit-exact": sorted((r["ordinal"], r["crc"]) for r in got) == sorted(sent_good.items()),
-            "nothing else trained": len(got) == len(sent_good),
+            "every well-formed batch taken once, bit-exact": sorted((r["ordinal"], r["crc"]) for r in got) == sorted(producer.sent_good.items()),
+            "nothing else taken": len(got) == len(producer.sent_good),
             "malformed dropped and counted": (summary.get("dropped") or 0) > 0,
         }
         report["checks"] = checks
@@ -773,16 +802,97 @@ def fuzz_consumer(messages: int, seed: int) -> dict:
         if consumer.poll() is None:
             consumer.kill()
             consumer.wait()
-        sock.close(linger=0)
-        ctx.term()
-        ring.close()
+        producer.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def fuzz_trainer(messages: int, seed: int) -> dict:
+    """Attack a live trainer process (``python -m trainer.train``) that trains from a hostile producer.
+
+    It must train on the well-formed batches only (its ledger says which), stay up, and stop cleanly.
+    """
+    from common.config import load_config, save_config
+    from common.rundir import RunDir, atomic_write_json, read_json
+    from producer.server import export_target_head, feature_layer_ids
+    from producer.target import Target, build_target_config
+
+    tmp = Path(tempfile.mkdtemp(prefix="df-fz-", dir="/tmp"))
+    run = RunDir(tmp / "run")
+    run.root.mkdir()
+    cfg = load_config(ROOT / "launch" / "tiny.toml", ['logging.wandb_mode="disabled"', "logging.progress=false", "logging.log_every=5",
+                                                        "training.max_steps=1000000", "training.checkpoint_every=1000000",
+                                                        "batching.token_budget=256", "data.max_seq_len=256", "eval.every_steps=0"])
+    save_config(cfg, run.config)
+    layer_ids = feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers)
+    target = Target.load(cfg.target, layer_ids, capture_last_hidden=cfg.training.label_mode != "data")
+    export_target_head(target, run.target_head)
+    describe = {"producer_id": 0, "target_identity": target.identity, "layer_ids": layer_ids, "dtype": cfg.target.dtype,
+                "last_hidden": cfg.training.label_mode != "data", "hidden_size": target.hidden_size,
+                "vocab_size": int(target.model.config.vocab_size), "token_budget": cfg.batching.token_budget}
+    del target
+    endpoint = ipc_endpoint(tmp / "p0.ipc")
+    producer = HostileProducer(random.Random(seed), endpoint, describe)
+    atomic_write_json(run.producer_status(0), {"id": 0, "pid": os.getpid(), "ready": True, "endpoint": endpoint})
+    trainer = _spawn("trainer.train", "--run-dir", str(run.root), log=tmp / "trainer.log")
+    report: dict = {"side": "trainer"}
+
+    def trained() -> list[int]:
+        lines = run.ledger.read_text().splitlines() if run.ledger.exists() else []
+        return [ordinal for line in lines if line.endswith("}") for _, ordinal in json.loads(line)["batches"]]
+
+    def train_until_all_sent_are_trained(timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while producer.ordinal - 1 not in trained() and time.monotonic() < deadline and trainer.poll() is None:
+            producer.serve(wait_ms=50, batch=False)
+
+    try:
+        producer.handshake()
+        started = time.monotonic()
+        producer.attack(messages, good_every=max(1, messages // 40))
+        report.update(messages=sum(producer.kinds.values()), kinds=dict(producer.kinds), fuzz_s=round(time.monotonic() - started, 1))
+        # Its last well-formed batch trained means it has read every hostile message sent before it.
+        train_until_all_sent_are_trained(600)
+        step_after_fuzz = (read_json(run.trainer_status) or {}).get("step", 0)
+        producer.calm(5)
+        train_until_all_sent_are_trained(120)
+        report["trainer_alive"] = trainer.poll() is None
+        trainer.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while trainer.poll() is None and time.monotonic() < deadline:
+            producer.serve(wait_ms=50, batch=False)  # it says BYE after its last checkpoint
+        status = read_json(run.trainer_status) or {}
+        ledger = [json.loads(line) for line in run.ledger.read_text().splitlines()] if run.ledger.exists() else []
+        batches = [ordinal for line in ledger for _, ordinal in line["batches"]]
+        samples = [s for line in ledger for _, _, s in line["samples"]]
+        expected_samples = {o * 10 + k for o in batches for k in range(10)}
+        counted = re.findall(r"dropped (\d+) malformed messages or batches", (tmp / "trainer.log").read_text(errors="replace"))
+        dropped = sum(int(n) for n in counted)
+        report.update(trainer_exit=trainer.returncode, steps=status.get("step"), step_after_fuzz=step_after_fuzz, dropped=dropped,
+                      well_formed_batches=len(producer.sent_good), trained_batches=len(batches))
+        checks = {
+            "trainer never crashed, stopped cleanly": report["trainer_alive"] and trainer.returncode == 0 and status.get("state") == "stopped",
+            "kept training after the storm": (status.get("step") or 0) > step_after_fuzz,
+            "trained every well-formed batch once, in order, and nothing else": batches == sorted(producer.sent_good),
+            "trained their samples only": set(samples) <= expected_samples and len(samples) == len(set(samples)),
+            "malformed messages and batches dropped and counted": dropped >= report["messages"] // 2,
+        }
+        report["checks"] = checks
+        report["ok"] = all(checks.values())
+        if not report["ok"]:
+            report["logs"] = {"trainer": _log_tail(tmp / "trainer.log", 30)}
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        producer.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("side", nargs="?", choices=["all", "producer", "consumer", "_good-consumer", "_feeder"], default="all")
+    parser.add_argument("side", nargs="?", choices=["all", "producer", "consumer", "trainer", "_good-consumer", "_feeder"], default="all")
     parser.add_argument("--messages", type=int, default=100_000, help="hostile messages per side")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="", help="also write the reports here")
@@ -798,6 +908,8 @@ def main(argv: list[str] | None = None) -> int:
         reports.append(fuzz_producer(args.messages, args.seed))
     if args.side in ("all", "consumer"):
         reports.append(fuzz_consumer(args.messages, args.seed))
+    if args.side in ("all", "trainer"):
+        reports.append(fuzz_trainer(args.messages, args.seed))
     for report in reports:
         failed = [name for name, held in report.get("checks", {}).items() if not held]
         print(f"{report['side']:9s} {report.get('messages', 0):>8d} hostile messages in {report.get('fuzz_s', 0)}s: "

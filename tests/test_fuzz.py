@@ -1,14 +1,13 @@
-"""Protocol fuzzing (launch/fuzz.py): hostile messages against a live producer process and a live
-consumer process running the trainer's intake; the short forms run in CI, 100,000 messages per side
-under ``-m fuzz`` (or ``python -m launch.fuzz``)."""
+"""Protocol fuzzing (launch/fuzz.py): hostile messages against a live producer process, a live
+consumer process running the trainer's intake, and a live trainer process; short forms run in CI,
+100,000 messages per side under ``-m fuzz`` (or ``python -m launch.fuzz``)."""
 
 import random
 
 import pytest
 
 from common.protocol import Message, ProtocolError, decode
-from common.ring import HostRing
-from launch.fuzz import Hostile, fuzz_consumer, fuzz_producer, hostile_contents, slot_bytes_for_describe, to_consumer, to_producer
+from launch.fuzz import INTAKE_DESCRIBE, Hostile, HostileProducer, fuzz_consumer, fuzz_producer, fuzz_trainer, to_consumer, to_producer
 
 
 def _assert_held(report: dict) -> None:
@@ -17,8 +16,8 @@ def _assert_held(report: dict) -> None:
 
 
 def test_hostile_peers_never_break_a_live_producer():
-    report = fuzz_producer(4000, seed=11)
-    assert report["messages"] == 4000
+    report = fuzz_producer(3000, seed=11)
+    assert report["messages"] == 3000
     assert report["kinds"]["stale-generation"] and report["kinds"]["never-leased"] and report["kinds"]["replay"]
     _assert_held(report)
 
@@ -30,19 +29,22 @@ def test_a_hostile_producer_never_breaks_the_trainer_intake():
     _assert_held(report)
 
 
+def test_a_hostile_producer_never_breaks_a_live_trainer():
+    report = fuzz_trainer(1500, seed=13)
+    assert report["trained_batches"] > 0 and report["dropped"] > 0
+    _assert_held(report)
+
+
 def test_decode_raises_nothing_but_protocol_errors():
     """Every generated frame either decodes to a checked message or raises ProtocolError; any other
     exception would end the thread that received it."""
     rng = random.Random(5)
     hostile = Hostile(rng, num_slots=4)
-    ring = HostRing.create("fuzz", "unit", num_slots=4, slot_bytes=slot_bytes_for_describe())
+    producer = HostileProducer(rng, "inproc://fuzz-decode", INTAKE_DESCRIBE)
+    outcomes = {"decoded": 0, "refused": 0}
     try:
-        import launch.fuzz
-
-        launch.fuzz.HOSTILE_LAYOUT = hostile_contents(ring.slot(3))
-        outcomes = {"decoded": 0, "refused": 0}
         for i in range(20_000):
-            frames = to_producer(hostile, generation_hint=i)[1] if i % 2 else [to_consumer(hostile, ring, 3, [])[1]]
+            frames = to_producer(hostile, generation_hint=i)[1] if i % 2 else [to_consumer(producer, [])[1]]
             for frame in frames:
                 if len(frame) > (1 << 20):
                     continue  # zmq refuses these before decode sees them
@@ -52,7 +54,7 @@ def test_decode_raises_nothing_but_protocol_errors():
                 except ProtocolError:
                     outcomes["refused"] += 1
     finally:
-        ring.close()
+        producer.close()
     assert outcomes["refused"] > 10_000 and outcomes["decoded"] > 1000
 
 
@@ -66,5 +68,12 @@ def test_100k_hostile_messages_against_a_live_producer():
 @pytest.mark.fuzz
 def test_100k_hostile_messages_against_the_trainer_intake():
     report = fuzz_consumer(100_000, seed=2)
+    assert report["messages"] >= 100_000
+    _assert_held(report)
+
+
+@pytest.mark.fuzz
+def test_100k_hostile_messages_against_a_live_trainer():
+    report = fuzz_trainer(100_000, seed=3)
     assert report["messages"] >= 100_000
     _assert_held(report)
