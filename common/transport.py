@@ -407,6 +407,7 @@ class RingServer:
             "released": self.slots.counters.released,
             "stale_acks": self.slots.counters.stale_acks,
             "consumers": len(self._consumers),
+            "messages": self.counters.messages,
             "dropped_malformed": self.counters.dropped_malformed,
             "dropped_unknown_peer": self.counters.dropped_unknown_peer,
             "refused": self.counters.refused,

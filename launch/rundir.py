@@ -5,6 +5,7 @@ shares (config.toml, producers/p{I}.json, trainer.json, sockets/, checkpoints/, 
 come from ``common.rundir.RunDir``; the launcher adds its own::
 
     launcher.json      the launcher's pid file: its pid, its children's pids, restart counts
+    secrets/curve.json the run's CURVE keys (mode 0600, folder 0700), made at creation
     logs/              producer-{I}.log, trainer.log, launcher.log (appended across restarts)
     control/           restart-trainer requests and their results
 
@@ -22,6 +23,7 @@ from common.naming import process_start_ticks
 from common.rundir import RunDir as SharedRunDir
 from common.rundir import atomic_write_json as write_json_atomic
 from common.rundir import read_json
+from common.sockets import run_keys
 
 __all__ = ["RunDir", "write_json_atomic", "read_json", "last_json_line", "process_start_ticks", "process_alive"]
 
@@ -61,6 +63,7 @@ class RunDir(SharedRunDir):
         for folder in (self.root, self.logs, self.producers, self.sockets, self.control, self.checkpoints, self.wandb):
             folder.mkdir(parents=True, exist_ok=True)
         os.chmod(self.sockets, 0o700)  # only the run's user may reach the producers' sockets
+        run_keys(self.curve_keys)  # the run's CURVE keys (0600), for producers and trainers on other hosts
         self.write_format()
 
 

@@ -59,6 +59,7 @@ def test_run_sockets_folder_and_socket_files_are_owner_only(short_tmp):
     run = RunDir(short_tmp / "run")
     run.create()
     assert _mode(run.sockets) == 0o700
+    assert _mode(run.curve_keys) == 0o600 and _mode(run.curve_keys.parent) == 0o700, "the run's keys are made with it"
     ring = HostRing.create("sec", "p0", num_slots=3, slot_bytes=4096)
     server = _serve(ipc_endpoint(run.sockets / "p0.ipc"), ring)
     try:
