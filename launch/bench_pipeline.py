@@ -63,7 +63,7 @@ TINY_PLACEMENTS = {name: (["cpu"] * len(p), ["cpu"] * min(1, len(t)), c) for nam
 
 
 def base_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    common = ["training.max_steps=1000000", "training.checkpoint_every=1000000", "logging.log_every=10",
+    common = ["training.max_steps=1000000", "training.checkpoint_every=1000000", "logging.log_every=10", "eval.every_steps=0",
               "logging.progress=false", 'logging.wandb_mode="disabled"', "launch.restart_backoff_s=0.5",
               'data.length_mode="fixed"']
     if args.tiny:
@@ -136,17 +136,36 @@ def published_rate(timeline: list[dict], t0: float, t1: float) -> float:
 
 
 def kill_run(run: RunDir) -> None:
-    """SIGKILL the supervisor, then every child's process group (a benchmark needs no final checkpoint)."""
+    """SIGKILL every process of the run (a benchmark needs no final checkpoint): the supervisor first,
+    so that nothing is restarted, then everything whose command line names the run directory.
+    Process groups are not enough: torchrun starts its ranks in sessions of their own, and ranks
+    left running would share the GPUs with the next run."""
     launcher = read_json(run.launcher) or {}
-    pids = [launcher.get("pid")]
-    pids += [p.get("pid") for p in launcher.get("producers", [])] + [launcher.get("trainer", {}).get("pid")]
-    for i, pid in enumerate(pids):
-        if not pid:
-            continue
+    if launcher.get("pid"):
         try:
-            (os.kill if i == 0 else os.killpg)(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            os.kill(launcher["pid"], signal.SIGKILL)
+        except ProcessLookupError:
             pass
+    needle = str(run.root).encode()
+    for _ in range(50):
+        pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and int(p.name) != os.getpid()
+                and needle in _cmdline(p)]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    raise RuntimeError(f"processes of {run.root} survive SIGKILL: {pids}")
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
@@ -200,12 +219,7 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
             result["window_s"] = t1 - t0
     finally:
         sampler.done.set()
-        if coupled:
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            kill_run(run)
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        kill_run(run)
         proc.wait(timeout=60)
         log.close()
         shutil.rmtree(run.checkpoints, ignore_errors=True)  # GBs each at the 8B shapes
