@@ -2,7 +2,9 @@
 # Every GPU check and benchmark of the project in one go, for one device-tool call (the device
 # machine keeps nothing between calls). Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/gpu_session.sh [tests|ring|producer|step|restart ...]   (default: all)
+#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|pipeline ...]   (default: all but pipeline)
+# The pipeline benchmark takes longer than one device call (10 min): start it in the background with
+# setsid (it writes its JSON after every run) and collect the results in a later call.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -26,6 +28,7 @@ for step in $steps; do
     step) run step 300 $PY -m trainer.bench_step --variants eager,compile-layers --warmup 3 --steps 10
           run step_fp32 200 $PY -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
     restart) run restart 560 $PY -m launch.bench_restart --timeout 240 ;;
+    pipeline) run pipeline 3000 $PY -m launch.bench_pipeline --json "$OUT/pipeline.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
