@@ -113,6 +113,9 @@ def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
     run = RunDir(run_dir)
     assert read_json(run.trainer_status)["state"] == "finished"
     assert (run.checkpoints / "step-00000060" / "drafter" / "model.safetensors").is_file()
+    # No tokenizer next to a random target: the mask is the last id, which the data never holds.
+    exported = json.loads((run.checkpoints / "step-00000060" / "drafter" / "config.json").read_text())
+    assert exported["dflash_config"]["mask_token_id"] == json.loads((run.target_head / "config.json").read_text())["vocab_size"] - 1
     assert len(list(run.checkpoints.glob("step-*"))) == 2  # keep_last = 2 in tiny.toml
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     assert metrics[-1]["step"] == 60 and all(f"ring/{p}/free" in metrics[-1] for p in (0, 1))

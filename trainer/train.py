@@ -194,13 +194,15 @@ class Trainer:
                 overrides[name] = getattr(d, name)
         tokenizer = None
         mask = d.mask_token_id
-        if mask is None:
-            try:
-                from transformers import AutoTokenizer
+        has_tokenizer = any((head_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        if mask is None and has_tokenizer:
+            from transformers import AutoTokenizer
 
-                tokenizer = AutoTokenizer.from_pretrained(head_dir)
-            except (OSError, ValueError):
-                mask = int(target_config.vocab_size) - 1  # no tokenizer: the last id (kept out of synthetic data)
+            tokenizer = AutoTokenizer.from_pretrained(head_dir)
+        elif mask is None:
+            # No tokenizer (a random target's exported head): the last id, which synthetic data never
+            # uses. (transformers would return an empty tokenizer here, whose ids collide with data.)
+            mask = int(target_config.vocab_size) - 1
         return DraftConfig.from_target(target_config, num_draft_layers=d.num_layers, tokenizer=tokenizer,
                                        mask_token_id=mask, **overrides)
 
