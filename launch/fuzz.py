@@ -233,7 +233,10 @@ def to_producer(h: Hostile, generation_hint: int) -> tuple[str, list[bytes]]:
     body = _consumer_body(rng, kind, h.num_slots)
     roll = rng.randrange(100)
     if roll < 10:
-        return "garbage", [h.garbage(_pack(body))]
+        # Not a HELLO's bytes: a flipped bit could make its incarnation a valid newer one, which
+        # takes over by design (that is a restart, not an attack).
+        template = body if kind != "hello" else _consumer_body(rng, "ack", h.num_slots)
+        return "garbage", [h.garbage(_pack(template))]
     if roll < 20:
         return "bad-header", [h.header(body)]
     if roll < 40:
