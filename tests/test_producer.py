@@ -154,3 +154,44 @@ def test_feeder_with_a_full_queue_loses_no_batch(run_dir):
         feeder.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_headroom_stays_free_while_the_consumer_takes_and_fills_when_it_pauses(short_tmp):
+    cfg = load_config(ROOT / "launch" / "tiny.toml", OVERRIDES + ["ring.num_slots=6", "ring.headroom_slots=3", "ring.pause_detect_s=1.0"])
+    run = RunDir(short_tmp / "run")
+    run.root.mkdir()
+    save_config(cfg, run.config)
+    proc = start_producer(run)
+
+    def free() -> int:
+        return read_json(run.producer_status(0))["ring"]["free"]
+
+    try:
+        deadline = time.monotonic() + 60
+        while free() != 0:  # no consumer yet: a new trainer must find a full ring
+            assert time.monotonic() < deadline, "the ring never filled without a consumer"
+            time.sleep(0.1)
+        client = RingClient(read_json(run.producer_status(0))["endpoint"], "trainer/r0", 1, credits=1)
+        client.connect(10)
+        # A consumer slower than the producer (one batch per 0.3 s): without headroom the ring would
+        # stay full; with it the producer keeps 3 slots free once the backlog is drained.
+        seen_free = []
+        until = time.monotonic() + 9.0
+        while time.monotonic() < until:
+            for delivery in client.poll(timeout_s=0.3):
+                client.ack(delivery, grant=1)
+            seen_free.append(client.producer_stats.get("ring", {}).get("free", -1))
+        steady = seen_free[len(seen_free) // 2 :]
+        assert min(steady) >= 3 and max(seen_free) >= 3, seen_free
+        # The consumer pauses (it holds its credit but takes nothing): the headroom fills.
+        deadline = time.monotonic() + 20
+        while True:
+            client.keepalive()
+            if free() == 0:
+                break
+            assert time.monotonic() < deadline, "the headroom was not filled during the pause"
+            time.sleep(0.1)
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
