@@ -30,7 +30,7 @@ def test_a_hostile_producer_never_breaks_the_trainer_intake():
 
 
 def test_a_hostile_producer_never_breaks_a_live_trainer():
-    report = fuzz_trainer(1500, seed=13)
+    report = fuzz_trainer(1000, seed=13)
     assert report["trained_batches"] > 0 and report["dropped"] > 0
     _assert_held(report)
 
@@ -43,7 +43,7 @@ def test_decode_raises_nothing_but_protocol_errors():
     producer = HostileProducer(rng, "inproc://fuzz-decode", INTAKE_DESCRIBE)
     outcomes = {"decoded": 0, "refused": 0}
     try:
-        for i in range(20_000):
+        for i in range(10_000):
             frames = to_producer(hostile, generation_hint=i)[1] if i % 2 else [to_consumer(producer, [])[1]]
             for frame in frames:
                 if len(frame) > (1 << 20):
@@ -55,7 +55,7 @@ def test_decode_raises_nothing_but_protocol_errors():
                     outcomes["refused"] += 1
     finally:
         producer.close()
-    assert outcomes["refused"] > 10_000 and outcomes["decoded"] > 1000
+    assert outcomes["refused"] > 5000 and outcomes["decoded"] > 500
 
 
 @pytest.mark.fuzz
