@@ -62,10 +62,11 @@ class OrdinalSet:
 
 @dataclass
 class Commits:
-    """Received and trained ordinals per producer id."""
+    """Received and trained ordinals per producer id, shared by the feeder thread and the loop."""
 
     trained: dict[int, OrdinalSet] = field(default_factory=dict)
     received: dict[int, OrdinalSet] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def from_checkpoint(cls, committed: dict) -> Commits:
@@ -73,17 +74,30 @@ class Commits:
         received = {int(p): OrdinalSet(s) for p, s in committed.items()}
         return cls(trained, received)
 
-    def mark_received(self, producer: int, ordinal: int, cursor: list) -> None:
-        self.received.setdefault(producer, OrdinalSet()).add(ordinal, cursor)
+    def mark_received(self, producer: int, ordinal: int, cursor: list) -> bool:
+        """Add a received batch; False if it was received before (a duplicate: never train it)."""
+        with self._lock:
+            seen = self.received.setdefault(producer, OrdinalSet())
+            if ordinal in seen:
+                return False
+            seen.add(ordinal, cursor)
+            return True
 
     def mark_trained(self, producer: int, ordinal: int, cursor: list) -> None:
-        self.trained.setdefault(producer, OrdinalSet()).add(ordinal, cursor)
+        with self._lock:
+            self.trained.setdefault(producer, OrdinalSet()).add(ordinal, cursor)
+
+    def is_trained(self, producer: int, ordinal: int) -> bool:
+        with self._lock:
+            return ordinal in self.trained.get(producer, ())
 
     def trained_state(self) -> dict:
-        return {str(p): s.state() for p, s in sorted(self.trained.items())}
+        with self._lock:
+            return {str(p): s.state() for p, s in sorted(self.trained.items())}
 
     def received_state(self, producer: int) -> dict:
-        return self.received.get(producer, OrdinalSet()).state()
+        with self._lock:
+            return self.received.get(producer, OrdinalSet()).state()
 
 
 @dataclass
@@ -257,7 +271,7 @@ class Feeder:
             return False
         for delivery in deliveries:
             ordinal = int(delivery.meta["ordinal"])
-            if ordinal in self.commits.received.get(link.producer, OrdinalSet()):
+            if not self.commits.mark_received(link.producer, ordinal, list(delivery.meta["cursor"])):
                 # Never train a batch twice, whatever a producer sends.
                 log.error("producer %d sent batch %d again; dropped", link.producer, ordinal)
                 client.ack(delivery)
@@ -299,6 +313,4 @@ class Feeder:
             if self.pad_to:
                 tensors = pad_packed(tensors, self.pad_to)
         batch = PackedBatch.from_tensors(tensors, epoch=int(meta["epoch"]), meta=meta)
-        ordinal, cursor = int(meta["ordinal"]), list(meta["cursor"])
-        self.commits.mark_received(producer, ordinal, cursor)
-        return Received(batch, producer, ordinal, cursor, meta, sample_ids, num_tokens)
+        return Received(batch, producer, int(meta["ordinal"]), list(meta["cursor"]), meta, sample_ids, num_tokens)

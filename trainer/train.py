@@ -363,15 +363,47 @@ class Trainer:
         if self._upcoming is not None and self._upcoming.prepared is None:
             self._upcoming.prepared = self.drafter.prepare(self._upcoming.batch, self.cfg.drafter.num_anchors, self.generator)
 
-    def record(self, received: Received) -> None:
-        """Mark the step's batches trained (all ranks) and append the ledger line (rank 0)."""
-        mine = [received.producer, received.ordinal, received.cursor, received.batch.epoch, received.sample_ids]
-        everyone = [mine]
-        if self.world_size > 1:
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, mine, group=self.cpu_group)
+    def claim(self) -> tuple[Received | None, float, list]:
+        """This step's batch, agreed with the other ranks; (None, ...) when any rank stops.
+
+        Every rank shows the batch it would train (one object collective on the CPU group, no GPU
+        sync); a batch already trained, or shown by a lower rank too, is dropped by its rank, which
+        shows its next one. So no batch is trained twice whatever the producers send (a restarted
+        producer only knows what the ranks that said HELLO to it had received), and all ranks stop
+        together. Returns the batch, the seconds waited for data, and every rank's claim.
+        """
+        received, waited = None, 0.0
+        while True:
+            if received is None and not self.stop_requested:
+                received, starved = self.next_batch()
+                waited += starved
+            mine = None if received is None else (received.producer, received.ordinal, received.cursor,
+                                                  received.batch.epoch, received.sample_ids)
+            everyone = [mine]
+            if self.world_size > 1:
+                everyone = [None] * self.world_size
+                dist.all_gather_object(everyone, mine, group=self.cpu_group)
+            if any(claim is None for claim in everyone):
+                return None, waited, everyone
+            seen: set[tuple[int, int]] = set()
+            losers = set()
+            for rank, (producer, ordinal, *_) in enumerate(everyone):
+                if (producer, ordinal) in seen or self.commits.is_trained(producer, ordinal):
+                    losers.add(rank)
+                seen.add((producer, ordinal))
+            if not losers:
+                return received, waited, everyone
+            if self.rank in losers:
+                log.error("batch %d of producer %d was trained or taken by another rank; dropped", received.ordinal, received.producer)
+                received = None
+
+    def record(self, everyone: list) -> None:
+        """Mark the step's batches trained (on every rank) and append the ledger line (rank 0)."""
         for producer, ordinal, cursor, _, _ in everyone:
             self.commits.mark_trained(producer, ordinal, cursor)
+            # Another rank's batch counts as received here too: a HELLO of ours must say so, or a
+            # restarted producer would compute it again.
+            self.commits.mark_received(producer, ordinal, cursor)
         if self.ledger is not None:
             samples = [[p, epoch, s] for p, _, _, epoch, ids in everyone for s in ids]
             batches = [[p, o] for p, o, _, _, _ in everyone]
@@ -385,13 +417,13 @@ class Trainer:
         self.write_status()
         window = _Window()
         while self.step < self.max_steps and not self.stop_requested:
-            received, starved = self.next_batch()
+            received, starved, everyone = self.claim()
             if received is None:
                 break
             started = time.perf_counter()
             metrics = self.train_step(received)
             self.step += 1
-            self.record(received)
+            self.record(everyone)
             window.add(received, metrics, starved, time.perf_counter() - started, self._flops(received))
             if self.step % self.cfg.logging.log_every == 0 or self.step == self.max_steps:
                 self.log_metrics(window)
