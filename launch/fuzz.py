@@ -1,8 +1,8 @@
-"""Protocol fuzzing: hostile messages against a live producer and a live trainer's intake.
+"""Protocol fuzzing: hostile messages against a live producer, a live trainer intake and a live trainer.
 
-    python -m launch.fuzz                          # both sides, 100,000 messages each
+    python -m launch.fuzz                          # all three sides, 100,000 messages each
     python -m launch.fuzz producer --messages 5000 --seed 3
-    python -m launch.fuzz consumer --json out.json
+    python -m launch.fuzz trainer --json out.json
 
 ``producer``: a real producer process (``common.demo``: a RingServer over a /dev/shm ring, every
 batch checksummed) serves a well-formed consumer process while hostile peers send it malformed
@@ -19,19 +19,22 @@ batches mix well-formed ones with the same kinds of malformed messages, plus bat
 points outside the slot or the ring, and batches that break the packed-batch contract. The
 consumer is a separate process running the trainer's real intake (``trainer.feeder.Feeder``: the
 RingClient, the batch checks, the copy out, the exactly-once dedupe), found through a run
-directory like a trainer finds its producers. It must train on exactly the well-formed batches,
-bit for bit, and nothing else.
+directory like a trainer finds its producers. It must take exactly the well-formed batches, bit
+for bit, and nothing else.
 
-Either side passes when the attacked process neither crashed nor stopped serving, its ring was
-never corrupted, it logged and counted the drops, and the well-formed peer kept working after the
-storm. One JSON line reports the counts; the exit code is 0 only if everything held.
+``trainer``: the same hostile producer, listed in the run directory of a real trainer process
+(``python -m trainer.train``, tiny config). It must train on exactly the well-formed batches, once
+and in order (its ledger), keep training after the storm and stop cleanly.
+
+A side passes when the attacked process neither crashed nor stopped serving, its ring was never
+corrupted, it counted the drops and the well-formed peer kept working after the storm. One JSON
+line reports the counts; the exit code is 0 only if everything held.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import re
@@ -61,7 +64,6 @@ from common.protocol import (
     Heartbeat,
     Hello,
     ProtocolError,
-    Welcome,
     decode,
 )
 from common.ring import HostRing

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common.codec import TensorSpec, write_tensors
+from common.codec import write_tensors
 from common.protocol import Hello
 from common.ring import HostRing
 from common.sockets import CurveKeys, SecretsError, ipc_endpoint, run_keys
