@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from common import faults
 from common.batch import PackedBatch
 from common.codec import bytes_needed, plan_layout, read_tensors
 from common.config import ConfigError, RunConfig, load_config
@@ -225,8 +226,12 @@ class Producer:
         return None
 
     def _on_welcome(self, hello: Hello, new_incarnation: bool) -> None:
-        if not new_incarnation:
-            return
+        faults.point("producer.handshake")
+        if new_incarnation:
+            self._reconcile(hello)
+        faults.point("trainer.handshake", victim=hello.pid)
+
+    def _reconcile(self, hello: Hello) -> None:
         def ring_ordinals() -> set[int]:
             return {payload[1]["ordinal"] for payload in self.server.slots.payloads(SlotState.READY, SlotState.LEASED)}
 
@@ -336,6 +341,7 @@ class Producer:
             if published:
                 with self._lock:
                     self._published_tokens.append((time.monotonic(), filled.meta["tokens"], self.server.slots.counters.blocked_s))
+                faults.point("producer.publish")
 
     def serve_forever(self) -> None:
         self.server.start()
@@ -357,6 +363,7 @@ class Producer:
                     continue
                 try:
                     planned = self.stream.take()
+                    faults.point("producer.fill")
                     self._filled.put(self._fill(slot, planned))
                 except BaseException:
                     self.server.abort(slot)

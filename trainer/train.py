@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common import faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json, replace_dir
 from trainer.draft_config import DraftConfig
@@ -303,8 +304,10 @@ class Trainer:
                     if f.is_file():
                         with open(f, "rb") as fh:
                             os.fsync(fh.fileno())
+                faults.point("trainer.checkpoint")
                 # A folder of the same step (saved again after a resume) is swapped, never missing.
                 replace_dir(tmp, root / name)
+                faults.point("trainer.latest")
                 atomic_write_json(root / "latest.json", {"name": name, "step": self.step})
             except Exception as exc:  # torch and safetensors report a full disk as RuntimeError, not OSError
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -347,6 +350,7 @@ class Trainer:
             loss, metrics = self.model(received.batch, self.cfg.drafter.num_anchors, self.generator,
                                        self.step / max(1, self.max_steps), received.prepared)
         loss.backward()
+        faults.point("trainer.step")
         self._prepare_upcoming()
         clip = self.cfg.training.grad_clip or float("inf")
         metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
@@ -420,6 +424,7 @@ class Trainer:
             received, starved, everyone = self.claim()
             if received is None:
                 break
+            faults.point("trainer.batch")
             started = time.perf_counter()
             metrics = self.train_step(received)
             self.step += 1

@@ -1,0 +1,150 @@
+"""Fault injection for the reliability tests: a process is SIGKILLed at a named point of its code.
+
+    DFLASH_FAULT="trainer.step:7,producer.publish:3,trainer.checkpoint:1"   the plan, in order
+    DFLASH_FAULT_LOG=/tmp/run/faults.jsonl                                   what fired (needed with a plan)
+
+Code marks its fault points with ``point("trainer.step")`` (names and meanings in ``POINTS``). The
+first plan entry not yet in the log is the current one. The process that reaches the current
+entry's point for the count-th time (counted from when that entry became current for it) appends
+the entry to the log, synced to disk, then SIGKILLs the victim: itself, or the ``victim`` pid given
+at the point (a producer handling a trainer's HELLO kills that trainer). The launcher restarts the
+killed process; its successor reads the log and waits for the next entry. So one run carries a
+whole sequence of kills, across processes, each at an exact place.
+
+Without DFLASH_FAULT (every real run) ``point`` returns at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PLAN_ENV = "DFLASH_FAULT"
+LOG_ENV = "DFLASH_FAULT_LOG"
+
+POINTS = {
+    # The trainer is killed ...
+    "trainer.handshake": "after a producer reconciled its stream for the trainer's HELLO, before WELCOME "
+                         "(checked in the producer, which kills the trainer)",
+    "trainer.batch": "holding a batch taken from the feeder (received and acked, not trained) while the "
+                     "producers have more leased to it",
+    "trainer.step": "inside a step: after backward, before the optimizer step",
+    "trainer.checkpoint": "writing a checkpoint: every file written and synced, before the folder is renamed into place",
+    "trainer.latest": "after a checkpoint folder is in place, before latest.json points at it",
+    # The producer is killed ...
+    "producer.handshake": "handling a trainer's HELLO: before reconciling and before WELCOME",
+    "producer.fill": "filling a slot: batch taken from the stream, slot FILLING, nothing announced",
+    "producer.publish": "right after announcing a batch (the slot is READY, possibly leased at once)",
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    point: str
+    count: int
+
+
+def parse_plan(text: str) -> list[Fault]:
+    """``"point:count,point:count"`` as Faults; unknown points and counts below 1 are errors."""
+    plan = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, colon, count = item.rpartition(":")
+        if not colon or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{PLAN_ENV}: {item!r} is not point:count with a count >= 1")
+        if name not in POINTS:
+            raise ValueError(f"{PLAN_ENV}: unknown fault point {name!r} in {item!r}; known: {', '.join(POINTS)}")
+        plan.append(Fault(name, int(count)))
+    return plan
+
+
+def format_plan(plan: list[Fault]) -> str:
+    """The DFLASH_FAULT value of ``plan``."""
+    return ",".join(f"{fault.point}:{fault.count}" for fault in plan)
+
+
+def read_log(path: Path) -> list[dict]:
+    """The faults that fired, in order (one JSON object per line)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+class _Injector:
+    def __init__(self, plan: list[Fault], log_path: Path) -> None:
+        self.plan = plan
+        self.log_path = log_path
+        self._lock = threading.Lock()  # points are reached from several threads (producer: compute, publisher, server)
+        self._stamp: tuple[int, int] | None = None
+        self._current = 0
+        self._reached = 0
+
+    def reach(self, name: str, victim: int | None) -> None:
+        with self._lock:
+            self._refresh()
+            if self._current >= len(self.plan) or self.plan[self._current].point != name:
+                return
+            self._reached += 1
+            if self._reached >= self.plan[self._current].count:
+                self._fire(name, victim)
+
+    def _refresh(self) -> None:
+        """Follow the log: a fault fired elsewhere makes the next entry current, counted from zero."""
+        try:
+            info = os.stat(self.log_path)
+            stamp = (info.st_size, info.st_mtime_ns)
+        except FileNotFoundError:
+            stamp = None
+        if stamp != self._stamp:
+            self._stamp = stamp
+            self._advance_to(len(read_log(self.log_path)))
+
+    def _advance_to(self, fired: int) -> None:
+        if fired != self._current:
+            self._current, self._reached = fired, 0
+
+    def _fire(self, name: str, victim: int | None) -> None:
+        pid = os.getpid() if victim is None else victim
+        with open(self.log_path, "a+") as log:
+            fcntl.flock(log, fcntl.LOCK_EX)  # another process may be firing the same entry right now
+            log.seek(0)
+            fired = sum(1 for line in log.read().splitlines() if line.strip())
+            if fired != self._current:
+                self._advance_to(fired)  # it fired elsewhere first; this reach does not count for the next
+                return
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return  # the victim is already gone: wait for the next reach
+            fault = self.plan[self._current]
+            log.write(json.dumps({"index": self._current, "point": name, "count": fault.count, "pid": pid,
+                                  "by": os.getpid(), "time": time.time()}) + "\n")
+            log.flush()
+            os.fsync(log.fileno())
+            self._advance_to(self._current + 1)
+            os.kill(pid, signal.SIGKILL)
+
+
+def _from_environment() -> _Injector | None:
+    text = os.environ.get(PLAN_ENV, "").strip()
+    if not text:
+        return None
+    if not os.environ.get(LOG_ENV):
+        raise ValueError(f"{PLAN_ENV} is set but {LOG_ENV} (the file that records what fired) is not")
+    return _Injector(parse_plan(text), Path(os.environ[LOG_ENV]))
+
+
+_INJECTOR = _from_environment()
+
+
+def point(name: str, victim: int | None = None) -> None:
+    """A fault point: SIGKILL here (of this process, or of ``victim``) when the plan says so."""
+    if _INJECTOR is not None:
+        _INJECTOR.reach(name, victim)
