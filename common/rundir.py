@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 from common.config import ConfigError
+from common.naming import process_start_ticks
 
 RUN_DIR_FORMAT = 1
 """Layout version of a run directory. Raise it when a change makes older run directories unreadable
@@ -33,6 +36,7 @@ class CheckpointError(RuntimeError):
 
 
 _RENAME_EXCHANGE = 2
+_PARTIAL_RE = re.compile(r"^\.(.+)\.(\d+)\.(tmp|old)$")
 
 
 def replace_dir(new: Path, final: Path) -> None:
@@ -179,6 +183,33 @@ class RunDir:
             return None
         path = self.checkpoints / pointer["name"]
         return path if (path / "trainer_state.json").is_file() else None
+
+    def sweep_partial_checkpoints(self) -> list[Path]:
+        """Clean up what a trainer killed while checkpointing left in checkpoints/; return the leftovers.
+
+        That is its temporary folder ``.step-N.<pid>.tmp``, a folder it moved aside
+        (``.step-N.<pid>.old``) or a half-written ``.latest.json.<pid>.tmp``, once that pid no
+        longer runs. Such leftovers are never loaded (only complete folders are renamed to
+        ``step-N``), but each would keep a checkpoint's worth of disk forever. A folder moved aside
+        whose replacement never arrived (``replace_dir`` without RENAME_EXCHANGE) is the only
+        complete copy of that step: it is put back instead.
+        """
+        removed = []
+        if not self.checkpoints.is_dir():
+            return removed
+        for path in self.checkpoints.iterdir():
+            match = _PARTIAL_RE.match(path.name)
+            if match is None or process_start_ticks(int(match.group(2))) is not None:
+                continue
+            final = self.checkpoints / match.group(1)
+            if match.group(3) == "old" and not final.exists():
+                os.replace(path, final)
+            elif path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
+        return removed
 
     def committed_for(self, producer_id: int) -> dict | None:
         """What the latest checkpoint committed from producer ``producer_id`` (None: nothing)."""

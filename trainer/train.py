@@ -134,6 +134,9 @@ class Trainer:
             "last_hidden": cfg.training.label_mode != "data",
         }
 
+        if self.rank == 0:
+            for leftover in run_dir.sweep_partial_checkpoints():
+                log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
         latest = run_dir.latest_checkpoint()
         torch.manual_seed(cfg.training.seed)
         if latest is not None:
