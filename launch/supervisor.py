@@ -461,6 +461,7 @@ class Supervisor:
                         return result
                 continue
             producer.clear()
+            self._mark_not_ready(i)
             if returncode == 2:
                 log.error("%s: configuration error (exit 2); stopping the run. See %s%s",
                           producer.name, producer.log_path, log_tail(producer.log_path))
@@ -474,6 +475,15 @@ class Supervisor:
             self.state = "running"
             self._start_trainer()
         return None
+
+    def _mark_not_ready(self, producer_id: int) -> None:
+        """Make a dead producer's status file say so. It still says ready, with the dead endpoint:
+        a trainer would connect there and wait for a WELCOME that never comes (its other producers
+        waiting too) until the replacement is ready and rewrites the file."""
+        path = self.run.producer_status(producer_id)
+        status = read_json(path)
+        if status is not None and status.get("ready"):
+            write_json_atomic(path, {**status, "ready": False})
 
     def _check_producer_ready(self, producer_id: int, producer: ManagedProcess) -> int | None:
         status = read_json(self.run.producer_status(producer_id))
