@@ -279,8 +279,18 @@ class Producer:
         })
 
     def _status_loop(self) -> None:
+        checkpoint = None
         while not self.stop.wait(1.0):
+            checkpoint = self._forget_checkpointed(checkpoint)
             self.write_status(ready=True)
+
+    def _forget_checkpointed(self, seen: Path | None) -> Path | None:
+        """Prune the stream's record of handed-out batches by what a new checkpoint committed;
+        returns the checkpoint now seen. (A HELLO prunes it too, but a trainer may live for days.)"""
+        latest = self.run_dir.latest_checkpoint()
+        if latest is not None and latest != seen:
+            self.stream.forget_committed(self.run_dir.committed_for(self.producer_id))
+        return latest
 
     # -- compute ---------------------------------------------------------------------------------
 

@@ -140,6 +140,21 @@ class BatchStream:
             self._replay = sorted(set(self._replay + lost) - {o for o in self._replay if self._is_committed(o)})
             return len(lost)
 
+    def forget_committed(self, committed: dict | None) -> int:
+        """Drop from the record of handed-out batches those a checkpoint committed; returns how many.
+
+        Otherwise the record (what ``reconcile`` replays from) grows by one entry per batch for as
+        long as one trainer incarnation lives, since only a HELLO prunes it. Only the record shrinks:
+        a later trainer resumes from this checkpoint or a newer one, so it never needs these again.
+        """
+        ordinal, _, extra = parse_committed(committed)
+        with self._lock:
+            done = [o for o in self._history if (o < ordinal or o in extra) and o not in self._replay]
+            for o in done:
+                del self._history[o]
+            return len(done)
+
     def position(self) -> dict:
         with self._lock:
-            return {"next_ordinal": self._next_ordinal, "replay_queue": len(self._replay), "replayed": self.replayed}
+            return {"next_ordinal": self._next_ordinal, "replay_queue": len(self._replay), "replayed": self.replayed,
+                    "history": len(self._history)}

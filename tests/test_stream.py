@@ -63,3 +63,17 @@ def test_reconcile_waits_for_a_publish_in_progress():
     ring.discard(planned.ordinal)  # consumed and acked; then a new trainer incarnation arrives
     assert stream.reconcile(None, lambda: set(ring)) == 1
     assert stream.take().ordinal == planned.ordinal
+
+
+def test_a_checkpoint_prunes_the_record_of_handed_out_batches_and_replays_still_work():
+    """The record grows by a batch per batch until a checkpoint commits a prefix: then it shrinks,
+    and a trainer that dies after that checkpoint still gets everything after it replayed."""
+    stream, ring = _stream(), set()
+    batches = _produce(stream, ring, 8)
+    assert stream.position()["history"] == 8
+    ring -= {0, 1, 2, 3, 4, 5}  # consumed; the trainer's checkpoint holds 0..3
+    committed = {"ordinal": 4, "last_cursor": list(batches[3].cursor)}
+    assert stream.forget_committed(committed) == 4
+    assert stream.position()["history"] == 4
+    assert stream.reconcile(committed, lambda: set(ring)) == 2  # it died: 4 and 5 come again
+    assert [(b.ordinal, b.replay) for b in (stream.take(), stream.take(), stream.take())] == [(4, True), (5, True), (8, False)]
