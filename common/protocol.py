@@ -12,6 +12,12 @@ Conversation (consumer = DEALER, producer = ROUTER):
     consumer CREDIT (room for n more batches)
     both     HEARTBEAT (producer's carries its statistics)
     consumer BYE    (leases go back to the ring at once)
+
+Payload: a HELLO says how the consumer gets a batch's bytes. ``ring``: it opens the producer's
+ring (same host) and reads the slot in place; every message is one frame. ``frames`` (consumers on
+other hosts): it opens nothing, and each BATCH is a two-frame message [batch, payload], the payload
+being the slot's first ``payload_bytes(layout, slot_bytes)`` bytes; the WELCOME's ring is then
+``{"backend": "frames", "num_slots", "slot_bytes"}``.
 """
 
 from __future__ import annotations
@@ -22,10 +28,16 @@ from typing import ClassVar
 
 import msgpack
 
-from common.codec import LayoutError, TensorSpec
+from common.codec import ALIGN, LayoutError, TensorSpec
 from common.naming import SEGMENT_PREFIX, SHM_DIR
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: HELLO says ``payload`` and BATCH may carry the payload as a second frame. A version-1 peer
+would drop a HELLO with the new field as malformed (the consumer would only see a timeout) or read
+a payload frame as a message of its own: the bump makes both sides refuse each other, clearly."""
+PAYLOAD_RING = "ring"
+PAYLOAD_FRAMES = "frames"
+PAYLOAD_MODES = (PAYLOAD_RING, PAYLOAD_FRAMES)
 MAX_FRAME_BYTES = 1 << 20
 MAX_STR = 4096
 MAX_COLLECTION = 4096
@@ -128,6 +140,8 @@ def _ring_spec(value: object) -> None:
     backend = value.get("backend")
     _int("ring.num_slots", value.get("num_slots"), 1, MAX_SLOTS)
     _int("ring.slot_bytes", value.get("slot_bytes"), 1, MAX_SLOT_BYTES)
+    if backend == "frames":
+        return  # nothing to open: the payload travels in the BATCH messages
     if backend == "host":
         folder, _, name = _str("ring.path", value.get("path"), 255).rpartition("/")
         if folder != str(SHM_DIR) or not name.startswith(f"{SEGMENT_PREFIX}."):
@@ -138,7 +152,7 @@ def _ring_spec(value: object) -> None:
             raise ProtocolError("field 'ring.handle' must be 128 lowercase hex digits (a 64-byte CUDA IPC handle)")
         _str("ring.gpu_uuid", value.get("gpu_uuid"), 64)
     else:
-        raise ProtocolError(f"field 'ring.backend' must be 'host' or 'cuda', got {repr(backend)[:32]}")
+        raise ProtocolError(f"field 'ring.backend' must be 'host', 'cuda' or 'frames', got {repr(backend)[:32]}")
 
 
 # Keys of a producer's HEARTBEAT statistics that consumers read, with the types they must have.
@@ -196,6 +210,8 @@ class Hello(Message):
     """What the consumer requires of the producer (target identity, layer ids, dtype...)."""
     committed: dict = field(default_factory=dict)
     """What the consumer's checkpoint already includes from this producer."""
+    payload: str = PAYLOAD_RING
+    """``ring``: the consumer reads the ring in place; ``frames``: send each batch's bytes with it."""
 
     def check(self) -> None:
         _str("consumer_id", self.consumer_id, 128)
@@ -206,6 +222,8 @@ class Hello(Message):
         _int("credits", self.credits, 0, 1 << 20)
         _map("expect", self.expect)
         _map("committed", self.committed)
+        if self.payload not in PAYLOAD_MODES:
+            raise ProtocolError(f"field 'payload' must be one of {list(PAYLOAD_MODES)}, got {repr(self.payload)[:32]}")
 
 
 @dataclass(frozen=True)
@@ -311,6 +329,17 @@ class Bye(Message):
 
     def check(self) -> None:
         _str("reason", self.reason)
+
+
+def payload_bytes(layout: tuple[TensorSpec, ...] | list[TensorSpec], slot_bytes: int) -> int:
+    """Length of a batch's payload frame: its layout's end, rounded up to the slot alignment (so the
+    received buffer can be viewed as every dtype, as a slot can), but never past the slot.
+
+    Both sides compute it: the producer sends exactly this many bytes, the consumer refuses any
+    other length (and a layout that ends past the slot fails the consumer's bounds check).
+    """
+    end = max((spec.offset + spec.nbytes for spec in layout), default=0)
+    return min(slot_bytes, (end + ALIGN - 1) // ALIGN * ALIGN)
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

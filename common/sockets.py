@@ -12,13 +12,17 @@ Who may talk to a producer:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.auth.thread
+
+log = logging.getLogger(__name__)
 
 MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux, minus margin
 MAX_FRAME_BYTES = 1 << 20
@@ -97,13 +101,25 @@ def ipc_endpoint(path: Path) -> str:
 
 
 class _AllowRunClient:
-    """ZAP credentials check: only the run's client key may connect."""
+    """ZAP credentials check: only the run's client key may connect. Refusals are logged (at most
+    one line per minute, with the count) so that a misconfigured trainer host shows up in the
+    producer's log; ZeroMQ itself tells neither side why a CURVE handshake failed."""
 
     def __init__(self, client_public: bytes) -> None:
         self.client_public = client_public
+        self.refused = 0
+        self._logged_at = float("-inf")
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key == self.client_public
+        if key == self.client_public:
+            return True
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= 60.0:
+            self._logged_at = now
+            log.warning("refused a tcp client whose CURVE key is not the run's client key (%d refused so far): "
+                        "it needs a copy of this run's secrets/curve.json", self.refused)
+        return False
 
 
 def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> zmq.auth.thread.ThreadAuthenticator:
@@ -127,6 +143,7 @@ def make_socket(
     linger_ms: int = 0,
     identity: bytes | None = None,
     curve: CurveKeys | None = None,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
 ) -> zmq.Socket:
     """A socket bound or connected to one endpoint.
 
@@ -135,6 +152,8 @@ def make_socket(
     a peer. ipc socket files are made readable and writable by their owner only. tcp endpoints
     need ``curve``: a binding socket serves as the CURVE server (its context needs a ZAP handler,
     ``start_authenticator``), a connecting one authenticates the server by its public key.
+    Incoming frames longer than ``max_frame_bytes`` are dropped by ZeroMQ before they are allocated
+    (raised only for consumers that receive batch payloads as frames).
     """
     if (bind is None) == (connect is None):
         raise ValueError("give exactly one of bind or connect")
@@ -147,11 +166,13 @@ def make_socket(
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # larger frames are dropped by zmq itself
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)  # larger frames are dropped by zmq itself
     if identity is not None:
         sock.setsockopt(zmq.ROUTING_ID, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if endpoint.startswith("tcp://"):
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port works too; IPv4 addresses are unaffected
     if curve is not None:
         if bind is not None:
             sock.curve_secretkey = curve.server_secret
@@ -179,16 +200,22 @@ def make_socket(
     return sock
 
 
-def send_nowait(sock: zmq.Socket, frames: list[bytes]) -> bool:
+def send_nowait(sock: zmq.Socket, frames: list[bytes], payload: memoryview | None = None) -> bool:
     """Send without ever blocking; False when the peer is gone or its queue is full.
 
     Frame by frame rather than send_multipart, whose checks cost a few microseconds per lease;
     zmq still delivers the parts all or none (a full queue or a gone peer fails the first).
+    ``payload``, when given, is sent last and not copied: ZeroMQ reads that memory while it sends,
+    so it must stay unchanged until the peer has the whole message.
     """
     try:
         for frame in frames[:-1]:
             sock.send(frame, zmq.SNDMORE | zmq.NOBLOCK)
-        sock.send(frames[-1], zmq.NOBLOCK)
+        if payload is None:
+            sock.send(frames[-1], zmq.NOBLOCK)
+        else:
+            sock.send(frames[-1], zmq.SNDMORE | zmq.NOBLOCK)
+            sock.send(payload, zmq.NOBLOCK, copy=False)
         return True
     except zmq.Again:
         return False

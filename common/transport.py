@@ -11,6 +11,11 @@ RingClient is single-threaded: whoever owns it must call ``poll`` often (it send
 heartbeats); the trainer runs it in a feeder thread. It trusts its producer no more than the
 producer trusts it: malformed messages are logged and dropped, and a batch whose layout does not
 fit the ring, or that fails the owner's ``accept`` check, is dropped and acked with its credit.
+
+Payload by frames (consumers on other hosts, ``payload="frames"``): the client opens no ring; the
+server sends each leased slot's bytes as a second frame of the BATCH message, straight from the host
+ring's memory (no copy: the slot stays leased, so unchanged, until the consumer acks, which it does
+only after the whole message arrived). The client's tensors are views of the received frame.
 """
 
 from __future__ import annotations
@@ -26,8 +31,12 @@ from pathlib import Path
 import torch
 import zmq
 
-from common.codec import LayoutError, TensorSpec, read_tensors
+from common.codec import DTYPES, LayoutError, TensorSpec, read_tensors
 from common.protocol import (
+    MAX_FRAME_BYTES,
+    PAYLOAD_FRAMES,
+    PAYLOAD_MODES,
+    PAYLOAD_RING,
     Ack,
     Batch,
     Bye,
@@ -40,12 +49,18 @@ from common.protocol import (
     VersionMismatch,
     Welcome,
     decode,
+    payload_bytes,
 )
 from common.ring import RingBuffer, attach_ring
 from common.slots import SlotTable
 from common.sockets import CurveKeys, make_socket, send_nowait, start_authenticator
 
 log = logging.getLogger(__name__)
+
+MAX_PAYLOAD_BYTES = 1 << 36
+"""Default cap of a payload frame a frames consumer accepts (64 GiB, above any slot of the targets
+this system trains for): ZeroMQ drops longer frames before allocating them."""
+_MAX_ITEMSIZE = max(dtype.itemsize for dtype in DTYPES.values())
 
 
 class HandshakeRefused(RuntimeError):
@@ -66,6 +81,8 @@ class _Consumer:
     last_seen: float
     paused_until: float = 0.0
     """After a send to it would have blocked, it gets no batches until then (its credits stay)."""
+    frames: bool = False
+    """It reads no ring: each batch's bytes go with its BATCH as a second frame."""
 
 
 @dataclass
@@ -155,6 +172,8 @@ class RingServer:
         self._bad_log = _RateLimitedLog()
         self._refused_log = _RateLimitedLog()
         self._error: BaseException | None = None
+        self._slot_buffers: list[memoryview] | None = None
+        """Each host slot as a buffer ZeroMQ can send without a copy; made for the first frames consumer."""
 
     # -- filler side (any thread) ----------------------------------------------------------------
 
@@ -173,13 +192,13 @@ class RingServer:
     def publish(self, index: int, layout: list[TensorSpec], meta: dict) -> int:
         """Announce a filled slot. Its bytes must be complete (stream synchronised) before this call.
 
-        The slot's payload is ``(layout, meta, frame)``: the BATCH frame is encoded here, on the
-        filler's thread, so leasing the slot costs the server thread one send.
+        The slot's payload is ``(layout, meta, frame, payload_bytes)``: the BATCH frame is encoded
+        here, on the filler's thread, so leasing the slot costs the server thread one send.
         """
         layout, meta = tuple(layout), dict(meta)
         generation, seq = self.slots.filling(index)
         frame = Batch(slot=index, generation=generation, seq=seq, layout=layout, meta=meta).encode()
-        self.slots.publish(index, (layout, meta, frame))
+        self.slots.publish(index, (layout, meta, frame, payload_bytes(layout, self.ring.slot_bytes)))
         # Read after publishing: the server thread raises the flag before it looks for ready slots,
         # so either it sees this slot or we see the flag. Without credit to spend it would wake for
         # nothing: the next ACK or CREDIT dispatches the slot (saves a thread hand-off per slot).
@@ -320,6 +339,13 @@ class RingServer:
         if hello.incarnation < self._newest_incarnation:
             self._refuse(sock, identity, f"incarnation {hello.incarnation} is superseded by {self._newest_incarnation}")
             return
+        frames = hello.payload == PAYLOAD_FRAMES
+        if frames and self.ring.backend != "host":
+            # Staging GPU slots through host memory would add a copy and a buffer per lease; a producer
+            # serving other hosts is better off writing its features to a host ring at once.
+            self._refuse(sock, identity, f"this producer's ring is in GPU memory (ring.backend={self.ring.backend}), which a "
+                                         "consumer on another host cannot read: start the producer with ring.backend=host")
+            return
         if self._check_hello is not None:
             reason = self._check_hello(hello)
             if reason:
@@ -337,14 +363,17 @@ class RingServer:
             # After the superseded leases are back in the ring, before anything is leased again.
             self._on_welcome(hello, new_incarnation)
         self._consumers[identity] = _Consumer(
-            identity, hello.consumer_id, hello.incarnation, hello.pid, 0, time.monotonic()
+            identity, hello.consumer_id, hello.incarnation, hello.pid, 0, time.monotonic(), frames=frames
         )
         if hello.credits:
             self._add_credit(self._consumers[identity], hello.credits)
+        ring = self.ring.spec()
+        if frames:
+            ring = {"backend": PAYLOAD_FRAMES, "num_slots": self.ring.num_slots, "slot_bytes": self.ring.slot_bytes}
         welcome = Welcome(
             producer_id=self.producer_id,
             pid=os.getpid(),
-            ring=self.ring.spec(),
+            ring=ring,
             describe=self.describe,
             heartbeat_interval_s=self.heartbeat_interval_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
@@ -353,7 +382,8 @@ class RingServer:
             self.counters.send_failures += 1
             self._consumers.pop(identity, None)
             return
-        log.info("consumer %s (pid %d, incarnation %d) connected", hello.consumer_id, hello.pid, hello.incarnation)
+        log.info("consumer %s (pid %d, incarnation %d, payload by %s) connected", hello.consumer_id, hello.pid,
+                 hello.incarnation, hello.payload)
 
     def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str) -> None:
         self.counters.refused += 1
@@ -378,7 +408,8 @@ class RingServer:
             lease = self.slots.lease_next(consumer.identity)
             if lease is None:
                 break
-            if send_nowait(sock, [consumer.identity, lease.payload[2]]):
+            payload = self._slot_buffer(lease.slot)[: lease.payload[3]] if consumer.frames else None
+            if send_nowait(sock, [consumer.identity, lease.payload[2]], payload):
                 consumer.credits -= 1
             else:
                 # Its queue is full or it is gone: undo this lease and try it again a heartbeat later
@@ -389,6 +420,20 @@ class RingServer:
                 consumer.paused_until = now + self.heartbeat_interval_s
                 log.warning("send to consumer %s would block; slot %d back in the ring", consumer.consumer_id, lease.slot)
         self._credit_waiting = any(c.credits > 0 for c in self._consumers.values())
+
+    def _slot_buffer(self, index: int) -> memoryview:
+        """Slot ``index`` of the host ring as a buffer ZeroMQ sends from without a copy.
+
+        Safe because a leased slot is not refilled before its ack. A lease taken back while its
+        message still waits in ZeroMQ's queue (a consumer silent past the timeout but connected)
+        could see the slot refilled under the send once another consumer acks it; that consumer
+        trained the batch, and the late receiver, already dropped here, is no better off than a ring
+        consumer reading a slot after its lease expired (the trainer's ranks discard a batch trained
+        by another).
+        """
+        if self._slot_buffers is None:
+            self._slot_buffers = [memoryview(self.ring.slot(i).numpy()) for i in range(self.ring.num_slots)]
+        return self._slot_buffers[index]
 
     def _expire(self, now: float) -> None:
         for consumer in list(self._consumers.values()):
@@ -458,7 +503,13 @@ class RingClient:
         accept: DeliveryCheck | None = None,
         curve: CurveKeys | None = None,
         ctx: zmq.Context | None = None,
+        payload: str = PAYLOAD_RING,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES,
     ) -> None:
+        """``payload``: ``ring`` opens the producer's ring (same host); ``frames`` receives each batch's
+        bytes with its announcement (another host), refusing slots larger than ``max_payload_bytes``."""
+        if payload not in PAYLOAD_MODES:
+            raise ValueError(f"payload must be one of {list(PAYLOAD_MODES)}, got {payload!r}")
         self.endpoint = endpoint
         self.consumer_id = consumer_id
         self.incarnation = incarnation
@@ -467,8 +518,12 @@ class RingClient:
         self.initial_credits = credits
         self.heartbeat_interval_s = heartbeat_interval_s
         self._accept = accept
+        self.payload = payload
+        self._frames = payload == PAYLOAD_FRAMES
+        self.max_payload_bytes = max_payload_bytes
         self._ctx = ctx or zmq.Context.instance()
-        self._sock = make_socket(self._ctx, zmq.DEALER, connect=endpoint, curve=curve)
+        max_frame = max(MAX_FRAME_BYTES, max_payload_bytes) if self._frames else MAX_FRAME_BYTES
+        self._sock = make_socket(self._ctx, zmq.DEALER, connect=endpoint, curve=curve, max_frame_bytes=max_frame)
         self._poller = zmq.Poller()  # kept: Socket.poll builds a new Poller on every call
         self._poller.register(self._sock, zmq.POLLIN)
         self._slots: list[torch.Tensor] = []
@@ -478,42 +533,69 @@ class RingClient:
         self.last_heard = time.monotonic()
         self._next_beat = 0.0
         self.dropped_malformed = 0
-        """Messages from the producer that were dropped: undecodable, or batches that fail the checks."""
+        """Messages from the producer that were dropped: undecodable, with the wrong number of frames, or
+        batches that fail the checks."""
         self._bad_log = _RateLimitedLog()
 
     def connect(self, timeout_s: float = 30.0) -> Welcome:
         """HELLO, then wait for WELCOME (ring attached) or REFUSE (raises HandshakeRefused)."""
-        hello = Hello(
+        self.hello()
+        welcome = self.await_welcome(timeout_s)
+        if welcome is None:
+            raise HandshakeTimeout(f"no answer from the producer at {self.endpoint} within {timeout_s:.0f}s")
+        return welcome
+
+    def hello(self) -> None:
+        """Send HELLO; ``await_welcome`` then takes the answer (a caller that must not wait, e.g. for
+        a producer on another host that may be down, asks it with timeout 0 from time to time)."""
+        self._send(Hello(
             consumer_id=self.consumer_id,
             incarnation=self.incarnation,
             pid=os.getpid(),
             credits=self.initial_credits,
             expect=self.expect,
             committed=self.committed,
-        )
-        self._send(hello)
+            payload=self.payload,
+        ))
+
+    def await_welcome(self, timeout_s: float) -> Welcome | None:
+        """The WELCOME (its ring attached) once it arrives within ``timeout_s``, else None; a REFUSE
+        or an answer this consumer cannot use raises HandshakeRefused."""
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._poller.poll(remaining * 1000):
-                raise HandshakeTimeout(f"no answer from the producer at {self.endpoint} within {timeout_s:.0f}s")
-            message = self._recv()
+            if not self._poller.poll(max(0.0, remaining) * 1000):
+                return None
+            message, _ = self._recv()
             if isinstance(message, Refuse):
                 raise HandshakeRefused(f"producer at {self.endpoint} refused: {message.reason}")
             if isinstance(message, Welcome):
-                # The producer checks our expectations too; checking here as well means a producer
-                # that ignores them (or is not ours) never gets its ring opened.
-                for key, wanted in self.expect.items():
-                    if message.describe.get(key) != wanted:
-                        raise HandshakeRefused(
-                            f"producer at {self.endpoint} ships {key}={message.describe.get(key)!r}, "
-                            f"this consumer expects {wanted!r}"
-                        )
-                self.welcome = message
-                self.ring = attach_ring(message.ring)
-                self._slots = [self.ring.slot(i) for i in range(self.ring.num_slots)]
-                self.last_heard = time.monotonic()
-                return message
+                return self._welcomed(message)
+            if remaining <= 0:
+                return None  # past the deadline: a flood of other messages must not keep us here
+
+    def _welcomed(self, message: Welcome) -> Welcome:
+        # The producer checks our expectations too; checking here as well means a producer
+        # that ignores them (or is not ours) never gets its ring opened.
+        for key, wanted in self.expect.items():
+            if message.describe.get(key) != wanted:
+                raise HandshakeRefused(
+                    f"producer at {self.endpoint} ships {key}={message.describe.get(key)!r}, "
+                    f"this consumer expects {wanted!r}"
+                )
+        backend = message.ring["backend"]
+        if (backend == PAYLOAD_FRAMES) != self._frames:
+            raise HandshakeRefused(f"producer at {self.endpoint} answered a HELLO for payload by {self.payload} "
+                                   f"with a ring of backend {backend!r}")
+        if self._frames and message.ring["slot_bytes"] > self.max_payload_bytes:
+            raise HandshakeRefused(f"producer at {self.endpoint} has slots of {message.ring['slot_bytes']} bytes, "
+                                   f"more than this consumer accepts as frames ({self.max_payload_bytes})")
+        self.welcome = message
+        if not self._frames:
+            self.ring = attach_ring(message.ring)
+            self._slots = [self.ring.slot(i) for i in range(self.ring.num_slots)]
+        self.last_heard = time.monotonic()
+        return message
 
     def keepalive(self) -> None:
         """Send our heartbeat if one is due, receiving nothing (for a caller busy elsewhere)."""
@@ -529,12 +611,12 @@ class RingClient:
         if not self._poller.poll(timeout_s * 1000):
             return deliveries
         while self._readable():
-            message = self._recv()
+            message, payload = self._recv()
             if message is None:
                 continue
             self.last_heard = time.monotonic()
             if isinstance(message, Batch):
-                delivery = self._deliver(message)
+                delivery = self._deliver(message, payload)
                 if delivery is not None:
                     deliveries.append(delivery)
             elif isinstance(message, Heartbeat):
@@ -547,12 +629,19 @@ class RingClient:
         # Asking EVENTS is cheaper than a zero-timeout poll.
         return bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
 
-    def _deliver(self, message: Batch) -> Delivery | None:
-        """The batch as views into its slot, or None when it does not fit the ring or fails ``accept``."""
+    def _deliver(self, message: Batch, payload: zmq.Frame | None) -> Delivery | None:
+        """The batch as views into its slot (or its payload frame), or None when it does not fit the
+        ring, its payload is not exactly the layout's length, or it fails ``accept``."""
         try:
-            if self.ring is None or message.slot >= self.ring.num_slots:
+            if self.welcome is None or message.slot >= self.welcome.ring["num_slots"]:
                 raise LayoutError(f"slot {message.slot} is outside the ring")
-            tensors = read_tensors(self._slots[message.slot], list(message.layout))
+            if self._frames:
+                expected = payload_bytes(message.layout, self.welcome.ring["slot_bytes"])
+                if len(payload) != expected:
+                    raise LayoutError(f"payload frame of {len(payload)} bytes, the layout needs {expected}")
+                tensors = read_tensors(_frame_tensor(payload), list(message.layout))
+            else:
+                tensors = read_tensors(self._slots[message.slot], list(message.layout))
             delivery = Delivery(message.slot, message.generation, message.seq, message.meta, tensors)
             if self._accept is not None:
                 self._accept(delivery, self.welcome.describe)
@@ -584,7 +673,9 @@ class RingClient:
         if self.dropped_malformed:
             log.warning("dropped %d malformed messages or batches from the producer at %s", self.dropped_malformed, self.endpoint)
         try:
-            self._send(Bye(reason=reason))
+            # Best effort, never waiting: a socket whose producer refused our CURVE key (or was never
+            # reached) has no peer to queue it for, and the producer times our leases out anyway.
+            self._sock.send(Bye(reason=reason).encode(), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         if self.ring is not None:
@@ -606,11 +697,41 @@ class RingClient:
             raise TimeoutError(f"cannot send to the producer at {self.endpoint}: its queue is full")
         self._sock.send(frame, flags=zmq.NOBLOCK)
 
-    def _recv(self) -> Message | None:
+    def _recv(self) -> tuple[Message | None, zmq.Frame | None]:
+        """The next message and, for a BATCH of a frames consumer, its payload frame; (None, None)
+        when it is dropped: undecodable, or with more or fewer frames than it must have."""
         frame = self._sock.recv(copy=True)
+        payload, extra = None, 0
+        # The parts of one message arrive together: these receives never wait.
+        while self._sock.get(zmq.RCVMORE):
+            part = self._sock.recv(copy=False)
+            payload = part if payload is None else payload
+            extra += 1
         try:
-            return decode(frame)
+            message = decode(frame)
         except ProtocolError as exc:
             self.dropped_malformed += 1
             self._bad_log.warn(f"dropped a malformed message from the producer at {self.endpoint}: {exc}")
-            return None
+            return None, None
+        wanted = 1 if self._frames and isinstance(message, Batch) else 0
+        if extra != wanted:
+            self.dropped_malformed += 1
+            self._bad_log.warn(f"dropped a {message.TYPE} message of {1 + extra} frames from the producer at "
+                               f"{self.endpoint} (expected {1 + wanted})")
+            if isinstance(message, Batch):
+                # As for any dropped batch: the slot and its credit go back, nothing was read.
+                self._send(Ack(slot=message.slot, generation=message.generation, credit=1))
+            return None, None
+        return message, payload
+
+
+def _frame_tensor(frame: zmq.Frame) -> torch.Tensor:
+    """A received payload frame as a flat uint8 tensor, without a copy where its address allows."""
+    if not len(frame):
+        return torch.empty(0, dtype=torch.uint8)
+    flat = torch.frombuffer(frame.buffer, dtype=torch.uint8)  # keeps the frame alive as long as its views
+    if flat.data_ptr() % _MAX_ITEMSIZE:
+        # ZeroMQ may keep a small message inside its receive buffer at any address; typed views of
+        # it need the alignment a slot has (a copy, of a small message only).
+        flat = flat.clone()
+    return flat
