@@ -309,7 +309,8 @@ class LaunchConfig:
     """Which processes run where."""
 
     num_producers: int = 2
-    """Producers (one target each). With producer_devices set, one per listed device."""
+    """Producers (one target each) the launcher starts on this host. With producer_devices set, one
+    per listed device. 0 only with remote_producers (all targets on other hosts)."""
     producer_devices: list[str] = field(default_factory=list)
     """Devices of the producers, e.g. ["cuda:0"]; empty: num_producers on cpu (or cuda:0 when present)."""
     trainer_devices: list[str] = field(default_factory=list)
@@ -320,12 +321,45 @@ class LaunchConfig:
     """Restarts of one process before the launcher gives up on the run."""
     ready_timeout_s: float = 600.0
     """How long the launcher waits for a producer to load its target and report ready."""
+    remote_producers: list[str] = field(default_factory=list)
+    """Producers on other hosts, as ``tcp://host:port`` endpoints the trainer connects to (CURVE with
+    the run's secrets/curve.json). Their producer ids follow the local ones: the k-th is
+    ``local_producers + k``, started on its host with ``python -m producer.server --run-dir DIR
+    --producer-id ID --listen tcp://0.0.0.0:PORT`` (DIR there holds copies of config.toml and
+    secrets/curve.json). The data is sharded over local and remote producers; they ship the payload
+    as ZeroMQ frames from a host ring (ring.backend auto means host for them)."""
 
     def __post_init__(self) -> None:
-        _check(self.num_producers >= 1, "num_producers", "must be >= 1")
+        _check(self.num_producers >= 0, "num_producers", "must be >= 0")
+        _check(self.local_producers + len(self.remote_producers) >= 1, "num_producers",
+               "must be >= 1 unless launch.remote_producers lists producers on other hosts")
+        for index, endpoint in enumerate(self.remote_producers):
+            _check(_is_tcp_connect_endpoint(endpoint), f"remote_producers[{index}]",
+                   f"must look like tcp://host:port with a host to connect to and a port in 1..65535, got {endpoint!r}")
+        _check(len(set(self.remote_producers)) == len(self.remote_producers), "remote_producers", "lists an endpoint twice")
         _check(self.restart_backoff_s >= 0, "restart_backoff_s", "must be >= 0")
         _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
         _check(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
+
+    @property
+    def local_producers(self) -> int:
+        """Producers the launcher starts on this host (ids 0 .. local_producers - 1)."""
+        return len(self.producer_devices) or self.num_producers
+
+    @property
+    def total_producers(self) -> int:
+        """Every producer of the run, local and remote: the number of data shards."""
+        return self.local_producers + len(self.remote_producers)
+
+    def remote_producer_ids(self) -> dict[int, str]:
+        """Producer id -> endpoint of each remote producer."""
+        return {self.local_producers + k: endpoint for k, endpoint in enumerate(self.remote_producers)}
+
+
+def _is_tcp_connect_endpoint(endpoint: str) -> bool:
+    """``tcp://host:port`` with a host one can connect to (not a wildcard) and a valid port."""
+    match = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", endpoint)
+    return match is not None and match.group(1) not in ("*", "0.0.0.0", "[::]") and 1 <= int(match.group(2)) <= 65535
 
 
 @dataclass

@@ -1,6 +1,10 @@
 """The producer process: loads one target once and keeps its ring full for as long as it lives.
 
-    python -m producer.server --run-dir DIR --producer-id I [--device cuda:0]
+    python -m producer.server --run-dir DIR --producer-id I [--device cuda:0] [--listen tcp://0.0.0.0:PORT]
+
+With --listen (a producer on another host than the trainer, listed in launch.remote_producers) it
+serves tcp with the run's CURVE keys (DIR/secrets/curve.json) from a host ring, shipping each batch's
+bytes as ZeroMQ frames; otherwise an ipc socket in DIR/sockets.
 
 Main thread (compute): take the next batch of this producer's shard (replays first), pack it,
 run the target's packed forward writing the captured features straight into a ring slot (or, for
@@ -40,7 +44,7 @@ from common.protocol import Hello
 from common.ring import RingMemoryError, create_ring
 from common.rundir import RunDir, atomic_write_json
 from common.slots import SlotState
-from common.sockets import ipc_endpoint
+from common.sockets import CurveKeys, SecretsError, ipc_endpoint
 from common.transport import RingServer
 from producer.batching import BatchPlan, RunningBatchStats, batch_stats
 from producer.data import build_data_source
@@ -138,7 +142,8 @@ class _Filled:
 class Producer:
     """One target, one ring, one shard of the data."""
 
-    def __init__(self, cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str | None) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str | None,
+                 listen: str | None = None, curve: CurveKeys | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.producer_id = producer_id
@@ -159,7 +164,7 @@ class Producer:
         if cfg.target.path is None:
             export_target_head(self.target, run_dir.target_head)
 
-        num_shards = len(cfg.launch.producer_devices) or cfg.launch.num_producers
+        num_shards = cfg.launch.total_producers
         self.plan = build_plan(cfg, int(self.target.model.config.vocab_size), producer_id, num_shards)
         self.stream = BatchStream(self.plan, run_dir.committed_for(producer_id))
         # With training.max_steps = 0 the trainer sizes the run from the epoch's batch count.
@@ -176,7 +181,8 @@ class Producer:
         self.slot_bytes = bytes_needed(shapes)
         backend = cfg.ring.backend
         if backend == "auto":
-            backend = "cuda" if self.target.device.type == "cuda" else "host"
+            # Consumers on other hosts need the bytes in host memory (sent as frames from there).
+            backend = "cuda" if self.target.device.type == "cuda" and listen is None else "host"
         device_index = (self.target.device.index or 0) if self.target.device.type == "cuda" else 0
         self.ring = create_ring(backend, num_slots=cfg.ring.num_slots, slot_bytes=self.slot_bytes,
                                 run_tag=run_dir.root.name, role=f"p{producer_id}", device=device_index)
@@ -195,7 +201,7 @@ class Producer:
         }
         run_dir.sockets.mkdir(parents=True, exist_ok=True, mode=0o700)
         sweep_stale(run_dir.sockets, prefix=f"p{producer_id}.", suffix=".ipc")
-        self.endpoint = ipc_endpoint(run_dir.sockets / f"p{producer_id}.{owner_identity()}.ipc")
+        self.endpoint = listen or ipc_endpoint(run_dir.sockets / f"p{producer_id}.{owner_identity()}.ipc")
         self.server = RingServer(
             self.endpoint,
             self.ring,
@@ -206,6 +212,7 @@ class Producer:
             check_hello=self._check_hello,
             on_welcome=self._on_welcome,
             stats=self._throughput_stats,
+            curve=curve,
         )
         self._filled: queue.Queue[_Filled | None] = queue.Queue()
         self._leases_seen, self._last_lease = 0, float("-inf")  # for ring.headroom_slots
@@ -410,17 +417,38 @@ class Producer:
         self.ring.close()
 
 
-def run_producer(run_dir: str | Path, producer_id: int, device: str | None = None) -> int:
+def remote_keys(cfg: RunConfig, run_dir: RunDir, producer_id: int, listen: str) -> CurveKeys:
+    """The run's CURVE keys for a producer serving other hosts on ``listen``; ConfigError says what
+    is wrong (not tcp, an id launch.remote_producers does not give, a GPU ring, missing keys)."""
+    if not listen.startswith("tcp://"):
+        raise ConfigError(f"--listen {listen}: must be a tcp:// endpoint (producers on the trainer's host need no --listen)")
+    remote = cfg.launch.remote_producer_ids()
+    if producer_id not in remote:
+        raise ConfigError(
+            f"--producer-id {producer_id}: a producer started with --listen must be one of launch.remote_producers, "
+            f"whose ids follow the {cfg.launch.local_producers} local ones: {sorted(remote) or 'none listed'}"
+        )
+    if cfg.ring.backend == "cuda":
+        raise ConfigError("ring.backend: a producer serving other hosts (--listen) sends from host memory: use host or auto, not cuda")
+    try:
+        return CurveKeys.load(run_dir.curve_keys)
+    except SecretsError as exc:
+        raise ConfigError(f"{exc}. Copy the run's secrets/curve.json from the trainer's host into {run_dir.root}/secrets/ "
+                          "(mode 0600, folder 0700).") from None
+
+
+def run_producer(run_dir: str | Path, producer_id: int, device: str | None = None, listen: str | None = None) -> int:
     """Entry point of a producer process; returns its exit code."""
     root = RunDir(run_dir)
     die_with_parent()
     try:
         cfg = load_config(root.config)
+        curve = remote_keys(cfg, root, producer_id, listen) if listen else None
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
         return EXIT_CONFIG_ERROR
     try:
-        producer = Producer(cfg, root, producer_id, device)
+        producer = Producer(cfg, root, producer_id, device, listen=listen, curve=curve)
     except (ConfigError, RingMemoryError, ValueError) as exc:
         log.error("cannot start producer %d: %s", producer_id, exc)
         return EXIT_CONFIG_ERROR
@@ -441,9 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--producer-id", type=int, required=True)
     parser.add_argument("--device", default=None, help="overrides target.device for this producer")
+    parser.add_argument("--listen", default=None, metavar="tcp://ADDRESS:PORT",
+                        help="serve consumers on other hosts here (a producer of launch.remote_producers)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s producer-{args.producer_id} %(levelname)s %(message)s")
-    return run_producer(args.run_dir, args.producer_id, args.device)
+    return run_producer(args.run_dir, args.producer_id, args.device, args.listen)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,11 @@ import torch
 
 from common.batch import PackedBatch
 from common.batchcheck import check_delivery
+from common.config import load_config
+from common.protocol import PAYLOAD_FRAMES, Welcome
 from common.ring import RingMemoryError
 from common.rundir import RunDir
+from common.sockets import CurveKeys, SecretsError
 from common.transport import HandshakeRefused, HandshakeTimeout, RingClient
 
 log = logging.getLogger("trainer.feeder")
@@ -138,6 +141,15 @@ def pad_packed(tensors: dict[str, torch.Tensor], total: int) -> dict[str, torch.
     return out
 
 
+def _remote_producers(run_dir: RunDir) -> dict[int, str]:
+    """Producer id -> endpoint of the run's producers on other hosts, from its config.toml (the file
+    the trainer runs with). Their status files are on their hosts (or, on a shared file system, name
+    the address they listen on, not one to connect to), so the config is where they are found."""
+    if not run_dir.config.is_file():
+        return {}
+    return load_config(run_dir.config).launch.remote_producer_ids()
+
+
 @dataclass
 class _Link:
     producer: int
@@ -145,6 +157,11 @@ class _Link:
     pid: int | None = None
     down_since: float | None = None
     stats: dict = field(default_factory=dict)
+    endpoint: str | None = None
+    """A producer on another host (launch.remote_producers); None: found by its status file."""
+    pending: RingClient | None = None
+    """A remote producer's client whose HELLO awaits its WELCOME (the producer may be down)."""
+    pending_since: float = 0.0
 
 
 class Feeder:
@@ -164,12 +181,13 @@ class Feeder:
         self.handshake_timeout_s = handshake_timeout_s
         self.pad_to = pad_to
         self.queue: queue.Queue[Received] = queue.Queue(maxsize=depth)
-        self.links: dict[int, _Link] = {}
+        self.links: dict[int, _Link] = {p: _Link(p, endpoint=e) for p, e in _remote_producers(run_dir).items()}
         self.refusal: str | None = None
         """Why a producer refused us, or why its ring could not be opened: fatal for the trainer."""
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._curve: CurveKeys | None = None
         self._thread = threading.Thread(target=self._run, name="feeder", daemon=True)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -206,6 +224,8 @@ class Feeder:
                 got_any = False
                 for link in list(self.links.values()):
                     if link.client is None:
+                        if link.pending is not None:
+                            self._await_remote(link)
                         continue
                     got_any |= self._pump(link)
                 if not got_any:
@@ -215,15 +235,22 @@ class Feeder:
             self.error = exc
         finally:
             for link in self.links.values():
-                if link.client is not None:
-                    link.client.close("trainer stopping")
-                    link.client = None
+                for client in (link.client, link.pending):
+                    if client is not None:
+                        client.close("trainer stopping")
+                link.client = link.pending = None
 
     def _discover(self) -> None:
-        """Connect to producers that are ready and not connected (first start, or restarted)."""
+        """Connect to producers that are ready and not connected (first start, or restarted): local
+        ones by their status files, remote ones (other hosts) by the run's launch.remote_producers."""
+        for link in self.links.values():
+            if link.endpoint is not None and link.client is None:
+                self._hello_remote(link)
         for status in self.run_dir.producer_statuses():
             producer = int(status["id"])
             link = self.links.setdefault(producer, _Link(producer))
+            if link.endpoint is not None:
+                continue
             if link.client is not None or not status.get("ready"):
                 continue
             client = RingClient(
@@ -248,10 +275,60 @@ class Feeder:
                 client.close("no answer")
                 log.warning("producer %d not answering yet: %s", producer, exc)
                 continue
-            if link.down_since is not None:
-                log.warning("producer %d back after %.1fs (pid %s)", producer, time.monotonic() - link.down_since, welcome.pid)
-            link.client, link.pid, link.down_since = client, welcome.pid, None
-            log.info("connected to producer %d (pid %d, ring %s)", producer, welcome.pid, welcome.ring.get("backend"))
+            self._up(link, client, welcome)
+
+    def _up(self, link: _Link, client: RingClient, welcome: Welcome) -> None:
+        if link.down_since is not None:
+            log.warning("producer %d back after %.1fs (pid %s)", link.producer, time.monotonic() - link.down_since, welcome.pid)
+        link.client, link.pid, link.down_since = client, welcome.pid, None
+        log.info("connected to producer %d (pid %d, ring %s)", link.producer, welcome.pid, welcome.ring.get("backend"))
+
+    def _hello_remote(self, link: _Link) -> None:
+        """Say HELLO to a producer on another host, or say it again when the last one went unanswered
+        for the handshake timeout (its committed state is then renewed). Never waits."""
+        now = time.monotonic()
+        if link.pending is not None:
+            if now - link.pending_since < self.handshake_timeout_s:
+                return
+            link.pending.close("no answer")
+            link.pending = None
+            log.warning("producer %d at %s not answering after %.0fs (down, unreachable, or it and this trainer do "
+                        "not share the run's secrets/curve.json)", link.producer, link.endpoint, self.handshake_timeout_s)
+        if self._curve is None:
+            try:
+                self._curve = CurveKeys.load(self.run_dir.curve_keys)
+            except SecretsError as exc:
+                self.refusal = f"cannot reach producer {link.producer} at {link.endpoint}: {exc}"
+                log.error("%s", self.refusal)
+                return
+        link.pending = RingClient(
+            link.endpoint, self.consumer_id, self.incarnation,
+            expect=self.expect, committed=self.commits.received_state(link.producer),
+            credits=self.credits, heartbeat_interval_s=self.heartbeat_interval_s,
+            accept=check_delivery, curve=self._curve, payload=PAYLOAD_FRAMES,
+        )
+        link.pending.hello()
+        link.pending_since = now
+
+    def _await_remote(self, link: _Link) -> None:
+        """Take a remote producer's answer to our HELLO, if it came."""
+        client = link.pending
+        try:
+            welcome = client.await_welcome(0)
+            if welcome is not None and welcome.producer_id != link.producer:
+                raise HandshakeRefused(
+                    f"the producer at {link.endpoint} is producer {welcome.producer_id}, but launch.remote_producers "
+                    f"makes it producer {link.producer}: start it with --producer-id {link.producer}"
+                )
+        except HandshakeRefused as exc:
+            client.close("refused")
+            link.pending = None
+            self.refusal = str(exc)
+            log.error("%s", exc)
+            return
+        if welcome is not None:
+            link.pending = None
+            self._up(link, client, welcome)
 
     def _pump(self, link: _Link) -> bool:
         client = link.client

@@ -211,7 +211,12 @@ class Trainer:
                                        mask_token_id=mask, **overrides)
 
     def _steps_from_epochs(self) -> int:
-        expected = len(self.cfg.launch.producer_devices) or self.cfg.launch.num_producers
+        if self.cfg.launch.remote_producers:
+            # Each producer counts its shard's batches into its status file, and those of remote
+            # producers are on their hosts.
+            raise ConfigError("training.max_steps: must be > 0 with launch.remote_producers (the epoch size of a "
+                              "remote producer's shard is not known here); set the number of optimizer steps")
+        expected = self.cfg.launch.local_producers
         self._wait_for(lambda: len([s for s in self.run_dir.producer_statuses() if "epoch_batches" in s]) >= expected,
                        "the producers' epoch sizes")
         per_epoch = sum(s["epoch_batches"] for s in self.run_dir.producer_statuses())
