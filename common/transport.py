@@ -103,7 +103,9 @@ class ServerCounters:
 
 
 @dataclass
-class _RateLimitedLog:
+class RateLimitedLog:
+    """A warning at most every ``every_s`` seconds, with the count of those held back."""
+
     every_s: float = 5.0
     last: float = 0.0
     suppressed: int = 0
@@ -169,8 +171,8 @@ class RingServer:
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"ring-server-{producer_id}", daemon=True)
-        self._bad_log = _RateLimitedLog()
-        self._refused_log = _RateLimitedLog()
+        self._bad_log = RateLimitedLog()
+        self._refused_log = RateLimitedLog()
         self._error: BaseException | None = None
         self._slot_buffers: list[memoryview] | None = None
         """Each host slot as a buffer ZeroMQ can send without a copy; made for the first frames consumer."""
@@ -535,7 +537,7 @@ class RingClient:
         self.dropped_malformed = 0
         """Messages from the producer that were dropped: undecodable, with the wrong number of frames, or
         batches that fail the checks."""
-        self._bad_log = _RateLimitedLog()
+        self._bad_log = RateLimitedLog()
 
     def connect(self, timeout_s: float = 30.0) -> Welcome:
         """HELLO, then wait for WELCOME (ring attached) or REFUSE (raises HandshakeRefused)."""

@@ -23,11 +23,12 @@ import torch
 from common.batch import PackedBatch
 from common.batchcheck import check_delivery
 from common.config import load_config
+from common.naming import process_start_ticks
 from common.protocol import PAYLOAD_FRAMES, Welcome
 from common.ring import RingMemoryError
 from common.rundir import RunDir
 from common.sockets import CurveKeys, SecretsError
-from common.transport import HandshakeRefused, HandshakeTimeout, RingClient
+from common.transport import HandshakeRefused, HandshakeTimeout, RateLimitedLog, RingClient
 
 log = logging.getLogger("trainer.feeder")
 
@@ -185,6 +186,7 @@ class Feeder:
         self.refusal: str | None = None
         """Why a producer refused us, or why its ring could not be opened: fatal for the trainer."""
         self.error: BaseException | None = None
+        self._replay_log = RateLimitedLog()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._curve: CurveKeys | None = None
@@ -268,6 +270,10 @@ class Feeder:
                 continue
             except RingMemoryError as exc:
                 client.close("cannot open ring")
+                if client.welcome is not None and process_start_ticks(client.welcome.pid) is None:
+                    # It died between its WELCOME and our attach: the launcher restarts it; try again then.
+                    log.warning("producer %d (pid %d) died while its ring was being opened", producer, client.welcome.pid)
+                    continue
                 self.refusal = f"cannot open producer {producer}'s ring: {exc}"
                 log.error("%s", self.refusal)
                 continue
@@ -349,8 +355,9 @@ class Feeder:
         for delivery in deliveries:
             ordinal = int(delivery.meta["ordinal"])
             if not self.commits.mark_received(link.producer, ordinal, list(delivery.meta["cursor"])):
-                # Never train a batch twice, whatever a producer sends.
-                log.error("producer %d sent batch %d again; dropped", link.producer, ordinal)
+                # Never train a batch twice, whatever a producer sends (rate-limited: a hostile
+                # producer must not flood the log).
+                self._replay_log.warn(f"producer {link.producer} sent batch {ordinal} again; dropped")
                 client.ack(delivery)
                 client.grant(1)
                 continue
