@@ -76,6 +76,8 @@ def make_plan(rng: random.Random, trainer_kills: int, producer_kills: int) -> li
 class Outcome:
     injected: int
     recovered: int
+    audited: int
+    """Samples of finished epochs checked for completeness."""
     lost: int
     repeated: int
     steps: int
@@ -108,9 +110,9 @@ def run_plan(run_dir: Path, plan: list[Fault], epochs_after: int, timeout_s: flo
             launcher.wait()
     assert [(f["point"], f["count"]) for f in fired] == [(f.point, f.count) for f in plan]
     recovered = _recovered(run, fired)
-    lost, repeated, lines = _audit_ledger(run)
+    audited, lost, repeated, lines = _audit_ledger(run)
     _audit_checkpoints(run, sum(f.point == "trainer.checkpoint" for f in plan))
-    return Outcome(len(fired), recovered, lost, repeated, len(lines), len({line["incarnation"] for line in lines}))
+    return Outcome(len(fired), recovered, audited, lost, repeated, len(lines), len({line["incarnation"] for line in lines}))
 
 
 def _logs(run_dir: Path) -> str:
@@ -161,8 +163,8 @@ def _recovered(run: RunDir, fired: list[dict]) -> int:
     return recovered
 
 
-def _audit_ledger(run: RunDir) -> tuple[int, int, list[dict]]:
-    """(samples lost, samples repeated, its lines) of the checkpoint lineage up to the final checkpoint.
+def _audit_ledger(run: RunDir) -> tuple[int, int, int, list[dict]]:
+    """(samples audited, lost, repeated, its lines) of the checkpoint lineage up to the final checkpoint.
 
     Lines past the final checkpoint belong to no lineage (their trainer died before checkpointing
     them). An epoch counts as finished for a producer once that producer trained two epochs past it
@@ -173,14 +175,15 @@ def _audit_ledger(run: RunDir) -> tuple[int, int, list[dict]]:
     assert len(lines) == final
     triples = Counter(tuple(t) for line in lines for t in line["samples"])
     repeated = sum(n - 1 for n in triples.values() if n > 1)
-    lost = 0
+    audited = lost = 0
     for producer in (0, 1):
         reached = max(e for p, e, _ in triples if p == producer)
         assert reached >= 2, f"producer {producer} only reached epoch {reached}"
         for epoch in range(reached - 1):
-            got = {s for p, e, s in triples if p == producer and e == epoch}
-            lost += len(shard(producer, epoch) - got)
-    return lost, repeated, lines
+            expected = shard(producer, epoch)
+            audited += len(expected)
+            lost += len(expected - {s for p, e, s in triples if p == producer and e == epoch})
+    return audited, lost, repeated, lines
 
 
 def _audit_checkpoints(run: RunDir, checkpoint_kills: int) -> None:
@@ -207,7 +210,8 @@ def _seed() -> int:
 
 def _report(outcome: Outcome, plan: list[Fault]) -> None:
     print(f"plan: {format_plan(plan)}")
-    print(json.dumps({"faults_injected": outcome.injected, "recovered": outcome.recovered, "samples_lost": outcome.lost,
+    print(json.dumps({"faults_injected": outcome.injected, "recovered": outcome.recovered,
+                      "samples_audited": outcome.audited, "samples_lost": outcome.lost,
                       "samples_repeated": outcome.repeated, "steps": outcome.steps,
                       "trainer_incarnations_in_lineage": outcome.trainer_incarnations}))
 
