@@ -55,6 +55,7 @@ FAULT_RUN = [
     "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=5", "logging.log_every=5",
     # Every kill is a crash to the launcher: restart at once, and never give up on this run.
     "launch.restart_backoff_s=0", "launch.max_restarts=100",
+    "logging.wandb_mode=disabled",  # each trainer start would also start wandb's service: seconds of CPU
 ]
 LAUNCHER_EVENT = re.compile(r"(?:re)?started (?P<started>trainer|producer-\d+) pid (?P<pid>\d+)|(?P<ready>producer-\d+) ready in")
 
