@@ -99,8 +99,11 @@ def run_plan(run_dir: Path, plan: list[Fault], epochs_after: int, timeout_s: flo
                  f"all {len(plan)} faults to fire", timeout_s)
         fired = read_log(fault_log)
         assert len(fired) == len(plan), f"the run ended after {len(fired)} of {len(plan)} faults: {_logs(run_dir)}"
-        epochs = {p: _epoch_reached(run, p) for p in (0, 1)}
-        wait_for(lambda: (all(_epoch_reached(run, p) >= epochs[p] + epochs_after for p in epochs) and _all_serving(run))
+        # Only lines written after the last fault are sure to stay in the lineage (a killed trainer's
+        # unsaved steps are trained again), and the audit needs epoch 2 of every producer in it.
+        last_fault = fired[-1]["time"]
+        goal = {p: max(_epoch_reached(run, p) + epochs_after, 2) for p in (0, 1)}
+        wait_for(lambda: (all(_epoch_reached(run, p, after=last_fault) >= goal[p] for p in goal) and _all_serving(run))
                  or launcher.poll() is not None, "training to go on from every producer after the last fault", timeout_s)
         stopped = run_all("stop", "--run-dir", str(run_dir))
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
@@ -122,13 +125,14 @@ def _logs(run_dir: Path) -> str:
     return "".join(parts)
 
 
-def _epoch_reached(run: RunDir, producer: int) -> int:
-    """The highest epoch of ``producer`` in the ledger so far (-1: none)."""
+def _epoch_reached(run: RunDir, producer: int, after: float = 0.0) -> int:
+    """The highest epoch of ``producer`` in ledger lines written after time ``after`` (-1: none)."""
     try:
         lines = run.ledger.read_text().splitlines()
     except FileNotFoundError:
         return -1
-    epochs = [s[1] for line in lines if line.endswith("}") for s in json.loads(line)["samples"] if s[0] == producer]
+    records = [json.loads(line) for line in lines if line.endswith("}")]
+    epochs = [s[1] for r in records if r["time"] > after for s in r["samples"] if s[0] == producer]
     return max(epochs, default=-1)
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -72,6 +73,24 @@ def lineage(run: RunDir) -> list[dict]:
     steps = sorted(by_step)
     assert steps == list(range(1, len(steps) + 1)), "the lineage has a line for every step"
     return [by_step[s] for s in steps]
+
+
+def epochs_trained(run: RunDir, since_incarnation: float = 0.0) -> dict[int, int]:
+    """Per producer, the highest epoch in ledger lines of trainer incarnations that started after
+    ``since_incarnation`` (incarnations are start times in microseconds)."""
+    try:
+        lines = run.ledger.read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    reached: dict[int, int] = {}
+    for line in lines:
+        if not line.endswith("}"):
+            continue  # being written
+        record = json.loads(line)
+        if record["incarnation"] > since_incarnation:
+            for producer, epoch, _ in record["samples"]:
+                reached[producer] = max(reached.get(producer, -1), epoch)
+    return reached
 
 
 def shard(producer: int, epoch: int) -> set[int]:
@@ -183,8 +202,12 @@ def test_two_ranks_two_producers_kill9_of_each_exactly_once(run_dir):
     """A 2-rank trainer (DDP over gloo) on 2 producers: every rank takes from both producers, both
     producers serve both ranks. kill -9 of a producer and then of the trainer: nothing trained twice,
     nothing of an epoch lost. The restarted producer hears HELLOs from ranks that had received
-    different batches; the ranks' agreement before each step drops any batch served twice."""
-    launcher = start(run_dir, "training.max_steps=60", "training.checkpoint_every=10", 'launch.trainer_devices=["cpu", "cpu"]')
+    different batches; the ranks' agreement before each step drops any batch served twice.
+
+    The run has no step limit and is stopped once the restarted trainer trained epoch 2 of both
+    producers: a fixed length raced the restarted producer's load on a fast machine."""
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=10",
+                     'launch.trainer_devices=["cpu", "cpu"]')
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 8, "step 8", 180)
     before = producer_pids(run)
@@ -194,8 +217,14 @@ def test_two_ranks_two_producers_kill9_of_each_exactly_once(run_dir):
     step = trainer_step(run)
     wait_for(lambda: trainer_step(run) >= step + 4, "training after the producer came back", 120)
     trainer_pid = read_json(run.trainer_status)["pid"]
+    killed_at_us = time.time() * 1e6
     os.kill(trainer_pid, signal.SIGKILL)  # rank 0; torchrun takes rank 1 down, the supervisor restarts both
-    finish(launcher, run_dir, timeout=360)
+    wait_for(lambda: min(epochs_trained(run, since_incarnation=killed_at_us).values(), default=-1) >= 2
+             and len(epochs_trained(run, since_incarnation=killed_at_us)) == 2,
+             "the restarted trainer to train epoch 2 of both producers", 240)
+    stopped = run_all("stop", "--run-dir", str(run_dir))
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    finish(launcher, run_dir, timeout=120)
     lines = lineage(run)
     assert all(len({tuple(b) for b in line["batches"]}) == 2 for line in lines), "each step trains two distinct batches"
     assert len({p for line in lines for p, _ in line["batches"]}) == 2
