@@ -173,6 +173,8 @@ class RingServer:
         self._thread = threading.Thread(target=self._serve, name=f"ring-server-{producer_id}", daemon=True)
         self._bad_log = RateLimitedLog()
         self._refused_log = RateLimitedLog()
+        # A consumer that died keeps blocking until its heartbeat timeout, once per heartbeat.
+        self._blocked_log = RateLimitedLog()
         self._error: BaseException | None = None
         self._slot_buffers: list[memoryview] | None = None
         """Each host slot as a buffer ZeroMQ can send without a copy; made for the first frames consumer."""
@@ -420,7 +422,7 @@ class RingServer:
                 self.counters.socket_blocked += 1
                 self.slots.unlease(consumer.identity, lease.slot, lease.generation)
                 consumer.paused_until = now + self.heartbeat_interval_s
-                log.warning("send to consumer %s would block; slot %d back in the ring", consumer.consumer_id, lease.slot)
+                self._blocked_log.warn(f"send to consumer {consumer.consumer_id} would block; slot {lease.slot} back in the ring")
         self._credit_waiting = any(c.credits > 0 for c in self._consumers.values())
 
     def _slot_buffer(self, index: int) -> memoryview:
