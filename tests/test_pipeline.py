@@ -230,3 +230,38 @@ def test_two_ranks_two_producers_kill9_of_each_exactly_once(run_dir):
     assert len({p for line in lines for p, _ in line["batches"]}) == 2
     incarnations = assert_exactly_once(run, must_reach={0, 1})
     assert len(incarnations) >= 2, "the trainer was restarted"
+
+
+def test_a_hung_producer_does_not_slow_training_on_the_other(run_dir):
+    """SIGSTOP of a producer (a hung process that still looks ready): the trainer drops its link
+    after the heartbeat timeout and keeps a normal pace on the other producer while its HELLOs to
+    the hung one go unanswered; after SIGCONT it takes that producer back, exactly once."""
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=20")
+    run = RunDir(run_dir)
+    wait_for(lambda: trainer_step(run) >= 8, "step 8", 120)
+    hung = producer_pids(run)[0]
+    os.kill(hung, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        wait_for(lambda: time.time() > stopped_at + 20, "20 s", 30)
+    finally:
+        os.kill(hung, signal.SIGCONT)
+    resumed_at = time.time()
+    times = [json.loads(line)["time"] for line in run.ledger.read_text().splitlines() if line.endswith("}")]
+    during = [t for t in times if stopped_at + 4 < t < resumed_at]  # past the 2 s heartbeat timeout
+    assert len(during) >= 5, f"only {len(during)} steps in the 16 s with one producer hung"
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert max(gaps) < 6.0, f"training paused {max(gaps):.1f}s while a producer was hung"
+
+    def trained_from_hung_after_resume() -> bool:
+        return any(p == 0 for line in run.ledger.read_text().splitlines() if line.endswith("}")
+                   for p, _ in json.loads(line)["batches"] if json.loads(line)["time"] > resumed_at)
+
+    wait_for(trained_from_hung_after_resume, "a batch of the resumed producer trained", 90)
+    wait_for(lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
+             "both producers at epoch 2", 180)
+    stopped = run_all("stop", "--run-dir", str(run_dir))
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    finish(launcher, run_dir, timeout=120)
+    assert producer_pids(run)[0] == hung, "the hung producer was not replaced"
+    assert_exactly_once(run, must_reach={0, 1})

@@ -28,7 +28,7 @@ from common.protocol import PAYLOAD_FRAMES, Welcome
 from common.ring import RingMemoryError
 from common.rundir import RunDir
 from common.sockets import CurveKeys, SecretsError
-from common.transport import HandshakeRefused, HandshakeTimeout, RateLimitedLog, RingClient
+from common.transport import HandshakeRefused, RateLimitedLog, RingClient
 
 log = logging.getLogger("trainer.feeder")
 
@@ -161,8 +161,10 @@ class _Link:
     endpoint: str | None = None
     """A producer on another host (launch.remote_producers); None: found by its status file."""
     pending: RingClient | None = None
-    """A remote producer's client whose HELLO awaits its WELCOME (the producer may be down)."""
+    """A client whose HELLO awaits its producer's WELCOME (the producer may be down or hung)."""
     pending_since: float = 0.0
+    pending_endpoint: str | None = None
+    """Where the last HELLO went."""
 
 
 class Feeder:
@@ -227,7 +229,7 @@ class Feeder:
                 for link in list(self.links.values()):
                     if link.client is None:
                         if link.pending is not None:
-                            self._await_remote(link)
+                            self._await_welcome(link)
                         continue
                     got_any |= self._pump(link)
                 if not got_any:
@@ -243,45 +245,17 @@ class Feeder:
                 link.client = link.pending = None
 
     def _discover(self) -> None:
-        """Connect to producers that are ready and not connected (first start, or restarted): local
-        ones by their status files, remote ones (other hosts) by the run's launch.remote_producers."""
+        """Say HELLO to producers that are up and not connected (first start, or restarted): local
+        ones found by their status files, remote ones (other hosts) by the run's
+        launch.remote_producers. Never waits: a hung producer that still looks ready must not stall
+        the links to the others; its answer is taken by ``_await_welcome`` whenever it comes."""
         for link in self.links.values():
             if link.endpoint is not None and link.client is None:
-                self._hello_remote(link)
+                self._hello(link, link.endpoint)
         for status in self.run_dir.producer_statuses():
-            producer = int(status["id"])
-            link = self.links.setdefault(producer, _Link(producer))
-            if link.endpoint is not None:
-                continue
-            if link.client is not None or not status.get("ready"):
-                continue
-            client = RingClient(
-                status["endpoint"], self.consumer_id, self.incarnation,
-                expect=self.expect, committed=self.commits.received_state(producer),
-                credits=self.credits, heartbeat_interval_s=self.heartbeat_interval_s,
-                accept=check_delivery,  # a batch that breaks the contract is dropped, never trained
-            )
-            try:
-                welcome = client.connect(timeout_s=min(self.handshake_timeout_s, 10.0))
-            except HandshakeRefused as exc:
-                client.close("refused")
-                self.refusal = str(exc)
-                log.error("%s", exc)
-                continue
-            except RingMemoryError as exc:
-                client.close("cannot open ring")
-                if client.welcome is not None and process_start_ticks(client.welcome.pid) is None:
-                    # It died between its WELCOME and our attach: the launcher restarts it; try again then.
-                    log.warning("producer %d (pid %d) died while its ring was being opened", producer, client.welcome.pid)
-                    continue
-                self.refusal = f"cannot open producer {producer}'s ring: {exc}"
-                log.error("%s", self.refusal)
-                continue
-            except (HandshakeTimeout, OSError) as exc:
-                client.close("no answer")
-                log.warning("producer %d not answering yet: %s", producer, exc)
-                continue
-            self._up(link, client, welcome)
+            link = self.links.setdefault(int(status["id"]), _Link(int(status["id"])))
+            if link.endpoint is None and link.client is None and status.get("ready"):
+                self._hello(link, status["endpoint"])
 
     def _up(self, link: _Link, client: RingClient, welcome: Welcome) -> None:
         if link.down_since is not None:
@@ -289,48 +263,67 @@ class Feeder:
         link.client, link.pid, link.down_since = client, welcome.pid, None
         log.info("connected to producer %d (pid %d, ring %s)", link.producer, welcome.pid, welcome.ring.get("backend"))
 
-    def _hello_remote(self, link: _Link) -> None:
-        """Say HELLO to a producer on another host, or say it again when the last one went unanswered
-        for the handshake timeout (its committed state is then renewed). Never waits."""
+    def _hello(self, link: _Link, endpoint: str) -> None:
+        """Say HELLO at ``endpoint``, or say it again when the last one went unanswered for the
+        handshake timeout (its committed state is then renewed) or went to an endpoint the producer
+        no longer has (a local producer restarted)."""
         now = time.monotonic()
         if link.pending is not None:
-            if now - link.pending_since < self.handshake_timeout_s:
+            if link.pending.endpoint == endpoint and now - link.pending_since < self.handshake_timeout_s:
                 return
             link.pending.close("no answer")
             link.pending = None
-            log.warning("producer %d at %s not answering after %.0fs (down, unreachable, or it and this trainer do "
-                        "not share the run's secrets/curve.json)", link.producer, link.endpoint, self.handshake_timeout_s)
-        if self._curve is None:
-            try:
-                self._curve = CurveKeys.load(self.run_dir.curve_keys)
-            except SecretsError as exc:
-                self.refusal = f"cannot reach producer {link.producer} at {link.endpoint}: {exc}"
-                log.error("%s", self.refusal)
-                return
+            if link.pending_endpoint == endpoint:
+                why = ("down, unreachable, or it and this trainer do not share the run's secrets/curve.json"
+                       if link.endpoint is not None else "hung, or busy loading")
+                log.warning("producer %d at %s not answering after %.0fs (%s)", link.producer, endpoint,
+                            self.handshake_timeout_s, why)
+        curve = None
+        if link.endpoint is not None:
+            if self._curve is None:
+                try:
+                    self._curve = CurveKeys.load(self.run_dir.curve_keys)
+                except SecretsError as exc:
+                    self.refusal = f"cannot reach producer {link.producer} at {endpoint}: {exc}"
+                    log.error("%s", self.refusal)
+                    return
+            curve = self._curve
         link.pending = RingClient(
-            link.endpoint, self.consumer_id, self.incarnation,
+            endpoint, self.consumer_id, self.incarnation,
             expect=self.expect, committed=self.commits.received_state(link.producer),
             credits=self.credits, heartbeat_interval_s=self.heartbeat_interval_s,
-            accept=check_delivery, curve=self._curve, payload=PAYLOAD_FRAMES,
+            accept=check_delivery,  # a batch that breaks the contract is dropped, never trained
+            **({"curve": curve, "payload": PAYLOAD_FRAMES} if curve is not None else {}),
         )
         link.pending.hello()
-        link.pending_since = now
+        link.pending_since, link.pending_endpoint = now, endpoint
 
-    def _await_remote(self, link: _Link) -> None:
-        """Take a remote producer's answer to our HELLO, if it came."""
+    def _await_welcome(self, link: _Link) -> None:
+        """Take a producer's answer to our HELLO, if it came."""
         client = link.pending
         try:
             welcome = client.await_welcome(0)
             if welcome is not None and welcome.producer_id != link.producer:
                 raise HandshakeRefused(
-                    f"the producer at {link.endpoint} is producer {welcome.producer_id}, but launch.remote_producers "
-                    f"makes it producer {link.producer}: start it with --producer-id {link.producer}"
+                    f"the producer at {client.endpoint} is producer {welcome.producer_id}, but "
+                    + (f"launch.remote_producers makes it producer {link.producer}: start it with --producer-id {link.producer}"
+                       if link.endpoint is not None else f"its status file says producer {link.producer}")
                 )
         except HandshakeRefused as exc:
             client.close("refused")
             link.pending = None
             self.refusal = str(exc)
             log.error("%s", exc)
+            return
+        except RingMemoryError as exc:
+            client.close("cannot open ring")
+            link.pending = None
+            if client.welcome is not None and process_start_ticks(client.welcome.pid) is None:
+                # It died between its WELCOME and our attach: the launcher restarts it; try again then.
+                log.warning("producer %d (pid %d) died while its ring was being opened", link.producer, client.welcome.pid)
+                return
+            self.refusal = f"cannot open producer {link.producer}'s ring: {exc}"
+            log.error("%s", self.refusal)
             return
         if welcome is not None:
             link.pending = None
