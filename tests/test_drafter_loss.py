@@ -74,7 +74,8 @@ def test_draft_loss_equals_reference_through_the_model():
     weights = (decay[None] * blocks.label_mask).reshape(-1)
     ref = (weights * ce).sum() / weights.sum()
     ref_grads = torch.autograd.grad(ref, list(drafter.parameters()))
-    torch.testing.assert_close(loss.double(), ref)
+    # The loss is accumulated in fp32 by design (bf16 training); compare it at fp32 tolerance.
+    torch.testing.assert_close(loss, ref.float())
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r)
     assert metrics["acc"].shape == (config.block_size - 1,)
