@@ -263,6 +263,12 @@ class TrainingConfig:
     """Trainer device; auto: cuda when available, else cpu (torchrun: cuda:LOCAL_RANK)."""
     compile: bool | None = None
     """torch.compile the draft layers; None: on CUDA only."""
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """How several trainer ranks share the drafter. ddp: every rank holds all of it (weights,
+    gradients, optimizer state) and gradients are all-reduced. fsdp (FSDP2): every rank holds
+    1/ranks of each, and a layer's weights are gathered only for its forward and backward; for
+    drafts whose training state does not fit one device. One rank: the same. Checkpoints are the
+    same either way, so a restart may switch it or change the number of ranks."""
     stall_every_steps: int = 0
     """Benchmark aid: pause the training loop every this many steps (0: never), a stand-in for the
     evaluations and other pauses of real training. The feeder keeps heartbeats going meanwhile."""
@@ -284,6 +290,7 @@ class TrainingConfig:
         _check(self.feature_noise >= 0, "feature_noise", "must be >= 0")
         _check(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         _check(self.keep_last >= 1, "keep_last", "must be >= 1")
+        _check(self.parallelism in ("ddp", "fsdp"), "parallelism", f"must be ddp or fsdp, got {self.parallelism!r}")
 
 
 @dataclass

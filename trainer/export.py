@@ -100,19 +100,23 @@ def speculators_config(config: DraftConfig, verifier_name_or_path: str,
     }
 
 
-def _save(drafter: DFlashDrafter, out_dir: str | Path, config_json: dict[str, Any], dtype: torch.dtype | None) -> Path:
+def _save(drafter: DFlashDrafter, out_dir: str | Path, config_json: dict[str, Any], dtype: torch.dtype | None,
+          weights: dict[str, torch.Tensor] | None = None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in drafter.state_dict().items()}
+    weights = drafter.state_dict() if weights is None else weights
+    tensors = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in weights.items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     return out
 
 
-def export_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> Path:
-    """Write the z-lab native format; ``dtype=None`` keeps the parameters' dtype."""
+def export_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16,
+                weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the z-lab native format; ``dtype=None`` keeps the parameters' dtype. ``weights``: the
+    drafter's whole state dict when the drafter itself holds only a shard of it (FSDP)."""
     param_dtype = dtype or drafter.fc.weight.dtype
-    return _save(drafter, out_dir, zlab_config(drafter.config, param_dtype), dtype)
+    return _save(drafter, out_dir, zlab_config(drafter.config, param_dtype), dtype, weights)
 
 
 def export_speculators(drafter: DFlashDrafter, out_dir: str | Path, verifier_name_or_path: str,

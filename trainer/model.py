@@ -209,7 +209,9 @@ class DFlashDrafter(nn.Module):
         context_rope = self.rotary(blocks.context_positions, ctx.dtype)
         for layer in self.layers:
             x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
-        return self.norm(x).view(num_blocks, block_size, -1)
+        # Normed after the reshape so the output is no view: FSDP's backward hook on a view returned
+        # by a sharded module would be lost to an in-place op on it.
+        return self.norm(x.view(num_blocks, block_size, -1))
 
     def noisy_features(self, aux_hidden: torch.Tensor, generator: torch.Generator,
                        step_fraction: float) -> torch.Tensor:

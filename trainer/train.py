@@ -1,7 +1,7 @@
 """The trainer process: the drafter's training loop, fed by the producers' rings.
 
     python -m trainer.train --run-dir DIR                       # standalone
-    torchrun --nproc-per-node N -m trainer.train --run-dir DIR  # DDP, one rank per GPU
+    torchrun --nproc-per-node N -m trainer.train --run-dir DIR  # DDP (or FSDP), one rank per GPU
 
 Read top to bottom: ``Trainer.__init__`` builds the drafter from the target's frozen head and
 resumes the latest checkpoint; ``run`` is the loop: take a staged batch, one optimizer step, the
@@ -37,6 +37,14 @@ from trainer.export import export_zlab, load_drafter
 from trainer.feeder import Commits, Feeder, Received
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter, train_flops_per_sample
+from trainer.sharding import (
+    full_model_state,
+    full_optimizer_state,
+    full_tensor,
+    load_full_optimizer_state,
+    local_parameter_count,
+    shard_drafter,
+)
 from trainer.target_head import load_target_head
 
 log = logging.getLogger("trainer")
@@ -44,7 +52,8 @@ EXIT_CONFIG_ERROR = 2
 
 
 class _TrainStep(nn.Module):
-    """Routes DDP's forward to ``forward_train`` so gradients are all-reduced."""
+    """Routes DDP's forward to ``forward_train`` so gradients are all-reduced (FSDP's hooks are on
+    the drafter and its layers themselves)."""
 
     def __init__(self, drafter: DFlashDrafter) -> None:
         super().__init__()
@@ -84,6 +93,7 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.sharded = cfg.training.parallelism == "fsdp" and self.world_size > 1
         self.device = resolve_device(cfg, self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -139,19 +149,29 @@ class Trainer:
                 log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
         latest = run_dir.latest_checkpoint()
         torch.manual_seed(cfg.training.seed)
+        # Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the
+        # device, FSDP keeps each rank's shards of it. A fresh one is the same on every rank (same seed).
         if latest is not None:
-            self.drafter = load_drafter(latest / "drafter", self.head, self.loss_config).to(self.device)
+            self.drafter = load_drafter(latest / "drafter", self.head, self.loss_config)
         else:
-            self.drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config).to(self.device)
+            self.drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config)
+        if not self.sharded:
+            self.drafter.to(self.device)
         self.compiled = cfg.training.compile if cfg.training.compile is not None else self.device.type == "cuda"
         if self.compiled:
             # Fuses norms, rotary and SwiGLU per layer. Batches are padded to the token budget
-            # (see pad_packed), so shapes are fixed and each kernel is compiled once.
+            # (see pad_packed), so shapes are fixed and each kernel is compiled once. Under FSDP the
+            # compiled layer runs between FSDP's gather and reshard hooks, which dynamo leaves eager.
             for layer in self.drafter.layers:
                 layer.compile(dynamic=False)
         self.model: nn.Module = _TrainStep(self.drafter)
-        if self.world_size > 1:
+        if self.sharded:
+            shard_drafter(self.drafter, self.device, self.world_size)
+        elif self.world_size > 1:
             self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        # How much of the drafter each rank holds, for the status file (shows the sharding).
+        self.drafter_params_total = self.drafter.num_trainable_parameters()
+        self.drafter_params_per_rank = self._gather(local_parameter_count(self.drafter))
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
         self.max_steps = cfg.training.max_steps or self._steps_from_epochs()
@@ -177,10 +197,18 @@ class Trainer:
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
         self.flops_cache: dict[int, float] = {}
         self._upcoming: Received | None = None
-        log.info("trainer rank %d/%d on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters",
-                 self.rank, self.world_size, self.device, self.incarnation,
+        log.info("trainer rank %d/%d (%s) on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters, "
+                 "%.0f%% of them on this rank",
+                 self.rank, self.world_size, self.parallelism, self.device, self.incarnation,
                  f"resumed from {latest.name}" if latest else "fresh start", self.step, self.max_steps,
-                 self.drafter.num_trainable_parameters() / 1e6)
+                 self.drafter_params_total / 1e6, 100 * self.drafter_params_per_rank[self.rank] / self.drafter_params_total)
+
+    @property
+    def parallelism(self) -> str:
+        """How the ranks share the drafter: fsdp or ddp; single with one rank."""
+        if self.world_size == 1:
+            return "single"
+        return "fsdp" if self.sharded else "ddp"
 
     # -- set-up helpers --------------------------------------------------------------------------
 
@@ -238,6 +266,14 @@ class Trainer:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def _gather(self, value: int) -> list[int]:
+        """Every rank's ``value``, by rank (on every rank)."""
+        if self.world_size == 1:
+            return [value]
+        everyone = [0] * self.world_size
+        dist.all_gather_object(everyone, value, group=self.cpu_group)
+        return everyone
+
     def _init_wandb(self):
         if self.rank != 0 or self.cfg.logging.wandb_mode == "disabled":
             return None
@@ -254,9 +290,10 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self, optimizer_state: dict) -> dict:
+        """train_state.pt: ``optimizer_state`` (of the whole drafter), the schedule and the RNGs."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -266,7 +303,10 @@ class Trainer:
     def _load_checkpoint(self, path: Path) -> None:
         meta = read_json(path / "trainer_state.json")
         state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            load_full_optimizer_state(self.drafter, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # A restart may change the learning rate: the schedule keeps its step, the peak is the new one.
         self.scheduler.base_lrs = [self.cfg.training.lr for _ in self.scheduler.base_lrs]
@@ -287,18 +327,25 @@ class Trainer:
 
         If anything cannot be written (a full disk), the partial folder is removed and
         CheckpointError says so: the previous checkpoint and latest.json are untouched.
+        Under FSDP every rank first helps gather the whole weights and optimizer state onto rank 0,
+        so the checkpoint is the same as an unsharded trainer's.
         """
         if self.rank == 0:
             self.state = "checkpointing"
             self.write_status()
+        if self.sharded:
+            weights, optimizer_state = full_model_state(self.drafter), full_optimizer_state(self.drafter, self.optimizer)
+        else:
+            weights, optimizer_state = None, self.optimizer.state_dict()  # export_zlab reads the drafter itself
+        if self.rank == 0:
             root = self.run_dir.checkpoints
             name = f"step-{self.step:08d}"
             tmp = root / f".{name}.{os.getpid()}.tmp"
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-                export_zlab(self.drafter, tmp / "drafter", dtype=None)
-                torch.save(self.state_dict(), tmp / "train_state.pt")
+                export_zlab(self.drafter, tmp / "drafter", dtype=None, weights=weights)
+                torch.save(self.state_dict(optimizer_state), tmp / "train_state.pt")
                 atomic_write_json(tmp / "trainer_state.json", {
                     "step": self.step,
                     "max_steps": self.max_steps,
@@ -361,7 +408,8 @@ class Trainer:
         faults.point("trainer.step")
         self._prepare_upcoming()
         clip = self.cfg.training.grad_clip or float("inf")
-        metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip)
+        # Under FSDP the norm is reduced over every rank's shards and comes back replicated.
+        metrics["grad_norm"] = full_tensor(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -440,13 +488,9 @@ class Trainer:
             window.add(received, metrics, starved, time.perf_counter() - started, self._flops(received))
             if self.step % self.cfg.logging.log_every == 0 or self.step == self.max_steps:
                 self.log_metrics(window)
-                if self.rank == 0 and self.cfg.eval.every_steps:
-                    # Acceptance evaluation by real speculative decoding (trainer/evaluate.py); it loads the target
-                    # into this process the first time. Before the window restarts, so it stays out of tokens/s.
-                    from trainer.evaluate import TrainingEvaluation
-
-                    self.evaluation = getattr(self, "evaluation", None) or TrainingEvaluation(self.cfg, self.device)
-                    self.evaluation.maybe_log(self.step, self.drafter, self.metrics_file, self.wandb)
+                if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
+                    # Before the window restarts, so the evaluation stays out of tokens/s.
+                    self.evaluate()
                 window = _Window()
             if self.step % self.cfg.training.checkpoint_every == 0 and self.step < self.max_steps:
                 self.save_checkpoint()
@@ -456,6 +500,25 @@ class Trainer:
         self.save_checkpoint()  # always on the last step, and on a requested stop
         self.state = "finished" if finished else "stopped"
         return self.state
+
+    def evaluate(self) -> None:
+        """Acceptance evaluation by real speculative decoding on rank 0 (trainer/evaluate.py); it loads the
+        target into this process the first time. Under FSDP every rank helps gather the weights into a
+        whole copy of the drafter on rank 0's device, dropped after the evaluation."""
+        from trainer.evaluate import TrainingEvaluation
+
+        weights = full_model_state(self.drafter) if self.sharded else None
+        if self.rank != 0:
+            return
+        self.evaluation = getattr(self, "evaluation", None) or TrainingEvaluation(self.cfg, self.device)
+        if self.evaluation.disabled:
+            return
+        drafter = self.drafter
+        if weights is not None:
+            drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config)
+            drafter.load_state_dict(weights)
+            drafter.to(self.device)
+        self.evaluation.maybe_log(self.step, drafter, self.metrics_file, self.wandb)
 
     def _stall(self) -> None:
         """Pause the loop for training.stall_s (a benchmark's stand-in for an evaluation)."""
@@ -511,6 +574,8 @@ class Trainer:
             "pid": os.getpid(), "incarnation": self.incarnation, "step": self.step,
             "max_steps": getattr(self, "max_steps", None), "state": self.state, "updated": time.time(),
             "loss": last.get("loss"), "tau": last.get("tau"), "tokens_per_s": last.get("tokens_per_s"),
+            "parallelism": self.parallelism, "drafter_params_total": getattr(self, "drafter_params_total", None),
+            "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
         })
 
     def close(self) -> None:
