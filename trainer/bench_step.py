@@ -8,22 +8,31 @@ excluded) / time / the bf16 matmul rate measured here (an 8192^3 matmul).
     python -m trainer.bench_step                       # H200: eager layers vs compiled layers
     python -m trainer.bench_step --variants compile-layers --steps 20
     python -m trainer.bench_step --tiny                # CPU smoke run
+    torchrun --nproc-per-node 2 -m trainer.bench_step --variants compile-layers --master-fp32 --parallelism ddp
+
+Under torchrun every rank trains its own batch on its GPU (DDP or FSDP, as trainer.train does) and
+rank 0 prints the whole group's samples/s; divided by the single-GPU figure that is the scaling.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from common.batch import PackedBatch
 from common.benchutil import matmul_tflops, synchronize
 from trainer.draft_config import DraftConfig
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter, train_flops_per_sample
+from trainer.sharding import full_tensor, shard_drafter
 from trainer.target_head import TargetHead
+from trainer.train import _TrainStep
 
 VARIANTS = ("eager", "compile-layers", "compile-model")
 
@@ -56,35 +65,43 @@ def random_batch(config: DraftConfig, seq_len: int, num_docs: int, device: torch
 
 
 def build_drafter(config: DraftConfig, variant: str, device: torch.device, chunk_rows: int,
-                  master_fp32: bool = False) -> DFlashDrafter:
+                  master_fp32: bool = False, parallelism: str = "single") -> DFlashDrafter:
     head = TargetHead.random(config.vocab_size, config.hidden_size, torch.bfloat16, device)
     param_dtype = torch.float32 if master_fp32 else torch.bfloat16
-    drafter = DFlashDrafter(config, head, LossConfig(chunk_rows=chunk_rows)).to(device=device, dtype=param_dtype)
+    drafter = DFlashDrafter(config, head, LossConfig(chunk_rows=chunk_rows)).to(dtype=param_dtype)
+    if parallelism != "fsdp":
+        drafter.to(device)  # FSDP moves each rank's shards to the device itself
     if variant == "compile-layers":
         for layer in drafter.layers:
             layer.compile(dynamic=False)
     elif variant == "compile-model":
         drafter.compile(dynamic=False)  # compiles forward(): fc, embedding, rope and the layers together
+    if parallelism == "fsdp":
+        shard_drafter(drafter, device, dist.get_world_size())
     return drafter
 
 
 def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, device: torch.device,
                   peak_tflops: float) -> dict:
     torch.manual_seed(0)
-    drafter = build_drafter(config, variant, device, args.chunk_rows, args.master_fp32)
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    drafter = build_drafter(config, variant, device, args.chunk_rows, args.master_fp32, args.parallelism)
+    # DDP all-reduces gradients in its hooks on the wrapper's forward; FSDP's hooks are on the drafter.
+    model = nn.parallel.DistributedDataParallel(_TrainStep(drafter), device_ids=[device.index] if device.type == "cuda" else None) \
+        if args.parallelism == "ddp" else _TrainStep(drafter)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.master_fp32)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
     batch = random_batch(config, args.seq_len, args.num_docs, device)
-    generator = torch.Generator(device=device).manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(dist.get_rank() if ranks > 1 else 0)
     prepared = drafter.prepare(batch, args.num_anchors, generator, args.compile_mask)
 
     def step(prepared):
         with autocast:
-            loss, metrics = drafter.forward_train(batch, args.num_anchors, generator, prepared=prepared)
+            loss, metrics = model(batch, args.num_anchors, generator, 0.0, prepared)
         loss.backward()
         # Next step's anchors and masks are queued while the GPU still runs this backward.
         next_prepared = drafter.prepare(batch, args.num_anchors, generator, args.compile_mask)
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)  # as the trainer does
+        full_tensor(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0))  # as the trainer does
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return next_prepared, metrics
@@ -94,17 +111,22 @@ def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, d
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if ranks > 1:
+        dist.barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
         prepared, metrics = step(prepared)
     synchronize(device)
+    if ranks > 1:
+        dist.barrier()  # the group is as fast as its slowest rank
     step_s = (time.perf_counter() - start) / args.steps
     flops = train_flops_per_sample(config, args.seq_len, args.num_anchors)["total"]
     return {
-        "variant": variant,
+        "variant": variant if args.parallelism == "single" else f"{variant} {args.parallelism}x{ranks}",
+        "ranks": ranks,
         "step_ms": step_s * 1e3,
-        "samples_per_s": 1.0 / step_s,
-        "tokens_per_s": args.seq_len / step_s,
+        "samples_per_s": ranks / step_s,
+        "tokens_per_s": ranks * args.seq_len / step_s,
         "tflop_per_sample": flops / 1e12,
         "achieved_tflops": flops / step_s / 1e12,
         "mfu": flops / step_s / 1e12 / peak_tflops,
@@ -129,9 +151,19 @@ def main() -> None:
     parser.add_argument("--master-fp32", action="store_true",
                         help="fp32 parameters and optimizer under bf16 autocast (what trainer.train does)")
     parser.add_argument("--matmul-size", type=int, default=None, help="size of the reference matmul (8192)")
+    parser.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp",
+                        help="under torchrun: how the ranks share the drafter (as training.parallelism)")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if device.type == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    else:
+        args.parallelism = "single"
     config = tiny_draft(args.block_size) if args.tiny else qwen3_8b_draft(args.block_size)
     args.seq_len = args.seq_len or (256 if args.tiny else 3072)
     args.num_anchors = args.num_anchors or (32 if args.tiny else 512)
@@ -144,6 +176,10 @@ def main() -> None:
     peak = matmul_tflops(device, args.matmul_size or (1024 if device.type == "cpu" else 8192))
 
     results = [bench_variant(config, v, args, device, peak) for v in variants]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
           f"measured bf16 matmul {peak:.1f} TFLOP/s, seq {args.seq_len}, anchors {args.num_anchors}, "
           f"B {args.block_size}, docs {args.num_docs}")
