@@ -56,7 +56,8 @@ class TargetConfig:
     attention: str = "auto"
     """Packed attention kernel: auto, varlen, flex or sdpa."""
     compile: bool | None = None
-    """torch.compile the target's decoder layers; None: on CUDA only."""
+    """torch.compile the target's decoder layers; None: on CUDA only, and not for a tensor-parallel target
+    (compiling through transformers' sharding hooks is unverified)."""
     seed: int = 0
     """Seed of the random weights (ignored when loading ``path``)."""
 
@@ -319,7 +320,11 @@ class LaunchConfig:
     """Producers (one target each) the launcher starts on this host. With producer_devices set, one
     per listed device. 0 only with remote_producers (all targets on other hosts)."""
     producer_devices: list[str] = field(default_factory=list)
-    """Devices of the producers, e.g. ["cuda:0"]; empty: num_producers on cpu (or cuda:0 when present)."""
+    """Devices of the producers, one entry each, e.g. ["cuda:0"]; empty: num_producers on cpu (or cuda:0
+    when present). An entry naming several devices, comma-separated, is one producer whose target is
+    sharded over them (tensor parallel, under torchrun): ["cuda:0,cuda:1", "cuda:2,cuda:3"] is two
+    producers on two GPUs each, ["cpu,cpu"] one on two CPU processes. The number of devices must divide
+    the target's attention and key/value heads, and a GPU of such an entry is in no other entry."""
     trainer_devices: list[str] = field(default_factory=list)
     """Devices of the trainer ranks; several: torchrun with one rank each."""
     restart_backoff_s: float = 2.0
@@ -344,6 +349,7 @@ class LaunchConfig:
             _check(_is_tcp_connect_endpoint(endpoint), f"remote_producers[{index}]",
                    f"must look like tcp://host:port with a host to connect to and a port in 1..65535, got {endpoint!r}")
         _check(len(set(self.remote_producers)) == len(self.remote_producers), "remote_producers", "lists an endpoint twice")
+        _check_producer_devices(self.producer_devices)
         _check(self.restart_backoff_s >= 0, "restart_backoff_s", "must be >= 0")
         _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
         _check(self.ready_timeout_s > 0, "ready_timeout_s", "must be > 0")
@@ -367,6 +373,34 @@ def _is_tcp_connect_endpoint(endpoint: str) -> bool:
     """``tcp://host:port`` with a host one can connect to (not a wildcard) and a valid port."""
     match = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", endpoint)
     return match is not None and match.group(1) not in ("*", "0.0.0.0", "[::]") and 1 <= int(match.group(2)) <= 65535
+
+
+def _check_producer_devices(entries: list[str]) -> None:
+    """launch.producer_devices: each entry one device (auto, cpu, cuda, cuda:N) or a tensor-parallel group
+    (cpu only, or distinct cuda:N), and no GPU of a group in another entry: the ranks of a group wait for
+    each other at every layer, so a GPU shared with another producer slows all of them."""
+    group_of_gpu: dict[str, int] = {}
+    for index, entry in enumerate(entries):
+        key, devices = f"producer_devices[{index}]", [part.strip() for part in entry.split(",")]
+        if len(devices) == 1:
+            _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", devices[0]) is not None, key,
+                   f"must be auto, cpu, cuda or cuda:N (several, comma-separated, for tensor parallel), got {entry!r}")
+            continue
+        if all(device == "cpu" for device in devices):
+            continue
+        _check("cpu" not in devices, key, f"mixes cpu and GPUs in {entry!r}: a tensor-parallel producer runs on one kind of device")
+        for device in devices:
+            _check(re.fullmatch(r"cuda:\d+", device) is not None, key,
+                   f"names {device!r}: each device of a tensor-parallel producer is cpu or cuda:N")
+        _check(len(set(devices)) == len(devices), key, f"names a GPU twice in {entry!r}: each rank of a tensor-parallel producer needs its own")
+        group_of_gpu.update(dict.fromkeys(devices, index))
+    for index, entry in enumerate(entries):
+        for device in entry.split(","):
+            gpu = "cuda:0" if device.strip() == "cuda" else device.strip()
+            group = group_of_gpu.get(gpu, index)
+            _check(group == index, f"producer_devices[{index}]",
+                   f"{gpu} is also in launch.producer_devices[{group}], a tensor-parallel producer: its ranks wait for each other "
+                   "at every layer, so a GPU it shares slows all of them")
 
 
 @dataclass

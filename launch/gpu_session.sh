@@ -22,7 +22,7 @@ run() {  # name, seconds, command...
 }
 for step in $steps; do
   case $step in
-    tests) run gpu_tests 270 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py ;;
+    tests) run gpu_tests 400 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py tests/test_tensor_parallel.py ;;
     ring) run ring 110 $PY -m common.bench_ring --count 100 --json "$OUT/ring.json" ;;
     producer) run producer 180 $PY -m producer.bench_producer --warmup 20 --seconds 30 ;;
     step) run step 300 $PY -m trainer.bench_step --variants eager,compile-layers --warmup 3 --steps 10

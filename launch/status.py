@@ -35,8 +35,9 @@ def _producer_status(producer_id: int, record: dict | None, status: dict | None,
     else:
         pid = status.get("pid")
         alive = process_alive(pid) and age is not None and age <= STALE_AFTER_S
-    # p{I}.json of an earlier incarnation describes a ring that no longer exists.
-    current = bool(status) and status.get("pid") == pid
+    # p{I}.json of an earlier incarnation describes a ring that no longer exists. A tensor-parallel
+    # producer's file is written by rank 0, a child of the torchrun the launcher records.
+    current = bool(status) and pid in (status.get("pid"), status.get("torchrun_pid"))
     ring = status.get("ring") if current and isinstance(status.get("ring"), dict) else {}
     return {
         "id": producer_id,
@@ -116,7 +117,7 @@ def format_status(status: dict) -> str:
         f"  state {_cell(launcher['state'])}" + (f"  up {uptime:.0f} s" if uptime is not None else "")
         + (f"  exit {launcher['exit_code']}" if launcher["exit_code"] is not None and not launcher["alive"] else ""),
         "",
-        f"{'producer':<9} {'pid':>8} {'alive':<6} {'ready':<6} {'device':<8} {'ring free/fill/ready/leased':<28} "
+        f"{'producer':<9} {'pid':>8} {'alive':<6} {'ready':<6} {'device':<13} {'ring free/fill/ready/leased':<28} "
         f"{'tok/s':>10} {'blocked':>8} {'restarts':>8} {'updated':>8}",
     ]
     for p in status["producers"]:
@@ -124,7 +125,7 @@ def format_status(status: dict) -> str:
         ring_text = "-" if ring["slots"] is None else f"{ring['free']}/{ring['filling']}/{ring['ready']}/{ring['leased']} of {ring['slots']}"
         lines.append(
             f"{p['id']:<9} {_cell(p['pid']):>8} {'yes' if p['alive'] else 'no':<6} {'yes' if p['ready'] else 'no':<6} "
-            f"{_cell(p['device']):<8} {ring_text:<28} {_cell(p['tokens_per_s'], '{:.0f}'):>10} "
+            f"{_cell(p['device']):<13} {ring_text:<28} {_cell(p['tokens_per_s'], '{:.0f}'):>10} "
             f"{_cell(p['blocked_fraction'], '{:.0%}'):>8} {p['restarts']:>8} {_cell(p['updated_age_s'], '{}s'):>8}"
         )
     t = status["trainer"]

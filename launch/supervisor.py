@@ -9,9 +9,11 @@
 
 1. Resolve the config (the run dir's config.toml when resuming, else --config or launch/tiny.toml,
    then the overrides) and save it. A ConfigError prints its message and exits 2; nothing starts.
-2. Remove socket files of dead owners in DIR/sockets, start one producer per device (each in its
-   own process group, output appended to logs/producer-{I}.log) and wait until every
-   producers/p{I}.json says ready with the right pid.
+2. Remove socket files of dead owners in DIR/sockets, start one producer per entry of
+   launch.producer_devices (each in its own process group, output appended to logs/producer-{I}.log;
+   an entry naming several devices is one tensor-parallel producer under torchrun, one rank per
+   device) and wait until every producers/p{I}.json says ready with the right pid (torchrun's, for a
+   tensor-parallel one).
 3. Start the trainer (torchrun when launch.trainer_devices lists several devices).
 4. Poll every 0.2 s. A crashed process is restarted after launch.restart_backoff_s, doubling per
    crash in a row (the count resets after a minute of uptime); after launch.max_restarts crashes
@@ -159,7 +161,8 @@ def detect_cuda() -> bool:
 
 
 def producer_devices(cfg: RunConfig, has_cuda: Callable[[], bool]) -> list[str]:
-    """One device per producer: launch.producer_devices, else num_producers on cpu (cuda:0 with CUDA)."""
+    """One entry per producer: launch.producer_devices (an entry may name several devices, comma-separated:
+    a tensor-parallel producer), else num_producers on cpu (cuda:0 with CUDA)."""
     if cfg.launch.producer_devices:
         return list(cfg.launch.producer_devices)
     return ["cuda:0" if has_cuda() else "cpu"] * cfg.launch.num_producers
@@ -178,8 +181,25 @@ def _hooked_program(env_name: str, default: list[str]) -> list[str]:
 
 
 def producer_command(run_dir: Path, producer_id: int, device: str) -> list[str]:
-    program = _hooked_program(PRODUCER_CMD_ENV, [sys.executable, "-m", "producer.server"])
-    return [*program, "--run-dir", str(run_dir), "--producer-id", str(producer_id), "--device", device]
+    """The producer for one entry of launch.producer_devices; under torchrun (launch.torchrun, which keeps a
+    rank's configuration error as exit 2) when the entry names several devices. The testing hook never
+    uses torchrun."""
+    program = [sys.executable, "-m", "producer.server"]
+    ranks = len(device.split(","))
+    if ranks > 1:
+        program = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", str(ranks),
+                   "-m", "producer.server"]
+    return [*_hooked_program(PRODUCER_CMD_ENV, program), "--run-dir", str(run_dir), "--producer-id", str(producer_id),
+            "--device", device]
+
+
+def producer_environment(device: str) -> dict[str, str]:
+    """The environment of the producer for one entry of launch.producer_devices."""
+    if "," not in device:
+        return child_environment()
+    # torchrun gives its ranks this long after forwarding SIGTERM; keep it below our own wait.
+    return child_environment({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get(
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(PRODUCER_STOP_TIMEOUT_S) - 5))})
 
 
 def trainer_command(run_dir: Path, devices: list[str]) -> list[str]:
@@ -351,8 +371,8 @@ class Supervisor:
         self.cfg = cfg
         self.has_cuda = functools.cache(has_cuda)  # asked at most once: detection imports torch (seconds)
         self.producers = [
-            ManagedProcess(f"producer-{i}", producer_command(run.root, i, device), child_environment(),
-                           run.log(f"producer-{i}"), [device])
+            ManagedProcess(f"producer-{i}", producer_command(run.root, i, device), producer_environment(device),
+                           run.log(f"producer-{i}"), device.split(","))
             for i, device in enumerate(producer_devices(cfg, self.has_cuda))
         ]
         self.trainer = self._make_trainer()
@@ -401,7 +421,7 @@ class Supervisor:
         try:
             for producer in self.producers:
                 producer.start()
-                log.info("started %s pid %d on %s", producer.name, producer.pid, producer.devices[0])
+                log.info("started %s pid %d on %s", producer.name, producer.pid, ",".join(producer.devices))
             self._write_launcher_json()
             while exit_code is None:
                 if self.signals:
@@ -487,7 +507,9 @@ class Supervisor:
 
     def _check_producer_ready(self, producer_id: int, producer: ManagedProcess) -> int | None:
         status = read_json(self.run.producer_status(producer_id))
-        if status is not None and status.get("ready") is True and status.get("pid") == producer.pid:
+        # A tensor-parallel producer's file is written by rank 0, a child of the torchrun we started.
+        written_by_it = status is not None and producer.pid in (status.get("pid"), status.get("torchrun_pid"))
+        if written_by_it and status.get("ready") is True:
             producer.ready = True
             log.info("%s ready in %.1f s (%s)", producer.name, producer.uptime_s, status.get("endpoint", "?"))
             return None
@@ -648,7 +670,7 @@ class Supervisor:
             "state": self.state,
             "exit_code": exit_code,
             "producers": [
-                {"id": i, "device": p.devices[0], "ready": p.ready, **p.record()}
+                {"id": i, "device": ",".join(p.devices), "ready": p.ready, **p.record()}
                 for i, p in enumerate(self.producers)
             ],
             "trainer": {"devices": self.trainer.devices, **self.trainer.record()},

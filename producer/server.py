@@ -1,6 +1,11 @@
 """The producer process: loads one target once and keeps its ring full for as long as it lives.
 
     python -m producer.server --run-dir DIR --producer-id I [--device cuda:0] [--listen tcp://0.0.0.0:PORT]
+    python -m launch.torchrun --standalone --nproc-per-node 2 -m producer.server ... --device cuda:0,cuda:1
+
+Several devices (under torchrun, one rank each): the target is sharded over them (tensor parallel,
+producer/tensor_parallel.py). Rank 0 is the producer described here; the other ranks only run the
+same forwards.
 
 With --listen (a producer on another host than the trainer, listed in launch.remote_producers) it
 serves tcp with the run's CURVE keys (DIR/secrets/curve.json) from a host ring, shipping each batch's
@@ -50,7 +55,8 @@ from producer.batching import BatchPlan, RunningBatchStats, batch_stats
 from producer.data import build_data_source
 from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
-from producer.target import Target
+from producer.target import Target, build_target_config, check_tensor_parallel
+from producer.tensor_parallel import TensorParallelGroup, follow, split_devices
 from trainer.draft_config import build_target_layer_ids
 
 log = logging.getLogger("producer")
@@ -89,28 +95,58 @@ def slot_shapes(cfg: RunConfig, aux_width: int, hidden: int, dtype: torch.dtype,
 def export_target_head(target: Target, out_dir: Path) -> None:
     """Save embed_tokens, the final norm and lm_head (and config.json) for the trainer, once.
 
-    Needed when the target has random weights: the drafter must share them bit for bit.
+    Needed when the target has random weights: the drafter must share them bit for bit. A sharded
+    target's head is gathered first, always: its followers call ``target.head_tensors()`` with it.
     """
+    tensors = target.head_tensors()
     if (out_dir / "model.safetensors").is_file():
         return
     from safetensors.torch import save_file
 
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    model = target.model
-    tensors = {
-        "model.embed_tokens.weight": target.base.embed_tokens.weight,
-        "model.norm.weight": target.base.norm.weight,
-        "lm_head.weight": model.get_output_embeddings().weight,
-    }
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
-    model.config.to_json_file(str(tmp / "config.json"))
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    target.model.config.to_json_file(str(tmp / "config.json"))
     try:
         os.replace(tmp, out_dir)
     except OSError:  # another producer got there first; its copy is identical
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def device_setting(cfg: RunConfig, producer_id: int) -> str:
+    """Where a producer's devices were set, for error messages."""
+    if cfg.launch.producer_devices and producer_id < cfg.launch.local_producers:
+        return f"launch.producer_devices[{producer_id}]"
+    return "--device"
+
+
+def load_target(cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str | None,
+                group: TensorParallelGroup | None) -> Target:
+    """The producer's target, and with random weights its head exported for the trainer.
+
+    With a tensor-parallel group every rank runs this, in step: it holds every collective of the
+    start (sharded loading, the gathers of the identity and of the head); afterwards rank 0 alone
+    decides what the group does.
+    """
+    target_cfg = dataclasses.replace(cfg.target, device=device) if device else cfg.target
+    config = build_target_config(target_cfg)
+    if group is not None:
+        try:
+            check_tensor_parallel(config, group.size)
+        except ValueError as exc:
+            raise ConfigError(f"{device_setting(cfg, producer_id)}: {exc}") from None
+    layer_ids = feature_layer_ids(cfg, config.num_hidden_layers)
+    target = Target.load(target_cfg, layer_ids, capture_last_hidden=cfg.training.label_mode != "data", group=group)
+    if cfg.target.path is None:
+        if group is None or group.rank == 0:
+            export_target_head(target, run_dir.target_head)
+        else:
+            target.head_tensors()  # rank 0's export gathers the sharded head: every rank takes part
+    if group is not None:
+        group.following = True  # from here on the followers wait for rank 0's messages
+    return target
 
 
 def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_shards: int) -> BatchPlan:
@@ -140,29 +176,26 @@ class _Filled:
 
 
 class Producer:
-    """One target, one ring, one shard of the data."""
+    """One target, one ring, one shard of the data (rank 0 of a tensor-parallel producer: the whole
+    producer, its followers run each forward with it)."""
 
     def __init__(self, cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str | None,
-                 listen: str | None = None, curve: CurveKeys | None = None) -> None:
+                 listen: str | None = None, curve: CurveKeys | None = None,
+                 group: TensorParallelGroup | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.producer_id = producer_id
+        self.group = group
         self.stop = threading.Event()
-        target_cfg = dataclasses.replace(cfg.target, device=device) if device else cfg.target
         self.needs_last = cfg.training.label_mode != "data"
 
         started = time.monotonic()
-        from producer.target import build_target_config
-
-        num_layers = build_target_config(target_cfg).num_hidden_layers
-        self.layer_ids = feature_layer_ids(cfg, num_layers)
-        self.target = Target.load(target_cfg, self.layer_ids, capture_last_hidden=self.needs_last)
+        self.target = load_target(cfg, run_dir, producer_id, group.device if group is not None else device, group)
+        self.layer_ids = self.target.layer_ids
         if self.target.device.type == "cuda":
             torch.cuda.set_device(self.target.device)
             self.target.warmup(min(4096, cfg.batching.token_budget))
         self.load_s = time.monotonic() - started
-        if cfg.target.path is None:
-            export_target_head(self.target, run_dir.target_head)
 
         num_shards = cfg.launch.total_producers
         self.plan = build_plan(cfg, int(self.target.model.config.vocab_size), producer_id, num_shards)
@@ -272,14 +305,18 @@ class Producer:
 
     def write_status(self, ready: bool) -> None:
         stats = self.server.stats()
+        group = self.group
+        # The launcher knows a tensor-parallel producer by the pid of its torchrun.
+        ranks = {"torchrun_pid": group.torchrun_pid, "tensor_parallel": {"size": group.size, "pids": group.pids}} if group else {}
         atomic_write_json(self.run_dir.producer_status(self.producer_id), {
             "id": self.producer_id,
             "pid": os.getpid(),
+            **ranks,
             "ready": ready,
             "endpoint": self.endpoint,
             "updated": time.time(),
             "load_s": round(self.load_s, 2),
-            "device": str(self.target.device),
+            "device": ",".join(group.devices) if group is not None else str(self.target.device),
             "ring": {**stats["ring"], "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
             **({"epoch_batches": self.epoch_batches} if self.epoch_batches is not None else {}),
             **{k: v for k, v in stats.items() if k != "ring"},
@@ -372,6 +409,8 @@ class Producer:
             thread.start()
         try:
             while not self.stop.is_set():
+                if self.group is not None:
+                    self.group.keepalive()
                 if not self._may_fill():
                     self._hold_back(0.005)
                     continue
@@ -411,6 +450,8 @@ class Producer:
 
     def close(self) -> None:
         self.stop.set()
+        if self.group is not None:
+            self.group.stop_followers()
         self.server.close()
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
@@ -438,17 +479,34 @@ def remote_keys(cfg: RunConfig, run_dir: RunDir, producer_id: int, listen: str) 
 
 
 def run_producer(run_dir: str | Path, producer_id: int, device: str | None = None, listen: str | None = None) -> int:
-    """Entry point of a producer process; returns its exit code."""
+    """Entry point of a producer process (of each rank of a tensor-parallel one); returns its exit code."""
     root = RunDir(run_dir)
     die_with_parent()
+    group = None
     try:
         cfg = load_config(root.config)
         curve = remote_keys(cfg, root, producer_id, listen) if listen else None
+        devices = split_devices(device) if device else []
+        if len(devices) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            group = TensorParallelGroup.join(devices, device_setting(cfg, producer_id))
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
         return EXIT_CONFIG_ERROR
     try:
-        producer = Producer(cfg, root, producer_id, device, listen=listen, curve=curve)
+        if group is not None and group.rank > 0:
+            return run_follower(cfg, root, producer_id, group)
+        return serve(cfg, root, producer_id, device, listen, curve, group)
+    finally:
+        if group is not None:
+            group.stop_followers()
+            group.close()
+
+
+def serve(cfg: RunConfig, root: RunDir, producer_id: int, device: str | None, listen: str | None,
+          curve: CurveKeys | None, group: TensorParallelGroup | None) -> int:
+    """Run the producer until SIGTERM / SIGINT; the exit code."""
+    try:
+        producer = Producer(cfg, root, producer_id, device, listen=listen, curve=curve, group=group)
     except (ConfigError, RingMemoryError, ValueError) as exc:
         log.error("cannot start producer %d: %s", producer_id, exc)
         return EXIT_CONFIG_ERROR
@@ -464,15 +522,30 @@ def run_producer(run_dir: str | Path, producer_id: int, device: str | None = Non
     return 0
 
 
+def run_follower(cfg: RunConfig, root: RunDir, producer_id: int, group: TensorParallelGroup) -> int:
+    """A rank > 0 of a tensor-parallel producer: load this rank's shards, then run rank 0's forwards."""
+    try:
+        target = load_target(cfg, root, producer_id, group.device, group)
+    except (ConfigError, ValueError) as exc:
+        log.error("cannot start producer %d rank %d: %s", producer_id, group.rank, exc)
+        return EXIT_CONFIG_ERROR
+    log.info("producer %d rank %d of %d ready on %s (%s): following rank 0", producer_id, group.rank, group.size,
+             group.devices[group.rank], target.identity)
+    return follow(group, target)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="DFlash producer: one target, one ring, one data shard.")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--producer-id", type=int, required=True)
-    parser.add_argument("--device", default=None, help="overrides target.device for this producer")
+    parser.add_argument("--device", default=None,
+                        help="overrides target.device for this producer; several, comma-separated, under torchrun: tensor parallel")
     parser.add_argument("--listen", default=None, metavar="tcp://ADDRESS:PORT",
                         help="serve consumers on other hosts here (a producer of launch.remote_producers)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s producer-{args.producer_id} %(levelname)s %(message)s")
+    rank = int(os.environ.get("RANK", "0"))
+    name = f"producer-{args.producer_id}" + (f".r{rank}" if rank else "")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     return run_producer(args.run_dir, args.producer_id, args.device, args.listen)
 
 

@@ -19,6 +19,13 @@ that reads the packing (``PackedAttention``) passed down as a keyword argument:
 
 Supported: decoder-only HF models whose base model is ``embed_tokens -> rotary_emb -> layers -> norm``
 (Llama, Mistral, Qwen2, Qwen3 and their kin). Sliding-window layers are honoured.
+
+Tensor parallel (``load_target_model(cfg, tensor_parallel=N)`` on each rank of an initialised
+process group, see producer/tensor_parallel.py): the model is sharded by transformers' own plan for
+its type (q/k/v and gate/up column-wise, o/down row-wise with an all-reduce, the embedding by
+vocabulary). The attention kernels see this rank's heads only, which they take from the tensors'
+shapes; the output of every decoder layer is whole and identical on every rank after the row-wise
+all-reduce, so the captured features are those of the unsharded model.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +42,9 @@ from torch import nn
 
 from common.config import TargetConfig
 from common.batch import PackedBatch, document_ids, position_ids
+
+if TYPE_CHECKING:
+    from producer.tensor_parallel import TensorParallelGroup
 
 ATTENTION_BACKENDS = ("auto", "varlen", "flex", "sdpa")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -100,12 +110,39 @@ def build_target_config(cfg: TargetConfig):
     return AutoConfig.for_model(model_type, **fields)
 
 
-def load_target_model(cfg: TargetConfig) -> nn.Module:
+def check_tensor_parallel(config, size: int) -> None:
+    """Raise ValueError, naming the numbers, unless transformers can shard this target over ``size`` devices."""
+    import transformers
+
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ValueError(
+            f"target model type {config.model_type!r} has no tensor-parallel plan in transformers "
+            f"{transformers.__version__} (its config's base_model_tp_plan is empty): run it on one device"
+        )
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    undivided = [name for name, count in (("attention heads", heads), ("key/value heads", kv_heads)) if count % size]
+    if undivided:
+        raise ValueError(
+            f"tensor parallelism over {size} devices shards whole heads: {size} must divide the target's attention "
+            f"heads ({heads}) and key/value heads ({kv_heads}), and does not divide the {' nor the '.join(undivided)}"
+        )
+
+
+def load_target_model(cfg: TargetConfig, tensor_parallel: int = 1) -> nn.Module:
     """The target as an eval-mode HF causal LM on ``cfg``'s device, its attention set to the packed kernel.
 
     From ``cfg.path`` the stored weights are loaded straight onto the device. Otherwise the weights are
     random (HF's own init, seeded by ``cfg.seed``) and are created on the device directly, so an
     8B-shaped target never passes through host memory.
+
+    ``tensor_parallel`` > 1: this rank's shards, by transformers' tensor-parallel plan, in the process
+    group every rank of the group has joined (``cfg.device`` is this rank's device). From a path each
+    rank reads only its shards. Random weights are made whole on every rank by the same seeded init as
+    on one device, then sharded: every rank holds consistent shards of the very model a one-device
+    producer of the same seed builds (same ``target_identity``, on the same kind of device), so
+    producers of one run agree whatever their degree. The whole model must then fit one device while
+    loading.
     """
     from transformers import AutoModelForCausalLM
 
@@ -113,19 +150,61 @@ def load_target_model(cfg: TargetConfig) -> nn.Module:
     device = resolve_device(cfg)
     dtype = DTYPES[cfg.dtype]
     config = build_target_config(cfg)
-    if cfg.path is not None:
+    sharding = _sharding(config, tensor_parallel) if tensor_parallel > 1 else None
+    if cfg.path is not None and sharding is None:
         placement = {"device_map": str(device)} if device.type == "cuda" else {}
         model = AutoModelForCausalLM.from_pretrained(
             cfg.path, config=config, dtype=dtype, attn_implementation="sdpa", **placement
         ).to(device)
+    elif cfg.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.path, config=config, dtype=dtype, attn_implementation="sdpa", distributed_config=sharding
+        )
     else:
         config._attn_implementation = "sdpa"
         # A private RNG stream: the seed fixes the weights without resetting the caller's generators.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
             torch.manual_seed(cfg.seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if sharding is not None:
+            whole = model
+            model = type(whole).from_pretrained(
+                None, config=whole.config, state_dict=whole.state_dict(), dtype=dtype, attn_implementation="sdpa",
+                distributed_config=sharding,
+            )
+            del whole
+    if sharding is not None and next(model.parameters()).device != device:
+        # transformers puts rank r on accelerator r; the producer makes the group's GPUs the visible ones.
+        raise ValueError(f"tensor-parallel shards landed on {next(model.parameters()).device}, expected {device}")
     model.config._attn_implementation = PACKED_ATTENTION_NAME
     return model.eval().requires_grad_(False)
+
+
+def _sharding(config, size: int):
+    """transformers' DistributedConfig for ``size``-way tensor parallelism by the model's own plan (checked)."""
+    check_tensor_parallel(config, size)
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError as exc:
+        import transformers
+
+        raise ValueError(f"tensor parallelism needs transformers' DistributedConfig (transformers >= 5), "
+                         f"found transformers {transformers.__version__}") from exc
+    return DistributedConfig(tp_size=size)
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is one rank's shard of a tensor-parallel parameter (a DTensor)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or all of a sharded one: a collective that every rank of the group must join."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
 
 
 def target_identity(config, embed_weight: torch.Tensor) -> str:
@@ -295,6 +374,7 @@ class Target:
         capture_last_hidden: bool = False,
         attention: str = "auto",
         compile: bool | None = None,
+        followers: TensorParallelGroup | None = None,
     ) -> None:
         _register_packed_attention()
         model.config._attn_implementation = PACKED_ATTENTION_NAME
@@ -318,19 +398,31 @@ class Target:
         if compile and self.attention == "sdpa":
             # The per-document loop uses host lengths: a compiled graph would specialise on every batch.
             raise ValueError("compile: not supported with attention 'sdpa' (use varlen or flex)")
-        self.compiled = self.device.type == "cuda" and self.attention != "sdpa" if compile is None else compile
+        sharded = any(is_sharded(param) for param in model.parameters())
+        # transformers' tensor-parallel hooks swap parameters and all-reduce inside each projection;
+        # compiling through them is unverified, so a sharded target compiles only when asked to.
+        if compile is None:
+            compile = self.device.type == "cuda" and self.attention != "sdpa" and not sharded
+        self.compiled = compile
         layers = list(self.base.layers[: self.num_layers_run])
         # One compiled graph serves every layer (their parameters are graph inputs); dynamic token counts.
         self._run_layer = [torch.compile(layer, dynamic=True) for layer in layers] if self.compiled else layers
         self._sliding_windows = {getattr(layer.self_attn, "sliding_window", None) for layer in layers}
         self._slot_of_layer = {layer_id: slot for slot, layer_id in enumerate(self.layer_ids)}
+        self.followers = followers  # rank 0 of a tensor-parallel group tells them of every capture first
         self._identity: str | None = None
+        if is_sharded(self.base.embed_tokens.weight):
+            # Gathering the embedding is a collective: hash it now, while every rank is here, not on first use.
+            self._identity = target_identity(self.model.config, whole_tensor(self.base.embed_tokens.weight))
 
     @classmethod
-    def load(cls, cfg: TargetConfig, layer_ids: list[int], capture_last_hidden: bool = False) -> Target:
-        """Load the target described by ``cfg`` and prepare capture of ``layer_ids``."""
-        model = load_target_model(cfg)
-        return cls(model, layer_ids, capture_last_hidden=capture_last_hidden, attention=cfg.attention, compile=cfg.compile)
+    def load(cls, cfg: TargetConfig, layer_ids: list[int], capture_last_hidden: bool = False,
+             group: TensorParallelGroup | None = None) -> Target:
+        """Load the target described by ``cfg`` and prepare capture of ``layer_ids``; with ``group``, this
+        rank's shards (every rank of the group calls this at the same point)."""
+        model = load_target_model(cfg, tensor_parallel=group.size if group is not None else 1)
+        return cls(model, layer_ids, capture_last_hidden=capture_last_hidden, attention=cfg.attention, compile=cfg.compile,
+                   followers=group if group is not None and group.rank == 0 else None)
 
     @property
     def identity(self) -> str:
@@ -338,6 +430,16 @@ class Target:
         if self._identity is None:
             self._identity = target_identity(self.model.config, self.base.embed_tokens.weight)
         return self._identity
+
+    def head_tensors(self) -> dict[str, torch.Tensor]:
+        """embed_tokens, the final norm and lm_head, whole, by their checkpoint names (what the trainer
+        shares with the target). Sharded ones are gathered: every rank of a group must call this."""
+        tensors = {
+            "model.embed_tokens.weight": self.base.embed_tokens.weight,
+            "model.norm.weight": self.base.norm.weight,
+            "lm_head.weight": self.model.get_output_embeddings().weight,
+        }
+        return {name: whole_tensor(tensor).detach() for name, tensor in tensors.items()}
 
     @torch.inference_mode()
     def capture(
@@ -356,11 +458,26 @@ class Target:
         last = self._output(out_last, (total, self.hidden_size), "out_last") if self.capture_last_hidden else None
         if out_last is not None and not self.capture_last_hidden:
             raise ValueError("capture: out_last given but this Target was built without capture_last_hidden")
+        if self.followers is not None:  # after the checks: once told, they run this forward whatever happens here
+            self.followers.send_capture(batch.input_ids, batch.cu_seqlens)
+        return self._forward(batch.input_ids, batch.cu_seqlens, aux, last)
 
-        input_ids = batch.input_ids.to(self.device, non_blocking=True)
-        cu_seqlens = batch.cu_seqlens.to(self.device, dtype=torch.int32, non_blocking=True)
+    @torch.inference_mode()
+    def capture_tokens(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> CapturedFeatures:
+        """The forward of ``capture`` on bare token ids and document bounds, into new tensors: what a
+        follower of a tensor-parallel group runs for each batch of rank 0."""
+        total = int(input_ids.numel())
+        aux = self._output(None, (total, self.aux_width), "out_aux")
+        last = self._output(None, (total, self.hidden_size), "out_last") if self.capture_last_hidden else None
+        return self._forward(input_ids, cu_seqlens, aux, last)
+
+    def _forward(self, host_input_ids: torch.Tensor, host_cu_seqlens: torch.Tensor, aux: torch.Tensor,
+                 last: torch.Tensor | None) -> CapturedFeatures:
+        total = int(host_input_ids.numel())
+        input_ids = host_input_ids.to(self.device, non_blocking=True)
+        cu_seqlens = host_cu_seqlens.to(self.device, dtype=torch.int32, non_blocking=True)
         positions = position_ids(cu_seqlens, total=total).unsqueeze(0)
-        packed = self._packed_attention(batch.cu_seqlens, cu_seqlens, total)
+        packed = self._packed_attention(host_cu_seqlens, cu_seqlens, total)
 
         hidden = self.base.embed_tokens(input_ids).unsqueeze(0)
         rotary = self.base.rotary_emb(hidden, positions)
@@ -432,10 +549,12 @@ __all__ = [
     "Target",
     "TargetConfig",
     "build_target_config",
+    "check_tensor_parallel",
     "document_causal_block_mask",
     "flops_per_document",
     "load_target_model",
     "resolve_attention_backend",
     "resolve_device",
     "target_identity",
+    "whole_tensor",
 ]
