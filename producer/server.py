@@ -484,6 +484,7 @@ def run_producer(run_dir: str | Path, producer_id: int, device: str | None = Non
     die_with_parent()
     group = None
     try:
+        root.check_format()  # before reading anything of a folder another version made
         cfg = load_config(root.config)
         curve = remote_keys(cfg, root, producer_id, listen) if listen else None
         devices = split_devices(device) if device else []

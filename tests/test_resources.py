@@ -107,6 +107,12 @@ def test_a_run_directory_of_another_format_is_refused_untouched(short_tmp):
     assert f"run directory of format {RUN_DIR_FORMAT + 1} (written by dflash-stream 9.0)" in out.stderr
     assert f"this version reads format {RUN_DIR_FORMAT}" in out.stderr
     assert _tree_digest(run.root) == before, "nothing in the refused run directory changed"
+    # Started by hand (e.g. a producer on another host), each process checks the folder itself.
+    for role in (["producer.server", "--producer-id", "0", "--device", "cpu"], ["trainer.train"]):
+        out = subprocess.run([sys.executable, "-m", role[0], "--run-dir", str(run.root), *role[1:]],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and f"run directory of format {RUN_DIR_FORMAT + 1}" in out.stderr, (role, out.stderr[-2000:])
+    assert _tree_digest(run.root) == before, "nothing in the refused run directory changed"
 
     run.format_file.write_text("not json")
     with pytest.raises(Exception, match="not a run directory format marker"):

@@ -637,6 +637,7 @@ def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
     except OSError:
         pass
     try:
+        root.check_format()  # before reading anything of a folder another version made
         cfg = load_config(root.config)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
