@@ -522,8 +522,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides += [f"target.path={json.dumps(args.target)}", "target.config_overrides={}"]
     try:
         cfg = load_config(config_file, overrides)
-        # Random target weights depend on the device type they are drawn on: by default the producers'.
-        device = args.device if args.device != "auto" else next(iter(cfg.launch.producer_devices), "auto")
+        # Random target weights depend on the device type they are drawn on: by default the producers'
+        # (a tensor-parallel producer's entry names several devices; its rank 0 draws them on the first).
+        device = args.device if args.device != "auto" else next(iter(cfg.launch.producer_devices), "auto").split(",")[0]
         cfg.target = dataclasses.replace(cfg.target, device=device)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
