@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the project in one go, for one device-tool call (the device
 # machine keeps nothing between calls). Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|pipeline ...]   (default: all but pipeline)
+#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|scaling|pipeline ...]   (default: all but pipeline and scaling)
 # The pipeline benchmark takes longer than one device call (10 min): start it in the background with
 # setsid (it writes its JSON after every run) and collect the results in a later call.
 set -u
@@ -22,12 +22,16 @@ run() {  # name, seconds, command...
 }
 for step in $steps; do
   case $step in
-    tests) run gpu_tests 400 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py tests/test_tensor_parallel.py ;;
+    tests) run gpu_tests 400 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py tests/test_tensor_parallel.py tests/test_fsdp.py ;;
     ring) run ring 110 $PY -m common.bench_ring --count 100 --json "$OUT/ring.json" ;;
     producer) run producer 180 $PY -m producer.bench_producer --warmup 20 --seconds 30 ;;
     step) run step 300 $PY -m trainer.bench_step --variants eager,compile-layers --warmup 3 --steps 10
           run step_fp32 200 $PY -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
     restart) run restart 560 $PY -m launch.bench_restart --timeout 240 ;;
+    scaling)  # issue 8: trainer samples/s on 1 GPU, then DDP and FSDP over 2 (data already on the GPUs)
+          run scale_1gpu 200 $PY -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10
+          run scale_ddp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism ddp
+          run scale_fsdp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism fsdp ;;
     pipeline) run pipeline 3000 $PY -m launch.bench_pipeline --json "$OUT/pipeline.json" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
