@@ -206,8 +206,8 @@ def trainer_command(run_dir: Path, devices: list[str]) -> list[str]:
     if os.environ.get(TRAINER_CMD_ENV, "").strip():
         return [*_hooked_program(TRAINER_CMD_ENV, []), "--run-dir", str(run_dir)]
     if len(devices) > 1:
-        # ``python -m torch.distributed.run`` is torchrun, without relying on PATH.
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(len(devices)),
+        # launch.torchrun is torchrun (without relying on PATH) that keeps a rank's configuration error as exit 2.
+        return [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", str(len(devices)),
                 "-m", "trainer.train", "--run-dir", str(run_dir)]
     return [sys.executable, "-m", "trainer.train", "--run-dir", str(run_dir)]
 

@@ -1,10 +1,10 @@
-"""torchrun for tensor-parallel producers: ``python -m launch.torchrun [torchrun arguments]``.
+"""torchrun for tensor-parallel producers and multi-rank trainers: ``python -m launch.torchrun [torchrun arguments]``.
 
 The same as ``python -m torch.distributed.run``, except for the exit code when a rank exits 2 (a
 configuration error: a degree that does not divide the target's heads, a missing data file, ...).
 torchrun exits 1 for any failed rank, which the launcher takes for a crash and retries with backoff
 until launch.max_restarts; this exits 2, so the launcher stops the run at once and shows the error,
-as it does for a producer on one device.
+as it does for a producer or trainer on one device.
 """
 
 from __future__ import annotations

@@ -314,6 +314,20 @@ def test_child_configuration_error_stops_the_run_with_exit_2(pipeline):
     assert rc == 2 and "configuration error (exit 2)" in output
 
 
+def test_a_configuration_error_of_a_two_rank_trainer_stops_the_run_with_exit_2(short_tmp):
+    """Under torchrun too: plain torchrun says exit 1 for a rank's exit 2, which the launcher would
+    retry as a crash. A real trainer error (no step count with a remote producer) on 2 gloo ranks."""
+    out = subprocess.run(
+        [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(short_tmp / "run"), "launch.max_restarts=1",
+         'launch.remote_producers=["tcp://127.0.0.1:5999"]', 'launch.trainer_devices=["cpu", "cpu"]',
+         "training.max_steps=0", "logging.wandb_mode=disabled"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    output = out.stdout + out.stderr
+    assert out.returncode == 2, output[-3000:]
+    assert "trainer: configuration error (exit 2)" in output and "training.max_steps" in output
+    assert "restarting" not in output
+
+
 def test_crash_loop_gives_up_after_max_restarts(pipeline):
     rc, output = pipeline.start("launch.max_restarts=2", "launch.restart_backoff_s=0.05", STANDIN_TRAINER_EXIT="1").finish()
     assert rc == 1, output
@@ -358,7 +372,7 @@ def test_devices_and_commands(monkeypatch):
         "-m", "producer.server", "--run-dir", "/tmp/r", "--producer-id", "1", "--device", "cuda:1"]
     assert supervisor.trainer_command(run_dir, ["cpu"])[1:] == ["-m", "trainer.train", "--run-dir", "/tmp/r"]
     assert supervisor.trainer_command(run_dir, supervisor.trainer_devices(cfg, never))[1:] == [
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainer.train", "--run-dir", "/tmp/r"]
+        "-m", "launch.torchrun", "--standalone", "--nproc-per-node", "2", "-m", "trainer.train", "--run-dir", "/tmp/r"]
 
 
 def test_only_trainer_keys_may_change_on_restart():
