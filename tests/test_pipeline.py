@@ -180,8 +180,11 @@ def test_restart_trainer_with_a_new_learning_rate(run_dir):
 
 
 def test_kill9_producer_trainer_keeps_going_and_shard_resumes(run_dir):
-    # Long enough that producer 0 is back (a fresh process loads its target) well before the end.
-    launcher = start(run_dir, "training.max_steps=300", "training.checkpoint_every=50", "logging.log_every=10")
+    # No step limit: the run is stopped once the restarted producer 0 has delivered epoch 2 (a fixed
+    # length could end while its replacement still loads its target). Metrics every 2 steps, so the
+    # seconds producer 0 is down show in them even when steps are slow.
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=50",
+                     "logging.log_every=2")
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 8, "step 8", 120)
     before = producer_pids(run)
@@ -189,7 +192,10 @@ def test_kill9_producer_trainer_keeps_going_and_shard_resumes(run_dir):
     killed_at_step = trainer_step(run)
     wait_for(lambda: producer_pids(run).get(0) not in (None, before[0]) and (read_json(run.producer_status(0)) or {}).get("ready"),
              "producer 0 restarted", 120)
-    finish(launcher, run_dir)
+    wait_for(lambda: epochs_trained(run).get(0, -1) >= 2, "producer 0's epoch 2 trained", 180)
+    stopped = run_all("stop", "--run-dir", str(run_dir))
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    finish(launcher, run_dir, timeout=120)
     after = producer_pids(run)
     assert after[1] == before[1] and after[0] != before[0]
     assert_exactly_once(run, must_reach={0})
