@@ -271,3 +271,26 @@ def test_a_hung_producer_does_not_slow_training_on_the_other(run_dir):
     finish(launcher, run_dir, timeout=120)
     assert producer_pids(run)[0] == hung, "the hung producer was not replaced"
     assert_exactly_once(run, must_reach={0, 1})
+
+
+def test_a_hung_trainer_goes_on_exactly_once_after_sigcont(run_dir):
+    """SIGSTOP of the trainer for several heartbeat timeouts: the producers take its leases back and
+    hand those batches out again; after SIGCONT the same trainer (no restart) reconnects, drops what
+    it had already received, and trains on: nothing twice, nothing lost."""
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=20")
+    run = RunDir(run_dir)
+    wait_for(lambda: trainer_step(run) >= 8, "step 8", 120)
+    trainer = read_json(run.trainer_status)["pid"]
+    os.kill(trainer, signal.SIGSTOP)
+    time.sleep(12)  # 6 heartbeat timeouts
+    os.kill(trainer, signal.SIGCONT)
+    step = trainer_step(run)
+    wait_for(lambda: trainer_step(run) >= step + 20, "training after SIGCONT", 120)
+    wait_for(lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
+             "both producers at epoch 2", 180)
+    stopped = run_all("stop", "--run-dir", str(run_dir))
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    finish(launcher, run_dir, timeout=120)
+    incarnations = assert_exactly_once(run, must_reach={0, 1})
+    assert len(incarnations) == 1, "the hung trainer went on itself; the launcher did not replace it"
+    assert sum(s.get("reclaimed", 0) for s in run.producer_statuses()) > 0, "the producers took its leases back"
