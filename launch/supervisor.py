@@ -343,9 +343,11 @@ class ManagedProcess:
         self.start_ticks = None
         self.ready = False
 
-    def schedule_restart(self, backoff_s: float, max_restarts: int) -> float | None:
-        """Count a crash; the backoff before the restart, or None when the crash budget is spent."""
-        if self.uptime_s >= HEALTHY_UPTIME_S:
+    def schedule_restart(self, backoff_s: float, max_restarts: int, made_progress: bool = False) -> float | None:
+        """Count a crash; the backoff before the restart, or None when the crash budget is spent. A
+        process that ran long enough, or made lasting progress (a trainer that wrote a checkpoint),
+        was not in a crash loop: the count starts again."""
+        if self.uptime_s >= HEALTHY_UPTIME_S or made_progress:
             self.crashes_in_a_row = 0
         self.crashes_in_a_row += 1
         if self.crashes_in_a_row > max_restarts:
@@ -377,6 +379,8 @@ class Supervisor:
         ]
         self.trainer = self._make_trainer()
         self.trainer_started_once = False
+        self.trainer_checkpoint_at_start = -1
+        """The latest checkpoint's step when the current trainer started (a crash after a newer one is progress)."""
         self.state = "starting"
         self.outcome = "stopped"  # the state launcher.json keeps once everything is stopped
         self.started_wall = time.time()
@@ -526,9 +530,9 @@ class Supervisor:
         producer.clear()
         return self._after_crash(producer, returncode)
 
-    def _after_crash(self, process: ManagedProcess, returncode: int) -> int | None:
+    def _after_crash(self, process: ManagedProcess, returncode: int, made_progress: bool = False) -> int | None:
         """Schedule the restart of a crashed process, or give up on the run (exit 1)."""
-        delay = process.schedule_restart(self.cfg.launch.restart_backoff_s, self.cfg.launch.max_restarts)
+        delay = process.schedule_restart(self.cfg.launch.restart_backoff_s, self.cfg.launch.max_restarts, made_progress)
         if delay is None:
             log.error("%s crashed (%s) %d times in a row, more than launch.max_restarts=%d: giving up. See %s%s",
                       process.name, describe_exit(returncode), process.crashes_in_a_row, self.cfg.launch.max_restarts,
@@ -542,7 +546,14 @@ class Supervisor:
 
     # -- trainer
 
+    def _checkpoint_step(self) -> int:
+        """The step of the run's latest checkpoint (-1: none)."""
+        pointer = read_json(self.run.checkpoints / "latest.json") or {}
+        step = pointer.get("step")
+        return step if isinstance(step, int) else -1
+
     def _start_trainer(self) -> None:
+        self.trainer_checkpoint_at_start = self._checkpoint_step()
         self.trainer.start()
         self.trainer_started_once = True
         log.info("started trainer pid %d on %s", self.trainer.pid, ",".join(self.trainer.devices))
@@ -559,6 +570,7 @@ class Supervisor:
             return None
         if self.trainer.proc is None:
             if self.trainer.restart_at is not None and time.monotonic() >= self.trainer.restart_at:
+                self.trainer_checkpoint_at_start = self._checkpoint_step()
                 self.trainer.start()
                 log.info("restarted trainer pid %d (restart %d)", self.trainer.pid, self.trainer.restarts)
             return None
@@ -584,7 +596,9 @@ class Supervisor:
                       self.trainer.log_path, log_tail(self.trainer.log_path))
             self.outcome = "failed"
             return 2
-        return self._after_crash(self.trainer, returncode)
+        # A trainer killed again and again that checkpoints in between is no crash loop (e.g. a
+        # flaky node, preemptions): it resumes further on each time.
+        return self._after_crash(self.trainer, returncode, made_progress=self._checkpoint_step() > self.trainer_checkpoint_at_start)
 
     def _handle_restart_request(self) -> None:
         """Apply a restart-trainer request: validate, save config.toml, replace the trainer."""

@@ -13,7 +13,8 @@ on SIGTERM/SIGINT. STANDIN_PRODUCER_EXIT=N: exit N at once instead.
 Trainer: one step per STANDIN_STEP_S (0.02) into trainer.json (plus lr and the device list it was
 given) and a metrics.jsonl line per step; resumes from checkpoints/standin.json; finishes
 (state "finished", exit 0) at training.max_steps (0: never); on SIGTERM checkpoints and exits 0
-with state "stopped". STANDIN_TRAINER_EXIT=N: exit N at once instead.
+with state "stopped". STANDIN_TRAINER_EXIT=N: exit N at once instead. STANDIN_TRAINER_CHECKPOINT_THEN_CRASH=K:
+incarnations 1..K each move checkpoints/latest.json one step on and exit 1.
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ def run_trainer(run_dir: Path) -> int:
     saved = read_json(checkpoint) or {"step": 0, "incarnation": 0}
     step, incarnation = saved["step"], saved["incarnation"] + 1
     write_json_atomic(checkpoint, {"step": step, "incarnation": incarnation})
+    if incarnation <= int(os.environ.get("STANDIN_TRAINER_CHECKPOINT_THEN_CRASH", "0")):
+        # A new checkpoint (latest.json further on), then a crash: progress between crashes.
+        write_json_atomic(run_dir / "checkpoints" / "latest.json", {"name": f"step-{incarnation:08d}", "step": incarnation})
+        print(f"stand-in trainer incarnation {incarnation}: checkpointed step {incarnation}, crashing as told")
+        return 1
     step_s = float(os.environ.get("STANDIN_STEP_S", "0.02"))
     common = {"pid": os.getpid(), "incarnation": incarnation, "max_steps": training["max_steps"], "lr": training["lr"],
               "devices": os.environ.get("DFLASH_TRAINER_DEVICES"), "producers_ready_at_start": _producers_ready(run_dir)}

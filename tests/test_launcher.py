@@ -336,6 +336,16 @@ def test_crash_loop_gives_up_after_max_restarts(pipeline):
     assert pipeline.launcher()["state"] == "failed"
 
 
+def test_crashes_with_checkpoints_in_between_are_no_crash_loop(pipeline):
+    """Five trainer crashes in a row against max_restarts=2, each after a new checkpoint: restarted
+    every time (the crash count starts again after progress), and the run finishes."""
+    rc, output = pipeline.start("launch.max_restarts=2", "launch.restart_backoff_s=0.05", "training.max_steps=5",
+                                STANDIN_TRAINER_CHECKPOINT_THEN_CRASH="5").finish()
+    assert rc == 0, output
+    assert output.count("trainer crashed (exit 1), restarting") == 5 and "giving up" not in output
+    assert "(crash 1 in a row)" in output and "(crash 2 in a row)" not in output
+
+
 def test_resume_keeps_the_run_config(pipeline):
     pipeline.config_file.write_text(BASE_CONFIG + "\n[data]\nseed = 7\n")
     rc, output = pipeline.start("training.max_steps=5", "training.lr=1e-3").finish()
