@@ -16,7 +16,7 @@
    tensor-parallel one).
 3. Start the trainer (torchrun when launch.trainer_devices lists several devices).
 4. Poll every 0.2 s. A crashed process is restarted after launch.restart_backoff_s, doubling per
-   crash in a row (the count resets after a minute of uptime); after launch.max_restarts crashes
+   crash in a row (the count resets after a minute of uptime, or for the trainer after a new checkpoint); after launch.max_restarts crashes
    in a row the run stops. Producers are never restarted because of the trainer.
 5. Trainer exit 0 with trainer.json state "finished": stop the producers and exit 0. A trainer
    that stopped with a checkpoint (state "stopped") without being asked is replaced at once.
