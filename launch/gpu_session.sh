@@ -5,6 +5,9 @@
 #   bash launch/gpu_session.sh [tests|ring|producer|step|restart|scaling|pipeline ...]   (default: all but pipeline and scaling)
 # The pipeline benchmark takes longer than one device call (10 min): start it in the background with
 # setsid (it writes its JSON after every run) and collect the results in a later call.
+# The device image lacks some packages: install them from wheels carried in .whl first, e.g.
+#   python3 -m pip install -q --no-index --find-links .whl pyzmq wandb accelerate transformers==5.24.0
+# (accelerate: transformers needs it for device_map and tensor-parallel loading).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
