@@ -32,6 +32,7 @@ from trainer.export import load_drafter
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter
 from trainer.sharding import (
+    TrainStep,
     full_model_state,
     full_optimizer_state,
     full_tensor,
@@ -40,7 +41,6 @@ from trainer.sharding import (
     shard_drafter,
 )
 from trainer.target_head import load_target_head
-from trainer.train import _TrainStep
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -92,7 +92,7 @@ def _fsdp_matches_ddp(rank: int, port: int, checkpoint: str) -> None:
         replicated = DFlashDrafter(config, random_head(config), LossConfig(chunk_rows=64))
         sharded = copy.deepcopy(replicated)
         initial = copy.deepcopy(replicated.state_dict())
-        ddp = nn.parallel.DistributedDataParallel(_TrainStep(replicated))
+        ddp = nn.parallel.DistributedDataParallel(TrainStep(replicated))
         shard_drafter(sharded, torch.device("cpu"), WORLD_SIZE)
 
         total = replicated.num_trainable_parameters()
@@ -104,7 +104,7 @@ def _fsdp_matches_ddp(rank: int, port: int, checkpoint: str) -> None:
         ddp_optimizer, fsdp_optimizer = _optimizer(replicated), _optimizer(sharded)
         for step in range(STEPS):
             ddp_norm = _step(ddp, replicated, ddp_optimizer, step, rank)
-            fsdp_norm = _step(_TrainStep(sharded), sharded, fsdp_optimizer, step, rank)
+            fsdp_norm = _step(TrainStep(sharded), sharded, fsdp_optimizer, step, rank)
             torch.testing.assert_close(fsdp_norm, ddp_norm, rtol=1e-5, atol=1e-6)
 
         weights, optimizer_state = full_model_state(sharded), full_optimizer_state(sharded, fsdp_optimizer)
@@ -129,7 +129,7 @@ def _fsdp_matches_ddp(rank: int, port: int, checkpoint: str) -> None:
         resumed_optimizer = _optimizer(resumed)
         load_full_optimizer_state(resumed, resumed_optimizer, saved["optimizer"])
         ddp_norm = _step(ddp, replicated, ddp_optimizer, STEPS, rank)
-        resumed_norm = _step(_TrainStep(resumed), resumed, resumed_optimizer, STEPS, rank)
+        resumed_norm = _step(TrainStep(resumed), resumed, resumed_optimizer, STEPS, rank)
         torch.testing.assert_close(resumed_norm, ddp_norm, rtol=1e-5, atol=1e-6)
         for (name, shard), value in zip(resumed.named_parameters(), replicated.parameters()):
             torch.testing.assert_close(shard.full_tensor(), value, rtol=1e-5, atol=1e-6, msg=name)

@@ -23,16 +23,14 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from common.batch import PackedBatch
 from common.benchutil import matmul_tflops, synchronize
 from trainer.draft_config import DraftConfig
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter, train_flops_per_sample
-from trainer.sharding import full_tensor, shard_drafter
+from trainer.sharding import full_tensor, parallelize
 from trainer.target_head import TargetHead
-from trainer.train import _TrainStep
 
 VARIANTS = ("eager", "compile-layers", "compile-model")
 
@@ -66,6 +64,8 @@ def random_batch(config: DraftConfig, seq_len: int, num_docs: int, device: torch
 
 def build_drafter(config: DraftConfig, variant: str, device: torch.device, chunk_rows: int,
                   master_fp32: bool = False, parallelism: str = "single") -> DFlashDrafter:
+    """The drafter on ``device`` (on the host under FSDP, which moves each rank's shards itself), its
+    layers or whole forward compiled as ``variant`` says."""
     head = TargetHead.random(config.vocab_size, config.hidden_size, torch.bfloat16, device)
     param_dtype = torch.float32 if master_fp32 else torch.bfloat16
     drafter = DFlashDrafter(config, head, LossConfig(chunk_rows=chunk_rows)).to(dtype=param_dtype)
@@ -76,8 +76,6 @@ def build_drafter(config: DraftConfig, variant: str, device: torch.device, chunk
             layer.compile(dynamic=False)
     elif variant == "compile-model":
         drafter.compile(dynamic=False)  # compiles forward(): fc, embedding, rope and the layers together
-    if parallelism == "fsdp":
-        shard_drafter(drafter, device, dist.get_world_size())
     return drafter
 
 
@@ -86,9 +84,7 @@ def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, d
     torch.manual_seed(0)
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     drafter = build_drafter(config, variant, device, args.chunk_rows, args.master_fp32, args.parallelism)
-    # DDP all-reduces gradients in its hooks on the wrapper's forward; FSDP's hooks are on the drafter.
-    model = nn.parallel.DistributedDataParallel(_TrainStep(drafter), device_ids=[device.index] if device.type == "cuda" else None) \
-        if args.parallelism == "ddp" else _TrainStep(drafter)
+    model = parallelize(drafter, device, ranks, sharded=args.parallelism == "fsdp")  # as trainer.train does
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.master_fp32)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
     batch = random_batch(config, args.seq_len, args.num_docs, device)

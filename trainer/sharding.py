@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,6 +27,29 @@ from trainer.model import DFlashDrafter
 # Whole tensors on rank 0's host (the other ranks get empty dicts): what the checkpoint writer needs,
 # without a full copy on any GPU.
 _FULL_ON_RANK0_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class TrainStep(nn.Module):
+    """Routes DDP's forward to ``forward_train`` so gradients are all-reduced (FSDP's hooks are on
+    the drafter and its layers themselves)."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch, num_anchors: int, generator: torch.Generator, step_fraction: float, prepared=None):
+        return self.drafter.forward_train(batch, num_anchors, generator, step_fraction, prepared=prepared)
+
+
+def parallelize(drafter: DFlashDrafter, device: torch.device, world_size: int, sharded: bool) -> nn.Module:
+    """The module a training step calls: the drafter alone (one rank), under DDP, or sharded in place
+    by FSDP (``sharded``; pass the drafter still on the host, see ``shard_drafter``)."""
+    step = TrainStep(drafter)
+    if sharded:
+        shard_drafter(drafter, device, world_size)
+    elif world_size > 1:
+        step = nn.parallel.DistributedDataParallel(step, device_ids=[device.index] if device.type == "cuda" else None)
+    return step
 
 
 def shard_drafter(drafter: DFlashDrafter, device: torch.device, world_size: int) -> None:

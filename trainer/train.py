@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from common import faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
@@ -43,24 +42,12 @@ from trainer.sharding import (
     full_tensor,
     load_full_optimizer_state,
     local_parameter_count,
-    shard_drafter,
+    parallelize,
 )
 from trainer.target_head import load_target_head
 
 log = logging.getLogger("trainer")
 EXIT_CONFIG_ERROR = 2
-
-
-class _TrainStep(nn.Module):
-    """Routes DDP's forward to ``forward_train`` so gradients are all-reduced (FSDP's hooks are on
-    the drafter and its layers themselves)."""
-
-    def __init__(self, drafter: DFlashDrafter) -> None:
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, batch, num_anchors: int, generator: torch.Generator, step_fraction: float, prepared=None):
-        return self.drafter.forward_train(batch, num_anchors, generator, step_fraction, prepared=prepared)
 
 
 def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
@@ -164,11 +151,7 @@ class Trainer:
             # compiled layer runs between FSDP's gather and reshard hooks, which dynamo leaves eager.
             for layer in self.drafter.layers:
                 layer.compile(dynamic=False)
-        self.model: nn.Module = _TrainStep(self.drafter)
-        if self.sharded:
-            shard_drafter(self.drafter, self.device, self.world_size)
-        elif self.world_size > 1:
-            self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.model = parallelize(self.drafter, self.device, self.world_size, self.sharded)
         # How much of the drafter each rank holds, for the status file (shows the sharding).
         self.drafter_params_total = self.drafter.num_trainable_parameters()
         self.drafter_params_per_rank = self._gather(local_parameter_count(self.drafter))
