@@ -62,6 +62,22 @@ def finish(launcher: subprocess.Popen, run_dir: Path, timeout: float = 240.0) ->
     assert code == 0, output[-3000:] + logs
 
 
+def stop_and_finish(launcher: subprocess.Popen, run_dir: Path) -> None:
+    """``run_all.sh stop``, then the launcher's clean exit (see ``finish``)."""
+    stopped = run_all("stop", "--run-dir", str(run_dir))
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    finish(launcher, run_dir, timeout=120)
+
+
+def kill_producer_until_back(run: RunDir, producer: int) -> dict[int, int]:
+    """kill -9 of ``producer``; returns once the launcher's replacement says ready. The pids before."""
+    before = producer_pids(run)
+    os.kill(before[producer], signal.SIGKILL)
+    wait_for(lambda: producer_pids(run).get(producer) not in (None, before[producer])
+             and (read_json(run.producer_status(producer)) or {}).get("ready"), f"producer {producer} restarted", 120)
+    return before
+
+
 def lineage(run: RunDir) -> list[dict]:
     """For each step, the ledger line of the latest incarnation that wrote it."""
     by_step: dict[int, dict] = {}
@@ -187,15 +203,10 @@ def test_kill9_producer_trainer_keeps_going_and_shard_resumes(run_dir):
                      "logging.log_every=2")
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 8, "step 8", 120)
-    before = producer_pids(run)
-    os.kill(before[0], signal.SIGKILL)
     killed_at_step = trainer_step(run)
-    wait_for(lambda: producer_pids(run).get(0) not in (None, before[0]) and (read_json(run.producer_status(0)) or {}).get("ready"),
-             "producer 0 restarted", 120)
+    before = kill_producer_until_back(run, 0)
     wait_for(lambda: epochs_trained(run).get(0, -1) >= 2, "producer 0's epoch 2 trained", 180)
-    stopped = run_all("stop", "--run-dir", str(run_dir))
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    finish(launcher, run_dir, timeout=120)
+    stop_and_finish(launcher, run_dir)
     after = producer_pids(run)
     assert after[1] == before[1] and after[0] != before[0]
     assert_exactly_once(run, must_reach={0})
@@ -216,10 +227,7 @@ def test_two_ranks_two_producers_kill9_of_each_exactly_once(run_dir):
                      'launch.trainer_devices=["cpu", "cpu"]')
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 8, "step 8", 180)
-    before = producer_pids(run)
-    os.kill(before[1], signal.SIGKILL)
-    wait_for(lambda: producer_pids(run).get(1) not in (None, before[1]) and (read_json(run.producer_status(1)) or {}).get("ready"),
-             "producer 1 restarted", 120)
+    kill_producer_until_back(run, 1)
     step = trainer_step(run)
     wait_for(lambda: trainer_step(run) >= step + 4, "training after the producer came back", 120)
     trainer_pid = read_json(run.trainer_status)["pid"]
@@ -228,9 +236,7 @@ def test_two_ranks_two_producers_kill9_of_each_exactly_once(run_dir):
     wait_for(lambda: min(epochs_trained(run, since_incarnation=killed_at_us).values(), default=-1) >= 2
              and len(epochs_trained(run, since_incarnation=killed_at_us)) == 2,
              "the restarted trainer to train epoch 2 of both producers", 240)
-    stopped = run_all("stop", "--run-dir", str(run_dir))
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    finish(launcher, run_dir, timeout=120)
+    stop_and_finish(launcher, run_dir)
     lines = lineage(run)
     assert all(len({tuple(b) for b in line["batches"]}) == 2 for line in lines), "each step trains two distinct batches"
     assert len({p for line in lines for p, _ in line["batches"]}) == 2
@@ -266,9 +272,7 @@ def test_a_hung_producer_does_not_slow_training_on_the_other(run_dir):
     wait_for(trained_from_hung_after_resume, "a batch of the resumed producer trained", 90)
     wait_for(lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
              "both producers at epoch 2", 180)
-    stopped = run_all("stop", "--run-dir", str(run_dir))
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    finish(launcher, run_dir, timeout=120)
+    stop_and_finish(launcher, run_dir)
     assert producer_pids(run)[0] == hung, "the hung producer was not replaced"
     assert_exactly_once(run, must_reach={0, 1})
 
@@ -288,9 +292,7 @@ def test_a_hung_trainer_goes_on_exactly_once_after_sigcont(run_dir):
     wait_for(lambda: trainer_step(run) >= step + 20, "training after SIGCONT", 120)
     wait_for(lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
              "both producers at epoch 2", 180)
-    stopped = run_all("stop", "--run-dir", str(run_dir))
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    finish(launcher, run_dir, timeout=120)
+    stop_and_finish(launcher, run_dir)
     incarnations = assert_exactly_once(run, must_reach={0, 1})
     assert len(incarnations) == 1, "the hung trainer went on itself; the launcher did not replace it"
     assert sum(s.get("reclaimed", 0) for s in run.producer_statuses()) > 0, "the producers took its leases back"

@@ -27,7 +27,7 @@ from launch.rundir import process_alive
 from peers import wait_for
 from producer.target import Target, check_tensor_parallel
 from producer.tensor_parallel import TensorParallelGroup, follow, split_devices
-from test_pipeline import assert_exactly_once, epochs_trained, finish, producer_pids, run_all, start, trainer_step
+from test_pipeline import assert_exactly_once, epochs_trained, finish, producer_pids, run_all, start, stop_and_finish, trainer_step
 from test_target import make_batch, tiny_qwen3_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,9 +194,7 @@ def test_pipeline_with_a_tensor_parallel_producer_exactly_once_and_kill9_of_the_
              and min(epochs_trained(run, since_incarnation=killed_at_us).values()) >= 2,
              "the new trainer to train epoch 2 of both producers", 240)
     assert producer_pids(run) == producers and producer_ranks(run, 0) == ranks, "no producer was restarted"
-    stopped = run_all("stop", "--run-dir", str(run_dir))
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    finish(launcher, run_dir, timeout=120)
+    stop_and_finish(launcher, run_dir)
     assert len(assert_exactly_once(run, must_reach={0, 1})) == 2
     log = (run.logs / "producer-0.log").read_text()
     assert "producer 0 stopped cleanly" in log and "rank 1: STOP from rank 0" in log, "a clean stop of both ranks"
@@ -230,9 +228,7 @@ def test_kill9_of_either_rank_restarts_the_whole_producer_exactly_once(short_tmp
     wait_for(lambda: not process_alive(second[1]), "the follower to leave with its rank 0", 30)
     restarted(second)
     wait_for(lambda: epochs_trained(run).get(0, -1) >= 2, "epoch 2 of producer 0's shard", 240)
-    stopped = run_all("stop", "--run-dir", str(run_dir))
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    finish(launcher, run_dir, timeout=120)
+    stop_and_finish(launcher, run_dir)
     assert read_json(run.trainer_status)["pid"] == trainer, "the trainer kept training through the restarts"
     assert producer_pids(run)[1] == other
     assert_exactly_once(run, must_reach={0})
