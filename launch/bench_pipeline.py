@@ -249,10 +249,18 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
         os.kill(pid, signal.SIGCONT)
         resumed = time.time()
         time.sleep(args.seconds)
+
+        def caught_up() -> float | None:
+            """When the pause's backlog was drained: the first sample after the resume with an empty ring."""
+            return next((r["t"] for r in sampler.rows if "p0" in r and r["t"] > resumed and r["p0"]["ready"] <= 2), None)
+
+        try:  # the catch-up can take longer than the window after the pause
+            wait_for(lambda: caught_up() is not None, args.timeout / 2, "the pause's backlog drained")
+        except TimeoutError:
+            print("stall: the backlog of the pause was not drained in time", flush=True)
         rows = ledger_rows(run)
         before, after = (paused - args.seconds, paused), (resumed, resumed + args.seconds)
         peak = max((r for r in sampler.rows if "p0" in r and paused <= r["t"] <= resumed + 1), key=lambda r: r["p0"]["ready"])
-        caught_up = next((r["t"] for r in sampler.rows if "p0" in r and r["t"] > resumed and r["p0"]["ready"] <= 2), None)
         return {
             "stall_s": resumed - paused, "paused_at": paused, "resumed_at": resumed,
             "drained_before": drained(),
@@ -262,7 +270,7 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
             "producer_during_samples_per_s": published_rate(sampler.rows, paused + 1.0, resumed),
             "producer_after_samples_per_s": published_rate(sampler.rows, *after),
             "ready_at_resume": peak["p0"]["ready"],
-            "catch_up_s": caught_up - resumed if caught_up else None,
+            "catch_up_s": caught_up() - resumed if caught_up() else None,
         }
     # Whole cycles only: from the end of one checkpoint to the end of the --cycles-th after it.
     def checkpoint_step() -> int:

@@ -25,7 +25,9 @@ run() {  # name, seconds, command...
 }
 for step in $steps; do
   case $step in
-    tests) run gpu_tests 400 $PY -m pytest -q -p no:cacheprovider -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py tests/test_tensor_parallel.py tests/test_fsdp.py ;;
+    tests)  # pytest-timeout (in the device image) stops a hung test with its stack, and the others still run
+          per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 330")
+          run gpu_tests 600 $PY -m pytest -q -rfEs -p no:cacheprovider $per_test --durations=8 -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py tests/test_tensor_parallel.py tests/test_fsdp.py ;;
     ring) run ring 110 $PY -m common.bench_ring --count 100 --json "$OUT/ring.json" ;;
     producer) run producer 180 $PY -m producer.bench_producer --warmup 20 --seconds 30 ;;
     step) run step 300 $PY -m trainer.bench_step --variants eager,compile-layers --warmup 3 --steps 10

@@ -221,4 +221,4 @@ def test_fsdp_pipeline_on_two_gpus(run_dir):
     """NCCL, bf16 mixed precision and compiled layers. The producers share the trainer's GPUs: the
     evaluation's target is then drawn on the same device type as theirs (the same random weights)."""
     _run_fsdp_pipeline(run_dir, ['launch.producer_devices=["cuda:0", "cuda:1"]', 'launch.trainer_devices=["cuda:0", "cuda:1"]',
-                                 'target.dtype="bfloat16"'], timeout_s=600)
+                                 'target.dtype="bfloat16"'], timeout_s=300)

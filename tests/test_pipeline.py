@@ -51,15 +51,17 @@ def producer_pids(run: RunDir) -> dict[int, int]:
 
 
 def finish(launcher: subprocess.Popen, run_dir: Path, timeout: float = 240.0) -> None:
+    """Wait for the launcher's exit 0; on another code or a timeout, fail with the run's logs."""
     try:
         code = launcher.wait(timeout=timeout)
-    finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGINT)
-            launcher.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        code = f"still running after {timeout} s"
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(timeout=60)
     output = (run_dir.parent / "launcher.out").read_text()
     logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-2500:] for p in sorted((run_dir / "logs").glob("*.log")))
-    assert code == 0, output[-3000:] + logs
+    assert code == 0, f"launcher: {code}\n" + output[-3000:] + logs
 
 
 def stop_and_finish(launcher: subprocess.Popen, run_dir: Path) -> None:

@@ -275,7 +275,7 @@ def test_gpu_pipeline_with_a_tensor_parallel_producer(saved_target_dir, short_tm
     launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", f'target.path="{saved_target_dir}"',
                      'target.dtype="bfloat16"', NO_WANDB, 'launch.producer_devices=["cuda:0,cuda:1", "cpu"]',
                      'launch.trainer_devices=["cuda:0"]')
-    finish(launcher, run_dir, timeout=600)
+    finish(launcher, run_dir, timeout=300)
     run = RunDir(run_dir)
     statuses = run.producer_statuses()
     assert [s["device"] for s in statuses] == ["cuda:0,cuda:1", "cpu"]
