@@ -258,6 +258,11 @@ class TrainingConfig:
     """Save a checkpoint every this many steps (and always at the last step and on SIGTERM)."""
     keep_last: int = 3
     """Checkpoints kept; older ones are deleted."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background: training stands still only while the state is copied to
+    host memory (page-locked buffers as large as the weights and optimizer state, kept between
+    checkpoints). The last checkpoint, and the one on a stop, are always waited for. Off: every
+    checkpoint is written before the next step."""
     seed: int = 0
     """Seed of the drafter's initialisation and of anchor sampling."""
     device: str = "auto"

@@ -52,6 +52,7 @@ def checkpoint(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, run)
     report: dict = {}
     trainer.save_checkpoint()
+    trainer.checkpoints.wait()
     report["first"] = _checkpoint_state(run)
 
     filler = run.checkpoints / "filler"
@@ -68,7 +69,8 @@ def checkpoint(args: argparse.Namespace) -> int:
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
     trainer.step = 7
     try:
-        trainer.save_checkpoint()
+        trainer.save_checkpoint()  # written in the background: the failure comes with the wait
+        trainer.checkpoints.wait()
         report["error"] = None
     except CheckpointError as exc:
         report["error"] = str(exc)
@@ -76,7 +78,7 @@ def checkpoint(args: argparse.Namespace) -> int:
 
     filler.unlink(missing_ok=True)
     resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    trainer.save_checkpoint()
+    trainer.save_checkpoint(blocking=True)
     report["after_room"] = _checkpoint_state(run)
     print(json.dumps(report), flush=True)
     return 0

@@ -211,7 +211,8 @@ class Feeder:
     def close(self) -> None:
         """Stop the thread and say BYE to every producer (their leases go back at once)."""
         self._stop.set()
-        self._thread.join(timeout=30)
+        if self._thread.ident is not None:  # a trainer may close before it ever trained
+            self._thread.join(timeout=30)
 
     # -- thread ----------------------------------------------------------------------------------
 

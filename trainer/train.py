@@ -13,13 +13,13 @@ given back (BYE) and the process exits 0, leaving the producers' rings full for 
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import json
 import logging
 import math
 import os
 import secrets
-import shutil
 import signal
 import sys
 import time
@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 from common import faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
-from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json, replace_dir
+from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
+from trainer.checkpoint import CheckpointWriter, Snapshot
 from trainer.draft_config import DraftConfig
-from trainer.export import export_zlab, load_drafter
+from trainer.export import load_drafter
 from trainer.feeder import Commits, Feeder, Received
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter, train_flops_per_sample
@@ -176,6 +177,7 @@ class Trainer:
             heartbeat_interval_s=cfg.ring.heartbeat_interval_s, handshake_timeout_s=cfg.ring.handshake_timeout_s,
             pad_to=pad_to,
         )
+        self.checkpoints = CheckpointWriter(run_dir, cfg.training.keep_last)
         self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
         self.flops_cache: dict[int, float] = {}
@@ -277,7 +279,7 @@ class Trainer:
         """train_state.pt: ``optimizer_state`` (of the whole drafter), the schedule and the RNGs."""
         return {
             "optimizer": optimizer_state,
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()),  # its lists are the scheduler's own
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.empty(0),
@@ -305,60 +307,31 @@ class Trainer:
         self.commits = Commits.from_checkpoint(meta["committed"])
         self.wandb_id = meta.get("wandb_id")
 
-    def save_checkpoint(self) -> None:
-        """Write checkpoints/step-N atomically (a temporary folder renamed whole), then point latest.json at it.
-
-        If anything cannot be written (a full disk), the partial folder is removed and
-        CheckpointError says so: the previous checkpoint and latest.json are untouched.
-        Under FSDP every rank first helps gather the whole weights and optimizer state onto rank 0,
-        so the checkpoint is the same as an unsharded trainer's.
+    def save_checkpoint(self, blocking: bool = False) -> None:
+        """Checkpoint checkpoints/step-N (trainer/checkpoint.py). Training stands still only while the
+        state is copied to the host; the write runs in the background unless ``blocking`` or
+        ``training.async_checkpoint`` is off. A write that fails raises CheckpointError (here, or at a
+        later step) and leaves the previous checkpoint and latest.json untouched.
+        Under FSDP every rank first helps gather the whole weights and optimizer state onto rank 0's
+        host, so the checkpoint is the same as an unsharded trainer's.
         """
+        started = time.perf_counter()
         if self.rank == 0:
+            self.checkpoints.wait()  # one write at a time; its host buffers are then free again
             self.state = "checkpointing"
             self.write_status()
-        if self.sharded:
+        if self.sharded:  # gathered into fresh host tensors on rank 0
             weights, optimizer_state = full_model_state(self.drafter), full_optimizer_state(self.drafter, self.optimizer)
         else:
-            weights, optimizer_state = None, self.optimizer.state_dict()  # export_zlab reads the drafter itself
+            staging = self.checkpoints.staging
+            weights = staging.copy(self.drafter.state_dict(), "drafter") if self.rank == 0 else None
+            optimizer_state = staging.copy(self.optimizer.state_dict(), "optimizer") if self.rank == 0 else None
         if self.rank == 0:
-            root = self.run_dir.checkpoints
-            name = f"step-{self.step:08d}"
-            tmp = root / f".{name}.{os.getpid()}.tmp"
-            try:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-                export_zlab(self.drafter, tmp / "drafter", dtype=None, weights=weights)
-                torch.save(self.state_dict(optimizer_state), tmp / "train_state.pt")
-                atomic_write_json(tmp / "trainer_state.json", {
-                    "step": self.step,
-                    "max_steps": self.max_steps,
-                    "incarnation": self.incarnation,
-                    "committed": self.commits.trained_state(),
-                    "wandb_id": self.wandb_id,
-                    "lr": self.cfg.training.lr,
-                    "saved": time.time(),
-                })
-                for f in tmp.rglob("*"):
-                    if f.is_file():
-                        with open(f, "rb") as fh:
-                            os.fsync(fh.fileno())
-                faults.point("trainer.checkpoint")
-                # A folder of the same step (saved again after a resume) is swapped, never missing.
-                replace_dir(tmp, root / name)
-                faults.point("trainer.latest")
-                atomic_write_json(root / "latest.json", {"name": name, "step": self.step})
-            except Exception as exc:  # torch and safetensors report a full disk as RuntimeError, not OSError
-                shutil.rmtree(tmp, ignore_errors=True)
-                latest = self.run_dir.latest_checkpoint()
-                message = (f"cannot write checkpoint {name} into {root}: {exc} "
-                           f"({shutil.disk_usage(root).free} bytes free there). Nothing was lost: "
-                           f"{latest.name if latest else 'no checkpoint'} stays the latest and a restart resumes from it.")
-                log.error("%s", message)
-                raise CheckpointError(message) from exc
-            kept = sorted(p for p in root.glob("step-*") if p.is_dir())
-            for old in kept[: -self.cfg.training.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-            log.info("checkpoint %s written", name)
+            meta = {"step": self.step, "max_steps": self.max_steps, "incarnation": self.incarnation,
+                    "committed": self.commits.trained_state(), "wandb_id": self.wandb_id, "lr": self.cfg.training.lr}
+            snapshot = Snapshot(f"step-{self.step:08d}", self.drafter, weights, self.state_dict(optimizer_state), meta,
+                                stall_s=time.perf_counter() - started)
+            self.checkpoints.write(snapshot, background=self.cfg.training.async_checkpoint and not blocking)
             self.state = "training"
         if self.world_size > 1:
             dist.barrier()
@@ -475,12 +448,14 @@ class Trainer:
                     # Before the window restarts, so the evaluation stays out of tokens/s.
                     self.evaluate()
                 window = _Window()
+            if self.rank == 0:
+                self.checkpoints.raise_failure()  # a background write that failed stops the run now
             if self.step % self.cfg.training.checkpoint_every == 0 and self.step < self.max_steps:
                 self.save_checkpoint()
             if self.cfg.training.stall_every_steps and self.step % self.cfg.training.stall_every_steps == 0:
                 self._stall()
         finished = self.step >= self.max_steps
-        self.save_checkpoint()  # always on the last step, and on a requested stop
+        self.save_checkpoint(blocking=True)  # always on the last step, and on a requested stop
         self.state = "finished" if finished else "stopped"
         return self.state
 
@@ -559,9 +534,14 @@ class Trainer:
             "loss": last.get("loss"), "tau": last.get("tau"), "tokens_per_s": last.get("tokens_per_s"),
             "parallelism": self.parallelism, "drafter_params_total": getattr(self, "drafter_params_total", None),
             "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
+            "last_checkpoint": vars(self.checkpoints.last) if getattr(self, "checkpoints", None) and self.checkpoints.last else None,
         })
 
     def close(self) -> None:
+        try:
+            self.checkpoints.wait()  # a background write finishes whatever ends the trainer
+        except CheckpointError:
+            pass  # logged by the writer; the previous checkpoint stays the latest
         self.feeder.close()
         self.write_status()
         for f in (self.ledger, self.metrics_file):

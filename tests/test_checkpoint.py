@@ -1,0 +1,114 @@
+"""Checkpoints written in the background (trainer/checkpoint.py) by a real Trainer on the tiny config.
+
+The write is held at a gate while training changes the weights and the optimizer state; the checkpoint
+must still hold the state of the step it was taken at, and latest.json must name it only once written.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import load_config, save_config
+from common.rundir import RunDir, read_json
+from producer.server import export_target_head, feature_layer_ids
+from producer.target import Target, build_target_config
+from trainer.checkpoint import HostStaging
+from trainer.export import WEIGHTS_FILE
+from trainer.train import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_trainer(run_dir, *overrides: str) -> Trainer:
+    """A Trainer as the trainer process builds it, after a producer exported the target's head."""
+    run = RunDir(run_dir)
+    run.checkpoints.mkdir(parents=True)
+    cfg = load_config(ROOT / "launch" / "tiny.toml", ['logging.wandb_mode="disabled"', *overrides])
+    save_config(cfg, run.config)
+    target = Target.load(cfg.target, feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers),
+                         capture_last_hidden=cfg.training.label_mode != "data")
+    export_target_head(target, run.target_head)
+    return Trainer(cfg, run)
+
+
+def optimizer_step(trainer: Trainer, seed: int) -> None:
+    """An AdamW step with random gradients: moves every weight and every moment."""
+    generator = torch.Generator().manual_seed(seed)
+    for p in trainer.drafter.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad()
+
+
+def test_a_background_checkpoint_holds_its_step_while_training_goes_on(short_tmp):
+    trainer = make_trainer(short_tmp / "run")
+    try:
+        run = trainer.run_dir
+        optimizer_step(trainer, seed=1)
+        trainer.step = 5
+        weights_at_5 = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+        moments_at_5 = {i: s["exp_avg"].clone() for i, s in trainer.optimizer.state_dict()["state"].items()}
+
+        release, original = threading.Event(), trainer.checkpoints._write
+        trainer.checkpoints._write = lambda snapshot: (release.wait(60), original(snapshot))
+        trainer.save_checkpoint()
+        assert trainer.checkpoints.writing, "save_checkpoint returned while the write is held"
+        assert run.latest_checkpoint() is None, "latest.json names nothing before the folder is complete"
+
+        optimizer_step(trainer, seed=2)  # training goes on: step 6 changes weights and moments in place
+        trainer.step = 6
+        assert any(not torch.equal(v, trainer.drafter.state_dict()[k]) for k, v in weights_at_5.items())
+        release.set()
+        trainer.checkpoints.wait()
+
+        latest = run.latest_checkpoint()
+        assert latest is not None and latest.name == "step-00000005"
+        assert read_json(latest / "trainer_state.json")["step"] == 5
+        saved = load_file(str(latest / "drafter" / WEIGHTS_FILE))
+        assert saved.keys() == weights_at_5.keys()
+        for name, tensor in weights_at_5.items():
+            torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0, msg=name)
+        saved_state = torch.load(latest / "train_state.pt", weights_only=True)["optimizer"]["state"]
+        for index, moment in moments_at_5.items():
+            torch.testing.assert_close(saved_state[index]["exp_avg"], moment, rtol=0, atol=0)
+        trainer.write_status()
+        record = read_json(run.trainer_status)["last_checkpoint"]
+        assert record["name"] == "step-00000005" and record["write_s"] > 0 and record["stall_s"] >= 0
+    finally:
+        trainer.close()
+
+
+def test_blocking_and_synchronous_checkpoints_are_written_before_the_next_step(short_tmp):
+    trainer = make_trainer(short_tmp / "run", "training.async_checkpoint=false")
+    try:
+        trainer.step = 3
+        trainer.save_checkpoint()
+        assert not trainer.checkpoints.writing and trainer.run_dir.latest_checkpoint().name == "step-00000003"
+        trainer.cfg.training.async_checkpoint = True
+        trainer.step = 4
+        trainer.save_checkpoint(blocking=True)  # the last step's and a stop's checkpoint
+        assert not trainer.checkpoints.writing and trainer.run_dir.latest_checkpoint().name == "step-00000004"
+    finally:
+        trainer.close()
+
+
+@pytest.mark.gpu
+def test_host_staging_copies_cuda_tensors_into_reused_page_locked_buffers():
+    staging = HostStaging()
+    tree = {"w": torch.randn(64, 32, device="cuda"), "state": {0: {"step": torch.tensor(3.0), "m": torch.randn(7, device="cuda")}},
+            "lr": 1e-3}
+    first = staging.copy(tree, "t")
+    assert first["w"].is_pinned() and first["w"].device.type == "cpu" and first["lr"] == 1e-3
+    torch.testing.assert_close(first["w"], tree["w"].cpu(), rtol=0, atol=0)
+    tree["w"].add_(1.0)
+    assert not torch.equal(first["w"], tree["w"].cpu()), "a copy, not a view of the device tensor"
+    second = staging.copy(tree, "t")
+    assert second["w"].data_ptr() == first["w"].data_ptr(), "the buffer is reused"
+    torch.testing.assert_close(second["w"], tree["w"].cpu(), rtol=0, atol=0)
+    assert second["state"][0]["step"] is not tree["state"][0]["step"], "CPU tensors are cloned"

@@ -1,0 +1,98 @@
+"""Benchmark: how long training stands still for a checkpoint, written synchronously or in the background.
+
+    python -m trainer.bench_checkpoint                      # a 1024-wide draft on the CPU
+    python -m trainer.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936
+
+A real Trainer (the tiny config with a wider random target) takes an AdamW step, then saves. "stall" is
+how long ``save_checkpoint`` keeps the training loop; "write" is until the checkpoint is on disk and
+named by latest.json. Medians over --repeats saves per mode. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from common.config import load_config, save_config
+from common.rundir import RunDir
+from producer.server import export_target_head, feature_layer_ids
+from producer.target import Target, build_target_config
+from trainer.train import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_trainer(run: RunDir, args: argparse.Namespace, async_checkpoint: bool) -> Trainer:
+    heads = max(1, args.hidden // 128)
+    overrides = [
+        'logging.wandb_mode="disabled"', f'training.device="{args.device}"', 'target.dtype="bfloat16"',
+        f"training.async_checkpoint={str(async_checkpoint).lower()}", f"drafter.num_layers={args.layers}",
+        f"target.config_overrides={{hidden_size={args.hidden}, intermediate_size={args.intermediate}, num_hidden_layers=8, "
+        f"num_attention_heads={heads}, num_key_value_heads={max(1, heads // 4)}, head_dim=128, vocab_size={args.vocab}}}",
+    ]
+    cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
+    run.checkpoints.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run.config)
+    target = Target.load(cfg.target, feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers),
+                         capture_last_hidden=cfg.training.label_mode != "data")
+    export_target_head(target, run.target_head)
+    del target
+    return Trainer(cfg, run)
+
+
+def measure(args: argparse.Namespace, async_checkpoint: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="df-ckpt-", dir=args.dir) as tmp:
+        trainer = build_trainer(RunDir(Path(tmp) / "run"), args, async_checkpoint)
+        params = [p for p in trainer.drafter.parameters() if p.requires_grad]
+        stalls, writes = [], []
+        try:
+            for repeat in range(args.repeats + 1):  # the first save allocates the host buffers: not counted
+                for p in params:
+                    p.grad = torch.randn_like(p)
+                trainer.optimizer.step()
+                trainer.optimizer.zero_grad()
+                trainer.step = repeat + 1
+                started = time.perf_counter()
+                trainer.save_checkpoint()
+                stalled = time.perf_counter() - started
+                trainer.checkpoints.wait()
+                if repeat:
+                    stalls.append(stalled)
+                    writes.append(time.perf_counter() - started)
+            size = sum(f.stat().st_size for f in trainer.run_dir.latest_checkpoint().rglob("*") if f.is_file())
+        finally:
+            trainer.close()
+    return {"mode": "background" if async_checkpoint else "synchronous", "stall_s": statistics.median(stalls),
+            "write_s": statistics.median(writes), "checkpoint_bytes": size,
+            "trainable_params": sum(p.numel() for p in params)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=3072)
+    parser.add_argument("--layers", type=int, default=2, help="draft layers")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: the system's temp dir)")
+    args = parser.parse_args(argv)
+    rows = [measure(args, async_checkpoint=False), measure(args, async_checkpoint=True)]
+    print(f"{'mode':<14}{'params':>12}{'checkpoint MB':>15}{'stall s':>10}{'write s':>10}")
+    for r in rows:
+        print(f"{r['mode']:<14}{r['trainable_params']:>12,}{r['checkpoint_bytes'] / 1e6:>15.1f}{r['stall_s']:>10.3f}{r['write_s']:>10.3f}")
+    ratio = rows[1]["stall_s"] / rows[0]["stall_s"]
+    print(f"background / synchronous stall: {ratio:.3f}")
+    print(json.dumps({"bench": "checkpoint", "device": args.device, "rows": rows, "stall_ratio": ratio}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
