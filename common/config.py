@@ -338,6 +338,11 @@ class LaunchConfig:
     """Restarts of one process before the launcher gives up on the run."""
     ready_timeout_s: float = 600.0
     """How long the launcher waits for a producer to load its target and report ready."""
+    mps: bool = False
+    """Run the run's processes as clients of a CUDA MPS daemon of the run's own (started and stopped by
+    the launcher; needs nvidia-cuda-mps-control on PATH). Where a producer and trainer ranks share a
+    GPU their kernels then run side by side; without MPS the GPU time-slices between the processes.
+    See the README's placement section."""
     remote_producers: list[str] = field(default_factory=list)
     """Producers on other hosts, as ``tcp://host:port`` endpoints the trainer connects to (CURVE with
     the run's secrets/curve.json). Their producer ids follow the local ones: the k-th is

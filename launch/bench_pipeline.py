@@ -2,6 +2,7 @@
 
     python -m launch.bench_pipeline                             # every run this machine's GPUs allow
     python -m launch.bench_pipeline --runs trainer,split-2,coupled-2 --seconds 40
+    python -m launch.bench_pipeline --runs shared-1,shared-2 --set launch.mps=true   # shared GPUs under MPS
     python -m launch.bench_pipeline --tiny                      # CPU smoke run of every run kind
     python -m launch.bench_pipeline plot RESULTS.json --png docs/ring_occupancy.png
 
@@ -173,7 +174,7 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
     producer_devices, trainer_devices, coupled = placements[name]
     tmp = Path(tempfile.mkdtemp(prefix=f"df-{name}-", dir="/tmp"))
     run = RunDir(tmp / "run")
-    overrides = base_overrides(args, run.root) + run_overrides(name, args)
+    overrides = base_overrides(args, run.root) + run_overrides(name, args) + args.set
     log = open(tmp / "launcher.log", "w")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if coupled:
@@ -416,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause-s", type=float, default=10.0, help="*-stalls: the evaluation stand-in")
     parser.add_argument("--cycles", type=int, default=2, help="*-stalls: checkpoint cycles measured")
     parser.add_argument("--timeout", type=float, default=400.0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run, e.g. launch.mps=true (repeatable)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     placements = TINY_PLACEMENTS if args.tiny else PLACEMENTS

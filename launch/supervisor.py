@@ -54,6 +54,7 @@ from pathlib import Path
 from common.config import ConfigError, RunConfig, load_config, save_config, to_dict
 from common.naming import sweep_stale
 from launch import status as status_cmd
+from launch.mps import MpsDaemon
 from launch.rundir import RunDir, process_alive, process_start_ticks, read_json, write_json_atomic
 
 log = logging.getLogger("dflash.launch")
@@ -372,8 +373,9 @@ class Supervisor:
         self.run = run
         self.cfg = cfg
         self.has_cuda = functools.cache(has_cuda)  # asked at most once: detection imports torch (seconds)
+        self.mps = MpsDaemon(run.root, run.logs) if cfg.launch.mps else None
         self.producers = [
-            ManagedProcess(f"producer-{i}", producer_command(run.root, i, device), producer_environment(device),
+            ManagedProcess(f"producer-{i}", producer_command(run.root, i, device), {**producer_environment(device), **self._mps_env()},
                            run.log(f"producer-{i}"), device.split(","))
             for i, device in enumerate(producer_devices(cfg, self.has_cuda))
         ]
@@ -391,9 +393,13 @@ class Supervisor:
         self._last_shown_step: int | None = None
         self._progress_width = 0
 
+    def _mps_env(self) -> dict[str, str]:
+        """What makes a child a client of the run's MPS daemon (nothing without launch.mps)."""
+        return self.mps.env if self.mps else {}
+
     def _make_trainer(self) -> ManagedProcess:
         devices = trainer_devices(self.cfg, self.has_cuda)
-        extra = {TRAINER_DEVICES_ENV: ",".join(devices)}
+        extra = {TRAINER_DEVICES_ENV: ",".join(devices), **self._mps_env()}
         if len(devices) > 1:
             # torchrun gives its ranks this long after forwarding SIGTERM; keep it below our own wait.
             extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(TRAINER_STOP_TIMEOUT_S) - 5))
@@ -423,6 +429,8 @@ class Supervisor:
             log.info("removed %d stale socket(s) of dead processes in %s", len(removed), self.run.sockets)
         exit_code: int | None = None
         try:
+            if self.mps:
+                self.mps.start()
             for producer in self.producers:
                 producer.start()
                 log.info("started %s pid %d on %s", producer.name, producer.pid, ",".join(producer.devices))
@@ -444,6 +452,8 @@ class Supervisor:
                     time.sleep(POLL_INTERVAL_S)
         finally:
             self._stop_all()
+            if self.mps:
+                self.mps.quit()
             self.state = self.outcome
             self._write_launcher_json(exit_code)
         return exit_code
@@ -743,7 +753,12 @@ def run_supervisor(run_dir: Path | None, config_file: Path | None, overrides: li
     run.create()
     save_config(cfg, run.config)
     _setup_logging(run)
-    supervisor = Supervisor(run, cfg, has_cuda)
+    try:
+        supervisor = Supervisor(run, cfg, has_cuda)
+    except ConfigError as exc:  # what the config asks for does not exist on this host
+        log.error("configuration error: %s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     supervisor.install_signal_handlers()
     log.info("%s run %s (launcher pid %d)", "resuming" if resumed else "starting", run.root, os.getpid())
     exit_code = supervisor.run_until_done()

@@ -1,0 +1,71 @@
+"""launch.mps: the launcher runs a CUDA MPS control daemon of the run's own around its processes.
+
+No GPU here: a stand-in nvidia-cuda-mps-control on PATH records how it is called (the real one needs
+the NVIDIA driver). What is checked is the launcher's side: the daemon is started before the
+producers with the run's pipe directory, every child gets that directory, a daemon left behind is told
+to quit first, and the run's own is told to quit at the end; without the program the run stops with
+exit 2 naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from common.rundir import RunDir, read_json
+from launch.mps import MPS_CONTROL, MpsDaemon
+from peers import wait_for
+from test_pipeline import ROOT, SMALL, producer_pids, start, stop_and_finish, trainer_step
+
+STAND_IN = """#!/bin/bash
+if [ "$1" = "-d" ]; then
+  echo "start pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_LOG"
+  touch "$CUDA_MPS_PIPE_DIRECTORY/control"
+else
+  read -r command
+  echo "$command pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_LOG"
+  rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+fi
+"""
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().split("=", 1) for e in entries if b"=" in e)
+
+
+def test_without_the_mps_program_the_run_stops_naming_the_key(short_tmp):
+    path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / MPS_CONTROL).exists())
+    out = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(short_tmp / "run"), *SMALL, "launch.mps=true"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"launch.mps: {MPS_CONTROL} is not on PATH" in out.stderr
+
+
+def test_the_run_has_its_own_mps_daemon_around_its_processes(short_tmp, monkeypatch):
+    bin_dir = short_tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / MPS_CONTROL).write_text(STAND_IN)
+    (bin_dir / MPS_CONTROL).chmod(0o755)
+    calls = short_tmp / "mps-calls.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_MPS_LOG", str(calls))
+    run_dir = short_tmp / "run"
+    daemon = MpsDaemon(run_dir, run_dir / "logs")
+    daemon.pipe.mkdir(parents=True, exist_ok=True)
+    (daemon.pipe / "control").touch()  # the daemon of an earlier launcher of this run, killed with -9
+    try:
+        launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "launch.mps=true",
+                         "logging.wandb_mode=disabled")
+        run = RunDir(run_dir)
+        wait_for(lambda: trainer_step(run) >= 2, "step 2", 180)
+        children = [read_json(run.trainer_status)["pid"], *producer_pids(run).values()]
+        for pid in children:
+            assert _environ(pid).get("CUDA_MPS_PIPE_DIRECTORY") == str(daemon.pipe), f"pid {pid} is a client of the run's daemon"
+        assert calls.read_text().splitlines() == [f"quit pipe={daemon.pipe}", f"start pipe={daemon.pipe} log={run_dir / 'logs' / 'mps'}"]
+        stop_and_finish(launcher, run_dir)
+        assert calls.read_text().splitlines()[2:] == [f"quit pipe={daemon.pipe}"], "the run's daemon quits with the run"
+    finally:
+        shutil.rmtree(daemon.pipe, ignore_errors=True)
