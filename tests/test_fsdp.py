@@ -14,7 +14,6 @@ import copy
 import json
 import os
 import signal
-import socket
 from pathlib import Path
 
 import pytest
@@ -49,12 +48,6 @@ NUM_ANCHORS = 16
 NO_WANDB = "logging.wandb_mode=disabled"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _optimizer(drafter: DFlashDrafter) -> torch.optim.Optimizer:
     # The trainer's optimizer settings; a large rate so that any difference would show.
     return torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1,
@@ -82,10 +75,11 @@ def _assert_same_optimizer_state(got: dict, want: dict) -> None:
             torch.testing.assert_close(got["state"][index][key], value, rtol=1e-5, atol=1e-7, msg=f"{index} {key}")
 
 
-def _fsdp_matches_ddp(rank: int, port: int, checkpoint: str) -> None:
+def _fsdp_matches_ddp(rank: int, store: str, checkpoint: str) -> None:
     """Each process: the same drafter under DDP and under FSDP, trained on the same batches."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    # A file store, not a port picked in advance: another process could bind that port before rank 0 does.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE)
     try:
         config = tiny_config(num_hidden_layers=3)
         torch.manual_seed(0)
@@ -138,7 +132,7 @@ def _fsdp_matches_ddp(rank: int, port: int, checkpoint: str) -> None:
 
 
 def test_fsdp_steps_match_ddp_and_each_rank_holds_half(tmp_path):
-    mp.spawn(_fsdp_matches_ddp, args=(_free_port(), str(tmp_path / "state.pt")), nprocs=WORLD_SIZE)
+    mp.spawn(_fsdp_matches_ddp, args=(str(tmp_path / "store"), str(tmp_path / "state.pt")), nprocs=WORLD_SIZE)
 
 
 # -- the pipeline -------------------------------------------------------------------------------
