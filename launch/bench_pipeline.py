@@ -240,8 +240,9 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
             return len(recent) == 12 and all(r["p0"]["ready"] <= 2 for r in recent)
 
         try:
-            wait_for(drained, args.timeout / 2, "a drained ring")
+            drained_before = wait_for(drained, args.timeout / 2, "a drained ring")
         except TimeoutError:  # the trainer does not outrun the producer here: pause anyway, and say so
+            drained_before = False
             print("stall: the ring never drained; pausing with a backlog", flush=True)
         pid = int(read_json(run.trainer_status)["pid"])
         paused = time.time()
@@ -264,7 +265,7 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
         peak = max((r for r in sampler.rows if "p0" in r and paused <= r["t"] <= resumed + 1), key=lambda r: r["p0"]["ready"])
         return {
             "stall_s": resumed - paused, "paused_at": paused, "resumed_at": resumed,
-            "drained_before": drained(),
+            "drained_before": drained_before,
             "trainer_before_samples_per_s": samples_between(rows, *before) / args.seconds,
             "trainer_after_samples_per_s": samples_between(rows, *after) / args.seconds,
             "producer_before_samples_per_s": published_rate(sampler.rows, *before),

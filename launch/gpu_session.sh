@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the project in one go, for one device-tool call (the device
 # machine keeps nothing between calls). Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|scaling|pipeline|mps|checkpoint ...]   (default: all but pipeline and scaling)
+#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|scaling|pipeline|mps|stalls|checkpoint ...]   (default: all but pipeline and scaling)
 # The pipeline benchmark takes longer than one device call (10 min): start it in the background with
 # setsid (it writes its JSON after every run) and collect the results in a later call.
 # The device image lacks some packages: install them from wheels carried in .whl first, e.g.
@@ -40,6 +40,8 @@ for step in $steps; do
     pipeline) run pipeline 3000 $PY -m launch.bench_pipeline --json "$OUT/pipeline.json" ;;
     mps)  # issue 6: do the shared placements reach their ideal when the processes run under MPS?
           run pipeline_mps 560 $PY -m launch.bench_pipeline --runs shared-1,shared-2,balanced-2 --seconds 20 --warm-steps 5 --timeout 240 --set launch.mps=true --json "$OUT/pipeline_mps.json" ;;
+    stalls)  # issue 6: with the stalls of real training, decoupled (shared GPUs, headroom) against coupled
+          run pipeline_stalls 560 $PY -m launch.bench_pipeline --runs shared-2-stalls,coupled-2-stalls --seconds 20 --warm-steps 5 --timeout 240 --json "$OUT/pipeline_stalls.json" ;;
     checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall, synchronous against background
           run checkpoint 300 $PY -m trainer.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 2 --dir /tmp ;;
     *) echo "unknown step $step"; exit 2 ;;
