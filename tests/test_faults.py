@@ -115,7 +115,7 @@ def run_plan(run_dir: Path, plan: list[Fault], epochs_after: int, timeout_s: flo
     assert [(f["point"], f["count"]) for f in fired] == [(f.point, f.count) for f in plan]
     recovered = _recovered(run, fired)
     audited, lost, repeated, lines = _audit_ledger(run)
-    _audit_checkpoints(run, sum(f.point == "trainer.checkpoint" for f in plan))
+    _audit_checkpoints(run, sum(f.point == "trainer.checkpoint" for f in plan), sum(f.point.startswith("trainer.") for f in plan))
     return Outcome(len(fired), recovered, audited, lost, repeated, len(lines), len({line["incarnation"] for line in lines}))
 
 
@@ -191,7 +191,7 @@ def _audit_ledger(run: RunDir) -> tuple[int, int, int, list[dict]]:
     return audited, lost, repeated, lines
 
 
-def _audit_checkpoints(run: RunDir, checkpoint_kills: int) -> None:
+def _audit_checkpoints(run: RunDir, checkpoint_kills: int, trainer_kills: int) -> None:
     leftovers = [p.name for p in run.checkpoints.iterdir() if p.name.startswith(".")]
     assert not leftovers, f"half-written leftovers in checkpoints/: {leftovers}"
     latest = read_json(run.checkpoints / "latest.json")
@@ -203,8 +203,11 @@ def _audit_checkpoints(run: RunDir, checkpoint_kills: int) -> None:
         assert load_file(str(folder / "drafter" / "model.safetensors")), f"{folder}: no weights"
         assert read_json(folder / "drafter" / "config.json") is not None
         assert "optimizer" in torch.load(folder / "train_state.pt", map_location="cpu", weights_only=True)
+    # Each kill at the checkpoint point left a half-written folder for the next trainer to clean up. A kill
+    # elsewhere may too: checkpoints are written in the background while training goes on.
     cleaned = run.log("trainer").read_text().count("left by a trainer killed while checkpointing")
-    assert cleaned == checkpoint_kills, f"{checkpoint_kills} kills inside a checkpoint write, {cleaned} leftovers cleaned up"
+    assert checkpoint_kills <= cleaned <= trainer_kills, \
+        f"{checkpoint_kills} kills inside a checkpoint write, {trainer_kills} trainer kills, {cleaned} leftovers cleaned up"
 
 
 def _seed() -> int:
