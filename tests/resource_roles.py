@@ -39,16 +39,13 @@ def _checkpoint_state(run) -> dict:
 def checkpoint(args: argparse.Namespace) -> int:
     from common.config import load_config, save_config
     from common.rundir import CheckpointError, RunDir
-    from producer.server import export_target_head, feature_layer_ids
-    from producer.target import Target, build_target_config
+    from producer.server import load_target
     from trainer.train import Trainer
 
     run = RunDir(args.run_dir)
     cfg = load_config(ROOT / "launch" / "tiny.toml", ['logging.wandb_mode="disabled"'])
     save_config(cfg, run.config)
-    layer_ids = feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers)
-    target = Target.load(cfg.target, layer_ids, capture_last_hidden=cfg.training.label_mode != "data")
-    export_target_head(target, run.target_head)
+    load_target(cfg, run, producer_id=0, device=None, group=None)  # exports the target's head, as a producer does
     trainer = Trainer(cfg, run)
     report: dict = {}
     trainer.save_checkpoint()

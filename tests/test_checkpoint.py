@@ -15,8 +15,7 @@ from safetensors.torch import load_file
 
 from common.config import load_config, save_config
 from common.rundir import RunDir, read_json
-from producer.server import export_target_head, feature_layer_ids
-from producer.target import Target, build_target_config
+from producer.server import load_target
 from trainer.checkpoint import HostStaging
 from trainer.export import WEIGHTS_FILE
 from trainer.train import Trainer
@@ -30,9 +29,7 @@ def make_trainer(run_dir, *overrides: str) -> Trainer:
     run.checkpoints.mkdir(parents=True)
     cfg = load_config(ROOT / "launch" / "tiny.toml", ['logging.wandb_mode="disabled"', *overrides])
     save_config(cfg, run.config)
-    target = Target.load(cfg.target, feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers),
-                         capture_last_hidden=cfg.training.label_mode != "data")
-    export_target_head(target, run.target_head)
+    load_target(cfg, run, producer_id=0, device=None, group=None)
     return Trainer(cfg, run)
 
 

@@ -22,8 +22,7 @@ import torch
 
 from common.config import load_config, save_config
 from common.rundir import RunDir
-from producer.server import export_target_head, feature_layer_ids
-from producer.target import Target, build_target_config
+from producer.server import load_target
 from trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,10 +39,7 @@ def build_trainer(run: RunDir, args: argparse.Namespace, async_checkpoint: bool)
     cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
     run.checkpoints.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.config)
-    target = Target.load(cfg.target, feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers),
-                         capture_last_hidden=cfg.training.label_mode != "data")
-    export_target_head(target, run.target_head)
-    del target
+    load_target(cfg, run, producer_id=0, device=None, group=None)  # exports the random target's head, as a producer does
     return Trainer(cfg, run)
 
 
