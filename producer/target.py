@@ -90,6 +90,12 @@ class CapturedFeatures(NamedTuple):
 # ---------------------------------------------------------------------------------------------- loading
 
 
+WEIGHT_SHAPE_KEYS = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                               "num_key_value_heads", "head_dim"})
+"""Config fields that set the shapes of stored weights: an override may not change them for target.path
+(num_hidden_layers may: fewer layers load a prefix of the stored ones)."""
+
+
 def build_target_config(cfg: TargetConfig):
     """The transformers config the target is built from (the path's, the json's or the tiny default)."""
     from transformers import AutoConfig
@@ -97,6 +103,14 @@ def build_target_config(cfg: TargetConfig):
     if cfg.path is not None:
         config = AutoConfig.from_pretrained(cfg.path)
         for key, value in cfg.config_overrides.items():
+            stored = getattr(config, key, None)
+            if key in WEIGHT_SHAPE_KEYS and stored is not None and stored != value:
+                # Else transformers fails deep in loading, on every restart, with a size-mismatch report.
+                raise ValueError(
+                    f"target.config_overrides.{key}={value!r} contradicts the stored target's {key}={stored!r} "
+                    f"({cfg.path}/config.json): its weights would not fit. Drop the override (launch/tiny.toml sets "
+                    f"vocab_size for the tiny default: pass target.config_overrides={{}} with target.path)"
+                )
             setattr(config, key, value)
         return config
     if cfg.config_json is not None:

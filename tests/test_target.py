@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from producer.target import (
     target_identity,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 NUM_LAYERS = 6
 LAYER_IDS = [1, 3]  # drafter numbering: outputs of decoder layers 1 and 3 == HF hidden_states[2], [4]
 TIGHT = dict(atol=1e-5, rtol=1e-5)
@@ -229,6 +232,24 @@ def test_config_overrides_apply_to_a_loaded_target(saved_target_dir):
     cfg = TargetConfig(path=str(saved_target_dir), dtype="float32", device="cpu", config_overrides={"num_hidden_layers": 4})
     target = Target.load(cfg, [1, 2])
     assert len(target.base.layers) == 4 and target.model.config.num_hidden_layers == 4
+
+
+def test_an_override_that_changes_stored_weight_shapes_is_refused_naming_the_key(saved_target_dir):
+    cfg = TargetConfig(path=str(saved_target_dir), dtype="float32", device="cpu", config_overrides={"vocab_size": 64})
+    with pytest.raises(ValueError, match=r"target.config_overrides.vocab_size=64 contradicts the stored target's vocab_size=512"):
+        load_target_model(cfg)
+
+
+def test_a_run_with_target_path_and_the_tiny_defaults_override_stops_with_exit_2(saved_target_dir, short_tmp):
+    """launch/tiny.toml sets vocab_size=64 for its random target. Before the check, a stored target with
+    another vocabulary failed inside transformers, and the launcher restarted the producers for minutes."""
+    run_dir = short_tmp / "run"
+    result = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), f'target.path="{saved_target_dir}"',
+                             "logging.wandb_mode=disabled"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    log = (run_dir / "logs" / "producer-0.log").read_text()
+    assert "target.config_overrides.vocab_size=64" in log and "target.config_overrides={}" in log
+    assert log.count("==== producer-0 start") == 1, "a configuration error is not restarted"
 
 
 def test_flop_count_of_qwen3_8b_shape():

@@ -266,22 +266,36 @@ def test_gpu_tp2_capture_matches_one_gpu(saved_target_dir, tmp_path):
         torch.testing.assert_close(last, want_last, atol=3e-2, rtol=3e-2)
 
 
+def run_stored_target_pipeline(run_dir: Path, target_dir: Path, producer_devices: str, trainer_device: str) -> RunDir:
+    """3 epochs from a stored fp32 target run in bf16 by a tensor-parallel producer and a one-device one
+    (same weights); exactly once, and the trainer agrees with both on the bf16 embedding."""
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", f'target.path="{target_dir}"',
+                     "target.config_overrides={}", 'target.dtype="bfloat16"', NO_WANDB,
+                     f"launch.producer_devices={producer_devices}", f'launch.trainer_devices=["{trainer_device}"]')
+    finish(launcher, run_dir, timeout=300)
+    run = RunDir(run_dir)
+    assert read_json(run.trainer_status)["state"] == "finished"
+    assert_exactly_once(run)
+    return run
+
+
+def test_pipeline_with_a_stored_bf16_target_on_a_tensor_parallel_producer(saved_target_dir, short_tmp):
+    """Two faults a stored target met only in this pipeline: launch/tiny.toml's vocab_size override (now a
+    configuration error, dropped here), and a trainer that hashed the checkpoint's fp32 embedding while
+    the producers ship the bf16 one (refused at the handshake)."""
+    run = run_stored_target_pipeline(short_tmp / "run", saved_target_dir, '["cpu,cpu", "cpu"]', "cpu")
+    assert [s["device"] for s in run.producer_statuses()] == ["cpu,cpu", "cpu"]
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_gpu_pipeline_with_a_tensor_parallel_producer(saved_target_dir, short_tmp):
     """A producer over both GPUs (NCCL, its ring on GPU 0 by CUDA IPC) beside one on the CPU (its GPUs are
-    taken), the trainer on GPU 0. A stored target, so both producers hold the same weights."""
-    run_dir = short_tmp / "run"
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", f'target.path="{saved_target_dir}"',
-                     'target.dtype="bfloat16"', NO_WANDB, 'launch.producer_devices=["cuda:0,cuda:1", "cpu"]',
-                     'launch.trainer_devices=["cuda:0"]')
-    finish(launcher, run_dir, timeout=300)
-    run = RunDir(run_dir)
+    taken), the trainer on GPU 0."""
+    run = run_stored_target_pipeline(short_tmp / "run", saved_target_dir, '["cuda:0,cuda:1", "cpu"]', "cuda:0")
     statuses = run.producer_statuses()
     assert [s["device"] for s in statuses] == ["cuda:0,cuda:1", "cpu"]
     assert [s["ring"]["backend"] for s in statuses] == ["cuda", "host"]
-    assert read_json(run.trainer_status)["state"] == "finished"
-    assert_exactly_once(run)
 
 
 if __name__ == "__main__":

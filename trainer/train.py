@@ -115,7 +115,11 @@ class Trainer:
         target_config = AutoConfig.from_pretrained(head_dir)
         for key, value in cfg.target.config_overrides.items():
             setattr(target_config, key, value)
-        self.head = load_target_head(head_dir, device=self.device)
+        from producer.target import DTYPES, target_identity
+
+        # In the target's dtype: a producer casts a stored target's weights to it while loading, so the
+        # drafter shares (and the handshake hashes) that embedding, not the checkpoint's fp32 one.
+        self.head = load_target_head(head_dir, device=self.device, dtype=DTYPES[cfg.target.dtype])
         self.draft_config = self._draft_config(target_config, head_dir)
         self.loss_config = LossConfig(
             label_mode=cfg.training.label_mode,
@@ -123,8 +127,6 @@ class Trainer:
             weighting="streak" if cfg.training.streak_aware else "decay",
             feature_noise=cfg.training.feature_noise,
         )
-        from producer.target import target_identity
-
         self.expect = {
             "target_identity": target_identity(target_config, self.head.embed_weight),
             "layer_ids": list(self.draft_config.target_layer_ids),
