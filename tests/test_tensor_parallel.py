@@ -266,12 +266,13 @@ def test_gpu_tp2_capture_matches_one_gpu(saved_target_dir, tmp_path):
         torch.testing.assert_close(last, want_last, atol=3e-2, rtol=3e-2)
 
 
-def run_stored_target_pipeline(run_dir: Path, target_dir: Path, producer_devices: str, trainer_device: str) -> RunDir:
+def run_stored_target_pipeline(run_dir: Path, target_dir: Path, producer_devices: str, trainer_device: str,
+                               *overrides: str) -> RunDir:
     """3 epochs from a stored fp32 target run in bf16 by a tensor-parallel producer and a one-device one
     (same weights); exactly once, and the trainer agrees with both on the bf16 embedding."""
     launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", f'target.path="{target_dir}"',
                      "target.config_overrides={}", 'target.dtype="bfloat16"', NO_WANDB,
-                     f"launch.producer_devices={producer_devices}", f'launch.trainer_devices=["{trainer_device}"]')
+                     f"launch.producer_devices={producer_devices}", f'launch.trainer_devices=["{trainer_device}"]', *overrides)
     finish(launcher, run_dir, timeout=300)
     run = RunDir(run_dir)
     assert read_json(run.trainer_status)["state"] == "finished"
@@ -291,8 +292,9 @@ def test_pipeline_with_a_stored_bf16_target_on_a_tensor_parallel_producer(saved_
 @pytest.mark.multigpu
 def test_gpu_pipeline_with_a_tensor_parallel_producer(saved_target_dir, short_tmp):
     """A producer over both GPUs (NCCL, its ring on GPU 0 by CUDA IPC) beside one on the CPU (its GPUs are
-    taken), the trainer on GPU 0."""
-    run = run_stored_target_pipeline(short_tmp / "run", saved_target_dir, '["cuda:0,cuda:1", "cpu"]', "cuda:0")
+    taken), the trainer on GPU 0. ``auto`` rings (tiny.toml's are host): each producer picks by its device."""
+    run = run_stored_target_pipeline(short_tmp / "run", saved_target_dir, '["cuda:0,cuda:1", "cpu"]', "cuda:0",
+                                     'ring.backend="auto"')
     statuses = run.producer_statuses()
     assert [s["device"] for s in statuses] == ["cuda:0,cuda:1", "cpu"]
     assert [s["ring"]["backend"] for s in statuses] == ["cuda", "host"]
