@@ -340,6 +340,20 @@ def ideal(name: str, stages: dict) -> float | None:
     return n / (n / p + 1 / t)
 
 
+def parse_stage_rates(text: str, parser: argparse.ArgumentParser) -> dict:
+    """``producer=13.15,trainer=6.27`` -> the stages' results as ``ideal`` reads them."""
+    stages = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        try:
+            stages[name.strip()] = {"samples_per_s": float(value)}
+        except ValueError:
+            parser.error(f"--stage-rates: {item!r} is not name=samples_per_s")
+    if set(stages) != {"producer", "trainer"}:
+        parser.error(f"--stage-rates: needs producer= and trainer=, got {sorted(stages)}")
+    return stages
+
+
 def print_table(results: list[dict], stages: dict) -> None:
     header = (f"{'run':<18}{'producers':>14}{'trainer':>18}{'samples/s':>11}{'net':>8}{'ideal':>8}{'of ideal':>10}"
               f"{'producer/s':>12}")
@@ -420,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=400.0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run, e.g. launch.mps=true (repeatable)")
+    parser.add_argument("--stage-rates", default=None, metavar="producer=P,trainer=T",
+                        help="samples/s of the stages alone, measured earlier, for the ideal column of runs "
+                             "that leave out the producer and trainer runs")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     placements = TINY_PLACEMENTS if args.tiny else PLACEMENTS
@@ -432,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         gpus = torch.cuda.device_count()
     names = args.runs.split(",") if args.runs else ["producer", "trainer"] + [
         n for n, (p, t, _) in PLACEMENTS.items() if args.tiny or max(int(d.split(":")[1]) for d in p + t) < gpus]
-    stages: dict = {}
+    stages = parse_stage_rates(args.stage_rates, parser) if args.stage_rates else {}
     results: list[dict] = []
     for name in names:
         print(f"== {name} ({time.strftime('%H:%M:%S')})", flush=True)

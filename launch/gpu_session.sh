@@ -39,11 +39,12 @@ for step in $steps; do
           run scale_fsdp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism fsdp ;;
     pipeline) run pipeline 3000 $PY -m launch.bench_pipeline --json "$OUT/pipeline.json" ;;
     mps)  # issue 6: do the shared placements reach their ideal when the processes run under MPS?
-          run pipeline_mps 560 $PY -m launch.bench_pipeline --runs shared-1,shared-2,balanced-2 --seconds 20 --warm-steps 5 --timeout 240 --set launch.mps=true --json "$OUT/pipeline_mps.json" ;;
+          # (stage rates: the H200's producer and trainer alone, BENCHMARKS.md, for the ideal column)
+          run pipeline_mps 560 $PY -m launch.bench_pipeline --runs shared-1,shared-2,balanced-2 --seconds 20 --warm-steps 5 --timeout 200 --set launch.mps=true --stage-rates producer=13.15,trainer=6.27 --json "$OUT/pipeline_mps.json" ;;
     stalls)  # issue 6: with the stalls of real training, decoupled (shared GPUs, headroom) against coupled
-          run pipeline_stalls 560 $PY -m launch.bench_pipeline --runs shared-2-stalls,coupled-2-stalls --seconds 20 --warm-steps 5 --timeout 240 --json "$OUT/pipeline_stalls.json" ;;
+          run pipeline_stalls 560 $PY -m launch.bench_pipeline --runs coupled-2-stalls,shared-2-stalls --seconds 20 --warm-steps 5 --timeout 150 --cycles 1 --stall-every 40 --json "$OUT/pipeline_stalls.json" ;;
     checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall, synchronous against background
-          run checkpoint 300 $PY -m trainer.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 2 --dir /tmp ;;
+          run checkpoint 320 $PY -m trainer.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
