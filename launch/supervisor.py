@@ -375,7 +375,8 @@ class Supervisor:
         self.has_cuda = functools.cache(has_cuda)  # asked at most once: detection imports torch (seconds)
         self.mps = MpsDaemon(run.root, run.logs) if cfg.launch.mps else None
         self.producers = [
-            ManagedProcess(f"producer-{i}", producer_command(run.root, i, device), {**producer_environment(device), **self._mps_env()},
+            ManagedProcess(f"producer-{i}", producer_command(run.root, i, device),
+                           {**producer_environment(device), **self._mps_env(), **self._producer_mps_limit(device)},
                            run.log(f"producer-{i}"), device.split(","))
             for i, device in enumerate(producer_devices(cfg, self.has_cuda))
         ]
@@ -396,6 +397,14 @@ class Supervisor:
     def _mps_env(self) -> dict[str, str]:
         """What makes a child a client of the run's MPS daemon (nothing without launch.mps)."""
         return self.mps.env if self.mps else {}
+
+    def _producer_mps_limit(self, device: str) -> dict[str, str]:
+        """launch.mps_producer_sm_percent for a producer that shares a GPU with a trainer rank."""
+        percent = self.cfg.launch.mps_producer_sm_percent
+        shared = set(device.split(",")) & set(trainer_devices(self.cfg, self.has_cuda))
+        if percent is None or not any(d.startswith("cuda") for d in shared):
+            return {}
+        return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
 
     def _make_trainer(self) -> ManagedProcess:
         devices = trainer_devices(self.cfg, self.has_cuda)

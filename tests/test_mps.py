@@ -14,8 +14,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from common.config import load_config
 from common.rundir import RunDir, read_json
 from launch.mps import MPS_CONTROL, MpsDaemon
+from launch.rundir import RunDir as LaunchRunDir
+from launch.supervisor import Supervisor
 from peers import wait_for
 from test_pipeline import ROOT, SMALL, producer_pids, start, stop_and_finish, trainer_step
 
@@ -69,3 +72,21 @@ def test_the_run_has_its_own_mps_daemon_around_its_processes(short_tmp, monkeypa
         assert calls.read_text().splitlines()[2:] == [f"quit pipe={daemon.pipe}"], "the run's daemon quits with the run"
     finally:
         shutil.rmtree(daemon.pipe, ignore_errors=True)
+
+
+def test_only_producers_that_share_a_gpu_with_a_trainer_rank_get_the_sm_share(short_tmp, monkeypatch):
+    """launch.mps_producer_sm_percent reaches the environment of a producer beside a trainer rank (a
+    tensor-parallel one too), not a producer with GPUs of its own, and never the trainer."""
+    bin_dir = short_tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / MPS_CONTROL).write_text(STAND_IN)
+    (bin_dir / MPS_CONTROL).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    cfg = load_config(None, ["launch.mps=true", "launch.mps_producer_sm_percent=45",
+                             'launch.producer_devices=["cuda:0", "cuda:1", "cuda:2,cuda:3"]',
+                             'launch.trainer_devices=["cuda:1", "cuda:3"]'])
+    supervisor = Supervisor(LaunchRunDir(short_tmp / "run"), cfg, has_cuda=lambda: True)
+    shares = [p.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") for p in supervisor.producers]
+    assert shares == [None, "45", "45"]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in supervisor.trainer.env
+    assert all(p.env["CUDA_MPS_PIPE_DIRECTORY"] == str(supervisor.mps.pipe) for p in supervisor.producers)
