@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the project in one go, for one device-tool call (the device
 # machine keeps nothing between calls). Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|scaling|pipeline|mps|mps_share|stalls|checkpoint ...]   (default: all but pipeline and scaling)
+#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint ...]   (default: all but pipeline and scaling)
 # The pipeline benchmark takes longer than one device call (10 min): start it in the background with
 # setsid (it writes its JSON after every run) and collect the results in a later call.
 # The device image lacks some packages: install them from wheels carried in .whl first, e.g.
@@ -45,6 +45,8 @@ for step in $steps; do
           for percent in 32 45; do
             run pipeline_mps_sm$percent 280 $PY -m launch.bench_pipeline --runs shared-2,balanced-2 --seconds 20 --warm-steps 5 --timeout 150 --set launch.mps=true --set launch.mps_producer_sm_percent=$percent --stage-rates producer=13.15,trainer=6.27 --json "$OUT/pipeline_mps_sm$percent.json"
           done ;;
+    shared_fsdp)  # issue 6: both GPUs shared under MPS with an FSDP trainer (faster alone than DDP, half the memory)
+          run pipeline_shared_fsdp 280 $PY -m launch.bench_pipeline --runs shared-2 --seconds 20 --warm-steps 5 --timeout 150 --set launch.mps=true --set training.parallelism=fsdp --stage-rates producer=13.15,trainer=6.27 --json "$OUT/pipeline_shared_fsdp.json" ;;
     stalls)  # issue 6: with the stalls of real training, decoupled (shared GPUs, headroom) against coupled
           run pipeline_stalls 560 $PY -m launch.bench_pipeline --runs coupled-2-stalls,shared-2-stalls --seconds 20 --warm-steps 5 --timeout 150 --cycles 1 --stall-every 40 --json "$OUT/pipeline_stalls.json" ;;
     checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall, synchronous against background
