@@ -349,7 +349,8 @@ class LaunchConfig:
     the trainer's step, so that a DDP rank is not slowed by the forward beside it. Size it from the
     stages alone: both run at the same rate when the producer has trainer / (producer + trainer)
     samples/s of the GPU (6.3 / (13.2 + 6.3): 32% for the Qwen3-8B shapes on an H200), if their
-    speed scales with SMs. None: no limit."""
+    speed scales with SMs. The cap is fixed when the producer starts and holds during the trainer's
+    pauses too, so a capped producer refills ring.headroom_slots more slowly. None: no limit."""
     remote_producers: list[str] = field(default_factory=list)
     """Producers on other hosts, as ``tcp://host:port`` endpoints the trainer connects to (CURVE with
     the run's secrets/curve.json). Their producer ids follow the local ones: the k-th is
