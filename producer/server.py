@@ -25,13 +25,11 @@ The producer never waits for a trainer: with none connected it fills its ring an
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +42,7 @@ from common import faults
 from common.batch import PackedBatch
 from common.codec import bytes_needed, plan_layout, read_tensors
 from common.config import ConfigError, RunConfig, load_config
+from common.lifecycle import die_with_parent, exit_rank
 from common.naming import owner_identity, sweep_stale
 from common.protocol import Hello
 from common.ring import RingMemoryError, create_ring
@@ -62,14 +61,6 @@ from trainer.draft_config import build_target_layer_ids
 log = logging.getLogger("producer")
 
 EXIT_CONFIG_ERROR = 2
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGTERM us when the launcher dies, so no orphan holds a GPU."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def feature_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
@@ -551,4 +542,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

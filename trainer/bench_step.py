@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from common.batch import PackedBatch
 from common.benchutil import matmul_tflops, synchronize
+from common.lifecycle import exit_rank
 from trainer.draft_config import DraftConfig
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter, train_flops_per_sample
@@ -191,3 +192,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import json
 import logging
 import math
 import os
 import secrets
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import torch.distributed as dist
 
 from common import faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
+from common.lifecycle import die_with_parent, exit_rank
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from trainer.checkpoint import CheckpointWriter, Snapshot
 from trainer.draft_config import DraftConfig
@@ -597,10 +596,7 @@ class _Window:
 
 def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
     root = RunDir(run_dir)
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # die with the launcher
-    except OSError:
-        pass
+    die_with_parent()
     try:
         root.check_format()  # before reading anything of a folder another version made
         cfg = load_config(root.config)
@@ -648,4 +644,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

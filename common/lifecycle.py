@@ -1,0 +1,48 @@
+"""How our worker processes end: with their launcher, and without Python's finalization racing
+torch.distributed's threads."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from typing import NoReturn
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM us when the launcher dies, so no orphan holds a GPU (Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def exit_rank(code: int) -> NoReturn:
+    """Exit a process started by torchrun (WORLD_SIZE > 1) once it has closed what it owns.
+
+    A rank skips Python's finalization. The collective backend's threads free finished work lazily,
+    and a thread that frees a tensor still tied to a Python object after finalization began can no
+    longer take the GIL: it unwinds, C++ calls std::terminate, and a rank that ended cleanly dies by
+    SIGABRT, which torchrun and the supervisor take for a crash (gloo on torch 2.13: about one exit
+    in ten on 2 CPUs; tests/test_lifecycle.py). Log handlers and the standard streams are flushed
+    first; atexit handlers do not run (wandb is finished explicitly before). A process that is no
+    rank exits as usual.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    end_now(code)
+
+
+def end_now(code: int) -> NoReturn:
+    """Flush logs and standard streams, then leave without finalization (see ``exit_rank``)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
