@@ -28,13 +28,12 @@ from common.rundir import RunDir, read_json
 from drafter_fixtures import random_batch, random_head, tiny_config
 from peers import wait_for
 from test_pipeline import assert_exactly_once, finish, lineage, run_all, start, trainer_step
+from trainer.checkpoint import HostStaging
 from trainer.export import load_drafter
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter
 from trainer.sharding import (
     TrainStep,
-    full_model_state,
-    full_optimizer_state,
     full_tensor,
     load_full_optimizer_state,
     local_parameter_count,
@@ -102,8 +101,14 @@ def _fsdp_matches_ddp(rank: int, store: str, checkpoint: str) -> None:
             fsdp_norm = _step(TrainStep(sharded), sharded, fsdp_optimizer, step, rank)
             torch.testing.assert_close(fsdp_norm, ddp_norm, rtol=1e-5, atol=1e-6)
 
-        weights, optimizer_state = full_model_state(sharded), full_optimizer_state(sharded, fsdp_optimizer)
+        # As the trainer checkpoints: every rank joins the gathers into rank 0's reused host buffers.
+        staging = HostStaging()
+        weights = staging.copy(sharded.state_dict(), "drafter", keep=rank == 0)
+        optimizer_state = staging.copy(fsdp_optimizer.state_dict(), "optimizer", keep=rank == 0)
+        again = staging.copy(sharded.state_dict(), "drafter", keep=rank == 0)
         if rank == 0:
+            assert all(again[name] is weights[name] for name in weights), "the second checkpoint reuses the buffers"
+            assert not any(isinstance(v, DTensor) for v in weights.values()), "whole tensors, not shards"
             assert weights.keys() == replicated.state_dict().keys()
             assert not torch.allclose(weights["fc.weight"], initial["fc.weight"]), "the steps moved the weights"
             for name, value in replicated.state_dict().items():
@@ -112,7 +117,7 @@ def _fsdp_matches_ddp(rank: int, store: str, checkpoint: str) -> None:
             _assert_same_optimizer_state(optimizer_state, ddp_optimizer.state_dict())
             torch.save({"weights": weights, "optimizer": optimizer_state}, checkpoint)
         else:
-            assert weights == {} and optimizer_state == {}, "only rank 0 receives the whole state"
+            assert weights is None and optimizer_state is None, "only rank 0 keeps the whole state"
         dist.barrier()
 
         # Resume as the trainer does: every rank loads the file into a fresh drafter, then shards it.

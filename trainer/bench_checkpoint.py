@@ -2,6 +2,8 @@
 
     python -m trainer.bench_checkpoint                      # a 1024-wide draft on the CPU
     python -m trainer.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936
+    torchrun --nproc-per-node 2 -m trainer.bench_checkpoint --parallelism fsdp --modes synchronous  # sharded
+    torchrun --nproc-per-node 2 -m trainer.bench_checkpoint --parallelism fsdp --modes background
 
 A real Trainer (the tiny config with a wider random target) takes an AdamW step, then saves. "stall" is
 how long ``save_checkpoint`` keeps the training loop; "write" is until the checkpoint is on disk and
@@ -11,16 +13,20 @@ named by latest.json. Medians over --repeats saves per mode. Prints a table, the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
 import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from common.config import load_config, save_config
+from common.lifecycle import exit_rank
 from common.rundir import RunDir
 from producer.server import load_target
 from trainer.train import Trainer
@@ -33,19 +39,41 @@ def build_trainer(run: RunDir, args: argparse.Namespace, async_checkpoint: bool)
     overrides = [
         'logging.wandb_mode="disabled"', f'training.device="{args.device}"', 'target.dtype="bfloat16"',
         f"training.async_checkpoint={str(async_checkpoint).lower()}", f"drafter.num_layers={args.layers}",
+        f'training.parallelism="{args.parallelism}"',
         f"target.config_overrides={{hidden_size={args.hidden}, intermediate_size={args.intermediate}, num_hidden_layers=8, "
         f"num_attention_heads={heads}, num_key_value_heads={max(1, heads // 4)}, head_dim=128, vocab_size={args.vocab}}}",
     ]
     cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
     run.checkpoints.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.config)
-    load_target(cfg, run, producer_id=0, device=None, group=None)  # exports the random target's head, as a producer does
-    return Trainer(cfg, run)
+    if int(os.environ.get("RANK", 0)) == 0:
+        load_target(cfg, run, producer_id=0, device=None, group=None)  # exports the random target's head, as a producer does
+    return Trainer(cfg, run)  # under torchrun the other ranks wait for that head
+
+
+@contextlib.contextmanager
+def run_directory(parent: str | None, async_checkpoint: bool) -> Iterator[Path]:
+    """A fresh directory for one measurement, removed after. Under torchrun the ranks share it: it is
+    named after their common parent, the torchrun agent, and rank 0 removes it once all are done."""
+    if "RANK" not in os.environ:
+        with tempfile.TemporaryDirectory(prefix="df-ckpt-", dir=parent) as tmp:
+            yield Path(tmp)
+        return
+    path = Path(parent or tempfile.gettempdir()) / f"df-ckpt-{os.getppid()}-{int(async_checkpoint)}"
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if os.environ["RANK"] == "0":
+            shutil.rmtree(path, ignore_errors=True)
+
+
+MODES = ("synchronous", "background")
 
 
 def measure(args: argparse.Namespace, async_checkpoint: bool) -> dict:
-    with tempfile.TemporaryDirectory(prefix="df-ckpt-", dir=args.dir) as tmp:
-        trainer = build_trainer(RunDir(Path(tmp) / "run"), args, async_checkpoint)
+    with run_directory(args.dir, async_checkpoint) as tmp:
+        trainer = build_trainer(RunDir(tmp / "run"), args, async_checkpoint)
         params = [p for p in trainer.drafter.parameters() if p.requires_grad]
         stalls, writes = [], []
         try:
@@ -79,16 +107,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: the system's temp dir)")
+    parser.add_argument("--parallelism", choices=("ddp", "fsdp"), default="ddp", help="under torchrun with several ranks")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}; one per torchrun launch")
     args = parser.parse_args(argv)
-    rows = [measure(args, async_checkpoint=False), measure(args, async_checkpoint=True)]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"--modes: choose from {MODES}, got {args.modes!r}")
+    if len(modes) > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Each Trainer joins and leaves the process group; joining it again in the same process under
+        # torchrun's rendezvous hangs, so a distributed run measures one mode per launch.
+        parser.error("--modes: under torchrun measure one mode per launch (--modes synchronous, then --modes background)")
+    rows = [measure(args, async_checkpoint=mode == "background") for mode in modes]
+    if os.environ.get("RANK", "0") != "0":
+        return 0
     print(f"{'mode':<14}{'params':>12}{'checkpoint MB':>15}{'stall s':>10}{'write s':>10}")
     for r in rows:
         print(f"{r['mode']:<14}{r['trainable_params']:>12,}{r['checkpoint_bytes'] / 1e6:>15.1f}{r['stall_s']:>10.3f}{r['write_s']:>10.3f}")
-    ratio = rows[1]["stall_s"] / rows[0]["stall_s"]
-    print(f"background / synchronous stall: {ratio:.3f}")
-    print(json.dumps({"bench": "checkpoint", "device": args.device, "rows": rows, "stall_ratio": ratio}))
+    ratio = rows[1]["stall_s"] / rows[0]["stall_s"] if len(rows) == 2 else None
+    if ratio is not None:
+        print(f"background / synchronous stall: {ratio:.3f}")
+    print(json.dumps({"bench": "checkpoint", "device": args.device, "parallelism": args.parallelism,
+                      "world_size": int(os.environ.get("WORLD_SIZE", "1")), "rows": rows, "stall_ratio": ratio}))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

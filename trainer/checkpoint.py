@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from common import faults
 from common.rundir import CheckpointError, RunDir, atomic_write_json, replace_dir
@@ -39,22 +40,31 @@ class HostStaging:
     Each tensor is copied into a buffer of its shape and dtype, allocated the first time and reused
     after (no page faults over gigabytes at every checkpoint): page-locked for a CUDA tensor, with one
     synchronisation for the whole tree. A CPU tensor is copied too: training goes on changing the
-    original in place.
+    original in place. A sharded tensor (FSDP's DTensor) is gathered whole first, one at a time, so
+    no more than one whole tensor is on the GPU at once.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def copy(self, tree: Any, prefix: str = "") -> Any:
-        """A copy of ``tree`` whose tensors are on the host and owned by nobody else."""
+    def copy(self, tree: Any, prefix: str = "", keep: bool = True) -> Any:
+        """A copy of ``tree`` whose tensors are whole, on the host and owned by nobody else.
+
+        With sharded tensors in ``tree`` this is a collective: every rank of their group calls it on
+        a tree of the same structure. Ranks that do not keep the result pass ``keep=False`` (and get None).
+        """
         devices: set[torch.device] = set()
-        copied = self._copy(tree, prefix, devices)
+        copied = self._copy(tree, prefix, devices, keep)
         for device in devices:
             torch.cuda.synchronize(device)
-        return copied
+        return copied if keep else None
 
-    def _copy(self, value: Any, key: str, devices: set[torch.device]) -> Any:
+    def _copy(self, value: Any, key: str, devices: set[torch.device], keep: bool) -> Any:
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # an all-gather: every rank walks the tree in the same order
         if isinstance(value, torch.Tensor):
+            if not keep:
+                return None
             on_gpu = value.device.type == "cuda"
             buffer = self._buffers.get(key)
             if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
@@ -64,9 +74,9 @@ class HostStaging:
                 devices.add(value.device)
             return buffer
         if isinstance(value, dict):
-            return {k: self._copy(v, f"{key}/{k}", devices) for k, v in value.items()}
+            return {k: self._copy(v, f"{key}/{k}", devices, keep) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return type(value)(self._copy(v, f"{key}/{i}", devices) for i, v in enumerate(value))
+            return type(value)(self._copy(v, f"{key}/{i}", devices, keep) for i, v in enumerate(value))
         return value  # numbers, strings, None: immutable
 
 

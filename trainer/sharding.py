@@ -1,5 +1,5 @@
 """FSDP2 for the drafter (``training.parallelism = "fsdp"``): shard it over the trainer ranks, and
-gather it whole again for checkpoints and evaluation.
+gather it whole again for evaluation (checkpoints gather it tensor by tensor: trainer/checkpoint.py).
 
 Checkpoints keep the format of an unsharded drafter: the z-lab export of the full weights, and the
 optimizer state as ``torch.optim.Optimizer.state_dict()`` writes it (parameters numbered in the
@@ -15,7 +15,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -24,8 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.model import DFlashDrafter
 
-# Whole tensors on rank 0's host (the other ranks get empty dicts): what the checkpoint writer needs,
-# without a full copy on any GPU.
+# Whole tensors on rank 0's host (the other ranks get empty dicts), without a full copy on any GPU.
 _FULL_ON_RANK0_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -95,20 +93,6 @@ def full_model_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
     A collective: every rank must call it.
     """
     return get_model_state_dict(drafter, options=_FULL_ON_RANK0_CPU)
-
-
-def full_optimizer_state(drafter: DFlashDrafter, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state of the whole drafter on rank 0's host, in ``Optimizer.state_dict()``'s
-    format (parameters by number); {} on other ranks. A collective: every rank must call it."""
-    by_name = get_optimizer_state_dict(drafter, optimizer, options=_FULL_ON_RANK0_CPU)
-    if not by_name:
-        return {}
-    number = {name: index for index, name in enumerate(_trainable_names(drafter))}
-    return {
-        "state": {number[name]: state for name, state in by_name["state"].items()},
-        "param_groups": [{**group, "params": [number[name] for name in group["params"]]}
-                         for group in by_name["param_groups"]],
-    }
 
 
 def load_full_optimizer_state(drafter: DFlashDrafter, optimizer: torch.optim.Optimizer,

@@ -38,7 +38,6 @@ from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter, train_flops_per_sample
 from trainer.sharding import (
     full_model_state,
-    full_optimizer_state,
     full_tensor,
     load_full_optimizer_state,
     local_parameter_count,
@@ -313,20 +312,21 @@ class Trainer:
         state is copied to the host; the write runs in the background unless ``blocking`` or
         ``training.async_checkpoint`` is off. A write that fails raises CheckpointError (here, or at a
         later step) and leaves the previous checkpoint and latest.json untouched.
-        Under FSDP every rank first helps gather the whole weights and optimizer state onto rank 0's
-        host, so the checkpoint is the same as an unsharded trainer's.
+        Under FSDP every rank first helps gather the whole weights and optimizer state, tensor by
+        tensor, into rank 0's host buffers, so the checkpoint is the same as an unsharded trainer's.
         """
         started = time.perf_counter()
         if self.rank == 0:
             self.checkpoints.wait()  # one write at a time; its host buffers are then free again
             self.state = "checkpointing"
             self.write_status()
-        if self.sharded:  # gathered into fresh host tensors on rank 0
-            weights, optimizer_state = full_model_state(self.drafter), full_optimizer_state(self.drafter, self.optimizer)
-        else:
-            staging = self.checkpoints.staging
-            weights = staging.copy(self.drafter.state_dict(), "drafter") if self.rank == 0 else None
-            optimizer_state = staging.copy(self.optimizer.state_dict(), "optimizer") if self.rank == 0 else None
+        # Into host buffers reused between checkpoints. Under FSDP every rank joins the gathers of the
+        # sharded tensors and rank 0 keeps the whole state; under DDP rank 0 holds it all already.
+        staging, keep = self.checkpoints.staging, self.rank == 0
+        weights = optimizer_state = None
+        if keep or self.sharded:
+            weights = staging.copy(self.drafter.state_dict(), "drafter", keep)
+            optimizer_state = staging.copy(self.optimizer.state_dict(), "optimizer", keep)
         if self.rank == 0:
             meta = {"step": self.step, "max_steps": self.max_steps, "incarnation": self.incarnation,
                     "committed": self.commits.trained_state(), "wandb_id": self.wandb_id, "lr": self.cfg.training.lr}
