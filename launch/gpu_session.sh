@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the project in one go, for one device-tool call (the device
 # machine keeps nothing between calls). Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint ...]   (default: all but pipeline and scaling)
+#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp ...]   (default: all but pipeline and scaling)
 # The pipeline benchmark takes longer than one device call (10 min): start it in the background with
 # setsid (it writes its JSON after every run) and collect the results in a later call.
 # The device image lacks some packages: install them from wheels carried in .whl first, e.g.
@@ -51,6 +51,10 @@ for step in $steps; do
           run pipeline_stalls 560 $PY -m launch.bench_pipeline --runs coupled-2-stalls,shared-2-stalls --seconds 20 --warm-steps 5 --timeout 150 --cycles 1 --stall-every 40 --json "$OUT/pipeline_stalls.json" ;;
     checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall, synchronous against background
           run checkpoint 320 $PY -m trainer.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp ;;
+    checkpoint_fsdp)  # issue 6: the same draft's checkpoint stall under a 2-rank FSDP trainer (NCCL gather into reused pinned buffers)
+          for mode in synchronous background; do
+            run checkpoint_fsdp_$mode 320 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m trainer.bench_checkpoint --parallelism fsdp --modes $mode --device auto --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp
+          done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
