@@ -159,7 +159,12 @@ class DrafterConfig:
     layer_types: list[str] = field(default_factory=list)
     """Per draft layer: full_attention or sliding_attention; empty: all full."""
     sliding_window: int | None = None
-    """Context window of sliding-attention layers."""
+    """Window of sliding-attention layers: a slot sees keys fewer than this many positions away, in the
+    context and in its own block."""
+    in_block_causality: Literal["sliding_causal", "bidirectional", "causal"] = "sliding_causal"
+    """Which layers see only the earlier slots of their own block: sliding_causal (sliding layers causal,
+    full layers bidirectional: what vLLM, SGLang and speculators serve by default, and how the released
+    mixed drafts were trained), bidirectional (every layer) or causal (every layer). The export states it."""
     mask_token_id: int | None = None
     """Id of the mask token; None: from the target's tokenizer, else the last id of the vocabulary."""
     intermediate_size: int | None = None
@@ -184,6 +189,8 @@ class DrafterConfig:
             "layer_types",
             "entries must be full_attention or sliding_attention",
         )
+        _check(self.in_block_causality in ("sliding_causal", "bidirectional", "causal"), "in_block_causality",
+               f"must be sliding_causal, bidirectional or causal, got {self.in_block_causality!r}")
         if "sliding_attention" in self.layer_types:
             _check(self.sliding_window is not None and self.sliding_window >= 1, "sliding_window", "must be set (>= 1) for sliding layers")
 

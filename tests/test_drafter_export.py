@@ -29,9 +29,10 @@ def target_dir(tmp_path_factory):
     return directory
 
 
-def make_drafter(target_dir, dtype=torch.float32):
+def make_drafter(target_dir, dtype=torch.float32, in_block_causality="bidirectional"):
+    # Bidirectional: the one causality of a mixed drafter that both formats can state.
     config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
-                         target_layer_ids=[1, 3], num_target_layers=6)
+                         target_layer_ids=[1, 3], num_target_layers=6, in_block_causality=in_block_causality)
     torch.manual_seed(0)
     drafter = DFlashDrafter(config, load_target_head(target_dir))
     with torch.no_grad():  # non-trivial norms so that a swapped name would show

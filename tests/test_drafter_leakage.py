@@ -25,7 +25,7 @@ def setup(layer_types, window=None, seed=0):
 
 
 def run(drafter, aux, blocks, backend):
-    masks = build_masks(blocks, drafter.config.layer_types, drafter.config.sliding_window, dense=backend == "sdpa")
+    masks = build_masks(blocks, drafter.config, dense=backend == "sdpa")
     with torch.no_grad():
         return drafter(aux, blocks, masks)
 

@@ -97,23 +97,46 @@ def test_dense_mask_by_hand():
     torch.testing.assert_close(flex_dense(blocks, 2), windowed.bool())
 
 
-def flex_dense(blocks, window):
-    block_mask = flex_block_mask(blocks, window)
+def flex_dense(blocks, window, causal=False):
+    block_mask = flex_block_mask(blocks, window, causal)
     q_len, kv_len = block_mask.seq_lengths
     return create_mask(block_mask.mask_mod, None, None, q_len, kv_len, device="cpu")[0, 0]
 
 
+def test_in_block_part_by_hand():
+    """B = 4, anchor 5 of one document: the block's own keys under each causality, and a window of 2 < B."""
+    config = tiny_config(block_size=4)
+    batch = PackedBatch(input_ids=torch.arange(12, dtype=torch.int32), loss_mask=torch.ones(12, dtype=torch.uint8),
+                        cu_seqlens=torch.tensor([0, 12], dtype=torch.int32), sample_ids=torch.arange(1))
+    blocks = build_blocks(batch, 1, 4, config.mask_token_id, generator(0))
+    blocks.anchors, blocks.valid, blocks.doc_start = torch.tensor([5]), torch.tensor([True]), torch.tensor([0])
+    blocks.block_positions = torch.tensor([[5, 6, 7, 8]])
+    own = {(causal, window): dense_reference_mask(blocks, window, causal)[:, 12:].int().tolist()
+           for causal in (False, True) for window in (None, 2)}
+    assert own[False, None] == [[1, 1, 1, 1]] * 4
+    assert own[True, None] == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert own[False, 2] == [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]]
+    assert own[True, 2] == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    # window 2: slot s (position 5 + s) sees context positions > 3 + s, and only those before the anchor 5.
+    assert dense_reference_mask(blocks, 2, True)[:, :12].int().tolist() == [[0] * 4 + [1] + [0] * 7] + [[0] * 12] * 3
+    for causal in (False, True):
+        for window in (None, 2):
+            assert torch.equal(flex_dense(blocks, window, causal), dense_reference_mask(blocks, window, causal))
+
+
 @pytest.mark.parametrize("block_size", [2, 4, 8])
-@pytest.mark.parametrize("window", [None, 5, 37])
-@pytest.mark.parametrize("seed", range(3))
-def test_flex_mask_equals_dense_mask(block_size, window, seed):
+@pytest.mark.parametrize("window", [None, 3, 5, 37])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seed", range(2))
+def test_flex_mask_equals_dense_mask(block_size, window, causal, seed):
     config = tiny_config(block_size=block_size)
     lengths = [int(x) for x in torch.randint(1, 90, (5,), generator=generator(seed))]
     batch = random_batch(lengths, config, seed=seed, supervised_fraction=0.7)
     blocks = build_blocks(batch, 40, block_size, config.mask_token_id, generator(seed))
-    dense = dense_reference_mask(blocks, window)
-    assert torch.equal(flex_dense(blocks, window), dense)
+    dense = dense_reference_mask(blocks, window, causal)
+    assert torch.equal(flex_dense(blocks, window, causal), dense)
     assert dense.any(dim=1).all(), "every query row sees at least its own block"
+    assert dense[:, blocks.num_context:].diagonal().all(), "every slot sees itself"
 
     # The block-sparse structure must agree too: flex attention == SDPA with the dense mask.
     heads, head_dim = 2, 8
@@ -122,18 +145,32 @@ def test_flex_mask_equals_dense_mask(block_size, window, seed):
     q = torch.randn(1, heads, dense.shape[0], head_dim, generator=gen)
     k, v = (torch.randn(1, heads, kv_len, head_dim, generator=gen) for _ in range(2))
     with torch.no_grad():
-        out_flex = flex_attention(q, k, v, block_mask=flex_block_mask(blocks, window))
+        out_flex = flex_attention(q, k, v, block_mask=flex_block_mask(blocks, window, causal))
         out_dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     torch.testing.assert_close(out_flex, out_dense, rtol=1e-5, atol=1e-5)
 
 
-def test_one_mask_per_layer_type():
-    config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+@pytest.mark.parametrize("causality", ["sliding_causal", "bidirectional", "causal"])
+def test_one_mask_per_layer_type_with_its_causality(causality):
+    config = tiny_config(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                         num_hidden_layers=3, sliding_window=6, in_block_causality=causality)
     batch = random_batch([40, 30], config)
     blocks = build_blocks(batch, 16, 4, config.mask_token_id, generator(0))
-    masks = build_masks(blocks, ["sliding_attention", "full_attention", "sliding_attention"], 6, dense=True)
+    masks = build_masks(blocks, config, dense=True)
     assert set(masks) == {"sliding_attention", "full_attention"}
     assert masks["sliding_attention"].sum() < masks["full_attention"].sum()
+    expected_causal = {"sliding_causal": {"sliding_attention": True, "full_attention": False},
+                       "bidirectional": {"sliding_attention": False, "full_attention": False},
+                       "causal": {"sliding_attention": True, "full_attention": True}}[causality]
+    for layer_type, mask in masks.items():
+        assert torch.equal(mask, dense_reference_mask(blocks, config.window_of(layer_type), expected_causal[layer_type]))
+        upper = torch.ones(4, 4, dtype=torch.bool).triu(1)
+        assert bool(mask[:4, blocks.num_context:blocks.num_context + 4][upper].any()) != expected_causal[layer_type]
+    flex = build_masks(blocks, config)
+    for layer_type in masks:
+        q_len, kv_len = flex[layer_type].seq_lengths
+        as_dense = create_mask(flex[layer_type].mask_mod, None, None, q_len, kv_len, device="cpu")[0, 0]
+        assert torch.equal(as_dense, masks[layer_type])
 
 
 def test_padding_document_changes_no_real_block():

@@ -165,11 +165,15 @@ def test_random_drafter_stays_near_one(target_model, target_dir):
     assert {f"eval/accept_pos_{k}" for k in range(1, BLOCK)} <= metrics.keys()
 
 
-@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
-def test_decoding_drafter_sees_what_training_showed_it(target_model, target, layer_types):
+@pytest.mark.parametrize("in_block_causality", ["sliding_causal", "bidirectional", "causal"])
+@pytest.mark.parametrize("layer_types,window", [(None, None), (["sliding_attention", "full_attention"], 5),
+                                                (["sliding_attention", "sliding_attention"], 3)])
+def test_decoding_drafter_sees_what_training_showed_it(target_model, target, layer_types, window, in_block_causality):
     """Proposals while decoding equal the training forward's argmax on the same anchors: same context
-    (every token strictly before the anchor), same positions, same sliding window."""
-    overrides = {"layer_types": layer_types, "sliding_window": 5} if layer_types else {}
+    (every token strictly before the anchor), same positions, same sliding window (3: smaller than the
+    block, so it bounds the block's own keys too), same in-block causality."""
+    overrides = {"layer_types": layer_types, "sliding_window": window} if layer_types else {}
+    overrides["in_block_causality"] = in_block_causality
     drafter = random_drafter(target_model, **overrides)
     for name, weight in drafter.named_parameters():  # larger weights, so the argmaxes depend on the context
         if name.endswith("proj.weight") or name == "fc.weight":
@@ -183,7 +187,7 @@ def test_decoding_drafter_sees_what_training_showed_it(target_model, target, lay
     config = drafter.config
     blocks = build_blocks(batch, 24, BLOCK, config.mask_token_id, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        hidden = drafter(features, blocks, build_masks(blocks, config.layer_types, config.sliding_window, dense=True))
+        hidden = drafter(features, blocks, build_masks(blocks, config, dense=True))
         trained = (hidden[:, 1:] @ drafter.target_head.lm_head_weight.T).argmax(-1)
         for j, anchor in enumerate(blocks.anchors[blocks.valid].tolist()):
             context = DraftContext(drafter)

@@ -10,6 +10,23 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
+# In-block causality: which layers see only the earlier slots of their own block.
+SLIDING_CAUSAL = "sliding_causal"
+"""Sliding layers causal inside the block, full layers bidirectional: what vLLM, SGLang and speculators
+serve when a config says nothing else, and how the released mixed drafts were trained."""
+BIDIRECTIONAL = "bidirectional"
+"""Every layer bidirectional inside the block (z-lab's HF model; this project before the setting existed)."""
+CAUSAL = "causal"
+"""Every layer causal inside the block."""
+IN_BLOCK_CAUSALITY = (SLIDING_CAUSAL, BIDIRECTIONAL, CAUSAL)
+
+
+def causal_in_block(in_block_causality: str, layer_type: str) -> bool:
+    """Whether a layer of ``layer_type`` sees only the earlier slots of its own block under that setting."""
+    if in_block_causality == SLIDING_CAUSAL:
+        return layer_type == SLIDING_ATTENTION
+    return in_block_causality == CAUSAL
+
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target decoder layers whose outputs feed the drafter (z-lab numbering: layer k).
@@ -61,7 +78,11 @@ class DraftConfig:
     layer_types: list[str] = field(default_factory=list)
     """Per draft layer: "full_attention" or "sliding_attention" (empty -> all full)."""
     sliding_window: int | None = None
-    """Context window of sliding-attention layers, in tokens."""
+    """Window of sliding-attention layers, in tokens: a slot at position p sees keys at positions > p - window,
+    in the context and, when the window is smaller than the block, in its own block too."""
+    in_block_causality: str = SLIDING_CAUSAL
+    """Which layers are causal inside the block: "sliding_causal" (the servers' default), "bidirectional"
+    or "causal". Training masks, the evaluation decoder and the export all follow it."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm (also the target's final norm)."""
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
@@ -104,6 +125,8 @@ class DraftConfig:
             raise ValueError(f"layer_types entries must be in {LAYER_TYPES}, got {self.layer_types}")
         if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int when a layer slides, got {self.sliding_window!r}")
+        if self.in_block_causality not in IN_BLOCK_CAUSALITY:
+            raise ValueError(f"in_block_causality must be one of {IN_BLOCK_CAUSALITY}, got {self.in_block_causality!r}")
         if "rope_theta" not in self.rope_parameters:
             raise ValueError(f"rope_parameters must hold rope_theta, got {self.rope_parameters}")
         self.rope_parameters.setdefault("rope_type", "default")
@@ -115,6 +138,19 @@ class DraftConfig:
     @property
     def rope_theta(self) -> float:
         return float(self.rope_parameters["rope_theta"])
+
+    def causal_in_block(self, layer_type: str) -> bool:
+        """Whether layers of ``layer_type`` see only the earlier slots of their own block."""
+        return causal_in_block(self.in_block_causality, layer_type)
+
+    def window_of(self, layer_type: str) -> int | None:
+        """The attention window of layers of ``layer_type`` (None: unbounded)."""
+        return self.sliding_window if layer_type == SLIDING_ATTENTION else None
+
+    @property
+    def causal_per_layer(self) -> list[bool]:
+        """In-block causality of each draft layer, in order."""
+        return [self.causal_in_block(t) for t in self.layer_types]
 
     @property
     def fused_feature_size(self) -> int:

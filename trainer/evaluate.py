@@ -42,10 +42,9 @@ from common.batch import PackedBatch
 from common.config import ConfigError, EvalConfig, RunConfig, load_config
 from producer.data import Document, build_data_source
 from trainer.blocks import build_blocks
-from trainer.draft_config import SLIDING_ATTENTION
-from trainer.export import load_drafter
+from trainer.export import drafter_folder, load_drafter
 from trainer.loss import LossConfig, draft_loss
-from trainer.masks import build_masks
+from trainer.masks import build_masks, in_block_mask
 from trainer.model import DFlashDrafter
 from trainer.target_head import TargetHead, load_target_head
 
@@ -128,7 +127,6 @@ class DraftContext:
         config = drafter.config
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
-        self.window = config.sliding_window
         self.ctx = torch.empty(0, config.hidden_size, device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
 
     def extend(self, features: torch.Tensor) -> None:
@@ -139,6 +137,7 @@ class DraftContext:
         """Greedy draft tokens ``[B - 1]`` for slots 1.. of the block anchored at ``token``, at ``position``
         (equal to the number of context tokens: the anchor's own features are never context)."""
         drafter, ctx, device = self.drafter, self.ctx, self.ctx.device
+        config = drafter.config
         block_ids = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=device)
         block_ids[0] = token
         block_positions = position + torch.arange(self.block_size, device=device)
@@ -147,13 +146,15 @@ class DraftContext:
         block_rope = drafter.rotary(block_positions, ctx.dtype)
         context_rope = drafter.rotary(context_positions, ctx.dtype)
         masks = {}
-        for layer_type in dict.fromkeys(drafter.config.layer_types):
-            # The whole context and the whole block; sliding layers only the window before each slot
-            # (the training mask of trainer.masks for one block over one document).
+        for layer_type in dict.fromkeys(config.layer_types):
+            # The training mask of trainer.masks for one block over one document: the whole context (a
+            # windowed layer only the window before each slot), and the block as the layer type trained it.
+            window = config.window_of(layer_type)
             context = torch.ones(self.block_size, ctx.shape[0], dtype=torch.bool, device=device)
-            if layer_type == SLIDING_ATTENTION:
-                context = (block_positions[:, None] - context_positions[None, :]) < self.window
-            masks[layer_type] = torch.cat([context, context.new_ones(self.block_size, self.block_size)], dim=1)
+            if window is not None:
+                context = (block_positions[:, None] - context_positions[None, :]) < window
+            own = in_block_mask(self.block_size, config.causal_in_block(layer_type), window, device)
+            masks[layer_type] = torch.cat([context, own], dim=1)
         for layer in drafter.layers:
             x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
         head = drafter.target_head.lm_head_weight
@@ -241,7 +242,7 @@ def simulated_acceptance(drafter: DFlashDrafter, target: GreedyTarget, documents
                             cu_seqlens=torch.tensor([0, len(document)], dtype=torch.int32, device=device),
                             sample_ids=torch.tensor([document.sample_id], device=device), aux_hidden=features)
         blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator)
-        masks = build_masks(blocks, config.layer_types, config.sliding_window, dense=True)
+        masks = build_masks(blocks, config, dense=True)
         hidden = drafter(features, blocks, masks)
         target_hidden = None
         if drafter.loss_config.label_mode != "data":
@@ -489,11 +490,6 @@ class TrainingEvaluation:
 # -- command line ---------------------------------------------------------------------------------
 
 
-def _drafter_dir(checkpoint: Path) -> Path:
-    """An export dir, or a trainer checkpoint (step-N) holding one in ``drafter/``."""
-    return checkpoint / "drafter" if (checkpoint / "drafter" / "config.json").is_file() else checkpoint
-
-
 def _run_dir_of(checkpoint: Path) -> Path | None:
     """The run directory above a checkpoint (the first parent with a config.toml)."""
     return next((p for p in checkpoint.resolve().parents if (p / "config.toml").is_file()), None)
@@ -542,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
                   "producers' device", file=sys.stderr)
             return 2
     loss_config = LossConfig(label_mode=cfg.training.label_mode)
-    drafter = load_drafter(_drafter_dir(args.checkpoint), head, loss_config).to(head.embed_weight.device)
+    drafter_dir, own_checkpoint = drafter_folder(args.checkpoint)
+    drafter = load_drafter(drafter_dir, head, loss_config, own_checkpoint=own_checkpoint).to(head.embed_weight.device)
     report = build_evaluator(cfg, model, drafter).evaluate(drafter)
     print(report.table())
     within = report.gap_within(cfg.eval.gap_tolerance)

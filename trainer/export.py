@@ -7,11 +7,25 @@ are the target's): ``fc.weight``, ``hidden_norm.weight``, ``norm.weight`` and pe
 They differ in config.json, and in the layer numbering of the target features: z-lab
 ``dflash_config.target_layer_ids`` are decoder layers k; speculators ``aux_hidden_state_layer_ids``
 are k + 1 (hidden-state index, 0 being the embedding output).
+
+In-block causality (``DraftConfig.in_block_causality``) is stated so that each server runs the mask the
+drafter trained with. A server decides it per layer from config.json; with nothing stated, sliding
+layers are causal inside the block and full layers bidirectional, which is our default and needs only
+``layer_types``. Otherwise the z-lab format says ``is_causal`` (SGLang, z-lab's model, newer vLLM) and
+``dflash_config.causal`` (vLLM) for every layer; the speculators format has one flag,
+``sliding_window_non_causal``, which vLLM applies to every layer, so a drafter whose layers differ
+cannot be written in it and its export is refused. ``in_block_causality`` itself is written too, so
+that loading an export back never guesses.
+
+    python -m trainer.export --checkpoint RUN/checkpoints/step-N --out DIR [--format zlab|speculators]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,13 +33,65 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.draft_config import SLIDING_ATTENTION, DraftConfig, target_rope_parameters
+from trainer.draft_config import (BIDIRECTIONAL, FULL_ATTENTION, IN_BLOCK_CAUSALITY, SLIDING_ATTENTION, DraftConfig,
+                                  causal_in_block, target_rope_parameters)
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter
 from trainer.target_head import TargetHead
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+CAUSALITY_KEY = "in_block_causality"
+"""Our own statement of the in-block causality, in both formats (servers read their own fields)."""
+
+log = logging.getLogger("trainer.export")
+
+
+class ExportError(ValueError):
+    """A drafter that a serving format cannot describe faithfully."""
+
+
+def _default_causal(layer_type: str) -> bool:
+    """What every server assumes when config.json states nothing: sliding layers causal, full ones not."""
+    return layer_type == SLIDING_ATTENTION
+
+
+def zlab_causality_fields(config: DraftConfig) -> dict[str, Any]:
+    """config.json fields of the z-lab format that make each server run the trained in-block causality."""
+    causal = config.causal_per_layer
+    if causal == [_default_causal(t) for t in config.layer_types]:
+        return {}  # layer_types alone says it
+    if len(set(causal)) != 1:
+        raise ExportError(f"in_block_causality {config.in_block_causality!r} over layer_types {config.layer_types}: "
+                          "the z-lab format states either the layer-type default or one causality for every layer")
+    return {"is_causal": causal[0], "dflash_config": {"causal": causal[0]}}
+
+
+def speculators_causality_fields(config: DraftConfig) -> dict[str, Any]:
+    """The speculators format's ``sliding_window_non_causal``, or ExportError where it cannot say what was trained.
+
+    speculators itself makes sliding layers causal unless the flag is set and full layers always bidirectional;
+    vLLM turns the flag (absent: True) into ``dflash_config.causal = not flag`` for every layer. Both agree only
+    when every layer has the same in-block causality, and full layers are never causal.
+    """
+    causal = config.causal_per_layer
+    if not any(causal):
+        return {"sliding_window_non_causal": True}
+    if all(causal) and FULL_ATTENTION not in config.layer_types:
+        return {"sliding_window_non_causal": False}
+    raise ExportError(
+        f"the speculators format cannot describe this drafter (layer_types {config.layer_types}, in_block_causality "
+        f"{config.in_block_causality!r}): its one flag sliding_window_non_causal becomes vLLM's dflash_config.causal "
+        "for every layer, and speculators keeps full layers bidirectional. Export the z-lab format "
+        "(--format zlab; vLLM method 'dflash', SGLang), or train with drafter.in_block_causality = bidirectional")
+
+
+def resolve_in_block_causality(layer_types: list[str], causal: list[bool]) -> str:
+    """The ``in_block_causality`` mode whose per-layer causality is ``causal`` (ValueError if none is)."""
+    for mode in IN_BLOCK_CAUSALITY:
+        if [causal_in_block(mode, t) for t in layer_types] == list(causal):
+            return mode
+    raise ValueError(f"in-block causality {causal} over layer_types {layer_types} is none of {IN_BLOCK_CAUSALITY}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -65,13 +131,17 @@ def qwen3_fields(config: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 def zlab_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """config.json of the z-lab native format (vLLM ``method: dflash``)."""
+    causality = zlab_causality_fields(config)
     return {
         **qwen3_fields(config, dtype),
+        **{k: v for k, v in causality.items() if k != "dflash_config"},
         "architectures": ["DFlashDraftModel"],
         "block_size": config.block_size,
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)},
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                          **causality.get("dflash_config", {})},
         "num_target_layers": config.num_target_layers,
         "target_hidden_size": config.target_hidden_size,
+        CAUSALITY_KEY: config.in_block_causality,
     }
 
 
@@ -97,14 +167,15 @@ def speculators_config(config: DraftConfig, verifier_name_or_path: str,
         "draft_vocab_size": config.vocab_size,
         "num_target_layers": config.num_target_layers,
         "torch_dtype": _dtype_name(dtype),
+        **speculators_causality_fields(config),
+        CAUSALITY_KEY: config.in_block_causality,
     }
 
 
-def _save(drafter: DFlashDrafter, out_dir: str | Path, config_json: dict[str, Any], dtype: torch.dtype | None,
-          weights: dict[str, torch.Tensor] | None = None) -> Path:
+def _save(config_json: dict[str, Any], weights: dict[str, torch.Tensor], out_dir: str | Path,
+          dtype: torch.dtype | None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights = drafter.state_dict() if weights is None else weights
     tensors = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in weights.items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
@@ -116,16 +187,18 @@ def export_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype 
     """Write the z-lab native format; ``dtype=None`` keeps the parameters' dtype. ``weights``: the
     drafter's whole state dict when the drafter itself holds only a shard of it (FSDP)."""
     param_dtype = dtype or drafter.fc.weight.dtype
-    return _save(drafter, out_dir, zlab_config(drafter.config, param_dtype), dtype, weights)
+    weights = drafter.state_dict() if weights is None else weights
+    return _save(zlab_config(drafter.config, param_dtype), weights, out_dir, dtype)
 
 
 def export_speculators(drafter: DFlashDrafter, out_dir: str | Path, verifier_name_or_path: str,
                        verifier_architectures: list[str] | None = None,
                        dtype: torch.dtype | None = torch.bfloat16) -> Path:
-    """Write the speculators format; ``dtype=None`` keeps the parameters' dtype."""
+    """Write the speculators format; ``dtype=None`` keeps the parameters' dtype. ExportError (before
+    anything is written) when the format cannot state the drafter's in-block causality."""
     param_dtype = dtype or drafter.fc.weight.dtype
     config_json = speculators_config(drafter.config, verifier_name_or_path, verifier_architectures, param_dtype)
-    return _save(drafter, out_dir, config_json, dtype)
+    return _save(config_json, drafter.state_dict(), out_dir, dtype)
 
 
 def _draft_fields(qwen3: dict[str, Any]) -> dict[str, Any]:
@@ -142,8 +215,24 @@ def _draft_fields(qwen3: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def config_from_export(config_json: dict[str, Any]) -> DraftConfig:
-    """DraftConfig from an exported config.json of either format."""
+def _served_causality(config_json: dict[str, Any], layer_types: list[str]) -> list[bool]:
+    """Per layer, the in-block causality a config.json written elsewhere states, read as its format's own
+    trainer reads it: z-lab ``is_causal``, else ``dflash_config.causal``, else the layer-type default;
+    speculators: sliding layers causal unless ``sliding_window_non_causal``, full layers bidirectional."""
+    if config_json.get("speculators_model_type") == "dflash":
+        non_causal = config_json.get("sliding_window_non_causal", False)
+        return [t == SLIDING_ATTENTION and not non_causal for t in layer_types]
+    explicit = config_json.get("is_causal", (config_json.get("dflash_config") or {}).get("causal"))
+    return [bool(explicit) if explicit is not None else _default_causal(t) for t in layer_types]
+
+
+def config_from_export(config_json: dict[str, Any], own_checkpoint: bool = False) -> DraftConfig:
+    """DraftConfig from an exported config.json of either format.
+
+    ``own_checkpoint``: the config is a drafter/ folder of this project's checkpoints. One without
+    ``in_block_causality`` was written before that setting existed, when every layer trained
+    bidirectionally inside the block, and is read so (a foreign export is read by its format's rules).
+    """
     if config_json.get("speculators_model_type") == "dflash":
         fields = _draft_fields(config_json["transformer_layer_config"])
         layer_ids = [i - 1 for i in config_json["aux_hidden_state_layer_ids"]]
@@ -154,6 +243,13 @@ def config_from_export(config_json: dict[str, Any]) -> DraftConfig:
         mask_token_id = config_json["dflash_config"]["mask_token_id"]
     else:
         raise ValueError("config.json is neither a speculators dflash config nor a z-lab DFlashDraftModel config")
+    layer_types = fields["layer_types"] or [FULL_ATTENTION] * fields["num_hidden_layers"]
+    if CAUSALITY_KEY in config_json:
+        causality = config_json[CAUSALITY_KEY]
+    elif own_checkpoint:
+        causality = BIDIRECTIONAL
+    else:
+        causality = resolve_in_block_causality(layer_types, _served_causality(config_json, layer_types))
     return DraftConfig(
         **fields,
         target_hidden_size=config_json.get("target_hidden_size") or fields["hidden_size"],
@@ -161,14 +257,16 @@ def config_from_export(config_json: dict[str, Any]) -> DraftConfig:
         target_layer_ids=layer_ids,
         mask_token_id=mask_token_id,
         block_size=config_json["block_size"],
+        in_block_causality=causality,
     )
 
 
 def load_drafter(path: str | Path, target_head: TargetHead, loss_config: LossConfig | None = None,
-                 attention_backend: str | None = None) -> DFlashDrafter:
-    """Rebuild a drafter from an export of either format (weights keep their stored dtype)."""
+                 attention_backend: str | None = None, own_checkpoint: bool = False) -> DFlashDrafter:
+    """Rebuild a drafter from an export of either format (weights keep their stored dtype).
+    ``own_checkpoint``: see :func:`config_from_export`."""
     path = Path(path)
-    config = config_from_export(json.loads((path / CONFIG_FILE).read_text()))
+    config = config_from_export(json.loads((path / CONFIG_FILE).read_text()), own_checkpoint)
     state = load_file(str(path / WEIGHTS_FILE))
     drafter = DFlashDrafter(config, target_head, loss_config, attention_backend)
     dtypes = {t.dtype for t in state.values()}
@@ -176,3 +274,72 @@ def load_drafter(path: str | Path, target_head: TargetHead, loss_config: LossCon
         drafter.to(dtypes.pop())  # the target head keeps its own dtype
     drafter.load_state_dict(state, strict=True)
     return drafter
+
+
+# -- python -m trainer.export ---------------------------------------------------------------------
+
+
+def drafter_folder(path: Path) -> tuple[Path, bool]:
+    """(the folder holding the drafter's config.json, whether it is one of this project's checkpoints):
+    a checkpoint (``step-N``) holds its drafter in ``drafter/``; anything else is taken as an export."""
+    inner = path / "drafter"
+    return (inner, True) if (inner / CONFIG_FILE).is_file() else (path, False)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "zlab",
+                      verifier_name_or_path: str | None = None, verifier_architectures: list[str] | None = None,
+                      dtype: torch.dtype | None = torch.bfloat16) -> Path:
+    """Export the drafter of a checkpoint folder (``checkpoints/step-N``) for serving, without a target.
+
+    The checkpoint's own config is read with ``own_checkpoint=True``, so a checkpoint trained before the
+    in-block causality setting existed is exported as what it is: every layer bidirectional.
+    """
+    source, own_checkpoint = drafter_folder(Path(checkpoint))
+    if not own_checkpoint:
+        raise FileNotFoundError(f"{checkpoint}: no drafter/{CONFIG_FILE} (expected a checkpoints/step-N folder)")
+    config = config_from_export(json.loads((source / CONFIG_FILE).read_text()), own_checkpoint=True)
+    weights = load_file(str(source / WEIGHTS_FILE))
+    param_dtype = dtype or next(iter(weights.values())).dtype
+    if fmt == "zlab":
+        config_json = zlab_config(config, param_dtype)
+    elif fmt == "speculators":
+        if not verifier_name_or_path:
+            raise ExportError("--verifier: the speculators format names the target (a hub id or a path)")
+        config_json = speculators_config(config, verifier_name_or_path, verifier_architectures, param_dtype)
+    else:
+        raise ExportError(f"--format: zlab or speculators, got {fmt!r}")
+    return _save(config_json, weights, out_dir, dtype)
+
+
+def _verifier_of_run(checkpoint: Path) -> str | None:
+    """The run's ``target.path`` (RUN/config.toml beside RUN/checkpoints/step-N), if there is one."""
+    import tomllib
+
+    config = checkpoint.resolve().parent.parent / "config.toml"
+    if not config.is_file():
+        return None
+    return tomllib.loads(config.read_text()).get("target", {}).get("path") or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoints/step-N")
+    parser.add_argument("--out", required=True, type=Path, help="folder to write the export into")
+    parser.add_argument("--format", default="zlab", choices=["zlab", "speculators"])
+    parser.add_argument("--verifier", help="speculators: the target's hub id or path (default: the run's target.path)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    verifier = args.verifier or (_verifier_of_run(args.checkpoint) if args.format == "speculators" else None)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.format, verifier, dtype=getattr(torch, args.dtype))
+    except (ExportError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    config = json.loads((out / CONFIG_FILE).read_text())
+    log.info("wrote %s (%s format, in-block causality %s)", out, args.format, config[CAUSALITY_KEY])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,10 +1,13 @@
 """Attention masks of a DFlash training step.
 
 Keys are ``[context (T tokens) ; blocks (N * B)]``; queries are the N * B block slots. A query of
-block j (anchor a_j, slot s) sees:
+block j (anchor a_j, slot s, position p = a_j + s) sees:
   - context key kv iff kv is in a_j's document and kv < a_j (strict: the anchor's own hidden state
-    is never context at inference), and for sliding layers (a_j + s) - kv < window;
-  - block keys of its own block only, bidirectionally (padding blocks too, so no row is empty).
+    is never context at inference), and in a windowed layer p - pos(kv) < window;
+  - block keys of its own block only (padding blocks too, so no row is empty): every slot t of it in
+    a bidirectional layer, slots t <= s in a causal one (``DraftConfig.causal_in_block``), and in a
+    windowed layer only those with |s - t| < window (a window smaller than the block bounds the
+    block's own keys, as flash attention's window does at serving time).
 Visibility depends on the anchor position, never on the block index.
 """
 
@@ -14,9 +17,19 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from trainer.blocks import DraftBlocks
-from trainer.draft_config import SLIDING_ATTENTION
+from trainer.draft_config import DraftConfig
 
 FLEX_BLOCK = 128
+
+
+def in_block_mask(block_size: int, causal: bool, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[B, B]`` bool: which slots t of its own block slot s sees."""
+    slot = torch.arange(block_size, device=device)
+    offset = slot[:, None] - slot[None, :]  # s - t
+    visible = offset >= 0 if causal else torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+    if window is not None:
+        visible = visible & (offset.abs() < window)
+    return visible
 
 
 def context_bounds(blocks: DraftBlocks, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,23 +43,32 @@ def context_bounds(blocks: DraftBlocks, window: int | None) -> tuple[torch.Tenso
     return lo.reshape(-1).contiguous(), hi.reshape(-1).contiguous()
 
 
-def flex_block_mask(blocks: DraftBlocks, window: int | None = None, compile_mask: bool = False) -> BlockMask:
+def flex_block_mask(blocks: DraftBlocks, window: int | None = None, causal: bool = False,
+                    compile_mask: bool = False) -> BlockMask:
     """Flex-attention block mask for one layer type (shared by all layers of that type)."""
     num_context = blocks.num_context
     block_size = blocks.block_size
     q_len = blocks.num_blocks * block_size
     lo, hi = context_bounds(blocks, window)
+    # A window of at least the block bounds no slot of it: leave the term out of the kernel.
+    block_window = window if window is not None and window < block_size else None
 
     def mask_mod(b, h, q, kv):
         in_context = (kv < num_context) & (kv >= lo[q]) & (kv < hi[q])
-        own_block = (kv >= num_context) & ((kv - num_context) // block_size == q // block_size)
+        key = kv - num_context
+        own_block = (kv >= num_context) & (key // block_size == q // block_size)
+        offset = q % block_size - key % block_size  # s - t
+        if causal:
+            own_block = own_block & (offset >= 0)
+        if block_window is not None:
+            own_block = own_block & (offset < block_window) & (-offset < block_window)
         return in_context | own_block
 
     return create_block_mask(mask_mod, None, None, q_len, num_context + q_len, device=blocks.anchors.device,
                              BLOCK_SIZE=FLEX_BLOCK, _compile=compile_mask)
 
 
-def dense_reference_mask(blocks: DraftBlocks, window: int | None = None) -> torch.Tensor:
+def dense_reference_mask(blocks: DraftBlocks, window: int | None = None, causal: bool = False) -> torch.Tensor:
     """``[N * B, T + N * B]`` bool mask written from the definition (document ids and positions)."""
     num_blocks, block_size = blocks.block_ids.shape
     device = blocks.anchors.device
@@ -65,15 +87,20 @@ def dense_reference_mask(blocks: DraftBlocks, window: int | None = None) -> torc
         context &= (query_pos[:, None] - blocks.context_positions[None, :]) < window
     block_of_query = torch.arange(num_blocks, device=device).repeat_interleave(block_size)
     own = block_of_query[:, None] == block_of_query[None, :]
+    key_pos = blocks.block_positions.reshape(-1)  # positions of the block keys
+    if causal:
+        own &= key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        own &= (query_pos[:, None] - key_pos[None, :]).abs() < window
     return torch.cat([context, own], dim=1)
 
 
-def build_masks(blocks: DraftBlocks, layer_types: list[str], sliding_window: int | None,
-                dense: bool = False, compile_mask: bool = False) -> dict[str, BlockMask | torch.Tensor]:
-    """One mask per layer type present: flex block masks, or dense boolean masks (SDPA path)."""
+def build_masks(blocks: DraftBlocks, config: DraftConfig, dense: bool = False,
+                compile_mask: bool = False) -> dict[str, BlockMask | torch.Tensor]:
+    """One mask per layer type of ``config``: flex block masks, or dense boolean masks (SDPA path)."""
     masks: dict[str, BlockMask | torch.Tensor] = {}
-    for layer_type in dict.fromkeys(layer_types):
-        window = sliding_window if layer_type == SLIDING_ATTENTION else None
-        masks[layer_type] = (dense_reference_mask(blocks, window) if dense
-                             else flex_block_mask(blocks, window, compile_mask))
+    for layer_type in dict.fromkeys(config.layer_types):
+        window, causal = config.window_of(layer_type), config.causal_in_block(layer_type)
+        masks[layer_type] = (dense_reference_mask(blocks, window, causal) if dense
+                             else flex_block_mask(blocks, window, causal, compile_mask))
     return masks

@@ -193,7 +193,7 @@ class DFlashDrafter(nn.Module):
         """Anchors, blocks and per-layer-type masks of a batch; no host sync, can run ahead of the step."""
         blocks = build_blocks(batch, num_anchors, self.config.block_size, self.config.mask_token_id, generator)
         dense = self.backend_for(batch.input_ids.device) == "sdpa"
-        return blocks, build_masks(blocks, self.config.layer_types, self.config.sliding_window, dense, compile_mask)
+        return blocks, build_masks(blocks, self.config, dense, compile_mask)
 
     def fuse_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[T, n * H_target] target features -> [T, H] injected context."""

@@ -140,7 +140,7 @@ class Trainer:
         # Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the
         # device, FSDP keeps each rank's shards of it. A fresh one is the same on every rank (same seed).
         if latest is not None:
-            self.drafter = load_drafter(latest / "drafter", self.head, self.loss_config)
+            self.drafter = load_drafter(latest / "drafter", self.head, self.loss_config, own_checkpoint=True)
         else:
             self.drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config)
         if not self.sharded:
@@ -199,7 +199,7 @@ class Trainer:
 
     def _draft_config(self, target_config, head_dir: Path) -> DraftConfig:
         d = self.cfg.drafter
-        overrides = {"block_size": d.block_size}
+        overrides = {"block_size": d.block_size, "in_block_causality": d.in_block_causality}
         if d.target_layer_ids:
             overrides["target_layer_ids"] = list(d.target_layer_ids)
         if d.layer_types:
