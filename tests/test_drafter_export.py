@@ -68,7 +68,9 @@ def test_zlab_config_fields(tmp_path, target_dir):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["block_size"] == 4
-    assert config["dflash_config"] == {"mask_token_id": 63, "target_layer_ids": [1, 3]}
+    # Trained bidirectionally with a sliding layer: the servers' default would make it causal, so it is stated.
+    assert config["dflash_config"] == {"mask_token_id": 63, "target_layer_ids": [1, 3], "causal": False}
+    assert config["is_causal"] is False and config["in_block_causality"] == "bidirectional"
     assert config["num_target_layers"] == 6
     assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 16
     assert config["model_type"] == "qwen3" and config["num_hidden_layers"] == 2
