@@ -28,6 +28,11 @@ for step in $steps; do
     tests)  # pytest-timeout (in the device image) stops a hung test with its stack, and the others still run
           per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 330")
           run gpu_tests 600 $PY -m pytest -q -rfEs -p no:cacheprovider $per_test --durations=8 -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py tests/test_tensor_parallel.py tests/test_fsdp.py ;;
+    hybrid)  # issue 17: Qwen3.6-27B shapes (Gated-DeltaNet hybrid): fla GPU test, producer capture, the 27B draft's step
+          run hybrid_tests 300 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_hybrid_target.py tests/test_drafter_masks.py tests/test_serving_fidelity.py
+          run target_27b 420 $PY -m producer.bench_target --shape qwen3.6-27b --attn varlen --batches 8 --warmup 2 --json-out "$OUT/target_27b.json"
+          run target_27b_3072 240 $PY -m producer.bench_target --shape qwen3.6-27b --attn varlen --rows 4 --length 3072 --batches 8 --warmup 2 --json-out "$OUT/target_27b_3072.json"
+          run step_27b 300 $PY -m trainer.bench_step --draft qwen3.6-27b --variants compile-layers --warmup 3 --steps 8 ;;
     ring) run ring 110 $PY -m common.bench_ring --count 100 --json "$OUT/ring.json" ;;
     producer) run producer 180 $PY -m producer.bench_producer --warmup 20 --seconds 30 ;;
     step) run step 300 $PY -m trainer.bench_step --variants eager,compile-layers --warmup 3 --steps 10

@@ -3,7 +3,8 @@
 On an H200 (default): a Qwen3-8B-shaped target with random bf16 weights, capturing layers
 [1, 9, 17, 25, 33]. Reports tokens/s and MFU (against this GPU's own measured bf16 matmul rate) for
 
-- ``hf``:       plain HF forward (logits included) on padded uniform 16 x 1024 batches: the baseline;
+- ``hf``:       plain HF forward (logits and output_hidden_states included) on padded uniform 16 x 1024
+                batches (``--rows``, ``--length``): the baseline;
 - ``hf-cut``:   the same through the base model cut after the deepest captured layer (no lm_head);
 - ``packed-*``: ``Target.capture`` on a chat length mix packed into token-budget batches, writing into a
                 preallocated ring-slot-like buffer, per attention kernel and compile setting.
@@ -13,6 +14,7 @@ document (2 * L(L+1) * heads * head_dim per layer); norms, rotary and embedding 
 
     python -m producer.bench_target                               # H200: ~3 minutes
     python -m producer.bench_target --attn varlen,flex,sdpa --compile both
+    python -m producer.bench_target --shape qwen3.6-27b           # the hybrid Gated-DeltaNet family
     python -m producer.bench_target --tiny                        # CPU smoke run
 """
 
@@ -54,6 +56,30 @@ QWEN3_8B_SHAPE = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
+
+
+# Qwen3.6-27B / Qwen3.5-27B (random weights): 48 Gated-DeltaNet and 16 gated full-attention layers.
+QWEN36_27B_SHAPE = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+SHAPES = {"qwen3-8b": QWEN3_8B_SHAPE, "qwen3.6-27b": QWEN36_27B_SHAPE}
 
 
 def chat_lengths(count: int, seed: int, mean: float, low: int, high: int, sigma: float = 1.0) -> list[int]:
@@ -122,7 +148,8 @@ def bench_hf(model: nn.Module, cut_after: int | None, rows: int, length: int, co
     forward = model if cut_after is None else base
     try:
         with torch.inference_mode():
-            seconds, warm = timed(lambda _: forward(input_ids=ids, use_cache=False), count, warmup, device)
+            seconds, warm = timed(lambda _: forward(input_ids=ids, use_cache=False, output_hidden_states=True), count,
+                                  warmup, device)
     finally:
         base.layers, config._attn_implementation = all_layers, saved_attention
     layers = config.num_hidden_layers if cut_after is None else cut_after + 1
@@ -164,6 +191,9 @@ def relative_errors(got: torch.Tensor, want: torch.Tensor, hidden_size: int) -> 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny Qwen3 on CPU (proves the program runs)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape (random weights)")
+    parser.add_argument("--rows", type=int, default=None, help="baseline rows per padded batch (16)")
+    parser.add_argument("--length", type=int, default=None, help="baseline tokens per row (1024)")
     parser.add_argument("--attn", default=None, help="packed kernels, comma list of varlen,flex,sdpa (default: varlen,flex on CUDA)")
     parser.add_argument("--compile", choices=("on", "off", "both"), default=None, help="torch.compile the layers (default: on for CUDA)")
     parser.add_argument("--no-baselines", action="store_true", help="skip the plain HF forwards")
@@ -180,8 +210,9 @@ def main(argv: list[str] | None = None) -> None:
         budget, rows, length, mean, low, high, draft_layers = args.budget or 1024, 4, 256, 120, 8, 384, 2
         count = args.batches or 4
     else:
-        cfg = TargetConfig(config_overrides=dict(QWEN3_8B_SHAPE), dtype="bfloat16", seed=args.seed)
-        budget, rows, length, mean, low, high, draft_layers = args.budget or 16384, 16, 1024, 1000, 32, 3072, 5
+        cfg = TargetConfig(config_overrides=dict(SHAPES[args.shape]), dtype="bfloat16", seed=args.seed)
+        budget, rows, length, mean, low, high, draft_layers = (args.budget or 16384, args.rows or 16, args.length or 1024,
+                                                               1000, 32, 3072, 5)
         count = args.batches or 16
     device = resolve_device(cfg)
     attentions = (args.attn or ("varlen,flex" if device.type == "cuda" else "sdpa")).split(",")

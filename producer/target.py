@@ -18,7 +18,12 @@ that reads the packing (``PackedAttention``) passed down as a keyword argument:
 - ``sdpa``: one ``scaled_dot_product_attention`` per document, any device; the exact reference.
 
 Supported: decoder-only HF models whose base model is ``embed_tokens -> rotary_emb -> layers -> norm``
-(Llama, Mistral, Qwen2, Qwen3 and their kin). Sliding-window layers are honoured.
+(Llama, Mistral, Qwen2, Qwen3 and their kin) and whose every decoder layer mixes tokens through
+``self_attn`` (the attention interface) or a Gated-DeltaNet ``linear_attn`` (the hybrid Qwen3.5 /
+Qwen3.6 family, dense or mixture-of-experts; producer/linear_attention.py restarts its convolution and
+recurrent state at each document). Sliding-window layers are honoured. A multimodal checkpoint
+(``Qwen3_5ForConditionalGeneration``) loads its language model only. Anything else is refused at
+load with ``UnsupportedTarget``, naming the model type and what is missing.
 
 Tensor parallel (``load_target_model(cfg, tensor_parallel=N)`` on each rank of an initialised
 process group, see producer/tensor_parallel.py): the model is sharded by transformers' own plan for
@@ -42,6 +47,8 @@ from torch import nn
 
 from common.config import TargetConfig
 from common.batch import PackedBatch, document_ids, position_ids
+from common.hf import text_config_of
+from producer.linear_attention import install_packed_forward, is_gated_deltanet, resolve_linear_backend
 
 if TYPE_CHECKING:
     from producer.tensor_parallel import TensorParallelGroup
@@ -90,6 +97,10 @@ class CapturedFeatures(NamedTuple):
 # ---------------------------------------------------------------------------------------------- loading
 
 
+class UnsupportedTarget(ValueError):
+    """A target this producer cannot capture from: the same on every try, so the run stops (exit 2)."""
+
+
 WEIGHT_SHAPE_KEYS = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                                "num_key_value_heads", "head_dim"})
 """Config fields that set the shapes of stored weights: an override may not change them for target.path
@@ -101,7 +112,8 @@ def build_target_config(cfg: TargetConfig):
     from transformers import AutoConfig
 
     if cfg.path is not None:
-        config = AutoConfig.from_pretrained(cfg.path)
+        # A multimodal checkpoint (Qwen3.5's ForConditionalGeneration): its language model's config.
+        config = text_config_of(AutoConfig.from_pretrained(cfg.path))
         for key, value in cfg.config_overrides.items():
             stored = getattr(config, key, None)
             if key in WEIGHT_SHAPE_KEYS and stored is not None and stored != value:
@@ -121,7 +133,7 @@ def build_target_config(cfg: TargetConfig):
     model_type = fields.pop("model_type", None)
     if model_type is None:
         raise ValueError("TargetConfig.config_json: the config has no 'model_type'")
-    return AutoConfig.for_model(model_type, **fields)
+    return text_config_of(AutoConfig.for_model(model_type, **fields))
 
 
 def check_tensor_parallel(config, size: int) -> None:
@@ -249,8 +261,10 @@ class PackedAttention:
     backend: str
     cu_seqlens: torch.Tensor
     """int32 ``[D + 1]`` on the model's device."""
+    linear: str = "per_document"
+    """How Gated-DeltaNet layers run (producer/linear_attention.py): fla or per_document."""
     document_bounds: tuple[tuple[int, int], ...] = ()
-    """Host copy of (start, end) per document; ``sdpa`` only."""
+    """Host copy of (start, end) per document; ``sdpa`` attention and ``per_document`` linear layers only."""
     block_masks: dict[int | None, Any] = field(default_factory=dict)
     """``flex`` only: a document-causal BlockMask per sliding window (None: full attention)."""
 
@@ -396,8 +410,11 @@ class Target:
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         for part in ("embed_tokens", "rotary_emb", "layers"):
             if not hasattr(self.base, part):
-                raise TypeError(f"{type(model).__name__}: base model has no '{part}'; packed capture unsupported")
+                raise UnsupportedTarget(f"target model type {getattr(model.config, 'model_type', '?')!r} "
+                                        f"({type(model).__name__}): its base model has no '{part}'; packed capture "
+                                        "needs embed_tokens -> rotary_emb -> layers")
         num_layers = len(self.base.layers)
+        self.hybrid = _prepare_token_mixers(model)
         if not layer_ids or sorted(set(layer_ids)) != list(layer_ids) or not 0 <= layer_ids[0] <= layer_ids[-1] < num_layers:
             raise ValueError(f"layer_ids must be strictly increasing within [0, {num_layers}), got {layer_ids}")
         self.layer_ids = list(layer_ids)
@@ -409,19 +426,23 @@ class Target:
         self.hidden_size = int(model.config.hidden_size)
         self.aux_width = len(self.layer_ids) * self.hidden_size
         self.attention = resolve_attention_backend(attention, self.device, self.dtype)
-        if compile and self.attention == "sdpa":
-            # The per-document loop uses host lengths: a compiled graph would specialise on every batch.
-            raise ValueError("compile: not supported with attention 'sdpa' (use varlen or flex)")
+        self.linear = resolve_linear_backend(self.device, self.dtype) if self.hybrid else None
+        # The per-document loops use host lengths: a compiled graph would specialise on every batch.
+        host_loop = self.attention == "sdpa" or self.linear == "per_document"
+        if compile and host_loop:
+            raise ValueError("compile: not supported with attention 'sdpa' or Gated-DeltaNet layers run per document "
+                             "(use varlen or flex attention, and flash-linear-attention on a GPU)")
         sharded = any(is_sharded(param) for param in model.parameters())
         # transformers' tensor-parallel hooks swap parameters and all-reduce inside each projection;
         # compiling through them is unverified, so a sharded target compiles only when asked to.
         if compile is None:
-            compile = self.device.type == "cuda" and self.attention != "sdpa" and not sharded
+            compile = self.device.type == "cuda" and not host_loop and not sharded
         self.compiled = compile
         layers = list(self.base.layers[: self.num_layers_run])
         # One compiled graph serves every layer (their parameters are graph inputs); dynamic token counts.
         self._run_layer = [torch.compile(layer, dynamic=True) for layer in layers] if self.compiled else layers
-        self._sliding_windows = {getattr(layer.self_attn, "sliding_window", None) for layer in layers}
+        self._sliding_windows = {getattr(layer.self_attn, "sliding_window", None) for layer in layers
+                                 if hasattr(layer, "self_attn")}
         self._slot_of_layer = {layer_id: slot for slot, layer_id in enumerate(self.layer_ids)}
         self.followers = followers  # rank 0 of a tensor-parallel group tells them of every capture first
         self._identity: str | None = None
@@ -528,8 +549,8 @@ class Target:
         return given
 
     def _packed_attention(self, host_cu_seqlens: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> PackedAttention:
-        packed = PackedAttention(self.attention, cu_seqlens)
-        if self.attention == "sdpa":
+        packed = PackedAttention(self.attention, cu_seqlens, linear=self.linear or "per_document")
+        if self.attention == "sdpa" or self.linear == "per_document":
             bounds = host_cu_seqlens.tolist()
             packed.document_bounds = tuple(zip(bounds[:-1], bounds[1:]))
         elif self.attention == "flex":
@@ -538,22 +559,66 @@ class Target:
         return packed
 
 
-def flops_per_document(config, num_layers: int, length: int, with_lm_head: bool = False) -> float:
-    """Forward FLOPs of one document: 2 * (matmul params used) * tokens + causal attention.
+def _prepare_token_mixers(model: nn.Module) -> bool:
+    """Check that every decoder layer mixes tokens in a way packed capture keeps per document, and wrap
+    the Gated-DeltaNet ones (producer/linear_attention.py). Whether the target is hybrid (has those)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    hybrid = False
+    for index, layer in enumerate(base.layers):
+        linear = getattr(layer, "linear_attn", None)
+        if linear is not None:
+            if not is_gated_deltanet(linear):
+                raise UnsupportedTarget(
+                    f"target model type {model_type!r}: layer {index}'s linear_attn ({type(linear).__name__}) is not a "
+                    "Gated-DeltaNet layer this producer can run per document (it needs "
+                    f"{', '.join(p for p in ('in_proj_qkv', 'conv1d', 'A_log') if not hasattr(linear, p))})")
+            install_packed_forward(linear)
+            hybrid = True
+        elif not hasattr(layer, "self_attn"):
+            children = ", ".join(name for name, _ in layer.named_children())
+            raise UnsupportedTarget(
+                f"target model type {model_type!r}: layer {index} ({type(layer).__name__}: {children}) has neither "
+                "self_attn nor a Gated-DeltaNet linear_attn, so packed capture cannot keep its documents apart")
+    return hybrid
 
-    Matmul params per layer: q/k/v/o projections and the gated MLP (norms and embedding lookups are not
-    matmuls). Causal attention per layer: QK^T and PV over the L(L+1)/2 visible pairs, 2 FLOPs each per
-    head dimension: ``2 * 2 * L(L+1)/2 * heads * head_dim``.
+
+def flops_per_document(config, num_layers: int, length: int, with_lm_head: bool = False) -> float:
+    """Forward FLOPs of one document: 2 * (matmul params used) * tokens + token mixing.
+
+    Matmul params per layer: the attention projections (q doubled where a gate rides on it, as in
+    Qwen3.5's gated attention) or a Gated-DeltaNet layer's in/out projections, and the gated MLP (a
+    mixture-of-experts layer counts the experts a token uses and the shared expert). Norms, the
+    convolution and embedding lookups are not matmuls. Token mixing per layer: causal attention,
+    QK^T and PV over the L(L+1)/2 visible pairs, ``2 * 2 * L(L+1)/2 * heads * head_dim``; a
+    Gated-DeltaNet layer reads and updates its ``[k, v]`` state per token and value head,
+    ``4 * k * v`` FLOPs for each, plus the same for its output.
     """
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv_heads = config.num_key_value_heads
-    attention_params = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    mlp_params = 3 * hidden * config.intermediate_size
-    params = num_layers * (attention_params + mlp_params) + (hidden * config.vocab_size if with_lm_head else 0)
-    attention = num_layers * 2 * length * (length + 1) * heads * head_dim
-    return 2.0 * params * length + attention
+    layer_types = list(getattr(config, "layer_types", None) or [])[:num_layers]
+    gated = getattr(config, "model_type", "") in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+    q_width = heads * head_dim * (2 if gated else 1)
+    attention_params = hidden * (q_width + 2 * kv_heads * head_dim) + heads * head_dim * hidden
+    if getattr(config, "num_experts", None):
+        ffn = config.num_experts_per_tok * config.moe_intermediate_size + getattr(config, "shared_expert_intermediate_size", 0)
+    else:
+        ffn = config.intermediate_size
+    mlp_params = 3 * hidden * ffn
+    num_linear = sum(t == "linear_attention" for t in layer_types)
+    num_full = num_layers - num_linear
+    linear_params = linear_mixing = 0.0
+    if num_linear:
+        key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+        value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+        linear_params = hidden * (2 * key_dim + 2 * value_dim + 2 * config.linear_num_value_heads) + value_dim * hidden
+        linear_mixing = 2 * 4.0 * config.linear_key_head_dim * value_dim * length
+    params = (num_full * attention_params + num_linear * linear_params + num_layers * mlp_params
+              + (hidden * config.vocab_size if with_lm_head else 0))
+    attention = num_full * 2 * length * (length + 1) * heads * head_dim
+    return 2.0 * params * length + attention + num_linear * linear_mixing
 
 
 __all__ = [
@@ -562,6 +627,7 @@ __all__ = [
     "PackedAttention",
     "Target",
     "TargetConfig",
+    "UnsupportedTarget",
     "build_target_config",
     "check_tensor_parallel",
     "document_causal_block_mask",

@@ -189,3 +189,25 @@ def test_padding_document_changes_no_real_block():
     loss, _ = drafter.forward_train(batch, 16, torch.Generator().manual_seed(0))
     padded_loss, _ = drafter.forward_train(padded, 16, torch.Generator().manual_seed(0))
     torch.testing.assert_close(padded_loss, loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causality", ["sliding_causal", "bidirectional", "causal"])
+def test_gpu_compiled_flex_forward_equals_dense_forward(causality):
+    """The trainer's CUDA path (compiled flex attention, block masks) against SDPA with the dense masks, for
+    each in-block causality and a window smaller than the block."""
+    from trainer.model import DFlashDrafter
+    from tests.drafter_fixtures import random_head
+
+    config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3, block_size=8,
+                         in_block_causality=causality)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config, random_head(config)).cuda().eval()
+    batch = random_batch([300, 90, 500], config, seed=2, supervised_fraction=0.9)
+    batch = PackedBatch(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(batch).items()})
+    blocks = build_blocks(batch, 64, 8, config.mask_token_id, torch.Generator(device="cuda").manual_seed(0))
+    with torch.no_grad():
+        flex = drafter(batch.aux_hidden, blocks, build_masks(blocks, config))
+        dense = drafter(batch.aux_hidden, blocks, build_masks(blocks, config, dense=True))
+    torch.testing.assert_close(flex, dense, rtol=2e-3, atol=2e-3)

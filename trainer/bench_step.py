@@ -43,6 +43,19 @@ def qwen3_8b_draft(block_size: int) -> DraftConfig:
                        block_size=block_size, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
+def qwen36_27b_draft(block_size: int) -> DraftConfig:
+    """The released Qwen3.6-27B draft's shape (248,320-wide head), as DraftConfig derives it from the target."""
+    from transformers import Qwen3_5TextConfig
+
+    from producer.bench_target import QWEN36_27B_SHAPE
+
+    fields = {k: v for k, v in QWEN36_27B_SHAPE.items() if k != "model_type"}
+    return DraftConfig.from_target(Qwen3_5TextConfig(**fields), mask_token_id=248070, block_size=block_size)
+
+
+DRAFTS = {"qwen3-8b": qwen3_8b_draft, "qwen3.6-27b": qwen36_27b_draft}
+
+
 def tiny_draft(block_size: int) -> DraftConfig:
     return DraftConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=32, vocab_size=1000, target_hidden_size=128,
@@ -136,6 +149,7 @@ def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
+    parser.add_argument("--draft", choices=sorted(DRAFTS), default="qwen3-8b", help="draft shape")
     parser.add_argument("--variants", default="eager,compile-layers", help=f"comma list of {VARIANTS}")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -161,7 +175,7 @@ def main() -> None:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     else:
         args.parallelism = "single"
-    config = tiny_draft(args.block_size) if args.tiny else qwen3_8b_draft(args.block_size)
+    config = tiny_draft(args.block_size) if args.tiny else DRAFTS[args.draft](args.block_size)
     args.seq_len = args.seq_len or (256 if args.tiny else 3072)
     args.num_anchors = args.num_anchors or (32 if args.tiny else 512)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]

@@ -19,6 +19,8 @@ BIDIRECTIONAL = "bidirectional"
 CAUSAL = "causal"
 """Every layer causal inside the block."""
 IN_BLOCK_CAUSALITY = (SLIDING_CAUSAL, BIDIRECTIONAL, CAUSAL)
+# The hybrid Gated-DeltaNet Qwen family (Qwen3.5, Qwen3.6; dense and mixture-of-experts): drafts of the released shape.
+HYBRID_QWEN_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
 
 
 def causal_in_block(in_block_causality: str, layer_type: str) -> bool:
@@ -176,14 +178,13 @@ class DraftConfig:
         target's embedding. Any field can be overridden by keyword.
         """
         text = getattr(target_config, "text_config", None) or target_config
+        if getattr(text, "model_type", None) in HYBRID_QWEN_TYPES:
+            return cls._from_hybrid_qwen(text, num_draft_layers, tokenizer, mask_token_id, **overrides)
         hidden = int(text.hidden_size)
         heads = int(text.num_attention_heads)
         num_layers = int(overrides.pop("num_hidden_layers", num_draft_layers))
         num_target_layers = int(text.num_hidden_layers)
-        if mask_token_id is None and "mask_token_id" not in overrides:
-            if tokenizer is None:
-                raise ValueError("mask_token_id: pass mask_token_id or a tokenizer to take it from")
-            mask_token_id = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else len(tokenizer)
+        mask_token_id = cls._mask_token(tokenizer, mask_token_id, overrides)
         values: dict[str, Any] = dict(
             hidden_size=hidden,
             intermediate_size=int(text.intermediate_size),
@@ -202,6 +203,52 @@ class DraftConfig:
         )
         values.update(overrides)
         return cls(**values)
+
+    @classmethod
+    def _from_hybrid_qwen(cls, text: Any, num_draft_layers: int, tokenizer: Any, mask_token_id: int | None,
+                          **overrides: Any) -> DraftConfig:
+        """The released draft's shape for a Qwen3.5 / Qwen3.6 target (z-lab Qwen3.6-27B-DFlash): plain Qwen3
+        layers of the target's width, 32 heads / 8 key-value heads of 128 (not the target's gated 256-wide
+        heads), the last layer full and the others sliding over 2048 tokens, full rotary at the target's
+        theta (not its partial, multimodal rotary). A mixture-of-experts target, which has no dense MLP width,
+        gets a SwiGLU three times its hidden size (our choice: no released draft fixes it)."""
+        num_layers = int(overrides.pop("num_hidden_layers", num_draft_layers))
+        hidden = int(text.hidden_size)
+        dense = getattr(text, "intermediate_size", None)
+        mask = cls._mask_token(tokenizer, mask_token_id, overrides)
+        num_target_layers = int(text.num_hidden_layers)
+        values: dict[str, Any] = dict(
+            hidden_size=hidden,
+            intermediate_size=int(dense) if dense else 3 * hidden,
+            num_hidden_layers=num_layers,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=int(text.vocab_size),
+            target_hidden_size=hidden,
+            num_target_layers=num_target_layers,
+            target_layer_ids=build_target_layer_ids(num_target_layers, num_layers),
+            mask_token_id=mask,
+            layer_types=[SLIDING_ATTENTION] * (num_layers - 1) + [FULL_ATTENTION],
+            sliding_window=2048,
+            in_block_causality=SLIDING_CAUSAL,
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+            rope_parameters={"rope_type": "default", "rope_theta": target_rope_parameters(text)["rope_theta"]},
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 40960)),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    @staticmethod
+    def _mask_token(tokenizer: Any, mask_token_id: int | None, overrides: dict[str, Any]) -> int:
+        """The mask token: given, else the tokenizer's own, else the first id past the tokenizer."""
+        if "mask_token_id" in overrides:
+            return int(overrides.pop("mask_token_id"))
+        if mask_token_id is not None:
+            return mask_token_id
+        if tokenizer is None:
+            raise ValueError("mask_token_id: pass mask_token_id or a tokenizer to take it from")
+        return tokenizer.mask_token_id if tokenizer.mask_token_id is not None else len(tokenizer)
 
 
 def target_rope_parameters(config: Any) -> dict[str, Any]:

@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from common.hf import text_config_dict, zero_centered_norm
+
 # Checkpoint names tried in order (plain causal LMs first, then multimodal wrappers).
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight")
 NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight", "norm.weight")
@@ -23,8 +25,9 @@ class TargetHead(nn.Module):
     """Frozen embedding, final RMSNorm and output projection of the target."""
 
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, norm_weight: torch.Tensor,
-                 rms_norm_eps: float) -> None:
+                 rms_norm_eps: float, zero_centered_norm: bool = False) -> None:
         super().__init__()
+        self.zero_centered_norm = zero_centered_norm
         if embed_weight.shape[1] != lm_head_weight.shape[1] or norm_weight.shape[0] != lm_head_weight.shape[1]:
             raise ValueError(f"inconsistent target head shapes: embed {tuple(embed_weight.shape)}, "
                              f"lm_head {tuple(lm_head_weight.shape)}, norm {tuple(norm_weight.shape)}")
@@ -54,10 +57,13 @@ class TargetHead(nn.Module):
         return nn.functional.embedding(token_ids.long(), self.embed_weight)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's final RMSNorm (Qwen3 order: normalise in fp32, cast, then scale)."""
+        """The target's final RMSNorm: Qwen3's order (normalise in fp32, cast, then scale), or for a
+        zero-centred norm (Qwen3.5, Qwen3-Next) scale by ``1 + weight`` in fp32 and cast last."""
         variance = hidden.float().pow(2).mean(-1, keepdim=True)
-        normed = (hidden.float() * torch.rsqrt(variance + self.rms_norm_eps)).to(hidden.dtype)
-        return self.norm_weight * normed
+        normed = hidden.float() * torch.rsqrt(variance + self.rms_norm_eps)
+        if self.zero_centered_norm:
+            return (normed * (1.0 + self.norm_weight.float())).to(hidden.dtype)
+        return self.norm_weight * normed.to(hidden.dtype)
 
     @classmethod
     def random(cls, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.bfloat16,
@@ -102,7 +108,7 @@ def load_target_head(model_dir: str | Path, device: torch.device | str = "cpu",
     """
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    text_config = config.get("text_config", config)
+    text_config = text_config_dict(config)
     files = _weight_files(model_dir)
     embed = _read(files, EMBED_NAMES)
     norm = _read(files, NORM_NAMES)
@@ -115,4 +121,4 @@ def load_target_head(model_dir: str | Path, device: torch.device | str = "cpu",
         lm_head = embed
     eps = float(text_config.get("rms_norm_eps", 1e-6))
     tensors = [t.to(device=device, dtype=dtype or t.dtype) for t in (embed, lm_head, norm)]
-    return TargetHead(*tensors, rms_norm_eps=eps)
+    return TargetHead(*tensors, rms_norm_eps=eps, zero_centered_norm=zero_centered_norm(text_config.get("model_type")))

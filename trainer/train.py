@@ -30,6 +30,7 @@ from common import faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
 from common.lifecycle import die_with_parent, exit_rank
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
+from common.hf import text_config_of
 from trainer.checkpoint import CheckpointWriter, Snapshot
 from trainer.draft_config import DraftConfig
 from trainer.export import load_drafter
@@ -110,7 +111,7 @@ class Trainer:
                        f"the target head in {head_dir} (written by the first producer)")
         from transformers import AutoConfig
 
-        target_config = AutoConfig.from_pretrained(head_dir)
+        target_config = text_config_of(AutoConfig.from_pretrained(head_dir))  # a multimodal target's language model
         for key, value in cfg.target.config_overrides.items():
             setattr(target_config, key, value)
         from producer.target import DTYPES, target_identity

@@ -1,0 +1,149 @@
+"""Hybrid Gated-DeltaNet targets (Qwen3.5 / Qwen3.6): loading, packed capture, head, preset, refusal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from common.batch import PackedBatch
+from common.config import TargetConfig
+from common.hf import text_config_of
+from producer.target import Target, UnsupportedTarget, target_identity
+from tests.hybrid_fixtures import FORMS, reference_model, tiny_qwen35
+from trainer.draft_config import DraftConfig
+from trainer.target_head import load_target_head
+
+LAYER_IDS = [0, 2, 3, 5]  # linear and full-attention layers (layer_types: 3 linear, then 1 full)
+
+
+@pytest.fixture(scope="module", params=FORMS)
+def saved(request, tmp_path_factory):
+    return request.param, tiny_qwen35(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def packed(lengths: list[int], vocab: int = 128, seed: int = 0) -> PackedBatch:
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return PackedBatch(input_ids=torch.randint(0, vocab, (total,), generator=gen, dtype=torch.int32),
+                       loss_mask=torch.ones(total, dtype=torch.uint8), cu_seqlens=cu, sample_ids=torch.arange(len(lengths)))
+
+
+def test_loads_the_language_model_only_with_fields_from_the_text_config(saved):
+    form, path = saved
+    target = Target.load(TargetConfig(path=str(path), dtype="float32"), LAYER_IDS)
+    assert type(target.model).__name__ in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+    assert target.hybrid and target.linear == "per_document"
+    assert not any("visual" in name for name, _ in target.model.named_parameters())
+    assert target.model.config.num_hidden_layers == 8 and target.hidden_size == 64
+    # The trainer reads the same text config and the head from the same checkpoint: identities agree.
+    head = load_target_head(path)
+    config = text_config_of(AutoConfig.from_pretrained(path))
+    assert target_identity(config, head.embed_weight) == target.identity
+    tensors = target.head_tensors()
+    assert torch.equal(head.embed_weight, tensors["model.embed_tokens.weight"])
+    assert torch.equal(head.lm_head_weight, tensors["lm_head.weight"])
+    assert torch.equal(head.norm_weight, tensors["model.norm.weight"])
+
+
+@pytest.mark.parametrize("lengths", [[37, 5, 60, 1, 22], [128]])
+def test_packed_capture_equals_each_documents_own_forward(saved, lengths):
+    """Every layer type keeps documents apart: the linear layers' convolution and recurrent state restart
+    at each boundary, so packed features equal hidden_states[k + 1] of each document alone."""
+    _, path = saved
+    target = Target.load(TargetConfig(path=str(path), dtype="float32"), LAYER_IDS, capture_last_hidden=True)
+    batch = packed(lengths)
+    features = target.capture(batch)
+    reference = reference_model(path)
+    bounds = batch.cu_seqlens.tolist()
+    with torch.no_grad():
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            out = reference(batch.input_ids[None, start:end].long(), output_hidden_states=True)
+            expected = torch.cat([out.hidden_states[k + 1][0] for k in LAYER_IDS], dim=-1)
+            torch.testing.assert_close(features.aux_hidden[start:end], expected, rtol=1e-4, atol=1e-4)
+            # last_hidden is before the final norm; the trainer's head applies Qwen3.5's zero-centred norm.
+            head = load_target_head(path)
+            torch.testing.assert_close(head.final_norm(features.last_hidden[start:end]), out.hidden_states[-1][0],
+                                       rtol=1e-4, atol=1e-4)
+    # Sanity: run as one sequence, the packed row's later documents differ well beyond the tolerance
+    # (so the comparison above would see a state or convolution leaking across a boundary).
+    if len(lengths) > 1:
+        with torch.no_grad():
+            leaked = reference(batch.input_ids[None].long(), output_hidden_states=True).hidden_states[LAYER_IDS[-1] + 1][0]
+        deepest = features.aux_hidden[:, -64:]
+        assert (leaked[bounds[1]:] - deepest[bounds[1]:]).abs().max() > 1e-2
+
+
+def test_drafter_preset_is_the_released_drafts_shape():
+    """From Qwen3.6-27B's config (random weights cannot be had; its config can be built): the shape of
+    z-lab's Qwen3.6-27B-DFlash."""
+    from transformers import Qwen3_5Config
+
+    text = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    config = DraftConfig.from_target(Qwen3_5Config(text_config=text), mask_token_id=248070)
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (5, 5120, 17408)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 128)
+    assert config.vocab_size == 248320 and config.num_target_layers == 64
+    assert config.target_layer_ids == [1, 16, 31, 46, 61]
+    assert config.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and config.sliding_window == 2048
+    assert config.in_block_causality == "sliding_causal"
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e7}
+    assert config.mask_token_id == 248070 and config.block_size == 16
+
+
+def test_other_targets_keep_todays_rule():
+    from transformers import Qwen3Config
+
+    config = DraftConfig.from_target(Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                                 num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                                 vocab_size=151936), mask_token_id=151669)
+    assert config.layer_types == ["full_attention"] * 5 and config.target_layer_ids == [1, 9, 17, 25, 33]
+    assert (config.num_attention_heads, config.intermediate_size) == (32, 12288)
+
+
+def test_a_target_without_a_known_token_mixer_is_refused(tmp_path):
+    """LFM2's convolution layers have no self_attn: capture could not keep documents apart in them."""
+    from transformers import AutoConfig as Auto, AutoModelForCausalLM
+
+    config = Auto.for_model("lfm2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2,
+                            layer_types=["conv", "full_attention", "conv", "full_attention"])
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedTarget, match=r"'lfm2': layer 0 .*neither self_attn nor a Gated-DeltaNet"):
+        Target.load(TargetConfig(path=str(tmp_path), dtype="float32"), [1])
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "lfm2"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("form", ["multimodal", "moe"])
+def test_gpu_packed_capture_with_fla_varlen_kernels(tmp_path, form):
+    """On GPU the linear layers run flash-linear-attention's varlen kernels over cu_seqlens (one launch for
+    every document); in bf16 they agree with each document's own HF forward within bf16 rounding, and with
+    the exact per-document path."""
+    path = tiny_qwen35(tmp_path, form)
+    target = Target.load(TargetConfig(path=str(path), dtype="bfloat16", device="cuda"), LAYER_IDS)
+    assert target.linear == "fla", "flash-linear-attention must be installed on GPU machines"
+    batch = packed([300, 17, 700, 1, 90])
+    fla = target.capture(batch).aux_hidden.float()
+    exact = Target(target.model, LAYER_IDS, attention="sdpa", compile=False)
+    exact.linear = "per_document"
+    per_document = exact.capture(batch).aux_hidden.float()
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    bounds = batch.cu_seqlens.tolist()
+    with torch.no_grad():
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            out = reference(batch.input_ids[None, start:end].long().cuda(), output_hidden_states=True)
+            expected = torch.cat([out.hidden_states[k + 1][0] for k in LAYER_IDS], dim=-1).float()
+            for got in (fla, per_document):
+                error = (got[start:end] - expected).abs().max() / expected.abs().max()
+                assert error < 3e-2, (start, float(error))
+    assert float((fla - per_document).abs().max() / per_document.abs().max()) < 3e-2
