@@ -200,8 +200,9 @@ def test_gpu_compiled_flex_forward_equals_dense_forward(causality):
     from trainer.model import DFlashDrafter
     from tests.drafter_fixtures import random_head
 
+    # head_dim 16: compiled flex attention needs at least 16.
     config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3, block_size=8,
-                         in_block_causality=causality)
+                         head_dim=16, in_block_causality=causality)
     torch.manual_seed(0)
     drafter = DFlashDrafter(config, random_head(config)).cuda().eval()
     batch = random_batch([300, 90, 500], config, seed=2, supervised_fraction=0.9)

@@ -126,7 +126,8 @@ def test_a_target_without_a_known_token_mixer_is_refused(tmp_path):
 def test_gpu_packed_capture_with_fla_varlen_kernels(tmp_path, form):
     """On GPU the linear layers run flash-linear-attention's varlen kernels over cu_seqlens (one launch for
     every document); in bf16 they agree with each document's own HF forward within bf16 rounding, and with
-    the exact per-document path."""
+    the exact per-document path. Relative Frobenius errors: in bf16 a mixture-of-experts router may pick
+    another expert for a token whose scores nearly tie, which a max-abs comparison would blow up."""
     path = tiny_qwen35(tmp_path, form)
     target = Target.load(TargetConfig(path=str(path), dtype="bfloat16", device="cuda"), LAYER_IDS)
     assert target.linear == "fla", "flash-linear-attention must be installed on GPU machines"
@@ -143,7 +144,8 @@ def test_gpu_packed_capture_with_fla_varlen_kernels(tmp_path, form):
         for start, end in zip(bounds[:-1], bounds[1:]):
             out = reference(batch.input_ids[None, start:end].long().cuda(), output_hidden_states=True)
             expected = torch.cat([out.hidden_states[k + 1][0] for k in LAYER_IDS], dim=-1).float()
-            for got in (fla, per_document):
-                error = (got[start:end] - expected).abs().max() / expected.abs().max()
-                assert error < 3e-2, (start, float(error))
-    assert float((fla - per_document).abs().max() / per_document.abs().max()) < 3e-2
+            for name, got in (("fla", fla), ("per_document", per_document)):
+                error = float((got[start:end] - expected).norm() / expected.norm())
+                print(f"{form} document at {start}: {name} relative error {error:.2e}")
+                assert error < 2e-2, (name, start, error)
+    assert float((fla - per_document).norm() / per_document.norm()) < 2e-2
