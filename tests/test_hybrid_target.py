@@ -149,3 +149,111 @@ def test_gpu_packed_capture_with_fla_varlen_kernels(tmp_path, form):
                 print(f"{form} document at {start}: {name} relative error {error:.2e}")
                 assert error < 2e-2, (name, start, error)
     assert float((fla - per_document).norm() / per_document.norm()) < 2e-2
+
+
+def remembering_target(path):
+    """The tiny Qwen3.5 with slowly decaying Gated-DeltaNet states that weigh on the output, so that a state
+    that ran over rejected tokens changes the greedy text (random init forgets within a few tokens)."""
+    model = reference_model(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.fill_(-6.0)
+                layer.linear_attn.out_proj.weight.mul_(8)
+    return model
+
+
+def test_speculative_decoding_against_a_hybrid_target_is_lossless(tmp_path):
+    """Rejected drafts ran through the linear layers' state, which cannot be cropped like a KV cache: the
+    state before the block is kept and the kept tokens replayed, so the text equals plain greedy decoding."""
+    from tests.test_evaluate import OracleContext
+    from trainer.evaluate import GreedyTarget, greedy_decode, speculative_decode
+
+    target = GreedyTarget(remembering_target(tiny_qwen35(tmp_path, "text")), [1, 3])
+    assert target.recurrent
+    naive_mismatches, seen = 0, set()
+    for seed in range(4):
+        ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(seed))
+        plain = greedy_decode(target, ids, 40)
+
+        def oracle():
+            flips = torch.Generator().manual_seed(seed)
+            return OracleContext(len(ids), greedy_decode(target, ids, 44),
+                                 corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.3))
+
+        decoded = speculative_decode(oracle(), target, ids, 40)
+        assert decoded.tokens == plain
+        assert decoded.replayed and all(1 <= n < 4 for n in decoded.replayed)
+        seen.update(decoded.accepted)
+        target.recurrent = False  # what cropping alone does: the state keeps the rejected tokens
+        naive_mismatches += speculative_decode(oracle(), target, ids, 40).tokens != plain
+        target.recurrent = True
+    assert seen == {0, 1, 2, 3}
+    assert naive_mismatches >= 3, "the test must be able to see a state that was not put back"
+
+
+def test_evaluator_reports_the_replays_of_a_hybrid_target(tmp_path):
+    from common.config import EvalConfig
+    from producer.data import Document
+    from trainer.evaluate import Evaluator
+    from trainer.model import DFlashDrafter
+    import numpy as np
+
+    path = tiny_qwen35(tmp_path, "multimodal")
+    model = reference_model(path)
+    head = load_target_head(path)
+    config = DraftConfig.from_target(model.config, num_draft_layers=2, mask_token_id=127, block_size=4)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config, head)
+    documents = [Document(sample_id=i, input_ids=np.random.default_rng(i).integers(0, 127, 40).astype(np.int32),
+                          loss_mask=np.r_[np.zeros(12, np.uint8), np.ones(28, np.uint8)]) for i in range(3)]
+    evaluator = Evaluator(model, documents, EvalConfig(max_new_tokens=24), config.target_layer_ids, num_anchors=8)
+    report = evaluator.evaluate(drafter)
+    assert report.replay_forwards > 0 and report.replayed_tokens >= report.replay_forwards
+    assert "replays" in report.table() and report.metrics()["eval/replay_forwards"] == report.replay_forwards
+
+
+def test_pipeline_trains_and_evaluates_a_drafter_for_a_saved_qwen35(short_tmp):
+    """The real job in small: run_all.sh with target.path at a multimodal Qwen3.5 checkpoint, real producers
+    and trainer, the drafter preset (sliding layers, window 2048), and a real evaluation at the end."""
+    from common.rundir import RunDir
+    from tests.test_pipeline import finish, start
+
+    path = tiny_qwen35(short_tmp / "qwen35", "multimodal")
+    run_dir = short_tmp / "run"
+    finish(start(run_dir, f"target.path={path}", "target.config_overrides={}", "training.max_steps=12",
+                 "eval.every_steps=12", "eval.num_prompts=2", "eval.max_new_tokens=16"), run_dir, timeout=300)
+    run = RunDir(run_dir)
+    drafter = json.loads((run.latest_checkpoint() / "drafter" / "config.json").read_text())
+    assert drafter["layer_types"] == ["sliding_attention", "full_attention"] and drafter["sliding_window"] == 2048
+    assert drafter["num_attention_heads"] == 32 and drafter["head_dim"] == 128
+    assert json.loads((run.latest_checkpoint() / "trainer_state.json").read_text())["step"] == 12
+    metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    evaluated = [m for m in metrics if "eval/tau" in m]
+    assert evaluated and evaluated[-1]["eval/replay_forwards"] > 0
+    assert {s["id"] for s in run.producer_statuses()} == {0, 1}
+
+
+def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):
+    """An unusable target is an error that repeats on every try: exit 2 within seconds, naming the model type,
+    and no restart loop."""
+    import time
+
+    from transformers import AutoConfig as Auto, AutoModelForCausalLM
+
+    from tests.test_pipeline import start
+
+    config = Auto.for_model("lfm2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2,
+                            layer_types=["conv", "full_attention", "conv", "full_attention"])
+    AutoModelForCausalLM.from_config(config).save_pretrained(short_tmp / "lfm2")
+    run_dir = short_tmp / "run"
+    began = time.monotonic()
+    launcher = start(run_dir, f"target.path={short_tmp / 'lfm2'}", "target.config_overrides={}")
+    code = launcher.wait(timeout=120)
+    output = (run_dir.parent / "launcher.out").read_text()
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("producer*.log"))
+    assert code == 2, output[-2000:]
+    assert "'lfm2'" in logs and "neither self_attn nor a Gated-DeltaNet" in logs
+    assert time.monotonic() - began < 90
+    assert "restarting" not in output.lower(), output[-2000:]

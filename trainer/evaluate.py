@@ -12,6 +12,10 @@ Each held-out prompt is decoded alone (batch 1), as a server would:
      are kept, plus its token after them (the correction, or a bonus when all B-1 were right);
   4. the target's KV cache is cropped to the kept tokens, and the drafter's context is extended with the
      kept tokens' features from that same forward (rejected tokens never enter it). Back to 2.
+     A hybrid target's Gated-DeltaNet layers (Qwen3.5 / Qwen3.6) hold a recurrent state and a convolution
+     window that cannot be cropped: their state before the block is kept, and when a draft token was
+     rejected it is put back and the kept tokens are run again (one more target forward of those tokens;
+     the report counts them as ``replay_forwards`` / ``replayed_tokens``).
 Every kept token is the target's greedy choice given the kept prefix, so the text is exactly plain
 greedy decoding (lossless). tau is the mean number of tokens kept per verify forward, correction
 included (1 <= tau <= B).
@@ -30,7 +34,7 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import IO, Any
@@ -74,7 +78,10 @@ class GreedyTarget:
         self._outputs: dict[int, torch.Tensor] = {}
         for k in {*self.layer_ids, *([self.last_layer] if capture_last else [])}:
             layers[k].register_forward_hook(partial(self._keep_output, k))
+        # Gated-DeltaNet layers: their cache holds a state, not one entry per token (see save_state).
+        self.recurrent = any(hasattr(layer, "linear_attn") for layer in layers)
         self.cache = None
+        self._saved_states: list[tuple[Any, dict, dict]] = []
 
     def _keep_output(self, layer_id: int, _module: nn.Module, _args: Any, output: Any) -> None:
         self._outputs[layer_id] = output[0] if isinstance(output, tuple) else output
@@ -84,8 +91,9 @@ class GreedyTarget:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)
-        if hasattr(self.cache, "activate_past_recording"):  # sliding-window layers can then be cropped
-            self.cache.activate_past_recording()
+        for layer in self.cache.layers:  # sliding-window layers can then be cropped
+            if hasattr(layer, "activate_past_recording") and not _is_state_layer(layer):
+                layer.activate_past_recording()
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, start: int,
@@ -106,10 +114,36 @@ class GreedyTarget:
         return self._outputs[self.last_layer][0]
 
     def crop(self, length: int) -> None:
-        """Keep the first ``length`` positions of the KV cache."""
+        """Keep the first ``length`` positions of the KV cache (recurrent states stay as they are: put them
+        back with ``restore_state`` first where they ran past ``length``)."""
         extra = self.cache.get_seq_length() - length
         if extra > 0:
-            self.cache.crop(-extra)  # negative: tokens to remove, the meaning every transformers version shares
+            for layer in self.cache.layers:
+                if not _is_state_layer(layer):
+                    layer.crop(-extra)  # negative: tokens to remove, the meaning every transformers version shares
+
+    def save_state(self) -> None:
+        """Copy the recurrent and convolution states of the Gated-DeltaNet layers (nothing for other targets)."""
+        if not self.recurrent:
+            return
+        self._saved_states = [
+            (layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+             {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None})
+            for layer in self.cache.layers if _is_state_layer(layer)
+        ]
+
+    def restore_state(self) -> None:
+        """Put back the states of the last ``save_state``, in place."""
+        for layer, conv, recurrent in self._saved_states:
+            for i, saved in conv.items():
+                layer.conv_states[i].copy_(saved)
+            for i, saved in recurrent.items():
+                layer.recurrent_states[i].copy_(saved)
+
+
+def _is_state_layer(layer: Any) -> bool:
+    """A cache layer that holds a fixed-size state (linear attention, convolution) instead of per-token keys."""
+    return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
 
 
 # -- the drafter side -----------------------------------------------------------------------------
@@ -172,6 +206,8 @@ class Decoded:
     """The generated tokens (prompt excluded), cut at max_new_tokens or after the first stop token."""
     accepted: list[int]
     """Per verify forward: how many drafted tokens the target accepted (0 .. B-1)."""
+    replayed: list[int] = field(default_factory=list)
+    """Per replay (hybrid targets, after a rejection): how many kept tokens were run through the target again."""
 
 
 def _cut(tokens: list[int], max_new_tokens: int, stop_token_ids: frozenset[int]) -> list[int]:
@@ -194,18 +230,27 @@ def speculative_decode(context: DraftContext, target: GreedyTarget, prompt: torc
     target.reset()
     greedy, features = target.forward(prompt, 0)
     context.extend(features)
-    tokens, accepted = [int(greedy[-1])], []
+    tokens, accepted, replayed = [int(greedy[-1])], [], []
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_token_ids:
         anchor = prompt.shape[0] + len(tokens) - 1  # position of the last kept token
         drafted = context.propose(tokens[-1], anchor)
         block = torch.cat([drafted.new_tensor([tokens[-1]]), drafted])
+        target.save_state()  # a hybrid target's recurrent state before the block
         verified, features = target.forward(block, anchor)  # verified[i]: the target's token after block[:i + 1]
         num_accepted = int((drafted == verified[:-1]).long().cumprod(0).sum())
         accepted.append(num_accepted)
         tokens += drafted[:num_accepted].tolist() + [int(verified[num_accepted])]
-        target.crop(anchor + num_accepted + 1)  # the anchor and the accepted drafts; the correction is next anchor
-        context.extend(features[: num_accepted + 1])
-    return Decoded(_cut(tokens, max_new_tokens, stop_token_ids), accepted)
+        kept = num_accepted + 1  # the anchor and the accepted drafts; the correction is the next anchor
+        if target.recurrent and kept < block.shape[0]:
+            # The state ran over rejected tokens and cannot be cropped: back to before the block, run the kept again.
+            target.restore_state()
+            target.crop(anchor)
+            _, features = target.forward(block[:kept], anchor, logits=False)
+            replayed.append(kept)
+        else:
+            target.crop(anchor + kept)
+        context.extend(features[:kept])
+    return Decoded(_cut(tokens, max_new_tokens, stop_token_ids), accepted, replayed)
 
 
 @torch.no_grad()
@@ -278,6 +323,10 @@ class AcceptanceReport:
     target_forwards: int
     """Prefills plus verify forwards."""
     seconds: float
+    replay_forwards: int = 0
+    """Hybrid targets: extra forwards that ran the kept tokens again after a rejection (not in target_forwards)."""
+    replayed_tokens: int = 0
+    """Tokens those replays ran."""
 
     @property
     def tau_gap(self) -> float:
@@ -301,7 +350,8 @@ class AcceptanceReport:
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         out = {"tau": self.tau, "sim_tau": self.sim_tau, "tau_gap": self.tau_gap, "forwards_saved": self.forwards_saved,
                "target_forwards": self.target_forwards, "greedy_forwards": self.greedy_forwards,
-               "generated_tokens": self.generated_tokens, "num_prompts": self.num_prompts, "seconds": self.seconds}
+               "generated_tokens": self.generated_tokens, "num_prompts": self.num_prompts, "seconds": self.seconds,
+               "replay_forwards": self.replay_forwards, "replayed_tokens": self.replayed_tokens}
         out.update({f"accept_pos_{k}": p for k, p in enumerate(self.accept_pos, start=1)})
         out.update({f"sim_acc_{k}": a for k, a in enumerate(self.sim_acc, start=1)})
         return {prefix + key: value for key, value in out.items()}
@@ -313,6 +363,11 @@ class AcceptanceReport:
             f"tau (simulated)  {self.sim_tau:6.3f}   teacher-forced on the same documents; gap {self.tau_gap:+.3f}",
             f"target forwards  {self.target_forwards:6d}   vs {self.greedy_forwards} for plain greedy: "
             f"{self.forwards_saved:.1%} saved",
+        ]
+        if self.replay_forwards:
+            lines.append(f"replays          {self.replay_forwards:6d}   forwards that ran {self.replayed_tokens} kept tokens again "
+                         "(a hybrid target's state is not cropped)")
+        lines += [
             "slot k    accepted (real, streak reaches k)    acc_k (simulated)",
         ]
         lines += [f"{k:6d}    {p:10.3f}                           {a:10.3f}"
@@ -373,6 +428,7 @@ class Evaluator:
             tau=1.0 + (float(accepted.mean()) if accepted.numel() else 0.0), accept_pos=accept_pos.tolist(),
             sim_tau=sim_tau, sim_acc=sim_acc, generated_tokens=sum(len(d.tokens) for d in decoded),
             target_forwards=len(decoded) + int(accepted.numel()), seconds=time.perf_counter() - started,
+            replay_forwards=sum(len(d.replayed) for d in decoded), replayed_tokens=sum(sum(d.replayed) for d in decoded),
         )
 
 
