@@ -328,6 +328,9 @@ class ParquetSource(DataSource):
 # Chat
 
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+# An empty reasoning block where an answer starts (Qwen3 / Qwen3.5 templates insert one when a turn has no
+# reasoning): the target never generates it after a thinking-off prompt, so it is no training target.
+_EMPTY_THINK = re.compile(r"(?:<think>)?\s*</think>\s*")
 
 
 def _common_prefix_length(a: str, b: str) -> int:
@@ -365,8 +368,10 @@ def render_chat(
     an assistant turn starts where the prompt for it (history + generation header) ends, and ends
     where the rendering of the history through that turn ends. Templates that render the last
     turn differently (e.g. Qwen3 adds an empty think block to the final assistant turn only) are
-    handled by finding where that turn's tail rejoins the full text. Tokens are assigned to spans
-    by character offsets, so merges across turn boundaries cannot shift the mask.
+    handled by finding where that turn's tail rejoins the full text. An empty think block that opens
+    a turn (``<think>\n\n</think>\n\n``, or its tail after a thinking prompt's ``<think>\n``) is
+    left out of the mask; a turn's reasoning, when it has some, is supervised with its answer. Tokens
+    are assigned to spans by character offsets, so merges across turn boundaries cannot shift the mask.
     """
     if _GENERATION_TAG.search(tokenizer.chat_template or ""):
         encoded = tokenizer.apply_chat_template(
@@ -394,6 +399,9 @@ def render_chat(
             if rejoined is None:
                 raise BadRecord("template", f"cannot locate assistant turn {k} in the rendered conversation")
             end += len(tail) - rejoined
+        empty_think = _EMPTY_THINK.match(full, start, end)
+        if empty_think:
+            start = empty_think.end()
         spans.append((start, end))
 
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)

@@ -110,11 +110,53 @@ def test_chat_mask_when_template_rewrites_earlier_turns():
             ("<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", 0),
             ("Hello!<|im_end|>\n", 1),
             ("<|im_start|>user\nadd 2+2<|im_end|>\n<|im_start|>assistant\n", 0),
-            ("<think>\n\n</think>\n\n4<|im_end|>\n", 1),
+            ("<think>\n\n</think>\n\n", 0),  # inserted by the template: never a training target
+            ("4<|im_end|>\n", 1),
         ],
     )
     assert ids.tolist() == want_ids
     assert mask.tolist() == want_mask
+
+
+# The structure of the Qwen3.5 / Qwen3.6 template: thinking on by default, the generation prompt opening a
+# think block (``enable_thinking=False`` closes it at once); reasoning (``reasoning_content``) rendered only
+# for the turns after the last user message, which always get a think block, empty when there is none.
+QWEN35_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set reasoning = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content else '' %}"
+    "{%- if loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip() + '\n</think>\n\n' + m.content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}"
+    "{%- else %}{{- '<think>\n' }}{%- endif %}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("with_reasoning", [True, False])
+def test_qwen35_template_masks_reasoning_and_answer_never_an_empty_think_block(thinking, with_reasoning):
+    tokenizer = tiny_tokenizer(QWEN35_TEMPLATE)
+    last = {"role": "assistant", "content": "4"}
+    if with_reasoning:
+        last["reasoning_content"] = "2 and 2 make 4."
+    conversation = [*CONVERSATION[:3], last]
+    ids, mask = render_chat(tokenizer, conversation, enable_thinking=thinking)
+    history = [("<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", 0), ("Hello!<|im_end|>\n", 1),
+               ("<|im_start|>user\nadd 2+2<|im_end|>\n<|im_start|>assistant\n<think>\n", 0)]
+    if with_reasoning:  # the reasoning and the answer are what the target generates
+        final = [("2 and 2 make 4.\n</think>\n\n4<|im_end|>\n", 1)]
+    else:  # the template's empty block, in the prompt or not, is never supervised
+        final = [("\n</think>\n\n", 0), ("4<|im_end|>\n", 1)]
+    want_ids, want_mask = expected(tokenizer, history + final)
+    assert ids.tolist() == want_ids
+    assert mask.tolist() == want_mask
+    assert "</think>" not in tokenizer.decode(ids[mask == 1]) or with_reasoning
 
 
 def test_chat_mask_from_generation_tags_matches_prefix_rendering():
