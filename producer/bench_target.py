@@ -122,8 +122,15 @@ def pack_token_budget(lengths: list[int], budget: int, vocab: int, seed: int) ->
     return batches
 
 
+def peak_gib(device: torch.device) -> float:
+    """GPU memory allocated at most since the last ``timed`` began (0 on the CPU)."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
 def timed(step: Callable[[int], None], count: int, warmup: int, device: torch.device) -> tuple[float, float]:
     """(seconds for ``count`` steps after ``warmup`` steps, seconds of the warmup)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     for index in range(warmup):
         step(index)
@@ -154,7 +161,8 @@ def bench_hf(model: nn.Module, cut_after: int | None, rows: int, length: int, co
         base.layers, config._attn_implementation = all_layers, saved_attention
     layers = config.num_hidden_layers if cut_after is None else cut_after + 1
     flops = rows * flops_per_document(config, layers, length, with_lm_head=cut_after is None) * count
-    return {"seconds": seconds, "warmup_s": warm, "tokens": rows * length * count, "flops": flops}
+    return {"seconds": seconds, "warmup_s": warm, "tokens": rows * length * count, "flops": flops,
+            "peak_gib": peak_gib(device)}
 
 
 def bench_packed(target: Target, batches: list[PackedBatch], budget: int, count: int, warmup: int) -> dict:
@@ -176,7 +184,8 @@ def bench_packed(target: Target, batches: list[PackedBatch], budget: int, count:
         for batch in used
         for length in (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
     )
-    return {"seconds": seconds, "warmup_s": warm, "tokens": sum(b.num_tokens for b in used), "flops": flops}
+    return {"seconds": seconds, "warmup_s": warm, "tokens": sum(b.num_tokens for b in used), "flops": flops,
+            "peak_gib": peak_gib(target.device)}
 
 
 def relative_errors(got: torch.Tensor, want: torch.Tensor, hidden_size: int) -> list[float]:
@@ -260,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
                 results[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
             print(f"  done {name}", flush=True)
 
-    print(f"\n{'variant':<24}{'tokens/s':>12}{'MFU':>8}{'TFLOP/s':>10}{'warmup s':>10}  rel err per layer vs sdpa")
+    print(f"\n{'variant':<24}{'tokens/s':>12}{'MFU':>8}{'TFLOP/s':>10}{'warmup s':>10}{'peak GiB':>10}"
+          "  rel err per layer vs sdpa")
     for name, result in results.items():
         if "error" in result:
             print(f"{name:<24}  ERROR {result['error']}")
@@ -271,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         errors = " ".join(f"{e:.0e}" for e in result.get("rel_err_vs_sdpa", []))
         print(
             f"{name:<24}{result['tokens_per_s']:>12,.0f}{result['mfu']:>8.1%}{result['tflops']:>10.1f}"
-            f"{result['warmup_s']:>10.1f}  {errors}"
+            f"{result['warmup_s']:>10.1f}{result['peak_gib']:>10.1f}  {errors}"
         )
     line = json.dumps(
         {

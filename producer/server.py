@@ -308,6 +308,8 @@ class Producer:
             "updated": time.time(),
             "load_s": round(self.load_s, 2),
             "device": ",".join(group.devices) if group is not None else str(self.target.device),
+            "kernels": {"attention": self.target.attention, "linear_attention": self.target.linear,
+                        "compiled": self.target.compiled},
             "ring": {**stats["ring"], "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
             **({"epoch_batches": self.epoch_batches} if self.epoch_batches is not None else {}),
             **{k: v for k, v in stats.items() if k != "ring"},
@@ -391,9 +393,11 @@ class Producer:
     def serve_forever(self) -> None:
         self.server.start()
         self.write_status(ready=True)
-        log.info("producer %d ready in %.1fs: %s, layers %s, ring %s x %d bytes (%s), endpoint %s",
-                 self.producer_id, self.load_s, self.target.identity, self.layer_ids, self.ring.num_slots,
-                 self.slot_bytes, self.ring.backend, self.endpoint)
+        log.info("producer %d ready in %.1fs: %s, layers %s, attention %s%s%s, ring %s x %d bytes (%s), endpoint %s",
+                 self.producer_id, self.load_s, self.target.identity, self.layer_ids, self.target.attention,
+                 f", Gated-DeltaNet {self.target.linear}" if self.target.linear else "",
+                 ", compiled" if self.target.compiled else "", self.ring.num_slots, self.slot_bytes,
+                 self.ring.backend, self.endpoint)
         threads = [threading.Thread(target=self._publish_loop, name="publisher", daemon=True),
                    threading.Thread(target=self._status_loop, name="status", daemon=True)]
         for thread in threads:

@@ -231,7 +231,9 @@ def test_pipeline_trains_and_evaluates_a_drafter_for_a_saved_qwen35(short_tmp):
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     evaluated = [m for m in metrics if "eval/tau" in m]
     assert evaluated and evaluated[-1]["eval/replay_forwards"] > 0
-    assert {s["id"] for s in run.producer_statuses()} == {0, 1}
+    statuses = run.producer_statuses()
+    assert {s["id"] for s in statuses} == {0, 1}
+    assert all(s["kernels"]["linear_attention"] == "per_document" for s in statuses)
 
 
 def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):

@@ -23,3 +23,24 @@ def test_gpu_pipeline_with_cuda_rings(short_tmp):
     assert_exactly_once(run)
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     assert all(m["loss"] == m["loss"] for m in metrics), "no NaN"
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_with_a_hybrid_qwen35_target(short_tmp):
+    """A saved multimodal Qwen3.5 on the GPU: the producer runs flash-linear-attention's varlen kernels and
+    compiled layers, the trainer trains the preset drafter and evaluates it against the target at the end."""
+    from hybrid_fixtures import tiny_qwen35
+
+    path = tiny_qwen35(short_tmp / "qwen35", "multimodal")
+    run_dir = short_tmp / "run"
+    launcher = start(run_dir, f"target.path={path}", "target.config_overrides={}", "target.dtype=\"bfloat16\"",
+                     "ring.backend=\"cuda\"", "launch.producer_devices=[\"cuda:0\"]", "launch.trainer_devices=[\"cuda:0\"]",
+                     "training.max_steps=40", "eval.every_steps=40", "eval.num_prompts=2", "eval.max_new_tokens=16")
+    finish(launcher, run_dir, timeout=600)
+    run = RunDir(run_dir)
+    kernels = [s["kernels"] for s in run.producer_statuses()]
+    assert kernels and all(k == {"attention": "varlen", "linear_attention": "fla", "compiled": True} for k in kernels)
+    assert_exactly_once(run)
+    metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    assert all(m["loss"] == m["loss"] for m in metrics if "loss" in m), "no NaN"
+    assert any("eval/tau" in m for m in metrics)
