@@ -259,3 +259,19 @@ def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):
     assert "'lfm2'" in logs and "neither self_attn nor a Gated-DeltaNet" in logs
     assert time.monotonic() - began < 90
     assert "restarting" not in output.lower(), output[-2000:]
+
+
+@pytest.mark.parametrize("name", ["qwen3.6-27b-1gpu.toml", "qwen3.6-27b-8gpu.toml"])
+def test_example_configs_for_the_real_job_load(tmp_path, name):
+    from pathlib import Path
+
+    from common.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    target = tiny_qwen35(tmp_path / "target", "multimodal")
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    cfg = load_config(root / "launch" / name, [f"target.path={target}", f'data.paths=["{data}"]', f'eval.paths=["{data}"]'])
+    assert cfg.data.format == "chat" and cfg.target.dtype == "bfloat16" and cfg.drafter.block_size == 16
+    devices = len(cfg.launch.producer_devices) + len(cfg.launch.trainer_devices)
+    assert devices == (2 if "1gpu" in name else 8)
