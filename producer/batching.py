@@ -25,7 +25,7 @@ import torch
 
 from common.batch import PackedBatch
 from common.config import BatchingConfig
-from producer.data import DataSource, Document
+from producer.data import DataError, DataSource, Document
 from producer.order import ShardOrder
 
 
@@ -211,8 +211,17 @@ class BatchPlan:
                     yield BatchCursor(epoch, window, i), batches[i]
                 window, index = window + 1, 0
             if whole_epoch and empty_epoch:
-                raise RuntimeError(f"epoch {epoch} of this shard has no good document (see the data stats)")
+                raise self._no_good_document(epoch)
             epoch, window, index = epoch + 1, 0, 0
+
+    def _no_good_document(self, epoch: int) -> DataError:
+        stats = self.source.stats
+        files = getattr(getattr(self.source, "_files", None), "paths", None) or self.source.config.paths
+        first = "; first bad: " + " | ".join(stats.first_bad) if stats.first_bad else ""
+        return DataError(
+            f"data.paths: epoch {epoch} of shard {self.order.config.shard_index} has no good document among the "
+            f"{self.order.epoch_length()} records of {', '.join(map(str, files)) or 'the source'} "
+            f"(bad: {dict(stats.bad) or 'none'}){first}")
 
     def materialize(self, cursor: BatchCursor, sample_ids: list[int]) -> PackedBatch:
         """The packed batch of these sample ids; meta carries the cursor."""

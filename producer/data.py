@@ -53,6 +53,11 @@ class Document:
         return int(self.input_ids.shape[0])
 
 
+class DataError(ValueError):
+    """The data cannot be used as configured (a missing or empty file, nothing usable in it): it would fail
+    the same way on every try, so the run stops (exit 2). The message names the key and the file."""
+
+
 class BadRecord(Exception):
     """A record that cannot become a document; the message says why."""
 
@@ -72,6 +77,8 @@ class DataStats:
     """Distinct documents cut to max_seq_len."""
     bad: Counter = field(default_factory=Counter)
     """Distinct bad records per reason."""
+    first_bad: list[str] = field(default_factory=list)
+    """``file:line reason`` of the first few bad records, for messages."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -146,6 +153,8 @@ class DataSource(ABC):
 
     def _report_bad(self, sample_id: int, bad: BadRecord) -> None:
         self.stats.bad[bad.reason] += 1
+        if len(self.stats.first_bad) < 3:
+            self.stats.first_bad.append(f"{self.location(sample_id)} {bad}")
         total = sum(self.stats.bad.values())
         if total <= _MAX_LOGGED_BAD_RECORDS:
             logger.warning("bad record %s (sample %d) skipped: %s", self.location(sample_id), sample_id, bad)
@@ -164,10 +173,10 @@ def expand_paths(paths: list[str]) -> list[str]:
         if glob.has_magic(path):
             matches = sorted(glob.glob(path))
             if not matches:
-                raise FileNotFoundError(f"no file matches {path!r}")
+                raise DataError(f"data.paths: no file matches {path!r}")
             expanded.extend(matches)
         elif not os.path.isfile(path):
-            raise FileNotFoundError(f"data file not found: {path!r}")
+            raise DataError(f"data.paths: data file not found: {path!r}")
         else:
             expanded.append(path)
     return expanded
@@ -212,6 +221,9 @@ class JsonlSource(DataSource):
     def __init__(self, config: DataConfig, paths: list[str]):
         super().__init__(config)
         self._offsets = [index_line_offsets(p) for p in paths]
+        for path, offsets in zip(paths, self._offsets):
+            if len(offsets) < 2:
+                raise DataError(f"data.paths: {path} is empty (no records)")
         self._files = _RecordFiles(paths, [len(o) - 1 for o in self._offsets])
         # pread on a kept descriptor: no seek state, so reads are safe from several threads.
         self._fds = [os.open(p, os.O_RDONLY) for p in paths]

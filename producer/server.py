@@ -25,6 +25,7 @@ The producer never waits for a trainer: with none connected it fills its ring an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -51,7 +52,7 @@ from common.slots import SlotState
 from common.sockets import CurveKeys, SecretsError, ipc_endpoint
 from common.transport import RingServer
 from producer.batching import BatchPlan, RunningBatchStats, batch_stats
-from producer.data import build_data_source
+from producer.data import DataError, build_data_source
 from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
 from producer.target import Target, build_target_config, check_tensor_parallel
@@ -113,6 +114,19 @@ def device_setting(cfg: RunConfig, producer_id: int) -> str:
     return "--device"
 
 
+@contextlib.contextmanager
+def _unloadable_target_is_a_config_error(cfg: RunConfig):
+    """A checkpoint that does not load (missing or corrupt shards, a config its model class rejects) fails the
+    same way on every try: ConfigError (exit 2). CUDA out-of-memory is a RuntimeError and passes through."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, KeyError, AttributeError, TypeError, SafetensorError) as exc:
+        where = f"target.path: {cfg.target.path}" if cfg.target.path else "target: the configured model"
+        raise ConfigError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}") from None
+
+
 def load_target(cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str | None,
                 group: TensorParallelGroup | None) -> Target:
     """The producer's target, and with random weights its head exported for the trainer.
@@ -122,14 +136,16 @@ def load_target(cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str |
     decides what the group does.
     """
     target_cfg = dataclasses.replace(cfg.target, device=device) if device else cfg.target
-    config = build_target_config(target_cfg)
+    with _unloadable_target_is_a_config_error(cfg):
+        config = build_target_config(target_cfg)
     if group is not None:
         try:
             check_tensor_parallel(config, group.size)
         except ValueError as exc:
             raise ConfigError(f"{device_setting(cfg, producer_id)}: {exc}") from None
     layer_ids = feature_layer_ids(cfg, config.num_hidden_layers)
-    target = Target.load(target_cfg, layer_ids, capture_last_hidden=cfg.training.label_mode != "data", group=group)
+    with _unloadable_target_is_a_config_error(cfg):
+        target = Target.load(target_cfg, layer_ids, capture_last_hidden=cfg.training.label_mode != "data", group=group)
     if cfg.target.path is None:
         if group is None or group.rank == 0:
             export_target_head(target, run_dir.target_head)
@@ -513,7 +529,11 @@ def serve(cfg: RunConfig, root: RunDir, producer_id: int, device: str | None, li
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    producer.serve_forever()
+    try:
+        producer.serve_forever()
+    except DataError as exc:  # found while producing (an epoch without a good document): the same on every try
+        log.error("producer %d: %s", producer_id, exc)
+        return EXIT_CONFIG_ERROR
     log.info("producer %d stopped cleanly", producer_id)
     return 0
 

@@ -19,7 +19,7 @@ from producer.batching import (
     split_by_length,
 )
 from common.config import BatchingConfig, DataConfig
-from producer.data import build_data_source
+from producer.data import DataError, build_data_source
 from producer.order import OrderConfig, ShardOrder
 
 DATA = DataConfig(format="synthetic", vocab_size=500, num_samples=600, mean_len=200, min_len=8, max_seq_len=700)
@@ -146,5 +146,5 @@ def test_a_shard_without_good_documents_fails_instead_of_spinning(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text("oops\n{}\n")
     plan = make_plan(DataConfig(format="tokenized", paths=[str(path)], max_seq_len=16), token_budget=16)
-    with pytest.raises(RuntimeError, match="no good document"):
+    with pytest.raises(DataError, match="no good document"):
         next(plan.iter_batches())

@@ -41,7 +41,14 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
-    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    ids = [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    if len(set(ids)) != len(ids) or ids[0] < 0:
+        raise ValueError(
+            f"drafter.target_layer_ids: the default rule spreads {num_draft_layers} layers from layer 1 to layer "
+            f"L - 3 = {num_target_layers - 3} of this {num_target_layers}-layer target, which gives {ids}; name "
+            f"{num_draft_layers} distinct layers in [0, {num_target_layers - 1}) with drafter.target_layer_ids, or "
+            "use fewer drafter.num_layers")
+    return ids
 
 
 def default_gamma(block_size: int) -> float:
@@ -184,7 +191,7 @@ class DraftConfig:
         heads = int(text.num_attention_heads)
         num_layers = int(overrides.pop("num_hidden_layers", num_draft_layers))
         num_target_layers = int(text.num_hidden_layers)
-        mask_token_id = cls._mask_token(tokenizer, mask_token_id, overrides)
+        mask_token_id = cls._mask_token(tokenizer, mask_token_id, overrides, int(text.vocab_size))
         values: dict[str, Any] = dict(
             hidden_size=hidden,
             intermediate_size=int(text.intermediate_size),
@@ -215,7 +222,7 @@ class DraftConfig:
         num_layers = int(overrides.pop("num_hidden_layers", num_draft_layers))
         hidden = int(text.hidden_size)
         dense = getattr(text, "intermediate_size", None)
-        mask = cls._mask_token(tokenizer, mask_token_id, overrides)
+        mask = cls._mask_token(tokenizer, mask_token_id, overrides, int(text.vocab_size))
         num_target_layers = int(text.num_hidden_layers)
         values: dict[str, Any] = dict(
             hidden_size=hidden,
@@ -240,15 +247,27 @@ class DraftConfig:
         return cls(**values)
 
     @staticmethod
-    def _mask_token(tokenizer: Any, mask_token_id: int | None, overrides: dict[str, Any]) -> int:
-        """The mask token: given, else the tokenizer's own, else the first id past the tokenizer."""
+    def _mask_token(tokenizer: Any, mask_token_id: int | None, overrides: dict[str, Any], vocab_size: int) -> int:
+        """The mask token as released drafts pick it: given, else the tokenizer's own mask token, else the
+        first id past the tokenizer when the target's embedding has rows to spare there (Qwen: 151669 and
+        248070), else the first reserved special token of the tokenizer (Llama 3: ``<|reserved_special_token_0|>``)."""
         if "mask_token_id" in overrides:
             return int(overrides.pop("mask_token_id"))
         if mask_token_id is not None:
             return mask_token_id
         if tokenizer is None:
             raise ValueError("mask_token_id: pass mask_token_id or a tokenizer to take it from")
-        return tokenizer.mask_token_id if tokenizer.mask_token_id is not None else len(tokenizer)
+        if tokenizer.mask_token_id is not None:
+            return int(tokenizer.mask_token_id)
+        if len(tokenizer) < vocab_size:
+            return len(tokenizer)
+        reserved = sorted(i for token, i in tokenizer.get_added_vocab().items() if "reserved" in token.lower())
+        if reserved:
+            return reserved[0]
+        raise ValueError(
+            f"drafter.mask_token_id: the tokenizer has no mask token, its {len(tokenizer)} tokens fill the target's "
+            f"vocabulary of {vocab_size}, and it has no reserved special token to use; set drafter.mask_token_id "
+            "to an id the data never contains")
 
 
 def target_rope_parameters(config: Any) -> dict[str, Any]:

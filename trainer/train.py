@@ -221,8 +221,12 @@ class Trainer:
             # No tokenizer (a random target's exported head): the last id, which synthetic data never
             # uses. (transformers would return an empty tokenizer here, whose ids collide with data.)
             mask = int(target_config.vocab_size) - 1
-        return DraftConfig.from_target(target_config, num_draft_layers=d.num_layers, tokenizer=tokenizer,
-                                       mask_token_id=mask, **overrides)
+        try:
+            return DraftConfig.from_target(target_config, num_draft_layers=d.num_layers, tokenizer=tokenizer,
+                                           mask_token_id=mask, **overrides)
+        except ValueError as exc:  # the drafter cannot be built as configured: the same on every try
+            message = str(exc)
+            raise ConfigError(message if message.startswith("drafter.") else f"drafter.{message}") from None
 
     def _steps_from_epochs(self) -> int:
         if self.cfg.launch.remote_producers:

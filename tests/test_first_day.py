@@ -1,0 +1,106 @@
+"""A user's first day: errors that repeat on every try stop the run at once (exit 2, naming the key or file)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.drafter_fixtures import tiny_qwen3_target
+from tests.test_pipeline import start
+from trainer.draft_config import DraftConfig, build_target_layer_ids
+
+
+def stops_with_2(run_dir: Path, *overrides: str) -> tuple[str, float]:
+    """Start a run that must stop by itself with exit 2 and without a restart: (launcher output and logs, seconds)."""
+    began = time.monotonic()
+    launcher = start(run_dir, "training.max_steps=8", "eval.every_steps=0", *overrides)
+    code = launcher.wait(timeout=150)
+    seconds = time.monotonic() - began
+    text = (run_dir.parent / "launcher.out").read_text()
+    text += "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    assert code == 2, text[-3000:]
+    assert "restarting" not in text.lower() and "restart in" not in text.lower(), text[-3000:]
+    return text, seconds
+
+
+def test_a_missing_data_file_stops_the_run(short_tmp):
+    text, seconds = stops_with_2(short_tmp / "run", 'data.format="tokenized"', 'data.paths=["/nonexistent/train.jsonl"]')
+    assert "data.paths: data file not found: '/nonexistent/train.jsonl'" in text
+    assert seconds < 60
+
+
+def test_an_empty_data_file_stops_the_run_naming_it(short_tmp):
+    empty = short_tmp / "empty.jsonl"
+    empty.write_text("")
+    text, _ = stops_with_2(short_tmp / "run", 'data.format="tokenized"', f'data.paths=["{empty}"]')
+    assert f"data.paths: {empty} is empty" in text
+
+
+def test_a_file_without_a_usable_record_stops_the_run_naming_the_first_bad_lines(short_tmp):
+    bad = short_tmp / "bad.jsonl"
+    bad.write_text("\n".join([json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}), "{not json",
+                              json.dumps({"text": "x"})]) + "\n")
+    text, seconds = stops_with_2(short_tmp / "run", 'data.format="tokenized"', f'data.paths=["{bad}"]',
+                                 "launch.num_producers=1", 'launch.producer_devices=["cpu"]')
+    assert "no good document" in text and str(bad) in text and f"{bad}:2" in text
+    assert seconds < 90
+
+
+def test_an_unloadable_target_stops_the_run(short_tmp):
+    target = short_tmp / "target"
+    tiny_qwen3_target(target)
+    (target / "model.safetensors").write_bytes(b"not a safetensors file")
+    text, _ = stops_with_2(short_tmp / "run", f"target.path={target}", "target.config_overrides={}")
+    assert f"target.path: {target} cannot be loaded" in text
+
+
+def test_a_tokenizer_without_a_spare_id_for_the_mask_stops_the_run_naming_the_key(short_tmp):
+    """A Llama-3-like tokenizer that fills the vocabulary and has no reserved special token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target = short_tmp / "target"
+    tiny_qwen3_target(target, vocab_size=64)
+    vocab = {f"t{i}": i for i in range(63)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|eot|>")
+    assert len(tokenizer) == 64
+    tokenizer.save_pretrained(target)
+    text, _ = stops_with_2(short_tmp / "run", f"target.path={target}", "target.config_overrides={}")
+    assert "drafter.mask_token_id" in text and "trainer: configuration error (exit 2)" in text
+
+
+def test_mask_token_as_released_drafts_pick_it():
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+    class Tokenizer:
+        def __init__(self, size, added=None, mask=None):
+            self.size, self.added, self.mask_token_id = size, added or {}, mask
+
+        def __len__(self):
+            return self.size
+
+        def get_added_vocab(self):
+            return self.added
+
+    assert DraftConfig.from_target(config, 2, Tokenizer(100, mask=7)).mask_token_id == 7
+    assert DraftConfig.from_target(config, 2, Tokenizer(100)).mask_token_id == 100  # a spare row (Qwen)
+    llama = Tokenizer(128, {"<|begin_of_text|>": 120, "<|reserved_special_token_1|>": 123,
+                            "<|reserved_special_token_0|>": 122})
+    assert DraftConfig.from_target(config, 2, llama).mask_token_id == 122
+    with pytest.raises(ValueError, match="drafter.mask_token_id"):
+        DraftConfig.from_target(config, 2, Tokenizer(128, {"<|eot|>": 127}))
+
+
+def test_default_layers_of_a_small_target_name_the_key():
+    with pytest.raises(ValueError, match=r"drafter.target_layer_ids.*gives \[1, 1\]"):
+        build_target_layer_ids(4, 2)
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
