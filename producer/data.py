@@ -349,22 +349,70 @@ def _common_prefix_length(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
 
+# ShareGPT speakers -> OpenAI roles.
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                   "system": "system", "tool": "tool", "observation": "tool", "function_response": "tool"}
+_FORMATS = ("expected {\"messages\": [{\"role\", \"content\"}, ...]} (OpenAI) or "
+            "{\"conversations\": [{\"from\", \"value\"}, ...]} (ShareGPT)")
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content as text: a string, None (an assistant turn that only calls tools), or a list of
+    OpenAI content parts of which only text parts are supported."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRecord("unsupported_content", f"{where}[{j}] is a {kind!r} part: only text parts are trained on")
+        return "".join(texts)
+    raise BadRecord("wrong_type", f"{where} must be a string, a list of content parts or null")
+
+
 def _validate_messages(record: Any) -> list[dict[str, Any]]:
+    """The conversation of a record in the OpenAI form (tool calls, tool results and content parts included)
+    or the ShareGPT form, as OpenAI messages with text content."""
     if not isinstance(record, dict):
-        raise BadRecord("wrong_type", f"record must be an object, got {type(record).__name__}")
-    if "messages" not in record:
-        raise BadRecord("missing_key", "messages")
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise BadRecord("wrong_type", "messages must be a non-empty list")
-    for i, message in enumerate(messages):
+        raise BadRecord("wrong_type", f"record must be an object, got {type(record).__name__}; {_FORMATS}")
+    if "messages" in record:
+        raw, key = record["messages"], "messages"
+    elif "conversations" in record:
+        raw, key = record["conversations"], "conversations"
+    else:
+        raise BadRecord("unknown_format", f"no 'messages' or 'conversations' key (keys: {sorted(record)[:6]}); {_FORMATS}")
+    if not isinstance(raw, list) or not raw:
+        raise BadRecord("wrong_type", f"{key} must be a non-empty list")
+    messages = []
+    for i, message in enumerate(raw):
+        where = f"{key}[{i}]"
         if not isinstance(message, dict):
-            raise BadRecord("wrong_type", f"messages[{i}] must be an object")
-        for key in ("role", "content"):
-            if key not in message:
-                raise BadRecord("missing_key", f"messages[{i}].{key}")
-            if not isinstance(message[key], str):
-                raise BadRecord("wrong_type", f"messages[{i}].{key} must be a string")
+            raise BadRecord("wrong_type", f"{where} must be an object")
+        if key == "conversations":  # ShareGPT: {"from": "human" | "gpt" | ..., "value": "..."}
+            for field_name in ("from", "value"):
+                if field_name not in message:
+                    raise BadRecord("missing_key", f"{where}.{field_name}")
+            role = _SHAREGPT_ROLES.get(str(message["from"]).lower())
+            if role is None:
+                raise BadRecord("wrong_type", f"{where}.from: unknown speaker {message['from']!r}")
+            messages.append({"role": role, "content": _text_of(message["value"], f"{where}.value")})
+            continue
+        if "role" not in message:
+            raise BadRecord("missing_key", f"{where}.role")
+        if not isinstance(message["role"], str):
+            raise BadRecord("wrong_type", f"{where}.role must be a string")
+        if "content" not in message and not message.get("tool_calls"):
+            raise BadRecord("missing_key", f"{where}.content")
+        converted = dict(message)  # tool_calls, tool_call_id, name, reasoning_content go to the template as they are
+        converted["content"] = _text_of(message.get("content"), f"{where}.content")
+        messages.append(converted)
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no_loss_tokens", "no assistant message")
     return messages

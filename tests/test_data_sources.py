@@ -168,6 +168,70 @@ def test_chat_mask_from_generation_tags_matches_prefix_rendering():
     assert 0 < tagged[1].sum() < len(tagged[1])
 
 
+# Renders OpenAI tool calls and tool results the way chat templates of this family do.
+TOOL_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\n' + m.content }}"
+    "{%- for call in m.tool_calls or [] %}{{- '<tool_call>' + call.function.name + '(' + call.function.arguments + ')</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>tool\n<tool_response>' + m.content + '</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+def test_openai_tool_calls_tool_results_and_content_parts():
+    """An assistant turn that only calls a tool (content null), the tool's result, and content given as parts:
+    the calls and the final answer are supervised, the tool's result and the prompt are not."""
+    from producer.data import _validate_messages
+
+    record = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "weather "}, {"type": "text", "text": "in Oslo?"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "rain"},
+        {"role": "assistant", "content": [{"type": "text", "text": "It rains."}]},
+    ]}
+    tokenizer = tiny_tokenizer(TOOL_TEMPLATE)
+    ids, mask = render_chat(tokenizer, _validate_messages(record))
+    want_ids, want_mask = expected(tokenizer, [
+        ("<|im_start|>user\nweather in Oslo?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ('<tool_call>weather({"city": "Oslo"})</tool_call><|im_end|>\n', 1),
+        ("<|im_start|>tool\n<tool_response>rain</tool_response><|im_end|>\n<|im_start|>assistant\n", 0),
+        ("It rains.<|im_end|>\n", 1),
+    ])
+    assert ids.tolist() == want_ids and mask.tolist() == want_mask
+
+
+def test_sharegpt_records_are_rendered_like_openai_ones():
+    from producer.data import _validate_messages
+
+    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "hi there"},
+                                  {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "add 2+2"},
+                                  {"from": "gpt", "value": "4"}]}
+    openai = {"messages": [{"role": "system", "content": "Be brief."}, *CONVERSATION]}
+    tokenizer = tiny_tokenizer(PLAIN_TEMPLATE)
+    got = render_chat(tokenizer, _validate_messages(sharegpt))
+    want = render_chat(tokenizer, _validate_messages(openai))
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist() and got[1].sum() > 0
+
+
+@pytest.mark.parametrize("record,reason", [
+    ({"prompt": "a", "completion": "b"}, "unknown_format"),
+    ({"conversations": [{"from": "robot", "value": "x"}]}, "wrong_type"),
+    ({"conversations": [{"from": "human"}]}, "missing_key"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+                   {"role": "assistant", "content": "a cat"}]}, "unsupported_content"),
+])
+def test_records_that_fit_neither_form_get_a_clear_reason(record, reason):
+    from producer.data import BadRecord, _validate_messages
+
+    with pytest.raises(BadRecord) as error:
+        _validate_messages(record)
+    assert error.value.reason == reason
+
+
 def write_lines(path, lines: list[str]) -> str:
     path.write_text("\n".join(lines) + "\n")
     return str(path)
@@ -194,7 +258,8 @@ def test_chat_source_skips_and_reports_bad_lines(tmp_path, caplog):
     assert [d is not None for d in documents] == [True, False, False, False, False, False, True]
     assert documents[0].input_ids.tolist() == documents[6].input_ids.tolist()
     assert documents[6].sample_id == 6
-    assert source.stats.bad == {"invalid_json": 1, "missing_key": 1, "wrong_type": 1, "empty": 1, "no_loss_tokens": 1}
+    assert source.stats.bad == {"invalid_json": 1, "unknown_format": 1, "wrong_type": 1, "empty": 1, "no_loss_tokens": 1}
+    assert "(OpenAI) or" in caplog.text and "(ShareGPT)" in caplog.text, "the message says what a record should look like"
     assert source.stats.documents == 2
     for line_number in (2, 3, 4, 5, 6):
         assert f"chat.jsonl:{line_number} " in caplog.text
