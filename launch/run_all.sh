@@ -5,6 +5,7 @@
 #   launch/run_all.sh restart-trainer --run-dir DIR [key=value ...]     replace the trainer, producers untouched
 #   launch/run_all.sh stop --run-dir DIR                                stop the run cleanly
 #   launch/run_all.sh status --run-dir DIR [--json]                     the live state
+#   launch/run_all.sh check [--config FILE] [key=value ...]              what training would see of the data
 #
 # With no arguments: launch/tiny.toml into a fresh runs/<timestamp> (relative to the current folder).
 # On an existing DIR the run's own config.toml is the base; key=value overrides apply on top and are
@@ -22,6 +23,22 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 case "${1:-}" in
   run | restart-trainer | stop | status) COMMAND=$1; shift ;;
+  check) shift; exec "$PY" -m launch.check "$@" ;;
+  -h | --help | help)
+    cat <<'USAGE'
+usage: launch/run_all.sh [COMMAND] [options] [key=value ...]
+
+commands:
+  run (default)    start a run, or resume --run-dir DIR, in the foreground   [--run-dir DIR] [--config FILE]
+  restart-trainer  replace the trainer of a running pipeline                 --run-dir DIR [key=value ...]
+  stop             stop a running pipeline cleanly                          --run-dir DIR
+  status           the live state of a pipeline                             --run-dir DIR [--json]
+  check            what training would see of the config and the data        [--config FILE] [--sample N]
+
+With no arguments: the tiny default (launch/tiny.toml) on CPU into runs/<timestamp>.
+'run_all.sh COMMAND --help' gives the options of one command.
+USAGE
+    exit 0 ;;
   *) COMMAND=run ;;
 esac
 # exec: the supervisor gets Ctrl-C and `stop`'s SIGTERM directly.

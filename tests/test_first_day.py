@@ -104,3 +104,35 @@ def test_default_layers_of_a_small_target_name_the_key():
     with pytest.raises(ValueError, match=r"drafter.target_layer_ids.*gives \[1, 1\]"):
         build_target_layer_ids(4, 2)
     assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+
+
+def test_check_prints_what_training_would_see(tmp_path):
+    """``run_all.sh check``: counts of good and bad records with file:line, length statistics, and a rendered
+    sample with the supervised tokens marked; no run is started."""
+    import subprocess
+
+    from tests.test_data_sources import PLAIN_TEMPLATE, tiny_tokenizer
+
+    root = Path(__file__).resolve().parents[1]
+    target = tmp_path / "target"
+    tiny_qwen3_target(target, vocab_size=512)
+    tiny_tokenizer(PLAIN_TEMPLATE).save_pretrained(target)
+    data = tmp_path / "train.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"}]}
+    data.write_text("\n".join([json.dumps(good), "{oops", json.dumps({"prompt": "x"}), json.dumps(good)]) + "\n")
+    command = [str(root / "launch" / "run_all.sh"), "check", f"target.path={target}", "target.config_overrides={}",
+               'data.format="chat"', f'data.paths=["{data}"]', "eval.every_steps=0", "--json"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "4 records in chat format; sampled 4: 2 good, 2 bad" in out
+    assert f"bad record {data}:2 invalid_json" in out and f"bad record {data}:3 unknown_format" in out
+    assert "[[Hello!<|im_end|>\n]]" in out and "<|im_start|>user\nhi<|im_end|>" in out
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert figures["good"] == 2 and figures["bad"] == {"invalid_json": 1, "unknown_format": 1}
+    assert f"mask token {len(tiny_tokenizer(PLAIN_TEMPLATE))}" in out, "the first id past the tokenizer"
+    assert not (tmp_path / "runs").exists(), "check starts no run"
+
+    missing = subprocess.run([*command[:-1], 'data.paths=["/nope.jsonl"]'], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=120)
+    assert missing.returncode == 2 and "data.paths: data file not found: '/nope.jsonl'" in missing.stderr

@@ -1,0 +1,144 @@
+"""``launch/run_all.sh check``: what training would see, without starting a run.
+
+Loads the config (``--config`` or the tiny default, with ``key=value`` overrides), the target's config
+and tokenizer (no weights), the drafter it implies, and a sample of the data, then prints: the counts
+of good and bad records (with ``file:line`` of the first bad ones), token length statistics, the share
+of supervised tokens, and one rendered sample with its supervised tokens marked. Exit 0 when the data
+has good records, 2 on a configuration or data error (one line naming the key or file), or when no
+record of the sample is usable.
+
+    launch/run_all.sh check --config my.toml target.path=/models/Qwen3-8B data.paths='["train.jsonl"]'
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.config import ConfigError, RunConfig, load_config
+from launch.supervisor import DEFAULT_CONFIG
+
+SUPERVISED_OPEN, SUPERVISED_CLOSE = "\x1b[1;32m", "\x1b[0m"
+
+
+def _tokenizer(cfg: RunConfig) -> Any:
+    """The tokenizer the producers render chat data with (data.tokenizer, else the target's), or None."""
+    source = cfg.data.tokenizer or cfg.target.path
+    if source is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+def _drafter_summary(cfg: RunConfig, tokenizer: Any) -> str:
+    """The drafter this config implies: its shape, target layers and mask token (from the target's config)."""
+    from producer.target import build_target_config
+    from trainer.draft_config import DraftConfig
+
+    target = build_target_config(cfg.target)
+    d = cfg.drafter
+    overrides: dict[str, Any] = {"block_size": d.block_size, "in_block_causality": d.in_block_causality}
+    for name in ("target_layer_ids", "layer_types", "sliding_window", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads"):
+        value = getattr(d, name)
+        if value:
+            overrides[name] = list(value) if isinstance(value, list) else value
+    mask = d.mask_token_id if d.mask_token_id is not None or tokenizer is not None else int(target.vocab_size) - 1
+    try:
+        draft = DraftConfig.from_target(target, num_draft_layers=d.num_layers, tokenizer=tokenizer, mask_token_id=mask,
+                                        **overrides)
+    except ValueError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith("drafter.") else f"drafter.{message}") from None
+    return (f"target {target.model_type}: {target.num_hidden_layers} layers, hidden {target.hidden_size}, vocab "
+            f"{target.vocab_size}\ndrafter: {draft.num_hidden_layers} layers {draft.layer_types}, hidden "
+            f"{draft.hidden_size}, heads {draft.num_attention_heads}/{draft.num_key_value_heads} of {draft.head_dim}, "
+            f"target layers {draft.target_layer_ids}, mask token {draft.mask_token_id}"
+            + (f" ({tokenizer.convert_ids_to_tokens(draft.mask_token_id)!r})" if tokenizer is not None
+               and draft.mask_token_id < len(tokenizer) else ""))
+
+
+def marked(tokenizer: Any, input_ids: np.ndarray, loss_mask: np.ndarray, color: bool) -> str:
+    """The decoded sample with its supervised spans marked (green, or between [[ and ]] without a terminal)."""
+    opened, closed = (SUPERVISED_OPEN, SUPERVISED_CLOSE) if color else ("[[", "]]")
+    out, start = [], 0
+    for end in range(1, len(input_ids) + 1):
+        if end == len(input_ids) or loss_mask[end] != loss_mask[start]:
+            text = tokenizer.decode(input_ids[start:end]) if tokenizer is not None else " ".join(map(str, input_ids[start:end]))
+            out.append(f"{opened}{text}{closed}" if loss_mask[start] else text)
+            start = end
+    return "".join(out)
+
+
+def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]]:
+    """The report (text) and its figures of what training would see of ``cfg``'s data."""
+    from producer.data import build_data_source
+
+    tokenizer = _tokenizer(cfg)
+    lines = [_drafter_summary(cfg, tokenizer)]
+    data_cfg = cfg.data
+    if data_cfg.format == "synthetic" and data_cfg.vocab_size is None:
+        from producer.target import build_target_config
+
+        data_cfg = dataclasses.replace(data_cfg, vocab_size=int(build_target_config(cfg.target).vocab_size) - 1)
+    source = build_data_source(data_cfg, tokenizer=tokenizer if data_cfg.format == "chat" else None)
+    count = min(sample, len(source))
+    # Spread over the data set, so that a bad tail shows too.
+    ids = np.unique(np.linspace(0, len(source) - 1, count).round().astype(int)) if count else np.array([], int)
+    documents = [d for d in (source.get(int(i)) for i in ids) if d is not None]
+    lengths = np.array([len(d) for d in documents])
+    supervised = np.array([int(d.loss_mask.sum()) for d in documents])
+    stats = source.stats
+    figures = {"records": len(source), "sampled": int(len(ids)), "good": len(documents),
+               "bad": dict(stats.bad), "first_bad": list(stats.first_bad), "truncated": stats.truncated}
+    lines.append(f"data: {len(source)} records in {data_cfg.format} format; sampled {len(ids)}: {len(documents)} good, "
+                 f"{sum(stats.bad.values())} bad {dict(stats.bad) or ''}".rstrip())
+    lines += [f"  bad record {where}" for where in stats.first_bad]
+    if documents:
+        figures.update(tokens_min=int(lengths.min()), tokens_mean=float(lengths.mean()),
+                       tokens_p50=float(np.percentile(lengths, 50)), tokens_p90=float(np.percentile(lengths, 90)),
+                       tokens_max=int(lengths.max()), supervised_fraction=float(supervised.sum() / lengths.sum()))
+        lines.append(f"tokens per document: min {lengths.min()}, mean {lengths.mean():.0f}, p50 {np.percentile(lengths, 50):.0f}, "
+                     f"p90 {np.percentile(lengths, 90):.0f}, max {lengths.max()} (data.max_seq_len {data_cfg.max_seq_len}, "
+                     f"{stats.truncated} truncated); supervised {figures['supervised_fraction']:.1%} of the tokens")
+        first = documents[0]
+        shown = marked(tokenizer, first.input_ids, first.loss_mask, color)
+        legend = "supervised tokens in green" if color else "supervised tokens between [[ and ]]"
+        lines.append(f"sample {first.sample_id} ({source.location(first.sample_id)}), {legend}:\n{shown}")
+    return "\n".join(lines), figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="launch/run_all.sh check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, help="TOML config (default: launch/tiny.toml)")
+    parser.add_argument("--sample", type=int, default=1000, help="records to read, spread over the data (1000)")
+    parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_intermixed_args(argv)
+    from producer.data import DataError
+    from producer.target import UnsupportedTarget
+
+    try:
+        cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        report, figures = check(cfg, args.sample, color=sys.stdout.isatty())
+    except (ConfigError, DataError, UnsupportedTarget) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report)
+    if args.json:
+        print(json.dumps(figures))
+    if not figures["good"]:
+        print("error: no record of the sample is usable (see the bad records above)", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
