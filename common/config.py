@@ -35,6 +35,27 @@ def _check(condition: bool, key: str, message: str) -> None:
         raise ConfigError(f"{key}: {message}")
 
 
+def resolve_model_path(path: str, key: str) -> str:
+    """A model folder with a config.json: ``path`` itself, or the snapshot of the hub id ``path`` in the local
+    Hugging Face cache (looked up only; nothing is downloaded). ConfigError naming ``key`` otherwise."""
+    if (Path(path) / "config.json").is_file():
+        return path
+    if Path(path).exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+        raise ConfigError(f"{key}: no config.json in {path}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snapshot = snapshot_download(path, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise ConfigError(f"{key}: {path!r} is no folder and is not in the local Hugging Face cache ({HF_HUB_CACHE}); "
+                          f"download it first (huggingface-cli download {path}) or give its folder") from None
+    if not (Path(snapshot) / "config.json").is_file():
+        raise ConfigError(f"{key}: the cached snapshot of {path!r} ({snapshot}) has no config.json")
+    return snapshot
+
+
 # -- sections ------------------------------------------------------------------------------------
 
 
@@ -44,7 +65,9 @@ class TargetConfig:
     Qwen3 with random weights is built (the embedded default)."""
 
     path: str | None = None
-    """Local directory of a Hugging Face causal LM (config.json + safetensors), loaded with its weights."""
+    """Local directory of a Hugging Face causal LM (config.json + safetensors), loaded with its weights; or a
+    hub id (``Qwen/Qwen3-8B``) already in the local Hugging Face cache, replaced by its snapshot folder
+    (nothing is downloaded)."""
     config_json: str | None = None
     """A config.json (with ``model_type``) to build a target with random weights at real shapes."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
@@ -64,7 +87,7 @@ class TargetConfig:
     def __post_init__(self) -> None:
         _check(self.path is None or self.config_json is None, "path", "give at most one of path and config_json")
         if self.path is not None:
-            _check((Path(self.path) / "config.json").is_file(), "path", f"no config.json in {self.path}")
+            self.path = resolve_model_path(self.path, "path")
         if self.config_json is not None:
             _check(Path(self.config_json).is_file(), "config_json", f"no such file {self.config_json}")
         _check(self.dtype in ("bfloat16", "float16", "float32"), "dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")

@@ -136,3 +136,27 @@ def test_check_prints_what_training_would_see(tmp_path):
     missing = subprocess.run([*command[:-1], 'data.paths=["/nope.jsonl"]'], cwd=tmp_path, capture_output=True,
                              text=True, timeout=120)
     assert missing.returncode == 2 and "data.paths: data file not found: '/nope.jsonl'" in missing.stderr
+
+
+def test_a_hub_id_in_the_local_cache_is_a_target_path(tmp_path):
+    """target.path = org/name resolves to the model's snapshot in the local Hugging Face cache, as
+    huggingface_hub lays it out; one that is not there is a clear error, and nothing is downloaded."""
+    import os
+    import subprocess
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--tiny-qwen3" / "snapshots" / "0123abcd"
+    tiny_qwen3_target(snapshot, vocab_size=64)
+    (cache / "models--acme--tiny-qwen3" / "refs").mkdir()
+    (cache / "models--acme--tiny-qwen3" / "refs" / "main").write_text("0123abcd")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    command = [str(root / "launch" / "run_all.sh"), "check", "--sample", "5", "target.config_overrides={}"]
+    found = subprocess.run([*command, "target.path=acme/tiny-qwen3"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert "target qwen3: 6 layers, hidden 32, vocab 64" in found.stdout
+    absent = subprocess.run([*command, "target.path=acme/not-downloaded"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert absent.returncode == 2
+    assert "target.path: 'acme/not-downloaded' is no folder and is not in the local Hugging Face cache" in absent.stderr
