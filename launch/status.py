@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from launch.progress import eta_s, format_duration, ring_occupancy, trainer_figures
 from launch.rundir import RunDir, last_json_line, process_alive, read_json
 
 STALE_AFTER_S = 10.0
@@ -77,9 +78,16 @@ def collect_status(run_dir: Path) -> dict:
     else:
         trainer_pid = trainer_file.get("pid")
         trainer_alive = process_alive(trainer_pid) and (_age(trainer_file.get("updated"), now) or 0) <= STALE_AFTER_S
+    # trainer.json of an earlier trainer (a new one still loading) is not this trainer's state.
+    started = trainer_record.get("started")
+    current = not started or float(trainer_file.get("updated") or 0) >= float(started)
+    figures = {key: trainer_file.get(key) if current else None
+               for key in ("loss", "tau", "lr", "samples_per_s", "tokens_per_s", "steps_per_s", "eval")}
     trainer = {
         "pid": trainer_pid,
         "alive": trainer_alive,
+        "current": current,
+        **figures,
         "step": trainer_file.get("step"),
         "max_steps": trainer_file.get("max_steps"),
         "state": trainer_file.get("state"),
@@ -135,9 +143,20 @@ def format_status(status: dict) -> str:
         f"trainer   pid {_cell(t['pid'])}  {'alive' if t['alive'] else 'not alive'}  state {_cell(t['state'])}  step {steps}"
         f"  incarnation {_cell(t['incarnation'])}  restarts {t['restarts']}  devices {','.join(t['devices'] or []) or '-'}",
     ]
-    if status["metrics"]:
-        text = json.dumps(status["metrics"], separators=(",", ":"))
-        lines.append(f"metrics   {text if len(text) <= 160 else text[:157] + '...'}")
+    if t["alive"] and not t["current"]:
+        lines.append("training  the new trainer is starting: no figures of its own yet")
+    elif t["loss"] is not None:
+        step, max_steps = t["step"] or 0, t["max_steps"]
+        done = f" ({step / max_steps:.0%})" if max_steps else ""
+        eta = eta_s(step, max_steps, t["steps_per_s"]) if t["alive"] else None
+        lines += [
+            "",
+            f"{'training':<9} step {step}/{_cell(max_steps)}{done}  elapsed {format_duration(uptime)}  "
+            f"eta {format_duration(eta)}",
+            f"{'':<9} " + "  ".join(trainer_figures(t) + [f"{_cell(t['tokens_per_s'], '{:.0f}')} tok/s"]),
+        ]
+    if status["producers"]:
+        lines.append(f"{'':<9} {ring_occupancy([p for p in status['producers']])}  (full slots per producer ring)")
     return "\n".join(lines)
 
 

@@ -55,6 +55,7 @@ from common.config import ConfigError, RunConfig, load_config, save_config, to_d
 from common.naming import sweep_stale
 from launch import status as status_cmd
 from launch.mps import MpsDaemon
+from launch.progress import ProgressView, ViewHandler
 from launch.rundir import RunDir, process_alive, process_start_ticks, read_json, write_json_atomic
 
 log = logging.getLogger("dflash.launch")
@@ -391,8 +392,7 @@ class Supervisor:
         self.signals: list[int] = []
         self.restart_requested = False
         self._last_record: dict | None = None
-        self._last_shown_step: int | None = None
-        self._progress_width = 0
+        self.view = ProgressView(run, enabled=cfg.logging.progress)
 
     def _mps_env(self) -> dict[str, str]:
         """What makes a child a client of the run's MPS daemon (nothing without launch.mps)."""
@@ -456,35 +456,17 @@ class Supervisor:
                 if exit_code is None and self.restart_requested:
                     self._handle_restart_request()
                 self._write_launcher_json()
-                self._show_progress()
+                self.view.update(self.trainer.started_wall, self.trainer.proc is not None)
                 if exit_code is None:
                     time.sleep(POLL_INTERVAL_S)
         finally:
+            self.view.close()
             self._stop_all()
             if self.mps:
                 self.mps.quit()
             self.state = self.outcome
             self._write_launcher_json(exit_code)
         return exit_code
-
-    def _show_progress(self) -> None:
-        """A live progress line from trainer.json and the producers' status files."""
-        status = read_json(self.run.trainer_status) or {}
-        step = status.get("step")
-        if step is None or step == self._last_shown_step:
-            return
-        self._last_shown_step = step
-        rates = [p.get("tokens_per_s", 0.0) for p in self.run.producer_statuses()]
-        parts = [f"step {step}/{status.get('max_steps')}"]
-        if status.get("loss") is not None:
-            parts += [f"loss {status['loss']:.3f}", f"tau {status['tau']:.2f}", f"train {status['tokens_per_s']:.0f} tok/s"]
-        parts.append("producers " + " ".join(f"{r:.0f}" for r in rates) + " tok/s")
-        line = "  ".join(parts)
-        if sys.stdout.isatty():
-            print("\r" + line.ljust(self._progress_width), end="", flush=True)
-            self._progress_width = len(line)
-        elif status.get("loss") is not None:  # trainer.json changes at each metrics line
-            print(line, flush=True)
 
     # -- producers
 
@@ -716,13 +698,13 @@ class Supervisor:
 # -- entry points --------------------------------------------------------------------------------
 
 
-def _setup_logging(run: RunDir) -> None:
+def _setup_logging(run: RunDir, view: ProgressView | None = None) -> None:
     log.setLevel(logging.INFO)
     log.propagate = False
     for handler in list(log.handlers):
         log.removeHandler(handler)
         handler.close()
-    terminal = logging.StreamHandler(sys.stdout)
+    terminal = ViewHandler(view) if view is not None else logging.StreamHandler(sys.stdout)
     terminal.setFormatter(logging.Formatter("[launch %(asctime)s] %(message)s", "%H:%M:%S"))
     to_file = logging.FileHandler(run.log("launcher"))
     to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -768,6 +750,7 @@ def run_supervisor(run_dir: Path | None, config_file: Path | None, overrides: li
         log.error("configuration error: %s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    _setup_logging(run, supervisor.view)  # the terminal's log lines now go above the progress bar
     supervisor.install_signal_handlers()
     log.info("%s run %s (launcher pid %d)", "resuming" if resumed else "starting", run.root, os.getpid())
     exit_code = supervisor.run_until_done()

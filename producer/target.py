@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -52,6 +53,8 @@ from producer.linear_attention import install_packed_forward, is_gated_deltanet,
 
 if TYPE_CHECKING:
     from producer.tensor_parallel import TensorParallelGroup
+
+log = logging.getLogger("producer.target")
 
 ATTENTION_BACKENDS = ("auto", "varlen", "flex", "sdpa")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -427,6 +430,9 @@ class Target:
         self.aux_width = len(self.layer_ids) * self.hidden_size
         self.attention = resolve_attention_backend(attention, self.device, self.dtype)
         self.linear = resolve_linear_backend(self.device, self.dtype) if self.hybrid else None
+        if self.linear == "per_document" and self.device.type == "cuda":
+            log.warning("Gated-DeltaNet layers run one document at a time (exact, slow): install flash-linear-attention "
+                        "(pip install -e '.[gpu]') for its varlen kernels")
         # The per-document loops use host lengths: a compiled graph would specialise on every batch.
         host_loop = self.attention == "sdpa" or self.linear == "per_document"
         if compile and host_loop:

@@ -160,3 +160,62 @@ def test_a_hub_id_in_the_local_cache_is_a_target_path(tmp_path):
                             text=True, timeout=120)
     assert absent.returncode == 2
     assert "target.path: 'acme/not-downloaded' is no folder and is not in the local Hugging Face cache" in absent.stderr
+
+
+def test_progress_view_shows_only_the_current_trainers_figures(tmp_path):
+    """After a restart the old trainer's figures are not the new one's: until the new trainer writes its own
+    trainer.json the view says it is starting."""
+    from launch.progress import ProgressView
+    from launch.rundir import RunDir, write_json_atomic
+
+    run = RunDir(tmp_path / "run")
+    (run.root / "producers").mkdir(parents=True)
+    write_json_atomic(run.producer_status(0), {"id": 0, "ring": {"slots": 4, "free": 1, "filling": 0, "ready": 2, "leased": 1}})
+    old = {"step": 40, "max_steps": 100, "state": "training", "updated": 1000.0, "loss": 3.5, "tau": 1.7, "lr": 1e-3,
+           "samples_per_s": 6.0, "steps_per_s": 2.0, "eval": {"step": 40, "tau": 1.5, "sim_tau": 1.7}}
+    write_json_atomic(run.trainer_status, old)
+    lines = []
+    view = ProgressView(run, terminal=False)
+    view.write = lines.append
+    import builtins
+
+    printed = []
+    real_print = builtins.print
+    builtins.print = lambda *a, **k: printed.append(" ".join(map(str, a)))
+    try:
+        view.update(trainer_started_wall=900.0, trainer_alive=True)    # the trainer that wrote it
+        view.update(trainer_started_wall=1100.0, trainer_alive=True)   # a new one, still loading
+    finally:
+        builtins.print = real_print
+    assert len(printed) == 1
+    line = printed[0]
+    assert "step 40/100" in line and "eta 0:30" in line and "elapsed" in line
+    for text in ("loss 3.500", "lr 1.0e-03", "tau 1.70", "real 1.50@40", "6.0 samples/s", "ring 3/4"):
+        assert text in line, text
+
+
+def test_metrics_reach_wandb_by_section_and_the_status_is_a_table(short_tmp):
+    """A short run: the batching figures the producers send reach metrics.jsonl and wandb, training figures
+    are under train/ in wandb, the launcher prints elapsed, ETA, lr, tau and ring occupancy, and status
+    prints them as a table (no raw JSON)."""
+    import subprocess
+
+    from tests.test_pipeline import finish
+    from tests.wandb_log import history
+
+    run_dir = short_tmp / "run"
+    finish(start(run_dir, "training.max_steps=12", "eval.every_steps=12", "eval.num_prompts=2", "eval.max_new_tokens=8",
+                 'logging.wandb_mode="offline"'), run_dir)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if "loss" in m]
+    assert all("data/0/mean_batch_docs" in m and "data/0/mean_batch_tokens" in m for m in trained)
+    rows = history(run_dir)
+    keys = set().union(*(row.keys() for row in rows))
+    assert {"train/loss", "train/tau", "train/lr", "data/0/mean_batch_docs", "ring/0/ready", "eval/tau"} <= keys
+    assert "loss" not in keys
+    output = (run_dir.parent / "launcher.out").read_text()
+    progress = [line for line in output.splitlines() if line.startswith("step ")]
+    assert progress and all(k in progress[-1] for k in ("elapsed", "eta", "lr ", "tau ", "samples/s", "ring "))
+    status = subprocess.run([str(Path(__file__).resolve().parents[1] / "launch" / "run_all.sh"), "status", "--run-dir",
+                             str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert "training  step 12/12 (100%)" in status.stdout and "real " in status.stdout and "{" not in status.stdout

@@ -245,9 +245,8 @@ def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):
 
     from tests.test_pipeline import start
 
-    config = Auto.for_model("lfm2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2,
-                            layer_types=["conv", "full_attention", "conv", "full_attention"])
+    config = Auto.for_model("lfm2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                            num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"] * 4)
     AutoModelForCausalLM.from_config(config).save_pretrained(short_tmp / "lfm2")
     run_dir = short_tmp / "run"
     began = time.monotonic()

@@ -518,18 +518,19 @@ class TrainingEvaluation:
             raise ValueError("the target loaded for evaluation is not the producers' (embedding or lm_head differ)")
         return build_evaluator(self.cfg, model, drafter)
 
-    def maybe_log(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str], wandb_run: Any) -> None:
+    def maybe_log(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str],
+                  wandb_run: Any) -> AcceptanceReport | None:
         """Evaluate when due and write ``eval/*`` at ``step``: a line of its own in metrics.jsonl, and into
-        wandb's row of that step (next to the training tau)."""
+        wandb's row of that step (next to the training tau). The report, or None when none was made."""
         if step % self.cfg.eval.every_steps or self.disabled:
-            return
+            return None
         try:
             self.evaluator = self.evaluator or self._build(drafter)
             report = self.evaluator.evaluate(drafter)
         except Exception:
             self.disabled = True
             log.exception("evaluation failed; it is off for the rest of this trainer's life")
-            return
+            return None
         metrics = report.metrics()
         metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
         metrics_file.flush()
@@ -541,6 +542,7 @@ class TrainingEvaluation:
             log.warning("real and simulated tau differ by more than eval.gap_tolerance (%.2f of B - 1): check the "
                         "target layer ids, the rope settings, the loss mask and whether the data is the target's "
                         "own text", self.cfg.eval.gap_tolerance)
+        return report
 
 
 # -- command line ---------------------------------------------------------------------------------

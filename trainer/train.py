@@ -276,7 +276,7 @@ class Trainer:
         id_file.write_text(self.wandb_id)
         return wandb.init(project=self.cfg.logging.wandb_project, id=self.wandb_id, resume="allow",
                           dir=str(self.run_dir.root), mode=self.cfg.logging.wandb_mode, name=self.run_dir.root.name,
-                          config=to_dict(self.cfg), settings=wandb.Settings(silent=True, x_disable_stats=True))
+                          config=to_dict(self.cfg), settings=wandb.Settings(silent=True))  # with system metrics
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -482,7 +482,10 @@ class Trainer:
             drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config)
             drafter.load_state_dict(weights)
             drafter.to(self.device)
-        self.evaluation.maybe_log(self.step, drafter, self.metrics_file, self.wandb)
+        report = self.evaluation.maybe_log(self.step, drafter, self.metrics_file, self.wandb)
+        if report is not None:
+            self.last_eval = {"step": self.step, "tau": report.tau, "sim_tau": report.sim_tau}
+            self.write_status()
 
     def _stall(self) -> None:
         """Pause the loop for training.stall_s (a benchmark's stand-in for an evaluation)."""
@@ -516,19 +519,19 @@ class Trainer:
             record[f"{prefix}/tokens_per_s"] = stats.get("tokens_per_s", 0.0)
             record[f"{prefix}/blocked_fraction"] = stats.get("blocked_fraction", 0.0)
             batching = stats.get("batching", {})
-            for key in ("padding_efficiency", "mean_seq_len", "mean_docs_per_batch", "mean_tokens_per_batch"):
+            for key in ("padding_efficiency", "mean_seq_len", "mean_batch_docs", "mean_batch_tokens"):  # as the producers send them
                 if key in batching:
                     record[f"data/{producer}/{key}"] = batching[key]
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=self.step)
+            self.wandb.log({wandb_key(k): v for k, v in record.items() if k not in ("step", "time")}, step=self.step)
         self.last_record = record
         self.write_status()
-        if self.cfg.logging.progress:
-            print(f"step {self.step}/{self.max_steps}  loss {record['loss']:.3f}  tau {record['tau']:.2f}  "
-                  f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s  starved {record['starved_fraction']:.0%}",
-                  flush=True)
+        # One line per metrics update in trainer.log; the launcher draws the live view from trainer.json.
+        print(f"step {self.step}/{self.max_steps}  loss {record['loss']:.3f}  tau {record['tau']:.2f}  "
+              f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s  starved {record['starved_fraction']:.0%}",
+              flush=True)
 
     def write_status(self) -> None:
         if self.rank != 0:
@@ -538,6 +541,8 @@ class Trainer:
             "pid": os.getpid(), "incarnation": self.incarnation, "step": self.step,
             "max_steps": getattr(self, "max_steps", None), "state": self.state, "updated": time.time(),
             "loss": last.get("loss"), "tau": last.get("tau"), "tokens_per_s": last.get("tokens_per_s"),
+            "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "steps_per_s": last.get("steps_per_s"),
+            "eval": getattr(self, "last_eval", None),
             "parallelism": self.parallelism, "drafter_params_total": getattr(self, "drafter_params_total", None),
             "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
             "last_checkpoint": vars(self.checkpoints.last) if getattr(self, "checkpoints", None) and self.checkpoints.last else None,
@@ -557,6 +562,13 @@ class Trainer:
             self.wandb.finish()
         if self.world_size > 1:
             dist.destroy_process_group()
+
+
+def wandb_key(key: str) -> str:
+    """wandb's name of a metrics.jsonl key: training figures (loss, tau, lr, acc/k, ...) under ``train/``; the
+    sections that have one (producer/, ring/, data/, eval/) keep it."""
+    section = key.split("/", 1)[0] if "/" in key else None
+    return key if section in ("producer", "ring", "data", "eval", "train") else f"train/{key}"
 
 
 class _Window:
@@ -593,6 +605,7 @@ class _Window:
             "tokens_per_s": self.tokens / wall,
             "samples_per_s": self.docs / wall,
             "step_time_s": self.step_time / self.steps,
+            "steps_per_s": self.steps / wall,
             "starved_fraction": self.starved / wall,
             "tflops": self.flops / wall / 1e12,
         })

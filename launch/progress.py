@@ -1,0 +1,140 @@
+"""The live view of a run in the foreground launcher: a progress bar on a terminal, a line per metrics update
+elsewhere. Drawn from the trainer's and the producers' status files, so it follows the current trainer:
+after a restart (or while a new trainer loads) the old one's figures are not shown as the new one's.
+
+On a terminal (tqdm, as the ecosystem's trainers draw it)::
+
+    step 1550/3000 ████████████        52% 1:02:10<0:58:03, loss 3.140  lr 3.1e-04  tau 3.64  real 3.20@1500
+    6.8 samples/s  ring 4/4 3/4
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from launch.rundir import RunDir, read_json
+
+
+def trainer_figures(status: dict[str, Any]) -> list[str]:
+    """The training figures of trainer.json as short labelled texts (those it has)."""
+    parts = []
+    for key, label, fmt in (("loss", "loss", "{:.3f}"), ("lr", "lr", "{:.1e}"), ("tau", "tau", "{:.2f}")):
+        if status.get(key) is not None:
+            parts.append(f"{label} {fmt.format(status[key])}")
+    evaluation = status.get("eval")
+    if evaluation:
+        parts.append(f"real {evaluation['tau']:.2f}@{evaluation['step']}")
+    if status.get("samples_per_s") is not None:
+        parts.append(f"{status['samples_per_s']:.1f} samples/s")
+    return parts
+
+
+def ring_occupancy(producers: list[dict[str, Any]]) -> str:
+    """Full slots (ready or leased) of each producer's ring: ``ring 3/4 4/4``."""
+    cells = []
+    for producer in producers:
+        ring = producer.get("ring") or {}
+        if ring.get("slots"):
+            cells.append(f"{(ring.get('ready') or 0) + (ring.get('leased') or 0)}/{ring['slots']}")
+        else:
+            cells.append("-")
+    return "ring " + " ".join(cells) if cells else ""
+
+
+def eta_s(step: int, max_steps: int | None, steps_per_s: float | None) -> float | None:
+    if not max_steps or not steps_per_s:
+        return None
+    return max(0, max_steps - step) / steps_per_s
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class ProgressView:
+    """The launcher's live view; ``update`` is called at every poll, ``write`` prints a log line above the bar."""
+
+    def __init__(self, run: RunDir, enabled: bool = True, terminal: bool | None = None) -> None:
+        self.run = run
+        self.enabled = enabled
+        self.terminal = sys.stdout.isatty() if terminal is None else terminal
+        self.started = time.monotonic()
+        self._bar = None
+        self._last_shown: tuple | None = None
+
+    def update(self, trainer_started_wall: float, trainer_alive: bool) -> None:
+        """Redraw from the status files. Figures of a trainer.json older than the current trainer (started at
+        ``trainer_started_wall``, 0 before the first) are not shown."""
+        if not self.enabled:
+            return
+        status = read_json(self.run.trainer_status) or {}
+        # The current trainer's own file (a finished or crashed trainer's last figures are still its own).
+        current = trainer_started_wall > 0 and float(status.get("updated") or 0) >= trainer_started_wall
+        step, max_steps = status.get("step"), status.get("max_steps")
+        if current:
+            parts = trainer_figures(status)
+        else:
+            parts = ["trainer starting" if trainer_alive else "waiting for the producers"]
+        if current and status.get("state") not in (None, "training", "finished"):
+            parts.insert(0, str(status["state"]))
+        ring = ring_occupancy(self.run.producer_statuses())
+        if ring:
+            parts.append(ring)
+        postfix = "  ".join(parts)
+        if self.terminal:
+            self._draw(step if current else None, max_steps, postfix)
+            return
+        key = (step, status.get("loss"), current)
+        if current and status.get("loss") is not None and key != self._last_shown:
+            self._last_shown = key
+            eta = eta_s(step, max_steps, status.get("steps_per_s"))
+            print(f"step {step}/{max_steps}  elapsed {format_duration(time.monotonic() - self.started)}  "
+                  f"eta {format_duration(eta)}  {postfix}", flush=True)
+
+    def _draw(self, step: int | None, max_steps: int | None, postfix: str) -> None:
+        from tqdm import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm(total=max_steps, initial=step or 0, desc="step", dynamic_ncols=True, leave=True,
+                             bar_format="{desc} {n_fmt}/{total_fmt} {bar} {percentage:3.0f}% {elapsed}<{remaining}{postfix}")
+        if max_steps and self._bar.total != max_steps:
+            self._bar.total = max_steps
+        if step is not None and step != self._bar.n:
+            if step < self._bar.n:  # a new trainer resumed from an earlier checkpoint
+                self._bar.reset(total=max_steps)
+            self._bar.update(step - self._bar.n)
+        self._bar.set_postfix_str(postfix, refresh=False)
+        self._bar.refresh()
+
+    def write(self, line: str) -> None:
+        """A log line, above the bar when there is one."""
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class ViewHandler(logging.Handler):
+    """The launcher's terminal log handler: its lines go above the progress bar instead of through it."""
+
+    def __init__(self, view: ProgressView) -> None:
+        super().__init__()
+        self.view = view
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.view.write(self.format(record))
+        except Exception:
+            self.handleError(record)
