@@ -22,8 +22,9 @@
    that stopped with a checkpoint (state "stopped") without being asked is replaced at once.
    Exit 2 from any child is a configuration error: stop everything and exit 2.
 6. SIGINT / SIGTERM / SIGHUP: stop the trainer (SIGTERM, up to 60 s for its checkpoint, then
-   SIGKILL of its process group), then the producers; exit 130 / 0 / 129. A second signal skips
-   the waiting. SIGUSR1 means "a restart-trainer request is in DIR/control". Children get SIGTERM
+   SIGKILL of its process group), then the producers; exit 130 / 0 / 129. A second signal (Ctrl-C
+   again) only says that the stop is under way: skipping it would lose the steps since the last
+   checkpoint and leave the rings in /dev/shm. SIGUSR1 means "a restart-trainer request is in DIR/control". Children get SIGTERM
    from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so none is left behind.
 
 Exit codes: 0 finished or stopped, 1 gave up (crash loop, producer never ready), 2 configuration
@@ -324,13 +325,14 @@ class ManagedProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
 
-    def wait(self, timeout_s: float, hurry: Callable[[], bool] = lambda: False) -> int | None:
-        """Wait for the exit up to ``timeout_s`` (or until ``hurry()``); the exit code, or None."""
+    def wait(self, timeout_s: float, on_poll: Callable[[], None] = lambda: None) -> int | None:
+        """Wait for the exit up to ``timeout_s`` (calling ``on_poll`` between polls); the exit code, or None."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not hurry():
+        while time.monotonic() < deadline:
             returncode = self.poll()
             if returncode is not None:
                 return returncode
+            on_poll()
             time.sleep(0.05)
         return self.poll()
 
@@ -390,6 +392,7 @@ class Supervisor:
         self.started_wall = time.time()
         self.start_ticks = process_start_ticks(os.getpid())
         self.signals: list[int] = []
+        self._signals_answered = 0
         self.restart_requested = False
         self._last_record: dict | None = None
         self.view = ProgressView(run, enabled=cfg.logging.progress)
@@ -422,8 +425,14 @@ class Supervisor:
     def _on_restart_signal(self, _signum: int, _frame: object) -> None:
         self.restart_requested = True
 
-    def _hurry(self) -> bool:
-        return len(self.signals) > 1
+    def _say_still_stopping(self) -> None:
+        """A stop signal that came while stopping (a second Ctrl-C) changes nothing: the trainer's checkpoint
+        and the producers' clean exits are what a resume and /dev/shm need. Say so, once per signal."""
+        while len(self.signals) > self._signals_answered:
+            self._signals_answered += 1
+            if self._signals_answered > 1:
+                log.warning("already stopping in order: the trainer writes its checkpoint, then the producers free "
+                            "their rings (each has a time limit); waiting")
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGINT, self._on_stop_signal)
@@ -655,7 +664,7 @@ class Supervisor:
         Never a second SIGTERM: one arriving while Python shuts down (handlers back to default)
         kills a process that was exiting cleanly.
         """
-        returncode = process.wait(timeout_s, hurry=self._hurry)
+        returncode = process.wait(timeout_s, on_poll=self._say_still_stopping)
         if returncode is None:
             log.warning("%s pid %d did not exit in time: SIGKILL", process.name, process.pid)
             returncode = process.kill()

@@ -219,3 +219,33 @@ def test_metrics_reach_wandb_by_section_and_the_status_is_a_table(short_tmp):
     status = subprocess.run([str(Path(__file__).resolve().parents[1] / "launch" / "run_all.sh"), "status", "--run-dir",
                              str(run_dir)], capture_output=True, text=True, timeout=60)
     assert "training  step 12/12 (100%)" in status.stdout and "real " in status.stdout and "{" not in status.stdout
+
+
+def test_a_second_ctrl_c_still_stops_in_order(short_tmp):
+    """Ctrl-C twice: the trainer still checkpoints its last step, the producers free their rings (nothing left
+    in /dev/shm), nothing is SIGKILLed, and the resumed run repeats no step in metrics.jsonl."""
+    import os
+    import signal
+
+    from common.rundir import RunDir, read_json
+    from tests.peers import wait_for
+    from tests.test_pipeline import finish
+
+    run_dir = short_tmp / "run"
+    launcher = start(run_dir, "training.max_steps=100000", "eval.every_steps=0", "training.checkpoint_every=100000")
+    run = RunDir(run_dir)
+    wait_for(lambda: ((read_json(run.trainer_status) or {}).get("step") or 0) >= 6, "training", 120)
+    pids = [p["pid"] for p in run.producer_statuses()]
+    launcher.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(timeout=120) == 130
+    output = (run_dir.parent / "launcher.out").read_text()
+    assert "already stopping in order" in output and "SIGKILL" not in output, output[-2000:]
+    stopped_at = read_json(run.trainer_status)["step"]
+    assert read_json(run.latest_checkpoint() / "trainer_state.json")["step"] == stopped_at, "the last step checkpointed"
+    assert not [name for name in os.listdir("/dev/shm") if any(f".{pid}-" in name for pid in pids)], "rings freed"
+
+    finish(start(run_dir, f"training.max_steps={stopped_at + 4}", "eval.every_steps=0", "logging.log_every=1"), run_dir)
+    steps = [json.loads(line)["step"] for line in run.metrics.read_text().splitlines() if "loss" in json.loads(line)]
+    assert len(steps) == len(set(steps)), "no step is logged twice"
