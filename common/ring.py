@@ -84,7 +84,7 @@ class HostRing:
             raise RingMemoryError(
                 f"/dev/shm has {_human(free)} free but the ring needs {size} bytes ({_human(size)}: "
                 f"{num_slots} slots x {slot_bytes} bytes). Enlarge /dev/shm (e.g. docker --shm-size) "
-                f"or lower ring.num_slots / data.token_budget."
+                f"or lower ring.num_slots / batching.token_budget."
             )
         path = SHM_DIR / segment_name(run_tag, role)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -95,7 +95,7 @@ class HostRing:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                     raise RingMemoryError(
                         f"/dev/shm could not reserve {size} bytes ({_human(size)}) for the ring at {path}: "
-                        f"{exc.strerror}. Enlarge /dev/shm or lower ring.num_slots / data.token_budget."
+                        f"{exc.strerror}. Enlarge /dev/shm or lower ring.num_slots / batching.token_budget."
                     ) from None
                 raise
             buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -237,7 +237,7 @@ class CudaRing:
         if free < size:
             raise RingMemoryError(
                 f"GPU {device} has {_human(free)} free but the ring needs {size} bytes ({_human(size)}: "
-                f"{num_slots} slots x {slot_bytes} bytes). Lower ring.num_slots / data.token_budget or use ring.backend=host."
+                f"{num_slots} slots x {slot_bytes} bytes). Lower ring.num_slots / batching.token_budget or use ring.backend=host."
             )
         lib = _Driver.lib()
         ptr = ctypes.c_uint64()

@@ -93,12 +93,18 @@ class UsageError(Exception):
 # -- configuration -------------------------------------------------------------------------------
 
 
+def _has_trained(run: RunDir) -> bool:
+    """Whether the run dir holds training progress: a checkpoint, or a ledger line."""
+    return run.latest_checkpoint() is not None or (run.ledger.is_file() and run.ledger.stat().st_size > 0)
+
+
 def resolve_run(run_dir: Path | None, config_file: Path | None, overrides: list[str]) -> tuple[RunDir, RunConfig, bool]:
     """The run directory, its resolved config and whether it resumes an existing run.
 
     An existing run dir (one with config.toml) keeps its config: the overrides apply on top of it.
     ``--config`` is then only accepted when it resolves to the same config, so that a stale command
-    line cannot silently replace the settings of a run that has checkpoints.
+    line cannot silently replace the settings of a run that has checkpoints. A run dir that never
+    trained a step (its first start failed) takes the new ``--config`` and overrides instead.
     """
     if run_dir is None:
         run_dir = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -107,6 +113,8 @@ def resolve_run(run_dir: Path | None, config_file: Path | None, overrides: list[
     run = RunDir(run_dir.resolve())
     run.check_format()  # before reading anything of a folder another version made
     resumed = run.config.is_file()
+    if resumed and config_file is not None and not _has_trained(run):
+        resumed = False  # a first start that failed before any step: its config is no one's to keep
     if resumed:
         if config_file is not None and to_dict(load_config(config_file)) != to_dict(load_config(run.config)):
             raise ConfigError(

@@ -249,3 +249,32 @@ def test_a_second_ctrl_c_still_stops_in_order(short_tmp):
     finish(start(run_dir, f"training.max_steps={stopped_at + 4}", "eval.every_steps=0", "logging.log_every=1"), run_dir)
     steps = [json.loads(line)["step"] for line in run.metrics.read_text().splitlines() if "loss" in json.loads(line)]
     assert len(steps) == len(set(steps)), "no step is logged twice"
+
+
+def test_a_first_start_that_failed_does_not_lock_the_run_directorys_config(short_tmp):
+    """A first start with a wrong data path stops with exit 2 before any step; the same command with the path
+    corrected (and the same --config) then starts, instead of being refused as another run's config."""
+    from tests.test_pipeline import finish
+
+    root = Path(__file__).resolve().parents[1]
+    run_dir = short_tmp / "run"
+    config = root / "launch" / "tiny.toml"
+    text, _ = stops_with_2(run_dir, "--config", str(config), 'data.format="tokenized"', 'data.paths=["/nope.jsonl"]')
+    assert "data file not found" in text
+    finish(start(run_dir, "--config", str(config), "training.max_steps=4", "eval.every_steps=0"), run_dir)
+    assert "differs from the config" not in (run_dir.parent / "launcher.out").read_text()
+
+
+def test_exports_are_readable_like_the_files_beside_them(tmp_path):
+    import stat
+
+    from tests.drafter_fixtures import random_head, tiny_config
+    from trainer.export import export_speculators, export_zlab
+    from trainer.model import DFlashDrafter
+
+    config = tiny_config()
+    drafter = DFlashDrafter(config, random_head(config))
+    for out in (export_zlab(drafter, tmp_path / "z"), export_speculators(drafter, tmp_path / "s", "org/t")):
+        weights, config_json = (stat.S_IMODE((out / name).stat().st_mode) for name in ("model.safetensors", "config.json"))
+        assert weights == config_json and weights & 0o044 == 0o044, oct(weights)
+

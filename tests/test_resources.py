@@ -50,6 +50,7 @@ def test_a_producer_refuses_to_start_on_a_small_dev_shm_naming_the_bytes(short_t
     assert out.returncode == 2, out.stderr[-3000:]
     assert "cannot start producer 0: /dev/shm has 1.0 MiB free but the ring needs" in out.stderr
     assert "64 slots x" in out.stderr and "Enlarge /dev/shm" in out.stderr
+    assert "batching.token_budget" in out.stderr, "the key that sizes the slots is named as the config names it"
 
 
 @pytest.mark.skipif(not NAMESPACES, reason="needs a private mount namespace (unshare -rm)")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -179,6 +180,8 @@ def _save(config_json: dict[str, Any], weights: dict[str, torch.Tensor], out_dir
     tensors = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in weights.items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    # safetensors writes 0600 whatever the umask: a server running as another user could not read the export.
+    os.chmod(out / WEIGHTS_FILE, (out / CONFIG_FILE).stat().st_mode & 0o777)
     return out
 
 
