@@ -260,8 +260,9 @@ def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):
     assert "restarting" not in output.lower(), output[-2000:]
 
 
-@pytest.mark.parametrize("name", ["qwen3.6-27b-1gpu.toml", "qwen3.6-27b-8gpu.toml"])
-def test_example_configs_for_the_real_job_load(tmp_path, name):
+@pytest.mark.parametrize("name", ["qwen3.6-27b-1gpu.toml", "qwen3.6-27b-8gpu.toml", "qwen3-8b-1gpu.toml",
+                                  "qwen3-8b-8gpu.toml", "llama-3.1-8b-instruct.toml"])
+def test_example_configs_load(tmp_path, name):
     from pathlib import Path
 
     from common.config import load_config
@@ -273,4 +274,4 @@ def test_example_configs_for_the_real_job_load(tmp_path, name):
     cfg = load_config(root / "launch" / name, [f"target.path={target}", f'data.paths=["{data}"]', f'eval.paths=["{data}"]'])
     assert cfg.data.format == "chat" and cfg.target.dtype == "bfloat16" and cfg.drafter.block_size == 16
     devices = len(cfg.launch.producer_devices) + len(cfg.launch.trainer_devices)
-    assert devices == (2 if "1gpu" in name else 8)
+    assert devices == (8 if "8gpu" in name else 2)
