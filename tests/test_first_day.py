@@ -278,3 +278,13 @@ def test_exports_are_readable_like_the_files_beside_them(tmp_path):
         weights, config_json = (stat.S_IMODE((out / name).stat().st_mode) for name in ("model.safetensors", "config.json"))
         assert weights == config_json and weights & 0o044 == 0o044, oct(weights)
 
+
+
+def test_run_all_help_lists_the_commands():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([str(root / "launch" / "run_all.sh"), "--help"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0
+    for command in ("run", "restart-trainer", "stop", "status", "check"):
+        assert f"  {command} " in done.stdout, command
