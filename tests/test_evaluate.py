@@ -275,3 +275,19 @@ def test_command_refuses_a_target_that_is_not_the_runs(tmp_path, capsys):
     other.save_pretrained(run / "target")
     assert main(["--checkpoint", str(run / "checkpoints" / "step-00000010")]) == 2
     assert "not the run's" in capsys.readouterr().err
+
+
+def test_command_refuses_a_target_whose_lm_head_alone_differs(tmp_path, capsys):
+    """The embedding is not all the drafter shares: an lm_head (or final norm) that differs is refused too."""
+    from producer.target import load_target_model
+
+    run = tmp_path / "run"
+    cfg = load_config(None, [*SMALL_DATA, "target.config_overrides={vocab_size = 64}", "target.dtype=float32"])
+    (run / "checkpoints" / "step-00000010" / "drafter").mkdir(parents=True)
+    save_config(cfg, run / "config.toml")
+    same = load_target_model(dataclasses.replace(cfg.target, device="cpu"))
+    with torch.no_grad():
+        same.lm_head.weight.add_(1e-3)
+    same.save_pretrained(run / "target")
+    assert main(["--checkpoint", str(run / "checkpoints" / "step-00000010")]) == 2
+    assert "lm_head_weight differ" in capsys.readouterr().err

@@ -44,6 +44,7 @@ from torch import nn
 
 from common.batch import PackedBatch
 from common.config import ConfigError, EvalConfig, RunConfig, load_config
+from common.rundir import RunDir
 from producer.data import Document, build_data_source
 from trainer.blocks import build_blocks
 from trainer.export import drafter_folder, load_drafter
@@ -588,12 +589,14 @@ def main(argv: list[str] | None = None) -> int:
 
     model = load_target_model(cfg.target)
     head = target_head_of(model)
-    produced = run_dir / "target" if run_dir is not None and cfg.target.path is None else None
+    produced = RunDir(run_dir).target_head if run_dir is not None and cfg.target.path is None else None
     if produced is not None and (produced / "config.json").is_file():
         shipped = load_target_head(produced, device=head.embed_weight.device)
-        if not torch.equal(shipped.embed_weight, head.embed_weight):
-            print(f"the target built here is not the run's (its head is in {produced}): try --device cpu or the "
-                  "producers' device", file=sys.stderr)
+        differs = [name for name in ("embed_weight", "lm_head_weight", "norm_weight")
+                   if not torch.equal(getattr(shipped, name), getattr(head, name))]
+        if differs:  # the drafter shares all three: each must be the producers' bit for bit
+            print(f"the target built here is not the run's (its {', '.join(differs)} differ from the head in "
+                  f"{produced}): try --device cpu or the producers' device", file=sys.stderr)
             return 2
     loss_config = LossConfig(label_mode=cfg.training.label_mode)
     drafter_dir, own_checkpoint = drafter_folder(args.checkpoint)
