@@ -169,7 +169,7 @@ class BatchingConfig:
 
 @dataclass
 class DrafterConfig:
-    """The drafter's shape. Unset sizes come from the target (DFLASH.md); set ones override it."""
+    """The drafter's shape. Unset sizes come from the target (docs/dflash.md); set ones override it."""
 
     num_layers: int = 5
     """Number of draft decoder layers."""
@@ -178,7 +178,7 @@ class DrafterConfig:
     num_anchors: int = 512
     """Blocks sampled per packed batch of ``batching.token_budget`` tokens."""
     target_layer_ids: list[int] = field(default_factory=list)
-    """Target layers (0-based, output of layer k) used as features; empty: the DFLASH.md rule."""
+    """Target layers (0-based, output of layer k) used as features; empty: the docs/dflash.md rule."""
     layer_types: list[str] = field(default_factory=list)
     """Per draft layer: full_attention or sliding_attention; empty: all full."""
     sliding_window: int | None = None

@@ -6,7 +6,7 @@
     python -m launch.bench_pipeline --tiny                      # CPU smoke run of every run kind
     python -m launch.bench_pipeline plot RESULTS.json --png docs/ring_occupancy.png
 
-Qwen3-8B-shaped target and draft (DFLASH.md), random bf16 weights, samples of --length tokens (one
+Qwen3-8B-shaped target and draft (docs/dflash.md), random bf16 weights, samples of --length tokens (one
 sample per ring slot and per step), 512 anchors, block 16, fp32 master weights under bf16 autocast.
 Every run starts the real processes (``launch/run_all.sh``, or ``trainer.train --coupled``) and
 measures a steady window after warm-up, from the ledger's timestamps (samples trained) and the

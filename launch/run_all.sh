@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start, resume, re-tune, stop or inspect a run (DESIGN.md "User surface").
+# Start, resume, re-tune, stop or inspect a run (docs/design.md "User surface").
 #
 #   launch/run_all.sh [--run-dir DIR] [--config FILE] [key=value ...]   start (or resume DIR) in the foreground
 #   launch/run_all.sh restart-trainer --run-dir DIR [key=value ...]     replace the trainer, producers untouched

@@ -1,6 +1,6 @@
 """The run directory as the launcher sees it, and the file helpers the launcher, status and tests share.
 
-Everything of one run lives in one folder (DESIGN.md "Run directory"). The paths every process
+Everything of one run lives in one folder (docs/design.md "Run directory"). The paths every process
 shares (config.toml, producers/p{I}.json, trainer.json, sockets/, checkpoints/, metrics.jsonl ...)
 come from ``common.rundir.RunDir``; the launcher adds its own::
 

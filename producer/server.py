@@ -65,7 +65,7 @@ EXIT_CONFIG_ERROR = 2
 
 
 def feature_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
-    """The target layers both sides use: the configured ones, else the DFLASH.md rule."""
+    """The target layers both sides use: the configured ones, else the docs/dflash.md rule."""
     return list(cfg.drafter.target_layer_ids) or build_target_layer_ids(num_target_layers, cfg.drafter.num_layers)
 
 

@@ -1,6 +1,6 @@
 """The target side of a producer: load the target LLM and capture the hidden states a drafter needs.
 
-Layer numbering follows DFLASH.md: the feature of layer ``k`` is the OUTPUT of decoder layer ``k``,
+Layer numbering follows docs/dflash.md: the feature of layer ``k`` is the OUTPUT of decoder layer ``k``,
 which is ``hidden_states[k + 1]`` of a Hugging Face forward with ``output_hidden_states=True``.
 ``last_hidden`` is the output of the last decoder layer BEFORE the final norm; note that HF's
 ``hidden_states[-1]`` is NOT that: transformers overwrites its last entry with the normed output.
