@@ -288,3 +288,15 @@ def test_run_all_help_lists_the_commands():
     assert done.returncode == 0
     for command in ("run", "restart-trainer", "stop", "status", "check"):
         assert f"  {command} " in done.stdout, command
+
+
+def test_readme_and_docs_link_nothing_outside_the_repository():
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    for path in [root / "README.md", root / "BENCHMARKS.md", *sorted((root / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)]+)\)", path.read_text()):
+            if target.startswith(("http://", "https://", "#")):
+                continue
+            resolved = (path.parent / target.split("#")[0]).resolve()
+            assert resolved.is_relative_to(root) and resolved.exists(), f"{path.name} links {target}"
