@@ -41,6 +41,7 @@ POINTS = {
     "producer.handshake": "handling a trainer's HELLO: before reconciling and before WELCOME",
     "producer.fill": "filling a slot: batch taken from the stream, slot FILLING, nothing announced",
     "producer.publish": "right after announcing a batch (the slot is READY, possibly leased at once)",
+    "producer.evaluate": "evaluating a drafter for the trainer: the request claimed, no result written",
 }
 
 

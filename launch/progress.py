@@ -25,8 +25,10 @@ def trainer_figures(status: dict[str, Any]) -> list[str]:
         if status.get(key) is not None:
             parts.append(f"{label} {fmt.format(status[key])}")
     evaluation = status.get("eval")
-    if evaluation:
+    if evaluation and evaluation.get("tau") is not None:
         parts.append(f"real {evaluation['tau']:.2f}@{evaluation['step']}")
+    if status.get("evals_in_flight"):
+        parts.append("evaluating " + ",".join(map(str, status["evals_in_flight"])))
     if status.get("samples_per_s") is not None:
         parts.append(f"{status['samples_per_s']:.1f} samples/s")
     return parts

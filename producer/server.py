@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from common import faults
+from common import evals, faults
 from common.batch import PackedBatch
 from common.codec import bytes_needed, plan_layout, read_tensors
 from common.config import ConfigError, RunConfig, load_config
@@ -62,6 +62,9 @@ from trainer.draft_config import build_target_layer_ids
 log = logging.getLogger("producer")
 
 EXIT_CONFIG_ERROR = 2
+
+
+EVAL_POLL_S = 1.0  # how often producer 0 looks for the trainer's evaluation requests
 
 
 def feature_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
@@ -213,6 +216,10 @@ class Producer:
             if cfg.training.max_steps == 0 else None
         )
         self.batch_stats = RunningBatchStats()
+        self.evaluating: int | None = None
+        """The step whose drafter this producer is evaluating for the trainer, if any."""
+        self._evaluator = None
+        self._next_eval_check = 0.0
 
         self.dtype = self.target.dtype
         self.max_docs = cfg.batching.max_docs_per_batch or cfg.batching.token_budget
@@ -326,6 +333,7 @@ class Producer:
             "device": ",".join(group.devices) if group is not None else str(self.target.device),
             "kernels": {"attention": self.target.attention, "linear_attention": self.target.linear,
                         "compiled": self.target.compiled},
+            "evaluating": getattr(self, "evaluating", None),
             "ring": {**stats["ring"], "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
             **({"epoch_batches": self.epoch_batches} if self.epoch_batches is not None else {}),
             **{k: v for k, v in stats.items() if k != "ring"},
@@ -418,10 +426,14 @@ class Producer:
                    threading.Thread(target=self._status_loop, name="status", daemon=True)]
         for thread in threads:
             thread.start()
+        if self.serves_evaluations:
+            for step in evals.mark_abandoned_claims_lost(self.run_dir, self.producer_id):
+                log.warning("evaluation of step %d was lost: this producer was restarted during it", step)
         try:
             while not self.stop.is_set():
                 if self.group is not None:
                     self.group.keepalive()
+                self._maybe_evaluate()
                 if not self._may_fill():
                     self._hold_back(0.005)
                     continue
@@ -439,6 +451,53 @@ class Producer:
             self._filled.put(None)
             threads[0].join(timeout=30)
             self.close()
+
+    @property
+    def serves_evaluations(self) -> bool:
+        """Producer 0 answers the trainer's evaluation requests (a tensor-parallel one does not yet)."""
+        return self.producer_id == 0 and self.group is None and self.cfg.eval.every_steps > 0
+
+    def _maybe_evaluate(self) -> None:
+        """Between two batches: run the oldest open evaluation request of the trainer (common/evals.py).
+
+        The server thread keeps leasing the ring's ready batches meanwhile, so the trainer trains on while
+        this producer decodes. An evaluation that fails is written as lost: it never stops the producer.
+        """
+        if not self.serves_evaluations or time.monotonic() < self._next_eval_check:
+            return
+        self._next_eval_check = time.monotonic() + EVAL_POLL_S
+        pending = evals.open_requests(self.run_dir)
+        if not pending:
+            return
+        request = pending[0]
+        evals.claim(self.run_dir, request, self.producer_id, os.getpid())
+        self.evaluating = request.step
+        self.write_status(ready=True)
+        faults.point("producer.evaluate")
+        try:
+            metrics = self._evaluate(request)
+            result = evals.EvalResult(step=request.step, metrics=metrics, producer=self.producer_id)
+            log.info("evaluated step %d for the trainer: tau %.3f real, %.3f simulated in %.1f s", request.step,
+                     metrics["eval/tau"], metrics["eval/sim_tau"], metrics["eval/seconds"])
+        except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
+            log.exception("evaluation of step %d failed", request.step)
+            result = evals.EvalResult(step=request.step, lost=f"{type(exc).__name__}: {exc}", producer=self.producer_id)
+        evals.finish(self.run_dir, result)
+        self.evaluating = None
+        self.write_status(ready=True)
+
+    def _evaluate(self, request: evals.EvalRequest) -> dict[str, float]:
+        """Real and simulated acceptance of the exported drafter against this producer's target."""
+        from trainer.evaluate import build_evaluator, target_head_of
+        from trainer.export import load_drafter
+        from trainer.loss import LossConfig
+
+        model = self.target.model
+        drafter = load_drafter(request.drafter, target_head_of(model), LossConfig(label_mode=self.cfg.training.label_mode),
+                               own_checkpoint=True).to(self.target.device)
+        if self._evaluator is None:
+            self._evaluator = build_evaluator(self.cfg, model, drafter)
+        return self._evaluator.evaluate(drafter).metrics()
 
     def _may_fill(self) -> bool:
         """Whether to fill a slot now: always, unless ring.headroom_slots asks to keep some free

@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import faults
+from common import evals, faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
 from common.lifecycle import die_with_parent, exit_rank
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from common.hf import text_config_of
 from trainer.checkpoint import CheckpointWriter, Snapshot
 from trainer.draft_config import DraftConfig
-from trainer.export import load_drafter
+from trainer.export import export_zlab, load_drafter
 from trainer.feeder import Commits, Feeder, Received
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter, train_flops_per_sample
@@ -48,6 +48,7 @@ from trainer.target_head import load_target_head
 
 log = logging.getLogger("trainer")
 EXIT_CONFIG_ERROR = 2
+EVAL_RESULT_WAIT_S = 300.0  # how long a finished trainer waits for the evaluation of its last step
 
 
 def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
@@ -166,6 +167,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps))
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + self.rank)
         self.commits = Commits()
+        self.evals_in_flight: set[int] = set()
+        """Steps whose evaluation was asked for and has not come back (common/evals.py)."""
         self.wandb_id = None
         if latest is not None:
             self._load_checkpoint(latest)
@@ -274,9 +277,13 @@ class Trainer:
         if self.wandb_id is None:
             self.wandb_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(self.wandb_id)
-        return wandb.init(project=self.cfg.logging.wandb_project, id=self.wandb_id, resume="allow",
-                          dir=str(self.run_dir.root), mode=self.cfg.logging.wandb_mode, name=self.run_dir.root.name,
-                          config=to_dict(self.cfg), settings=wandb.Settings(silent=True))  # with system metrics
+        run = wandb.init(project=self.cfg.logging.wandb_project, id=self.wandb_id, resume="allow",
+                         dir=str(self.run_dir.root), mode=self.cfg.logging.wandb_mode, name=self.run_dir.root.name,
+                         config=to_dict(self.cfg), settings=wandb.Settings(silent=True))  # with system metrics
+        # An evaluation comes back a few steps after the step it belongs to: its charts use eval/step.
+        run.define_metric("eval/step")
+        run.define_metric("eval/*", step_metric="eval/step")
+        return run
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -448,6 +455,8 @@ class Trainer:
             self.step += 1
             self.record(everyone)
             window.add(received, metrics, starved, time.perf_counter() - started, self._flops(received))
+            if self.evals_in_flight and self.step % max(1, self.cfg.logging.log_every // 4) == 0:
+                self.collect_evaluations()
             if self.step % self.cfg.logging.log_every == 0 or self.step == self.max_steps:
                 self.log_metrics(window)
                 if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
@@ -462,18 +471,61 @@ class Trainer:
                 self._stall()
         finished = self.step >= self.max_steps
         self.save_checkpoint(blocking=True)  # always on the last step, and on a requested stop
+        if finished:
+            self.collect_evaluations(wait_s=EVAL_RESULT_WAIT_S)  # the last step's evaluation, while the producers run
         self.state = "finished" if finished else "stopped"
         return self.state
 
     def evaluate(self) -> None:
-        """Acceptance evaluation by real speculative decoding on rank 0 (trainer/evaluate.py); it loads the
-        target into this process the first time. Under FSDP every rank helps gather the weights into a
-        whole copy of the drafter on rank 0's device, dropped after the evaluation."""
-        from trainer.evaluate import TrainingEvaluation
-
+        """Ask for an acceptance evaluation of this step's weights (common/evals.py) and go on training: the
+        drafter is exported into the run directory and producer 0, which holds the target, evaluates it
+        between two of its batches; ``collect_evaluations`` logs the result at the step it belongs to. Under
+        FSDP every rank helps gather the weights. The coupled baseline evaluates in its own loop instead."""
         weights = full_model_state(self.drafter) if self.sharded else None
         if self.rank != 0:
             return
+        if self.coupled:
+            self._evaluate_in_loop(weights)
+            return
+        export = evals.folder(self.run_dir, self.step) / "drafter"
+        export_zlab(self.drafter, export, dtype=None, weights=weights)
+        evals.request(self.run_dir, evals.EvalRequest(step=self.step, drafter=str(export), incarnation=self.incarnation))
+        self.evals_in_flight.add(self.step)
+        self.write_status()
+
+    def collect_evaluations(self, wait_s: float = 0.0) -> None:
+        """Log the results of the evaluations asked for that have come back (waiting up to ``wait_s`` for all)."""
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + wait_s
+        while self.evals_in_flight:
+            for step in sorted(self.evals_in_flight):
+                result = evals.result(self.run_dir, step)
+                if result is None:
+                    continue
+                self.evals_in_flight.discard(step)
+                if result.lost:
+                    log.warning("evaluation of step %d lost: %s", step, result.lost)
+                    continue
+                self._log_evaluation(step, result.metrics)
+            if not self.evals_in_flight or time.monotonic() >= deadline or self.stop_requested:
+                break
+            time.sleep(0.2)
+        self.write_status()
+
+    def _log_evaluation(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
+        self.metrics_file.flush()
+        if self.wandb is not None:  # wandb's steps only grow: eval/* are plotted against eval/step
+            self.wandb.log({**metrics, "eval/step": step}, step=self.step)
+        self.last_eval = {"step": step, "tau": metrics.get("eval/tau"), "sim_tau": metrics.get("eval/sim_tau")}
+        log.info("eval at step %d (logged at %d): tau %.3f real, %.3f simulated, %.1f%% target forwards saved",
+                 step, self.step, metrics.get("eval/tau", 0.0), metrics.get("eval/sim_tau", 0.0),
+                 100 * metrics.get("eval/forwards_saved", 0.0))
+
+    def _evaluate_in_loop(self, weights: dict | None) -> None:
+        """The coupled baseline's evaluation, as today's online trainers do it: in the loop, on its own target."""
+        from trainer.evaluate import TrainingEvaluation
         self.evaluation = getattr(self, "evaluation", None) or TrainingEvaluation(self.cfg, self.device)
         if self.evaluation.disabled:
             return
@@ -543,6 +595,7 @@ class Trainer:
             "loss": last.get("loss"), "tau": last.get("tau"), "tokens_per_s": last.get("tokens_per_s"),
             "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "steps_per_s": last.get("steps_per_s"),
             "eval": getattr(self, "last_eval", None),
+            "evals_in_flight": sorted(getattr(self, "evals_in_flight", ())),
             "parallelism": self.parallelism, "drafter_params_total": getattr(self, "drafter_params_total", None),
             "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
             "last_checkpoint": vars(self.checkpoints.last) if getattr(self, "checkpoints", None) and self.checkpoints.last else None,

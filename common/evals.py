@@ -1,0 +1,119 @@
+"""Evaluations the trainer asks of a producer: requests and results through the run directory.
+
+The trainer never loads a target. At an evaluation step it exports the drafter it wants evaluated into
+``evals/step-N/drafter`` (the z-lab format, as a checkpoint's) and then writes ``evals/step-N/request.json``.
+Producer 0, which holds the target already, takes the oldest open request between two of its batches:
+it writes ``claim.json`` (its pid and start time), runs real speculative decoding and the simulated
+acceptance, and writes ``result.json``. The trainer logs the result at the step it belongs to.
+
+Why files and a checkpoint-format export rather than shared memory: an evaluation happens every few
+hundred steps and reads a few GB once, which a page-cached file serves as fast; the export is the very
+format servers and ``python -m trainer.evaluate`` read; and a request, a claim and a result survive the
+death of either side, so a producer restarted during an evaluation marks it lost (the trainer logs that)
+and no batch of data is touched. Every file is written whole (temporary name, fsync, rename), the request
+last, so a reader never sees half an export.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.naming import process_start_ticks
+from common.rundir import RunDir, atomic_write_json, read_json
+
+STEP_DIR = re.compile(r"step-(\d+)$")
+
+
+@dataclass
+class EvalRequest:
+    """What the trainer wants evaluated."""
+
+    step: int
+    """The optimizer step whose weights these are."""
+    drafter: str
+    """The exported drafter's folder (z-lab format)."""
+    incarnation: int
+    """The asking trainer's incarnation."""
+    requested: float = field(default_factory=time.time)
+
+
+@dataclass
+class EvalResult:
+    """A finished (or lost) evaluation."""
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    """``eval/*`` figures of trainer.evaluate.AcceptanceReport.metrics()."""
+    lost: str | None = None
+    """Why there is no figure (the producer died during it, the export could not be read, ...)."""
+    producer: int = 0
+    finished: float = field(default_factory=time.time)
+
+
+def folder(run: RunDir, step: int) -> Path:
+    return run.root / "evals" / f"step-{step:08d}"
+
+
+def request(run: RunDir, req: EvalRequest) -> None:
+    """Publish a request whose export is already complete in ``req.drafter``."""
+    atomic_write_json(folder(run, req.step) / "request.json", asdict(req))
+
+
+def _steps(run: RunDir) -> list[int]:
+    root = run.root / "evals"
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+
+
+def open_requests(run: RunDir) -> list[EvalRequest]:
+    """Requests without a claim or a result, oldest first."""
+    found = []
+    for step in _steps(run):
+        here = folder(run, step)
+        if (here / "result.json").exists() or (here / "claim.json").exists():
+            continue
+        data = read_json(here / "request.json")
+        if data is not None:
+            found.append(EvalRequest(**data))
+    return found
+
+
+def claim(run: RunDir, req: EvalRequest, producer_id: int, pid: int) -> None:
+    atomic_write_json(folder(run, req.step) / "claim.json",
+                      {"producer": producer_id, "pid": pid, "start_ticks": process_start_ticks(pid), "claimed": time.time()})
+
+
+def finish(run: RunDir, result: EvalResult) -> None:
+    """Write the result and drop the export (its weights were only needed for this evaluation)."""
+    here = folder(run, result.step)
+    atomic_write_json(here / "result.json", asdict(result))
+    shutil.rmtree(here / "drafter", ignore_errors=True)
+
+
+def result(run: RunDir, step: int) -> EvalResult | None:
+    data = read_json(folder(run, step) / "result.json")
+    return EvalResult(**data) if data is not None else None
+
+
+def _alive(pid: Any, start_ticks: Any) -> bool:
+    return isinstance(pid, int) and process_start_ticks(pid) is not None and process_start_ticks(pid) == start_ticks
+
+
+def mark_abandoned_claims_lost(run: RunDir, producer_id: int) -> list[int]:
+    """Claims of this producer id by a process that is gone, without a result: written as lost. Their steps."""
+    lost = []
+    for step in _steps(run):
+        here = folder(run, step)
+        if (here / "result.json").exists():
+            continue
+        claimed = read_json(here / "claim.json")
+        if claimed and claimed.get("producer") == producer_id and not _alive(claimed.get("pid"), claimed.get("start_ticks")):
+            finish(run, EvalResult(step=step, lost="the producer evaluating it was restarted", producer=producer_id))
+            lost.append(step)
+    return lost

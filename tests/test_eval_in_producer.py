@@ -1,0 +1,63 @@
+"""Evaluation where the target lives: producer 0 evaluates the drafters the trainer exports, between its batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from common.faults import LOG_ENV, PLAN_ENV
+from common.rundir import RunDir, read_json
+from collections import Counter
+
+from tests.test_pipeline import ROOT, SMALL, finish, lineage, start
+
+EVAL = ["eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8", "logging.log_every=4"]
+
+
+def assert_nothing_trained_twice(run: RunDir) -> None:
+    """The ledger's lineage trains no (producer, epoch, sample) twice (these runs are shorter than 2 epochs)."""
+    triples = Counter(tuple(t) for line in lineage(run) for t in line["samples"])
+    assert triples and not [t for t, n in triples.items() if n > 1]
+
+
+def evaluations(run: RunDir) -> list[dict]:
+    return [m for m in (json.loads(line) for line in run.metrics.read_text().splitlines()) if "eval/tau" in m]
+
+
+def test_producer_zero_evaluates_and_the_trainer_logs_each_result_at_its_step(short_tmp):
+    run_dir = short_tmp / "run"
+    finish(start(run_dir, "training.max_steps=24", *EVAL), run_dir)
+    run = RunDir(run_dir)
+    assert [m["step"] for m in evaluations(run)] == [8, 16, 24], "each result at the step whose weights it measured"
+    assert all(1.0 <= m["eval/tau"] <= 4.0 and m["eval/num_prompts"] == 2 for m in evaluations(run))
+    producer_log = (run_dir / "logs" / "producer-0.log").read_text()
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert producer_log.count("evaluated step") == 3 and "evaluated step" not in (run_dir / "logs" / "producer-1.log").read_text()
+    assert "eval at step 8 (logged at" in trainer_log
+    assert "evaluation failed" not in trainer_log + producer_log
+    # The exports were only for the evaluations: their weights are gone, the results stay.
+    assert not list((run_dir / "evals").glob("step-*/drafter")) and len(list((run_dir / "evals").glob("step-*/result.json"))) == 3
+    assert read_json(run.trainer_status)["evals_in_flight"] == []
+    assert_nothing_trained_twice(run)
+
+
+def test_a_producer_killed_during_an_evaluation_loses_the_evaluation_never_data(short_tmp):
+    """kill -9 of producer 0 while it evaluates: the launcher restarts it, that evaluation is reported lost,
+    the next ones come back, and the ledger holds every sample once."""
+    run_dir = short_tmp / "run"
+    fault_log = short_tmp / "faults.jsonl"
+    env = {**os.environ, PLAN_ENV: "producer.evaluate:1", LOG_ENV: str(fault_log)}
+    with open(run_dir.parent / "launcher.out", "w") as out:
+        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
+                                     "training.max_steps=32", *EVAL], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    finish(launcher, run_dir, timeout=300)
+    run = RunDir(run_dir)
+    assert len(fault_log.read_text().splitlines()) == 1, "the fault fired"
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "evaluation of step 8 lost: the producer evaluating it was restarted" in trainer_log
+    steps = [m["step"] for m in evaluations(run)]
+    assert 8 not in steps and 32 in steps
+    assert "producer-0 crashed" in (run_dir.parent / "launcher.out").read_text()
+    assert_nothing_trained_twice(run)
