@@ -79,7 +79,7 @@ def collect_status(run_dir: Path) -> dict:
         trainer_pid = trainer_file.get("pid")
         trainer_alive = process_alive(trainer_pid) and (_age(trainer_file.get("updated"), now) or 0) <= STALE_AFTER_S
     # trainer.json of an earlier trainer (a new one still loading) is not this trainer's state.
-    started = trainer_record.get("started")
+    started = trainer_record.get("status_since") or trainer_record.get("started")
     current = not started or float(trainer_file.get("updated") or 0) >= float(started)
     figures = {key: trainer_file.get(key) if current else None
                for key in ("loss", "tau", "lr", "samples_per_s", "tokens_per_s", "steps_per_s", "eval", "evals_in_flight")}

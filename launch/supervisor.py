@@ -68,6 +68,7 @@ TRAINER_CMD_ENV = "DFLASH_TRAINER_CMD"
 TRAINER_DEVICES_ENV = "DFLASH_TRAINER_DEVICES"
 
 POLL_INTERVAL_S = 0.2
+PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"  # trainer.train.PREDECESSOR_ENV (the launcher imports no trainer code)
 STOP_SIGNAL_EXIT_CODES = {signal.SIGTERM: 0, signal.SIGINT: 130, signal.SIGHUP: 129}  # SIGTERM: asked to stop
 HEALTHY_UPTIME_S = 60.0  # a process up this long has recovered: its crash count and backoff reset
 TRAINER_STOP_TIMEOUT_S = 60.0  # time for the trainer's final checkpoint before SIGKILL
@@ -94,8 +95,10 @@ class UsageError(Exception):
 
 
 def _has_trained(run: RunDir) -> bool:
-    """Whether the run dir holds training progress: a checkpoint, or a ledger line."""
-    return run.latest_checkpoint() is not None or (run.ledger.is_file() and run.ledger.stat().st_size > 0)
+    """Whether the run dir holds training progress: a checkpoint, a ledger line, or a trainer that took a step."""
+    if run.latest_checkpoint() is not None or (run.ledger.is_file() and run.ledger.stat().st_size > 0):
+        return True
+    return bool((read_json(run.trainer_status) or {}).get("step"))
 
 
 def resolve_run(run_dir: Path | None, config_file: Path | None, overrides: list[str]) -> tuple[RunDir, RunConfig, bool]:
@@ -280,6 +283,7 @@ class ManagedProcess:
         self.start_ticks: int | None = None
         self.started_wall = 0.0
         self.started_mono = 0.0
+        self.status_since = 0.0
         self.incarnation = 0
         self.restarts = 0  # all restarts of the run, for launcher.json
         self.crashes_in_a_row = 0
@@ -300,6 +304,8 @@ class ManagedProcess:
         self.ready = False
         self.started_wall = time.time()
         self.started_mono = time.monotonic()
+        self.status_since = self.started_wall
+        """Status files written since then are this process's (later for a trainer started beside the one it replaces)."""
         with self.log_path.open("ab") as log_file:
             header = f"==== {self.name} start {self.incarnation} at {datetime.now().isoformat(timespec='seconds')}: {shlex.join(self.command)}\n"
             log_file.write(header.encode())
@@ -371,6 +377,7 @@ class ManagedProcess:
 
     def record(self) -> dict:
         return {"pid": self.pid, "start_ticks": self.start_ticks, "started": self.started_wall if self.proc else None,
+                "status_since": self.status_since if self.proc else None,
                 "incarnation": self.incarnation, "restarts": self.restarts}
 
 
@@ -473,7 +480,7 @@ class Supervisor:
                 if exit_code is None and self.restart_requested:
                     self._handle_restart_request()
                 self._write_launcher_json()
-                self.view.update(self.trainer.started_wall, self.trainer.proc is not None)
+                self.view.update(self.trainer.status_since, self.trainer.proc is not None)
                 if exit_code is None:
                     time.sleep(POLL_INTERVAL_S)
         finally:
@@ -579,7 +586,7 @@ class Supervisor:
     def _trainer_final_state(self) -> dict:
         """trainer.json, if this incarnation wrote it (under torchrun its pid is rank 0's, so compare times)."""
         status = read_json(self.run.trainer_status) or {}
-        if status.get("pid") == self.trainer.pid or float(status.get("updated") or 0) >= self.trainer.started_wall:
+        if status.get("pid") == self.trainer.pid or float(status.get("updated") or 0) >= self.trainer.status_since:
             return status
         return {}
 
@@ -639,14 +646,23 @@ class Supervisor:
         save_config(new_cfg, self.run.config)
         self.cfg = new_cfg
         log.info("restart-trainer: %s", ", ".join(overrides) if changed else "no config change")
-        if self.trainer.proc is not None:
-            log.info("stopping trainer pid %d (waiting up to %.0f s for its checkpoint)", self.trainer.pid, TRAINER_STOP_TIMEOUT_S)
-            self._stop_process(self.trainer, TRAINER_STOP_TIMEOUT_S)
-        restarts = self.trainer.restarts
+        old = self.trainer if self.trainer.proc is not None else None
+        if old is not None:
+            log.info("stopping trainer pid %d (waiting up to %.0f s for its checkpoint)", old.pid, TRAINER_STOP_TIMEOUT_S)
+            old.send(signal.SIGTERM)
         self.trainer = self._make_trainer()  # devices may have changed
-        self.trainer.restarts = restarts + 1 if self.trainer_started_once else restarts
+        self.trainer.restarts = old_restarts = (old or self.trainer).restarts
         if self.trainer_started_once:
+            self.trainer.restarts = old_restarts + 1
+            if old is not None:
+                # The successor starts now and imports while the old one finishes its step and checkpoint;
+                # it waits for the old process to be gone before it reads the checkpoint (trainer.train).
+                self.trainer.env = {**self.trainer.env, PREDECESSOR_ENV: f"{old.pid}:{old.start_ticks}"}
             self._start_trainer()
+        if old is not None:
+            self._await_exit(old, TRAINER_STOP_TIMEOUT_S)
+            self.trainer_checkpoint_at_start = self._checkpoint_step()  # the old one's final checkpoint counts as before
+            self.trainer.status_since = time.time()  # trainer.json was the old one's until now
         self._write_launcher_json()
         self._answer_restart(request_id, trainer_pid=self.trainer.pid, changed=changed)
 

@@ -158,7 +158,7 @@ def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
     assert metrics[-1]["step"] == 60 and all(f"ring/{p}/free" in metrics[-1] for p in (0, 1))
     rows = history(run_dir)
     assert rows and all("ring/0/ready" in row and "ring/1/leased" in row for row in rows), "wandb holds the ring series"
-    assert {"loss", "tau", "producer/0/tokens_per_s", "starved_fraction"} <= set(rows[-1])
+    assert {"train/loss", "train/tau", "producer/0/tokens_per_s", "train/starved_fraction"} <= set(rows[-1])
     lines = lineage(run)
     assert len(lines) == 60 and {p for line in lines for p, _, _ in line["samples"]} == {0, 1}
 

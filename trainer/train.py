@@ -29,6 +29,7 @@ import torch.distributed as dist
 from common import evals, faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
 from common.lifecycle import die_with_parent, exit_rank
+from common.naming import process_start_ticks
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from common.hf import text_config_of
 from trainer.checkpoint import CheckpointWriter, Snapshot
@@ -48,6 +49,8 @@ from trainer.target_head import load_target_head
 
 log = logging.getLogger("trainer")
 EXIT_CONFIG_ERROR = 2
+PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"
+"""Set by the launcher on restart-trainer: ``pid:start_ticks`` of the trainer this one replaces."""
 EVAL_RESULT_WAIT_S = 300.0  # how long a finished trainer waits for the evaluation of its last step
 
 
@@ -665,6 +668,26 @@ class _Window:
         return out
 
 
+def wait_for_predecessor() -> None:
+    """With ``DFLASH_TRAINER_AFTER=pid:start_ticks`` the launcher started this trainer while the one it
+    replaces (restart-trainer) still finishes its step and writes its final checkpoint: import what the
+    start needs meanwhile, then wait until that process is gone before touching the run (its status, its
+    checkpoint, the producers). A killed predecessor is gone too: this trainer then resumes from whatever
+    checkpoint is the latest, as after any crash."""
+    spec = os.environ.get(PREDECESSOR_ENV)
+    if not spec:
+        return
+    import safetensors.torch  # noqa: F401  the imports of the start, while the predecessor still works
+    import transformers  # noqa: F401
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
+    pid, start_ticks = (int(x) for x in spec.split(":"))
+    began = time.monotonic()
+    while process_start_ticks(pid) == start_ticks:
+        time.sleep(0.02)
+    log.info("the trainer this one replaces (pid %d) is gone; waited %.1f s for it", pid, time.monotonic() - began)
+
+
 def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
     root = RunDir(run_dir)
     die_with_parent()
@@ -686,6 +709,7 @@ def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
+        wait_for_predecessor()
         trainer = Trainer(cfg, root, coupled=coupled)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
