@@ -211,6 +211,8 @@ def test_evaluator_reports_the_replays_of_a_hybrid_target(tmp_path):
     report = evaluator.evaluate(drafter)
     assert report.replay_forwards > 0 and report.replayed_tokens >= report.replay_forwards
     assert "replays" in report.table() and report.metrics()["eval/replay_forwards"] == report.replay_forwards
+    # A producer evaluates between its batches with the very modules it captures with: nothing may stay hooked.
+    assert not any(layer._forward_hooks for layer in model.model.layers)
 
 
 def test_pipeline_trains_and_evaluates_a_drafter_for_a_saved_qwen35(short_tmp):

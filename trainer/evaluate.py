@@ -77,8 +77,8 @@ class GreedyTarget:
         # transformers 5 renamed the forward's past_key_values to cache.
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._outputs: dict[int, torch.Tensor] = {}
-        for k in {*self.layer_ids, *([self.last_layer] if capture_last else [])}:
-            layers[k].register_forward_hook(partial(self._keep_output, k))
+        self._layers = layers
+        self._hooks: list[Any] = []
         # Gated-DeltaNet layers: their cache holds a state, not one entry per token (see save_state).
         self.recurrent = any(hasattr(layer, "linear_attn") for layer in layers)
         self.cache = None
@@ -86,6 +86,21 @@ class GreedyTarget:
 
     def _keep_output(self, layer_id: int, _module: nn.Module, _args: Any, output: Any) -> None:
         self._outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+    def attach(self) -> None:
+        """Hook the captured layers (done by ``forward`` when needed)."""
+        if not self._hooks:
+            wanted = {*self.layer_ids, *([self.last_layer] if self.last_layer is not None else [])}
+            self._hooks = [self._layers[k].register_forward_hook(partial(self._keep_output, k)) for k in sorted(wanted)]
+
+    def detach(self) -> None:
+        """Remove the hooks and what they kept: a producer evaluating between batches captures with the same
+        modules (its compiled layers must see them as they were, and no feature may stay referenced)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks, self._outputs = [], {}
+        self.cache = None
+        self._saved_states = []
 
     def reset(self) -> None:
         """Empty the KV cache (a new prompt)."""
@@ -101,6 +116,7 @@ class GreedyTarget:
                 logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Tokens ``[L]`` at positions ``start ..`` through the cache: (the target's greedy next token after
         each ``[L]``, or None without ``logits``; the drafter's features ``[L, n * H]``)."""
+        self.attach()
         positions = torch.arange(start, start + token_ids.shape[0], device=self.device)[None]
         # In its own dtype as the producers run it, whatever autocast the drafter runs under; logits_to_keep=1
         # skips the vocabulary-wide head where no token is needed (a long prefill).
@@ -418,6 +434,7 @@ class Evaluator:
                            for d in self.documents]
                 sim_tau, sim_acc = simulated_acceptance(drafter, self.target, self.documents, self.num_anchors)
         finally:
+            self.target.detach()
             drafter.train(was_training)
             torch.set_num_threads(threads)
         accepted = torch.tensor([n for d in decoded for n in d.accepted], dtype=torch.float64)
