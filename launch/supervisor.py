@@ -148,11 +148,17 @@ def changed_keys(old: RunConfig, new: RunConfig) -> list[str]:
     ]
 
 
-def refused_trainer_changes(changed: list[str]) -> list[str]:
+def refused_trainer_changes(changed: list[str], old: RunConfig | None = None, new: RunConfig | None = None) -> list[str]:
     """Messages for the changed keys that restart-trainer must refuse (the producers depend on them)."""
     refusals = []
     for key in changed:
-        if key in PRODUCER_READ_KEYS:
+        if (key == "training.max_steps" and new is not None and old is not None and new.training.max_steps == 0
+                and old.training.max_steps != 0):
+            # A trainer sized by epochs reads each producer's epoch batch count, which producers write only
+            # when they themselves started with max_steps 0: it would wait for counts that never come.
+            refusals.append("training.max_steps=0 (size the run by training.epochs) needs the producers started with "
+                            f"max_steps 0, and they run with {old.training.max_steps}")
+        elif key in PRODUCER_READ_KEYS:
             refusals.append(f"{key} cannot change while the producers run ({PRODUCER_READ_KEYS[key]})")
         elif not key.startswith(TRAINER_ONLY_KEYS):
             refusals.append(f"{key} cannot change while the producers run (they were started with the old value)")
@@ -390,6 +396,8 @@ class Supervisor:
     def __init__(self, run: RunDir, cfg: RunConfig, has_cuda: Callable[[], bool] = detect_cuda) -> None:
         self.run = run
         self.cfg = cfg
+        self.producers_cfg = cfg
+        """The config the producers were started with (restart-trainer may change only the trainer's)."""
         self.has_cuda = functools.cache(has_cuda)  # asked at most once: detection imports torch (seconds)
         self.mps = MpsDaemon(run.root, run.logs) if cfg.launch.mps else None
         self.producers = [
@@ -639,7 +647,7 @@ class Supervisor:
             self._answer_restart(request_id, error=str(exc))
             return
         changed = changed_keys(self.cfg, new_cfg)
-        refusals = refused_trainer_changes(changed)
+        refusals = refused_trainer_changes(changed, self.producers_cfg, new_cfg)
         if refusals:
             self._answer_restart(request_id, error="; ".join(refusals) + ". Stop the run and resume it with the new value instead.")
             return

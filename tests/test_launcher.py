@@ -230,6 +230,28 @@ def test_restart_trainer_refuses_keys_the_producers_depend_on(short_tmp, overrid
         pipe.stop_and_check_clean()
 
 
+def test_restart_trainer_refuses_max_steps_0_unless_the_producers_count_epochs(short_tmp):
+    """Producers write their epoch batch counts only when they started with training.max_steps 0; a trainer
+    sized by epochs would wait for counts that never come (and crash-loop). Refused, naming the key; a run
+    whose producers started with max_steps 0 may come back to it."""
+    pipe = Pipeline(short_tmp).start("training.max_steps=100000")
+    try:
+        trainer = pipe.wait_training()
+        result = pipe.cli("restart-trainer", "training.max_steps=0")
+        assert result.returncode == 2 and "training.max_steps=0" in result.stderr, result.stderr
+        assert pipe.trainer_pid() == trainer
+    finally:
+        pipe.stop_and_check_clean()
+    counted = Pipeline(short_tmp, "run2").start("training.max_steps=0")
+    try:
+        counted.wait_training()
+        assert counted.cli("restart-trainer", "training.max_steps=100000").returncode == 0
+        counted.wait_training()
+        assert counted.cli("restart-trainer", "training.max_steps=0").returncode == 0
+    finally:
+        counted.stop_and_check_clean()
+
+
 def test_restart_trainer_refuses_invalid_value_naming_the_key(pipeline):
     pipeline.start()
     trainer = pipeline.wait_training()
