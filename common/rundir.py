@@ -164,6 +164,16 @@ class RunDir:
     def trainer_status(self) -> Path:
         return self.root / "trainer.json"
 
+    def standby_go(self, pid: int) -> Path:
+        """The launcher's word to a trainer started ahead (``trainer.train --standby``) that it takes over."""
+        return self.root / "control" / f"standby-{pid}.json"
+
+    @property
+    def trainer_handover(self) -> Path:
+        """Written by a single-process trainer once its final checkpoint, leases, status and wandb are done:
+        its successor need not wait for the interpreter's teardown."""
+        return self.root / "control" / "trainer-handover.json"
+
     def producer_status(self, producer_id: int) -> Path:
         return self.root / "producers" / f"p{producer_id}.json"
 

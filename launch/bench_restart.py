@@ -4,7 +4,8 @@ starting the whole pipeline (targets reloaded), on the same run.
     python -m launch.bench_restart             # Qwen3-8B-shaped target and draft, one GPU
     python -m launch.bench_restart --tiny      # the tiny CPU default (smoke run)
 
-Sequence: start the pipeline and wait for training to run; ``restart-trainer`` with a changed
+Sequence: start the pipeline and wait for training to run and for the launcher's standby trainer (as
+in a run that has trained a while); ``restart-trainer`` with a changed
 learning rate and time until the new trainer's first step; ``stop`` and a fresh ``run_all.sh`` on
 the same run directory (it resumes) and time until its first step. The trainer writes trainer.json
 every step here (logging.log_every=1), so steps are seen within the launcher's poll.
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--warm-steps", type=int, default=5, help="steps before the restart (compilation done)")
+    parser.add_argument("--standby-s", type=float, default=8.0,
+                        help="seconds given to the standby trainer's imports before the restart (a run that trained a while)")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="df-restart-", dir="/tmp"))
     run_dir = tmp / "run"
@@ -112,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         results["cold_first_step_s"] = t - started
         wait_for(lambda: trainer(run).get("step", 0) >= args.warm_steps, args.timeout, "warm steps")
         producer_pids = {s["id"]: s["pid"] for s in run.producer_statuses()}
+        # Steady state: the launcher keeps a standby trainer (imported, waiting) once a trainer trains. Give
+        # it its imports' time, as a run that has trained a while has (a single-process trainer only).
+        standby = wait_for(lambda: (read_json(run_dir / "launcher.json") or {}).get("standby_trainer"), args.timeout,
+                           "the standby trainer")
+        time.sleep(args.standby_s)
+        results["standby_trainer"] = bool(standby)
 
         # 1. restart-trainer: producers and their rings stay; only the trainer is replaced.
         t0 = time.monotonic()

@@ -407,6 +407,8 @@ class Supervisor:
             for i, device in enumerate(producer_devices(cfg, self.has_cuda))
         ]
         self.trainer = self._make_trainer()
+        self.spare: ManagedProcess | None = None
+        """A trainer started ahead (``--standby``): imported and waiting, it takes over at restart-trainer."""
         self.trainer_started_once = False
         self.trainer_checkpoint_at_start = -1
         """The latest checkpoint's step when the current trainer started (a crash after a newer one is progress)."""
@@ -488,6 +490,7 @@ class Supervisor:
                 if exit_code is None and self.restart_requested:
                     self._handle_restart_request()
                 self._write_launcher_json()
+                self._maybe_start_spare()
                 self.view.update(self.trainer.status_since, self.trainer.proc is not None)
                 if exit_code is None:
                     time.sleep(POLL_INTERVAL_S)
@@ -585,6 +588,27 @@ class Supervisor:
         step = pointer.get("step")
         return step if isinstance(step, int) else -1
 
+    def _maybe_start_spare(self) -> None:
+        """Start a trainer ahead of need (``trainer.train --standby``) once the current one trains (so that
+        its imports do not slow that one's start): a restart-trainer then costs no imports. Only for a
+        single-process trainer of the real program (a torchrun group's successor starts as before)."""
+        if self.spare is not None and self.spare.poll() is not None:
+            log.warning("the standby trainer pid %d exited (%s); another is started later", self.spare.pid,
+                        describe_exit(self.spare.poll()))
+            self.spare.clear()
+            self.spare = None
+        if (self.spare is not None or self.trainer.proc is None or len(self.trainer.devices) > 1
+                or os.environ.get(TRAINER_CMD_ENV, "").strip()):
+            return
+        status = self._trainer_final_state()  # this trainer's own status: it has trained, so its start is over
+        if not status.get("step") or status.get("state") != "training":
+            return
+        spare = self._make_trainer()
+        spare.command = [*spare.command, "--standby"]
+        spare.start()
+        self.spare = spare
+        log.info("started a standby trainer pid %d (it takes over at the next restart-trainer)", spare.pid)
+
     def _start_trainer(self) -> None:
         self.trainer_checkpoint_at_start = self._checkpoint_step()
         self.trainer.start()
@@ -658,15 +682,31 @@ class Supervisor:
         if old is not None:
             log.info("stopping trainer pid %d (waiting up to %.0f s for its checkpoint)", old.pid, TRAINER_STOP_TIMEOUT_S)
             old.send(signal.SIGTERM)
-        self.trainer = self._make_trainer()  # devices may have changed
-        self.trainer.restarts = old_restarts = (old or self.trainer).restarts
+        successor = self._make_trainer()  # devices may have changed
+        successor.restarts = old_restarts = (old or self.trainer).restarts
         if self.trainer_started_once:
-            self.trainer.restarts = old_restarts + 1
-            if old is not None:
-                # The successor starts now and imports while the old one finishes its step and checkpoint;
-                # it waits for the old process to be gone before it reads the checkpoint (trainer.train).
-                self.trainer.env = {**self.trainer.env, PREDECESSOR_ENV: f"{old.pid}:{old.start_ticks}"}
-            self._start_trainer()
+            successor.restarts = old_restarts + 1
+            # The successor waits for the old one's handover (its checkpoint, leases and status done) before
+            # it reads the checkpoint (trainer.train.wait_for_predecessor); meanwhile it imports, or it did
+            # already, as the spare started ahead.
+            predecessor = f"{old.pid}:{old.start_ticks}" if old is not None else None
+            spare, self.spare = self.spare, None
+            if spare is not None and spare.proc is not None and spare.poll() is None and spare.devices == successor.devices:
+                write_json_atomic(self.run.standby_go(spare.pid), {"predecessor": predecessor})
+                spare.command = successor.command  # a crash restart of it is an ordinary trainer start
+                spare.restarts = successor.restarts
+                self.trainer = spare
+                self.trainer_checkpoint_at_start = self._checkpoint_step()
+                log.info("trainer pid %d, started ahead, takes over", spare.pid)
+            else:
+                if spare is not None:
+                    self._stop_process(spare, 10.0)
+                if predecessor:
+                    successor.env = {**successor.env, PREDECESSOR_ENV: predecessor}
+                self.trainer = successor
+                self._start_trainer()
+        else:
+            self.trainer = successor
         if old is not None:
             self._await_exit(old, TRAINER_STOP_TIMEOUT_S)
             self.trainer_checkpoint_at_start = self._checkpoint_step()  # the old one's final checkpoint counts as before
@@ -707,6 +747,9 @@ class Supervisor:
         """Trainer first (so it checkpoints while the producers still answer), then all producers at once."""
         self.state = "stopping"
         self._write_launcher_json()
+        if self.spare is not None and self.spare.proc is not None:
+            self._stop_process(self.spare, 10.0)
+            self.spare = None
         if self.trainer.proc is not None:
             log.info("stopping trainer pid %d (waiting up to %.0f s for its checkpoint)", self.trainer.pid, TRAINER_STOP_TIMEOUT_S)
             self._stop_process(self.trainer, TRAINER_STOP_TIMEOUT_S)
@@ -730,6 +773,7 @@ class Supervisor:
                 for i, p in enumerate(self.producers)
             ],
             "trainer": {"devices": self.trainer.devices, **self.trainer.record()},
+            "standby_trainer": self.spare.record() if self.spare is not None and self.spare.proc is not None else None,
         }
         if record != self._last_record:
             self._last_record = record
@@ -769,8 +813,8 @@ def _refuse_if_running(run: RunDir) -> None:
 
 def _children(record: dict) -> list[dict]:
     """Child records of launcher.json, trainer first (the order they are stopped in)."""
-    trainer = record.get("trainer")
-    return ([trainer] if isinstance(trainer, dict) else []) + [p for p in record.get("producers") or [] if isinstance(p, dict)]
+    trainers = [record.get(key) for key in ("trainer", "standby_trainer")]
+    return [t for t in trainers if isinstance(t, dict)] + [p for p in record.get("producers") or [] if isinstance(p, dict)]
 
 
 def run_supervisor(run_dir: Path | None, config_file: Path | None, overrides: list[str],

@@ -618,6 +618,10 @@ class Trainer:
             self.wandb.finish()
         if self.world_size > 1:
             dist.destroy_process_group()
+        else:  # nothing of the run is touched after this (a torchrun group's successor waits for its exit instead)
+            faults.point("trainer.handover")
+            atomic_write_json(self.run_dir.trainer_handover, {"pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid()),
+                                                              "step": self.step, "time": time.time()})
 
 
 def wandb_key(key: str) -> str:
@@ -668,10 +672,11 @@ class _Window:
         return out
 
 
-def wait_for_predecessor() -> None:
+def wait_for_predecessor(run_dir: RunDir) -> None:
     """With ``DFLASH_TRAINER_AFTER=pid:start_ticks`` the launcher started this trainer while the one it
     replaces (restart-trainer) still finishes its step and writes its final checkpoint: import what the
-    start needs meanwhile, then wait until that process is gone before touching the run (its status, its
+    start needs meanwhile, then wait until that process is gone, or has written its handover (everything
+    of the run done, only the interpreter's teardown left), before touching the run (its status, its
     checkpoint, the producers). A killed predecessor is gone too: this trainer then resumes from whatever
     checkpoint is the latest, as after any crash."""
     spec = os.environ.get(PREDECESSOR_ENV)
@@ -684,8 +689,12 @@ def wait_for_predecessor() -> None:
     pid, start_ticks = (int(x) for x in spec.split(":"))
     began = time.monotonic()
     while process_start_ticks(pid) == start_ticks:
+        handover = read_json(run_dir.trainer_handover) or {}
+        if handover.get("pid") == pid and handover.get("start_ticks") == start_ticks:
+            break
         time.sleep(0.02)
-    log.info("the trainer this one replaces (pid %d) is gone; waited %.1f s for it", pid, time.monotonic() - began)
+    log.info("the trainer this one replaces (pid %d) is done; waited %.1f s for it", pid, time.monotonic() - began)
+    faults.point("trainer.resume")
 
 
 def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
@@ -709,7 +718,7 @@ def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        wait_for_predecessor()
+        wait_for_predecessor(root)
         trainer = Trainer(cfg, root, coupled=coupled)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
@@ -733,9 +742,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--coupled", action="store_true",
                         help="benchmark baseline: run the target in this process before each step (trainer/coupled.py)")
+    parser.add_argument("--standby", action="store_true",
+                        help="started ahead by the launcher: import, then wait until told to take over (restart-trainer)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer-r{os.environ.get('RANK', 0)} %(levelname)s %(message)s")
+    if args.standby:
+        die_with_parent()
+        wait_for_takeover(RunDir(args.run_dir))
     return run_trainer(args.run_dir, coupled=args.coupled)
+
+
+def wait_for_takeover(run_dir: RunDir) -> None:
+    """A trainer started ahead of need: import what a start needs, then wait for the launcher's word
+    (``control/standby-<pid>.json``, naming the trainer it replaces) before reading anything of the run."""
+    import safetensors.torch  # noqa: F401
+    import transformers  # noqa: F401
+    import wandb  # noqa: F401
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
+    import trainer.evaluate  # noqa: F401
+    import trainer.target_head  # noqa: F401
+
+    go = run_dir.standby_go(os.getpid())
+    while (order := read_json(go)) is None:
+        time.sleep(0.02)
+    go.unlink(missing_ok=True)
+    if order.get("predecessor"):
+        os.environ[PREDECESSOR_ENV] = order["predecessor"]
+    log.info("taking over as the run's trainer")
+    faults.point("trainer.takeover")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""restart-trainer in seconds: a standby trainer takes over, and kill -9 at any point of the handover loses
+nothing and trains nothing twice (fault points and the ledger audit, real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections import Counter
+
+from common.faults import LOG_ENV, PLAN_ENV
+from common.rundir import RunDir, read_json
+from tests.peers import wait_for
+from tests.test_pipeline import ROOT, SMALL, lineage, run_all, stop_and_finish, trainer_step
+
+# Before the handover (the old trainer, its checkpoint done), at the takeover (the standby, told to take over)
+# and after it (the successor, before it reads the checkpoint). A kill during the checkpoint write is
+# tests/test_faults.py's.
+PLAN = ["trainer.handover", "trainer.takeover", "trainer.resume"]
+
+
+def standby(run: RunDir) -> dict | None:
+    return (read_json(run.root / "launcher.json") or {}).get("standby_trainer")
+
+
+def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_twice(short_tmp):
+    run_dir = short_tmp / "run"
+    fault_log = short_tmp / "faults.jsonl"
+    env = {**os.environ, PLAN_ENV: ",".join(f"{point}:1" for point in PLAN), LOG_ENV: str(fault_log)}
+    with open(run_dir.parent / "launcher.out", "w") as out:
+        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
+                                     "training.max_steps=100000", "training.checkpoint_every=4", "eval.every_steps=0"],
+                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    run = RunDir(run_dir)
+    fired = lambda: len(fault_log.read_text().splitlines()) if fault_log.exists() else 0  # noqa: E731
+    taken_over = 0
+    for index in range(len(PLAN)):
+        # Each round: a trainer that trains, with a standby beside it, is replaced; one fault fires in it.
+        wait_for(lambda: standby(run) is not None and trainer_step(run) > 0 and
+                 (read_json(run.trainer_status) or {}).get("state") == "training", f"a standby (round {index})", 120)
+        step_before = trainer_step(run)
+        answer = run_all("restart-trainer", "--run-dir", str(run_dir), f"training.lr={1e-3 / (index + 2)}")
+        assert answer.returncode == 0, answer.stdout + answer.stderr
+        wait_for(lambda: fired() > index, f"fault {PLAN[index]} to fire", 120)
+        wait_for(lambda: trainer_step(run) > step_before + 2, f"training to go on after {PLAN[index]}", 180)
+        taken_over += "takes over" in (run_dir / "logs" / "launcher.log").read_text()
+    stop_and_finish(launcher, run_dir)
+    assert taken_over, "a standby trainer took over"
+    triples = Counter(tuple(t) for line in lineage(run) for t in line["samples"])
+    assert triples and not [t for t, n in triples.items() if n > 1], "nothing trained twice"
+    steps = [line["step"] for line in lineage(run)]
+    assert steps == list(range(1, len(steps) + 1)), "every step in the lineage once, none missing"
+    assert [json.loads(line)["point"] for line in fault_log.read_text().splitlines()] == PLAN
+
+
+def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
+    """The standby takes over; the producers stay; the new trainer resumes from the old one's last step."""
+    run_dir = short_tmp / "run"
+    with open(run_dir.parent / "launcher.out", "w") as out:
+        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
+                                     "training.max_steps=100000", "eval.every_steps=0", "logging.log_every=1"],
+                                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    run = RunDir(run_dir)
+    wait_for(lambda: standby(run) is not None and trainer_step(run) > 2, "a standby trainer", 120)
+    spare = standby(run)["pid"]
+    time.sleep(6)  # its imports
+    producers = [s["pid"] for s in run.producer_statuses()]
+    began = time.monotonic()
+    answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4")
+    assert answer.returncode == 0, answer.stderr
+    old_step = read_json(run.latest_checkpoint() / "trainer_state.json")["step"]
+    wait_for(lambda: (read_json(run.trainer_status) or {}).get("pid") == spare and trainer_step(run) > old_step,
+             "the standby's first step", 60)
+    seconds = time.monotonic() - began
+    assert f"trainer pid {spare}, started ahead, takes over" in (run_dir / "logs" / "launcher.log").read_text()
+    assert [s["pid"] for s in run.producer_statuses()] == producers
+    assert seconds < 15, seconds
+    stop_and_finish(launcher, run_dir)
