@@ -366,6 +366,9 @@ class LaunchConfig:
     """First wait before restarting a crashed process; doubles per crash, reset after a minute up."""
     max_restarts: int = 10
     """Restarts of one process before the launcher gives up on the run."""
+    standby_trainer_after_s: float = 30.0
+    """Seconds a single-process trainer trains before the launcher starts a standby trainer beside it (imported
+    and waiting, it makes restart-trainer take seconds); negative: never."""
     ready_timeout_s: float = 600.0
     """How long the launcher waits for a producer to load its target and report ready."""
     mps: bool = False

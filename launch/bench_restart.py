@@ -34,7 +34,7 @@ QWEN3_8B = {
 
 def overrides_for(tiny: bool, run_dir: Path) -> list[str]:
     common = ["training.max_steps=1000000", "training.checkpoint_every=1000000", "logging.log_every=1",
-              "logging.progress=false", "launch.restart_backoff_s=0.5"]
+              "logging.progress=false", "launch.restart_backoff_s=0.5", "launch.standby_trainer_after_s=0"]
     if tiny:
         return common
     config_json = run_dir.parent / "qwen3-8b.json"

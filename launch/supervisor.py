@@ -82,7 +82,7 @@ MAX_IPC_PATH = 100
 # Keys restart-trainer may change: the producers never read them. Everything else (target, data,
 # batching, drafter, ring, launch.num_producers/producer_devices) shapes what producers ship.
 TRAINER_ONLY_KEYS = ("training.", "logging.", "eval.", "launch.trainer_devices", "launch.restart_backoff_s",
-                     "launch.max_restarts", "launch.ready_timeout_s")
+                     "launch.max_restarts", "launch.ready_timeout_s", "launch.standby_trainer_after_s")
 # Keys inside those sections that the producers do read.
 PRODUCER_READ_KEYS = {"training.label_mode": "producers ship the target's last hidden state only for target_* labels"}
 
@@ -589,16 +589,18 @@ class Supervisor:
         return step if isinstance(step, int) else -1
 
     def _maybe_start_spare(self) -> None:
-        """Start a trainer ahead of need (``trainer.train --standby``) once the current one trains (so that
-        its imports do not slow that one's start): a restart-trainer then costs no imports. Only for a
-        single-process trainer of the real program (a torchrun group's successor starts as before)."""
+        """Start a trainer ahead of need (``trainer.train --standby``) once the current one has trained for
+        ``launch.standby_trainer_after_s`` (so that its imports slow neither that one's start nor a short
+        run): a restart-trainer then costs no imports. Only for a single-process trainer of the real program
+        (a torchrun group's successor starts as before)."""
         if self.spare is not None and self.spare.poll() is not None:
             log.warning("the standby trainer pid %d exited (%s); another is started later", self.spare.pid,
                         describe_exit(self.spare.poll()))
             self.spare.clear()
             self.spare = None
-        if (self.spare is not None or self.trainer.proc is None or len(self.trainer.devices) > 1
-                or os.environ.get(TRAINER_CMD_ENV, "").strip()):
+        after = self.cfg.launch.standby_trainer_after_s
+        if (self.spare is not None or self.trainer.proc is None or len(self.trainer.devices) > 1 or after < 0
+                or self.trainer.uptime_s < after or os.environ.get(TRAINER_CMD_ENV, "").strip()):
             return
         status = self._trainer_final_state()  # this trainer's own status: it has trained, so its start is over
         if not status.get("step") or status.get("state") != "training":

@@ -30,7 +30,8 @@ def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_t
     env = {**os.environ, PLAN_ENV: ",".join(f"{point}:1" for point in PLAN), LOG_ENV: str(fault_log)}
     with open(run_dir.parent / "launcher.out", "w") as out:
         launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
-                                     "training.max_steps=100000", "training.checkpoint_every=4", "eval.every_steps=0"],
+                                     "training.max_steps=100000", "training.checkpoint_every=4", "eval.every_steps=0",
+                                     "launch.standby_trainer_after_s=0"],
                                     cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     run = RunDir(run_dir)
     fired = lambda: len(fault_log.read_text().splitlines()) if fault_log.exists() else 0  # noqa: E731
@@ -59,7 +60,8 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     run_dir = short_tmp / "run"
     with open(run_dir.parent / "launcher.out", "w") as out:
         launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
-                                     "training.max_steps=100000", "eval.every_steps=0", "logging.log_every=1"],
+                                     "training.max_steps=100000", "eval.every_steps=0", "logging.log_every=1",
+                                     "launch.standby_trainer_after_s=0"],
                                     cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     run = RunDir(run_dir)
     wait_for(lambda: standby(run) is not None and trainer_step(run) > 2, "a standby trainer", 120)
