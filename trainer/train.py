@@ -672,6 +672,17 @@ class _Window:
         return out
 
 
+def import_what_a_start_needs() -> None:
+    """The slow imports of a trainer's start, done ahead (by a successor or a standby trainer)."""
+    import safetensors.torch  # noqa: F401
+    import transformers  # noqa: F401
+    import wandb  # noqa: F401
+    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
+
+    import trainer.evaluate  # noqa: F401
+    import trainer.target_head  # noqa: F401
+
+
 def wait_for_predecessor(run_dir: RunDir) -> None:
     """With ``DFLASH_TRAINER_AFTER=pid:start_ticks`` the launcher started this trainer while the one it
     replaces (restart-trainer) still finishes its step and writes its final checkpoint: import what the
@@ -682,10 +693,7 @@ def wait_for_predecessor(run_dir: RunDir) -> None:
     spec = os.environ.get(PREDECESSOR_ENV)
     if not spec:
         return
-    import safetensors.torch  # noqa: F401  the imports of the start, while the predecessor still works
-    import transformers  # noqa: F401
-    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
-
+    import_what_a_start_needs()  # while the predecessor still works
     pid, start_ticks = (int(x) for x in spec.split(":"))
     began = time.monotonic()
     while process_start_ticks(pid) == start_ticks:
@@ -755,14 +763,7 @@ def main(argv: list[str] | None = None) -> int:
 def wait_for_takeover(run_dir: RunDir) -> None:
     """A trainer started ahead of need: import what a start needs, then wait for the launcher's word
     (``control/standby-<pid>.json``, naming the trainer it replaces) before reading anything of the run."""
-    import safetensors.torch  # noqa: F401
-    import transformers  # noqa: F401
-    import wandb  # noqa: F401
-    from transformers import AutoConfig, AutoTokenizer  # noqa: F401
-
-    import trainer.evaluate  # noqa: F401
-    import trainer.target_head  # noqa: F401
-
+    import_what_a_start_needs()
     go = run_dir.standby_go(os.getpid())
     while (order := read_json(go)) is None:
         time.sleep(0.02)
