@@ -208,7 +208,8 @@ def test_metrics_reach_wandb_by_section_and_the_status_is_a_table(short_tmp):
                  'logging.wandb_mode="offline"'), run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if "loss" in m]
-    assert all("data/0/mean_batch_docs" in m and "data/0/mean_batch_tokens" in m for m in trained)
+    # The first lines may come before a producer's first heartbeat with its batching figures.
+    assert "data/0/mean_batch_docs" in trained[-1] and "data/0/mean_batch_tokens" in trained[-1]
     rows = history(run_dir)
     keys = set().union(*(row.keys() for row in rows))
     assert {"train/loss", "train/tau", "train/lr", "data/0/mean_batch_docs", "ring/0/ready", "eval/tau"} <= keys
