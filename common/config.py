@@ -291,8 +291,9 @@ class TrainingConfig:
     async_checkpoint: bool = True
     """Write checkpoints in the background: training stands still only while the state is copied to
     host memory (page-locked buffers as large as the weights and optimizer state, kept between
-    checkpoints). The last checkpoint, and the one on a stop, are always waited for. Off: every
-    checkpoint is written before the next step."""
+    checkpoints). The last checkpoint, and the one on a stop, are always waited for. The drafter
+    exported for an evaluation is written the same way. Off: every checkpoint and export is written
+    before the next step."""
     seed: int = 0
     """Seed of the drafter's initialisation and of anchor sampling."""
     device: str = "auto"

@@ -27,6 +27,12 @@ Runs (placement as producers -> trainer ranks):
   *-stalls       shared-2 / coupled-2 with the stalls of real training: a checkpoint and a
                  --pause-s evaluation stand-in every --stall-every steps; shared-2 keeps
                  ring.headroom_slots free for them
+  *-evals        shared-1 / coupled-1 (issue 18) with a checkpoint and a real acceptance evaluation of
+                 --eval-prompts prompts every --eval-every steps: the decoupled trainer asks producer 0,
+                 which decodes between two of its batches while its ring (--eval-slots deep) feeds the
+                 trainer; the coupled baseline evaluates in its loop on its own target. Besides the whole
+                 cycles' rate: the trainer's own step rate (steps per second it did not wait for data) in
+                 its metrics windows during the evaluations and between them
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from launch.bench_restart import QWEN3_8B, wait_for
 from launch.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
+EVAL_LOG_EVERY = 5  # steps per metrics window of the *-evals runs: fine enough to tell windows during an evaluation
 PLACEMENTS = {  # name: (producer devices, trainer devices, coupled)
     "shared-1": (["cuda:0"], ["cuda:0"], False),
     "coupled-1": ([], ["cuda:0"], True),
@@ -59,6 +66,8 @@ PLACEMENTS = {  # name: (producer devices, trainer devices, coupled)
     "stall": (["cuda:0"], ["cuda:1"], False),
     "shared-2-stalls": (["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"], False),
     "coupled-2-stalls": ([], ["cuda:0", "cuda:1"], True),
+    "shared-1-evals": (["cuda:0"], ["cuda:0"], False),
+    "coupled-1-evals": ([], ["cuda:0"], True),
 }
 TINY_PLACEMENTS = {name: (["cpu"] * len(p), ["cpu"] * min(1, len(t)), c) for name, (p, t, c) in PLACEMENTS.items()}
 
@@ -90,6 +99,10 @@ def run_overrides(name: str, args: argparse.Namespace) -> list[str]:
         if not name.startswith("coupled"):
             stalls += [f"ring.num_slots={args.stall_slots}", f"ring.headroom_slots={args.stall_slots - args.slots}"]
         return stalls
+    if name.endswith("-evals"):
+        cadence = [f"training.checkpoint_every={args.eval_every}", f"eval.every_steps={args.eval_every}",
+                   f"eval.num_prompts={args.eval_prompts}", f"logging.log_every={EVAL_LOG_EVERY}"]
+        return cadence + ([] if name.startswith("coupled") else [f"ring.num_slots={args.eval_slots}"])
     return []
 
 
@@ -207,7 +220,7 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
 
         wait_for(warm, args.timeout, f"{name}: {args.warm_steps} warm steps")
         result["first_step_after_s"] = ledger_rows(run)[0]["time"] - started
-        if name == "stall" or name.endswith("-stalls"):
+        if name == "stall" or name.endswith("-stalls") or name.endswith("-evals"):
             result.update(measure_stalls(name, args, run, sampler))
         else:
             t0 = time.time()
@@ -283,9 +296,52 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
     wait_for(lambda: checkpoint_step() >= first + args.cycles * args.stall_every, args.timeout * args.cycles, "whole cycles")
     t1 = time.time()
     rows = ledger_rows(run)
-    return {"samples_per_s": samples_between(rows, t0, t1) / (t1 - t0), "window_s": t1 - t0,
-            "producer_samples_per_s": published_rate(sampler.rows, t0, t1),
-            "net_samples_per_s": net_rate(rows, sampler.rows, t0, t1)}
+    measured = {"samples_per_s": samples_between(rows, t0, t1) / (t1 - t0), "window_s": t1 - t0,
+                "producer_samples_per_s": published_rate(sampler.rows, t0, t1),
+                "net_samples_per_s": net_rate(rows, sampler.rows, t0, t1)}
+    if name.endswith("-evals"):
+        measured.update(evaluation_rates(run, t0, t1))
+    return measured
+
+
+def evaluation_spans(run: RunDir) -> list[tuple[float, float]]:
+    """(start, end) of every evaluation that came back: a producer's from its claim to its result, the coupled
+    loop's from its eval line in metrics.jsonl (written at the end, with its duration)."""
+    spans = []
+    for here in sorted((run.root / "evals").glob("step-*")):
+        claim, result = read_json(here / "claim.json"), read_json(here / "result.json")
+        if claim and result and not result.get("lost"):
+            spans.append((claim["claimed"], result["finished"]))
+    if not spans and run.metrics.is_file():
+        for line in run.metrics.read_text().splitlines():
+            record = json.loads(line)
+            if "eval/seconds" in record:
+                spans.append((record["time"] - record["eval/seconds"], record["time"]))
+    return spans
+
+
+def evaluation_rates(run: RunDir, t0: float, t1: float) -> dict:
+    """The trainer's own step rate in the metrics windows of [t0, t1] that lie mostly inside an evaluation and
+    in those that touch none. Own rate: steps per second of the window less the time it waited for data (a
+    drained ring is the pipeline's rate, measured by samples_per_s; a slower step is a stall of the trainer)."""
+    spans = evaluation_spans(run)
+    during, between = [], []
+    for line in run.metrics.read_text().splitlines() if run.metrics.is_file() else []:
+        w = json.loads(line)
+        if "steps_per_s" not in w or not t0 <= w["time"] <= t1 or w["steps_per_s"] <= 0:
+            continue
+        start, end = w["time"] - EVAL_LOG_EVERY / w["steps_per_s"], w["time"]
+        inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans) / (end - start)
+        own = w["steps_per_s"] / max(1e-9, 1.0 - w["starved_fraction"])
+        if inside >= 0.5:
+            during.append(own)
+        elif inside == 0.0:
+            between.append(own)
+    inside_window = [b - a for a, b in spans if t0 <= a <= t1]
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    return {"evaluations": len(inside_window), "evaluation_s": mean(inside_window),
+            "own_steps_per_s_during_evals": mean(during), "own_steps_per_s_between_evals": mean(between),
+            "windows_during_evals": len(during), "windows_between_evals": len(between)}
 
 
 def backlog_at(timeline: list[dict], t: float) -> int:
@@ -367,6 +423,12 @@ def print_table(results: list[dict], stages: dict) -> None:
               f"{rate:>11.2f}{net:>8.2f}{(best or float('nan')):>8.2f}{(net / best if best else float('nan')):>10.1%}"
               f"{r.get('producer_samples_per_s', float('nan')):>12.2f}")
     for r in results:
+        if r["run"].endswith("-evals"):
+            during, between = r.get("own_steps_per_s_during_evals"), r.get("own_steps_per_s_between_evals")
+            print(f"{r['run']}: {r.get('evaluations')} evaluations of {r.get('evaluation_s') or 0:.1f} s in the window; "
+                  f"trainer's own steps/s during them {during if during is None else round(during, 3)}, "
+                  f"between them {between if between is None else round(between, 3)}"
+                  + (f" ({during / between - 1:+.1%})" if during and between else ""))
         if r["run"] == "stall":
             print(f"stall test: trainer paused {r['stall_s']:.1f} s; producer {r['producer_before_samples_per_s']:.2f} samples/s "
                   f"before, {r['producer_during_samples_per_s']:.2f} during, {r['producer_after_samples_per_s']:.2f} after; "
@@ -431,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-every", type=int, default=60, help="*-stalls: checkpoint and pause every N steps")
     parser.add_argument("--pause-s", type=float, default=10.0, help="*-stalls: the evaluation stand-in")
     parser.add_argument("--cycles", type=int, default=2, help="*-stalls: checkpoint cycles measured")
+    parser.add_argument("--eval-every", type=int, default=40, help="*-evals: checkpoint and evaluate every N steps")
+    parser.add_argument("--eval-prompts", type=int, default=16, help="*-evals: prompts per evaluation")
+    parser.add_argument("--eval-slots", type=int, default=128,
+                        help="*-evals: ring slots of the decoupled run (its backlog feeds the trainer while producer 0 evaluates)")
     parser.add_argument("--timeout", type=float, default=400.0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run, e.g. launch.mps=true (repeatable)")

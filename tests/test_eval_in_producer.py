@@ -61,3 +61,39 @@ def test_a_producer_killed_during_an_evaluation_loses_the_evaluation_never_data(
     assert 8 not in steps and 32 in steps
     assert "producer-0 crashed" in (run_dir.parent / "launcher.out").read_text()
     assert_nothing_trained_twice(run)
+
+
+def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_copy(tmp_path):
+    """Training changes the weights right after the request: the export holds the step's weights all the same,
+    the request comes only once the export is whole, and an export that cannot be written is a lost evaluation."""
+    import torch
+
+    from common import evals
+    from tests.drafter_fixtures import random_head, tiny_config
+    from trainer.checkpoint import EvalExportWriter
+    from trainer.export import load_drafter
+    from trainer.loss import LossConfig
+    from trainer.model import DFlashDrafter
+
+    run = RunDir(tmp_path / "run")
+    config = tiny_config()
+    drafter = DFlashDrafter(config, random_head(config), LossConfig())
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    writer = EvalExportWriter(run)
+    export = evals.folder(run, 8) / "drafter"
+    writer.export(drafter, drafter.state_dict(), evals.EvalRequest(step=8, drafter=str(export), incarnation=1))
+    with torch.no_grad():  # the next optimizer step, while the export is written
+        for p in drafter.parameters():
+            p.add_(1.0)
+    writer.wait()
+    assert [r.step for r in evals.open_requests(run)] == [8]
+    loaded = load_drafter(export, random_head(config), LossConfig(), own_checkpoint=True).state_dict()
+    assert all(torch.equal(loaded[k], before[k]) for k in before if k in loaded)
+
+    blocked = evals.folder(run, 16)
+    blocked.mkdir(parents=True)
+    (blocked / "drafter").write_text("a file where the export's folder goes")
+    writer.export(drafter, drafter.state_dict(), evals.EvalRequest(step=16, drafter=str(blocked / "drafter"), incarnation=1))
+    writer.wait()
+    assert evals.result(run, 16).lost.startswith("the export could not be written")
+    assert [r.step for r in evals.open_requests(run)] == [8]

@@ -225,7 +225,7 @@ def test_training_evaluation_logs_when_due(tmp_path, target_dir, target_model):
     cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32",
                              "eval.every_steps=4", "logging.log_every=2"])
     drafter = random_drafter(target_model).train()
-    evaluation = TrainingEvaluation(cfg, torch.device("cpu"))
+    evaluation = TrainingEvaluation(cfg, target_model)
     metrics = tmp_path / "metrics.jsonl"
     with open(metrics, "w") as f:
         for step in (2, 4, 6, 8):
@@ -236,12 +236,12 @@ def test_training_evaluation_logs_when_due(tmp_path, target_dir, target_model):
     assert drafter.training  # the drafter goes back to training mode
 
 
-def test_training_evaluation_refuses_another_target(tmp_path, target_dir):
+def test_training_evaluation_refuses_another_target(tmp_path, target_dir, target_model):
     cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32",
                              "eval.every_steps=2", "logging.log_every=2"])
     other = tiny_qwen3_target(tmp_path / "other", vocab_size=64, num_layers=6, hidden=32, seed=1)
     drafter = random_drafter(other)
-    evaluation = TrainingEvaluation(cfg, torch.device("cpu"))
+    evaluation = TrainingEvaluation(cfg, target_model)
     metrics = tmp_path / "metrics.jsonl"
     with open(metrics, "w") as f:
         evaluation.maybe_log(2, drafter, f, None)

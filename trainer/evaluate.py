@@ -512,29 +512,24 @@ def build_evaluator(cfg: RunConfig, target_model: nn.Module, drafter: DFlashDraf
 
 
 class TrainingEvaluation:
-    """The periodic evaluation of the trainer (rank 0): every ``eval.every_steps`` steps.
-
-    The target is loaded into the trainer process, on its device, at the first evaluation. Evaluation is
-    auxiliary: if it fails (e.g. a random-weight target drawn on another device type than the producers',
-    so not the target the drafter shares its head with) the error is logged once, evaluation is switched
-    off, and training goes on.
+    """The coupled baseline's periodic evaluation (rank 0, every ``eval.every_steps`` steps): in its loop, on
+    the target in its own process, as today's online trainers evaluate. The decoupled trainer asks producer 0
+    instead (common/evals.py). Evaluation is auxiliary: if it fails (e.g. the drafter's head is not this
+    target's) the error is logged once, evaluation is switched off, and training goes on.
     """
 
-    def __init__(self, cfg: RunConfig, device: torch.device) -> None:
+    def __init__(self, cfg: RunConfig, target_model: nn.Module) -> None:
         self.cfg = cfg
-        self.device = device
+        self.target_model = target_model
         self.evaluator: Evaluator | None = None
         self.disabled = False
 
     def _build(self, drafter: DFlashDrafter) -> Evaluator:
-        from producer.target import load_target_model
-
-        model = load_target_model(dataclasses.replace(self.cfg.target, device=str(self.device)))
-        loaded, shared = target_head_of(model), drafter.target_head
+        loaded, shared = target_head_of(self.target_model), drafter.target_head
         if not (torch.equal(loaded.embed_weight, shared.embed_weight)
                 and torch.equal(loaded.lm_head_weight, shared.lm_head_weight)):
-            raise ValueError("the target loaded for evaluation is not the producers' (embedding or lm_head differ)")
-        return build_evaluator(self.cfg, model, drafter)
+            raise ValueError("the target of this evaluation is not the producers' (embedding or lm_head differ)")
+        return build_evaluator(self.cfg, self.target_model, drafter)
 
     def maybe_log(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str],
                   wandb_run: Any) -> AcceptanceReport | None:

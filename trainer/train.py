@@ -32,9 +32,9 @@ from common.lifecycle import die_with_parent, exit_rank
 from common.naming import process_start_ticks
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from common.hf import text_config_of
-from trainer.checkpoint import CheckpointWriter, Snapshot
+from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot
 from trainer.draft_config import DraftConfig
-from trainer.export import export_zlab, load_drafter
+from trainer.export import load_drafter
 from trainer.feeder import Commits, Feeder, Received
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter, train_flops_per_sample
@@ -185,6 +185,7 @@ class Trainer:
             pad_to=pad_to,
         )
         self.checkpoints = CheckpointWriter(run_dir, cfg.training.keep_last)
+        self.eval_exports = EvalExportWriter(run_dir)
         self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
         self.flops_cache: dict[int, float] = {}
@@ -491,8 +492,11 @@ class Trainer:
             self._evaluate_in_loop(weights)
             return
         export = evals.folder(self.run_dir, self.step) / "drafter"
-        export_zlab(self.drafter, export, dtype=None, weights=weights)
-        evals.request(self.run_dir, evals.EvalRequest(step=self.step, drafter=str(export), incarnation=self.incarnation))
+        request = evals.EvalRequest(step=self.step, drafter=str(export), incarnation=self.incarnation)
+        # Training stands still only for the copy to host memory; the export is written in the background.
+        stall_s = self.eval_exports.export(self.drafter, weights if weights is not None else self.drafter.state_dict(),
+                                           request, background=self.cfg.training.async_checkpoint)
+        log.info("evaluation of step %d asked for; training stood still %.2f s for its export", self.step, stall_s)
         self.evals_in_flight.add(self.step)
         self.write_status()
 
@@ -529,7 +533,7 @@ class Trainer:
     def _evaluate_in_loop(self, weights: dict | None) -> None:
         """The coupled baseline's evaluation, as today's online trainers do it: in the loop, on its own target."""
         from trainer.evaluate import TrainingEvaluation
-        self.evaluation = getattr(self, "evaluation", None) or TrainingEvaluation(self.cfg, self.device)
+        self.evaluation = getattr(self, "evaluation", None) or TrainingEvaluation(self.cfg, self.feeder.target.model)
         if self.evaluation.disabled:
             return
         drafter = self.drafter
@@ -605,6 +609,7 @@ class Trainer:
         })
 
     def close(self) -> None:
+        self.eval_exports.wait()  # its request is written, so the producer may still answer it
         try:
             self.checkpoints.wait()  # a background write finishes whatever ends the trainer
         except CheckpointError:
