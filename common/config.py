@@ -470,6 +470,10 @@ class EvalConfig:
     """Held-out documents whose prompts are decoded (and whose teacher-forced tau is the simulated one)."""
     max_new_tokens: int = 64
     """Tokens generated per prompt (fewer when the target emits its end-of-sequence token)."""
+    batch_prompts: int = 16
+    """Prompts decoded together: one verify forward of the target serves them all, each row keeping exactly
+    what it would alone (tau is unchanged; an evaluation of 16 prompts takes about one prompt's time). Targets
+    with Gated-DeltaNet or sliding-window layers decode one prompt at a time; 1: always one at a time."""
     prompt_len: int = 0
     """Prompt of a held-out document: its first prompt_len tokens; 0: the tokens before its first
     supervised token (the prompt turn of chat data)."""
@@ -487,6 +491,7 @@ class EvalConfig:
         _check(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")
         _check(self.num_prompts >= 1, "num_prompts", f"must be >= 1, got {self.num_prompts}")
         _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        _check(self.batch_prompts >= 1, "batch_prompts", f"must be >= 1, got {self.batch_prompts}")
         _check(self.prompt_len >= 0, "prompt_len", f"must be >= 0, got {self.prompt_len}")
         _check(self.gap_tolerance > 0, "gap_tolerance", f"must be > 0, got {self.gap_tolerance}")
 

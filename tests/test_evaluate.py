@@ -15,6 +15,7 @@ from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
 from trainer.blocks import build_blocks
 from trainer.evaluate import (
     DraftContext,
+    DraftRows,
     GreedyTarget,
     TrainingEvaluation,
     build_evaluator,
@@ -22,6 +23,7 @@ from trainer.evaluate import (
     held_out_documents,
     main,
     speculative_decode,
+    speculative_decode_rows,
     target_head_of,
 )
 from trainer.export import export_zlab
@@ -291,3 +293,102 @@ def test_command_refuses_a_target_whose_lm_head_alone_differs(tmp_path, capsys):
     same.save_pretrained(run / "target")
     assert main(["--checkpoint", str(run / "checkpoints" / "step-00000010")]) == 2
     assert "lm_head_weight differ" in capsys.readouterr().err
+
+
+def steered_drafts(reference: list[int], prompt_len: int, position: int, row: int) -> list[int]:
+    """The target's own continuation after ``position``, wrong at the slots a fixed rule picks: acceptance
+    lengths of every size, the same whether a prompt is decoded alone or with others."""
+    start = position + 1 - prompt_len
+    right = reference[start: start + BLOCK - 1]
+    def wrong(slot: int) -> bool:  # about one slot in three, by a fixed draw per (position, slot, row)
+        return float(torch.rand(1, generator=torch.Generator().manual_seed(1000 * position + 10 * slot + row))) < 0.35
+
+    return [(t + 1) % 64 if wrong(slot) else t for slot, t in enumerate(right)]
+
+
+class SteeredContext(OracleContext):
+    def __init__(self, prompt_len: int, reference: list[int], row: int) -> None:
+        super().__init__(prompt_len, reference)
+        self.row = row
+
+    def propose(self, token: int, position: int) -> torch.Tensor:
+        return torch.tensor(steered_drafts(self.reference, self.prompt_len, position, self.row))
+
+
+class SteeredRows:
+    """DraftRows' interface over steered drafts; keeps each row's features to check its context."""
+
+    def __init__(self, prompts: list[torch.Tensor], references: list[list[int]]) -> None:
+        self.prompts, self.references = prompts, references
+        self.features: list[list[torch.Tensor]] = [[] for _ in prompts]
+
+    def extend(self, row: int, features: torch.Tensor) -> None:
+        self.features[row].append(features)
+
+    def propose(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([steered_drafts(self.references[r], len(self.prompts[r]), p, r)
+                             for r, p in zip(rows, positions.tolist())])
+
+
+def test_prompts_decoded_together_keep_exactly_what_each_keeps_alone(target, monkeypatch):
+    """Rows of different prompt lengths and acceptance patterns, one stopping early: each row's text is plain
+    greedy decoding, its acceptance is that of decoding it alone, its drafter context is its own kept tokens'
+    features, and the holes of the rejected drafts were compacted away on the way."""
+    prompts = [prompt(10, 7), prompt(11, 12), prompt(12, 17), prompt(13, 9)]
+    new_tokens = 40
+    references = [greedy_decode(target, p, new_tokens + BLOCK) for p in prompts]
+    stop = frozenset({references[3][14]})  # the last prompt stops early and leaves the batch
+    alone = [speculative_decode(SteeredContext(len(p), ref, r), target, p, new_tokens, stop)
+             for r, (p, ref) in enumerate(zip(prompts, references))]
+    compactions, selections = [], []
+    monkeypatch.setattr(GreedyTarget, "compact", lambda self, valid, f=GreedyTarget.compact: compactions.append(1) or f(self, valid))
+    monkeypatch.setattr(GreedyTarget, "select_rows", lambda self, rows, f=GreedyTarget.select_rows: selections.append(rows.tolist()) or f(self, rows))
+    rows = SteeredRows(prompts, references)
+    together = speculative_decode_rows(rows, target, prompts, new_tokens, stop, compact_at=0.1)
+    for r, (p, ref) in enumerate(zip(prompts, references)):
+        assert together[r].tokens == greedy_decode(target, p, new_tokens, stop), f"row {r}"
+        assert together[r].accepted == alone[r].accepted, f"row {r}"
+        text = torch.cat([p, torch.tensor(together[r].tokens)])
+        target.reset()
+        _, expected = target.forward(text, 0, logits=False)
+        kept = torch.cat(rows.features[r])[: len(text) - 1]  # the last block may run past the cut text
+        torch.testing.assert_close(kept, expected[: len(text) - 1], atol=1e-5, rtol=1e-5)
+    assert len(together[3].tokens) < new_tokens and {n for d in together for n in d.accepted} == set(range(BLOCK))
+    assert compactions and selections and len(selections[0]) == 3
+
+
+def test_one_drafter_forward_for_all_rows_equals_each_row_alone(target_model, target):
+    """The packed proposal (every block sees only its own row's context, windows and in-block causality as
+    trained) gives each row the drafts it gets alone."""
+    drafter = random_drafter(target_model, layer_types=["sliding_attention", "full_attention"], sliding_window=3,
+                             in_block_causality="causal")
+    for name, weight in drafter.named_parameters():
+        if name.endswith("proj.weight") or name == "fc.weight":
+            torch.nn.init.normal_(weight, std=0.3)
+    rows = DraftRows(drafter, 3)
+    singles = []
+    for r, length in enumerate((5, 11, 8)):
+        target.reset()
+        _, features = target.forward(prompt(20 + r, length), 0, logits=False)
+        rows.extend(r, features)
+        single = DraftContext(drafter)
+        single.extend(features)
+        singles.append(single)
+    tokens, positions = torch.tensor([3, 17, 40]), torch.tensor([5, 11, 8])
+    with torch.no_grad():
+        together = rows.propose([0, 1, 2], tokens, positions)
+        for r in range(3):
+            assert torch.equal(together[r], singles[r].propose(int(tokens[r]), int(positions[r]))), f"row {r}"
+        assert torch.equal(rows.propose([2, 0], tokens[[2, 0]], positions[[2, 0]]), together[[2, 0]])
+
+
+def test_evaluation_of_prompts_together_reports_what_one_at_a_time_reports(target_model, target_dir):
+    overrides = [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=5", "eval.max_new_tokens=24"]
+    drafter = random_drafter(target_model)
+    for name, weight in drafter.named_parameters():
+        if name.endswith("proj.weight") or name == "fc.weight":
+            torch.nn.init.normal_(weight, std=0.3)
+    batched = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=4"]), target_model, drafter).evaluate(drafter)
+    single = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=1"]), target_model, drafter).evaluate(drafter)
+    assert (batched.tau, batched.accept_pos, batched.generated_tokens, batched.target_forwards) == \
+        (single.tau, single.accept_pos, single.generated_tokens, single.target_forwards)

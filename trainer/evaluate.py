@@ -3,7 +3,7 @@
     python -m trainer.evaluate --checkpoint RUN/checkpoints/step-N     # the run's target and held-out data
     python -m trainer.evaluate --checkpoint DIR --target HF_DIR [--config FILE] [key=value ...]
 
-Each held-out prompt is decoded alone (batch 1), as a server would:
+Each held-out prompt is decoded as a server decodes one request:
   1. the target prefills the prompt into its KV cache: the first new token, and the drafter's features
      (outputs of the captured target layers) of every prompt token;
   2. the drafter fills the block ``[last kept token, MASK x (B-1)]`` from the features of every kept
@@ -17,7 +17,9 @@ Each held-out prompt is decoded alone (batch 1), as a server would:
      rejected it is put back and the kept tokens are run again (one more target forward of those tokens;
      the report counts them as ``replay_forwards`` / ``replayed_tokens``).
 Every kept token is the target's greedy choice given the kept prefix, so the text is exactly plain
-greedy decoding (lossless). tau is the mean number of tokens kept per verify forward, correction
+greedy decoding (lossless). ``eval.batch_prompts`` prompts are decoded together, one drafter forward and one
+target forward per round for all of them (``speculative_decode_rows``): each keeps exactly what it keeps
+alone, and 16 prompts take about the time of one (hybrid and sliding-window targets: one at a time). tau is the mean number of tokens kept per verify forward, correction
 included (1 <= tau <= B).
 
 Next to it the simulated tau: the training metric (teacher-forced blocks, ``trainer.loss.draft_metrics``)
@@ -126,6 +128,62 @@ class GreedyTarget:
         features = torch.cat([self._outputs[k][0] for k in self.layer_ids], dim=-1)
         return (out.logits[0].argmax(-1) if logits else None), features
 
+    @property
+    def batchable(self) -> bool:
+        """Whether prompts can be decoded together (``forward_rows``). Not for a hybrid target (a recurrent state
+        cannot skip one row's rejected tokens) nor for sliding-window layers (their cache keeps the last slots,
+        which holes would push out of the window): those decode one prompt at a time."""
+        types = getattr(self.model.config, "layer_types", None) or []
+        sliding = any(t != "full_attention" for t in types) or (
+            not types and getattr(self.model.config, "sliding_window", None) is not None
+            and getattr(self.model.config, "use_sliding_window", True))
+        return not self.recurrent and not sliding
+
+    @torch.no_grad()
+    def forward_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_valid: torch.Tensor,
+                     last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of tokens ``[R, L]`` at their own ``positions`` ``[R, L]`` through one cache of ``R`` rows:
+        (each row's greedy next tokens ``[R, L]``, or ``[R, 1]`` with ``last_logits_only``; features ``[R, L, n * H]``).
+
+        ``kv_valid`` ``[R, S + L]`` says which cache slots (the ``S`` already there, then the new ones) each row
+        sees: a row's rejected drafts and its left padding stay in the cache as holes no query attends to.
+        Attention follows the positions, not the slots (``_row_masks``), so every row's tokens get what a
+        forward of that row alone would give.
+        """
+        self.attach()
+        with torch.autocast(self.device.type, enabled=False):
+            out = self.model(input_ids=token_ids.to(self.device), position_ids=positions, use_cache=True,
+                             attention_mask=self._row_masks(positions.shape[1], kv_valid), logits_to_keep=1 if last_logits_only else 0,
+                             **{self._cache_arg: self.cache})
+        features = torch.cat([self._outputs[k] for k in self.layer_ids], dim=-1)
+        return out.logits.argmax(-1), features
+
+    def _row_masks(self, num_new: int, kv_valid: torch.Tensor) -> torch.Tensor:
+        """4D boolean mask ``[R, 1, L, S + L]``: a query sees the valid slots up to its own, a padding query only
+        itself (so that no row of the attention is empty). Causality by slot is causality by position, since
+        each row's valid slots are in position order."""
+        total = kv_valid.shape[1]
+        slot = torch.arange(total, device=self.device)
+        query_slot = total - num_new + torch.arange(num_new, device=self.device)
+        itself = slot[None, :] == query_slot[:, None]
+        return ((kv_valid[:, None, :] & (slot[None, :] <= query_slot[:, None])[None]) | itself[None])[:, None]
+
+    def compact(self, kv_valid: torch.Tensor) -> torch.Tensor:
+        """Drop the cache slots no row sees any more (a row's rejected drafts), keeping each row's valid slots
+        in order and left-padding the shorter rows with holes. Returns the new ``kv_valid``."""
+        counts = kv_valid.sum(1)
+        width = int(counts.max())
+        # Per row: the valid slots last (stable order), the holes first; keep the last ``width``.
+        order = torch.sort(kv_valid.to(torch.int8), dim=1, stable=True).indices[:, -width:]
+        for layer in self.cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        return kv_valid.gather(1, order)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` of the cache (finished prompts leave the batch)."""
+        self.cache.batch_select_indices(rows)
+
     def last_hidden(self) -> torch.Tensor:
         """``[L, H]`` output of the last decoder layer in the latest forward (needs ``capture_last``)."""
         return self._outputs[self.last_layer][0]
@@ -187,29 +245,64 @@ class DraftContext:
     def propose(self, token: int, position: int) -> torch.Tensor:
         """Greedy draft tokens ``[B - 1]`` for slots 1.. of the block anchored at ``token``, at ``position``
         (equal to the number of context tokens: the anchor's own features are never context)."""
-        drafter, ctx, device = self.drafter, self.ctx, self.ctx.device
-        config = drafter.config
-        block_ids = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=device)
-        block_ids[0] = token
-        block_positions = position + torch.arange(self.block_size, device=device)
-        context_positions = torch.arange(ctx.shape[0], device=device)
-        x = drafter.target_head.embed(block_ids).to(ctx.dtype)
-        block_rope = drafter.rotary(block_positions, ctx.dtype)
-        context_rope = drafter.rotary(context_positions, ctx.dtype)
-        masks = {}
-        for layer_type in dict.fromkeys(config.layer_types):
-            # The training mask of trainer.masks for one block over one document: the whole context (a
-            # windowed layer only the window before each slot), and the block as the layer type trained it.
-            window = config.window_of(layer_type)
-            context = torch.ones(self.block_size, ctx.shape[0], dtype=torch.bool, device=device)
-            if window is not None:
-                context = (block_positions[:, None] - context_positions[None, :]) < window
-            own = in_block_mask(self.block_size, config.causal_in_block(layer_type), window, device)
-            masks[layer_type] = torch.cat([context, own], dim=1)
-        for layer in drafter.layers:
-            x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
-        head = drafter.target_head.lm_head_weight
-        return (drafter.norm(x)[1:].to(head.dtype) @ head.T).argmax(-1)
+        device = self.ctx.device
+        return propose_rows(self.drafter, [self.ctx], torch.tensor([token], device=device),
+                            torch.tensor([position], device=device))[0]
+
+
+class DraftRows:
+    """``DraftContext`` for prompts decoded together: one context per prompt, one drafter forward for all."""
+
+    def __init__(self, drafter: DFlashDrafter, num_rows: int) -> None:
+        self.drafter = drafter
+        empty = torch.empty(0, drafter.config.hidden_size, device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
+        self.contexts = [empty] * num_rows
+
+    def extend(self, row: int, features: torch.Tensor) -> None:
+        """Append the target features ``[n, n_layers * H]`` of row ``row``'s newly kept tokens."""
+        self.contexts[row] = torch.cat([self.contexts[row], self.drafter.fuse_context(features)])
+
+    def propose(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts ``[len(rows), B - 1]`` of the blocks anchored at ``tokens`` at ``positions``."""
+        return propose_rows(self.drafter, [self.contexts[r] for r in rows], tokens, positions)
+
+
+@torch.no_grad()
+def propose_rows(drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """Greedy draft tokens ``[R, B - 1]`` of one block per row in one drafter forward: row r's block is anchored
+    at ``tokens[r]``, at ``positions[r]``, over its fused context ``contexts[r]`` ``[C_r, H]``. The rows are
+    packed as in training (every block sees only its own row's context), with the training masks."""
+    config = drafter.config
+    block_size, device = config.block_size, contexts[0].device
+    num_rows = len(contexts)
+    ctx = torch.cat(contexts)
+    lengths = torch.tensor([c.shape[0] for c in contexts], device=device)
+    context_rows = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+    context_positions = torch.arange(ctx.shape[0], device=device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    block_ids = torch.full((num_rows, block_size), config.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, 0] = tokens
+    block_positions = (positions[:, None] + torch.arange(block_size, device=device)).reshape(-1)
+    block_rows = torch.arange(num_rows, device=device).repeat_interleave(block_size)
+    slot = torch.arange(block_size, device=device).repeat(num_rows)
+    x = drafter.target_head.embed(block_ids.reshape(-1)).to(ctx.dtype)
+    block_rope = drafter.rotary(block_positions, ctx.dtype)
+    context_rope = drafter.rotary(context_positions, ctx.dtype)
+    masks = {}
+    for layer_type in dict.fromkeys(config.layer_types):
+        # The training mask of trainer.masks for one block per document: the row's whole context (a windowed
+        # layer only the window before each slot), and its own block as the layer type trained it.
+        window = config.window_of(layer_type)
+        context = block_rows[:, None] == context_rows[None, :]
+        if window is not None:
+            context &= (block_positions[:, None] - context_positions[None, :]) < window
+        own = in_block_mask(block_size, config.causal_in_block(layer_type), window, device)[slot[:, None], slot[None, :]]
+        masks[layer_type] = torch.cat([context, own & (block_rows[:, None] == block_rows[None, :])], dim=1)
+    for layer in drafter.layers:
+        x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
+    head = drafter.target_head.lm_head_weight
+    drafts = drafter.norm(x).view(num_rows, block_size, -1)[:, 1:]
+    return (drafts.to(head.dtype) @ head.T).argmax(-1)
 
 
 # -- decoding -------------------------------------------------------------------------------------
@@ -268,6 +361,65 @@ def speculative_decode(context: DraftContext, target: GreedyTarget, prompt: torc
             target.crop(anchor + kept)
         context.extend(features[:kept])
     return Decoded(_cut(tokens, max_new_tokens, stop_token_ids), accepted, replayed)
+
+
+@torch.no_grad()
+def speculative_decode_rows(drafts: DraftRows, target: GreedyTarget, prompts: list[torch.Tensor],
+                            max_new_tokens: int, stop_token_ids: frozenset[int] = frozenset(),
+                            compact_at: float = 0.5) -> list[Decoded]:
+    """``speculative_decode`` of several prompts at once: one drafter forward and one target verify forward per
+    round for all unfinished prompts (``target.batchable`` only). Each row keeps exactly what it would keep
+    alone: its rejected drafts stay in the shared cache as holes it never attends to (compacted away once
+    they are ``compact_at`` of the longest row's slots), and a finished prompt leaves the batch.
+    """
+    device = target.device
+    lengths = [int(p.numel()) for p in prompts]
+    width = max(lengths)
+    # Prefill, left-padded: every row's last prompt token in the last slot.
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    positions = torch.zeros_like(ids)
+    kv_valid = torch.zeros_like(ids, dtype=torch.bool)
+    for r, prompt in enumerate(prompts):
+        ids[r, width - lengths[r]:] = prompt.to(device)
+        positions[r, width - lengths[r]:] = torch.arange(lengths[r], device=device)
+        kv_valid[r, width - lengths[r]:] = True
+    target.reset()
+    greedy, features = target.forward_rows(ids, positions, kv_valid, last_logits_only=True)
+    for r, n in enumerate(lengths):
+        drafts.extend(r, features[r, width - n:])
+    tokens = [[t] for t in greedy[:, -1].tolist()]
+    accepted: list[list[int]] = [[] for _ in prompts]
+    rows = list(range(len(prompts)))  # the prompts still decoding, in the cache's row order
+
+    def unfinished(r: int) -> bool:
+        return len(tokens[r]) < max_new_tokens and tokens[r][-1] not in stop_token_ids
+
+    while True:
+        keep = [i for i, r in enumerate(rows) if unfinished(r)]
+        if not keep:
+            break
+        if len(keep) < len(rows):
+            index = torch.tensor(keep, device=device)
+            target.select_rows(index)
+            kv_valid = kv_valid[index]
+            rows = [rows[i] for i in keep]
+        anchors = torch.tensor([lengths[r] + len(tokens[r]) - 1 for r in rows], device=device)
+        last = torch.tensor([tokens[r][-1] for r in rows], device=device)
+        drafted = drafts.propose(rows, last, anchors)
+        block = torch.cat([last[:, None], drafted], dim=1)
+        block_size = block.shape[1]
+        kv_valid = torch.cat([kv_valid, torch.ones(len(rows), block_size, dtype=torch.bool, device=device)], dim=1)
+        verified, features = target.forward_rows(block, anchors[:, None] + torch.arange(block_size, device=device), kv_valid)
+        num_accepted = (drafted == verified[:, :-1]).long().cumprod(1).sum(1)
+        # The rejected drafts become holes: only the anchor and the accepted drafts stay visible.
+        kv_valid[:, -block_size:] = torch.arange(block_size, device=device)[None] <= num_accepted[:, None]
+        for i, (r, n) in enumerate(zip(rows, num_accepted.tolist())):
+            accepted[r].append(n)
+            tokens[r] += drafted[i, :n].tolist() + [int(verified[i, n])]
+            drafts.extend(r, features[i, : n + 1])
+        if kv_valid.shape[1] - int(kv_valid.sum(1).max()) > compact_at * kv_valid.shape[1]:
+            kv_valid = target.compact(kv_valid)
+    return [Decoded(_cut(t, max_new_tokens, stop_token_ids), a) for t, a in zip(tokens, accepted)]
 
 
 @torch.no_grad()
@@ -429,9 +581,7 @@ class Evaluator:
         try:
             # Eager: layers compiled for the trainer's fixed shapes would recompile for every context length.
             with torch.compiler.set_stance("force_eager"), _drafter_autocast(self.target.device):
-                decoded = [speculative_decode(DraftContext(drafter), self.target, prompt_of(d, self.config.prompt_len),
-                                              self.config.max_new_tokens, self.stop_token_ids)
-                           for d in self.documents]
+                decoded = self._decode(drafter)
                 sim_tau, sim_acc = simulated_acceptance(drafter, self.target, self.documents, self.num_anchors)
         finally:
             self.target.detach()
@@ -448,6 +598,18 @@ class Evaluator:
             target_forwards=len(decoded) + int(accepted.numel()), seconds=time.perf_counter() - started,
             replay_forwards=sum(len(d.replayed) for d in decoded), replayed_tokens=sum(sum(d.replayed) for d in decoded),
         )
+
+
+    def _decode(self, drafter: DFlashDrafter) -> list[Decoded]:
+        """Every held-out prompt's speculative decoding: ``eval.batch_prompts`` at a time where the target allows."""
+        prompts = [prompt_of(d, self.config.prompt_len) for d in self.documents]
+        if not self.target.batchable or self.config.batch_prompts == 1:
+            return [speculative_decode(DraftContext(drafter), self.target, p, self.config.max_new_tokens, self.stop_token_ids)
+                    for p in prompts]
+        size = self.config.batch_prompts
+        return [decoded for i in range(0, len(prompts), size)
+                for decoded in speculative_decode_rows(DraftRows(drafter, len(prompts[i:i + size])), self.target,
+                                                       prompts[i:i + size], self.config.max_new_tokens, self.stop_token_ids)]
 
 
 def _drafter_autocast(device: torch.device):
