@@ -37,10 +37,14 @@ POINTS = {
     "trainer.step": "inside a step: after backward, before the optimizer step",
     "trainer.checkpoint": "writing a checkpoint: every file written and synced, before the folder is renamed into place",
     "trainer.latest": "after a checkpoint folder is in place, before latest.json points at it",
-    "trainer.handover": "a trainer being replaced: its final checkpoint, leases and status done, before the handover "
-                        "mark its successor waits for",
+    "trainer.stage": "a trainer being replaced (restart-trainer), its last step done, before it copies its state "
+                     "into shared memory",
+    "trainer.handover": "a trainer being replaced: its final state handed over (or checkpointed), leases and status "
+                        "done, before the handover mark its successor waits for",
     "trainer.takeover": "a standby trainer told to take over, before it waits for the trainer it replaces",
-    "trainer.resume": "a successor trainer after the handover, before it reads the latest checkpoint",
+    "trainer.resume": "a successor trainer after the handover, before it reads the state handed over or the latest "
+                      "checkpoint",
+    "trainer.taken": "a successor trainer that mapped the state handed over, before it trains or writes its checkpoint",
     # The producer is killed ...
     "producer.handshake": "handling a trainer's HELLO: before reconciling and before WELCOME",
     "producer.fill": "filling a slot: batch taken from the stream, slot FILLING, nothing announced",

@@ -4,8 +4,8 @@ starting the whole pipeline (targets reloaded), on the same run.
     python -m launch.bench_restart             # Qwen3-8B-shaped target and draft, one GPU
     python -m launch.bench_restart --tiny      # the tiny CPU default (smoke run)
 
-Sequence: start the pipeline and wait for training to run and for the launcher's standby trainer (as
-in a run that has trained a while); ``restart-trainer`` with a changed
+Sequence: start the pipeline and wait for training to run, for its first checkpoint and for the launcher's
+standby trainer (as in a run that has trained a while); ``restart-trainer`` with a changed
 learning rate and time until the new trainer's first step; ``stop`` and a fresh ``run_all.sh`` on
 the same run directory (it resumes) and time until its first step. The trainer writes trainer.json
 every step here (logging.log_every=1), so steps are seen within the launcher's poll.
@@ -25,6 +25,7 @@ from pathlib import Path
 from common.rundir import RunDir, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINT_EVERY = 8  # one checkpoint before the restart, as in any run that trained a while (the restart turns them off)
 QWEN3_8B = {
     "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
     "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -33,7 +34,7 @@ QWEN3_8B = {
 
 
 def overrides_for(tiny: bool, run_dir: Path) -> list[str]:
-    common = ["training.max_steps=1000000", "training.checkpoint_every=1000000", "logging.log_every=1",
+    common = ["training.max_steps=1000000", f"training.checkpoint_every={CHECKPOINT_EVERY}", "logging.log_every=1",
               "logging.progress=false", "launch.restart_backoff_s=0.5", "launch.standby_trainer_after_s=0"]
     if tiny:
         return common
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         t, inc = first_step_after(run, None, args.timeout)
         results["cold_first_step_s"] = t - started
         wait_for(lambda: trainer(run).get("step", 0) >= args.warm_steps, args.timeout, "warm steps")
+        # A run that trained a while has checkpointed: its staging buffers (in /dev/shm) exist.
+        wait_for(lambda: run.latest_checkpoint() is not None, args.timeout, "the first checkpoint")
         producer_pids = {s["id"]: s["pid"] for s in run.producer_statuses()}
         # Steady state: the launcher keeps a standby trainer (imported, waiting) once a trainer trains. Give
         # it its imports' time, as a run that has trained a while has (a single-process trainer only).
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         # 1. restart-trainer: producers and their rings stay; only the trainer is replaced.
         t0 = time.monotonic()
         answer = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "restart-trainer", "--run-dir", str(run_dir),
-                                 "training.lr=3e-4"], cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+                                 "training.lr=3e-4", "training.checkpoint_every=1000000"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         if answer.returncode != 0:
             raise RuntimeError(answer.stdout + answer.stderr)
         t1, inc2 = first_step_after(run, inc, args.timeout)

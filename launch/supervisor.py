@@ -681,10 +681,15 @@ class Supervisor:
         self.cfg = new_cfg
         log.info("restart-trainer: %s", ", ".join(overrides) if changed else "no config change")
         old = self.trainer if self.trainer.proc is not None else None
-        if old is not None:
-            log.info("stopping trainer pid %d (waiting up to %.0f s for its checkpoint)", old.pid, TRAINER_STOP_TIMEOUT_S)
-            old.send(signal.SIGTERM)
         successor = self._make_trainer()  # devices may have changed
+        if old is not None:
+            # One process to one process: the old trainer hands its state over in shared memory (SIGUSR1,
+            # trainer/handover.py) and its successor writes the checkpoint; a torchrun group on either side
+            # checkpoints to disk first (SIGTERM).
+            hand_over = len(old.devices) == 1 and len(successor.devices) == 1
+            log.info("stopping trainer pid %d (waiting up to %.0f s for its %s)", old.pid, TRAINER_STOP_TIMEOUT_S,
+                     "handover" if hand_over else "checkpoint")
+            old.send(signal.SIGUSR1 if hand_over else signal.SIGTERM)
         successor.restarts = old_restarts = (old or self.trainer).restarts
         if self.trainer_started_once:
             successor.restarts = old_restarts + 1

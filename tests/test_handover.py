@@ -8,16 +8,19 @@ import os
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 from common.faults import LOG_ENV, PLAN_ENV
+from common.naming import process_start_ticks
 from common.rundir import RunDir, read_json
 from tests.peers import wait_for
 from tests.test_pipeline import ROOT, SMALL, lineage, run_all, stop_and_finish, trainer_step
 
-# Before the handover (the old trainer, its checkpoint done), at the takeover (the standby, told to take over)
-# and after it (the successor, before it reads the checkpoint). A kill during the checkpoint write is
+# Before the handover (the old trainer before it stages its state in shared memory, and after, before its mark),
+# at the takeover (the standby, told to take over) and after it (the successor before it maps the state, and
+# after, before it trains or writes the checkpoint of that state). A kill during a checkpoint write is
 # tests/test_faults.py's.
-PLAN = ["trainer.handover", "trainer.takeover", "trainer.resume"]
+PLAN = ["trainer.stage", "trainer.handover", "trainer.takeover", "trainer.resume", "trainer.taken"]
 
 
 def standby(run: RunDir) -> dict | None:
@@ -71,11 +74,22 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     began = time.monotonic()
     answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4")
     assert answer.returncode == 0, answer.stderr
-    old_step = read_json(run.latest_checkpoint() / "trainer_state.json")["step"]
+    old_step = read_json(run.trainer_handover)["step"]
     wait_for(lambda: (read_json(run.trainer_status) or {}).get("pid") == spare and trainer_step(run) > old_step,
              "the standby's first step", 60)
     seconds = time.monotonic() - began
     assert f"trainer pid {spare}, started ahead, takes over" in (run_dir / "logs" / "launcher.log").read_text()
     assert [s["pid"] for s in run.producer_statuses()] == producers
     assert seconds < 15, seconds
+    # The old trainer wrote no checkpoint of its last step: it handed the state over in shared memory, and
+    # the successor wrote that checkpoint in the background; its segments are gone from /dev/shm.
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "handed over in shared memory" in trainer_log and "it handed its state over" in trainer_log
+    written = f"checkpoint step-{old_step:08d} written"  # (later ones may have pruned it already)
+    wait_for(lambda: written in (run_dir / "logs" / "trainer.log").read_text().split("it handed its state over")[-1],
+             "the successor's checkpoint of the step handed over", 30)
+    owners = lambda: {p.name.rsplit(".", 1)[1] for p in Path("/dev/shm").glob(f"dflash.{run_dir.name}.trainer-*")}  # noqa: E731
+    successor = f"{spare}-{process_start_ticks(spare)}"
+    wait_for(lambda: owners() == {successor}, "the successor's own staging, and no other", 30)
     stop_and_finish(launcher, run_dir)
+    assert not list(Path("/dev/shm").glob(f"dflash.{run_dir.name}.trainer-*")), "a trainer that stops removes its segments"

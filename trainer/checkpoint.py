@@ -44,6 +44,9 @@ class HostStaging:
     no more than one whole tensor is on the GPU at once.
     """
 
+    shared = False
+    """Whether the buffers are in shared memory (trainer/handover.py), so that a successor can map them."""
+
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
@@ -108,9 +111,9 @@ class CheckpointRecord:
 class CheckpointWriter:
     """Writes snapshots into the run's checkpoints/ (atomically, keep-last-k), in a background thread when asked."""
 
-    def __init__(self, run_dir: RunDir, keep_last: int) -> None:
+    def __init__(self, run_dir: RunDir, keep_last: int, staging: HostStaging | None = None) -> None:
         self.run_dir, self.root, self.keep_last = run_dir, run_dir.checkpoints, keep_last
-        self.staging = HostStaging()
+        self.staging = staging or HostStaging()
         self.last: CheckpointRecord | None = None
         self._thread: threading.Thread | None = None
         self._error: CheckpointError | None = None

@@ -269,8 +269,15 @@ def load_drafter(path: str | Path, target_head: TargetHead, loss_config: LossCon
     """Rebuild a drafter from an export of either format (weights keep their stored dtype).
     ``own_checkpoint``: see :func:`config_from_export`."""
     path = Path(path)
-    config = config_from_export(json.loads((path / CONFIG_FILE).read_text()), own_checkpoint)
-    state = load_file(str(path / WEIGHTS_FILE))
+    return drafter_from_state(json.loads((path / CONFIG_FILE).read_text()), load_file(str(path / WEIGHTS_FILE)),
+                              target_head, loss_config, attention_backend, own_checkpoint)
+
+
+def drafter_from_state(config_json: dict[str, Any], state: dict[str, torch.Tensor], target_head: TargetHead,
+                       loss_config: LossConfig | None = None, attention_backend: str | None = None,
+                       own_checkpoint: bool = True) -> DFlashDrafter:
+    """A drafter from an export's config.json contents and its weights (copied: ``state`` stays the caller's)."""
+    config = config_from_export(config_json, own_checkpoint)
     drafter = DFlashDrafter(config, target_head, loss_config, attention_backend)
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) == 1:

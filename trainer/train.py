@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from common import evals, faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
@@ -34,7 +35,8 @@ from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from common.hf import text_config_of
 from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot
 from trainer.draft_config import DraftConfig
-from trainer.export import load_drafter
+from trainer.export import drafter_from_state, load_drafter, zlab_config
+from trainer import handover
 from trainer.feeder import Commits, Feeder, Received
 from trainer.loss import LossConfig
 from trainer.model import DFlashDrafter, train_flops_per_sample
@@ -78,7 +80,8 @@ def lr_lambda(cfg: RunConfig, max_steps: int):
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: RunDir, coupled: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, coupled: bool = False, handed_over: dict | None = None) -> None:
+        """``handed_over``: the ``state`` of the predecessor's handover mark (trainer/handover.py), if it left one."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.rank = int(os.environ.get("RANK", 0))
@@ -95,6 +98,9 @@ class Trainer:
             # object collective on NCCL would wait for the GPU to finish the step (a host sync).
             self.cpu_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else dist.group.WORLD
         self.stop_requested = False
+        self.handover_requested = False
+        """restart-trainer (SIGUSR1): stop and hand the state to a successor through shared memory."""
+        self.handover_state: dict | None = None
         self.state = "starting"
         self.step = 0
 
@@ -137,14 +143,21 @@ class Trainer:
             "last_hidden": cfg.training.label_mode != "data",
         }
 
+        latest = run_dir.latest_checkpoint()
+        handed = handover.take(handed_over) if handed_over and self.world_size == 1 else None
+        if handed is not None and latest is not None and handed.meta["step"] < read_json(latest / "trainer_state.json")["step"]:
+            log.warning("the state handed over (step %d) is older than %s; resuming from the checkpoint", handed.meta["step"], latest.name)
+            handed = None
         if self.rank == 0:
             for leftover in run_dir.sweep_partial_checkpoints():
                 log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
-        latest = run_dir.latest_checkpoint()
+            handover.sweep_stale_state(run_dir.root.name)
         torch.manual_seed(cfg.training.seed)
         # Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the
         # device, FSDP keeps each rank's shards of it. A fresh one is the same on every rank (same seed).
-        if latest is not None:
+        if handed is not None:
+            self.drafter = drafter_from_state(handed.drafter_config, handed.weights, self.head, self.loss_config)
+        elif latest is not None:
             self.drafter = load_drafter(latest / "drafter", self.head, self.loss_config, own_checkpoint=True)
         else:
             self.drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config)
@@ -173,7 +186,13 @@ class Trainer:
         self.evals_in_flight: set[int] = set()
         """Steps whose evaluation was asked for and has not come back (common/evals.py)."""
         self.wandb_id = None
-        if latest is not None:
+        if handed is not None:
+            # On a GPU the optimizer copies its state to the device; on the CPU it would keep the shared pages
+            # as its own and change them under the background write of their checkpoint.
+            train_state = handed.train_state if self.device.type == "cuda" else tree_map(
+                lambda v: v.clone() if isinstance(v, torch.Tensor) else v, handed.train_state)
+            self._restore(train_state, handed.meta)
+        elif latest is not None:
             self._load_checkpoint(latest)
         self.wandb = self._init_wandb()
 
@@ -184,7 +203,12 @@ class Trainer:
             heartbeat_interval_s=cfg.ring.heartbeat_interval_s, handshake_timeout_s=cfg.ring.handshake_timeout_s,
             pad_to=pad_to,
         )
-        self.checkpoints = CheckpointWriter(run_dir, cfg.training.keep_last)
+        # A single process stages its checkpoints in /dev/shm, so that restart-trainer can hand them over.
+        self.checkpoints = CheckpointWriter(run_dir, cfg.training.keep_last,
+                                            handover.SharedStaging(run_dir.root.name) if self.world_size == 1 else None)
+        if handed is not None:  # the disk checkpoint of the step handed over, from its pages, while training goes on
+            self.checkpoints.write(Snapshot(f"step-{self.step:08d}", self.drafter, handed.weights, handed.train_state,
+                                            handed.meta), background=True)
         self.eval_exports = EvalExportWriter(run_dir)
         self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
@@ -193,7 +217,8 @@ class Trainer:
         log.info("trainer rank %d/%d (%s) on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters, "
                  "%.0f%% of them on this rank",
                  self.rank, self.world_size, self.parallelism, self.device, self.incarnation,
-                 f"resumed from {latest.name}" if latest else "fresh start", self.step, self.max_steps,
+                 "took over the state handed over" if handed else f"resumed from {latest.name}" if latest else "fresh start",
+                 self.step, self.max_steps,
                  self.drafter_params_total / 1e6, 100 * self.drafter_params_per_rank[self.rank] / self.drafter_params_total)
 
     @property
@@ -302,8 +327,11 @@ class Trainer:
         }
 
     def _load_checkpoint(self, path: Path) -> None:
-        meta = read_json(path / "trainer_state.json")
-        state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
+        self._restore(torch.load(path / "train_state.pt", map_location="cpu", weights_only=True),
+                      read_json(path / "trainer_state.json"))
+
+    def _restore(self, state: dict, meta: dict) -> None:
+        """Optimizer, schedule, RNGs and bookkeeping from ``train_state`` and ``trainer_state.json`` contents."""
         if self.sharded:
             load_full_optimizer_state(self.drafter, self.optimizer, state["optimizer"])
         else:
@@ -315,10 +343,11 @@ class Trainer:
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["initial_lr"] = self.cfg.training.lr
             group["lr"] = self.cfg.training.lr * self.scheduler.lr_lambdas[0](meta["step"])
-        self.generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
+        # Copies: a state handed over is views into shared pages, which the RNG setters do not take.
+        self.generator.set_state(state["generator"].clone())
+        torch.set_rng_state(state["torch_rng"].clone())
         if self.device.type == "cuda" and state["cuda_rng"].numel():
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+            torch.cuda.set_rng_state(state["cuda_rng"].clone(), self.device)
         self.step = int(meta["step"])
         self.commits = Commits.from_checkpoint(meta["committed"])
         self.wandb_id = meta.get("wandb_id")
@@ -344,14 +373,31 @@ class Trainer:
             weights = staging.copy(self.drafter.state_dict(), "drafter", keep)
             optimizer_state = staging.copy(self.optimizer.state_dict(), "optimizer", keep)
         if self.rank == 0:
-            meta = {"step": self.step, "max_steps": self.max_steps, "incarnation": self.incarnation,
-                    "committed": self.commits.trained_state(), "wandb_id": self.wandb_id, "lr": self.cfg.training.lr}
-            snapshot = Snapshot(f"step-{self.step:08d}", self.drafter, weights, self.state_dict(optimizer_state), meta,
-                                stall_s=time.perf_counter() - started)
+            snapshot = Snapshot(f"step-{self.step:08d}", self.drafter, weights, self.state_dict(optimizer_state),
+                                self._checkpoint_meta(), stall_s=time.perf_counter() - started)
             self.checkpoints.write(snapshot, background=self.cfg.training.async_checkpoint and not blocking)
             self.state = "training"
         if self.world_size > 1:
             dist.barrier()
+
+    def _checkpoint_meta(self) -> dict:
+        """trainer_state.json: the step and the batches it committed."""
+        return {"step": self.step, "max_steps": self.max_steps, "incarnation": self.incarnation,
+                "committed": self.commits.trained_state(), "wandb_id": self.wandb_id, "lr": self.cfg.training.lr}
+
+    def hand_over(self) -> None:
+        """restart-trainer of a single process: the final state into the shared staging segments instead of a
+        disk checkpoint; ``close`` names them in the handover mark and the successor writes the checkpoint."""
+        started = time.perf_counter()
+        self.checkpoints.wait()  # an earlier write reads the same buffers
+        staging = self.checkpoints.staging
+        faults.point("trainer.stage")
+        weights = staging.copy(self.drafter.state_dict(), "drafter")
+        train_state = self.state_dict(staging.copy(self.optimizer.state_dict(), "optimizer"))
+        train_state.update(staging.copy({k: v for k, v in train_state.items() if k != "optimizer"}, "extras"))
+        self.handover_state = {"trees": {"weights": staging.describe(weights), "train_state": staging.describe(train_state)},
+                               "meta": self._checkpoint_meta(), "drafter_config": zlab_config(self.draft_config, self.drafter.fc.weight.dtype)}
+        log.info("state of step %d handed over in shared memory in %.2f s", self.step, time.perf_counter() - started)
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -474,7 +520,10 @@ class Trainer:
             if self.cfg.training.stall_every_steps and self.step % self.cfg.training.stall_every_steps == 0:
                 self._stall()
         finished = self.step >= self.max_steps
-        self.save_checkpoint(blocking=True)  # always on the last step, and on a requested stop
+        if self.handover_requested and not finished and self.world_size == 1 and self.checkpoints.staging.shared:
+            self.hand_over()
+        else:
+            self.save_checkpoint(blocking=True)  # always on the last step, and on a requested stop
         if finished:
             self.collect_evaluations(wait_s=EVAL_RESULT_WAIT_S)  # the last step's evaluation, while the producers run
         self.state = "finished" if finished else "stopped"
@@ -624,9 +673,11 @@ class Trainer:
         if self.world_size > 1:
             dist.destroy_process_group()
         else:  # nothing of the run is touched after this (a torchrun group's successor waits for its exit instead)
+            if self.handover_state is None:
+                self.checkpoints.staging.release()  # nobody takes them over
             faults.point("trainer.handover")
             atomic_write_json(self.run_dir.trainer_handover, {"pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid()),
-                                                              "step": self.step, "time": time.time()})
+                                                              "step": self.step, "time": time.time(), "state": self.handover_state})
 
 
 def wandb_key(key: str) -> str:
@@ -688,7 +739,7 @@ def import_what_a_start_needs() -> None:
     import trainer.target_head  # noqa: F401
 
 
-def wait_for_predecessor(run_dir: RunDir) -> None:
+def wait_for_predecessor(run_dir: RunDir) -> dict | None:
     """With ``DFLASH_TRAINER_AFTER=pid:start_ticks`` the launcher started this trainer while the one it
     replaces (restart-trainer) still finishes its step and writes its final checkpoint: import what the
     start needs meanwhile, then wait until that process is gone, or has written its handover (everything
@@ -697,17 +748,25 @@ def wait_for_predecessor(run_dir: RunDir) -> None:
     checkpoint is the latest, as after any crash."""
     spec = os.environ.get(PREDECESSOR_ENV)
     if not spec:
-        return
+        return None
     import_what_a_start_needs()  # while the predecessor still works
     pid, start_ticks = (int(x) for x in spec.split(":"))
     began = time.monotonic()
-    while process_start_ticks(pid) == start_ticks:
-        handover = read_json(run_dir.trainer_handover) or {}
-        if handover.get("pid") == pid and handover.get("start_ticks") == start_ticks:
-            break
-        time.sleep(0.02)
-    log.info("the trainer this one replaces (pid %d) is done; waited %.1f s for it", pid, time.monotonic() - began)
+    mark = None
+    while mark is None:
+        found = read_json(run_dir.trainer_handover) or {}
+        if found.get("pid") == pid and found.get("start_ticks") == start_ticks:
+            mark = found
+        elif process_start_ticks(pid) != start_ticks:
+            # Gone: its mark may have come just before; else it was killed and the disk checkpoint is the state.
+            found = read_json(run_dir.trainer_handover) or {}
+            mark = found if found.get("pid") == pid and found.get("start_ticks") == start_ticks else {}
+        else:
+            time.sleep(0.01)
+    log.info("the trainer this one replaces (pid %d) is done; waited %.1f s for it%s", pid, time.monotonic() - began,
+             ", it handed its state over" if mark.get("state") else "")
     faults.point("trainer.resume")
+    return mark
 
 
 def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
@@ -722,17 +781,21 @@ def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
     trainer = None
 
     def request_stop(signum, _frame):
-        log.info("signal %d: finishing the step, then checkpoint and exit", signum)
+        handing_over = signum == signal.SIGUSR1  # restart-trainer: a successor takes the state over
+        log.info("signal %d: finishing the step, then %s and exit", signum,
+                 "hand over the state" if handing_over else "checkpoint")
         if trainer is not None:
             trainer.stop_requested = True
+            trainer.handover_requested = handing_over
         else:
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGUSR1, request_stop)
     try:
-        wait_for_predecessor(root)
-        trainer = Trainer(cfg, root, coupled=coupled)
+        mark = wait_for_predecessor(root)
+        trainer = Trainer(cfg, root, coupled=coupled, handed_over=(mark or {}).get("state"))
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
         return EXIT_CONFIG_ERROR

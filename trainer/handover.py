@@ -1,0 +1,216 @@
+"""restart-trainer's handover through shared memory: the old trainer's final state, read by its successor
+without waiting for a disk checkpoint.
+
+A single-process trainer keeps its checkpoint staging buffers (trainer/checkpoint.py ``HostStaging``) in
+/dev/shm: one segment per state tree (``dflash.<run>.trainer-<tree>.<pid>-<start>``), faulted in once and
+page-locked for CUDA, reused by every checkpoint. At restart-trainer (SIGUSR1 from the launcher) the old
+trainer copies its final state into them, gives its leases back and writes the handover mark
+(``control/trainer-handover.json``) with the segments' layout instead of writing 12.6 GB (a Qwen3-8B
+draft's weights and AdamW state) to disk. Its successor maps the segments, loads the state and trains;
+the disk checkpoint of that step is written by the successor in the background, from the same pages.
+
+Exactly-once is kept as by any checkpoint: the mark comes after the state is whole, and only the process
+the mark names is believed. The old trainer killed before its mark: the successor resumes from the last
+disk checkpoint (the segments of the dead owner are swept). The successor killed before its background
+write ends: its own restart resumes from the last disk checkpoint, as after any crash; the steps since
+are trained again by that lineage, none twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import faults
+from common.naming import SHM_DIR, segment_name, sweep_stale
+from trainer.checkpoint import HostStaging
+
+log = logging.getLogger("dflash.trainer")
+ALIGN = 4096  # each tensor on its own page boundary
+SHM_RESERVE = 1 << 30  # left free in /dev/shm (producers' host rings live there too)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class SharedStaging(HostStaging):
+    """HostStaging whose buffers are views into /dev/shm segments, one per ``copy(tree, prefix)`` prefix.
+
+    A segment is made at the first copy of its tree (its pages faulted in once) and kept while the tree's
+    layout stays the same; on a CUDA machine it is page-locked (cudaHostRegister) so that copies run at
+    PCIe speed, as pinned buffers do.
+    """
+
+    shared = True
+
+    def __init__(self, run_tag: str) -> None:
+        super().__init__()
+        self.run_tag = run_tag
+        self.segments: dict[str, dict[str, Any]] = {}
+        """prefix -> {"path", "size", "map" and "flat" (the mapped bytes), "layout": {key: [offset, dtype, shape]}}."""
+
+    def copy(self, tree: Any, prefix: str = "", keep: bool = True) -> Any:
+        tensors: list[tuple[str, torch.Tensor]] = []
+        _collect(tree, prefix, tensors)
+        layout, offset = {}, 0
+        for key, t in tensors:
+            layout[key] = [offset, _dtype_name(t.dtype), list(t.shape)]
+            offset += max(1, -(-t.numel() * t.element_size() // ALIGN)) * ALIGN  # an empty tensor too: no shared address
+        segment = self.segments.get(prefix)
+        if self.shared and (segment is None or segment["layout"] != layout):
+            segment = self._make_segment(prefix, layout, max(offset, ALIGN), any(t.is_cuda for _, t in tensors))
+        if segment is not None:
+            for key, t in tensors:
+                self._buffers[key] = _tensor(segment["map"], *layout[key])
+        return super().copy(tree, prefix, keep)
+
+    def _make_segment(self, prefix: str, layout: dict, size: int, pin: bool) -> dict[str, Any] | None:
+        """A new segment for ``prefix``; None (and plain page-locked buffers from now on) when /dev/shm lacks room."""
+        self.release(prefix)
+        free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+        if size + SHM_RESERVE > free:
+            log.warning("/dev/shm has %.1f GB free, the checkpoint staging needs %.1f GB: staging in private memory, "
+                        "and restart-trainer writes the state to disk", free / 1e9, size / 1e9)
+            self.shared = False
+            self.release()
+            return None
+        role = "trainer-" + (prefix.strip("/").replace("/", "-") or "state")
+        path = SHM_DIR / segment_name(self.run_tag, role)
+        with open(path, "w+b") as f:
+            f.truncate(size)
+            mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED)
+        flat = torch.frombuffer(mapped, dtype=torch.uint8)
+        flat.fill_(0)  # fault every page in now, not during the copy of a checkpoint
+        if pin and torch.cuda.is_available():
+            error = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), size, 0)
+            if int(error) != 0:  # copies still work, at pageable speed
+                log.warning("cudaHostRegister of %.1f GB in /dev/shm failed (%s): checkpoint copies are pageable", size / 1e9, error)
+                pin = False
+        segment = {"path": str(path), "size": size, "map": mapped, "flat": flat, "layout": layout, "pinned": pin}
+        self.segments[prefix] = segment
+        return segment
+
+    def release(self, prefix: str | None = None) -> None:
+        """Unmap and remove the segment of ``prefix`` (all with None)."""
+        for name in [prefix] if prefix is not None else list(self.segments):
+            segment = self.segments.pop(name, None)
+            if segment is None:
+                continue
+            if segment["pinned"]:
+                torch.cuda.cudart().cudaHostUnregister(segment["flat"].data_ptr())
+            Path(segment["path"]).unlink(missing_ok=True)
+        self._buffers = {k: v for k, v in self._buffers.items() if any(k.startswith(p) for p in self.segments)}
+
+    def describe(self, tree: Any) -> Any:
+        """``tree`` (made of this staging's buffers) as JSON: tensors become references into the segments."""
+        where = {}
+        for prefix, segment in self.segments.items():
+            for key, (offset, dtype, shape) in segment["layout"].items():
+                where[self._buffers[key].data_ptr()] = {"segment": segment["path"], "offset": offset, "dtype": dtype,
+                                                        "shape": shape}
+        return _encode(tree, where)
+
+
+def _collect(value: Any, key: str, out: list[tuple[str, torch.Tensor]]) -> None:
+    """The tensors of a state tree with HostStaging's keys, in its walk order."""
+    if isinstance(value, torch.Tensor):
+        out.append((key, value))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _collect(v, f"{key}/{k}", out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _collect(v, f"{key}/{i}", out)
+
+
+def _tensor(mapped: mmap.mmap, offset: int, dtype: str, shape: list[int]) -> torch.Tensor:
+    """A tensor over the mapped bytes at ``offset``, with a storage of its own (torch.save writes just its bytes)."""
+    count = math.prod(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    return torch.frombuffer(mapped, dtype=getattr(torch, dtype), count=count, offset=offset).view(shape)
+
+
+def _encode(value: Any, where: dict[int, dict]) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.data_ptr() not in where:
+            raise ValueError("a tensor of the handed-over state is not in a shared segment")
+        return {"tensor": where[value.data_ptr()]}
+    if isinstance(value, dict):
+        return {"items": [[k, _encode(v, where)] for k, v in value.items()]}  # keys may be ints (optimizer state)
+    if isinstance(value, (list, tuple)):
+        return {"tuple" if isinstance(value, tuple) else "list": [_encode(v, where) for v in value]}
+    return {"value": value}
+
+
+def _decode(value: dict, segments: dict[str, mmap.mmap]) -> Any:
+    if "tensor" in value:
+        ref = value["tensor"]
+        return _tensor(segments[ref["segment"]], ref["offset"], ref["dtype"], ref["shape"])
+    if "items" in value:
+        return {k: _decode(v, segments) for k, v in value["items"]}
+    if "list" in value:
+        return [_decode(v, segments) for v in value["list"]]
+    if "tuple" in value:
+        return tuple(_decode(v, segments) for v in value["tuple"])
+    return value["value"]
+
+
+@dataclass
+class HandedState:
+    """The state a predecessor handed over: trees of tensors mapped from its segments (read by this process only)."""
+
+    weights: dict[str, torch.Tensor]
+    train_state: dict[str, Any]
+    meta: dict[str, Any]
+    """What trainer_state.json would hold (step, committed batches, ...)."""
+    drafter_config: dict[str, Any]
+    """The drafter's config.json (z-lab format)."""
+
+
+def take(state: dict[str, Any]) -> HandedState | None:
+    """Map the segments a handover mark's ``state`` names and remove their names (the mapping stays this
+    process's). None, with a warning, when they cannot be read: the caller resumes from the disk checkpoint."""
+    paths = sorted({ref for ref in _segment_paths(state["trees"])})
+    try:
+        segments = {p: _map_private(p) for p in paths}
+        trees = {name: _decode(tree, segments) for name, tree in state["trees"].items()}
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+        log.warning("the state handed over cannot be read (%s); resuming from the last disk checkpoint", exc)
+        return None
+    for p in paths:
+        Path(p).unlink(missing_ok=True)
+    faults.point("trainer.taken")
+    return HandedState(trees["weights"], trees["train_state"], state["meta"], state["drafter_config"])
+
+
+def _map_private(path: str) -> mmap.mmap:
+    """The segment's pages, copy-on-write: this process may change its copy, never the owner's."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), os.path.getsize(path), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _segment_paths(tree: Any):
+    if isinstance(tree, dict):
+        if "tensor" in tree:
+            yield tree["tensor"]["segment"]
+            return
+        for v in tree.values():
+            yield from _segment_paths(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _segment_paths(v)
+
+
+def sweep_stale_state(run_tag: str) -> list[Path]:
+    """Remove the staging segments of this run's trainers that are dead (killed before handing them over)."""
+    run_prefix = segment_name(run_tag, "trainer").rsplit(".", 2)[0]
+    return sweep_stale(SHM_DIR, prefix=f"{run_prefix}.trainer-")
