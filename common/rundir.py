@@ -168,6 +168,11 @@ class RunDir:
         """The launcher's word to a trainer started ahead (``trainer.train --standby``) that it takes over."""
         return self.root / "control" / f"standby-{pid}.json"
 
+    def handover_request(self, pid: int) -> Path:
+        """The launcher's word to trainer ``pid``, before its SIGTERM (restart-trainer): hand the state over to a
+        successor in shared memory instead of writing a checkpoint (trainer/handover.py)."""
+        return self.root / "control" / f"handover-{pid}.json"
+
     @property
     def trainer_handover(self) -> Path:
         """Written by a single-process trainer once its final checkpoint, leases, status and wandb are done:

@@ -683,13 +683,16 @@ class Supervisor:
         old = self.trainer if self.trainer.proc is not None else None
         successor = self._make_trainer()  # devices may have changed
         if old is not None:
-            # One process to one process: the old trainer hands its state over in shared memory (SIGUSR1,
-            # trainer/handover.py) and its successor writes the checkpoint; a torchrun group on either side
-            # checkpoints to disk first (SIGTERM).
+            # One process to one process: the old trainer hands its state over in shared memory
+            # (trainer/handover.py) and its successor writes the checkpoint; a torchrun group on either side
+            # checkpoints to disk first. The word is a file, read once the step in flight is done: SIGUSR1
+            # instead never reached the trainer's handler on an H200 machine (cause not found).
             hand_over = len(old.devices) == 1 and len(successor.devices) == 1
+            if hand_over:
+                write_json_atomic(self.run.handover_request(old.pid), {"successor_devices": successor.devices})
             log.info("stopping trainer pid %d (waiting up to %.0f s for its %s)", old.pid, TRAINER_STOP_TIMEOUT_S,
                      "handover" if hand_over else "checkpoint")
-            old.send(signal.SIGUSR1 if hand_over else signal.SIGTERM)
+            old.send(signal.SIGTERM)
         successor.restarts = old_restarts = (old or self.trainer).restarts
         if self.trainer_started_once:
             successor.restarts = old_restarts + 1
@@ -716,6 +719,7 @@ class Supervisor:
             self.trainer = successor
         if old is not None:
             self._await_exit(old, TRAINER_STOP_TIMEOUT_S)
+            self.run.handover_request(old.pid).unlink(missing_ok=True)  # unread if it died first
             self.trainer_checkpoint_at_start = self._checkpoint_step()  # the old one's final checkpoint counts as before
             self.trainer.status_since = time.time()  # trainer.json was the old one's until now
         self._write_launcher_json()

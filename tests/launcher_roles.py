@@ -12,7 +12,7 @@ on SIGTERM/SIGINT. STANDIN_PRODUCER_EXIT=N: exit N at once instead.
 
 Trainer: one step per STANDIN_STEP_S (0.02) into trainer.json (plus lr and the device list it was
 given) and a metrics.jsonl line per step; resumes from checkpoints/standin.json; finishes
-(state "finished", exit 0) at training.max_steps (0: never); on SIGTERM (or SIGUSR1) checkpoints and exits 0
+(state "finished", exit 0) at training.max_steps (0: never); on SIGTERM checkpoints and exits 0
 with state "stopped". STANDIN_TRAINER_EXIT=N: exit N at once instead. STANDIN_TRAINER_CHECKPOINT_THEN_CRASH=K:
 incarnations 1..K each move checkpoints/latest.json one step on and exit 1.
 """
@@ -111,7 +111,6 @@ def run_trainer(run_dir: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _request_stop)
     signal.signal(signal.SIGINT, _request_stop)
-    signal.signal(signal.SIGUSR1, _request_stop)  # restart-trainer's "hand over": a stand-in checkpoints as for SIGTERM
     parser = argparse.ArgumentParser()
     parser.add_argument("role", choices=["producer", "trainer"])
     parser.add_argument("--run-dir", type=Path, required=True)

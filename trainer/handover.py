@@ -3,8 +3,8 @@ without waiting for a disk checkpoint.
 
 A single-process trainer keeps its checkpoint staging buffers (trainer/checkpoint.py ``HostStaging``) in
 /dev/shm: one segment per state tree (``dflash.<run>.trainer-<tree>.<pid>-<start>``), faulted in once and
-page-locked for CUDA, reused by every checkpoint. At restart-trainer (SIGUSR1 from the launcher) the old
-trainer copies its final state into them, gives its leases back and writes the handover mark
+page-locked for CUDA, reused by every checkpoint. At restart-trainer (the launcher's
+``control/handover-<pid>.json``, then SIGTERM) the old trainer copies its final state into them, gives its leases back and writes the handover mark
 (``control/trainer-handover.json``) with the segments' layout instead of writing 12.6 GB (a Qwen3-8B
 draft's weights and AdamW state) to disk. Its successor maps the segments, loads the state and trains;
 the disk checkpoint of that step is written by the successor in the background, from the same pages.

@@ -98,8 +98,6 @@ class Trainer:
             # object collective on NCCL would wait for the GPU to finish the step (a host sync).
             self.cpu_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else dist.group.WORLD
         self.stop_requested = False
-        self.handover_requested = False
-        """restart-trainer (SIGUSR1): stop and hand the state to a successor through shared memory."""
         self.handover_state: dict | None = None
         self.state = "starting"
         self.step = 0
@@ -520,7 +518,9 @@ class Trainer:
             if self.cfg.training.stall_every_steps and self.step % self.cfg.training.stall_every_steps == 0:
                 self._stall()
         finished = self.step >= self.max_steps
-        if self.handover_requested and not finished and self.world_size == 1 and self.checkpoints.staging.shared:
+        handover_request = self.run_dir.handover_request(os.getpid())  # restart-trainer: a successor waits
+        if handover_request.is_file() and not finished and self.world_size == 1 and self.checkpoints.staging.shared:
+            handover_request.unlink()
             self.hand_over()
         else:
             self.save_checkpoint(blocking=True)  # always on the last step, and on a requested stop
@@ -781,18 +781,14 @@ def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
     trainer = None
 
     def request_stop(signum, _frame):
-        handing_over = signum == signal.SIGUSR1  # restart-trainer: a successor takes the state over
-        log.info("signal %d: finishing the step, then %s and exit", signum,
-                 "hand over the state" if handing_over else "checkpoint")
+        log.info("signal %d: finishing the step, then checkpoint (or hand over, for restart-trainer) and exit", signum)
         if trainer is not None:
             trainer.stop_requested = True
-            trainer.handover_requested = handing_over
         else:
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGUSR1, request_stop)
     try:
         mark = wait_for_predecessor(root)
         trainer = Trainer(cfg, root, coupled=coupled, handed_over=(mark or {}).get("state"))
