@@ -470,6 +470,11 @@ class EvalConfig:
     """Held-out documents whose prompts are decoded (and whose teacher-forced tau is the simulated one)."""
     max_new_tokens: int = 64
     """Tokens generated per prompt (fewer when the target emits its end-of-sequence token)."""
+    producer_share: float = 0.25
+    """Most of producer 0's time its evaluations take: after one of E seconds it makes batches for E * (1 - share)
+    / share seconds before the next, and of the requests that came meanwhile only the newest is evaluated
+    (the others are logged as skipped). On a GPU it shares with the trainer an evaluation runs slower than
+    alone, and one every few steps would otherwise stop the producer for good. 1: every request, oldest first."""
     batch_prompts: int = 16
     """Prompts decoded together: one verify forward of the target serves them all, each row keeping exactly
     what it would alone (tau is unchanged; an evaluation of 16 prompts takes about one prompt's time). Targets
@@ -492,6 +497,7 @@ class EvalConfig:
         _check(self.num_prompts >= 1, "num_prompts", f"must be >= 1, got {self.num_prompts}")
         _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _check(self.batch_prompts >= 1, "batch_prompts", f"must be >= 1, got {self.batch_prompts}")
+        _check(0 < self.producer_share <= 1, "producer_share", f"must be in (0, 1], got {self.producer_share}")
         _check(self.prompt_len >= 0, "prompt_len", f"must be >= 0, got {self.prompt_len}")
         _check(self.gap_tolerance > 0, "gap_tolerance", f"must be > 0, got {self.gap_tolerance}")
 

@@ -469,10 +469,19 @@ class Producer:
         pending = evals.open_requests(self.run_dir)
         if not pending:
             return
-        request = pending[0]
+        # With a share below 1, the newest weights only: requests that came while this producer evaluated or
+        # made up its share of batches are answered as skipped (the trainer logs that), so none pile up.
+        share = self.cfg.eval.producer_share
+        request = pending[0] if share >= 1 else pending[-1]
+        for stale in pending[:-1] if share < 1 else []:
+            evals.finish(self.run_dir, evals.EvalResult(
+                step=stale.step, producer=self.producer_id,
+                lost=f"skipped: producer 0 evaluates at most eval.producer_share={self.cfg.eval.producer_share} of its time, "
+                     f"and step {request.step} came since"))
         evals.claim(self.run_dir, request, self.producer_id, os.getpid())
         self.evaluating = request.step
         self.write_status(ready=True)
+        started = time.monotonic()
         faults.point("producer.evaluate")
         try:
             metrics = self._evaluate(request)
@@ -485,6 +494,9 @@ class Producer:
         evals.finish(self.run_dir, result)
         self.evaluating = None
         self.write_status(ready=True)
+        # Batches again for long enough that evaluating takes at most eval.producer_share of this producer's time.
+        spent = time.monotonic() - started
+        self._next_eval_check = time.monotonic() + max(EVAL_POLL_S, spent * (1.0 - share) / share)
 
     def _evaluate(self, request: evals.EvalRequest) -> dict[str, float]:
         """Real and simulated acceptance of the exported drafter against this producer's target."""

@@ -13,7 +13,7 @@ from collections import Counter
 
 from tests.test_pipeline import ROOT, SMALL, finish, lineage, start
 
-EVAL = ["eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8", "logging.log_every=4"]
+EVAL = ["eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8", "logging.log_every=4", "eval.producer_share=1.0"]
 
 
 def assert_nothing_trained_twice(run: RunDir) -> None:
@@ -60,6 +60,24 @@ def test_a_producer_killed_during_an_evaluation_loses_the_evaluation_never_data(
     steps = [m["step"] for m in evaluations(run)]
     assert 8 not in steps and 32 in steps
     assert "producer-0 crashed" in (run_dir.parent / "launcher.out").read_text()
+    assert_nothing_trained_twice(run)
+
+
+def test_evaluations_asked_faster_than_they_run_never_stop_producer_zero(short_tmp):
+    """A request every 4 steps, an evaluation that takes longer: producer 0 evaluates the newest, answers the
+    others as skipped and makes batches in between (it used to evaluate back to back and make none)."""
+    from common import evals
+
+    run_dir = short_tmp / "run"
+    finish(start(run_dir, "training.max_steps=96", "eval.every_steps=4", "logging.log_every=4", "eval.num_prompts=4",
+                 "eval.max_new_tokens=32", "eval.producer_share=0.25"), run_dir)
+    run = RunDir(run_dir)
+    results = [r for r in (evals.result(run, step) for step in range(4, 97, 4)) if r is not None]
+    skipped = [r.step for r in results if r.lost and r.lost.startswith("skipped")]
+    done = [r.step for r in results if not r.lost]
+    assert skipped and len(done) >= 2 and 96 in done, (skipped, done)
+    after_first = [p for line in lineage(run) if line["step"] > done[0] for p, _ in line["batches"]]
+    assert after_first.count(0) >= 0.25 * len(after_first), "producer 0 went on making batches"
     assert_nothing_trained_twice(run)
 
 

@@ -29,6 +29,7 @@ SMALL = [
     "batching.token_budget=512", "batching.window_docs=32", "drafter.num_anchors=32",
     "training.checkpoint_every=8", "logging.log_every=4", "ring.heartbeat_interval_s=0.25",
     "ring.heartbeat_timeout_s=2.0", "launch.restart_backoff_s=0.5",
+    "launch.standby_trainer_after_s=600",  # no standby trainer's imports on these 2 cores, but where a test asks
 ]
 
 
