@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
+
+SEND_POLL_S = 0.002  # how often a filler held by a queued zero-copy send looks again
 
 
 class SlotState(IntEnum):
@@ -34,6 +36,9 @@ class Slot:
     """Consumer key of the lease (LEASED only)."""
     payload: object = None
     """What the filler attached at publish (layout and metadata)."""
+    sending: list = field(default_factory=list)
+    """Zero-copy sends of this slot's bytes that may still be queued in ZeroMQ (their MessageTrackers): the
+    slot is not refilled before they are done, whatever happened to the leases meanwhile."""
 
 
 @dataclass
@@ -52,6 +57,8 @@ class SlotCounters:
     reclaimed: int = 0
     discarded: int = 0
     stale_acks: int = 0
+    held_for_send: int = 0
+    """Times the filler found a free slot whose bytes a queued zero-copy send still reads (it waited)."""
     blocked_s: float = 0.0
     """Seconds the filler waited for a free slot (backpressure)."""
 
@@ -73,13 +80,20 @@ class SlotTable:
         return len(self._slots)
 
     def acquire(self, timeout: float | None = None) -> int | None:
-        """FREE -> FILLING. Waits up to ``timeout`` for a free slot (counted as blocked time)."""
+        """FREE -> FILLING. Waits up to ``timeout`` for a free slot (counted as blocked time); a free slot
+        whose bytes a zero-copy send may still read (``mark_sending``) waits for that send."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             started = time.monotonic()
             try:
                 while True:
+                    held = False
                     for slot in self._slots:
+                        if slot.state is SlotState.FREE and slot.sending:
+                            slot.sending = [t for t in slot.sending if not t.done]
+                            if slot.sending:
+                                held = True
+                                continue
                         if slot.state is SlotState.FREE:
                             slot.state = SlotState.FILLING
                             slot.generation = self._next_generation
@@ -90,6 +104,9 @@ class SlotTable:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         return None
+                    if held:  # a send's end is not notified: look again shortly
+                        self.counters.held_for_send += 1
+                        remaining = SEND_POLL_S if remaining is None else min(remaining, SEND_POLL_S)
                     self._cond.wait(remaining)
             finally:
                 self.counters.blocked_s += time.monotonic() - started
@@ -152,6 +169,11 @@ class SlotTable:
             self._free(slot, notify)
             self.counters.released += 1
             return True
+
+    def mark_sending(self, index: int, tracker: object) -> None:
+        """A zero-copy send of slot ``index`` left for ZeroMQ; ``tracker.done`` says when it no longer reads it."""
+        with self._cond:
+            self._slots[index].sending.append(tracker)
 
     def unlease(self, holder: object, index: int, generation: int) -> bool:
         """LEASED -> READY for one lease whose announcement never left (it keeps its place in front)."""

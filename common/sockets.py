@@ -200,23 +200,23 @@ def make_socket(
     return sock
 
 
-def send_nowait(sock: zmq.Socket, frames: list[bytes], payload: memoryview | None = None) -> bool:
+def send_nowait(sock: zmq.Socket, frames: list[bytes], payload: memoryview | None = None) -> bool | zmq.MessageTracker:
     """Send without ever blocking; False when the peer is gone or its queue is full.
 
     Frame by frame rather than send_multipart, whose checks cost a few microseconds per lease;
     zmq still delivers the parts all or none (a full queue or a gone peer fails the first).
     ``payload``, when given, is sent last and not copied: ZeroMQ reads that memory while it sends,
-    so it must stay unchanged until the peer has the whole message.
+    so it must stay unchanged until the peer has the whole message. Then the return value is that
+    send's MessageTracker (``done`` once ZeroMQ no longer reads the memory), else True.
     """
     try:
         for frame in frames[:-1]:
             sock.send(frame, zmq.SNDMORE | zmq.NOBLOCK)
         if payload is None:
             sock.send(frames[-1], zmq.NOBLOCK)
-        else:
-            sock.send(frames[-1], zmq.SNDMORE | zmq.NOBLOCK)
-            sock.send(payload, zmq.NOBLOCK, copy=False)
-        return True
+            return True
+        sock.send(frames[-1], zmq.SNDMORE | zmq.NOBLOCK)
+        return sock.send(payload, zmq.NOBLOCK, copy=False, track=True)
     except zmq.Again:
         return False
     except zmq.ZMQError as exc:

@@ -413,8 +413,11 @@ class RingServer:
             if lease is None:
                 break
             payload = self._slot_buffer(lease.slot)[: lease.payload[3]] if consumer.frames else None
-            if send_nowait(sock, [consumer.identity, lease.payload[2]], payload):
+            sent = send_nowait(sock, [consumer.identity, lease.payload[2]], payload)
+            if sent:
                 consumer.credits -= 1
+                if payload is not None:  # the slot is not refilled while ZeroMQ may still read it
+                    self.slots.mark_sending(lease.slot, sent)
             else:
                 # Its queue is full or it is gone: undo this lease and try it again a heartbeat later
                 # (a gone consumer expires meanwhile). Its credits stay: taking them would starve
@@ -428,12 +431,11 @@ class RingServer:
     def _slot_buffer(self, index: int) -> memoryview:
         """Slot ``index`` of the host ring as a buffer ZeroMQ sends from without a copy.
 
-        Safe because a leased slot is not refilled before its ack. A lease taken back while its
-        message still waits in ZeroMQ's queue (a consumer silent past the timeout but connected)
-        could see the slot refilled under the send once another consumer acks it; that consumer
-        trained the batch, and the late receiver, already dropped here, is no better off than a ring
-        consumer reading a slot after its lease expired (the trainer's ranks discard a batch trained
-        by another).
+        Safe because a slot is refilled neither before its ack nor before ZeroMQ is done with every
+        send of it: a lease taken back while its message still waits in ZeroMQ's queue (a consumer
+        silent past the timeout but connected) may be leased again and acked by another consumer,
+        but the filler waits for the queued send's tracker (``SlotTable.mark_sending``), so the late
+        receiver gets the bytes of the batch it was announced, never a half-refilled slot.
         """
         if self._slot_buffers is None:
             self._slot_buffers = [memoryview(self.ring.slot(i).numpy()) for i in range(self.ring.num_slots)]

@@ -3,6 +3,7 @@
 import random
 import re
 import signal
+import threading
 import time
 
 import msgpack
@@ -145,3 +146,50 @@ def test_version_mismatch_is_refused_with_a_reason(short_tmp):
     producer.send_signal(signal.SIGTERM)
     assert producer.wait(timeout=30) == 0
     assert not _segments_of(producer.pid)
+
+
+def test_a_slot_is_not_refilled_while_its_zero_copy_frame_still_waits_in_zeromq(short_tmp):
+    """A lease taken back while its frame waits in ZeroMQ's queue (its consumer silent but connected), leased
+    again and acked by another consumer: the filler does not get that slot before ZeroMQ is done reading it,
+    and the late receiver gets the bytes of the batch it was announced (before the fix, a slot refilled
+    under the send)."""
+    from common.slots import SlotTable
+    from common.sockets import send_nowait
+
+    context = zmq.Context()
+    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    endpoint = ipc_endpoint(short_tmp / "z.ipc")
+    router.bind(endpoint)
+    dealer.setsockopt(zmq.RCVHWM, 1)
+    dealer.connect(endpoint)
+    dealer.send(b"hello")
+    identity, _ = router.recv_multipart()
+    slots = SlotTable(1)
+    ring_slot = bytearray(b"A" * (32 << 20))  # more than the socket buffers take while nobody reads
+    index = slots.acquire()
+    slots.publish(index, None)
+    lease = slots.lease_next("silent")
+    router.send_multipart([identity, b"earlier batch", b"x" * (32 << 20)])  # fills the consumer's receive queue
+    sent = send_nowait(router, [identity, b"batch"], memoryview(ring_slot))
+    assert sent and not sent.done
+    slots.mark_sending(index, sent)
+    slots.reclaim("silent")  # its heartbeat timed out
+    again = slots.lease_next("other")
+    assert slots.release("other", again.slot, again.generation)
+    refilled = threading.Event()
+
+    def filler() -> None:  # takes the next free slot and refills it at once, as the producer's filler does
+        if slots.acquire(timeout=10.0) == index:
+            ring_slot[:] = b"B" * len(ring_slot)
+            refilled.set()
+
+    threading.Thread(target=filler, daemon=True).start()
+    time.sleep(0.5)
+    assert not refilled.is_set(), "the filler must not refill a slot ZeroMQ still sends from"
+    assert slots.counters.held_for_send > 0
+    assert dealer.recv_multipart()[0] == b"earlier batch"  # the silent consumer reads again
+    assert dealer.recv_multipart()[-1] == b"A" * (32 << 20), "torn: the slot was refilled under the send"
+    assert refilled.wait(5.0) and lease.slot == index
+    router.close(0)
+    dealer.close(0)
+    context.term()
