@@ -13,8 +13,8 @@ measures a steady window after warm-up, from the ledger's timestamps (samples tr
 producers' status files (slots published, ring occupancy), sampled every 0.25 s.
 
 Runs (placement as producers -> trainer ranks):
-  producer       producer alone (``producer.bench_producer``): samples/s one target GPU delivers
-  trainer        trainer step alone on data already on its GPU (``trainer.bench_step``)
+  producer       producer alone (``launch.bench_producer``): samples/s one target GPU delivers
+  trainer        trainer step alone on data already on its GPU (``launch.bench_step``)
   shared-1       producer and trainer on GPU 0
   coupled-1      target forward then drafter step in one process on GPU 0 (``trainer/coupled.py``)
   split-2        producer on GPU 0, trainer on GPU 1
@@ -363,10 +363,10 @@ def net_rate(ledger: list[dict], timeline: list[dict], t0: float, t1: float) -> 
 def run_stage(name: str, args: argparse.Namespace) -> dict:
     """The producer alone or the trainer alone, by their own benchmark programs (last line is JSON)."""
     if name == "producer":
-        command = ["-m", "producer.bench_producer", "--warmup", str(args.warmup_s), "--seconds", str(args.seconds)]
+        command = ["-m", "launch.bench_producer", "--warmup", str(args.warmup_s), "--seconds", str(args.seconds)]
         command += ["--tiny"] if args.tiny else ["--fixed-len", str(args.length), "--budget", str(args.length)]
     else:
-        command = ["-m", "trainer.bench_step", "--variants", "compile-layers" if not args.tiny else "eager",
+        command = ["-m", "launch.bench_step", "--variants", "compile-layers" if not args.tiny else "eager",
                    "--master-fp32", "--num-docs", "1", "--steps", "20", "--warmup", "3"]
         command += ["--tiny"] if args.tiny else ["--seq-len", str(args.length), "--num-anchors", str(args.anchors)]
     out = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)

@@ -4,7 +4,7 @@
     python -m launch.fuzz producer --messages 5000 --seed 3
     python -m launch.fuzz trainer --json out.json
 
-``producer``: a real producer process (``common.demo``: a RingServer over a /dev/shm ring, every
+``producer``: a real producer process (``launch.demo``: a RingServer over a /dev/shm ring, every
 batch checksummed) serves a well-formed consumer process while hostile peers send it malformed
 and semantically wrong messages: valid msgpack with wrong types, huge lengths, bins and exts,
 unknown types and fields, other versions, negative and foreign slot numbers, stale generations,
@@ -336,7 +336,7 @@ class _Lines:
 
 def good_consumer(args: argparse.Namespace) -> int:
     """The well-formed peer: hold leases a while, check every checksum at ack, replay stale acks."""
-    from common.demo import checksum
+    from launch.demo import checksum
     from common.transport import Delivery, RingClient
 
     stop = threading.Event()
@@ -381,7 +381,7 @@ def fuzz_producer(messages: int, seed: int) -> dict:
     num_slots = 4
     tmp = Path(tempfile.mkdtemp(prefix="df-fz-", dir="/tmp"))
     endpoint = ipc_endpoint(tmp / "p.ipc")
-    producer = _spawn("common.demo", "producer", "--endpoint", endpoint, "--count", "0", "--slots", str(num_slots),
+    producer = _spawn("launch.demo", "producer", "--endpoint", endpoint, "--count", "0", "--slots", str(num_slots),
                       "--slot-bytes", "16384", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "5", "--linger", "0.5",
                       log=tmp / "producer.log")
     producer_lines = _Lines(producer)

@@ -30,18 +30,18 @@ for step in $steps; do
           run gpu_tests 600 $PY -m pytest -q -rfEs -p no:cacheprovider $per_test --durations=8 -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py tests/test_tensor_parallel.py tests/test_fsdp.py ;;
     hybrid)  # issue 17: Qwen3.6-27B shapes (Gated-DeltaNet hybrid): fla GPU test, producer capture, the 27B draft's step
           run hybrid_tests 300 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_hybrid_target.py tests/test_drafter_masks.py tests/test_serving_fidelity.py
-          run target_27b 420 $PY -m producer.bench_target --shape qwen3.6-27b --attn varlen --batches 8 --warmup 2 --json-out "$OUT/target_27b.json"
-          run target_27b_3072 240 $PY -m producer.bench_target --shape qwen3.6-27b --attn varlen --rows 4 --length 3072 --batches 8 --warmup 2 --json-out "$OUT/target_27b_3072.json"
-          run step_27b 300 $PY -m trainer.bench_step --draft qwen3.6-27b --variants compile-layers --warmup 3 --steps 8 ;;
-    ring) run ring 110 $PY -m common.bench_ring --count 100 --json "$OUT/ring.json" ;;
-    producer) run producer 180 $PY -m producer.bench_producer --warmup 20 --seconds 30 ;;
-    step) run step 300 $PY -m trainer.bench_step --variants eager,compile-layers --warmup 3 --steps 10
-          run step_fp32 200 $PY -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
+          run target_27b 420 $PY -m launch.bench_target --shape qwen3.6-27b --attn varlen --batches 8 --warmup 2 --json-out "$OUT/target_27b.json"
+          run target_27b_3072 240 $PY -m launch.bench_target --shape qwen3.6-27b --attn varlen --rows 4 --length 3072 --batches 8 --warmup 2 --json-out "$OUT/target_27b_3072.json"
+          run step_27b 300 $PY -m launch.bench_step --draft qwen3.6-27b --variants compile-layers --warmup 3 --steps 8 ;;
+    ring) run ring 110 $PY -m launch.bench_ring --count 100 --json "$OUT/ring.json" ;;
+    producer) run producer 180 $PY -m launch.bench_producer --warmup 20 --seconds 30 ;;
+    step) run step 300 $PY -m launch.bench_step --variants eager,compile-layers --warmup 3 --steps 10
+          run step_fp32 200 $PY -m launch.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
     restart) run restart 560 $PY -m launch.bench_restart --timeout 240 ;;
     scaling)  # issue 8: trainer samples/s on 1 GPU, then DDP and FSDP over 2 (data already on the GPUs)
-          run scale_1gpu 200 $PY -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10
-          run scale_ddp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism ddp
-          run scale_fsdp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m trainer.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism fsdp ;;
+          run scale_1gpu 200 $PY -m launch.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10
+          run scale_ddp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism ddp
+          run scale_fsdp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism fsdp ;;
     pipeline) run pipeline 3000 $PY -m launch.bench_pipeline --json "$OUT/pipeline.json" ;;
     mps)  # issue 6: do the shared placements reach their ideal when the processes run under MPS?
           # (stage rates: the H200's producer and trainer alone, BENCHMARKS.md, for the ideal column)
@@ -57,10 +57,10 @@ for step in $steps; do
     evals)  # issue 18: one H200 under MPS, a checkpoint and a 16-prompt evaluation every 40 steps, decoupled against coupled
           run pipeline_evals 540 $PY -m launch.bench_pipeline --runs coupled-1-evals,shared-1-evals --warm-steps 5 --timeout 240 --cycles 2 --set launch.mps=true --json "$OUT/pipeline_evals.json" ;;
     checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall, synchronous against background
-          run checkpoint 320 $PY -m trainer.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp ;;
+          run checkpoint 320 $PY -m launch.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp ;;
     checkpoint_fsdp)  # issue 6: the same draft's checkpoint stall under a 2-rank FSDP trainer (NCCL gather into reused pinned buffers)
           for mode in synchronous background; do
-            run checkpoint_fsdp_$mode 320 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m trainer.bench_checkpoint --parallelism fsdp --modes $mode --device auto --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp
+            run checkpoint_fsdp_$mode 320 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench_checkpoint --parallelism fsdp --modes $mode --device auto --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp
           done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -1,9 +1,9 @@
 """Benchmark: how long training stands still for a checkpoint, written synchronously or in the background.
 
-    python -m trainer.bench_checkpoint                      # a 1024-wide draft on the CPU
-    python -m trainer.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936
-    torchrun --nproc-per-node 2 -m trainer.bench_checkpoint --parallelism fsdp --modes synchronous  # sharded
-    torchrun --nproc-per-node 2 -m trainer.bench_checkpoint --parallelism fsdp --modes background
+    python -m launch.bench_checkpoint                      # a 1024-wide draft on the CPU
+    python -m launch.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936
+    torchrun --nproc-per-node 2 -m launch.bench_checkpoint --parallelism fsdp --modes synchronous  # sharded
+    torchrun --nproc-per-node 2 -m launch.bench_checkpoint --parallelism fsdp --modes background
 
 A real Trainer (the tiny config with a wider random target) takes an AdamW step, then saves. "stall" is
 how long ``save_checkpoint`` keeps the training loop; "write" is until the checkpoint is on disk and

@@ -1,8 +1,8 @@
 """Ring benchmark: slot hand-off throughput and protocol latency against the raw copy ceiling.
 
-    python -m common.bench_ring                  # every placement this machine has
-    python -m common.bench_ring --json out.json
-    python -m common.bench_ring --latency-only --repeat 7 --baseline /tmp/base   # before/after
+    python -m launch.bench_ring                  # every placement this machine has
+    python -m launch.bench_ring --json out.json
+    python -m launch.bench_ring --latency-only --repeat 7 --baseline /tmp/base   # before/after
 
 For each placement a real producer process serves a ring and a real consumer process receives
 each slot and copies it into its own memory (CPU tensor, or its GPU); with two credits the copy
@@ -143,10 +143,10 @@ def _finish(client: RingClient, delivery, copied) -> None:
 
 def _run_pair(name: str, backend: str, dest: str, slot_bytes: int, count: int, copy: bool, credits: int,
               producer_env: dict, consumer_env: dict, slots: int, tree: Path = ROOT) -> dict:
-    """One producer and one consumer process, both running ``common.bench_ring`` of ``tree``."""
+    """One producer and one consumer process, both running ``launch.bench_ring`` of ``tree``."""
     with tempfile.TemporaryDirectory(prefix="df-bench-", dir="/tmp") as tmp:
         endpoint = ipc_endpoint(Path(tmp) / "p.ipc")
-        base = [sys.executable, "-m", "common.bench_ring"]
+        base = [sys.executable, "-m", "launch.bench_ring"]
         shared = ["--endpoint", endpoint, "--slot-bytes", str(slot_bytes)]
         tree_env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
         producer_env, consumer_env = {**producer_env, **tree_env}, {**consumer_env, **tree_env}
