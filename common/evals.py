@@ -21,9 +21,8 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-from common.naming import process_start_ticks
+from common.naming import process_alive, process_start_ticks
 from common.rundir import RunDir, atomic_write_json, read_json
 
 STEP_DIR = re.compile(r"step-(\d+)$")
@@ -101,10 +100,6 @@ def result(run: RunDir, step: int) -> EvalResult | None:
     return EvalResult(**data) if data is not None else None
 
 
-def _alive(pid: Any, start_ticks: Any) -> bool:
-    return isinstance(pid, int) and process_start_ticks(pid) is not None and process_start_ticks(pid) == start_ticks
-
-
 def mark_abandoned_claims_lost(run: RunDir, producer_id: int) -> list[int]:
     """Claims of this producer id by a process that is gone, without a result: written as lost. Their steps."""
     lost = []
@@ -113,7 +108,8 @@ def mark_abandoned_claims_lost(run: RunDir, producer_id: int) -> list[int]:
         if (here / "result.json").exists():
             continue
         claimed = read_json(here / "claim.json")
-        if claimed and claimed.get("producer") == producer_id and not _alive(claimed.get("pid"), claimed.get("start_ticks")):
+        if claimed and claimed.get("producer") == producer_id and not (
+                isinstance(claimed.get("pid"), int) and process_alive(claimed["pid"], claimed.get("start_ticks"))):
             finish(run, EvalResult(step=step, lost="the producer evaluating it was restarted", producer=producer_id))
             lost.append(step)
     return lost

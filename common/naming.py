@@ -89,3 +89,11 @@ def sweep_stale(directory: Path, prefix: str = "", suffix: str = "") -> list[Pat
 def sweep_stale_segments() -> list[Path]:
     """Remove /dev/shm segments of this project whose owning process is dead."""
     return sweep_stale(SHM_DIR, prefix=SEGMENT_PREFIX + ".")
+
+
+def process_alive(pid: int | None, start_ticks: int | None = None) -> bool:
+    """True if ``pid`` runs (and, when ``start_ticks`` is given, is the same process, not a reused pid)."""
+    if not pid:
+        return False
+    ticks = process_start_ticks(pid)
+    return ticks is not None and (start_ticks is None or ticks == start_ticks)

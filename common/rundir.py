@@ -9,6 +9,12 @@
     DIR/checkpoints/           step-XXXXXXXX/ folders and latest.json (pointer, written last)
     DIR/target/                the target's frozen head for the trainer when the target has no path
     DIR/ledger.jsonl, DIR/metrics.jsonl, DIR/logs/, DIR/wandb/
+    DIR/launcher.json          the launcher's pid file: its pid, its children's pids, restart counts
+    DIR/logs/                  producer-{I}.log, trainer.log, launcher.log (appended across restarts)
+    DIR/control/               restart-trainer requests and results, standby and handover words, evaluations' marks
+
+Status files are written atomically (temp file + rename), so a reader sees the old or the new content, never
+half of one; readers treat unreadable JSON as absent.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 
 from common.config import ConfigError
 from common.naming import process_start_ticks
+from common.sockets import run_keys
 
 RUN_DIR_FORMAT = 1
 """Layout version of a run directory. Raise it when a change makes older run directories unreadable
@@ -166,18 +173,18 @@ class RunDir:
 
     def standby_go(self, pid: int) -> Path:
         """The launcher's word to a trainer started ahead (``trainer.train --standby``) that it takes over."""
-        return self.root / "control" / f"standby-{pid}.json"
+        return self.control / f"standby-{pid}.json"
 
     def handover_request(self, pid: int) -> Path:
         """The launcher's word to trainer ``pid``, before its SIGTERM (restart-trainer): hand the state over to a
         successor in shared memory instead of writing a checkpoint (trainer/handover.py)."""
-        return self.root / "control" / f"handover-{pid}.json"
+        return self.control / f"handover-{pid}.json"
 
     @property
     def trainer_handover(self) -> Path:
         """Written by a single-process trainer once its final checkpoint, leases, status and wandb are done:
         its successor need not wait for the interpreter's teardown."""
-        return self.root / "control" / "trainer-handover.json"
+        return self.control / "trainer-handover.json"
 
     def producer_status(self, producer_id: int) -> Path:
         return self.root / "producers" / f"p{producer_id}.json"
@@ -233,3 +240,60 @@ class RunDir:
             return None
         state = read_json(latest / "trainer_state.json") or {}
         return state.get("committed", {}).get(str(producer_id))
+
+    # -- the launcher's own files
+
+    @property
+    def launcher(self) -> Path:
+        return self.root / "launcher.json"
+
+    @property
+    def producers(self) -> Path:
+        return self.producer_status(0).parent  # the folder of p{I}.json
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def restart_request(self) -> Path:
+        return self.control / "restart-trainer.json"
+
+    @property
+    def restart_result(self) -> Path:
+        return self.control / "restart-trainer.result.json"
+
+    def log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+    def create(self) -> None:
+        """Make the run directory and the folders every process expects to exist; mark its format.
+
+        Refuses (RunDirFormatError) a folder of another format before touching anything in it.
+        """
+        self.check_format()
+        for folder in (self.root, self.logs, self.producers, self.sockets, self.control, self.checkpoints, self.wandb):
+            folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.sockets, 0o700)  # only the run's user may reach the producers' sockets
+        run_keys(self.curve_keys)  # the run's CURVE keys (0600), for producers and trainers on other hosts
+        self.write_format()
+
+
+def last_json_line(path: Path, tail_bytes: int = 65536) -> dict | None:
+    """The last complete JSON object of a JSON-lines file (read from its end), or None."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue  # a line being written right now, or cut by the tail window
+        if isinstance(data, dict):
+            return data
+    return None

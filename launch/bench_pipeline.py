@@ -52,7 +52,7 @@ from pathlib import Path
 from common.config import load_config, save_config
 from common.rundir import read_json
 from launch.bench_restart import QWEN3_8B, wait_for
-from launch.rundir import RunDir
+from common.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_LOG_EVERY = 5  # steps per metrics window of the *-evals runs: fine enough to tell windows during an evaluation

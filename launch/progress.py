@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from launch.rundir import RunDir, read_json
+from common.rundir import RunDir, read_json
 
 
 def trainer_figures(status: dict[str, Any]) -> list[str]:

@@ -36,7 +36,8 @@ from datetime import datetime
 from pathlib import Path
 
 from common.naming import SHM_DIR, parse_owner, process_start_ticks, segment_name
-from launch.rundir import RunDir, process_alive, read_json
+from common.rundir import RunDir, read_json
+from common.naming import process_alive
 from launch.supervisor import REPO_ROOT
 
 TAG_ENV = "DFLASH_SOAK_TAG"

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from launch.progress import eta_s, format_duration, ring_occupancy, trainer_figures
-from launch.rundir import RunDir, last_json_line, process_alive, read_json
+from common.rundir import RunDir, last_json_line, read_json
+from common.naming import process_alive
 
 STALE_AFTER_S = 10.0
 RING_FIELDS = ("slots", "free", "filling", "ready", "leased")

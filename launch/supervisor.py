@@ -57,7 +57,8 @@ from common.naming import sweep_stale
 from launch import status as status_cmd
 from launch.mps import MpsDaemon
 from launch.progress import ProgressView, ViewHandler
-from launch.rundir import RunDir, process_alive, process_start_ticks, read_json, write_json_atomic
+from common.rundir import RunDir, read_json, atomic_write_json
+from common.naming import process_alive, process_start_ticks
 
 log = logging.getLogger("dflash.launch")
 
@@ -543,7 +544,7 @@ class Supervisor:
         path = self.run.producer_status(producer_id)
         status = read_json(path)
         if status is not None and status.get("ready"):
-            write_json_atomic(path, {**status, "ready": False})
+            atomic_write_json(path, {**status, "ready": False})
 
     def _check_producer_ready(self, producer_id: int, producer: ManagedProcess) -> int | None:
         status = read_json(self.run.producer_status(producer_id))
@@ -689,7 +690,7 @@ class Supervisor:
             # instead never reached the trainer's handler on an H200 machine (cause not found).
             hand_over = len(old.devices) == 1 and len(successor.devices) == 1
             if hand_over:
-                write_json_atomic(self.run.handover_request(old.pid), {"successor_devices": successor.devices})
+                atomic_write_json(self.run.handover_request(old.pid), {"successor_devices": successor.devices})
             log.info("stopping trainer pid %d (waiting up to %.0f s for its %s)", old.pid, TRAINER_STOP_TIMEOUT_S,
                      "handover" if hand_over else "checkpoint")
             old.send(signal.SIGTERM)
@@ -702,7 +703,7 @@ class Supervisor:
             predecessor = f"{old.pid}:{old.start_ticks}" if old is not None else None
             spare, self.spare = self.spare, None
             if spare is not None and spare.proc is not None and spare.poll() is None and spare.devices == successor.devices:
-                write_json_atomic(self.run.standby_go(spare.pid), {"predecessor": predecessor})
+                atomic_write_json(self.run.standby_go(spare.pid), {"predecessor": predecessor})
                 spare.command = successor.command  # a crash restart of it is an ordinary trainer start
                 spare.restarts = successor.restarts
                 self.trainer = spare
@@ -729,7 +730,7 @@ class Supervisor:
                         changed: list[str] | None = None) -> None:
         if error:
             log.error("restart-trainer refused: %s", error)
-        write_json_atomic(self.run.restart_result, {
+        atomic_write_json(self.run.restart_result, {
             "request_id": request_id, "ok": error is None, "error": error, "trainer_pid": trainer_pid,
             "changed": changed or [], "answered": time.time(),
         })
@@ -788,7 +789,7 @@ class Supervisor:
         }
         if record != self._last_record:
             self._last_record = record
-            write_json_atomic(self.run.launcher, {**record, "updated": time.time()})
+            atomic_write_json(self.run.launcher, {**record, "updated": time.time()})
 
 
 # -- entry points --------------------------------------------------------------------------------
@@ -870,7 +871,7 @@ def request_trainer_restart(run_dir: Path, overrides: list[str], timeout_s: floa
         return 1
     request_id = uuid.uuid4().hex
     run.restart_result.unlink(missing_ok=True)
-    write_json_atomic(run.restart_request, {"request_id": request_id, "overrides": overrides, "requested": time.time()})
+    atomic_write_json(run.restart_request, {"request_id": request_id, "overrides": overrides, "requested": time.time()})
     os.kill(record["pid"], signal.SIGUSR1)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

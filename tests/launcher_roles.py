@@ -29,7 +29,8 @@ import tomllib
 from pathlib import Path
 
 from common.naming import owner_identity
-from launch.rundir import process_alive, read_json, write_json_atomic
+from common.naming import process_alive
+from common.rundir import read_json, atomic_write_json
 
 stop_requested = False
 
@@ -57,7 +58,7 @@ def run_producer(run_dir: Path, producer_id: int, device: str) -> int:
     try:
         while not stop_requested:
             now = time.time()
-            write_json_atomic(status_path, {
+            atomic_write_json(status_path, {
                 "id": producer_id, "pid": os.getpid(), "ready": now >= ready_at, "endpoint": f"ipc://{socket_file}",
                 "updated": now, "device": device,
                 "ring": {"slots": slots, "free": 1, "filling": 0, "ready": slots - 1, "leased": 0},
@@ -82,10 +83,10 @@ def run_trainer(run_dir: Path) -> int:
     checkpoint = run_dir / "checkpoints" / "standin.json"
     saved = read_json(checkpoint) or {"step": 0, "incarnation": 0}
     step, incarnation = saved["step"], saved["incarnation"] + 1
-    write_json_atomic(checkpoint, {"step": step, "incarnation": incarnation})
+    atomic_write_json(checkpoint, {"step": step, "incarnation": incarnation})
     if incarnation <= int(os.environ.get("STANDIN_TRAINER_CHECKPOINT_THEN_CRASH", "0")):
         # A new checkpoint (latest.json further on), then a crash: progress between crashes.
-        write_json_atomic(run_dir / "checkpoints" / "latest.json", {"name": f"step-{incarnation:08d}", "step": incarnation})
+        atomic_write_json(run_dir / "checkpoints" / "latest.json", {"name": f"step-{incarnation:08d}", "step": incarnation})
         print(f"stand-in trainer incarnation {incarnation}: checkpointed step {incarnation}, crashing as told")
         return 1
     step_s = float(os.environ.get("STANDIN_STEP_S", "0.02"))
@@ -93,7 +94,7 @@ def run_trainer(run_dir: Path) -> int:
               "devices": os.environ.get("DFLASH_TRAINER_DEVICES"), "producers_ready_at_start": _producers_ready(run_dir)}
 
     def report(state: str) -> None:
-        write_json_atomic(run_dir / "trainer.json", {**common, "step": step, "state": state, "updated": time.time()})
+        atomic_write_json(run_dir / "trainer.json", {**common, "step": step, "state": state, "updated": time.time()})
 
     report("starting")
     print(f"stand-in trainer incarnation {incarnation} from step {step}")
@@ -103,7 +104,7 @@ def run_trainer(run_dir: Path) -> int:
         with (run_dir / "metrics.jsonl").open("a") as metrics:
             metrics.write(json.dumps({"step": step, "loss": 1.0 / step, "incarnation": incarnation}) + "\n")
         report("training")
-    write_json_atomic(checkpoint, {"step": step, "incarnation": incarnation})
+    atomic_write_json(checkpoint, {"step": step, "incarnation": incarnation})
     report("stopped" if stop_requested else "finished")
     return 0
 

@@ -35,7 +35,8 @@ import torch
 from safetensors.torch import load_file
 
 from common.faults import LOG_ENV, PLAN_ENV, POINTS, Fault, format_plan, parse_plan, read_log
-from launch.rundir import RunDir, process_alive, read_json
+from common.rundir import RunDir, read_json
+from common.naming import process_alive
 from peers import wait_for
 from test_pipeline import ROOT, SMALL, lineage, run_all, shard
 

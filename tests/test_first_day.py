@@ -166,14 +166,14 @@ def test_progress_view_shows_only_the_current_trainers_figures(tmp_path):
     """After a restart the old trainer's figures are not the new one's: until the new trainer writes its own
     trainer.json the view says it is starting."""
     from launch.progress import ProgressView
-    from launch.rundir import RunDir, write_json_atomic
+    from common.rundir import RunDir, atomic_write_json
 
     run = RunDir(tmp_path / "run")
     (run.root / "producers").mkdir(parents=True)
-    write_json_atomic(run.producer_status(0), {"id": 0, "ring": {"slots": 4, "free": 1, "filling": 0, "ready": 2, "leased": 1}})
+    atomic_write_json(run.producer_status(0), {"id": 0, "ring": {"slots": 4, "free": 1, "filling": 0, "ready": 2, "leased": 1}})
     old = {"step": 40, "max_steps": 100, "state": "training", "updated": 1000.0, "loss": 3.5, "tau": 1.7, "lr": 1e-3,
            "samples_per_s": 6.0, "steps_per_s": 2.0, "eval": {"step": 40, "tau": 1.5, "sim_tau": 1.7}}
-    write_json_atomic(run.trainer_status, old)
+    atomic_write_json(run.trainer_status, old)
     lines = []
     view = ProgressView(run, terminal=False)
     view.write = lines.append

@@ -20,7 +20,8 @@ import pytest
 from common.config import load_config
 from common.naming import owner_identity
 from launch import supervisor
-from launch.rundir import RunDir, process_alive, read_json
+from common.rundir import RunDir, read_json
+from common.naming import process_alive
 from peers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from pathlib import Path
 from common.config import load_config
 from common.rundir import RunDir, read_json
 from launch.mps import MPS_CONTROL, MpsDaemon
-from launch.rundir import RunDir as LaunchRunDir
+from common.rundir import RunDir as LaunchRunDir
 from launch.supervisor import Supervisor
 from peers import wait_for
 from test_pipeline import ROOT, SMALL, producer_pids, start, stop_and_finish, trainer_step

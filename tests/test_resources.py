@@ -17,7 +17,7 @@ import pytest
 
 from common.config import load_config, save_config
 from common.rundir import RUN_DIR_FORMAT, RunDir, read_json
-from launch.rundir import RunDir as LaunchRunDir
+from common.rundir import RunDir as LaunchRunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCER_OVERRIDES = ["data.num_samples=60", "data.mean_len=48", "data.min_len=8", "data.max_seq_len=128",

@@ -14,7 +14,7 @@ from common.protocol import Hello
 from common.ring import HostRing
 from common.sockets import CurveKeys, SecretsError, ipc_endpoint, run_keys
 from common.transport import HandshakeTimeout, RingClient, RingServer
-from launch.rundir import RunDir
+from common.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534

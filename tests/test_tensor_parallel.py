@@ -23,7 +23,7 @@ import torch
 from common.config import ConfigError, TargetConfig, load_config
 from common.rundir import RunDir, read_json
 from launch import supervisor
-from launch.rundir import process_alive
+from common.naming import process_alive
 from peers import wait_for
 from producer.target import Target, check_tensor_parallel
 from producer.tensor_parallel import TensorParallelGroup, follow, split_devices
