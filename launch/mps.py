@@ -23,7 +23,7 @@ from pathlib import Path
 
 from common.config import ConfigError
 
-log = logging.getLogger("dflash.launch")
+log = logging.getLogger(__name__)
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 

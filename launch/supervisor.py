@@ -60,7 +60,7 @@ from launch.progress import ProgressView, ViewHandler
 from common.rundir import RunDir, read_json, atomic_write_json
 from common.naming import process_alive, process_start_ticks
 
-log = logging.getLogger("dflash.launch")
+log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "launch" / "tiny.toml"

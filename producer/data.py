@@ -32,7 +32,7 @@ import numpy as np
 
 from common.config import DataConfig
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 # Enough to diagnose a broken file without flooding the log of a long-lived producer.
@@ -157,9 +157,9 @@ class DataSource(ABC):
             self.stats.first_bad.append(f"{self.location(sample_id)} {bad}")
         total = sum(self.stats.bad.values())
         if total <= _MAX_LOGGED_BAD_RECORDS:
-            logger.warning("bad record %s (sample %d) skipped: %s", self.location(sample_id), sample_id, bad)
+            log.warning("bad record %s (sample %d) skipped: %s", self.location(sample_id), sample_id, bad)
             if total == _MAX_LOGGED_BAD_RECORDS:
-                logger.warning("further bad records are only counted (see data stats)")
+                log.warning("further bad records are only counted (see data stats)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from producer.target import Target, build_target_config, check_tensor_parallel
 from producer.tensor_parallel import TensorParallelGroup, follow, split_devices
 from trainer.draft_config import build_target_layer_ids
 
-log = logging.getLogger("producer")
+log = logging.getLogger(__name__)
 
 EXIT_CONFIG_ERROR = 2
 

@@ -54,7 +54,7 @@ from producer.linear_attention import install_packed_forward, is_gated_deltanet,
 if TYPE_CHECKING:
     from producer.tensor_parallel import TensorParallelGroup
 
-log = logging.getLogger("producer.target")
+log = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "varlen", "flex", "sdpa")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

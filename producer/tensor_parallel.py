@@ -41,7 +41,7 @@ from common.config import ConfigError
 if TYPE_CHECKING:
     from producer.target import Target
 
-log = logging.getLogger("producer")
+log = logging.getLogger(__name__)
 
 KEEPALIVE_INTERVAL_S = 5.0
 # Long, as transformers' own for sharded loading (rank skew); keepalives keep idle waits far below it.

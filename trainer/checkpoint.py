@@ -31,7 +31,7 @@ from common.rundir import CheckpointError, RunDir, atomic_write_json, replace_di
 from trainer.export import export_zlab
 from trainer.model import DFlashDrafter
 
-log = logging.getLogger("dflash.trainer")
+log = logging.getLogger(__name__)
 
 
 class HostStaging:

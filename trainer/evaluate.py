@@ -55,7 +55,7 @@ from trainer.masks import build_masks, in_block_mask
 from trainer.model import DFlashDrafter
 from trainer.target_head import TargetHead, load_target_head
 
-log = logging.getLogger("trainer.evaluate")
+log = logging.getLogger(__name__)
 
 
 # -- the target side ------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ CONFIG_FILE = "config.json"
 CAUSALITY_KEY = "in_block_causality"
 """Our own statement of the in-block causality, in both formats (servers read their own fields)."""
 
-log = logging.getLogger("trainer.export")
+log = logging.getLogger(__name__)
 
 
 class ExportError(ValueError):

@@ -30,7 +30,7 @@ from common.rundir import RunDir
 from common.sockets import CurveKeys, SecretsError
 from common.transport import HandshakeRefused, RateLimitedLog, RingClient
 
-log = logging.getLogger("trainer.feeder")
+log = logging.getLogger(__name__)
 
 
 class OrdinalSet:

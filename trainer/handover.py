@@ -32,7 +32,7 @@ from common import faults
 from common.naming import SHM_DIR, segment_name, sweep_stale
 from trainer.checkpoint import HostStaging
 
-log = logging.getLogger("dflash.trainer")
+log = logging.getLogger(__name__)
 ALIGN = 4096  # each tensor on its own page boundary
 SHM_RESERVE = 1 << 30  # left free in /dev/shm (producers' host rings live there too)
 

@@ -49,7 +49,7 @@ from trainer.sharding import (
 )
 from trainer.target_head import load_target_head
 
-log = logging.getLogger("trainer")
+log = logging.getLogger(__name__)
 EXIT_CONFIG_ERROR = 2
 PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"
 """Set by the launcher on restart-trainer: ``pid:start_ticks`` of the trainer this one replaces."""
