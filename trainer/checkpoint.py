@@ -1,7 +1,8 @@
 """Trainer checkpoints: a host snapshot taken between two steps, written to disk while training goes on.
 
 A checkpoint is the folder ``checkpoints/step-N``: ``drafter/`` (z-lab format, fp32), ``train_state.pt``
-(optimizer, schedule, RNGs) and ``trainer_state.json`` (step, committed batches). It is written under a
+(optimizer, schedule, RNGs) and ``trainer_state.json`` (step, committed batches). Written (and pruned to
+``keep_last``) by ``CheckpointWriter``, read back by ``load_checkpoint``. It is written under a
 temporary name, fsynced, renamed whole, and only then named by ``latest.json``, so a kill at any point
 leaves the previous checkpoint as the latest and nothing half-written that a restart would read.
 
@@ -15,20 +16,23 @@ flight at a time: the next checkpoint first waits for the one before, which also
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from common import evals, faults
-from common.rundir import CheckpointError, RunDir, atomic_write_json, replace_dir
-from trainer.export import export_zlab
+from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json, replace_dir
+from trainer.export import CONFIG_FILE, WEIGHTS_FILE, export_zlab
 from trainer.model import DFlashDrafter
 
 log = logging.getLogger(__name__)
@@ -81,6 +85,28 @@ class HostStaging:
         if isinstance(value, (list, tuple)):
             return type(value)(self._copy(v, f"{key}/{i}", devices, keep) for i, v in enumerate(value))
         return value  # numbers, strings, None: immutable
+
+
+@dataclass
+class TrainerState:
+    """What a trainer resumes from: a checkpoint folder read back, or the state its predecessor handed over."""
+
+    weights: dict[str, torch.Tensor]
+    train_state: dict[str, Any]
+    """train_state.pt: optimizer, schedule, RNGs."""
+    meta: dict[str, Any]
+    """trainer_state.json: step, committed batches, ..."""
+    drafter_config: dict[str, Any]
+    """The drafter's config.json (z-lab format)."""
+
+
+def load_checkpoint(path: Path) -> TrainerState:
+    """Read checkpoint folder ``path`` (``checkpoints/step-N``) to host memory."""
+    drafter = path / "drafter"
+    return TrainerState(weights=load_file(str(drafter / WEIGHTS_FILE)),
+                        train_state=torch.load(path / "train_state.pt", map_location="cpu", weights_only=True),
+                        meta=read_json(path / "trainer_state.json"),
+                        drafter_config=json.loads((drafter / CONFIG_FILE).read_text()))
 
 
 @dataclass

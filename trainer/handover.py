@@ -30,7 +30,7 @@ import torch
 
 from common import faults
 from common.naming import SHM_DIR, segment_name, sweep_stale
-from trainer.checkpoint import HostStaging
+from trainer.checkpoint import HostStaging, TrainerState
 
 log = logging.getLogger(__name__)
 ALIGN = 4096  # each tensor on its own page boundary
@@ -164,19 +164,7 @@ def _decode(value: dict, segments: dict[str, mmap.mmap]) -> Any:
     return value["value"]
 
 
-@dataclass
-class HandedState:
-    """The state a predecessor handed over: trees of tensors mapped from its segments (read by this process only)."""
-
-    weights: dict[str, torch.Tensor]
-    train_state: dict[str, Any]
-    meta: dict[str, Any]
-    """What trainer_state.json would hold (step, committed batches, ...)."""
-    drafter_config: dict[str, Any]
-    """The drafter's config.json (z-lab format)."""
-
-
-def take(state: dict[str, Any]) -> HandedState | None:
+def take(state: dict[str, Any]) -> TrainerState | None:
     """Map the segments a handover mark's ``state`` names and remove their names (the mapping stays this
     process's). None, with a warning, when they cannot be read: the caller resumes from the disk checkpoint."""
     paths = sorted({ref for ref in _segment_paths(state["trees"])})
@@ -189,7 +177,8 @@ def take(state: dict[str, Any]) -> HandedState | None:
     for p in paths:
         Path(p).unlink(missing_ok=True)
     faults.point("trainer.taken")
-    return HandedState(trees["weights"], trees["train_state"], state["meta"], state["drafter_config"])
+    # Its tensors are mapped from the segments, copy-on-write: read by this process only.
+    return TrainerState(trees["weights"], trees["train_state"], state["meta"], state["drafter_config"])
 
 
 def _map_private(path: str) -> mmap.mmap:

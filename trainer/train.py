@@ -33,9 +33,9 @@ from common.lifecycle import die_with_parent, exit_rank
 from common.naming import process_start_ticks
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from common.hf import text_config_of
-from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot
+from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot, load_checkpoint
 from trainer.draft_config import DraftConfig
-from trainer.export import drafter_from_state, load_drafter, zlab_config
+from trainer.export import drafter_from_state, zlab_config
 from trainer import handover
 from trainer.feeder import Commits, Feeder, Received
 from trainer.loss import LossConfig
@@ -146,6 +146,7 @@ class Trainer:
         if handed is not None and latest is not None and handed.meta["step"] < read_json(latest / "trainer_state.json")["step"]:
             log.warning("the state handed over (step %d) is older than %s; resuming from the checkpoint", handed.meta["step"], latest.name)
             handed = None
+        resumed = handed or (load_checkpoint(latest) if latest is not None else None)
         if self.rank == 0:
             for leftover in run_dir.sweep_partial_checkpoints():
                 log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
@@ -153,10 +154,8 @@ class Trainer:
         torch.manual_seed(cfg.training.seed)
         # Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the
         # device, FSDP keeps each rank's shards of it. A fresh one is the same on every rank (same seed).
-        if handed is not None:
-            self.drafter = drafter_from_state(handed.drafter_config, handed.weights, self.head, self.loss_config)
-        elif latest is not None:
-            self.drafter = load_drafter(latest / "drafter", self.head, self.loss_config, own_checkpoint=True)
+        if resumed is not None:
+            self.drafter = drafter_from_state(resumed.drafter_config, resumed.weights, self.head, self.loss_config)
         else:
             self.drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config)
         if not self.sharded:
@@ -184,14 +183,12 @@ class Trainer:
         self.evals_in_flight: set[int] = set()
         """Steps whose evaluation was asked for and has not come back (common/evals.py)."""
         self.wandb_id = None
-        if handed is not None:
-            # On a GPU the optimizer copies its state to the device; on the CPU it would keep the shared pages
-            # as its own and change them under the background write of their checkpoint.
-            train_state = handed.train_state if self.device.type == "cuda" else tree_map(
-                lambda v: v.clone() if isinstance(v, torch.Tensor) else v, handed.train_state)
-            self._restore(train_state, handed.meta)
-        elif latest is not None:
-            self._load_checkpoint(latest)
+        if resumed is not None:
+            # On a GPU the optimizer copies its state to the device; on the CPU it would keep a handed-over
+            # state's shared pages as its own and change them under the background write of their checkpoint.
+            train_state = resumed.train_state if self.device.type == "cuda" or resumed is not handed else tree_map(
+                lambda v: v.clone() if isinstance(v, torch.Tensor) else v, resumed.train_state)
+            self._restore(train_state, resumed.meta)
         self.wandb = self._init_wandb()
 
         pad_to = cfg.batching.token_budget if self.compiled else None
@@ -323,10 +320,6 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.empty(0),
         }
-
-    def _load_checkpoint(self, path: Path) -> None:
-        self._restore(torch.load(path / "train_state.pt", map_location="cpu", weights_only=True),
-                      read_json(path / "trainer_state.json"))
 
     def _restore(self, state: dict, meta: dict) -> None:
         """Optimizer, schedule, RNGs and bookkeeping from ``train_state`` and ``trainer_state.json`` contents."""
