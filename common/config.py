@@ -19,7 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 SourceFormat = Literal["chat", "tokenized", "synthetic"]
 LengthMode = Literal["chat", "fixed"]
@@ -59,10 +59,42 @@ def resolve_model_path(path: str, key: str) -> str:
 # -- sections ------------------------------------------------------------------------------------
 
 
+READERS = {
+    "producer": "a producer, at its start: fixed while the producers run",
+    "trainer": "the trainer, at its start: restart-trainer may change it",
+    "launcher": "the launcher, as it goes (launch.*) or for a command (check, the progress view)",
+    "checkpoint": "fixed by the drafter's first checkpoint: the drafter's shape and layout",
+}
+"""The readers a config field names in its section's ``READ_BY`` (every field names at least one)."""
+
+
+def readers(key: str) -> set[str]:
+    """Who reads ``section.field`` (its section's ``READ_BY``)."""
+    section, _, name = key.partition(".")
+    section_type = typing.get_type_hints(RunConfig)[section]
+    return set(section_type.READ_BY[name].split())
+
+
+def fixed_while_producers_run(key: str) -> bool:
+    """Whether restart-trainer must refuse a change of ``key``: a producer or the checkpoint holds its value."""
+    return bool(readers(key) & {"producer", "checkpoint"})
+
+
 @dataclass
 class TargetConfig:
     """The target model each producer loads once. With neither ``path`` nor ``config_json`` a tiny
     Qwen3 with random weights is built (the embedded default)."""
+
+    READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
+        "path": "producer trainer launcher",
+        "config_json": "producer",
+        "config_overrides": "producer trainer",
+        "dtype": "producer trainer launcher",
+        "device": "producer",
+        "attention": "producer",
+        "compile": "producer",
+        "seed": "producer",
+    }
 
     path: str | None = None
     """Local directory of a Hugging Face causal LM (config.json + safetensors), loaded with its weights; or a
@@ -99,6 +131,23 @@ class TargetConfig:
 @dataclass
 class DataConfig:
     """Where documents come from and how they are cut to length."""
+
+    READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
+        "format": "producer",
+        "paths": "producer",
+        "max_seq_len": "producer",
+        "too_long": "producer",
+        "chat_template_kwargs": "producer",
+        "vocab_size": "producer",
+        "num_samples": "producer",
+        "seed": "producer",
+        "shuffle_seed": "producer",
+        "length_mode": "producer",
+        "mean_len": "producer",
+        "min_len": "producer",
+        "max_step": "producer",
+        "tokenizer": "producer launcher",
+    }
 
     format: SourceFormat = "synthetic"
     """"chat" (JSONL messages), "tokenized" (JSONL or parquet input_ids) or "synthetic"."""
@@ -153,6 +202,12 @@ class DataConfig:
 class BatchingConfig:
     """How documents are grouped into token-budget batches (one batch = one ring slot)."""
 
+    READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
+        "token_budget": "producer trainer launcher",
+        "max_docs_per_batch": "producer",
+        "window_docs": "producer",
+    }
+
     token_budget: int = 16384
     """Most tokens in one batch (sizes the ring slots); must be >= data.max_seq_len."""
     max_docs_per_batch: int | None = None
@@ -170,6 +225,20 @@ class BatchingConfig:
 @dataclass
 class DrafterConfig:
     """The drafter's shape. Unset sizes come from the target (docs/dflash.md); set ones override it."""
+
+    READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
+        "num_layers": "producer checkpoint",
+        "target_layer_ids": "producer checkpoint",
+        "num_anchors": "producer trainer",
+        "block_size": "checkpoint",
+        "layer_types": "checkpoint",
+        "sliding_window": "checkpoint",
+        "in_block_causality": "checkpoint",
+        "mask_token_id": "checkpoint",
+        "intermediate_size": "checkpoint",
+        "num_attention_heads": "checkpoint",
+        "num_key_value_heads": "checkpoint",
+    }
 
     num_layers: int = 5
     """Number of draft decoder layers."""
@@ -222,6 +291,17 @@ class DrafterConfig:
 class RingConfig:
     """Each producer's ring and the protocol timings."""
 
+    READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
+        "backend": "producer",
+        "num_slots": "producer",
+        "credits": "trainer",
+        "heartbeat_interval_s": "producer trainer",
+        "heartbeat_timeout_s": "producer trainer",
+        "handshake_timeout_s": "trainer",
+        "headroom_slots": "producer",
+        "pause_detect_s": "producer",
+    }
+
     backend: Literal["auto", "host", "cuda"] = "auto"
     """Where slots live: host (/dev/shm), cuda (GPU memory by CUDA IPC); auto: cuda when the producer has a GPU."""
     num_slots: int = 4
@@ -261,6 +341,29 @@ class RingConfig:
 @dataclass
 class TrainingConfig:
     """The optimisation: schedule, loss, checkpoints."""
+
+    READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
+        "lr": "trainer",
+        "min_lr_ratio": "trainer",
+        "warmup_ratio": "trainer",
+        "weight_decay": "trainer",
+        "grad_clip": "trainer",
+        "max_steps": "trainer",
+        "epochs": "trainer",
+        "gamma": "trainer",
+        "streak_aware": "trainer",
+        "feature_noise": "trainer",
+        "checkpoint_every": "trainer",
+        "keep_last": "trainer",
+        "async_checkpoint": "trainer",
+        "seed": "trainer",
+        "device": "trainer",
+        "compile": "trainer",
+        "parallelism": "trainer",
+        "stall_every_steps": "trainer",
+        "stall_s": "trainer",
+        "label_mode": "producer trainer launcher",
+    }
 
     lr: float = 6e-4
     """Peak learning rate of AdamW."""
@@ -334,6 +437,13 @@ class TrainingConfig:
 class LoggingConfig:
     """What the trainer reports and where."""
 
+    READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
+        "log_every": "trainer",
+        "wandb_mode": "trainer",
+        "wandb_project": "trainer",
+        "progress": "launcher",
+    }
+
     log_every: int = 10
     """Steps between metric lines (metrics.jsonl, wandb, progress line)."""
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
@@ -351,6 +461,19 @@ class LoggingConfig:
 @dataclass
 class LaunchConfig:
     """Which processes run where."""
+
+    READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
+        "num_producers": "launcher producer",
+        "producer_devices": "launcher producer",
+        "trainer_devices": "launcher trainer",
+        "restart_backoff_s": "launcher",
+        "max_restarts": "launcher",
+        "standby_trainer_after_s": "launcher",
+        "ready_timeout_s": "launcher trainer",
+        "mps": "launcher producer",
+        "mps_producer_sm_percent": "launcher producer",
+        "remote_producers": "launcher producer trainer",
+    }
 
     num_producers: int = 2
     """Producers (one target each) the launcher starts on this host. With producer_devices set, one
@@ -462,6 +585,17 @@ def _check_producer_devices(entries: list[str]) -> None:
 @dataclass
 class EvalConfig:
     """Acceptance evaluation by real speculative decoding against the target (trainer/evaluate.py)."""
+
+    READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
+        "every_steps": "trainer",
+        "num_prompts": "producer",
+        "max_new_tokens": "producer",
+        "producer_share": "producer",
+        "batch_prompts": "producer",
+        "prompt_len": "producer",
+        "paths": "producer",
+        "gap_tolerance": "producer",
+    }
 
     every_steps: int = 0
     """Evaluate every this many optimizer steps (trainer rank 0; eval/* lines in metrics.jsonl); 0: never.

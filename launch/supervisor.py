@@ -52,7 +52,7 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from common.config import ConfigError, RunConfig, load_config, save_config, to_dict
+from common.config import ConfigError, RunConfig, fixed_while_producers_run, load_config, readers, save_config, to_dict
 from common.naming import sweep_stale
 from launch import status as status_cmd
 from launch.mps import MpsDaemon
@@ -82,10 +82,6 @@ MAX_IPC_PATH = 100
 
 # Keys restart-trainer may change: the producers never read them. Everything else (target, data,
 # batching, drafter, ring, launch.num_producers/producer_devices) shapes what producers ship.
-TRAINER_ONLY_KEYS = ("training.", "logging.", "eval.", "launch.trainer_devices", "launch.restart_backoff_s",
-                     "launch.max_restarts", "launch.ready_timeout_s", "launch.standby_trainer_after_s")
-# Keys inside those sections that the producers do read.
-PRODUCER_READ_KEYS = {"training.label_mode": "producers ship the target's last hidden state only for target_* labels"}
 
 
 class UsageError(Exception):
@@ -150,7 +146,8 @@ def changed_keys(old: RunConfig, new: RunConfig) -> list[str]:
 
 
 def refused_trainer_changes(changed: list[str], old: RunConfig | None = None, new: RunConfig | None = None) -> list[str]:
-    """Messages for the changed keys that restart-trainer must refuse (the producers depend on them)."""
+    """Messages for the changed keys that restart-trainer must refuse: those a producer or the drafter's
+    checkpoint holds (each field's readers, ``READ_BY`` in common/config.py)."""
     refusals = []
     for key in changed:
         if (key == "training.max_steps" and new is not None and old is not None and new.training.max_steps == 0
@@ -159,10 +156,9 @@ def refused_trainer_changes(changed: list[str], old: RunConfig | None = None, ne
             # when they themselves started with max_steps 0: it would wait for counts that never come.
             refusals.append("training.max_steps=0 (size the run by training.epochs) needs the producers started with "
                             f"max_steps 0, and they run with {old.training.max_steps}")
-        elif key in PRODUCER_READ_KEYS:
-            refusals.append(f"{key} cannot change while the producers run ({PRODUCER_READ_KEYS[key]})")
-        elif not key.startswith(TRAINER_ONLY_KEYS):
-            refusals.append(f"{key} cannot change while the producers run (they were started with the old value)")
+        elif fixed_while_producers_run(key):
+            held_by = "the producers read it at their start" if "producer" in readers(key) else "the drafter's checkpoint fixes it"
+            refusals.append(f"{key} cannot change while the producers run ({held_by})")
     return refusals
 
 

@@ -454,8 +454,9 @@ class Producer:
 
     @property
     def serves_evaluations(self) -> bool:
-        """Producer 0 answers the trainer's evaluation requests (a tensor-parallel one does not yet)."""
-        return self.producer_id == 0 and self.group is None and self.cfg.eval.every_steps > 0
+        """Producer 0 answers the trainer's evaluation requests (a tensor-parallel one does not yet), whatever
+        eval.every_steps it started with: that cadence is the trainer's, and restart-trainer may change it."""
+        return self.producer_id == 0 and self.group is None
 
     def _maybe_evaluate(self) -> None:
         """Between two batches: run the oldest open evaluation request of the trainer (common/evals.py).

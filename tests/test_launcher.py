@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
+from common.config import RunConfig, load_config
 from common.naming import owner_identity
 from launch import supervisor
 from common.rundir import RunDir, read_json
@@ -409,14 +409,34 @@ def test_devices_and_commands(monkeypatch):
 
 
 def test_only_trainer_keys_may_change_on_restart():
+    """Derived from who reads each field (common/config.py READ_BY): a key a producer or the checkpoint holds is
+    refused, one only the trainer or the launcher reads is not. eval.num_prompts used to be accepted although
+    producer 0 evaluates with the value it started with."""
     old = load_config(None)
-    new = load_config(None, ["training.lr=1e-5", "logging.log_every=1", 'launch.trainer_devices=["cpu"]',
-                             "ring.credits=3", "drafter.num_layers=2"])
+    new = load_config(None, ["training.lr=1e-5", "logging.log_every=1", 'launch.trainer_devices=["cpu"]', "ring.credits=3",
+                             "drafter.num_layers=2", "drafter.block_size=8", "ring.num_slots=9", "eval.num_prompts=3",
+                             "eval.every_steps=20"])
     changed = supervisor.changed_keys(old, new)
-    assert sorted(changed) == ["drafter.num_layers", "launch.trainer_devices", "logging.log_every", "ring.credits", "training.lr"]
     refused = " ".join(supervisor.refused_trainer_changes(changed))
-    assert "drafter.num_layers" in refused and "ring.credits" in refused
-    assert "training.lr" not in refused and "logging.log_every" not in refused and "launch.trainer_devices" not in refused
+    for key in ("drafter.num_layers", "drafter.block_size", "ring.num_slots", "eval.num_prompts"):
+        assert f"{key} cannot change" in refused, key
+    assert "drafter.block_size cannot change while the producers run (the drafter's checkpoint fixes it)" in refused
+    for key in ("training.lr", "logging.log_every", "launch.trainer_devices", "ring.credits", "eval.every_steps"):
+        assert key in changed and key not in refused, key
+
+
+def test_every_config_field_says_who_reads_it():
+    import dataclasses
+
+    from common.config import READERS, readers
+
+    for section in dataclasses.fields(RunConfig):
+        section_type = type(getattr(RunConfig(), section.name))
+        names = {f.name for f in dataclasses.fields(section_type)}
+        declared = section_type.READ_BY
+        assert set(declared) == names, f"{section.name}: READ_BY lists {sorted(set(declared) ^ names)} wrongly"
+        for name in names:
+            assert readers(f"{section.name}.{name}") and readers(f"{section.name}.{name}") <= set(READERS), f"{section.name}.{name}"
 
 
 @pytest.mark.skipif(not supervisor.DEFAULT_CONFIG.is_file(), reason="launch/tiny.toml not written yet")
