@@ -594,7 +594,7 @@ class EvalConfig:
         "batch_prompts": "producer",
         "prompt_len": "producer",
         "paths": "producer",
-        "gap_tolerance": "producer",
+        "gap_tolerance": "trainer",
     }
 
     every_steps: int = 0

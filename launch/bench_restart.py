@@ -25,7 +25,10 @@ from pathlib import Path
 from common.rundir import RunDir, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKPOINT_EVERY = 8  # one checkpoint before the restart, as in any run that trained a while (the restart turns them off)
+# One checkpoint before the restart, as in any run that trained a while (the restart turns them off). At the
+# Qwen3-8B shapes a write takes 15-22 s on an H200 host: 100 steps apart, so that none is in flight when the
+# restart comes (one would be waited for).
+CHECKPOINT_EVERY = {True: 8, False: 100}
 QWEN3_8B = {
     "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
     "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -34,7 +37,7 @@ QWEN3_8B = {
 
 
 def overrides_for(tiny: bool, run_dir: Path) -> list[str]:
-    common = ["training.max_steps=1000000", f"training.checkpoint_every={CHECKPOINT_EVERY}", "logging.log_every=1",
+    common = ["training.max_steps=1000000", f"training.checkpoint_every={CHECKPOINT_EVERY[tiny]}", "logging.log_every=1",
               "logging.progress=false", "launch.restart_backoff_s=0.5", "launch.standby_trainer_after_s=0"]
     if tiny:
         return common
@@ -115,15 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         t, inc = first_step_after(run, None, args.timeout)
         results["cold_first_step_s"] = t - started
         wait_for(lambda: trainer(run).get("step", 0) >= args.warm_steps, args.timeout, "warm steps")
-        # A run that trained a while has checkpointed: its staging buffers (in /dev/shm) exist.
-        wait_for(lambda: run.latest_checkpoint() is not None, args.timeout, "the first checkpoint")
         producer_pids = {s["id"]: s["pid"] for s in run.producer_statuses()}
         # Steady state: the launcher keeps a standby trainer (imported, waiting) once a trainer trains. Give
         # it its imports' time, as a run that has trained a while has (a single-process trainer only).
         standby = wait_for(lambda: (read_json(run_dir / "launcher.json") or {}).get("standby_trainer"), args.timeout,
                            "the standby trainer")
-        time.sleep(args.standby_s)
+        standby_seen = time.monotonic()
         results["standby_trainer"] = bool(standby)
+        # A run that trained a while has checkpointed: its staging buffers (in /dev/shm) exist. Restart soon
+        # after that write, before the next checkpoint starts one.
+        wait_for(lambda: run.latest_checkpoint() is not None, args.timeout, "the first checkpoint")
+        time.sleep(max(0.0, args.standby_s - (time.monotonic() - standby_seen)))
 
         # 1. restart-trainer: producers and their rings stay; only the trainer is replaced.
         t0 = time.monotonic()

@@ -28,7 +28,7 @@ def evaluations(run: RunDir) -> list[dict]:
 
 def test_producer_zero_evaluates_and_the_trainer_logs_each_result_at_its_step(short_tmp):
     run_dir = short_tmp / "run"
-    finish(start(run_dir, "training.max_steps=24", *EVAL), run_dir)
+    finish(start(run_dir, "training.max_steps=24", *EVAL, "eval.gap_tolerance=1e-6"), run_dir)
     run = RunDir(run_dir)
     assert [m["step"] for m in evaluations(run)] == [8, 16, 24], "each result at the step whose weights it measured"
     assert all(1.0 <= m["eval/tau"] <= 4.0 and m["eval/num_prompts"] == 2 for m in evaluations(run))
@@ -37,6 +37,7 @@ def test_producer_zero_evaluates_and_the_trainer_logs_each_result_at_its_step(sh
     assert producer_log.count("evaluated step") == 3 and "evaluated step" not in (run_dir / "logs" / "producer-1.log").read_text()
     assert "eval at step 8 (logged at" in trainer_log
     assert "evaluation failed" not in trainer_log + producer_log
+    assert "differ by more than eval.gap_tolerance" in trainer_log, "the decoupled trainer warns of a gap too"
     # The exports were only for the evaluations: their weights are gone, the results stay.
     assert not list((run_dir / "evals").glob("step-*/drafter")) and len(list((run_dir / "evals").glob("step-*/result.json"))) == 3
     assert read_json(run.trainer_status)["evals_in_flight"] == []

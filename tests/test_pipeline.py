@@ -258,13 +258,13 @@ def test_a_hung_producer_does_not_slow_training_on_the_other(run_dir):
     os.kill(hung, signal.SIGSTOP)
     stopped_at = time.time()
     try:
-        wait_for(lambda: time.time() > stopped_at + 20, "20 s", 30)
+        wait_for(lambda: time.time() > stopped_at + 12, "12 s", 30)
     finally:
         os.kill(hung, signal.SIGCONT)
     resumed_at = time.time()
     times = [json.loads(line)["time"] for line in run.ledger.read_text().splitlines() if line.endswith("}")]
     during = [t for t in times if stopped_at + 4 < t < resumed_at]  # past the 2 s heartbeat timeout
-    assert len(during) >= 5, f"only {len(during)} steps in the 16 s with one producer hung"
+    assert len(during) >= 5, f"only {len(during)} steps in the 8 s with one producer hung"
     gaps = [b - a for a, b in zip(during, during[1:])]
     assert max(gaps) < 6.0, f"training paused {max(gaps):.1f}s while a producer was hung"
 

@@ -713,11 +713,16 @@ class TrainingEvaluation:
             wandb_run.log(metrics, step=step)
         log.info("eval at step %d: tau %.3f real, %.3f simulated (gap %+.3f), %.1f%% target forwards saved, %.1fs",
                  step, report.tau, report.sim_tau, report.tau_gap, 100 * report.forwards_saved, report.seconds)
-        if not report.gap_within(self.cfg.eval.gap_tolerance):
-            log.warning("real and simulated tau differ by more than eval.gap_tolerance (%.2f of B - 1): check the "
-                        "target layer ids, the rope settings, the loss mask and whether the data is the target's "
-                        "own text", self.cfg.eval.gap_tolerance)
+        warn_if_gap(report.tau_gap, report.block_size, self.cfg.eval.gap_tolerance)
         return report
+
+
+def warn_if_gap(tau_gap: float, block_size: int, tolerance: float) -> None:
+    """The warning of a real tau far from the simulated one (more than ``tolerance`` of B - 1)."""
+    if abs(tau_gap) > tolerance * (block_size - 1):
+        log.warning("real and simulated tau differ by more than eval.gap_tolerance (%.2f of B - 1): check the "
+                    "target layer ids, the rope settings, the loss mask and whether the data is the target's "
+                    "own text", tolerance)
 
 
 # -- command line ---------------------------------------------------------------------------------
