@@ -37,7 +37,9 @@ def test_producer_zero_evaluates_and_the_trainer_logs_each_result_at_its_step(sh
     assert producer_log.count("evaluated step") == 3 and "evaluated step" not in (run_dir / "logs" / "producer-1.log").read_text()
     assert "eval at step 8 (logged at" in trainer_log
     assert "evaluation failed" not in trainer_log + producer_log
-    assert "differ by more than eval.gap_tolerance" in trainer_log, "the decoupled trainer warns of a gap too"
+    # The decoupled trainer warns of a real/simulated gap too: once for every result past the tolerance.
+    gaps = [abs(m["eval/tau_gap"]) > 1e-6 * (4 - 1) for m in evaluations(run)]
+    assert trainer_log.count("differ by more than eval.gap_tolerance") == sum(gaps)
     # The exports were only for the evaluations: their weights are gone, the results stay.
     assert not list((run_dir / "evals").glob("step-*/drafter")) and len(list((run_dir / "evals").glob("step-*/result.json"))) == 3
     assert read_json(run.trainer_status)["evals_in_flight"] == []
@@ -116,3 +118,22 @@ def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_c
     writer.wait()
     assert evals.result(run, 16).lost.startswith("the export could not be written")
     assert [r.step for r in evals.open_requests(run)] == [8]
+
+
+def test_the_trainer_warns_when_a_result_shows_a_real_and_simulated_gap(tmp_path, caplog):
+    """The result of producer 0 goes through the trainer's own logging, which warns past eval.gap_tolerance."""
+    from types import SimpleNamespace
+
+    from common.config import load_config
+    from trainer.train import Trainer
+
+    trainer = SimpleNamespace(metrics_file=open(tmp_path / "metrics.jsonl", "w"), wandb=None, step=30,
+                              draft_config=SimpleNamespace(block_size=4), cfg=load_config(None))
+    with caplog.at_level("WARNING"):
+        Trainer._log_evaluation(trainer, 24, {"eval/tau": 1.2, "eval/sim_tau": 2.6, "eval/tau_gap": -1.4})
+        assert "differ by more than eval.gap_tolerance" in caplog.text  # 1.4 > 0.3 * (B - 1)
+        caplog.clear()
+        Trainer._log_evaluation(trainer, 28, {"eval/tau": 2.5, "eval/sim_tau": 2.6, "eval/tau_gap": -0.1})
+        assert "differ by more" not in caplog.text
+    trainer.metrics_file.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [24, 28]
