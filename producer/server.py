@@ -477,7 +477,7 @@ class Producer:
         for stale in pending[:-1] if share < 1 else []:
             evals.finish(self.run_dir, evals.EvalResult(
                 step=stale.step, producer=self.producer_id,
-                lost=f"skipped: producer 0 evaluates at most eval.producer_share={self.cfg.eval.producer_share} of its time, "
+                lost=f"skipped: producer 0 evaluates at most eval.producer_share={share} of its time, "
                      f"and step {request.step} came since"))
         evals.claim(self.run_dir, request, self.producer_id, os.getpid())
         self.evaluating = request.step

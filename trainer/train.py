@@ -748,17 +748,16 @@ def wait_for_predecessor(run_dir: RunDir) -> dict | None:
     import_what_a_start_needs()  # while the predecessor still works
     pid, start_ticks = (int(x) for x in spec.split(":"))
     began = time.monotonic()
-    mark = None
-    while mark is None:
-        found = read_json(run_dir.trainer_handover) or {}
-        if found.get("pid") == pid and found.get("start_ticks") == start_ticks:
-            mark = found
-        elif process_start_ticks(pid) != start_ticks:
-            # Gone: its mark may have come just before; else it was killed and the disk checkpoint is the state.
-            found = read_json(run_dir.trainer_handover) or {}
-            mark = found if found.get("pid") == pid and found.get("start_ticks") == start_ticks else {}
-        else:
-            time.sleep(0.01)
+    while True:
+        # Alive first, then the mark: a predecessor already gone has written whatever mark it ever will.
+        gone = process_start_ticks(pid) != start_ticks
+        mark = read_json(run_dir.trainer_handover) or {}
+        if mark.get("pid") == pid and mark.get("start_ticks") == start_ticks:
+            break
+        if gone:  # killed before its mark: the disk checkpoint is the state
+            mark = {}
+            break
+        time.sleep(0.01)
     log.info("the trainer this one replaces (pid %d) is done; waited %.1f s for it%s", pid, time.monotonic() - began,
              ", it handed its state over" if mark.get("state") else "")
     faults.point("trainer.resume")
