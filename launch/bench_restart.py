@@ -7,8 +7,10 @@ starting the whole pipeline (targets reloaded), on the same run.
 Sequence: start the pipeline and wait for training to run, for its first checkpoint and for the launcher's
 standby trainer (as in a run that has trained a while); ``restart-trainer`` with a changed
 learning rate and time until the new trainer's first step; ``stop`` and a fresh ``run_all.sh`` on
-the same run directory (it resumes) and time until its first step. The trainer writes trainer.json
-every step here (logging.log_every=1), so steps are seen within the launcher's poll.
+the same run directory (it resumes) and time until its first step. Times are the ledger's: from the
+command to the wall-clock time of the first step the new trainer trained (restart-trainer's command
+itself returns later, once the old trainer has exited). The standby is given the time to build its
+warm start first (trainer/warm.py), as in a run that has trained a while.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Qwen3-8B shapes a write takes 15-22 s on an H200 host: 100 steps apart, so that none is in flight when the
 # restart comes (one would be waited for).
 CHECKPOINT_EVERY = {True: 8, False: 100}
+WARM_LINE = "warm start: head, drafter"  # the standby's log line once its warm start is built
 QWEN3_8B = {
     "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
     "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -72,19 +75,21 @@ def launch(run_dir: Path, overrides: list[str], log_path: Path) -> subprocess.Po
                             cwd=ROOT, stdout=open(log_path, "a"), stderr=subprocess.STDOUT)
 
 
-def first_step_after(run: RunDir, old_incarnation: int | None, timeout: float) -> tuple[float, int]:
-    """Wait for a trainer other than ``old_incarnation`` to finish a step past the latest checkpoint."""
+def first_step_after(run: RunDir, known: set[int], timeout: float) -> tuple[float, int]:
+    """(wall-clock time, incarnation) of the first step that a trainer not in ``known`` trained:
+    its ledger line's time, not when this poll saw it, nor when the restart command returned (which waits
+    for the old trainer's exit)."""
 
     def ready():
-        status = trainer(run)
-        latest = read_json(run.checkpoints / "latest.json") or {"step": 0}
-        fresh = status.get("incarnation") not in (None, old_incarnation)
-        if fresh and status.get("state") == "training" and status.get("step", 0) > latest["step"]:
-            return status["incarnation"]
+        if not run.ledger.is_file():
+            return None
+        for line in run.ledger.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if "time" in row and row.get("incarnation") is not None and row["incarnation"] not in known:
+                return row["time"], row["incarnation"]
         return None
 
-    incarnation = wait_for(ready, timeout, "the first step of a new trainer")
-    return time.monotonic(), incarnation
+    return wait_for(ready, timeout, "the first step of a new trainer")
 
 
 class _Results(dict):
@@ -110,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     overrides = overrides_for(args.tiny, run_dir)
     results = _Results()
 
-    started = time.monotonic()
+    started = time.time()
     launcher = launch(run_dir, overrides, log_path)
     try:
         wait_for(lambda: len([s for s in run.producer_statuses() if s.get("ready")]) >= 1, args.timeout, "producers ready")
-        results["cold_producers_ready_s"] = time.monotonic() - started
-        t, inc = first_step_after(run, None, args.timeout)
+        results["cold_producers_ready_s"] = time.time() - started
+        t, inc = first_step_after(run, set(), args.timeout)
         results["cold_first_step_s"] = t - started
         wait_for(lambda: trainer(run).get("step", 0) >= args.warm_steps, args.timeout, "warm steps")
         producer_pids = {s["id"]: s["pid"] for s in run.producer_statuses()}
@@ -128,30 +133,36 @@ def main(argv: list[str] | None = None) -> int:
         # A run that trained a while has checkpointed: its staging buffers (in /dev/shm) exist. Restart soon
         # after that write, before the next checkpoint starts one.
         wait_for(lambda: run.latest_checkpoint() is not None, args.timeout, "the first checkpoint")
+        # The standby builds its warm start (head, drafter, a step's kernels; trainer/warm.py) meanwhile.
+        trainer_log = run_dir / "logs" / "trainer.log"
+        wait_for(lambda: WARM_LINE in trainer_log.read_text(), args.timeout, "the standby's warm start")
+        results["standby_warm_after_s"] = time.monotonic() - standby_seen
         time.sleep(max(0.0, args.standby_s - (time.monotonic() - standby_seen)))
 
         # 1. restart-trainer: producers and their rings stay; only the trainer is replaced.
-        t0 = time.monotonic()
+        t0 = time.time()
         answer = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "restart-trainer", "--run-dir", str(run_dir),
                                  "training.lr=3e-4", "training.checkpoint_every=1000000"],
                                 cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         if answer.returncode != 0:
             raise RuntimeError(answer.stdout + answer.stderr)
-        t1, inc2 = first_step_after(run, inc, args.timeout)
+        t1, inc2 = first_step_after(run, {inc}, args.timeout)
         results["restart_trainer_to_first_step_s"] = t1 - t0
+        took_over = [line for line in trainer_log.read_text().splitlines() if "took over the state handed over" in line]
+        print("takeover:", took_over[-1].split("; ", 1)[-1] if took_over else "no handover (resumed from the checkpoint)")
         assert {s["id"]: s["pid"] for s in run.producer_statuses()} == producer_pids, "producers were not touched"
 
         # 2. the whole pipeline: stop everything, start again on the same run directory (resume).
-        t2 = time.monotonic()
+        t2 = time.time()
         stopped = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)],
                                  cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
         launcher.wait(timeout=args.timeout)
-        results["full_stop_s"] = time.monotonic() - t2
+        results["full_stop_s"] = time.time() - t2
         if stopped.returncode != 0:
             raise RuntimeError(stopped.stdout + stopped.stderr)
-        t3 = time.monotonic()
+        t3 = time.time()
         launcher = launch(run_dir, [], log_path)
-        t4, _ = first_step_after(run, inc2, args.timeout)
+        t4, _ = first_step_after(run, {inc, inc2}, args.timeout)
         results["full_start_to_first_step_s"] = t4 - t3
         results["full_restart_to_first_step_s"] = t4 - t2
     finally:
