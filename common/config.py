@@ -359,6 +359,7 @@ class TrainingConfig:
         "seed": "trainer",
         "device": "trainer",
         "compile": "trainer",
+        "warm_start": "trainer",
         "parallelism": "trainer",
         "stall_every_steps": "trainer",
         "stall_s": "trainer",
@@ -403,6 +404,12 @@ class TrainingConfig:
     """Trainer device; auto: cuda when available, else cpu (torchrun: cuda:LOCAL_RANK)."""
     compile: bool | None = None
     """torch.compile the draft layers; None: on CUDA only."""
+    warm_start: bool = True
+    """A single-process trainer that will take over on restart-trainer (the launcher's standby, or the
+    trainer started for the restart) builds the head, the drafter and a step's compiled kernels while the
+    old one still trains, so the takeover is a copy of the state and the next step (trainer/warm.py).
+    It holds the head and the drafter's weights on the trainer's device meanwhile (6.6 GB for a
+    Qwen3-8B draft); false: it only imports ahead."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """How several trainer ranks share the drafter. ddp: every rank holds all of it (weights,
     gradients, optimizer state) and gradients are all-reduced. fsdp (FSDP2): every rank holds

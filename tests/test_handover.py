@@ -72,7 +72,9 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     run = RunDir(run_dir)
     wait_for(lambda: standby(run) is not None and trainer_step(run) > 2, "a standby trainer", 120)
     spare = standby(run)["pid"]
-    time.sleep(6)  # its imports
+    trainer_log = run_dir / "logs" / "trainer.log"
+    # The standby builds its warm start (trainer/warm.py) while the trainer trains: head, drafter, a step.
+    wait_for(lambda: "warm start: head, drafter" in trainer_log.read_text(), "the standby's warm start", 60)
     producers = [s["pid"] for s in run.producer_statuses()]
     began = time.monotonic()
     answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4")
@@ -86,8 +88,10 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     assert seconds < 15, seconds
     # The old trainer wrote no checkpoint of its last step: it handed the state over in shared memory, and
     # the successor wrote that checkpoint in the background; its segments are gone from /dev/shm.
-    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
-    assert "handed over in shared memory" in trainer_log and "it handed its state over" in trainer_log
+    text = trainer_log.read_text()
+    assert "handed over in shared memory" in text and "it handed its state over" in text
+    took_over = next(line for line in text.splitlines() if "took over the state handed over" in line)
+    assert "(warm start:" in took_over, took_over  # it loaded the state into the drafter it built ahead
     written = f"checkpoint step-{old_step:08d} written"  # (later ones may have pruned it already)
     wait_for(lambda: written in (run_dir / "logs" / "trainer.log").read_text().split("it handed its state over")[-1],
              "the successor's checkpoint of the step handed over", 30)

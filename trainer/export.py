@@ -23,6 +23,7 @@ that loading an export back never guesses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -275,10 +276,12 @@ def load_drafter(path: str | Path, target_head: TargetHead, loss_config: LossCon
 
 def drafter_from_state(config_json: dict[str, Any], state: dict[str, torch.Tensor], target_head: TargetHead,
                        loss_config: LossConfig | None = None, attention_backend: str | None = None,
-                       own_checkpoint: bool = True) -> DFlashDrafter:
-    """A drafter from an export's config.json contents and its weights (copied: ``state`` stays the caller's)."""
+                       own_checkpoint: bool = True, device: torch.device | None = None) -> DFlashDrafter:
+    """A drafter from an export's config.json contents and its weights (copied: ``state`` stays the caller's).
+    ``device``: built there (the weights are copied straight onto it); else on the default device."""
     config = config_from_export(config_json, own_checkpoint)
-    drafter = DFlashDrafter(config, target_head, loss_config, attention_backend)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        drafter = DFlashDrafter(config, target_head, loss_config, attention_backend)
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) == 1:
         drafter.to(dtypes.pop())  # the target head keeps its own dtype

@@ -32,10 +32,9 @@ from common.config import ConfigError, RunConfig, load_config, to_dict
 from common.lifecycle import die_with_parent, exit_rank
 from common.naming import process_start_ticks
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
-from common.hf import text_config_of
+from trainer import build
 from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot, load_checkpoint
-from trainer.draft_config import DraftConfig
-from trainer.export import drafter_from_state, zlab_config
+from trainer.export import config_from_export, drafter_from_state, zlab_config
 from trainer import handover
 from trainer.feeder import Commits, Feeder, Received
 from trainer.loss import LossConfig
@@ -47,7 +46,9 @@ from trainer.sharding import (
     local_parameter_count,
     parallelize,
 )
-from trainer.target_head import load_target_head
+from trainer.wandb_run import BackgroundRun
+from trainer.warm import WarmStart
+from trainer.warm import prepare as prepare_warm_start
 
 log = logging.getLogger(__name__)
 EXIT_CONFIG_ERROR = 2
@@ -79,9 +80,28 @@ def lr_lambda(cfg: RunConfig, max_steps: int):
     return factor
 
 
+class _StartClock:
+    """Seconds of each part of a trainer's start, for its first log line."""
+
+    def __init__(self) -> None:
+        self.laps: list[tuple[str, float]] = []
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps.append((name, now - self.last))
+        self.last = now
+
+    def __str__(self) -> str:
+        total = sum(s for _, s in self.laps)
+        return f"{total:.1f} s (" + ", ".join(f"{name} {s:.1f}" for name, s in self.laps) + ")"
+
+
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: RunDir, coupled: bool = False, handed_over: dict | None = None) -> None:
-        """``handed_over``: the ``state`` of the predecessor's handover mark (trainer/handover.py), if it left one."""
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, coupled: bool = False, handed_over: dict | None = None,
+                 warm: WarmStart | None = None) -> None:
+        """``handed_over``: the ``state`` of the predecessor's handover mark (trainer/handover.py), if it left one.
+        ``warm``: the head and drafter built ahead of this start (trainer/warm.py), used where they fit."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.rank = int(os.environ.get("RANK", 0))
@@ -114,26 +134,27 @@ class Trainer:
             self.coupled = CoupledSource(cfg, run_dir, self.rank, self.world_size, self.device)
 
         # -- the drafter, sharing the target's frozen embedding, final norm and lm_head ----------
-        head_dir = Path(cfg.target.path) if cfg.target.path else run_dir.target_head
-        self._wait_for(lambda: (head_dir / "config.json").is_file() and any(head_dir.glob("*.safetensors")),
-                       f"the target head in {head_dir} (written by the first producer)")
-        from transformers import AutoConfig
-
-        target_config = text_config_of(AutoConfig.from_pretrained(head_dir))  # a multimodal target's language model
-        for key, value in cfg.target.config_overrides.items():
-            setattr(target_config, key, value)
-        from producer.target import DTYPES, target_identity
-
-        # In the target's dtype: a producer casts a stored target's weights to it while loading, so the
-        # drafter shares (and the handshake hashes) that embedding, not the checkpoint's fp32 one.
-        self.head = load_target_head(head_dir, device=self.device, dtype=DTYPES[cfg.target.dtype])
-        self.draft_config = self._draft_config(target_config, head_dir)
+        # A warm start (trainer/warm.py) built the head and the drafter while the predecessor still trained.
+        if warm is not None and not (self.world_size == 1 and not coupled and warm.fits(cfg, self.device)):
+            log.info("the warm start does not fit the configuration of this start; building anew")
+            warm = None
+        clock = _StartClock()
+        head_dir = build.head_dir_of(cfg, run_dir)
+        if warm is not None:
+            target_config, self.head, self.draft_config = warm.target_config, warm.head, warm.draft_config
+        else:
+            self._wait_for(lambda: build.head_is_ready(head_dir), f"the target head in {head_dir} (written by the first producer)")
+            target_config, self.head = build.load_head(cfg, head_dir, self.device)
+            self.draft_config = build.draft_config_for(cfg, target_config, head_dir)
+        clock.lap("head")
         self.loss_config = LossConfig(
             label_mode=cfg.training.label_mode,
             gamma=cfg.training.gamma,
             weighting="streak" if cfg.training.streak_aware else "decay",
             feature_noise=cfg.training.feature_noise,
         )
+        from producer.target import target_identity
+
         self.expect = {
             "target_identity": target_identity(target_config, self.head.embed_weight),
             "layer_ids": list(self.draft_config.target_layer_ids),
@@ -151,22 +172,27 @@ class Trainer:
             for leftover in run_dir.sweep_partial_checkpoints():
                 log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
             handover.sweep_stale_state(run_dir.root.name)
+        clock.lap("state")
         torch.manual_seed(cfg.training.seed)
         # Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the
         # device, FSDP keeps each rank's shards of it. A fresh one is the same on every rank (same seed).
+        # A single process resumes on its device: no host copy of the weights.
+        self.compiled = build.compiles(cfg, self.device)
+        self.drafter = None
         if resumed is not None:
-            self.drafter = drafter_from_state(resumed.drafter_config, resumed.weights, self.head, self.loss_config)
+            config = config_from_export(resumed.drafter_config, own_checkpoint=True)
+            self.drafter = warm.drafter_for(config, resumed.weights, self.loss_config) if warm is not None else None
+            if self.drafter is None:
+                self.drafter = drafter_from_state(resumed.drafter_config, resumed.weights, self.head, self.loss_config,
+                                                  device=None if self.world_size > 1 else self.device)
         else:
             self.drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config)
+        warmed = warm is not None and self.drafter is warm.drafter
         if not self.sharded:
             self.drafter.to(self.device)
-        self.compiled = cfg.training.compile if cfg.training.compile is not None else self.device.type == "cuda"
-        if self.compiled:
-            # Fuses norms, rotary and SwiGLU per layer. Batches are padded to the token budget
-            # (see pad_packed), so shapes are fixed and each kernel is compiled once. Under FSDP the
-            # compiled layer runs between FSDP's gather and reshard hooks, which dynamo leaves eager.
-            for layer in self.drafter.layers:
-                layer.compile(dynamic=False)
+        if self.compiled and not warmed:
+            build.compile_layers(self.drafter)
+        clock.lap("drafter")
         self.model = parallelize(self.drafter, self.device, self.world_size, self.sharded)
         # How much of the drafter each rank holds, for the status file (shows the sharding).
         self.drafter_params_total = self.drafter.num_trainable_parameters()
@@ -189,7 +215,10 @@ class Trainer:
             train_state = resumed.train_state if self.device.type == "cuda" or resumed is not handed else tree_map(
                 lambda v: v.clone() if isinstance(v, torch.Tensor) else v, resumed.train_state)
             self._restore(train_state, resumed.meta)
+        self.start_step = self.step
+        clock.lap("optimizer")
         self.wandb = self._init_wandb()
+        clock.lap("wandb")
 
         pad_to = cfg.batching.token_budget if self.compiled else None
         self.feeder = self.coupled.bind(self.commits, pad_to) if self.coupled else Feeder(
@@ -209,12 +238,14 @@ class Trainer:
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
         self.flops_cache: dict[int, float] = {}
         self._upcoming: Received | None = None
+        clock.lap("the rest")
         log.info("trainer rank %d/%d (%s) on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters, "
-                 "%.0f%% of them on this rank",
+                 "%.0f%% of them on this rank; built in %s%s",
                  self.rank, self.world_size, self.parallelism, self.device, self.incarnation,
                  "took over the state handed over" if handed else f"resumed from {latest.name}" if latest else "fresh start",
                  self.step, self.max_steps,
-                 self.drafter_params_total / 1e6, 100 * self.drafter_params_per_rank[self.rank] / self.drafter_params_total)
+                 self.drafter_params_total / 1e6, 100 * self.drafter_params_per_rank[self.rank] / self.drafter_params_total,
+                 clock, f" (warm start: {warm.seconds:.1f} s ahead)" if warmed else "")
 
     @property
     def parallelism(self) -> str:
@@ -224,36 +255,6 @@ class Trainer:
         return "fsdp" if self.sharded else "ddp"
 
     # -- set-up helpers --------------------------------------------------------------------------
-
-    def _draft_config(self, target_config, head_dir: Path) -> DraftConfig:
-        d = self.cfg.drafter
-        overrides = {"block_size": d.block_size, "in_block_causality": d.in_block_causality}
-        if d.target_layer_ids:
-            overrides["target_layer_ids"] = list(d.target_layer_ids)
-        if d.layer_types:
-            overrides["layer_types"] = list(d.layer_types)
-        if d.sliding_window is not None:
-            overrides["sliding_window"] = d.sliding_window
-        for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads"):
-            if getattr(d, name) is not None:
-                overrides[name] = getattr(d, name)
-        tokenizer = None
-        mask = d.mask_token_id
-        has_tokenizer = any((head_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-        if mask is None and has_tokenizer:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(head_dir)
-        elif mask is None:
-            # No tokenizer (a random target's exported head): the last id, which synthetic data never
-            # uses. (transformers would return an empty tokenizer here, whose ids collide with data.)
-            mask = int(target_config.vocab_size) - 1
-        try:
-            return DraftConfig.from_target(target_config, num_draft_layers=d.num_layers, tokenizer=tokenizer,
-                                           mask_token_id=mask, **overrides)
-        except ValueError as exc:  # the drafter cannot be built as configured: the same on every try
-            message = str(exc)
-            raise ConfigError(message if message.startswith("drafter.") else f"drafter.{message}") from None
 
     def _steps_from_epochs(self) -> int:
         if self.cfg.launch.remote_producers:
@@ -301,13 +302,17 @@ class Trainer:
         if self.wandb_id is None:
             self.wandb_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(self.wandb_id)
-        run = wandb.init(project=self.cfg.logging.wandb_project, id=self.wandb_id, resume="allow",
-                         dir=str(self.run_dir.root), mode=self.cfg.logging.wandb_mode, name=self.run_dir.root.name,
-                         config=to_dict(self.cfg), settings=wandb.Settings(silent=True))  # with system metrics
-        # An evaluation comes back a few steps after the step it belongs to: its charts use eval/step.
-        run.define_metric("eval/step")
-        run.define_metric("eval/*", step_metric="eval/step")
-        return run
+        project, run_id, mode, config = self.cfg.logging.wandb_project, self.wandb_id, self.cfg.logging.wandb_mode, to_dict(self.cfg)
+
+        def start():
+            run = wandb.init(project=project, id=run_id, resume="allow", dir=str(self.run_dir.root), mode=mode,
+                             name=self.run_dir.root.name, config=config, settings=wandb.Settings(silent=True))  # with system metrics
+            # An evaluation comes back a few steps after the step it belongs to: its charts use eval/step.
+            run.define_metric("eval/step")
+            run.define_metric("eval/*", step_metric="eval/step")
+            return run
+
+        return BackgroundRun(start)  # training does not wait for wandb's start (trainer/wandb_run.py)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -643,6 +648,7 @@ class Trainer:
         last = getattr(self, "last_record", {})
         atomic_write_json(self.run_dir.trainer_status, {
             "pid": os.getpid(), "incarnation": self.incarnation, "step": self.step,
+            "start_step": getattr(self, "start_step", None),
             "max_steps": getattr(self, "max_steps", None), "state": self.state, "updated": time.time(),
             "loss": last.get("loss"), "tau": last.get("tau"), "tokens_per_s": last.get("tokens_per_s"),
             "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "steps_per_s": last.get("steps_per_s"),
@@ -729,23 +735,38 @@ def import_what_a_start_needs() -> None:
     import safetensors.torch  # noqa: F401
     import transformers  # noqa: F401
     import wandb  # noqa: F401
+    import torch._dynamo  # noqa: F401  (the optimizer's first construction imports it: a second or more)
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
     import trainer.evaluate  # noqa: F401
     import trainer.target_head  # noqa: F401
 
 
-def wait_for_predecessor(run_dir: RunDir) -> dict | None:
+def warm_start_ahead(run_dir: RunDir) -> WarmStart | None:
+    """The warm start (trainer/warm.py) of a single-process trainer that takes over a run, built from the
+    run's configuration as it is now (the Trainer checks that it still fits the one it starts with)."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or not run_dir.config.is_file():
+        return None
+    try:
+        cfg = load_config(run_dir.config)
+    except ConfigError:
+        return None  # the start reports it
+    return prepare_warm_start(cfg, run_dir, resolve_device(cfg, 0))
+
+
+def wait_for_predecessor(run_dir: RunDir, warm_start: WarmStart | None = None) -> tuple[dict | None, WarmStart | None]:
     """With ``DFLASH_TRAINER_AFTER=pid:start_ticks`` the launcher started this trainer while the one it
     replaces (restart-trainer) still finishes its step and writes its final checkpoint: import what the
     start needs meanwhile, then wait until that process is gone, or has written its handover (everything
     of the run done, only the interpreter's teardown left), before touching the run (its status, its
     checkpoint, the producers). A killed predecessor is gone too: this trainer then resumes from whatever
-    checkpoint is the latest, as after any crash."""
+    checkpoint is the latest, as after any crash. Returns (its mark, the warm start built meanwhile)."""
     spec = os.environ.get(PREDECESSOR_ENV)
     if not spec:
-        return None
+        return None, warm_start
     import_what_a_start_needs()  # while the predecessor still works
+    if warm_start is None:
+        warm_start = warm_start_ahead(run_dir)
     pid, start_ticks = (int(x) for x in spec.split(":"))
     began = time.monotonic()
     while True:
@@ -761,10 +782,10 @@ def wait_for_predecessor(run_dir: RunDir) -> dict | None:
     log.info("the trainer this one replaces (pid %d) is done; waited %.1f s for it%s", pid, time.monotonic() - began,
              ", it handed its state over" if mark.get("state") else "")
     faults.point("trainer.resume")
-    return mark
+    return mark, warm_start
 
 
-def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
+def run_trainer(run_dir: str | Path, coupled: bool = False, warm_start: WarmStart | None = None) -> int:
     root = RunDir(run_dir)
     die_with_parent()
     try:
@@ -785,8 +806,9 @@ def run_trainer(run_dir: str | Path, coupled: bool = False) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        mark = wait_for_predecessor(root)
-        trainer = Trainer(cfg, root, coupled=coupled, handed_over=(mark or {}).get("state"))
+        mark, warm_start = wait_for_predecessor(root, warm_start)
+        trainer = Trainer(cfg, root, coupled=coupled, handed_over=(mark or {}).get("state"), warm=warm_start)
+        del warm_start  # what the trainer did not take is freed
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
         return EXIT_CONFIG_ERROR
@@ -813,16 +835,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="started ahead by the launcher: import, then wait until told to take over (restart-trainer)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer-r{os.environ.get('RANK', 0)} %(levelname)s %(message)s")
+    warm_start = None
     if args.standby:
         die_with_parent()
-        wait_for_takeover(RunDir(args.run_dir))
-    return run_trainer(args.run_dir, coupled=args.coupled)
+        warm_start = wait_for_takeover(RunDir(args.run_dir))
+    return run_trainer(args.run_dir, coupled=args.coupled, warm_start=warm_start)
 
 
-def wait_for_takeover(run_dir: RunDir) -> None:
-    """A trainer started ahead of need: import what a start needs, then wait for the launcher's word
-    (``control/standby-<pid>.json``, naming the trainer it replaces) before reading anything of the run."""
+def wait_for_takeover(run_dir: RunDir) -> WarmStart | None:
+    """A trainer started ahead of need: import what a start needs and build its warm start (trainer/warm.py),
+    then wait for the launcher's word (``control/standby-<pid>.json``, naming the trainer it replaces)
+    before touching anything else of the run."""
     import_what_a_start_needs()
+    warm_start = warm_start_ahead(run_dir)
     go = run_dir.standby_go(os.getpid())
     while (order := read_json(go)) is None:
         time.sleep(0.02)
@@ -831,6 +856,7 @@ def wait_for_takeover(run_dir: RunDir) -> None:
         os.environ[PREDECESSOR_ENV] = order["predecessor"]
     log.info("taking over as the run's trainer")
     faults.point("trainer.takeover")
+    return warm_start
 
 
 if __name__ == "__main__":
