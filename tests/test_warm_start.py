@@ -24,7 +24,7 @@ def warm_start(cfg=None) -> WarmStart:
     head = random_head(config)
     torch.manual_seed(123)  # another initialisation than the state's: loading must replace all of it
     drafter = DFlashDrafter(config, head)
-    return WarmStart(cfg, torch.device("cpu"), None, head, config, drafter, compiled=False, seconds=0.0)
+    return WarmStart(cfg, torch.device("cpu"), None, head, "identity", config, drafter, compiled=False, seconds=0.0)
 
 
 def trained_weights(config, head) -> dict[str, torch.Tensor]:

@@ -140,12 +140,16 @@ class Trainer:
             warm = None
         clock = _StartClock()
         head_dir = build.head_dir_of(cfg, run_dir)
+        from producer.target import target_identity
+
         if warm is not None:
             target_config, self.head, self.draft_config = warm.target_config, warm.head, warm.draft_config
+            identity = warm.target_identity
         else:
             self._wait_for(lambda: build.head_is_ready(head_dir), f"the target head in {head_dir} (written by the first producer)")
             target_config, self.head = build.load_head(cfg, head_dir, self.device)
             self.draft_config = build.draft_config_for(cfg, target_config, head_dir)
+            identity = target_identity(target_config, self.head.embed_weight)
         clock.lap("head")
         self.loss_config = LossConfig(
             label_mode=cfg.training.label_mode,
@@ -153,10 +157,8 @@ class Trainer:
             weighting="streak" if cfg.training.streak_aware else "decay",
             feature_noise=cfg.training.feature_noise,
         )
-        from producer.target import target_identity
-
         self.expect = {
-            "target_identity": target_identity(target_config, self.head.embed_weight),
+            "target_identity": identity,
             "layer_ids": list(self.draft_config.target_layer_ids),
             "dtype": cfg.target.dtype,
             "last_hidden": cfg.training.label_mode != "data",

@@ -42,6 +42,8 @@ class WarmStart:
     device: torch.device
     target_config: Any
     head: TargetHead
+    target_identity: str
+    """The head's part of the handshake (a hash of the whole embedding: seconds at a large vocabulary)."""
     draft_config: DraftConfig
     drafter: DFlashDrafter
     """On ``device``, in the dtype of a fresh drafter; compiled when ``compiled``."""
@@ -84,6 +86,8 @@ def prepare(cfg: RunConfig, run_dir: RunDir, device: torch.device) -> WarmStart 
     when the head is not there yet, or when building fails (logged: the trainer then builds on its own)."""
     if not cfg.training.warm_start:
         return None
+    from producer.target import target_identity
+
     head_dir = build.head_dir_of(cfg, run_dir)
     if not build.head_is_ready(head_dir):
         return None
@@ -92,6 +96,7 @@ def prepare(cfg: RunConfig, run_dir: RunDir, device: torch.device) -> WarmStart 
         if device.type == "cuda":
             torch.cuda.set_device(device)
         target_config, head = build.load_head(cfg, head_dir, device)
+        identity = target_identity(target_config, head.embed_weight)
         draft_config = build.draft_config_for(cfg, target_config, head_dir)
         loss_config = LossConfig(label_mode=cfg.training.label_mode)
         with torch.device(device):  # initialised where it will train; the state replaces the weights
@@ -114,6 +119,6 @@ def prepare(cfg: RunConfig, run_dir: RunDir, device: torch.device) -> WarmStart 
     except Exception as exc:  # noqa: BLE001 - a warm start is an optimisation: the trainer builds on its own
         log.warning("warm start failed (%s: %s); the trainer builds its drafter when it takes over", type(exc).__name__, exc)
         return None
-    warm = WarmStart(cfg, device, target_config, head, draft_config, drafter, compiled, time.perf_counter() - started)
+    warm = WarmStart(cfg, device, target_config, head, identity, draft_config, drafter, compiled, time.perf_counter() - started)
     log.info("warm start: head, drafter%s and a step's kernels ready in %.1f s", " (compiled)" if compiled else "", warm.seconds)
     return warm
