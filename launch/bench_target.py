@@ -31,9 +31,9 @@ from torch import nn
 
 from common.batch import PackedBatch
 from launch.benchutil import matmul_tflops, synchronize
+from common.codec import DTYPES
 from common.config import TargetConfig
 from producer.target import (
-    DTYPES,
     TINY_TARGET_CONFIG,
     Target,
     flops_per_document,

@@ -35,7 +35,6 @@ all-reduce, so the captured features are those of the unsharded model.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -48,7 +47,8 @@ from torch import nn
 
 from common.config import TargetConfig
 from common.batch import PackedBatch, document_ids, position_ids
-from common.hf import text_config_of
+from common.codec import DTYPES
+from common.hf import target_identity, text_config_of
 from producer.linear_attention import install_packed_forward, is_gated_deltanet, resolve_linear_backend
 
 if TYPE_CHECKING:
@@ -57,15 +57,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "varlen", "flex", "sdpa")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Registered in transformers' attention registry; falls back to plain SDPA when no packing is given,
 # so the same model object still serves an ordinary HF forward (references, baselines).
 PACKED_ATTENTION_NAME = "dflash_packed"
-# Keys of config.to_dict() that describe how a model was loaded, not what it is.
-_VOLATILE_CONFIG_KEYS = frozenset(
-    {"_name_or_path", "transformers_version", "_attn_implementation", "_attn_implementation_internal",
-     "_experts_implementation", "_experts_implementation_internal", "dtype", "torch_dtype", "use_cache"}
-)
 # The tiny default target: a Qwen3 that runs anywhere in milliseconds.
 TINY_TARGET_CONFIG: dict[str, Any] = {
     "model_type": "qwen3",
@@ -234,24 +228,6 @@ def is_sharded(tensor: torch.Tensor) -> bool:
 def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself, or all of a sharded one: a collective that every rank of the group must join."""
     return tensor.full_tensor() if is_sharded(tensor) else tensor
-
-
-def target_identity(config, embed_weight: torch.Tensor) -> str:
-    """Stable identity of a target, compared at the producer/trainer handshake.
-
-    ``{model_type}-L{layers}-H{hidden}-cfg{hash of the config's content}-emb{hash of embed_tokens}``.
-    The embedding hash covers every byte of the weight in its stored dtype: the drafter shares that
-    embedding, so it must be bit-identical on both sides.
-    """
-    fields = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    config_hash = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
-    weight = embed_weight.detach().contiguous().cpu()
-    embed_digest = hashlib.sha256(str(weight.dtype).encode() + str(tuple(weight.shape)).encode())
-    embed_digest.update(weight.view(torch.uint8).numpy().tobytes())
-    return (
-        f"{config.model_type}-L{config.num_hidden_layers}-H{config.hidden_size}"
-        f"-cfg{config_hash[:16]}-emb{embed_digest.hexdigest()[:16]}"
-    )
 
 
 # -------------------------------------------------------------------------------------------- attention
@@ -641,6 +617,5 @@ __all__ = [
     "load_target_model",
     "resolve_attention_backend",
     "resolve_device",
-    "target_identity",
     "whole_tensor",
 ]

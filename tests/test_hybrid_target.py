@@ -11,7 +11,8 @@ from transformers import AutoConfig
 from common.batch import PackedBatch
 from common.config import TargetConfig
 from common.hf import text_config_of
-from producer.target import Target, UnsupportedTarget, target_identity
+from common.hf import target_identity
+from producer.target import Target, UnsupportedTarget
 from tests.hybrid_fixtures import FORMS, reference_model, tiny_qwen35
 from trainer.draft_config import DraftConfig
 from trainer.target_head import load_target_head

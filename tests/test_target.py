@@ -12,12 +12,12 @@ import torch
 from common.config import TargetConfig
 
 from common.batch import PackedBatch
+from common.hf import target_identity
 from producer.target import (
     CapturedFeatures,
     Target,
     flops_per_document,
     load_target_model,
-    target_identity,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

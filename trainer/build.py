@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from common.config import ConfigError, RunConfig
+from common.codec import DTYPES
 from common.hf import text_config_of
 from common.rundir import RunDir
 from trainer.draft_config import DraftConfig
@@ -31,8 +32,6 @@ def head_is_ready(head_dir: Path) -> bool:
 def load_head(cfg: RunConfig, head_dir: Path, device: torch.device) -> tuple[Any, TargetHead]:
     """(the target's text config with the run's overrides, its frozen head on ``device``)."""
     from transformers import AutoConfig
-
-    from producer.target import DTYPES
 
     target_config = text_config_of(AutoConfig.from_pretrained(head_dir))  # a multimodal target's language model
     for key, value in cfg.target.config_overrides.items():

@@ -29,16 +29,13 @@ from typing import Any
 import torch
 
 from common import faults
+from common.codec import DTYPE_NAMES, DTYPES
 from common.naming import SHM_DIR, segment_name, sweep_stale
 from trainer.checkpoint import HostStaging, TrainerState
 
 log = logging.getLogger(__name__)
 ALIGN = 4096  # each tensor on its own page boundary
 SHM_RESERVE = 1 << 30  # left free in /dev/shm (producers' host rings live there too)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class SharedStaging(HostStaging):
@@ -62,7 +59,7 @@ class SharedStaging(HostStaging):
         _collect(tree, prefix, tensors)
         layout, offset = {}, 0
         for key, t in tensors:
-            layout[key] = [offset, _dtype_name(t.dtype), list(t.shape)]
+            layout[key] = [offset, DTYPE_NAMES[t.dtype], list(t.shape)]
             offset += max(1, -(-t.numel() * t.element_size() // ALIGN)) * ALIGN  # an empty tensor too: no shared address
         segment = self.segments.get(prefix)
         if self.shared and (segment is None or segment["layout"] != layout):
@@ -135,8 +132,8 @@ def _tensor(mapped: mmap.mmap, offset: int, dtype: str, shape: list[int]) -> tor
     """A tensor over the mapped bytes at ``offset``, with a storage of its own (torch.save writes just its bytes)."""
     count = math.prod(shape)
     if count == 0:
-        return torch.empty(shape, dtype=getattr(torch, dtype))
-    return torch.frombuffer(mapped, dtype=getattr(torch, dtype), count=count, offset=offset).view(shape)
+        return torch.empty(shape, dtype=DTYPES[dtype])
+    return torch.frombuffer(mapped, dtype=DTYPES[dtype], count=count, offset=offset).view(shape)
 
 
 def _encode(value: Any, where: dict[int, dict]) -> Any:

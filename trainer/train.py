@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 from common import evals, faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
+from common.hf import target_identity
 from common.lifecycle import die_with_parent, exit_rank
 from common.naming import process_start_ticks
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
@@ -140,8 +141,6 @@ class Trainer:
             warm = None
         clock = _StartClock()
         head_dir = build.head_dir_of(cfg, run_dir)
-        from producer.target import target_identity
-
         if warm is not None:
             target_config, self.head, self.draft_config = warm.target_config, warm.head, warm.draft_config
             identity = warm.target_identity

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from common.batch import PackedBatch
+from common.codec import DTYPES
 from common.config import RunConfig
+from common.hf import target_identity
 from common.rundir import RunDir
 from trainer import build
 from trainer.draft_config import DraftConfig
@@ -67,8 +69,6 @@ class WarmStart:
 
 def synthetic_batch(cfg: RunConfig, config: DraftConfig, device: torch.device) -> PackedBatch:
     """A batch of the shapes the feeder hands a compiled trainer (``batching.token_budget`` tokens), random."""
-    from producer.target import DTYPES
-
     tokens, dtype = cfg.batching.token_budget, DTYPES[cfg.target.dtype]
     loss_mask = torch.ones(tokens, dtype=torch.uint8)
     loss_mask[0] = 0
@@ -86,8 +86,6 @@ def prepare(cfg: RunConfig, run_dir: RunDir, device: torch.device) -> WarmStart 
     when the head is not there yet, or when building fails (logged: the trainer then builds on its own)."""
     if not cfg.training.warm_start:
         return None
-    from producer.target import target_identity
-
     head_dir = build.head_dir_of(cfg, run_dir)
     if not build.head_is_ready(head_dir):
         return None
