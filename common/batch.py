@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 TENSOR_DTYPES: dict[str, torch.dtype] = {
@@ -31,6 +32,20 @@ TENSOR_DTYPES: dict[str, torch.dtype] = {
     "cu_seqlens": torch.int32,
     "sample_ids": torch.int64,
 }
+
+
+@dataclass
+class Document:
+    """One document: token ids and the mask of tokens that are training targets."""
+
+    sample_id: int
+    input_ids: np.ndarray
+    """int32 [L]"""
+    loss_mask: np.ndarray
+    """uint8 [L], 1 on target tokens (assistant turns)"""
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
 
 
 @dataclass

@@ -591,7 +591,7 @@ def _check_producer_devices(entries: list[str]) -> None:
 
 @dataclass
 class EvalConfig:
-    """Acceptance evaluation by real speculative decoding against the target (trainer/evaluate.py)."""
+    """Acceptance evaluation by real speculative decoding against the target (common/drafter/evaluate.py)."""
 
     READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
         "every_steps": "trainer",

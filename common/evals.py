@@ -8,7 +8,7 @@ acceptance, and writes ``result.json``. The trainer logs the result at the step 
 
 Why files and a checkpoint-format export rather than shared memory: an evaluation happens every few
 hundred steps and reads a few GB once, which a page-cached file serves as fast; the export is the very
-format servers and ``python -m trainer.evaluate`` read; and a request, a claim and a result survive the
+format servers and ``python -m launch.evaluate`` read; and a request, a claim and a result survive the
 death of either side, so a producer restarted during an evaluation marks it lost (the trainer logs that)
 and no batch of data is touched. Every file is written whole (temporary name, fsync, rename), the request
 last, so a reader never sees half an export.
@@ -47,7 +47,7 @@ class EvalResult:
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
-    """``eval/*`` figures of trainer.evaluate.AcceptanceReport.metrics()."""
+    """``eval/*`` figures of common.drafter.evaluate.AcceptanceReport.metrics()."""
     lost: str | None = None
     """Why there is no figure (the producer died during it, the export could not be read, ...)."""
     producer: int = 0

@@ -8,7 +8,7 @@
 
 Qwen3-8B-shaped target and draft (docs/dflash.md), random bf16 weights, samples of --length tokens (one
 sample per ring slot and per step), 512 anchors, block 16, fp32 master weights under bf16 autocast.
-Every run starts the real processes (``launch/run_all.sh``, or ``trainer.train --coupled``) and
+Every run starts the real processes (``launch/run_all.sh``, or ``launch.coupled``) and
 measures a steady window after warm-up, from the ledger's timestamps (samples trained) and the
 producers' status files (slots published, ring occupancy), sampled every 0.25 s.
 
@@ -16,7 +16,7 @@ Runs (placement as producers -> trainer ranks):
   producer       producer alone (``launch.bench_producer``): samples/s one target GPU delivers
   trainer        trainer step alone on data already on its GPU (``launch.bench_step``)
   shared-1       producer and trainer on GPU 0
-  coupled-1      target forward then drafter step in one process on GPU 0 (``trainer/coupled.py``)
+  coupled-1      target forward then drafter step in one process on GPU 0 (``launch/coupled.py``)
   split-2        producer on GPU 0, trainer on GPU 1
   balanced-2     producer on GPU 0, trainer ranks on GPUs 0 and 1
   shared-2       producers on GPUs 0 and 1, trainer ranks on GPUs 0 and 1
@@ -195,7 +195,7 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
         cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
         run.root.mkdir(parents=True)
         save_config(cfg, run.config)
-        trainer = ["-m", "trainer.train", "--run-dir", str(run.root), "--coupled"]
+        trainer = ["-m", "launch.coupled", "--run-dir", str(run.root)]
         if len(trainer_devices) > 1:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in trainer_devices)
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(trainer_devices)}", *trainer]

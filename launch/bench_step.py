@@ -1,7 +1,7 @@
 """Benchmark one DFlash training step (forward, backward, fused AdamW) at the Qwen3-8B draft shapes.
 
 Features are random and already on the device; weights are random bf16. One "sample" is one packed
-sequence of --seq-len tokens with --num-anchors blocks. MFU = model FLOPs (trainer.model.
+sequence of --seq-len tokens with --num-anchors blocks. MFU = model FLOPs (common.drafter.model.
 train_flops_per_sample: ~73 TFLOP per sample at the default shapes, frozen head weight gradient
 excluded) / time / the bf16 matmul rate measured here (an 8192^3 matmul).
 
@@ -27,11 +27,11 @@ import torch.distributed as dist
 from common.batch import PackedBatch
 from launch.benchutil import matmul_tflops, synchronize
 from common.lifecycle import exit_rank
-from trainer.draft_config import DraftConfig
-from trainer.loss import LossConfig
-from trainer.model import DFlashDrafter, train_flops_per_sample
+from common.drafter.draft_config import DraftConfig
+from common.drafter.loss import LossConfig
+from common.drafter.model import DFlashDrafter, train_flops_per_sample
 from trainer.sharding import full_tensor, parallelize
-from trainer.target_head import TargetHead
+from common.drafter.target_head import TargetHead
 
 VARIANTS = ("eager", "compile-layers", "compile-model")
 

@@ -40,7 +40,7 @@ from producer.target import (
     load_target_model,
     resolve_device,
 )
-from trainer.draft_config import build_target_layer_ids
+from common.drafter.draft_config import build_target_layer_ids
 
 QWEN3_8B_SHAPE = {
     "model_type": "qwen3",

@@ -25,7 +25,8 @@ import torch
 
 from common.batch import PackedBatch
 from common.config import BatchingConfig
-from producer.data import DataError, DataSource, Document
+from common.batch import Document
+from producer.data import DataError, DataSource
 from producer.order import ShardOrder
 
 

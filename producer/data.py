@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from common.batch import Document
 from common.config import DataConfig
 
 log = logging.getLogger(__name__)
@@ -37,20 +38,6 @@ log = logging.getLogger(__name__)
 
 # Enough to diagnose a broken file without flooding the log of a long-lived producer.
 _MAX_LOGGED_BAD_RECORDS = 100
-
-
-@dataclass
-class Document:
-    """One document: token ids and the mask of tokens that are training targets."""
-
-    sample_id: int
-    input_ids: np.ndarray
-    """int32 [L]"""
-    loss_mask: np.ndarray
-    """uint8 [L], 1 on target tokens (assistant turns)"""
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 class DataError(ValueError):

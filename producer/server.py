@@ -57,7 +57,7 @@ from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
 from producer.target import Target, build_target_config, check_tensor_parallel
 from producer.tensor_parallel import TensorParallelGroup, follow, split_devices
-from trainer.draft_config import build_target_layer_ids
+from common.drafter.draft_config import build_target_layer_ids
 
 log = logging.getLogger(__name__)
 
@@ -501,9 +501,10 @@ class Producer:
 
     def _evaluate(self, request: evals.EvalRequest) -> dict[str, float]:
         """Real and simulated acceptance of the exported drafter against this producer's target."""
-        from trainer.evaluate import build_evaluator, target_head_of
-        from trainer.export import load_drafter
-        from trainer.loss import LossConfig
+        from common.drafter.evaluate import target_head_of
+        from common.drafter.export import load_drafter
+        from producer.evaluation import build_evaluator
+        from common.drafter.loss import LossConfig
 
         model = self.target.model
         drafter = load_drafter(request.drafter, target_head_of(model), LossConfig(label_mode=self.cfg.training.label_mode),

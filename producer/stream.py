@@ -2,9 +2,7 @@
 
 Batches of a shard's stream are numbered by their ordinal: the position of the batch in the
 deterministic stream (``BatchPlan.iter_batches`` from the start). A trainer commits, per producer,
-a prefix of ordinals plus a few beyond it (several consumers finish out of order):
-
-    committed = {"ordinal": n, "last_cursor": [epoch, window, index] of ordinal n - 1, "extra": [ordinals > n]}
+a prefix of ordinals plus a few beyond it (the format: common/committed.py).
 
 When a trainer incarnation says HELLO with its committed state, the producer reconciles:
 ready slots holding committed batches are dropped; batches it produced that are neither committed
@@ -19,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from common.committed import read_committed
 from producer.batching import BatchCursor, BatchPlan
 
 
@@ -32,15 +31,8 @@ class PlannedBatch:
 
 def parse_committed(committed: dict | None) -> tuple[int, BatchCursor | None, set[int]]:
     """(next ordinal, cursor of the ordinal before it, committed ordinals beyond) from a HELLO/checkpoint."""
-    if not committed:
-        return 0, None, set()
-    ordinal = int(committed.get("ordinal", 0))
-    last = committed.get("last_cursor")
-    if ordinal < 0 or (ordinal > 0) != (last is not None):
-        raise ValueError(f"committed state is inconsistent: {committed}")
-    cursor = BatchCursor(*(int(x) for x in last)) if last is not None else None
-    extra = {int(o) for o in committed.get("extra", []) if int(o) > ordinal}
-    return ordinal, cursor, extra
+    ordinal, last, extra = read_committed(committed)
+    return ordinal, BatchCursor(*last) if last is not None else None, extra
 
 
 class BatchStream:

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from common.batch import PackedBatch
-from trainer.draft_config import DraftConfig
-from trainer.target_head import TargetHead
+from common.drafter.draft_config import DraftConfig
+from common.drafter.target_head import TargetHead
 
 
 def tiny_config(**overrides) -> DraftConfig:

@@ -17,7 +17,7 @@ from common.config import load_config, save_config
 from common.rundir import RunDir, read_json
 from producer.server import load_target
 from trainer.checkpoint import HostStaging
-from trainer.export import WEIGHTS_FILE
+from common.drafter.export import WEIGHTS_FILE
 from trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

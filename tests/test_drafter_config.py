@@ -6,8 +6,8 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from tests.drafter_fixtures import tiny_config
-from trainer.draft_config import DraftConfig, build_target_layer_ids, default_gamma
-from trainer.model import RotaryEmbedding
+from common.drafter.draft_config import DraftConfig, build_target_layer_ids, default_gamma
+from common.drafter.model import RotaryEmbedding
 
 
 def qwen3_8b_config(**overrides) -> Qwen3Config:
@@ -91,5 +91,5 @@ def test_rope_theta_from_legacy_fields():
         rope_theta = 123.0
         rope_scaling = {"type": "linear", "factor": 2.0}
 
-    from trainer.draft_config import target_rope_parameters
+    from common.drafter.draft_config import target_rope_parameters
     assert target_rope_parameters(Legacy()) == {"rope_type": "linear", "factor": 2.0, "rope_theta": 123.0}

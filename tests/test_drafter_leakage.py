@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
-from trainer.blocks import build_blocks
-from trainer.masks import build_masks
-from trainer.model import DFlashDrafter
+from common.drafter.blocks import build_blocks
+from common.drafter.masks import build_masks
+from common.drafter.model import DFlashDrafter
 
 LENGTHS = [30, 41, 25]  # documents [0, 30), [30, 71), [71, 96)
 

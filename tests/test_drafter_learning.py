@@ -5,10 +5,10 @@ import torch
 
 from common.batch import PackedBatch
 from tests.drafter_fixtures import target_features, tiny_qwen3_target
-from trainer.draft_config import DraftConfig
-from trainer.loss import LossConfig
-from trainer.model import DFlashDrafter
-from trainer.target_head import load_target_head
+from common.drafter.draft_config import DraftConfig
+from common.drafter.loss import LossConfig
+from common.drafter.model import DFlashDrafter
+from common.drafter.target_head import load_target_head
 
 VOCAB = 64
 MASK = 63

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
-from trainer.blocks import build_blocks
-from trainer.loss import LossConfig, chunked_head_loss, draft_loss, draft_metrics, slot_weights
-from trainer.model import DFlashDrafter
+from common.drafter.blocks import build_blocks
+from common.drafter.loss import LossConfig, chunked_head_loss, draft_loss, draft_metrics, slot_weights
+from common.drafter.model import DFlashDrafter
 
 
 def inputs(rows=37, width=16, vocab=50, seed=0):

@@ -7,8 +7,8 @@ from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from common.batch import PackedBatch
 from tests.drafter_fixtures import random_batch, tiny_config
-from trainer.blocks import build_blocks, sample_anchors, valid_anchor_mask
-from trainer.masks import build_masks, dense_reference_mask, flex_block_mask
+from common.drafter.blocks import build_blocks, sample_anchors, valid_anchor_mask
+from common.drafter.masks import build_masks, dense_reference_mask, flex_block_mask
 
 
 def generator(seed: int) -> torch.Generator:
@@ -177,8 +177,8 @@ def test_padding_document_changes_no_real_block():
     """The trainer pads batches to a fixed length with one extra document; real blocks must not
     see it, so the loss is the same with and without it (same anchors)."""
     from trainer.feeder import pad_packed
-    from trainer.loss import LossConfig
-    from trainer.model import DFlashDrafter
+    from common.drafter.loss import LossConfig
+    from common.drafter.model import DFlashDrafter
     from tests.drafter_fixtures import random_batch, random_head, tiny_config
 
     config = tiny_config()
@@ -197,7 +197,7 @@ def test_padding_document_changes_no_real_block():
 def test_gpu_compiled_flex_forward_equals_dense_forward(causality):
     """The trainer's CUDA path (compiled flex attention, block masks) against SDPA with the dense masks, for
     each in-block causality and a window smaller than the block."""
-    from trainer.model import DFlashDrafter
+    from common.drafter.model import DFlashDrafter
     from tests.drafter_fixtures import random_head
 
     # head_dim 16: compiled flex attention needs at least 16.

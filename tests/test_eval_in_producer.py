@@ -92,9 +92,9 @@ def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_c
     from common import evals
     from tests.drafter_fixtures import random_head, tiny_config
     from trainer.checkpoint import EvalExportWriter
-    from trainer.export import load_drafter
-    from trainer.loss import LossConfig
-    from trainer.model import DFlashDrafter
+    from common.drafter.export import load_drafter
+    from common.drafter.loss import LossConfig
+    from common.drafter.model import DFlashDrafter
 
     run = RunDir(tmp_path / "run")
     config = tiny_config()

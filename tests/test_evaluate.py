@@ -12,23 +12,22 @@ from common.batch import PackedBatch
 from common.config import ConfigError, RunConfig, load_config, save_config
 from producer.data import build_data_source
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
-from trainer.blocks import build_blocks
-from trainer.evaluate import (
+from common.drafter.blocks import build_blocks
+from common.drafter.evaluate import (
     DraftContext,
     DraftRows,
     GreedyTarget,
-    TrainingEvaluation,
-    build_evaluator,
     greedy_decode,
-    held_out_documents,
-    main,
     speculative_decode,
     speculative_decode_rows,
     target_head_of,
 )
-from trainer.export import export_zlab
-from trainer.masks import build_masks
-from trainer.model import DFlashDrafter
+from launch.coupled import TrainingEvaluation
+from launch.evaluate import main
+from producer.evaluation import build_evaluator, held_out_documents
+from common.drafter.export import export_zlab
+from common.drafter.masks import build_masks
+from common.drafter.model import DFlashDrafter
 
 LAYER_IDS = [1, 3]
 BLOCK = 4

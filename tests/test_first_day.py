@@ -11,7 +11,7 @@ import torch
 
 from tests.drafter_fixtures import tiny_qwen3_target
 from tests.test_pipeline import start
-from trainer.draft_config import DraftConfig, build_target_layer_ids
+from common.drafter.draft_config import DraftConfig, build_target_layer_ids
 
 
 def stops_with_2(run_dir: Path, *overrides: str) -> tuple[str, float]:
@@ -270,8 +270,8 @@ def test_exports_are_readable_like_the_files_beside_them(tmp_path):
     import stat
 
     from tests.drafter_fixtures import random_head, tiny_config
-    from trainer.export import export_speculators, export_zlab
-    from trainer.model import DFlashDrafter
+    from common.drafter.export import export_speculators, export_zlab
+    from common.drafter.model import DFlashDrafter
 
     config = tiny_config()
     drafter = DFlashDrafter(config, random_head(config))

@@ -29,9 +29,9 @@ from drafter_fixtures import random_batch, random_head, tiny_config
 from peers import wait_for
 from test_pipeline import assert_exactly_once, finish, lineage, run_all, start, trainer_step
 from trainer.checkpoint import HostStaging
-from trainer.export import load_drafter
-from trainer.loss import LossConfig
-from trainer.model import DFlashDrafter
+from common.drafter.export import load_drafter
+from common.drafter.loss import LossConfig
+from common.drafter.model import DFlashDrafter
 from trainer.sharding import (
     TrainStep,
     full_tensor,
@@ -39,7 +39,7 @@ from trainer.sharding import (
     local_parameter_count,
     shard_drafter,
 )
-from trainer.target_head import load_target_head
+from common.drafter.target_head import load_target_head
 
 WORLD_SIZE = 2
 STEPS = 3

@@ -14,8 +14,8 @@ from common.hf import text_config_of
 from common.hf import target_identity
 from producer.target import Target, UnsupportedTarget
 from tests.hybrid_fixtures import FORMS, reference_model, tiny_qwen35
-from trainer.draft_config import DraftConfig
-from trainer.target_head import load_target_head
+from common.drafter.draft_config import DraftConfig
+from common.drafter.target_head import load_target_head
 
 LAYER_IDS = [0, 2, 3, 5]  # linear and full-attention layers (layer_types: 3 linear, then 1 full)
 
@@ -168,7 +168,7 @@ def test_speculative_decoding_against_a_hybrid_target_is_lossless(tmp_path):
     """Rejected drafts ran through the linear layers' state, which cannot be cropped like a KV cache: the
     state before the block is kept and the kept tokens replayed, so the text equals plain greedy decoding."""
     from tests.test_evaluate import OracleContext
-    from trainer.evaluate import GreedyTarget, greedy_decode, speculative_decode
+    from common.drafter.evaluate import GreedyTarget, greedy_decode, speculative_decode
 
     target = GreedyTarget(remembering_target(tiny_qwen35(tmp_path, "text")), [1, 3])
     assert target.recurrent
@@ -195,9 +195,9 @@ def test_speculative_decoding_against_a_hybrid_target_is_lossless(tmp_path):
 
 def test_evaluator_reports_the_replays_of_a_hybrid_target(tmp_path):
     from common.config import EvalConfig
-    from producer.data import Document
-    from trainer.evaluate import Evaluator
-    from trainer.model import DFlashDrafter
+    from common.batch import Document
+    from common.drafter.evaluate import Evaluator
+    from common.drafter.model import DFlashDrafter
     import numpy as np
 
     path = tiny_qwen35(tmp_path, "multimodal")

@@ -1,5 +1,5 @@
 """The layout the project keeps: benchmarks, fuzzers, the soak program and demo peers live in launch/, not in the
-library packages, and those packages never reach into launch/."""
+library packages, and those packages never reach into launch/. Producer and trainer meet only in common/."""
 
 from __future__ import annotations
 
@@ -28,3 +28,20 @@ def test_library_packages_do_not_import_launch():
     offenders = [str(p.relative_to(ROOT)) for package in LIBRARY for p in (ROOT / package).rglob("*.py")
                  if "launch" in imported_packages(p)]
     assert not offenders, offenders
+
+
+# What each library package may not import: producer and trainer share only common/, which stands alone.
+FORBIDDEN = {"common": {"producer", "trainer", "launch"}, "producer": {"trainer", "launch"}, "trainer": {"producer", "launch"}}
+
+
+def test_producer_and_trainer_meet_only_in_common():
+    offenders = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & forbidden)
+                 for package, forbidden in FORBIDDEN.items() for p in (ROOT / package).rglob("*.py")
+                 if imported_packages(p) & forbidden}
+    assert not offenders, offenders
+
+
+def test_the_layout_check_sees_an_import_across(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from producer.target import Target\n")  # inside a function counts too
+    assert "producer" in imported_packages(module)

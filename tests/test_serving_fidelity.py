@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
-from trainer.blocks import build_blocks
-from trainer.export import (CAUSALITY_KEY, ExportError, config_from_export, export_checkpoint, export_speculators,
-                            export_zlab, load_drafter, speculators_config, zlab_config)
-from trainer.model import DFlashDrafter
+from common.drafter.blocks import build_blocks
+from common.drafter.export import (CAUSALITY_KEY, ExportError, config_from_export, export_speculators, export_zlab,
+                                   load_drafter, speculators_config, zlab_config)
+from trainer.export import export_checkpoint
+from common.drafter.model import DFlashDrafter
 
 ROOT = Path(__file__).resolve().parents[1]
 S, F = "sliding_attention", "full_attention"

@@ -10,9 +10,9 @@ import torch
 
 from common.config import load_config
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
-from trainer.export import drafter_from_state, zlab_config
-from trainer.loss import LossConfig
-from trainer.model import DFlashDrafter
+from common.drafter.export import drafter_from_state, zlab_config
+from common.drafter.loss import LossConfig
+from common.drafter.model import DFlashDrafter
 from trainer.wandb_run import BackgroundRun
 from trainer.warm import WarmStart, synthetic_batch
 

@@ -15,9 +15,9 @@ from common.config import ConfigError, RunConfig
 from common.codec import DTYPES
 from common.hf import text_config_of
 from common.rundir import RunDir
-from trainer.draft_config import DraftConfig
-from trainer.model import DFlashDrafter
-from trainer.target_head import TargetHead, load_target_head
+from common.drafter.draft_config import DraftConfig
+from common.drafter.model import DFlashDrafter
+from common.drafter.target_head import TargetHead, load_target_head
 
 
 def head_dir_of(cfg: RunConfig, run_dir: RunDir) -> Path:

@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor
 
 from common import evals, faults
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json, replace_dir
-from trainer.export import CONFIG_FILE, WEIGHTS_FILE, export_zlab
-from trainer.model import DFlashDrafter
+from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, export_zlab
+from common.drafter.model import DFlashDrafter
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ import torch
 
 from common.batch import PackedBatch
 from common.batchcheck import check_delivery
+from common.committed import OrdinalSet
 from common.config import load_config
 from common.naming import process_start_ticks
 from common.protocol import PAYLOAD_FRAMES, Welcome
@@ -31,37 +32,6 @@ from common.sockets import CurveKeys, SecretsError
 from common.transport import HandshakeRefused, RateLimitedLog, RingClient
 
 log = logging.getLogger(__name__)
-
-
-class OrdinalSet:
-    """A set of stream ordinals stored as a prefix plus exceptions, with the cursor of the prefix's end."""
-
-    def __init__(self, state: dict | None = None) -> None:
-        state = state or {}
-        self.prefix = int(state.get("ordinal", 0))
-        self.last_cursor = state.get("last_cursor")
-        self.extra: dict[int, list] = {int(o): None for o in state.get("extra", [])}
-        for ordinal, cursor in state.get("extra_cursors", {}).items():
-            self.extra[int(ordinal)] = cursor
-
-    def add(self, ordinal: int, cursor: list) -> None:
-        if ordinal < self.prefix or ordinal in self.extra:
-            raise ValueError(f"ordinal {ordinal} added twice")
-        self.extra[ordinal] = cursor
-        while self.prefix in self.extra:
-            self.last_cursor = self.extra.pop(self.prefix)
-            self.prefix += 1
-
-    def __contains__(self, ordinal: int) -> bool:
-        return ordinal < self.prefix or ordinal in self.extra
-
-    def state(self) -> dict:
-        return {
-            "ordinal": self.prefix,
-            "last_cursor": self.last_cursor,
-            "extra": sorted(self.extra),
-            "extra_cursors": {str(o): c for o, c in sorted(self.extra.items())},
-        }
 
 
 @dataclass

@@ -22,7 +22,6 @@ import logging
 import math
 import mmap
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

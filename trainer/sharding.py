@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainer.model import DFlashDrafter
+from common.drafter.model import DFlashDrafter
 
 # Whole tensors on rank 0's host (the other ranks get empty dicts), without a full copy on any GPU.
 _FULL_ON_RANK0_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -21,7 +21,9 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,11 +37,12 @@ from common.naming import process_start_ticks
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from trainer import build
 from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot, load_checkpoint
-from trainer.export import config_from_export, drafter_from_state, zlab_config
+from common.drafter.evaluate import warn_if_gap
+from common.drafter.export import config_from_export, drafter_from_state, zlab_config
 from trainer import handover
 from trainer.feeder import Commits, Feeder, Received
-from trainer.loss import LossConfig
-from trainer.model import DFlashDrafter, train_flops_per_sample
+from common.drafter.loss import LossConfig
+from common.drafter.model import DFlashDrafter, train_flops_per_sample
 from trainer.sharding import (
     full_model_state,
     full_tensor,
@@ -53,6 +56,8 @@ from trainer.warm import prepare as prepare_warm_start
 
 log = logging.getLogger(__name__)
 EXIT_CONFIG_ERROR = 2
+SourceFactory = Callable[[RunConfig, RunDir, int, int, torch.device], Any]
+"""Builds a batch source in the trainer's process (launch/coupled.py); see ``Trainer``."""
 PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"
 """Set by the launcher on restart-trainer: ``pid:start_ticks`` of the trainer this one replaces."""
 EVAL_RESULT_WAIT_S = 300.0  # how long a finished trainer waits for the evaluation of its last step
@@ -99,10 +104,12 @@ class _StartClock:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: RunDir, coupled: bool = False, handed_over: dict | None = None,
-                 warm: WarmStart | None = None) -> None:
-        """``handed_over``: the ``state`` of the predecessor's handover mark (trainer/handover.py), if it left one.
-        ``warm``: the head and drafter built ahead of this start (trainer/warm.py), used where they fit."""
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, source_factory: SourceFactory | None = None,
+                 handed_over: dict | None = None, warm: WarmStart | None = None) -> None:
+        """``source_factory``: builds the batch source in this process instead of the feeder (the coupled
+        baseline, launch/coupled.py), as ``factory(cfg, run_dir, rank, world_size, device)``; it evaluates in
+        the loop too. ``handed_over``: the ``state`` of the predecessor's handover mark (trainer/handover.py),
+        if it left one. ``warm``: the head and drafter built ahead of this start (trainer/warm.py)."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.rank = int(os.environ.get("RANK", 0))
@@ -127,16 +134,12 @@ class Trainer:
         self.incarnation = self._broadcast(time.time_ns() // 1000)
         self.write_status()
 
-        # The coupled baseline (trainer/coupled.py) loads the target here and exports its head.
-        self.coupled = None
-        if coupled:
-            from trainer.coupled import CoupledSource
-
-            self.coupled = CoupledSource(cfg, run_dir, self.rank, self.world_size, self.device)
+        # The coupled baseline (launch/coupled.py) loads the target here and exports its head.
+        self.coupled = source_factory(cfg, run_dir, self.rank, self.world_size, self.device) if source_factory else None
 
         # -- the drafter, sharing the target's frozen embedding, final norm and lm_head ----------
         # A warm start (trainer/warm.py) built the head and the drafter while the predecessor still trained.
-        if warm is not None and not (self.world_size == 1 and not coupled and warm.fits(cfg, self.device)):
+        if warm is not None and not (self.world_size == 1 and self.coupled is None and warm.fits(cfg, self.device)):
             log.info("the warm start does not fit the configuration of this start; building anew")
             warm = None
         clock = _StartClock()
@@ -577,22 +580,16 @@ class Trainer:
         log.info("eval at step %d (logged at %d): tau %.3f real, %.3f simulated, %.1f%% target forwards saved",
                  step, self.step, metrics.get("eval/tau", 0.0), metrics.get("eval/sim_tau", 0.0),
                  100 * metrics.get("eval/forwards_saved", 0.0))
-        from trainer.evaluate import warn_if_gap
-
         warn_if_gap(metrics.get("eval/tau_gap", 0.0), self.draft_config.block_size, self.cfg.eval.gap_tolerance)
 
     def _evaluate_in_loop(self, weights: dict | None) -> None:
         """The coupled baseline's evaluation, as today's online trainers do it: in the loop, on its own target."""
-        from trainer.evaluate import TrainingEvaluation
-        self.evaluation = getattr(self, "evaluation", None) or TrainingEvaluation(self.cfg, self.feeder.target.model)
-        if self.evaluation.disabled:
-            return
         drafter = self.drafter
         if weights is not None:
             drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config)
             drafter.load_state_dict(weights)
             drafter.to(self.device)
-        report = self.evaluation.maybe_log(self.step, drafter, self.metrics_file, self.wandb)
+        report = self.coupled.evaluate(self.step, drafter, self.metrics_file, self.wandb)
         if report is not None:
             self.last_eval = {"step": self.step, "tau": report.tau, "sim_tau": report.sim_tau}
             self.write_status()
@@ -739,8 +736,8 @@ def import_what_a_start_needs() -> None:
     import torch._dynamo  # noqa: F401  (the optimizer's first construction imports it: a second or more)
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
-    import trainer.evaluate  # noqa: F401
-    import trainer.target_head  # noqa: F401
+    import common.drafter.evaluate  # noqa: F401
+    import common.drafter.target_head  # noqa: F401
 
 
 def warm_start_ahead(run_dir: RunDir) -> WarmStart | None:
@@ -786,7 +783,7 @@ def wait_for_predecessor(run_dir: RunDir, warm_start: WarmStart | None = None) -
     return mark, warm_start
 
 
-def run_trainer(run_dir: str | Path, coupled: bool = False, warm_start: WarmStart | None = None) -> int:
+def run_trainer(run_dir: str | Path, source_factory: SourceFactory | None = None, warm_start: WarmStart | None = None) -> int:
     root = RunDir(run_dir)
     die_with_parent()
     try:
@@ -808,7 +805,7 @@ def run_trainer(run_dir: str | Path, coupled: bool = False, warm_start: WarmStar
     signal.signal(signal.SIGINT, request_stop)
     try:
         mark, warm_start = wait_for_predecessor(root, warm_start)
-        trainer = Trainer(cfg, root, coupled=coupled, handed_over=(mark or {}).get("state"), warm=warm_start)
+        trainer = Trainer(cfg, root, source_factory, handed_over=(mark or {}).get("state"), warm=warm_start)
         del warm_start  # what the trainer did not take is freed
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
@@ -830,8 +827,6 @@ def run_trainer(run_dir: str | Path, coupled: bool = False, warm_start: WarmStar
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="DFlash trainer: trains the drafter from the producers' rings.")
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--coupled", action="store_true",
-                        help="benchmark baseline: run the target in this process before each step (trainer/coupled.py)")
     parser.add_argument("--standby", action="store_true",
                         help="started ahead by the launcher: import, then wait until told to take over (restart-trainer)")
     args = parser.parse_args(argv)
@@ -840,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.standby:
         die_with_parent()
         warm_start = wait_for_takeover(RunDir(args.run_dir))
-    return run_trainer(args.run_dir, coupled=args.coupled, warm_start=warm_start)
+    return run_trainer(args.run_dir, warm_start=warm_start)
 
 
 def wait_for_takeover(run_dir: RunDir) -> WarmStart | None:

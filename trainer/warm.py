@@ -27,11 +27,11 @@ from common.config import RunConfig
 from common.hf import target_identity
 from common.rundir import RunDir
 from trainer import build
-from trainer.draft_config import DraftConfig
-from trainer.loss import LossConfig
-from trainer.model import DFlashDrafter
+from common.drafter.draft_config import DraftConfig
+from common.drafter.loss import LossConfig
+from common.drafter.model import DFlashDrafter
 from trainer.sharding import parallelize
-from trainer.target_head import TargetHead
+from common.drafter.target_head import TargetHead
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The DFlash drafter: fused target features injected as keys/values into Qwen3-style layers.
 
-Per step: anchors and blocks are sampled from the packed batch (trainer.blocks), one attention mask
-is built per layer type (trainer.masks), the blocks run through the draft layers with the context
+Per step: anchors and blocks are sampled from the packed batch (common.drafter.blocks), one attention mask
+is built per layer type (common.drafter.masks), the blocks run through the draft layers with the context
 ``ctx = hidden_norm(fc(concat_k h_k))`` prepended to every layer's keys and values, and the chunked
-head of trainer.loss turns the block slots into a loss without materialising N x B x vocab logits.
+head of common.drafter.loss turns the block slots into a loss without materialising N x B x vocab logits.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from common.batch import PackedBatch
-from trainer.blocks import DraftBlocks, build_blocks
-from trainer.draft_config import DraftConfig
-from trainer.loss import LossConfig, draft_loss
-from trainer.masks import build_masks
-from trainer.target_head import TargetHead
+from common.drafter.blocks import DraftBlocks, build_blocks
+from common.drafter.draft_config import DraftConfig
+from common.drafter.loss import LossConfig, draft_loss
+from common.drafter.masks import build_masks
+from common.drafter.target_head import TargetHead
 
 _compiled_flex_attention = None
 

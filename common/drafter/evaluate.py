@@ -1,7 +1,8 @@
 """Acceptance evaluation: real greedy speculative decoding of the target with the drafter.
 
-    python -m trainer.evaluate --checkpoint RUN/checkpoints/step-N     # the run's target and held-out data
-    python -m trainer.evaluate --checkpoint DIR --target HF_DIR [--config FILE] [key=value ...]
+    python -m launch.evaluate --checkpoint RUN/checkpoints/step-N     # offline: the run's target and held-out data
+
+Producer 0 runs it for a training run (producer/evaluation.py builds it from the run's data).
 
 Each held-out prompt is decoded as a server decodes one request:
   1. the target prefills the prompt into its KV cache: the first new token, and the drafter's features
@@ -22,38 +23,30 @@ target forward per round for all of them (``speculative_decode_rows``): each kee
 alone, and 16 prompts take about the time of one (hybrid and sliding-window targets: one at a time). tau is the mean number of tokens kept per verify forward, correction
 included (1 <= tau <= B).
 
-Next to it the simulated tau: the training metric (teacher-forced blocks, ``trainer.loss.draft_metrics``)
+Next to it the simulated tau: the training metric (teacher-forced blocks, ``common.drafter.loss.draft_metrics``)
 on the same held-out documents with the same weights. Their gap is what teacher forcing hides: wrong
 feature layers or positions, or a target whose own text differs from the training data.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import inspect
-import json
 import logging
-import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from common.batch import PackedBatch
-from common.config import ConfigError, EvalConfig, RunConfig, load_config
-from common.rundir import RunDir
-from producer.data import Document, build_data_source
-from trainer.blocks import build_blocks
-from trainer.export import drafter_folder, load_drafter
-from trainer.loss import LossConfig, draft_loss
-from trainer.masks import build_masks, in_block_mask
-from trainer.model import DFlashDrafter
-from trainer.target_head import TargetHead, load_target_head
+from common.batch import Document, PackedBatch
+from common.config import EvalConfig
+from common.drafter.blocks import build_blocks
+from common.drafter.loss import draft_loss
+from common.drafter.masks import build_masks, in_block_mask
+from common.drafter.model import DFlashDrafter
+from common.drafter.target_head import TargetHead
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +283,7 @@ def propose_rows(drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: t
     context_rope = drafter.rotary(context_positions, ctx.dtype)
     masks = {}
     for layer_type in dict.fromkeys(config.layer_types):
-        # The training mask of trainer.masks for one block per document: the row's whole context (a windowed
+        # The training mask of common.drafter.masks for one block per document: the row's whole context (a windowed
         # layer only the window before each slot), and its own block as the layer type trained it.
         window = config.window_of(layer_type)
         context = block_rows[:, None] == context_rows[None, :]
@@ -617,39 +610,7 @@ def _drafter_autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-# -- building from a run config ------------------------------------------------------------------
-
-
-def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
-    """The first ``eval.num_prompts`` good documents of the held-out split.
-
-    ``eval.paths`` when given (files in ``data.format``); else, for synthetic data, the documents with ids
-    ``data.num_samples ..``: generated exactly like the training ones, which are ids ``0 .. num_samples - 1``,
-    so never trained on.
-    """
-    data = cfg.data
-    if data.format == "synthetic" and data.vocab_size is None:
-        data = dataclasses.replace(data, vocab_size=vocab_size - 1)  # as the producers: the last id stays free
-    tokenizer = None
-    if data.format == "chat" and data.tokenizer is None and cfg.target.path is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)  # as the producers: the target's own
-    if cfg.eval.paths:
-        source, first = build_data_source(dataclasses.replace(data, paths=list(cfg.eval.paths)), tokenizer), 0
-    elif data.format == "synthetic":
-        extended = dataclasses.replace(data, num_samples=data.num_samples + cfg.eval.num_prompts)
-        source, first = build_data_source(extended), data.num_samples
-    else:
-        raise ConfigError(f"eval.paths: needs held-out files for data.format={data.format!r}")
-    documents = []
-    for sample_id in range(first, len(source)):
-        document = source.get(sample_id)
-        if document is not None:
-            documents.append(document)
-        if len(documents) == cfg.eval.num_prompts:
-            break
-    return documents
+# -- from a loaded target ------------------------------------------------------------------------
 
 
 def stop_tokens_of(model: nn.Module) -> frozenset[int]:
@@ -665,132 +626,9 @@ def target_head_of(model: nn.Module) -> TargetHead:
                       float(getattr(model.config, "rms_norm_eps", 1e-6)))
 
 
-def build_evaluator(cfg: RunConfig, target_model: nn.Module, drafter: DFlashDrafter) -> Evaluator:
-    """An evaluator for ``drafter`` on the held-out split of ``cfg``'s data."""
-    documents = held_out_documents(cfg, int(target_model.config.vocab_size))
-    return Evaluator(target_model, documents, cfg.eval, list(drafter.config.target_layer_ids),
-                     num_anchors=cfg.drafter.num_anchors, capture_last=drafter.loss_config.label_mode != "data",
-                     stop_token_ids=stop_tokens_of(target_model))
-
-
-class TrainingEvaluation:
-    """The coupled baseline's periodic evaluation (rank 0, every ``eval.every_steps`` steps): in its loop, on
-    the target in its own process, as today's online trainers evaluate. The decoupled trainer asks producer 0
-    instead (common/evals.py). Evaluation is auxiliary: if it fails (e.g. the drafter's head is not this
-    target's) the error is logged once, evaluation is switched off, and training goes on.
-    """
-
-    def __init__(self, cfg: RunConfig, target_model: nn.Module) -> None:
-        self.cfg = cfg
-        self.target_model = target_model
-        self.evaluator: Evaluator | None = None
-        self.disabled = False
-
-    def _build(self, drafter: DFlashDrafter) -> Evaluator:
-        loaded, shared = target_head_of(self.target_model), drafter.target_head
-        if not (torch.equal(loaded.embed_weight, shared.embed_weight)
-                and torch.equal(loaded.lm_head_weight, shared.lm_head_weight)):
-            raise ValueError("the target of this evaluation is not the producers' (embedding or lm_head differ)")
-        return build_evaluator(self.cfg, self.target_model, drafter)
-
-    def maybe_log(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str],
-                  wandb_run: Any) -> AcceptanceReport | None:
-        """Evaluate when due and write ``eval/*`` at ``step``: a line of its own in metrics.jsonl, and into
-        wandb's row of that step (next to the training tau). The report, or None when none was made."""
-        if step % self.cfg.eval.every_steps or self.disabled:
-            return None
-        try:
-            self.evaluator = self.evaluator or self._build(drafter)
-            report = self.evaluator.evaluate(drafter)
-        except Exception:
-            self.disabled = True
-            log.exception("evaluation failed; it is off for the rest of this trainer's life")
-            return None
-        metrics = report.metrics()
-        metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
-        metrics_file.flush()
-        if wandb_run is not None:
-            wandb_run.log(metrics, step=step)
-        log.info("eval at step %d: tau %.3f real, %.3f simulated (gap %+.3f), %.1f%% target forwards saved, %.1fs",
-                 step, report.tau, report.sim_tau, report.tau_gap, 100 * report.forwards_saved, report.seconds)
-        warn_if_gap(report.tau_gap, report.block_size, self.cfg.eval.gap_tolerance)
-        return report
-
-
 def warn_if_gap(tau_gap: float, block_size: int, tolerance: float) -> None:
     """The warning of a real tau far from the simulated one (more than ``tolerance`` of B - 1)."""
     if abs(tau_gap) > tolerance * (block_size - 1):
         log.warning("real and simulated tau differ by more than eval.gap_tolerance (%.2f of B - 1): check the "
                     "target layer ids, the rope settings, the loss mask and whether the data is the target's "
                     "own text", tolerance)
-
-
-# -- command line ---------------------------------------------------------------------------------
-
-
-def _run_dir_of(checkpoint: Path) -> Path | None:
-    """The run directory above a checkpoint (the first parent with a config.toml)."""
-    return next((p for p in checkpoint.resolve().parents if (p / "config.toml").is_file()), None)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description="Real greedy speculative decoding of the target with an exported DFlash drafter: tau, "
-                    "per-position acceptance and target forwards saved on held-out data.")
-    parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="exported drafter dir (z-lab or speculators), or a run's checkpoints/step-N")
-    parser.add_argument("--run-dir", type=Path, help="run whose config.toml names the target and data "
-                        "(default: the run the checkpoint is in)")
-    parser.add_argument("--config", type=Path, help="a run TOML instead of a run dir")
-    parser.add_argument("--target", help="Hugging Face target dir (replaces the config's target)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--json-out", type=Path, help="also write the JSON here")
-    parser.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. eval.num_prompts=32")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-
-    run_dir = args.run_dir or (None if args.config else _run_dir_of(args.checkpoint))
-    config_file = args.config or (run_dir / "config.toml" if run_dir else None)
-    overrides = list(args.overrides)
-    if args.target:
-        overrides += [f"target.path={json.dumps(args.target)}", "target.config_overrides={}"]
-    try:
-        cfg = load_config(config_file, overrides)
-        # Random target weights depend on the device type they are drawn on: by default the producers'
-        # (a tensor-parallel producer's entry names several devices; its rank 0 draws them on the first).
-        device = args.device if args.device != "auto" else next(iter(cfg.launch.producer_devices), "auto").split(",")[0]
-        cfg.target = dataclasses.replace(cfg.target, device=device)
-    except ConfigError as exc:
-        print(f"configuration error: {exc}", file=sys.stderr)
-        return 2
-
-    from producer.target import load_target_model
-
-    model = load_target_model(cfg.target)
-    head = target_head_of(model)
-    produced = RunDir(run_dir).target_head if run_dir is not None and cfg.target.path is None else None
-    if produced is not None and (produced / "config.json").is_file():
-        shipped = load_target_head(produced, device=head.embed_weight.device)
-        differs = [name for name in ("embed_weight", "lm_head_weight", "norm_weight")
-                   if not torch.equal(getattr(shipped, name), getattr(head, name))]
-        if differs:  # the drafter shares all three: each must be the producers' bit for bit
-            print(f"the target built here is not the run's (its {', '.join(differs)} differ from the head in "
-                  f"{produced}): try --device cpu or the producers' device", file=sys.stderr)
-            return 2
-    loss_config = LossConfig(label_mode=cfg.training.label_mode)
-    drafter_dir, own_checkpoint = drafter_folder(args.checkpoint)
-    drafter = load_drafter(drafter_dir, head, loss_config, own_checkpoint=own_checkpoint).to(head.embed_weight.device)
-    report = build_evaluator(cfg, model, drafter).evaluate(drafter)
-    print(report.table())
-    within = report.gap_within(cfg.eval.gap_tolerance)
-    if not within:
-        print(f"the gap exceeds eval.gap_tolerance: {cfg.eval.gap_tolerance} of B - 1 = {report.block_size - 1}")
-    result = {"checkpoint": str(args.checkpoint), **report.metrics(prefix=""), "gap_within_tolerance": within}
-    print(json.dumps(result))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,27 +4,42 @@ This is how today's online trainers work: every step first runs the target on it
 trains the drafter on the captured features, on the same GPU. It exists so that the decoupled
 pipeline can be measured against it (``launch/bench_pipeline.py``) with everything else equal: the
 same data and batches, the same target capture, the same trainer loop, step, logging and ledger.
-Only where a batch comes from differs: ``CoupledSource`` takes the feeder's place.
+Only where a batch comes from differs: ``CoupledSource`` takes the feeder's place, and it evaluates in the
+loop on its own target (``TrainingEvaluation``), as those trainers do.
 
-    python -m trainer.train --run-dir DIR --coupled                      # one GPU
-    torchrun --nproc-per-node 2 -m trainer.train --run-dir DIR --coupled  # DDP: rank r reads shard r
+    python -m launch.coupled --run-dir DIR                      # one GPU
+    torchrun --nproc-per-node 2 -m launch.coupled --run-dir DIR  # DDP: rank r reads shard r
 
 A benchmark tool, not a way to train: there are no producers, so nothing survives the process.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import logging
+import os
+import time
+from typing import IO, Any
 
 import torch
+from torch import nn
 
 from common.batch import PackedBatch
 from common.config import ConfigError, RunConfig
+from common.drafter.evaluate import AcceptanceReport, Evaluator, target_head_of, warn_if_gap
+from common.drafter.model import DFlashDrafter
+from common.lifecycle import exit_rank
 from common.rundir import RunDir
 from producer.batching import batch_stats
+from producer.evaluation import build_evaluator
 from producer.server import build_plan, export_target_head, feature_layer_ids
 from producer.target import Target, build_target_config
 from trainer.feeder import Commits, Received, pad_packed
+from trainer.train import run_trainer
+
+log = logging.getLogger(__name__)
 
 
 class CoupledSource:
@@ -48,6 +63,7 @@ class CoupledSource:
         self.pad_to: int | None = None
         self.refusal: str | None = None
         self.error: BaseException | None = None
+        self.evaluation = TrainingEvaluation(cfg, self.target.model)
 
     def bind(self, commits: Commits, pad_to: int | None) -> CoupledSource:
         """Attach the trainer's bookkeeping (made after the target is loaded); returns self."""
@@ -77,8 +93,68 @@ class CoupledSource:
         return Received(PackedBatch.from_tensors(tensors, epoch=cursor.epoch, meta=meta), self.rank, ordinal,
                         list(cursor), meta, batch.sample_ids.tolist(), batch.num_tokens)
 
+    def evaluate(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str], wandb_run: Any) -> AcceptanceReport | None:
+        """The in-loop evaluation of ``step`` (rank 0): see ``TrainingEvaluation.maybe_log``."""
+        return self.evaluation.maybe_log(step, drafter, metrics_file, wandb_run)
+
     def producer_stats(self) -> dict[int, dict]:
         return {}
 
     def close(self) -> None:
         pass
+
+
+class TrainingEvaluation:
+    """The coupled baseline's periodic evaluation (rank 0, every ``eval.every_steps`` steps): in its loop, on
+    the target in its own process, as today's online trainers evaluate. The decoupled trainer asks producer 0
+    instead (common/evals.py). Evaluation is auxiliary: if it fails (e.g. the drafter's head is not this
+    target's) the error is logged once, evaluation is switched off, and training goes on.
+    """
+
+    def __init__(self, cfg: RunConfig, target_model: nn.Module) -> None:
+        self.cfg = cfg
+        self.target_model = target_model
+        self.evaluator: Evaluator | None = None
+        self.disabled = False
+
+    def _build(self, drafter: DFlashDrafter) -> Evaluator:
+        loaded, shared = target_head_of(self.target_model), drafter.target_head
+        if not (torch.equal(loaded.embed_weight, shared.embed_weight)
+                and torch.equal(loaded.lm_head_weight, shared.lm_head_weight)):
+            raise ValueError("the target of this evaluation is not the producers' (embedding or lm_head differ)")
+        return build_evaluator(self.cfg, self.target_model, drafter)
+
+    def maybe_log(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str],
+                  wandb_run: Any) -> AcceptanceReport | None:
+        """Evaluate when due and write ``eval/*`` at ``step``: a line of its own in metrics.jsonl, and into
+        wandb's row of that step (next to the training tau). The report, or None when none was made."""
+        if step % self.cfg.eval.every_steps or self.disabled:
+            return None
+        try:
+            self.evaluator = self.evaluator or self._build(drafter)
+            report = self.evaluator.evaluate(drafter)
+        except Exception:
+            self.disabled = True
+            log.exception("evaluation failed; it is off for the rest of this trainer's life")
+            return None
+        metrics = report.metrics()
+        metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
+        metrics_file.flush()
+        if wandb_run is not None:
+            wandb_run.log(metrics, step=step)
+        log.info("eval at step %d: tau %.3f real, %.3f simulated (gap %+.3f), %.1f%% target forwards saved, %.1fs",
+                 step, report.tau, report.sim_tau, report.tau_gap, 100 * report.forwards_saved, report.seconds)
+        warn_if_gap(report.tau_gap, report.block_size, self.cfg.eval.gap_tolerance)
+        return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The coupled baseline: target forward and drafter step in one process.")
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer-r{os.environ.get('RANK', 0)} %(levelname)s %(message)s")
+    return run_trainer(args.run_dir, source_factory=CoupledSource)
+
+
+if __name__ == "__main__":
+    exit_rank(main())

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.blocks import DraftBlocks
-from trainer.draft_config import default_gamma
+from common.drafter.blocks import DraftBlocks
+from common.drafter.draft_config import default_gamma
 
 LABEL_MODES = ("data", "target_hard", "target_soft")
 WEIGHTINGS = ("decay", "streak")

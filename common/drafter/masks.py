@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from trainer.blocks import DraftBlocks
-from trainer.draft_config import DraftConfig
+from common.drafter.blocks import DraftBlocks
+from common.drafter.draft_config import DraftConfig
 
 FLEX_BLOCK = 128
 

@@ -1,0 +1,92 @@
+"""Acceptance evaluation of a checkpoint or an export, offline: real greedy speculative decoding of the
+run's target with the drafter, on the held-out split of the run's data (common/drafter/evaluate.py).
+
+    python -m launch.evaluate --checkpoint RUN/checkpoints/step-N     # the run's target and held-out data
+    python -m launch.evaluate --checkpoint DIR --target HF_DIR [--config FILE] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from common.config import ConfigError, load_config
+from common.drafter.evaluate import target_head_of
+from common.drafter.export import drafter_folder, load_drafter
+from common.drafter.loss import LossConfig
+from common.drafter.target_head import load_target_head
+from common.rundir import RunDir
+from producer.evaluation import build_evaluator
+from producer.target import load_target_model
+
+
+def _run_dir_of(checkpoint: Path) -> Path | None:
+    """The run directory above a checkpoint (the first parent with a config.toml)."""
+    return next((p for p in checkpoint.resolve().parents if (p / "config.toml").is_file()), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Real greedy speculative decoding of the target with an exported DFlash drafter: tau, "
+                    "per-position acceptance and target forwards saved on held-out data.")
+    parser.add_argument("--checkpoint", required=True, type=Path,
+                        help="exported drafter dir (z-lab or speculators), or a run's checkpoints/step-N")
+    parser.add_argument("--run-dir", type=Path, help="run whose config.toml names the target and data "
+                        "(default: the run the checkpoint is in)")
+    parser.add_argument("--config", type=Path, help="a run TOML instead of a run dir")
+    parser.add_argument("--target", help="Hugging Face target dir (replaces the config's target)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--json-out", type=Path, help="also write the JSON here")
+    parser.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. eval.num_prompts=32")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    run_dir = args.run_dir or (None if args.config else _run_dir_of(args.checkpoint))
+    config_file = args.config or (run_dir / "config.toml" if run_dir else None)
+    overrides = list(args.overrides)
+    if args.target:
+        overrides += [f"target.path={json.dumps(args.target)}", "target.config_overrides={}"]
+    try:
+        cfg = load_config(config_file, overrides)
+        # Random target weights depend on the device type they are drawn on: by default the producers'
+        # (a tensor-parallel producer's entry names several devices; its rank 0 draws them on the first).
+        device = args.device if args.device != "auto" else next(iter(cfg.launch.producer_devices), "auto").split(",")[0]
+        cfg.target = dataclasses.replace(cfg.target, device=device)
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+
+    model = load_target_model(cfg.target)
+    head = target_head_of(model)
+    produced = RunDir(run_dir).target_head if run_dir is not None and cfg.target.path is None else None
+    if produced is not None and (produced / "config.json").is_file():
+        shipped = load_target_head(produced, device=head.embed_weight.device)
+        differs = [name for name in ("embed_weight", "lm_head_weight", "norm_weight")
+                   if not torch.equal(getattr(shipped, name), getattr(head, name))]
+        if differs:  # the drafter shares all three: each must be the producers' bit for bit
+            print(f"the target built here is not the run's (its {', '.join(differs)} differ from the head in "
+                  f"{produced}): try --device cpu or the producers' device", file=sys.stderr)
+            return 2
+    loss_config = LossConfig(label_mode=cfg.training.label_mode)
+    drafter_dir, own_checkpoint = drafter_folder(args.checkpoint)
+    drafter = load_drafter(drafter_dir, head, loss_config, own_checkpoint=own_checkpoint).to(head.embed_weight.device)
+    report = build_evaluator(cfg, model, drafter).evaluate(drafter)
+    print(report.table())
+    within = report.gap_within(cfg.eval.gap_tolerance)
+    if not within:
+        print(f"the gap exceeds eval.gap_tolerance: {cfg.eval.gap_tolerance} of B - 1 = {report.block_size - 1}")
+    result = {"checkpoint": str(args.checkpoint), **report.metrics(prefix=""), "gap_within_tolerance": within}
+    print(json.dumps(result))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
