@@ -15,6 +15,7 @@ import torch
 
 from common.batch import TENSOR_DTYPES
 from common.codec import DTYPES
+from common.contract import BatchMeta, ContractError
 
 if TYPE_CHECKING:
     from common.transport import Delivery
@@ -24,13 +25,6 @@ class BatchContractError(ValueError):
     """A delivered batch does not keep the packed-batch contract; the message names what."""
 
 
-def _meta_int(meta: dict, key: str) -> int:
-    value = meta.get(key)
-    if type(value) is not int or value < 0:
-        raise BatchContractError(f"meta[{key!r}] must be a non-negative integer, got {repr(value)[:40]}")
-    return value
-
-
 def check_batch(meta: dict, tensors: dict[str, torch.Tensor], describe: dict) -> None:
     """Raise BatchContractError unless ``meta`` and ``tensors`` make a trainable packed batch.
 
@@ -38,11 +32,10 @@ def check_batch(meta: dict, tensors: dict[str, torch.Tensor], describe: dict) ->
     ``layer_ids`` x ``hidden_size``, ``vocab_size`` and ``token_budget`` are checked when present.
     Reads only ``cu_seqlens`` and ``input_ids`` (a few KiB), never the features.
     """
-    _meta_int(meta, "ordinal")
-    _meta_int(meta, "epoch")
-    cursor = meta.get("cursor")
-    if type(cursor) is not list or len(cursor) != 3 or not all(type(c) is int and c >= 0 for c in cursor):
-        raise BatchContractError(f"meta['cursor'] must be [epoch, window, index], got {repr(cursor)[:60]}")
+    try:
+        announced = BatchMeta.from_wire(meta)
+    except ContractError as exc:
+        raise BatchContractError(str(exc)) from None
 
     for name, dtype in TENSOR_DTYPES.items():
         tensor = tensors.get(name)
@@ -54,6 +47,9 @@ def check_batch(meta: dict, tensors: dict[str, torch.Tensor], describe: dict) ->
         raise BatchContractError(f"loss_mask has {tensors['loss_mask'].numel()} entries for {tokens} tokens")
     if tensors["cu_seqlens"].numel() != docs + 1:
         raise BatchContractError(f"cu_seqlens has {tensors['cu_seqlens'].numel()} entries for {docs} documents")
+    if (announced.tokens, announced.docs) != (tokens, docs):
+        raise BatchContractError(f"meta announces {announced.tokens} tokens in {announced.docs} documents, "
+                                 f"the tensors hold {tokens} in {docs}")
     budget = describe.get("token_budget")
     if type(budget) is int and tokens > budget:
         raise BatchContractError(f"{tokens} tokens exceed the producer's token budget {budget}")

@@ -32,6 +32,7 @@ import torch
 import zmq
 
 from common.codec import DTYPES, LayoutError, TensorSpec, read_tensors
+from common.contract import mismatch
 from common.protocol import (
     MAX_FRAME_BYTES,
     PAYLOAD_FRAMES,
@@ -583,12 +584,9 @@ class RingClient:
     def _welcomed(self, message: Welcome) -> Welcome:
         # The producer checks our expectations too; checking here as well means a producer
         # that ignores them (or is not ours) never gets its ring opened.
-        for key, wanted in self.expect.items():
-            if message.describe.get(key) != wanted:
-                raise HandshakeRefused(
-                    f"producer at {self.endpoint} ships {key}={message.describe.get(key)!r}, "
-                    f"this consumer expects {wanted!r}"
-                )
+        differs = mismatch(self.expect, message.describe)
+        if differs:
+            raise HandshakeRefused(f"producer at {self.endpoint}: {differs}")
         backend = message.ring["backend"]
         if (backend == PAYLOAD_FRAMES) != self._frames:
             raise HandshakeRefused(f"producer at {self.endpoint} answered a HELLO for payload by {self.payload} "

@@ -28,6 +28,7 @@ from torch import nn
 
 from common.batch import PackedBatch
 from common.config import ConfigError, RunConfig
+from common.contract import BatchMeta
 from common.drafter.evaluate import AcceptanceReport, Evaluator, target_head_of, warn_if_gap
 from common.drafter.model import DFlashDrafter
 from common.lifecycle import exit_rank
@@ -87,8 +88,8 @@ class CoupledSource:
         if self.pad_to:
             tensors = pad_packed(tensors, self.pad_to)
         stats = batch_stats(batch)
-        meta = {"producer": self.rank, "ordinal": ordinal, "cursor": list(cursor), "epoch": cursor.epoch,
-                "tokens": batch.num_tokens, "docs": batch.num_docs, "max_doc_len": stats.max_doc_len}
+        meta = BatchMeta(producer=self.rank, ordinal=ordinal, cursor=list(cursor), epoch=cursor.epoch,
+                         tokens=batch.num_tokens, docs=batch.num_docs, max_doc_len=stats.max_doc_len).to_wire()
         self.commits.mark_received(self.rank, ordinal, list(cursor))
         return Received(PackedBatch.from_tensors(tensors, epoch=cursor.epoch, meta=meta), self.rank, ordinal,
                         list(cursor), meta, batch.sample_ids.tolist(), batch.num_tokens)

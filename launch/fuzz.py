@@ -54,6 +54,7 @@ import torch
 import zmq
 
 from common.codec import ALIGN, TensorSpec, bytes_needed, write_tensors
+from common.contract import BatchMeta
 from common.protocol import (
     MAX_COLLECTION,
     MAX_STR,
@@ -522,7 +523,8 @@ def good_batch(rng: random.Random, ordinal: int, describe: dict) -> tuple[dict[s
     }
     if describe["last_hidden"]:
         tensors["last_hidden"] = torch.randn(tokens, describe["hidden_size"], generator=gen).to(dtype)
-    meta = {"producer": 0, "ordinal": ordinal, "cursor": [0, 0, ordinal], "epoch": 0, "tokens": tokens, "docs": docs}
+    meta = BatchMeta(producer=0, ordinal=ordinal, cursor=[0, 0, ordinal], epoch=0, tokens=tokens, docs=docs,
+                     max_doc_len=max(lengths)).to_wire()
     return tensors, meta
 
 

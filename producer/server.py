@@ -41,8 +41,9 @@ import torch
 
 from common import evals, faults
 from common.batch import PackedBatch
-from common.codec import bytes_needed, plan_layout, read_tensors
+from common.codec import DTYPE_NAMES, bytes_needed, plan_layout, read_tensors
 from common.config import ConfigError, RunConfig, load_config
+from common.contract import BatchMeta, Features, mismatch
 from common.lifecycle import die_with_parent, exit_rank
 from common.naming import owner_identity, sweep_stale
 from common.protocol import Hello
@@ -236,16 +237,11 @@ class Producer:
         self.ring_on_target_device = (backend == "cuda") == (self.target.device.type == "cuda")
         self.copy_stream = torch.cuda.Stream(self.target.device) if self.target.device.type == "cuda" else None
 
-        self.describe = {
-            "producer_id": producer_id,
-            "target_identity": self.target.identity,
-            "layer_ids": self.layer_ids,
-            "dtype": self.target.dtype.__repr__().removeprefix("torch."),
-            "last_hidden": self.needs_last,
-            "hidden_size": self.target.hidden_size,
-            "vocab_size": int(self.target.model.config.vocab_size),
-            "token_budget": cfg.batching.token_budget,
-        }
+        self.describe = Features(
+            producer_id=producer_id, target_identity=self.target.identity, layer_ids=list(self.layer_ids),
+            dtype=DTYPE_NAMES[self.target.dtype], last_hidden=self.needs_last, hidden_size=self.target.hidden_size,
+            vocab_size=int(self.target.model.config.vocab_size), token_budget=cfg.batching.token_budget,
+        ).to_wire()
         run_dir.sockets.mkdir(parents=True, exist_ok=True, mode=0o700)
         sweep_stale(run_dir.sockets, prefix=f"p{producer_id}.", suffix=".ipc")
         self.endpoint = listen or ipc_endpoint(run_dir.sockets / f"p{producer_id}.{owner_identity()}.ipc")
@@ -270,9 +266,9 @@ class Producer:
 
     def _check_hello(self, hello: Hello) -> str | None:
         """Refuse a trainer whose expectations differ from what this producer ships; say which."""
-        for key in ("target_identity", "layer_ids", "dtype", "last_hidden"):
-            if key in hello.expect and hello.expect[key] != self.describe[key]:
-                return f"{key} differs: this producer ships {self.describe[key]!r}, the trainer expects {hello.expect[key]!r}"
+        differs = mismatch(hello.expect, self.describe)
+        if differs:
+            return differs
         try:
             parse_committed(hello.committed)
         except (TypeError, ValueError) as exc:
@@ -384,16 +380,9 @@ class Producer:
                 done.record()
             keepalive = (batch, features)
         stats = batch_stats(batch)
-        meta = {
-            "producer": self.producer_id,
-            "ordinal": planned.ordinal,
-            "cursor": list(planned.cursor),
-            "epoch": planned.cursor.epoch,
-            "tokens": batch.num_tokens,
-            "docs": batch.num_docs,
-            "max_doc_len": stats.max_doc_len,
-            "replay": planned.replay,
-        }
+        meta = BatchMeta(producer=self.producer_id, ordinal=planned.ordinal, cursor=list(planned.cursor),
+                         epoch=planned.cursor.epoch, tokens=batch.num_tokens, docs=batch.num_docs,
+                         max_doc_len=stats.max_doc_len, replay=planned.replay).to_wire()
         self.batch_stats.update(stats)
         return _Filled(slot, planned, layout, meta, done, keepalive)
 

@@ -23,6 +23,7 @@ import torch
 from common.batch import PackedBatch
 from common.batchcheck import check_delivery
 from common.committed import OrdinalSet
+from common.contract import BatchMeta
 from common.config import load_config
 from common.naming import process_start_ticks
 from common.protocol import PAYLOAD_FRAMES, Welcome
@@ -317,8 +318,9 @@ class Feeder:
             link.client, link.down_since = None, time.monotonic()
             return False
         for delivery in deliveries:
-            ordinal = int(delivery.meta["ordinal"])
-            if not self.commits.mark_received(link.producer, ordinal, list(delivery.meta["cursor"])):
+            meta = BatchMeta.from_wire(delivery.meta)  # checked on arrival (common/batchcheck.py)
+            ordinal = meta.ordinal
+            if not self.commits.mark_received(link.producer, ordinal, meta.cursor):
                 # Never train a batch twice, whatever a producer sends (rate-limited: a hostile
                 # producer must not flood the log).
                 self._replay_log.warn(f"producer {link.producer} sent batch {ordinal} again; dropped")
@@ -360,5 +362,6 @@ class Feeder:
             tensors = {k: v.clone() for k, v in delivery.tensors.items()}
             if self.pad_to:
                 tensors = pad_packed(tensors, self.pad_to)
-        batch = PackedBatch.from_tensors(tensors, epoch=int(meta["epoch"]), meta=meta)
-        return Received(batch, producer, int(meta["ordinal"]), list(meta["cursor"]), meta, sample_ids, num_tokens)
+        announced = BatchMeta.from_wire(meta)
+        batch = PackedBatch.from_tensors(tensors, epoch=announced.epoch, meta=meta)
+        return Received(batch, producer, announced.ordinal, announced.cursor, meta, sample_ids, num_tokens)

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_map
 
 from common import evals, faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
+from common.contract import Expectation
 from common.hf import target_identity
 from common.lifecycle import die_with_parent, exit_rank
 from common.naming import process_start_ticks
@@ -159,12 +160,8 @@ class Trainer:
             weighting="streak" if cfg.training.streak_aware else "decay",
             feature_noise=cfg.training.feature_noise,
         )
-        self.expect = {
-            "target_identity": identity,
-            "layer_ids": list(self.draft_config.target_layer_ids),
-            "dtype": cfg.target.dtype,
-            "last_hidden": cfg.training.label_mode != "data",
-        }
+        self.expect = Expectation(target_identity=identity, layer_ids=list(self.draft_config.target_layer_ids),
+                                  dtype=cfg.target.dtype, last_hidden=cfg.training.label_mode != "data").to_wire()
 
         latest = run_dir.latest_checkpoint()
         handed = handover.take(handed_over) if handed_over and self.world_size == 1 else None
