@@ -100,3 +100,12 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     wait_for(lambda: owners() == {successor}, "the successor's own staging, and no other", 30)
     stop_and_finish(launcher, run_dir)
     assert not list(Path("/dev/shm").glob(f"dflash.{run_dir.name}.trainer-*")), "a trainer that stops removes its segments"
+
+
+def test_the_progress_line_names_a_handover_and_an_evaluation_in_flight():
+    from launch.progress import trainer_figures
+
+    assert trainer_figures({"state": "handing over", "loss": 2.0})[0] == "handing over"
+    assert trainer_figures({"state": "taking over"}) == ["taking over"]
+    training = trainer_figures({"state": "training", "loss": 2.0, "evals_in_flight": [40, 80]})
+    assert training == ["loss 2.000", "evaluating 40,80"]

@@ -128,7 +128,7 @@ class Trainer:
             self.cpu_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else dist.group.WORLD
         self.stop_requested = False
         self.handover_state: dict | None = None
-        self.state = "starting"
+        self.state = "taking over" if handed_over else "starting"  # status and progress show the handover
         self.step = 0
 
         # The incarnation orders trainer lifetimes: producers drop leases of older ones.
@@ -386,6 +386,8 @@ class Trainer:
         """restart-trainer of a single process: the final state into the shared staging segments instead of a
         disk checkpoint; ``close`` names them in the handover mark and the successor writes the checkpoint."""
         started = time.perf_counter()
+        self.state = "handing over"
+        self.write_status()
         self.checkpoints.wait()  # an earlier write reads the same buffers
         staging = self.checkpoints.staging
         faults.point("trainer.stage")
