@@ -16,7 +16,8 @@ is left. It prints a table and one JSON line:
   of its sampled life), at the end and the maximum, its growth rate after warm-up (MiB/h, least
   squares), and fds the same way;
 - producers: the length of their record of uncommitted batches (``stream.history``) at start/end/max;
-- segments, sockets and tagged processes: at start, at the end, the maximum, and after the stop.
+- ring segments, the trainers' staging segments, sockets and tagged processes: at start, at the end, the
+  maximum, and after the stop.
 
 Exit 0 when the run stopped cleanly and left nothing behind, 1 otherwise.
 """
@@ -139,11 +140,13 @@ def program_name(pid: int) -> str:
         return "?"
 
 
-def run_segments(run: RunDir, owners: set[tuple[int, int]]) -> list[str]:
+def run_segments(run: RunDir, owners: set[tuple[int, int]], trainer: bool = False) -> list[str]:
     """This run's segments in /dev/shm: ``dflash.<run tag>.<role>.<pid>-<start>`` (common.naming) made by
-    one of ``owners`` (other runs may have a run directory of the same name)."""
+    one of ``owners`` (other runs may have a run directory of the same name). The producers' rings, or with
+    ``trainer`` the trainers' checkpoint staging (trainer/handover.py), whose role starts with ``trainer``."""
     prefix = segment_name(run.root.name, "role").rsplit(".", 2)[0] + "."
-    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix) and parse_owner(p.name) in owners)
+    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix) and parse_owner(p.name) in owners
+                  and p.name[len(prefix):].startswith("trainer") == trainer)
 
 
 def run_sockets(run: RunDir) -> list[str]:
@@ -161,7 +164,7 @@ class Soak:
         self.trainer_restart_s = trainer_restart_s
         self.tag = uuid.uuid4().hex
         self.series: dict[int, Series] = {}
-        self.segments, self.sockets, self.processes = Gauge(), Gauge(), Gauge()
+        self.segments, self.staging, self.sockets, self.processes = Gauge(), Gauge(), Gauge(), Gauge()
         self.events: list[dict] = []
         self.started = 0.0
         self.samples_path = run.root.with_name(run.root.name + ".soak.jsonl")
@@ -202,9 +205,11 @@ class Soak:
                 launcher.wait(timeout=300)
         time.sleep(1.0)  # let killed helpers be reaped before counting leftovers
         self.segments.after_stop = len(run_segments(self.run, self.owners))
+        self.staging.after_stop = len(run_segments(self.run, self.owners, trainer=True))
         self.sockets.after_stop = len(run_sockets(self.run))
         self.processes.after_stop = len(tagged_processes(self.tag))
-        clean = stopped and not (self.segments.after_stop or self.sockets.after_stop or self.processes.after_stop)
+        clean = stopped and not (self.segments.after_stop or self.staging.after_stop or self.sockets.after_stop
+                                 or self.processes.after_stop)
         self.report(stopped, clean)
         return 0 if clean else 1
 
@@ -240,10 +245,12 @@ class Soak:
             if history is not None:
                 series.history.append(history)
         self.segments.values.append(len(run_segments(self.run, self.owners)))
+        self.staging.values.append(len(run_segments(self.run, self.owners, trainer=True)))
         self.sockets.values.append(len(run_sockets(self.run)))
         self.processes.values.append(len(tagged))
         with self.samples_path.open("a") as f:
-            f.write(json.dumps({"t": round(now, 1), "segments": self.segments.values[-1], "sockets": self.sockets.values[-1],
+            f.write(json.dumps({"t": round(now, 1), "segments": self.segments.values[-1], "staging_segments": self.staging.values[-1],
+                                "sockets": self.sockets.values[-1],
                                 "processes": {pid: [s.role, *s.samples[-1][1:]] for pid, s in self.series.items()
                                               if s.samples[-1][0] == now}}) + "\n")
 
@@ -277,14 +284,16 @@ class Soak:
                   f"{p['rss_mib']['end']:>6.1f} {p['rss_mib']['max']:>6.1f} {growth if growth is not None else '-':>6}  "
                   f"{p['fds']['start']:>9} {p['fds']['end']:>4} {p['fds']['max']:>4}  "
                   f"{(str(history['end']) + '/' + str(history['max'])) if history else '-':>15}")
-        for name, gauge in (("segments", self.segments), ("sockets", self.sockets), ("processes", self.processes)):
+        for name, gauge in (("segments", self.segments), ("staging", self.staging), ("sockets", self.sockets),
+                            ("processes", self.processes)):
             s = gauge.summary()
             print(f"{name:<10} start {s['start']}  end {s['end']}  max {s['max']}  after stop {s['after_stop']}")
         print("stopped cleanly, nothing left behind" if clean else "NOT CLEAN: see the figures above")
         print(json.dumps({
             "run_dir": str(self.run.root), "minutes": round(self.duration_s / 60, 2), "sample_s": self.sample_s,
             "stopped": stopped, "clean": clean, "events": self.events, "processes": processes,
-            "segments": self.segments.summary(), "sockets": self.sockets.summary(), "tagged_processes": self.processes.summary(),
+            "segments": self.segments.summary(), "staging_segments": self.staging.summary(), "sockets": self.sockets.summary(),
+            "tagged_processes": self.processes.summary(),
         }))
 
 
