@@ -30,7 +30,12 @@ SMALL = [
     "training.checkpoint_every=8", "logging.log_every=4", "ring.heartbeat_interval_s=0.25",
     "ring.heartbeat_timeout_s=2.0", "launch.restart_backoff_s=0.5",
     "launch.standby_trainer_after_s=600",  # no standby trainer's imports on these 2 cores, but where a test asks
+    # No wandb service beside each trainer (seconds of CPU at its start and stop), but where a test asks.
+    "logging.wandb_mode=disabled",
 ]
+# wandb as a run has it by default: where a test reads wandb's files, and in one kill -9 and one restart-trainer
+# test, so that a trainer resuming its wandb run after either stays covered.
+WANDB = "logging.wandb_mode=offline"
 
 
 def run_all(*args: str) -> subprocess.CompletedProcess:
@@ -146,7 +151,7 @@ def run_dir(short_tmp) -> Path:
 
 
 def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
-    launcher = start(run_dir, "training.max_steps=60")
+    launcher = start(run_dir, "training.max_steps=60", WANDB)
     finish(launcher, run_dir)
     run = RunDir(run_dir)
     assert read_json(run.trainer_status)["state"] == "finished"
@@ -165,7 +170,7 @@ def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
 
 
 def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3")
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", WANDB)
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 12, "step 12", 120)
     producers = producer_pids(run)
@@ -181,7 +186,7 @@ def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
 
 def test_restart_trainer_with_a_new_learning_rate(run_dir):
     launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", "training.lr=1e-3", "training.warmup_ratio=0.0",
-                     "training.min_lr_ratio=1.0")
+                     "training.min_lr_ratio=1.0", WANDB)
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 10, "step 10", 120)
     producers = producer_pids(run)
