@@ -294,8 +294,13 @@ def test_a_hung_trainer_goes_on_exactly_once_after_sigcont(run_dir):
     wait_for(lambda: trainer_step(run) >= 8, "step 8", 120)
     trainer = read_json(run.trainer_status)["pid"]
     os.kill(trainer, signal.SIGSTOP)
-    time.sleep(12)  # 6 heartbeat timeouts
-    os.kill(trainer, signal.SIGCONT)
+    stopped_at = time.monotonic()
+    try:
+        # Hung for 3 heartbeat timeouts (2 s each) at least, and until the producers took its leases back.
+        wait_for(lambda: time.monotonic() > stopped_at + 6.0 and sum(s.get("reclaimed", 0) for s in run.producer_statuses()) > 0,
+                 "the producers to take the hung trainer's leases back", 60)
+    finally:
+        os.kill(trainer, signal.SIGCONT)
     step = trainer_step(run)
     wait_for(lambda: trainer_step(run) >= step + 20, "training after SIGCONT", 120)
     wait_for(lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
