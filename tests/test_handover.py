@@ -29,6 +29,25 @@ def standby(run: RunDir) -> dict | None:
     return (read_json(run.root / "launcher.json") or {}).get("standby_trainer")
 
 
+def cpu_ticks(pid: int) -> int:
+    """User and system CPU time of ``pid`` so far, in clock ticks (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def wait_until_idle(pid: int, what: str, timeout_s: float = 60.0) -> None:
+    """Wait until ``pid`` has used (next to) no CPU for two half seconds in a row: a standby trainer that
+    has done its imports only looks for the launcher's word, every 20 ms."""
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    last = cpu_ticks(pid)
+    while quiet < 2:
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+        now = cpu_ticks(pid)
+        quiet = quiet + 1 if now - last <= 0.02 * os.sysconf("SC_CLK_TCK") else 0
+        last = now
+
+
 def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_twice(short_tmp):
     run_dir = short_tmp / "run"
     fault_log = short_tmp / "faults.jsonl"
@@ -36,7 +55,10 @@ def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_t
     with open(run_dir.parent / "launcher.out", "w") as out:
         launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
                                      "training.max_steps=100000", "training.checkpoint_every=4", "eval.every_steps=0",
-                                     "launch.standby_trainer_after_s=0"],
+                                     # A metrics line (and trainer.json "training") every step: with one every 4 steps
+                                     # it came right before the checkpoint's "checkpointing", so the "training" that the
+                                     # launcher's standby and each round below wait for showed for moments only.
+                                     "logging.log_every=1", "launch.standby_trainer_after_s=0"],
                                     cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     run = RunDir(run_dir)
     fired = lambda: len(fault_log.read_text().splitlines()) if fault_log.exists() else 0  # noqa: E731
@@ -72,7 +94,7 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     run = RunDir(run_dir)
     wait_for(lambda: standby(run) is not None and trainer_step(run) > 2, "a standby trainer", 120)
     spare = standby(run)["pid"]
-    time.sleep(6)  # its imports
+    wait_until_idle(spare, "the standby trainer's imports")
     producers = [s["pid"] for s in run.producer_statuses()]
     began = time.monotonic()
     answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4")
