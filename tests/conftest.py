@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# One intra-op thread in every process of a test, pytest's own and the producers, trainers and ranks it
+# starts (set before torch is imported). The models here are tiny, so OpenMP threads cost more than they
+# give, and with two producers and a trainer on the 2 cores of CI each process's threads wait for one
+# another that another process holds: the in-process tests ran 3x slower, a pipeline used 30% more CPU.
+# What a test asserts does not depend on it. OMP_NUM_THREADS=N in the environment overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("DFLASH_PYTHON", sys.executable)  # launch/run_all.sh runs the tests' interpreter
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))

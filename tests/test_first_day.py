@@ -230,10 +230,11 @@ def test_a_second_ctrl_c_still_stops_in_order(short_tmp):
 
     from common.rundir import RunDir, read_json
     from tests.peers import wait_for
-    from tests.test_pipeline import finish
+    from tests.test_pipeline import WANDB, finish
 
     run_dir = short_tmp / "run"
-    launcher = start(run_dir, "training.max_steps=100000", "eval.every_steps=0", "training.checkpoint_every=100000")
+    # wandb as by default (tests.test_pipeline.SMALL turns it off): its stop is part of the trainer's stop in order.
+    launcher = start(run_dir, "training.max_steps=100000", "eval.every_steps=0", "training.checkpoint_every=100000", WANDB)
     run = RunDir(run_dir)
     wait_for(lambda: ((read_json(run.trainer_status) or {}).get("step") or 0) >= 6, "training", 120)
     pids = [p["pid"] for p in run.producer_statuses()]
@@ -247,7 +248,7 @@ def test_a_second_ctrl_c_still_stops_in_order(short_tmp):
     assert read_json(run.latest_checkpoint() / "trainer_state.json")["step"] == stopped_at, "the last step checkpointed"
     assert not [name for name in os.listdir("/dev/shm") if any(f".{pid}-" in name for pid in pids)], "rings freed"
 
-    finish(start(run_dir, f"training.max_steps={stopped_at + 4}", "eval.every_steps=0", "logging.log_every=1"), run_dir)
+    finish(start(run_dir, f"training.max_steps={stopped_at + 4}", "eval.every_steps=0", "logging.log_every=1", WANDB), run_dir)
     steps = [json.loads(line)["step"] for line in run.metrics.read_text().splitlines() if "loss" in json.loads(line)]
     assert len(steps) == len(set(steps)), "no step is logged twice"
 

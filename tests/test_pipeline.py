@@ -30,7 +30,12 @@ SMALL = [
     "training.checkpoint_every=8", "logging.log_every=4", "ring.heartbeat_interval_s=0.25",
     "ring.heartbeat_timeout_s=2.0", "launch.restart_backoff_s=0.5",
     "launch.standby_trainer_after_s=600",  # no standby trainer's imports on these 2 cores, but where a test asks
+    # No wandb service beside each trainer (seconds of CPU at its start and stop), but where a test asks.
+    "logging.wandb_mode=disabled",
 ]
+# wandb as a run has it by default: where a test reads wandb's files, and in one kill -9 and one restart-trainer
+# test, so that a trainer resuming its wandb run after either stays covered.
+WANDB = "logging.wandb_mode=offline"
 
 
 def run_all(*args: str) -> subprocess.CompletedProcess:
@@ -146,7 +151,7 @@ def run_dir(short_tmp) -> Path:
 
 
 def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
-    launcher = start(run_dir, "training.max_steps=60")
+    launcher = start(run_dir, "training.max_steps=60", WANDB)
     finish(launcher, run_dir)
     run = RunDir(run_dir)
     assert read_json(run.trainer_status)["state"] == "finished"
@@ -165,7 +170,7 @@ def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
 
 
 def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3")
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", WANDB)
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 12, "step 12", 120)
     producers = producer_pids(run)
@@ -181,7 +186,7 @@ def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
 
 def test_restart_trainer_with_a_new_learning_rate(run_dir):
     launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", "training.lr=1e-3", "training.warmup_ratio=0.0",
-                     "training.min_lr_ratio=1.0")
+                     "training.min_lr_ratio=1.0", WANDB)
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 10, "step 10", 120)
     producers = producer_pids(run)
@@ -289,8 +294,13 @@ def test_a_hung_trainer_goes_on_exactly_once_after_sigcont(run_dir):
     wait_for(lambda: trainer_step(run) >= 8, "step 8", 120)
     trainer = read_json(run.trainer_status)["pid"]
     os.kill(trainer, signal.SIGSTOP)
-    time.sleep(12)  # 6 heartbeat timeouts
-    os.kill(trainer, signal.SIGCONT)
+    stopped_at = time.monotonic()
+    try:
+        # Hung for 3 heartbeat timeouts (2 s each) at least, and until the producers took its leases back.
+        wait_for(lambda: time.monotonic() > stopped_at + 6.0 and sum(s.get("reclaimed", 0) for s in run.producer_statuses()) > 0,
+                 "the producers to take the hung trainer's leases back", 60)
+    finally:
+        os.kill(trainer, signal.SIGCONT)
     step = trainer_step(run)
     wait_for(lambda: trainer_step(run) >= step + 20, "training after SIGCONT", 120)
     wait_for(lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
