@@ -185,12 +185,14 @@ def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
 
 
 def test_restart_trainer_with_a_new_learning_rate(run_dir):
+    # The first trainer pauses at step 10 (a stall, as for an evaluation), so that restart-trainer replaces it
+    # there whatever the machine's speed: waiting for step 10 and restarting raced the end of the 48 steps.
     launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", "training.lr=1e-3", "training.warmup_ratio=0.0",
-                     "training.min_lr_ratio=1.0", WANDB)
+                     "training.min_lr_ratio=1.0", "training.stall_every_steps=10", "training.stall_s=120", WANDB)
     run = RunDir(run_dir)
-    wait_for(lambda: trainer_step(run) >= 10, "step 10", 120)
+    wait_for(lambda: (read_json(run.trainer_status) or {}).get("state") == "stalled", "the first trainer's pause at step 10", 120)
     producers = producer_pids(run)
-    answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4")
+    answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4", "training.stall_every_steps=0")
     assert answer.returncode == 0, answer.stdout + answer.stderr
     refused = run_all("restart-trainer", "--run-dir", str(run_dir), "drafter.num_layers=3")
     assert refused.returncode == 2 and "drafter.num_layers" in refused.stdout + refused.stderr
