@@ -18,13 +18,9 @@ from typing import Any
 from common.rundir import RunDir, read_json
 
 
-PASSING_STATES = ("starting", "taking over", "handing over", "checkpointing", "stalled")
-"""Trainer states the progress line names (training is the bar itself)."""
-
-
 def trainer_figures(status: dict[str, Any]) -> list[str]:
     """The training figures of trainer.json as short labelled texts (those it has)."""
-    parts = [status["state"]] if status.get("state") in PASSING_STATES else []
+    parts = []
     for key, label, fmt in (("loss", "loss", "{:.3f}"), ("lr", "lr", "{:.1e}"), ("tau", "tau", "{:.2f}")):
         if status.get(key) is not None:
             parts.append(f"{label} {fmt.format(status[key])}")

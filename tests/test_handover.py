@@ -105,10 +105,17 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     assert not list(Path("/dev/shm").glob(f"dflash.{run_dir.name}.trainer-*")), "a trainer that stops removes its segments"
 
 
-def test_the_progress_line_names_a_handover_and_an_evaluation_in_flight():
-    from launch.progress import trainer_figures
+def test_the_progress_line_names_a_handover_and_an_evaluation_in_flight(tmp_path, capsys):
+    from common.rundir import atomic_write_json
+    from launch.progress import ProgressView
 
-    assert trainer_figures({"state": "handing over", "loss": 2.0})[0] == "handing over"
-    assert trainer_figures({"state": "taking over"}) == ["taking over"]
-    training = trainer_figures({"state": "training", "loss": 2.0, "evals_in_flight": [40, 80]})
-    assert training == ["loss 2.000", "evaluating 40,80"]
+    run = RunDir(tmp_path / "run")
+    (run.root / "producers").mkdir(parents=True)
+    view = ProgressView(run, terminal=False)
+    for step, state in [(40, "handing over"), (41, "taking over"), (42, "training")]:
+        atomic_write_json(run.trainer_status, {"step": step, "max_steps": 100, "state": state, "updated": 1000.0 + step,
+                                               "loss": 2.0 + step, "evals_in_flight": [40]})
+        view.update(trainer_started_wall=900.0, trainer_alive=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "handing over" in lines[0] and "taking over" in lines[1], lines
+    assert lines[1].count("taking over") == 1 and "over" not in lines[2] and all("evaluating 40" in line for line in lines)
