@@ -32,18 +32,18 @@ from torch.utils._pytree import tree_map
 from common import evals, faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
 from common.contract import Expectation
+from common.drafter.evaluate import warn_if_gap
+from common.drafter.export import config_from_export, drafter_from_state, zlab_config
+from common.drafter.loss import LossConfig
+from common.drafter.model import DFlashDrafter, train_flops_per_sample
 from common.hf import target_identity
 from common.lifecycle import die_with_parent, exit_rank
 from common.naming import process_start_ticks
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from trainer import build
 from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot, load_checkpoint
-from common.drafter.evaluate import warn_if_gap
-from common.drafter.export import config_from_export, drafter_from_state, zlab_config
 from trainer import handover
 from trainer.feeder import Commits, Feeder, Received
-from common.drafter.loss import LossConfig
-from common.drafter.model import DFlashDrafter, train_flops_per_sample
 from trainer.sharding import (
     full_model_state,
     full_tensor,
@@ -179,7 +179,6 @@ class Trainer:
         # device, FSDP keeps each rank's shards of it. A fresh one is the same on every rank (same seed).
         # A single process resumes on its device: no host copy of the weights.
         self.compiled = build.compiles(cfg, self.device)
-        self.drafter = None
         if resumed is not None:
             config = config_from_export(resumed.drafter_config, own_checkpoint=True)
             self.drafter = warm.drafter_for(config, resumed.weights, self.loss_config) if warm is not None else None
