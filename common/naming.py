@@ -5,10 +5,17 @@ Every shared-memory segment and socket file carries the identity of the process 
 /proc/<pid>/stat). The pair is unique for the machine's uptime, so a recycled pid never makes a
 dead owner look alive. At start we remove the resources of dead owners, and never those of live
 ones.
+
+Segments are named ``dflash.<run tag>.<role>.<pid>-<start>``; ``run_tag`` makes the run tag of a run
+directory, the same in its producers and its trainers, and different for two run directories of the same
+folder name. The sweep of /dev/shm at a ring's creation takes any run's dead segments but the trainers'
+checkpoint staging (role ``trainer-...``, trainer/handover.py): a trainer that hands its state over has
+exited by design before its successor maps it, so only a trainer of that run sweeps those, at its start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -18,6 +25,8 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "dflash"
+TRAINER_ROLE_PREFIX = "trainer-"
+"""Roles of the trainers' checkpoint staging segments (trainer/handover.py), which may outlive their owner."""
 _IDENTITY_RE = re.compile(r"\.(\d+)-(\d+)(?:\.[a-z]+)?$")
 
 
@@ -60,19 +69,28 @@ def parse_owner(name: str) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2))
 
 
+def run_tag(root: Path) -> str:
+    """The run tag in the names of a run directory's segments: its folder name (cut) and a short hash of its
+    resolved path, so that runs in two folders of the same name (``.../run``) never share names."""
+    resolved = Path(root).resolve()
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', resolved.name)[:39]}-{digest}"  # 48 at most: segment_name keeps it whole
+
+
 def segment_name(run_tag: str, role: str) -> str:
-    """File name in /dev/shm of a segment of this process: ``dflash.<run>.<role>.<pid>-<start>``."""
+    """File name in /dev/shm of a segment of this process: ``dflash.<run tag>.<role>.<pid>-<start>``."""
     safe_tag = re.sub(r"[^A-Za-z0-9_-]", "_", run_tag)[:48]
     return f"{SEGMENT_PREFIX}.{safe_tag}.{role}.{owner_identity()}"
 
 
-def sweep_stale(directory: Path, prefix: str = "", suffix: str = "") -> list[Path]:
-    """Remove files named ``<prefix>...<pid>-<start><suffix>`` whose owner is dead; return them."""
+def sweep_stale(directory: Path, prefix: str = "", suffix: str = "", keep=None) -> list[Path]:
+    """Remove files named ``<prefix>...<pid>-<start><suffix>`` whose owner is dead, but those whose name
+    ``keep(name)`` is true of; return them."""
     removed: list[Path] = []
     if not directory.is_dir():
         return removed
     for path in directory.iterdir():
-        if not (path.name.startswith(prefix) and path.name.endswith(suffix)):
+        if not (path.name.startswith(prefix) and path.name.endswith(suffix)) or (keep is not None and keep(path.name)):
             continue
         owner = parse_owner(path.name)
         if owner is None or owner_alive(*owner):
@@ -86,9 +104,17 @@ def sweep_stale(directory: Path, prefix: str = "", suffix: str = "") -> list[Pat
     return removed
 
 
+def is_trainer_staging(name: str) -> bool:
+    """True for a trainer's checkpoint staging segment, ``dflash.<run tag>.trainer-<tree>.<pid>-<start>``."""
+    parts = name.split(".", 2)
+    return len(parts) == 3 and parts[0] == SEGMENT_PREFIX and parts[2].startswith(TRAINER_ROLE_PREFIX)
+
+
 def sweep_stale_segments() -> list[Path]:
-    """Remove /dev/shm segments of this project whose owning process is dead."""
-    return sweep_stale(SHM_DIR, prefix=SEGMENT_PREFIX + ".")
+    """Remove /dev/shm segments of this project whose owning process is dead, of any run, but the trainers'
+    staging: a dead owner's may be a state handed over that its successor has yet to map. A trainer sweeps
+    its own run's (trainer/handover.py ``sweep_stale_state``)."""
+    return sweep_stale(SHM_DIR, prefix=SEGMENT_PREFIX + ".", keep=is_trainer_staging)
 
 
 def process_alive(pid: int | None, start_ticks: int | None = None) -> bool:

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from common.faults import LOG_ENV, PLAN_ENV
-from common.naming import process_start_ticks
+from common.naming import process_start_ticks, run_tag
 from common.rundir import RunDir, read_json
 from tests.peers import wait_for
 from tests.test_pipeline import ROOT, SMALL, lineage, run_all, stop_and_finish, trainer_step
@@ -98,11 +98,11 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     written = f"checkpoint step-{old_step:08d} written"  # (later ones may have pruned it already)
     wait_for(lambda: written in (run_dir / "logs" / "trainer.log").read_text().split("it handed its state over")[-1],
              "the successor's checkpoint of the step handed over", 30)
-    owners = lambda: {p.name.rsplit(".", 1)[1] for p in Path("/dev/shm").glob(f"dflash.{run_dir.name}.trainer-*")}  # noqa: E731
+    owners = lambda: {p.name.rsplit(".", 1)[1] for p in Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")}  # noqa: E731
     successor = f"{spare}-{process_start_ticks(spare)}"
     wait_for(lambda: owners() == {successor}, "the successor's own staging, and no other", 30)
     stop_and_finish(launcher, run_dir)
-    assert not list(Path("/dev/shm").glob(f"dflash.{run_dir.name}.trainer-*")), "a trainer that stops removes its segments"
+    assert not list(Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")), "a trainer that stops removes its segments"
 
 
 def test_the_progress_line_names_a_handover_and_an_evaluation_in_flight(tmp_path, capsys):

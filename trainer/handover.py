@@ -2,8 +2,8 @@
 without waiting for a disk checkpoint.
 
 A single-process trainer keeps its checkpoint staging buffers (trainer/checkpoint.py ``HostStaging``) in
-/dev/shm: one segment per state tree (``dflash.<run>.trainer-<tree>.<pid>-<start>``), faulted in once and
-page-locked for CUDA, reused by every checkpoint. At restart-trainer (the launcher's
+/dev/shm: one segment per state tree (``dflash.<run tag>.trainer-<tree>.<pid>-<start>``, the run tag from
+common/naming.py ``run_tag``), faulted in once and page-locked for CUDA, reused by every checkpoint. At restart-trainer (the launcher's
 ``control/handover-<pid>.json``, then SIGTERM) the old trainer copies its final state into them, gives its leases back and writes the handover mark
 (``control/trainer-handover.json``) with the segments' layout instead of writing 12.6 GB (a Qwen3-8B
 draft's weights and AdamW state) to disk. Its successor maps the segments, loads the state and trains;
@@ -29,7 +29,7 @@ import torch
 
 from common import faults
 from common.codec import DTYPE_NAMES, DTYPES
-from common.naming import SHM_DIR, segment_name, sweep_stale
+from common.naming import SHM_DIR, TRAINER_ROLE_PREFIX, segment_name, sweep_stale
 from trainer.checkpoint import HostStaging, TrainerState
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class SharedStaging(HostStaging):
             self.shared = False
             self.release()
             return None
-        role = "trainer-" + (prefix.strip("/").replace("/", "-") or "state")
+        role = TRAINER_ROLE_PREFIX + (prefix.strip("/").replace("/", "-") or "state")
         path = SHM_DIR / segment_name(self.run_tag, role)
         with open(path, "w+b") as f:
             f.truncate(size)
@@ -196,6 +196,8 @@ def _segment_paths(tree: Any):
 
 
 def sweep_stale_state(run_tag: str) -> list[Path]:
-    """Remove the staging segments of this run's trainers that are dead (killed before handing them over)."""
+    """Remove the staging segments of this run's trainers that are dead (killed before handing them over).
+    Only here: the sweep at a ring's creation leaves them (common/naming.py ``sweep_stale_segments``). Called
+    at a trainer's start after it took over its predecessor's (``take`` removes their names first)."""
     run_prefix = segment_name(run_tag, "trainer").rsplit(".", 2)[0]
-    return sweep_stale(SHM_DIR, prefix=f"{run_prefix}.trainer-")
+    return sweep_stale(SHM_DIR, prefix=f"{run_prefix}.{TRAINER_ROLE_PREFIX}")

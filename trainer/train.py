@@ -38,7 +38,7 @@ from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter, train_flops_per_sample
 from common.hf import target_identity
 from common.lifecycle import die_with_parent, exit_rank
-from common.naming import process_start_ticks
+from common.naming import process_start_ticks, run_tag
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from trainer import build
 from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot, load_checkpoint
@@ -172,7 +172,7 @@ class Trainer:
         if self.rank == 0:
             for leftover in run_dir.sweep_partial_checkpoints():
                 log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
-            handover.sweep_stale_state(run_dir.root.name)
+            handover.sweep_stale_state(run_tag(run_dir.root))
         clock.lap("state")
         torch.manual_seed(cfg.training.seed)
         # Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the
@@ -229,7 +229,7 @@ class Trainer:
         )
         # A single process stages its checkpoints in /dev/shm, so that restart-trainer can hand them over.
         self.checkpoints = CheckpointWriter(run_dir, cfg.training.keep_last,
-                                            handover.SharedStaging(run_dir.root.name) if self.world_size == 1 else None)
+                                            handover.SharedStaging(run_tag(run_dir.root)) if self.world_size == 1 else None)
         if handed is not None:  # the disk checkpoint of the step handed over, from its pages, while training goes on
             self.checkpoints.write(Snapshot(f"step-{self.step:08d}", self.drafter, handed.weights, handed.train_state,
                                             handed.meta), background=True)
