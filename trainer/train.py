@@ -372,7 +372,9 @@ class Trainer:
             snapshot = Snapshot(f"step-{self.step:08d}", self.drafter, weights, self.state_dict(optimizer_state),
                                 self._checkpoint_meta(), stall_s=time.perf_counter() - started)
             self.checkpoints.write(snapshot, background=self.cfg.training.async_checkpoint and not blocking)
+            # Written now, not at the next log_every: the launcher starts a standby only on "training".
             self.state = "training"
+            self.write_status()
         if self.world_size > 1:
             dist.barrier()
 
