@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 from common.faults import LOG_ENV, PLAN_ENV
 from common.rundir import RunDir, read_json

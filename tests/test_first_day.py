@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.drafter_fixtures import tiny_qwen3_target
 from tests.test_pipeline import start

@@ -10,7 +10,6 @@ here from the definition (one block over its document), must equal the training 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -270,7 +269,7 @@ def test_export_command(tmp_path):
 def test_legacy_checkpoint_resumes_and_its_next_checkpoint_says_bidirectional(short_tmp):
     """A run with sliding layers, its checkpoint turned into a pre-change one, resumed by a new trainer."""
     from common.rundir import RunDir
-    from tests.test_pipeline import SMALL, finish, start
+    from tests.test_pipeline import finish, start
 
     run_dir = short_tmp / "run"
     layers = ['drafter.layer_types=["sliding_attention","full_attention"]', "drafter.sliding_window=24"]
