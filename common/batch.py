@@ -4,34 +4,118 @@ A batch is a concatenation of whole documents with no padding. Documents are del
 ``cu_seqlens`` (cumulative lengths, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``).
 Positions restart at 0 in every document; attention never crosses a document boundary.
 
-Tensor names and dtypes are fixed here so both sides agree:
-
-=============  ==========  ============  ==============================================
-name           dtype       shape         meaning
-=============  ==========  ============  ==============================================
-input_ids      int32       [T]           token ids
-loss_mask      uint8       [T]           1 where the token is a training target (assistant)
-cu_seqlens     int32       [D + 1]       document boundaries
-sample_ids     int64       [D]           global id of each document in the data set
-aux_hidden     bf16/fp16   [T, n * H]    concat of the outputs of decoder layers
-                                         ``target_layer_ids`` (hidden_states[k + 1] in HF)
-last_hidden    bf16/fp16   [T, H]        optional: last decoder layer output, before norm
-=============  ==========  ============  ==============================================
+``SLOT_TENSORS`` below is the one description of a slot's tensors. The producer's slot sizes and
+writes, the consumer's validation (common/batchcheck.py), the trainer's padding and PackedBatch
+all derive from it: adding a tensor to the slot is one entry there (tests/test_slot_schema.py
+adds one and follows it through a ring).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
 
-TENSOR_DTYPES: dict[str, torch.dtype] = {
-    "input_ids": torch.int32,
-    "loss_mask": torch.uint8,
-    "cu_seqlens": torch.int32,
-    "sample_ids": torch.int64,
-}
+Rows = Literal["tokens", "docs", "boundaries"]
+
+
+@dataclass(frozen=True)
+class SlotTensor:
+    """One tensor of a ring slot."""
+
+    name: str
+    meaning: str
+    rows: Rows
+    """Its first dimension: one row per token, per document, or per document boundary (documents + 1)."""
+    dtype: torch.dtype | None
+    """Its dtype; None: the features' dtype, which the producer announces (``Features.dtype``)."""
+    width: Literal["aux", "hidden"] | None = None
+    """Its second dimension, for features: all captured layers side by side (``len(layer_ids) * hidden_size``),
+    or one hidden state (``hidden_size``). None: the tensor is 1-d."""
+    when_announced: str | None = None
+    """The ``Features`` flag that must be true for the tensor to travel; None: every batch has it."""
+    source: Literal["documents", "target"] = "documents"
+    """Who writes it: the producer from the batch of documents, or the target's forward (``Target.capture``)."""
+    derive: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None = None
+    """For a documents tensor the data loader does not make: how to compute it from the loader's tensors."""
+    pad: int = 0
+    """Value of the padding rows (``pad_packed``). A boundaries tensor is padded with the padded total instead."""
+
+    def shape(self, dims: SlotDims) -> tuple[int, ...]:
+        rows = {"tokens": dims.tokens, "docs": dims.docs, "boundaries": dims.docs + 1}[self.rows]
+        if self.width is None:
+            return (rows,)
+        return (rows, dims.aux_width if self.width == "aux" else dims.hidden_size)
+
+    def present(self, announced: dict[str, bool]) -> bool:
+        """Whether batches carry this tensor, given the producer's flags (``Features`` fields)."""
+        return self.when_announced is None or bool(announced.get(self.when_announced))
+
+
+SLOT_TENSORS: tuple[SlotTensor, ...] = (
+    SlotTensor("input_ids", "token ids", "tokens", torch.int32),
+    SlotTensor("loss_mask", "1 where the token is a training target (assistant)", "tokens", torch.uint8),
+    SlotTensor("cu_seqlens", "document boundaries", "boundaries", torch.int32),
+    SlotTensor("sample_ids", "global id of each document in the data set", "docs", torch.int64, pad=-1),
+    SlotTensor("aux_hidden", "outputs of the decoder layers target_layer_ids, side by side (hidden_states[k + 1] in HF)",
+               "tokens", None, width="aux", source="target"),
+    SlotTensor("last_hidden", "last decoder layer's output, before the final norm (target-distribution labels)",
+               "tokens", None, width="hidden", when_announced="last_hidden", source="target"),
+)
+"""The slot's tensors, in slot order."""
+
+
+@dataclass(frozen=True)
+class SlotDims:
+    """The sizes a slot's shapes are made of."""
+
+    tokens: int
+    docs: int
+    aux_width: int
+    hidden_size: int
+
+
+def slot_tensors() -> tuple[SlotTensor, ...]:
+    """``SLOT_TENSORS``, read at call time (so that a test may add one)."""
+    return SLOT_TENSORS
+
+
+def slot_shapes(dims: SlotDims, feature_dtype: torch.dtype, announced: dict[str, bool]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every tensor a batch of ``dims`` carries, in slot order."""
+    return {t.name: (t.shape(dims), t.dtype or feature_dtype) for t in slot_tensors() if t.present(announced)}
+
+
+def document_tensors(loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The documents tensors of a slot from the data loader's batch (``pack_documents``), derived ones made."""
+    out = {}
+    for t in slot_tensors():
+        if t.source == "documents":
+            out[t.name] = t.derive(loaded) if t.derive is not None else loaded[t.name]
+    return out
+
+
+def pad_packed(tensors: dict[str, torch.Tensor], total: int) -> dict[str, torch.Tensor]:
+    """Pad a packed batch to ``total`` tokens with one extra document that no block can see.
+
+    Fixed shapes let compiled kernels (and flex attention) be built once instead of once per
+    batch length. The padding has no loss tokens, so it never holds an anchor, and attention
+    never crosses documents, so no real block sees it.
+    """
+    extra = total - int(tensors["input_ids"].numel())
+    if extra <= 0:
+        return tensors
+    out = dict(tensors)
+    for t in slot_tensors():
+        tensor = tensors.get(t.name)
+        if tensor is None:
+            continue
+        rows = {"tokens": extra, "docs": 1, "boundaries": 1}[t.rows]
+        value = total if t.rows == "boundaries" else t.pad
+        out[t.name] = torch.cat([tensor, tensor.new_full((rows, *tensor.shape[1:]), value)])
+    return out
 
 
 @dataclass
@@ -62,6 +146,8 @@ class PackedBatch:
     """Epoch of the data order these documents come from."""
     meta: dict = field(default_factory=dict)
     """Small msgpack-able extras (producer id, batch sequence number, cursor, ...)."""
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The slot's other tensors (``SLOT_TENSORS`` entries the drafter does not read by attribute)."""
 
     @property
     def num_tokens(self) -> int:
@@ -72,35 +158,27 @@ class PackedBatch:
         return int(self.sample_ids.numel())
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The named tensors of this batch (the optional ones only when present)."""
-        out = {
-            "input_ids": self.input_ids,
-            "loss_mask": self.loss_mask,
-            "cu_seqlens": self.cu_seqlens,
-            "sample_ids": self.sample_ids,
-        }
-        if self.aux_hidden is not None:
-            out["aux_hidden"] = self.aux_hidden
-        if self.last_hidden is not None:
-            out["last_hidden"] = self.last_hidden
-        return out
+        """The named tensors of this batch in slot order (the optional ones only when present)."""
+        out = {}
+        for t in slot_tensors():
+            tensor = self.extra.get(t.name) if t.name not in _FIELDS else getattr(self, t.name)
+            if tensor is not None:
+                out[t.name] = tensor
+        return {**out, **{name: t for name, t in self.extra.items() if name not in out}}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], epoch: int = 0, meta: dict | None = None) -> PackedBatch:
-        return cls(
-            input_ids=tensors["input_ids"],
-            loss_mask=tensors["loss_mask"],
-            cu_seqlens=tensors["cu_seqlens"],
-            sample_ids=tensors["sample_ids"],
-            aux_hidden=tensors.get("aux_hidden"),
-            last_hidden=tensors.get("last_hidden"),
-            epoch=epoch,
-            meta=dict(meta or {}),
-        )
+        fields = {name: tensors.get(name) for name in _FIELDS}
+        extra = {name: t for name, t in tensors.items() if name not in _FIELDS}
+        return cls(**fields, epoch=epoch, meta=dict(meta or {}), extra=extra)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors().items()}
         return PackedBatch.from_tensors(moved, self.epoch, self.meta)
+
+
+_FIELDS = ("input_ids", "loss_mask", "cu_seqlens", "sample_ids", "aux_hidden", "last_hidden")
+"""The slot tensors PackedBatch holds as attributes."""
 
 
 def document_ids(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:

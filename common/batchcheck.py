@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.batch import TENSOR_DTYPES
+from common.batch import SlotTensor, slot_tensors
 from common.codec import DTYPES
 from common.contract import BatchMeta, ContractError
 
@@ -37,41 +37,23 @@ def check_batch(meta: dict, tensors: dict[str, torch.Tensor], describe: dict) ->
     except ContractError as exc:
         raise BatchContractError(str(exc)) from None
 
-    for name, dtype in TENSOR_DTYPES.items():
-        tensor = tensors.get(name)
-        if tensor is None or tensor.dtype != dtype or tensor.dim() != 1:
-            raise BatchContractError(f"tensor {name!r} must be a 1-d {dtype} tensor")
-    tokens = tensors["input_ids"].numel()
-    docs = tensors["sample_ids"].numel()
-    if tensors["loss_mask"].numel() != tokens:
-        raise BatchContractError(f"loss_mask has {tensors['loss_mask'].numel()} entries for {tokens} tokens")
-    if tensors["cu_seqlens"].numel() != docs + 1:
-        raise BatchContractError(f"cu_seqlens has {tensors['cu_seqlens'].numel()} entries for {docs} documents")
-    if (announced.tokens, announced.docs) != (tokens, docs):
-        raise BatchContractError(f"meta announces {announced.tokens} tokens in {announced.docs} documents, "
-                                 f"the tensors hold {tokens} in {docs}")
+    tokens, docs = announced.tokens, announced.docs
     budget = describe.get("token_budget")
     if type(budget) is int and tokens > budget:
         raise BatchContractError(f"{tokens} tokens exceed the producer's token budget {budget}")
-
+    hidden = describe.get("hidden_size") if type(describe.get("hidden_size")) is int else None
+    layers = describe.get("layer_ids") if type(describe.get("layer_ids")) is list else None
     feature_dtype = DTYPES.get(describe.get("dtype")) if type(describe.get("dtype")) is str else None
-    width = None
-    if type(describe.get("layer_ids")) is list and type(describe.get("hidden_size")) is int:
-        width = len(describe["layer_ids"]) * describe["hidden_size"]
-    expected = {"aux_hidden": width}
-    if describe.get("last_hidden") is True:
-        expected["last_hidden"] = describe.get("hidden_size")
-    elif "last_hidden" in tensors:
-        raise BatchContractError("tensor 'last_hidden' was not announced (describe.last_hidden is false)")
-    for name, columns in expected.items():
-        tensor = tensors.get(name)
-        if tensor is None or tensor.dim() != 2 or tensor.shape[0] != tokens:
-            raise BatchContractError(f"tensor {name!r} must be [{tokens}, width]")
-        if columns is not None and tensor.shape[1] != columns:
-            raise BatchContractError(f"tensor {name!r} has {tensor.shape[1]} columns, the producer announced {columns}")
-        if feature_dtype is not None and tensor.dtype != feature_dtype:
-            raise BatchContractError(f"tensor {name!r} is {tensor.dtype}, the producer announced {feature_dtype}")
-    unknown = tensors.keys() - TENSOR_DTYPES.keys() - expected.keys()
+    widths = {"aux": len(layers) * hidden if layers is not None and hidden is not None else None, "hidden": hidden}
+    announced_flags = {key: value is True for key, value in describe.items()}
+    for entry in slot_tensors():
+        tensor = tensors.get(entry.name)
+        if not entry.present(announced_flags):
+            if tensor is not None:
+                raise BatchContractError(f"tensor {entry.name!r} was not announced (describe.{entry.when_announced} is not true)")
+            continue
+        _check_tensor(entry, tensor, tokens, docs, widths, feature_dtype)
+    unknown = tensors.keys() - {entry.name for entry in slot_tensors()}
     if unknown:
         raise BatchContractError(f"unexpected tensors {sorted(unknown)}")
 
@@ -89,3 +71,22 @@ def check_batch(meta: dict, tensors: dict[str, torch.Tensor], describe: dict) ->
 def check_delivery(delivery: Delivery, describe: dict) -> None:
     """``check_batch`` for a ``common.transport.Delivery``: the RingClient's ``accept`` hook."""
     check_batch(delivery.meta, delivery.tensors, describe)
+
+
+def _check_tensor(entry: SlotTensor, tensor: torch.Tensor | None, tokens: int, docs: int,
+                  widths: dict[str, int | None], feature_dtype: torch.dtype | None) -> None:
+    """Raise unless ``tensor`` has the shape and dtype ``entry`` gives a batch of ``tokens`` in ``docs``."""
+    rows = {"tokens": tokens, "docs": docs, "boundaries": docs + 1}[entry.rows]
+    dims = 1 if entry.width is None else 2
+    if tensor is None:
+        raise BatchContractError(f"tensor {entry.name!r} is missing")
+    if tensor.dim() != dims or tensor.shape[0] != rows:
+        wanted = f"[{rows}]" if dims == 1 else f"[{rows}, width]"
+        raise BatchContractError(f"tensor {entry.name!r} has shape {list(tensor.shape)}; meta announces {tokens} tokens "
+                                 f"in {docs} documents, so it must be {wanted}")
+    columns = widths.get(entry.width) if entry.width is not None else None
+    if columns is not None and tensor.shape[1] != columns:
+        raise BatchContractError(f"tensor {entry.name!r} has {tensor.shape[1]} columns, the producer announced {columns}")
+    dtype = entry.dtype or feature_dtype
+    if dtype is not None and tensor.dtype != dtype:
+        raise BatchContractError(f"tensor {entry.name!r} is {tensor.dtype}, it must be {dtype}")

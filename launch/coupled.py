@@ -26,7 +26,7 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-from common.batch import PackedBatch
+from common.batch import PackedBatch, SlotDims, document_tensors, pad_packed, slot_shapes
 from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta
 from common.drafter.evaluate import AcceptanceReport, Evaluator, target_head_of, warn_if_gap
@@ -37,7 +37,7 @@ from producer.batching import batch_stats
 from producer.evaluation import build_evaluator
 from producer.server import build_plan, export_target_head, feature_layer_ids
 from producer.target import Target, build_target_config
-from trainer.feeder import Commits, Received, pad_packed
+from trainer.feeder import Commits, Received
 from trainer.train import run_trainer
 
 log = logging.getLogger(__name__)
@@ -78,12 +78,13 @@ class CoupledSource:
         """The next batch with its features, computed now (``timeout`` is ignored: it never waits)."""
         ordinal, (cursor, sample_ids) = next(self.batches)
         batch = self.plan.materialize(cursor, sample_ids)
-        tensors = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors().items()}
         # Outputs made here, outside capture's inference mode, so that autograd may use them.
         target = self.target
-        tensors["aux_hidden"] = torch.empty(batch.num_tokens, target.aux_width, dtype=target.dtype, device=self.device)
-        if target.capture_last_hidden:
-            tensors["last_hidden"] = torch.empty(batch.num_tokens, target.hidden_size, dtype=target.dtype, device=self.device)
+        dims = SlotDims(tokens=batch.num_tokens, docs=batch.num_docs, aux_width=target.aux_width, hidden_size=target.hidden_size)
+        shapes = slot_shapes(dims, target.dtype, {"last_hidden": target.capture_last_hidden})
+        tensors = {name: torch.empty(shape, dtype=dtype, device=self.device) for name, (shape, dtype) in shapes.items()}
+        for name, tensor in document_tensors(batch.tensors()).items():
+            tensors[name].copy_(tensor, non_blocking=True)
         target.capture(batch, out_aux=tensors["aux_hidden"], out_last=tensors.get("last_hidden"))
         if self.pad_to:
             tensors = pad_packed(tensors, self.pad_to)

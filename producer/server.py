@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from common import evals, faults
-from common.batch import PackedBatch
+from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
 from common.codec import DTYPE_NAMES, bytes_needed, plan_layout, read_tensors
 from common.config import ConfigError, RunConfig, load_config
 from common.contract import BatchMeta, Features, mismatch
@@ -71,21 +71,6 @@ EVAL_POLL_S = 1.0  # how often producer 0 looks for the trainer's evaluation req
 def feature_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
     """The target layers both sides use: the configured ones, else the docs/dflash.md rule."""
     return list(cfg.drafter.target_layer_ids) or build_target_layer_ids(num_target_layers, cfg.drafter.num_layers)
-
-
-def slot_shapes(cfg: RunConfig, aux_width: int, hidden: int, dtype: torch.dtype, last_hidden: bool,
-                tokens: int, docs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of one batch of ``tokens`` tokens in ``docs`` documents, in slot order."""
-    shapes = {
-        "input_ids": ((tokens,), torch.int32),
-        "loss_mask": ((tokens,), torch.uint8),
-        "cu_seqlens": ((docs + 1,), torch.int32),
-        "sample_ids": ((docs,), torch.int64),
-        "aux_hidden": ((tokens, aux_width), dtype),
-    }
-    if last_hidden:
-        shapes["last_hidden"] = ((tokens, hidden), dtype)
-    return shapes
 
 
 def export_target_head(target: Target, out_dir: Path) -> None:
@@ -224,9 +209,7 @@ class Producer:
 
         self.dtype = self.target.dtype
         self.max_docs = cfg.batching.max_docs_per_batch or cfg.batching.token_budget
-        shapes = slot_shapes(cfg, self.target.aux_width, self.target.hidden_size, self.dtype, self.needs_last,
-                             cfg.batching.token_budget, self.max_docs)
-        self.slot_bytes = bytes_needed(shapes)
+        self.slot_bytes = bytes_needed(self._slot_shapes(cfg.batching.token_budget, self.max_docs))
         backend = cfg.ring.backend
         if backend == "auto":
             # Consumers on other hosts need the bytes in host memory (sent as frames from there).
@@ -351,16 +334,18 @@ class Producer:
 
     # -- compute ---------------------------------------------------------------------------------
 
+    def _slot_shapes(self, tokens: int, docs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        dims = SlotDims(tokens=tokens, docs=docs, aux_width=self.target.aux_width, hidden_size=self.target.hidden_size)
+        return slot_shapes(dims, self.dtype, {"last_hidden": self.needs_last})
+
     def _fill(self, slot: int, planned: PlannedBatch) -> _Filled:
         batch = self.plan.materialize(planned.cursor, planned.sample_ids)
         if self.target.device.type == "cuda":
             batch = PackedBatch.from_tensors({k: v.pin_memory() for k, v in batch.tensors().items()}, batch.epoch)
-        shapes = slot_shapes(self.cfg, self.target.aux_width, self.target.hidden_size, self.dtype, self.needs_last,
-                             batch.num_tokens, batch.num_docs)
-        layout = plan_layout(shapes, self.slot_bytes)
+        layout = plan_layout(self._slot_shapes(batch.num_tokens, batch.num_docs), self.slot_bytes)
         views = read_tensors(self.server.slot_view(slot), layout)
-        for name in ("input_ids", "loss_mask", "cu_seqlens", "sample_ids"):
-            views[name].copy_(getattr(batch, name), non_blocking=True)
+        for name, tensor in document_tensors(batch.tensors()).items():
+            views[name].copy_(tensor, non_blocking=True)
         done = None
         keepalive: tuple = (batch,)
         if self.ring_on_target_device:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.batch import TENSOR_DTYPES
+from common.batch import slot_tensors
 from producer.batching import (
     BatchCursor,
     BatchPlan,
@@ -23,6 +23,9 @@ from producer.data import DataError, build_data_source
 from producer.order import OrderConfig, ShardOrder
 
 DATA = DataConfig(format="synthetic", vocab_size=500, num_samples=600, mean_len=200, min_len=8, max_seq_len=700)
+
+LOADED = [t for t in slot_tensors() if t.source == "documents" and t.derive is None]
+"""The slot tensors the data loader makes."""
 
 
 def make_plan(
@@ -52,7 +55,7 @@ def test_batches_respect_budget_and_pack_without_padding():
         assert batch.cu_seqlens.tolist() == [0, *np.cumsum([len(d) for d in documents]).tolist()]
         assert torch.equal(batch.input_ids, torch.from_numpy(np.concatenate([d.input_ids for d in documents])))
         assert torch.equal(batch.loss_mask, torch.from_numpy(np.concatenate([d.loss_mask for d in documents])))
-        assert all(batch.tensors()[name].dtype == dtype for name, dtype in TENSOR_DTYPES.items())
+        assert all(batch.tensors()[t.name].dtype == t.dtype for t in LOADED)
         assert batch.epoch == cursor.epoch and batch.meta["cursor"] == list(cursor)
 
 
@@ -90,7 +93,7 @@ def test_resume_from_any_cursor_recomputes_the_same_batches():
             assert resumed.batch_at(cursor) == sample_ids
             recomputed = resumed.materialize(cursor, sample_ids)
             original = reference.materialize(cursor, sample_ids)
-            assert all(torch.equal(recomputed.tensors()[n], original.tensors()[n]) for n in TENSOR_DTYPES)
+            assert all(torch.equal(recomputed.tensors()[n], original.tensors()[n]) for n in (t.name for t in LOADED))
 
 
 def test_cursor_past_the_end_rolls_over():

@@ -68,7 +68,7 @@ def test_a_batch_whose_metadata_lies_about_its_size_is_dropped():
                "aux_hidden": torch.zeros(4, 64, dtype=torch.bfloat16)}
     meta = BatchMeta(producer=0, ordinal=0, cursor=[0, 0, 0], epoch=0, tokens=4, docs=1, max_doc_len=4).to_wire()
     check_batch(meta, tensors, FEATURES.to_wire())  # as announced: kept
-    with pytest.raises(BatchContractError, match="announces 5 tokens"):
+    with pytest.raises(BatchContractError, match="announces 5 tokens in 1 documents"):
         check_batch({**meta, "tokens": 5}, tensors, FEATURES.to_wire())
     with pytest.raises(BatchContractError, match="'cursor'"):
         check_batch({**meta, "cursor": [0, 0]}, tensors, FEATURES.to_wire())

@@ -176,7 +176,7 @@ def test_one_mask_per_layer_type_with_its_causality(causality):
 def test_padding_document_changes_no_real_block():
     """The trainer pads batches to a fixed length with one extra document; real blocks must not
     see it, so the loss is the same with and without it (same anchors)."""
-    from trainer.feeder import pad_packed
+    from common.batch import pad_packed
     from common.drafter.loss import LossConfig
     from common.drafter.model import DFlashDrafter
     from tests.drafter_fixtures import random_batch, random_head, tiny_config

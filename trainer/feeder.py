@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.batch import PackedBatch
+from common.batch import PackedBatch, pad_packed
 from common.batchcheck import check_delivery
 from common.committed import OrdinalSet
 from common.contract import BatchMeta
@@ -90,27 +90,6 @@ class Received:
     """Real tokens of the batch, padding excluded."""
     prepared: object = None
     """Its anchors and block masks, once the trainer built them ahead of its step."""
-
-
-def pad_packed(tensors: dict[str, torch.Tensor], total: int) -> dict[str, torch.Tensor]:
-    """Pad a packed batch to ``total`` tokens with one extra document that no block can see.
-
-    Fixed shapes let compiled kernels (and flex attention) be built once instead of once per
-    batch length. The padding has no loss tokens, so it never holds an anchor, and attention
-    never crosses documents, so no real block sees it.
-    """
-    extra = total - int(tensors["input_ids"].numel())
-    if extra <= 0:
-        return tensors
-    out = dict(tensors)
-    for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
-        if name in tensors:
-            t = tensors[name]
-            out[name] = torch.cat([t, t.new_zeros((extra, *t.shape[1:]))])
-    cu = tensors["cu_seqlens"]
-    out["cu_seqlens"] = torch.cat([cu, cu.new_full((1,), total)])
-    out["sample_ids"] = torch.cat([tensors["sample_ids"], tensors["sample_ids"].new_full((1,), -1)])
-    return out
 
 
 def _remote_producers(run_dir: RunDir) -> dict[int, str]:

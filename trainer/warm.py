@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from common.batch import PackedBatch
+from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
 from common.codec import DTYPES
 from common.config import RunConfig
 from common.hf import target_identity
@@ -68,17 +68,21 @@ class WarmStart:
 
 
 def synthetic_batch(cfg: RunConfig, config: DraftConfig, device: torch.device) -> PackedBatch:
-    """A batch of the shapes the feeder hands a compiled trainer (``batching.token_budget`` tokens), random."""
-    tokens, dtype = cfg.batching.token_budget, DTYPES[cfg.target.dtype]
+    """A batch of the shapes the feeder hands a compiled trainer (``batching.token_budget`` tokens in one
+    document), random."""
+    tokens = cfg.batching.token_budget
     loss_mask = torch.ones(tokens, dtype=torch.uint8)
     loss_mask[0] = 0
-    batch = PackedBatch(
-        input_ids=torch.randint(0, config.vocab_size - 1, (tokens,), dtype=torch.int32),
-        loss_mask=loss_mask, cu_seqlens=torch.tensor([0, tokens], dtype=torch.int32), sample_ids=torch.zeros(1, dtype=torch.int64),
-        aux_hidden=torch.randn(tokens, config.fused_feature_size).to(dtype),
-        last_hidden=torch.randn(tokens, config.target_hidden_size).to(dtype) if cfg.training.label_mode != "data" else None,
-    )
-    return batch.to(device)
+    tensors = document_tensors({
+        "input_ids": torch.randint(0, config.vocab_size - 1, (tokens,), dtype=torch.int32), "loss_mask": loss_mask,
+        "cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32), "sample_ids": torch.zeros(1, dtype=torch.int64),
+    })
+    dims = SlotDims(tokens=tokens, docs=1, aux_width=config.fused_feature_size, hidden_size=config.target_hidden_size)
+    shapes = slot_shapes(dims, DTYPES[cfg.target.dtype], {"last_hidden": cfg.training.label_mode != "data"})
+    for name, (shape, dtype) in shapes.items():
+        if name not in tensors:  # the target's features
+            tensors[name] = torch.randn(shape).to(dtype)
+    return PackedBatch.from_tensors(tensors).to(device)
 
 
 def prepare(cfg: RunConfig, run_dir: RunDir, device: torch.device) -> WarmStart | None:
