@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from common.naming import SHM_DIR, parse_owner, process_start_ticks, segment_name
+from common.naming import SHM_DIR, parse_owner, process_start_ticks, run_tag, segment_name
 from common.rundir import RunDir, read_json
 from common.naming import process_alive
 from launch.supervisor import REPO_ROOT
@@ -142,9 +142,9 @@ def program_name(pid: int) -> str:
 
 def run_segments(run: RunDir, owners: set[tuple[int, int]], trainer: bool = False) -> list[str]:
     """This run's segments in /dev/shm: ``dflash.<run tag>.<role>.<pid>-<start>`` (common.naming) made by
-    one of ``owners`` (other runs may have a run directory of the same name). The producers' rings, or with
+    one of ``owners`` (the tag tells runs with folders of the same name apart). The producers' rings, or with
     ``trainer`` the trainers' checkpoint staging (trainer/handover.py), whose role starts with ``trainer``."""
-    prefix = segment_name(run.root.name, "role").rsplit(".", 2)[0] + "."
+    prefix = segment_name(run_tag(run.root), "role").rsplit(".", 2)[0] + "."
     return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix) and parse_owner(p.name) in owners
                   and p.name[len(prefix):].startswith("trainer") == trainer)
 

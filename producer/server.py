@@ -45,7 +45,7 @@ from common.codec import DTYPE_NAMES, bytes_needed, plan_layout, read_tensors
 from common.config import ConfigError, RunConfig, load_config
 from common.contract import BatchMeta, Features, mismatch
 from common.lifecycle import die_with_parent, exit_rank
-from common.naming import owner_identity, sweep_stale
+from common.naming import owner_identity, run_tag, sweep_stale
 from common.protocol import Hello
 from common.ring import RingMemoryError, create_ring
 from common.rundir import RunDir, atomic_write_json
@@ -216,7 +216,7 @@ class Producer:
             backend = "cuda" if self.target.device.type == "cuda" and listen is None else "host"
         device_index = (self.target.device.index or 0) if self.target.device.type == "cuda" else 0
         self.ring = create_ring(backend, num_slots=cfg.ring.num_slots, slot_bytes=self.slot_bytes,
-                                run_tag=run_dir.root.name, role=f"p{producer_id}", device=device_index)
+                                run_tag=run_tag(run_dir.root), role=f"p{producer_id}", device=device_index)
         self.ring_on_target_device = (backend == "cuda") == (self.target.device.type == "cuda")
         self.copy_stream = torch.cuda.Stream(self.target.device) if self.target.device.type == "cuda" else None
 
