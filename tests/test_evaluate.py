@@ -324,6 +324,10 @@ class SteeredRows:
     def extend(self, row: int, features: torch.Tensor) -> None:
         self.features[row].append(features)
 
+    def extend_rows(self, rows: list[int], features: torch.Tensor, kept: list[int]) -> None:
+        for i, (row, n) in enumerate(zip(rows, kept)):
+            self.extend(row, features[i, :n])
+
     def propose(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.tensor([steered_drafts(self.references[r], len(self.prompts[r]), p, r)
                              for r, p in zip(rows, positions.tolist())])

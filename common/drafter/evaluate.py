@@ -255,6 +255,13 @@ class DraftRows:
         """Append the target features ``[n, n_layers * H]`` of row ``row``'s newly kept tokens."""
         self.contexts[row] = torch.cat([self.contexts[row], self.drafter.fuse_context(features)])
 
+    def extend_rows(self, rows: list[int], features: torch.Tensor, kept: list[int]) -> None:
+        """Append to each row ``rows[i]`` the first ``kept[i]`` of its features ``features[i]`` ``[L, n_layers * H]``:
+        one fusion for all rows (a round's verify forward), not one per row."""
+        fused = self.drafter.fuse_context(features.flatten(0, 1)).view(*features.shape[:2], -1)
+        for i, (row, n) in enumerate(zip(rows, kept)):
+            self.contexts[row] = torch.cat([self.contexts[row], fused[i, :n]])
+
     def propose(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Greedy drafts ``[len(rows), B - 1]`` of the blocks anchored at ``tokens`` at ``positions``."""
         return propose_rows(self.drafter, [self.contexts[r] for r in rows], tokens, positions)
@@ -406,10 +413,12 @@ def speculative_decode_rows(drafts: DraftRows, target: GreedyTarget, prompts: li
         num_accepted = (drafted == verified[:, :-1]).long().cumprod(1).sum(1)
         # The rejected drafts become holes: only the anchor and the accepted drafts stay visible.
         kv_valid[:, -block_size:] = torch.arange(block_size, device=device)[None] <= num_accepted[:, None]
-        for i, (r, n) in enumerate(zip(rows, num_accepted.tolist())):
+        # One copy to the host per round, not one per row: each is a synchronisation with the GPU.
+        counts, drafted_ids, verified_ids = num_accepted.tolist(), drafted.tolist(), verified.tolist()
+        for i, (r, n) in enumerate(zip(rows, counts)):
             accepted[r].append(n)
-            tokens[r] += drafted[i, :n].tolist() + [int(verified[i, n])]
-            drafts.extend(r, features[i, : n + 1])
+            tokens[r] += drafted_ids[i][:n] + [verified_ids[i][n]]
+        drafts.extend_rows(rows, features, [n + 1 for n in counts])
         if kv_valid.shape[1] - int(kv_valid.sum(1).max()) > compact_at * kv_valid.shape[1]:
             kv_valid = target.compact(kv_valid)
     return [Decoded(_cut(t, max_new_tokens, stop_token_ids), a) for t, a in zip(tokens, accepted)]
