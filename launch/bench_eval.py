@@ -1,0 +1,114 @@
+"""Benchmark producer 0's acceptance evaluation (common/drafter/evaluate.py) at the Qwen3-8B shapes, alone.
+
+Random weights: a Qwen3-8B-shaped target and the 8B draft (5 layers, block 16); random held-out documents
+whose prompt is their first ``--prompt-len`` tokens. Prints the time of the real decoding (``--prompts``
+prompts together, ``--new-tokens`` each) and of the simulated acceptance, per verify round, then with
+``--profile`` the operators that took the most time, host and device, so it shows whether an evaluation
+is bound by the GPU or by the host's launching of small kernels (which a GPU shared with a trainer makes
+far slower).
+
+    python -m launch.bench_eval                  # H200
+    python -m launch.bench_eval --tiny           # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from common.batch import Document
+from common.config import EvalConfig, TargetConfig
+from common.drafter.evaluate import Evaluator, _drafter_autocast, target_head_of
+from common.drafter.model import DFlashDrafter
+from launch.bench_step import qwen3_8b_draft, tiny_draft
+from launch.bench_target import QWEN3_8B_SHAPE
+from launch.benchutil import synchronize
+from producer.target import load_target_model
+
+TINY_TARGET = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}
+
+
+def documents(count: int, length: int, prompt_len: int, vocab: int, seed: int) -> list[Document]:
+    rng = np.random.default_rng(seed)
+    mask = np.ones(length, np.uint8)
+    mask[:prompt_len] = 0
+    return [Document(i, rng.integers(0, vocab, length).astype(np.int32), mask.copy()) for i in range(count)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--doc-len", type=int, default=1024, help="tokens of each held-out document (simulated acceptance)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as evaluate runs on a CPU
+    shape = TINY_TARGET if args.tiny else QWEN3_8B_SHAPE
+    model = load_target_model(TargetConfig(config_overrides=dict(shape), dtype="float32" if args.tiny else "bfloat16",
+                                           device=str(device), seed=0))
+    config = tiny_draft(16) if args.tiny else qwen3_8b_draft(16)
+    drafter = DFlashDrafter(config, target_head_of(model)).to(device)
+    if not args.tiny:
+        drafter.to(torch.bfloat16)
+    docs = documents(args.prompts, args.doc_len, args.prompt_len, config.vocab_size, seed=0)
+    eval_config = EvalConfig(num_prompts=args.prompts, max_new_tokens=args.new_tokens, batch_prompts=args.prompts,
+                             prompt_len=args.prompt_len)
+    evaluator = Evaluator(model, docs, eval_config, list(config.target_layer_ids), num_anchors=64)
+
+    rows = []
+    for repeat in range(args.repeats + 1):  # the first is a warm-up
+        synchronize(device)
+        started = time.perf_counter()
+        report = evaluator.evaluate(drafter)
+        synchronize(device)
+        total = time.perf_counter() - started
+        # The decoding alone, as evaluate runs it (eager, the drafter's autocast, in eval mode).
+        drafter.eval()
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"), _drafter_autocast(device):
+            started = time.perf_counter()
+            decoded = evaluator._decode(drafter)
+            synchronize(device)
+            decode = time.perf_counter() - started
+        evaluator.target.detach()
+        rounds = max(len(d.accepted) for d in decoded) + 1  # verify rounds of the batch, and its prefill
+        row = {"repeat": repeat, "seconds": total, "decode_s": decode, "simulated_s": total - decode,
+               "rounds": rounds, "tau": report.tau, "ms_per_round": 1000 * decode / rounds}
+        rows.append(row)
+        print(f"{'warm-up' if repeat == 0 else 'run ' + str(repeat):8s} evaluation {total:6.2f} s = decode {decode:6.2f} s "
+              f"+ simulated and the rest {total - decode:5.2f} s; {rounds} rounds of {len(decoded)} prompts "
+              f"(tau {report.tau:.2f}), {row['ms_per_round']:.1f} ms per round")
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            evaluator.evaluate(drafter)
+            synchronize(device)
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=50))
+        events = prof.key_averages()
+        cuda_total = sum(e.self_device_time_total for e in events) / 1e6 if device.type == "cuda" else 0.0
+        kernels = sum(e.count for e in events if e.device_type.name == "CUDA") if device.type == "cuda" else 0
+        print(f"device busy {cuda_total:.2f} s of one evaluation; {kernels} kernels launched")
+        rows.append({"profile_device_s": cuda_total, "kernels": kernels})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
