@@ -155,6 +155,11 @@ class RunDir:
     def target_head(self) -> Path:
         return self.root / "target"
 
+    def head_dir(self, target_path: str | None) -> Path:
+        """The folder of the target's head (embedding, final norm, lm_head): the stored target at
+        ``target.path``, or for random weights the one its first producer exported (``target_head``)."""
+        return Path(target_path) if target_path else self.target_head
+
     @property
     def ledger(self) -> Path:
         return self.root / "ledger.jsonl"

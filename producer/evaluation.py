@@ -4,12 +4,13 @@ held-out split of the run's data (the decoding itself: common/drafter/evaluate.p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from torch import nn
 
 from common.batch import Document
 from common.config import ConfigError, RunConfig
-from common.drafter.evaluate import Evaluator, stop_tokens_of
+from common.drafter.evaluate import Evaluator, GreedyTarget, stop_tokens_of
 from common.drafter.model import DFlashDrafter
 from producer.data import build_data_source
 
@@ -46,9 +47,10 @@ def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
     return documents
 
 
-def build_evaluator(cfg: RunConfig, target_model: nn.Module, drafter: DFlashDrafter) -> Evaluator:
-    """An evaluator for ``drafter`` on the held-out split of ``cfg``'s data."""
+def build_evaluator(cfg: RunConfig, target_model: nn.Module, drafter: DFlashDrafter,
+                    make_target: Callable[..., GreedyTarget] = GreedyTarget) -> Evaluator:
+    """An evaluator for ``drafter`` on the held-out split of ``cfg``'s data (``make_target``: see Evaluator)."""
     documents = held_out_documents(cfg, int(target_model.config.vocab_size))
     return Evaluator(target_model, documents, cfg.eval, list(drafter.config.target_layer_ids),
                      num_anchors=cfg.drafter.num_anchors, capture_last=drafter.loss_config.label_mode != "data",
-                     stop_token_ids=stop_tokens_of(target_model))
+                     stop_token_ids=stop_tokens_of(target_model), make_target=make_target)

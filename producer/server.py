@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -57,7 +58,7 @@ from producer.data import DataError, build_data_source
 from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
 from producer.target import Target, build_target_config, check_tensor_parallel
-from producer.tensor_parallel import TensorParallelGroup, follow, split_devices
+from producer.tensor_parallel import MirroredTarget, TensorParallelGroup, follow, split_devices
 from common.drafter.draft_config import build_target_layer_ids
 
 log = logging.getLogger(__name__)
@@ -428,9 +429,9 @@ class Producer:
 
     @property
     def serves_evaluations(self) -> bool:
-        """Producer 0 answers the trainer's evaluation requests (a tensor-parallel one does not yet), whatever
+        """Producer 0 answers the trainer's evaluation requests (a tensor-parallel one with its followers), whatever
         eval.every_steps it started with: that cadence is the trainer's, and restart-trainer may change it."""
-        return self.producer_id == 0 and self.group is None
+        return self.producer_id == 0
 
     def _maybe_evaluate(self) -> None:
         """Between two batches: run the oldest open evaluation request of the trainer (common/evals.py).
@@ -475,16 +476,23 @@ class Producer:
 
     def _evaluate(self, request: evals.EvalRequest) -> dict[str, float]:
         """Real and simulated acceptance of the exported drafter against this producer's target."""
-        from common.drafter.evaluate import target_head_of
+        from common.drafter.evaluate import GreedyTarget, target_head_of
+        from common.drafter.target_head import load_target_head
         from common.drafter.export import load_drafter
         from producer.evaluation import build_evaluator
         from common.drafter.loss import LossConfig
 
         model = self.target.model
-        drafter = load_drafter(request.drafter, target_head_of(model), LossConfig(label_mode=self.cfg.training.label_mode),
+        if self.group is None:
+            head = target_head_of(model)
+        else:  # a sharded model's head is in pieces: the whole one, as this producer exported it for the trainer
+            head = load_target_head(self.run_dir.head_dir(self.cfg.target.path), device=self.target.device,
+                                    dtype=self.target.dtype)
+        drafter = load_drafter(request.drafter, head, LossConfig(label_mode=self.cfg.training.label_mode),
                                own_checkpoint=True).to(self.target.device)
         if self._evaluator is None:
-            self._evaluator = build_evaluator(self.cfg, model, drafter)
+            mirrored = functools.partial(MirroredTarget, self.group) if self.group is not None else GreedyTarget
+            self._evaluator = build_evaluator(self.cfg, model, drafter, make_target=mirrored)
         return self._evaluator.evaluate(drafter).metrics()
 
     def _may_fill(self) -> bool:

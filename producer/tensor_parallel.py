@@ -16,6 +16,11 @@ waiting for work holds no GPU kernel and no NCCL watchdog, and the TP all-reduce
 While it runs no forward (full ring, no trainer, possibly for hours) rank 0 sends IDLE at least
 every ``keepalive_interval_s``, so no follower's wait comes near the collective timeout. STOP ends them.
 
+Evaluation: producer 0 evaluates the trainer's drafters between batches (producer/server.py). Rank 0 runs
+the decoding and the drafter; the sharded target's forwards need every rank, so each call of the greedy
+target that runs the model or changes its KV cache (``MirroredTarget``) is sent as EVAL first, and every
+follower makes the same call on its shards and its own cache. Only rank 0 reads the results.
+
 Failures: torchrun ends the whole group when any rank exits. A follower whose rank 0 died gets an
 error from its pending broadcast at once and exits; one told to stop (SIGTERM from torchrun, or from
 the kernel when torchrun dies) waits ``FOLLOWER_STOP_GRACE_S`` for rank 0's STOP, since leaving in
@@ -31,12 +36,13 @@ import signal
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from common.config import ConfigError
+from common.drafter.evaluate import GreedyTarget
 
 if TYPE_CHECKING:
     from producer.target import Target
@@ -56,6 +62,13 @@ class Op(enum.IntEnum):
     CAPTURE = 1
     IDLE = 2
     STOP = 3
+    EVAL = 4
+
+
+EVAL_METHODS = ("reset", "forward", "forward_rows", "compact", "select_rows", "crop", "save_state", "restore_state", "detach")
+"""The calls of ``GreedyTarget`` that run the model or change its cache: what EVAL carries."""
+
+_INT, _LONG_TENSOR, _BOOL_TENSOR = 0, 1, 2
 
 
 def split_devices(entry: str) -> list[str]:
@@ -142,6 +155,12 @@ class TensorParallelGroup:
         self._send_header(Op.CAPTURE, int(input_ids.numel()), int(cu_seqlens.numel()))
         dist.broadcast(payload, src=0, group=self._control)
 
+    def send_eval(self, method: str, args: tuple) -> None:
+        """Tell the followers to make the call ``method(*args)`` of their greedy target (ints, bools, tensors)."""
+        payload = _pack_args(args)
+        self._send_header(Op.EVAL, EVAL_METHODS.index(method), int(payload.numel()))
+        dist.broadcast(payload, src=0, group=self._control)
+
     def keepalive(self) -> None:
         """Send IDLE if nothing was sent for ``keepalive_interval_s``; rank 0 calls this while it waits."""
         if self.following and time.monotonic() - self._last_sent >= self.keepalive_interval_s:
@@ -163,11 +182,16 @@ class TensorParallelGroup:
 
     # -- followers -----------------------------------------------------------------------------------
 
-    def receive(self) -> tuple[Op, torch.Tensor | None, torch.Tensor | None]:
-        """The next message of rank 0: (op, token ids, document bounds); the tensors only for CAPTURE."""
+    def receive(self) -> tuple[Op, Any, Any]:
+        """The next message of rank 0: (op, token ids, document bounds) for CAPTURE, (EVAL, method, its
+        arguments) for EVAL, (op, None, None) otherwise."""
         header = torch.zeros(3, dtype=torch.int64)
         dist.broadcast(header, src=0, group=self._control)
         op, tokens, bounds = (int(value) for value in header)
+        if op == Op.EVAL:
+            payload = torch.empty(bounds, dtype=torch.int64)
+            dist.broadcast(payload, src=0, group=self._control)
+            return Op.EVAL, EVAL_METHODS[tokens], _unpack_args(payload)
         if op != Op.CAPTURE:
             return Op(op), None, None
         payload = torch.empty(tokens + bounds, dtype=torch.int32)
@@ -194,6 +218,7 @@ def follow(group: TensorParallelGroup, target: Target) -> int:
             if target.device.type == "cuda":
                 torch.cuda.set_device(target.device)  # the current device is per thread
             captures = 0
+            greedy: GreedyTarget | None = None  # this rank's side of producer 0's evaluations
             while True:
                 op, input_ids, cu_seqlens = group.receive()
                 if op is Op.STOP:
@@ -203,6 +228,11 @@ def follow(group: TensorParallelGroup, target: Target) -> int:
                 if op is Op.CAPTURE:
                     target.capture_tokens(input_ids, cu_seqlens)
                     captures += 1
+                elif op is Op.EVAL:
+                    if greedy is None:
+                        greedy = GreedyTarget(target.model, target.layer_ids, target.capture_last_hidden)
+                    method, args = input_ids, cu_seqlens
+                    getattr(greedy, method)(*(a.to(greedy.device) if isinstance(a, torch.Tensor) else a for a in args))
         except Exception:  # rank 0 is gone (its end of the group closed) or the group broke
             log.exception("rank %d: lost rank 0", group.rank)
             outcome.append(1)
@@ -225,3 +255,83 @@ def follow(group: TensorParallelGroup, target: Target) -> int:
             logging.shutdown()
             os._exit(1)  # the loop thread is stuck in a collective: a normal exit would wait for it
     return outcome[0] if outcome else 1
+
+
+def _pack_args(args: tuple) -> torch.Tensor:
+    """``args`` (ints, bools, int64 or bool tensors) as one int64 tensor: per argument its kind, then an int's
+    value, or a tensor's rank, shape and values."""
+    parts: list[torch.Tensor] = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            kind = _BOOL_TENSOR if arg.dtype == torch.bool else _LONG_TENSOR
+            parts += [torch.tensor([kind, arg.dim(), *arg.shape], dtype=torch.int64), arg.reshape(-1).to("cpu", torch.int64)]
+        else:
+            parts.append(torch.tensor([_INT, int(arg)], dtype=torch.int64))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _unpack_args(payload: torch.Tensor) -> list:
+    args: list = []
+    values, at = payload.tolist(), 0
+    while at < len(values):
+        kind = values[at]
+        if kind == _INT:
+            args.append(values[at + 1])
+            at += 2
+            continue
+        rank = values[at + 1]
+        shape = values[at + 2: at + 2 + rank]
+        at += 2 + rank
+        count = 1
+        for size in shape:
+            count *= size
+        tensor = payload[at: at + count].reshape(shape)
+        args.append(tensor.bool() if kind == _BOOL_TENSOR else tensor.clone())
+        at += count
+    return args
+
+
+class MirroredTarget(GreedyTarget):
+    """Rank 0's greedy target over a sharded model: every call that runs the model or changes its cache goes
+    to the followers first (EVAL), who make it on their shards, so that each of its all-reduces has every rank."""
+
+    def __init__(self, group: TensorParallelGroup, model: Any, layer_ids: list[int], capture_last: bool = False) -> None:
+        super().__init__(model, layer_ids, capture_last)
+        self.group = group
+
+    def reset(self) -> None:
+        self.group.send_eval("reset", ())
+        super().reset()
+
+    def forward(self, token_ids: torch.Tensor, start: int, logits: bool = True):
+        self.group.send_eval("forward", (token_ids, start, logits))
+        return super().forward(token_ids, start, logits)
+
+    def forward_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_valid: torch.Tensor,
+                     last_logits_only: bool = False):
+        self.group.send_eval("forward_rows", (token_ids, positions, kv_valid, last_logits_only))
+        return super().forward_rows(token_ids, positions, kv_valid, last_logits_only)
+
+    def compact(self, kv_valid: torch.Tensor) -> torch.Tensor:
+        self.group.send_eval("compact", (kv_valid,))
+        return super().compact(kv_valid)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.group.send_eval("select_rows", (rows,))
+        super().select_rows(rows)
+
+    def crop(self, length: int) -> None:
+        self.group.send_eval("crop", (length,))
+        super().crop(length)
+
+    def save_state(self) -> None:
+        self.group.send_eval("save_state", ())
+        super().save_state()
+
+    def restore_state(self) -> None:
+        self.group.send_eval("restore_state", ())
+        super().restore_state()
+
+    def detach(self) -> None:
+        self.group.send_eval("detach", ())
+        super().detach()

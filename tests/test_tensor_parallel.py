@@ -15,8 +15,10 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,7 +28,9 @@ from launch import supervisor
 from common.naming import process_alive
 from peers import wait_for
 from producer.target import Target, check_tensor_parallel
-from producer.tensor_parallel import TensorParallelGroup, follow, split_devices
+from common.batch import Document
+from common.drafter.evaluate import GreedyTarget
+from producer.tensor_parallel import MirroredTarget, TensorParallelGroup, follow, split_devices
 from test_pipeline import assert_exactly_once, epochs_trained, finish, producer_pids, run_all, start, stop_and_finish, trainer_step
 from test_target import make_batch, tiny_qwen3_config
 
@@ -41,12 +45,15 @@ NO_WANDB = "logging.wandb_mode=disabled"
 # -- the rank program ---------------------------------------------------------------------------------
 
 
-def capture_ranks(out: Path, devices: str, target_path: str | None, seed: int, dtype: str, attention: str) -> None:
+def capture_ranks(out: Path, devices: str, target_path: str | None, seed: int, dtype: str, attention: str,
+                  evaluate: bool = False) -> None:
     """One rank of a tensor-parallel target: rank 0 captures BATCHES (its followers run each forward
-    with it, and get IDLE keepalives between them), saves identity and features to ``out``, says STOP."""
+    with it, and get IDLE keepalives between them), saves identity and features to ``out``, says STOP.
+    With ``evaluate`` rank 0 then evaluates a seeded drafter as producer 0 does (``eval_reports``)."""
     group = TensorParallelGroup.join(split_devices(devices), "--devices", keepalive_interval_s=0.05)
     cfg = TargetConfig(path=target_path, dtype=dtype, device=group.device, seed=seed, attention=attention)
     target = Target.load(cfg, LAYER_IDS, capture_last_hidden=True, group=group)
+    head = target.head_tensors()  # gathered: every rank takes part, before they follow
     group.following = True
     if group.rank > 0:
         code = follow(group, target)
@@ -58,17 +65,44 @@ def capture_ranks(out: Path, devices: str, target_path: str | None, seed: int, d
         group.keepalive()  # an IDLE between batches: the followers must take it in their stride
         captured = target.capture(make_batch(lengths, seed=index))
         features.append((captured.aux_hidden.float().cpu(), captured.last_hidden.float().cpu()))
+    reports = eval_reports(target.model, head, partial(MirroredTarget, group)) if evaluate else None
     group.stop_followers()
     group.close()
-    torch.save({"identity": target.identity, "features": features, "pids": group.pids}, out)
+    torch.save({"identity": target.identity, "features": features, "pids": group.pids, "reports": reports}, out)
+
+
+def eval_reports(model, head: dict[str, torch.Tensor], make_target=GreedyTarget) -> list[dict]:
+    """Real and simulated acceptance of a seeded drafter on seeded documents, with prompts decoded together and
+    one at a time (every call a greedy target makes: prefill, verify, compact, select, crop)."""
+    from common.config import EvalConfig
+    from common.drafter.draft_config import DraftConfig
+    from common.drafter.evaluate import Evaluator
+    from common.drafter.model import DFlashDrafter
+    from common.drafter.target_head import TargetHead
+
+    vocab = int(model.config.vocab_size)
+    config = DraftConfig.from_target(model.config, num_draft_layers=2, mask_token_id=vocab - 1, block_size=4,
+                                     target_layer_ids=LAYER_IDS)
+    torch.manual_seed(11)
+    drafter = DFlashDrafter(config, TargetHead(head["model.embed_tokens.weight"], head["lm_head.weight"],
+                                               head["model.norm.weight"], float(model.config.rms_norm_eps)))
+    generator = torch.Generator().manual_seed(5)
+    documents = [Document(i, torch.randint(0, vocab - 1, (40,), generator=generator).int().numpy(),
+                          np.r_[np.zeros(6 + i, np.uint8), np.ones(34 - i, np.uint8)]) for i in range(3)]
+    reports = []
+    for together in (3, 1):
+        eval_config = EvalConfig(num_prompts=3, max_new_tokens=12, batch_prompts=together)
+        evaluator = Evaluator(model, documents, eval_config, LAYER_IDS, num_anchors=8, capture_last=True, make_target=make_target)
+        reports.append(evaluator.evaluate(drafter).metrics())
+    return reports
 
 
 def start_capture(out: Path, devices: str, target_path: Path | None, seed: int = 0, dtype: str = "float32",
-                  attention: str = "auto") -> subprocess.Popen:
+                  attention: str = "auto", evaluate: bool = False) -> subprocess.Popen:
     ranks = len(devices.split(","))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                str(Path(__file__).resolve()), "--out", str(out), "--devices", devices, "--seed", str(seed),
-               "--dtype", dtype, "--attention", attention]
+               "--dtype", dtype, "--attention", attention, *(["--evaluate"] if evaluate else [])]
     if target_path is not None:
         command += ["--target-path", str(target_path)]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -166,6 +200,19 @@ def test_tp2_capture_equals_one_device_for_stored_and_random_targets(saved_targe
             torch.testing.assert_close(last, want_last, atol=1e-5, rtol=1e-5)
 
 
+def test_tp2_producer_zero_evaluates_as_one_device_does(tmp_path):
+    """Rank 0 evaluates with its followers mirroring every call of the greedy target on their shards: the
+    real and simulated acceptance equal those of the same target and drafter on one device."""
+    out = tmp_path / "eval.pt"
+    result = wait_capture(start_capture(out, "cpu,cpu", None, seed=7, evaluate=True), out)
+    target = Target.load(TargetConfig(dtype="float32", device="cpu", seed=7), LAYER_IDS, capture_last_hidden=True)
+    expected = eval_reports(target.model, target.head_tensors())
+    for got, want in zip(result["reports"], expected, strict=True):
+        for key in ("eval/tau", "eval/generated_tokens", "eval/target_forwards", "eval/num_prompts"):
+            assert got[key] == want[key], key
+        assert got["eval/sim_tau"] == pytest.approx(want["eval/sim_tau"], abs=1e-4)
+
+
 # -- the pipeline -------------------------------------------------------------------------------------
 
 
@@ -177,9 +224,13 @@ def producer_ranks(run: RunDir, producer_id: int) -> list[int]:
 def test_pipeline_with_a_tensor_parallel_producer_exactly_once_and_kill9_of_the_trainer(short_tmp):
     run_dir = short_tmp / "run"
     launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=10", NO_WANDB,
-                     'launch.producer_devices=["cpu,cpu", "cpu"]')
+                     'launch.producer_devices=["cpu,cpu", "cpu"]', "eval.every_steps=10", "logging.log_every=10",
+                     "eval.num_prompts=2", "eval.max_new_tokens=8")
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 10, "step 10", 180)
+    # The tensor-parallel producer 0 serves the trainer's evaluations, with its follower.
+    wait_for(lambda: any("eval/tau" in json.loads(line) for line in run.metrics.read_text().splitlines()),
+             "an evaluation result from producer 0", 120)
     producers, ranks = producer_pids(run), producer_ranks(run, 0)
     assert len(ranks) == 2 and ranks[0] == producers[0]
     status = json.loads(run_all("status", "--run-dir", str(run_dir), "--json").stdout)
@@ -308,5 +359,6 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attention", default="auto")
+    parser.add_argument("--evaluate", action="store_true")
     args = parser.parse_args()
-    capture_ranks(args.out, args.devices, args.target_path, args.seed, args.dtype, args.attention)
+    capture_ranks(args.out, args.devices, args.target_path, args.seed, args.dtype, args.attention, args.evaluate)

@@ -22,7 +22,7 @@ from common.drafter.target_head import TargetHead, load_target_head
 
 def head_dir_of(cfg: RunConfig, run_dir: RunDir) -> Path:
     """The folder of the target's head: the target itself, or the head its first producer exported."""
-    return Path(cfg.target.path) if cfg.target.path else run_dir.target_head
+    return run_dir.head_dir(cfg.target.path)
 
 
 def head_is_ready(head_dir: Path) -> bool:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -560,8 +561,10 @@ class Evaluator:
 
     def __init__(self, target_model: nn.Module, documents: list[Document], config: EvalConfig,
                  layer_ids: list[int], num_anchors: int, capture_last: bool = False,
-                 stop_token_ids: frozenset[int] = frozenset()) -> None:
-        self.target = GreedyTarget(target_model, layer_ids, capture_last)
+                 stop_token_ids: frozenset[int] = frozenset(), make_target: Callable[..., GreedyTarget] = GreedyTarget) -> None:
+        """``make_target(model, layer_ids, capture_last)`` makes the greedy target (a tensor-parallel producer's
+        mirrors its calls to the other ranks)."""
+        self.target = make_target(target_model, layer_ids, capture_last)
         self.documents = [d for d in documents if prompt_of(d, config.prompt_len).numel()]
         if not self.documents:
             raise ValueError("no held-out document has a prompt (tokens before its first supervised token); "
