@@ -451,7 +451,7 @@ class Producer:
         request = pending[0] if share >= 1 else pending[-1]
         for stale in pending[:-1] if share < 1 else []:
             evals.finish(self.run_dir, evals.EvalResult(
-                step=stale.step, producer=self.producer_id,
+                step=stale.step, incarnation=stale.incarnation, producer=self.producer_id,
                 lost=f"skipped: producer 0 evaluates at most eval.producer_share={share} of its time, "
                      f"and step {request.step} came since"))
         evals.claim(self.run_dir, request, self.producer_id, os.getpid())
@@ -461,12 +461,14 @@ class Producer:
         faults.point("producer.evaluate")
         try:
             metrics = self._evaluate(request)
-            result = evals.EvalResult(step=request.step, metrics=metrics, producer=self.producer_id)
+            result = evals.EvalResult(step=request.step, metrics=metrics, incarnation=request.incarnation,
+                                      producer=self.producer_id)
             log.info("evaluated step %d for the trainer: tau %.3f real, %.3f simulated in %.1f s", request.step,
                      metrics["eval/tau"], metrics["eval/sim_tau"], metrics["eval/seconds"])
         except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
             log.exception("evaluation of step %d failed", request.step)
-            result = evals.EvalResult(step=request.step, lost=f"{type(exc).__name__}: {exc}", producer=self.producer_id)
+            result = evals.EvalResult(step=request.step, lost=f"{type(exc).__name__}: {exc}", incarnation=request.incarnation,
+                                      producer=self.producer_id)
         evals.finish(self.run_dir, result)
         self.evaluating = None
         self.write_status(ready=True)

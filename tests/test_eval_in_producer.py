@@ -74,7 +74,7 @@ def test_evaluations_asked_faster_than_they_run_never_stop_producer_zero(short_t
     finish(start(run_dir, "training.max_steps=96", "eval.every_steps=4", "logging.log_every=4", "eval.num_prompts=4",
                  "eval.max_new_tokens=32", "eval.producer_share=0.25"), run_dir)
     run = RunDir(run_dir)
-    results = [r for r in (evals.result(run, step) for step in range(4, 97, 4)) if r is not None]
+    results = [evals.EvalResult(**read_json(path)) for path in sorted((run_dir / "evals").glob("step-*/result.json"))]
     skipped = [r.step for r in results if r.lost and r.lost.startswith("skipped")]
     done = [r.step for r in results if not r.lost]
     assert skipped and len(done) >= 2 and 96 in done, (skipped, done)
@@ -100,7 +100,7 @@ def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_c
     drafter = DFlashDrafter(config, random_head(config), LossConfig())
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     writer = EvalExportWriter(run)
-    export = evals.folder(run, 8) / "drafter"
+    export = evals.folder(run, 8, 1) / "drafter"
     writer.export(drafter, drafter.state_dict(), evals.EvalRequest(step=8, drafter=str(export), incarnation=1))
     with torch.no_grad():  # the next optimizer step, while the export is written
         for p in drafter.parameters():
@@ -110,12 +110,12 @@ def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_c
     loaded = load_drafter(export, random_head(config), LossConfig(), own_checkpoint=True).state_dict()
     assert all(torch.equal(loaded[k], before[k]) for k in before if k in loaded)
 
-    blocked = evals.folder(run, 16)
+    blocked = evals.folder(run, 16, 1)
     blocked.mkdir(parents=True)
     (blocked / "drafter").write_text("a file where the export's folder goes")
     writer.export(drafter, drafter.state_dict(), evals.EvalRequest(step=16, drafter=str(blocked / "drafter"), incarnation=1))
     writer.wait()
-    assert evals.result(run, 16).lost.startswith("the export could not be written")
+    assert evals.result(run, 16, 1).lost.startswith("the export could not be written")
     assert [r.step for r in evals.open_requests(run)] == [8]
 
 
@@ -136,3 +136,33 @@ def test_the_trainer_warns_when_a_result_shows_a_real_and_simulated_gap(tmp_path
         assert "differ by more" not in caplog.text
     trainer.metrics_file.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [24, 28]
+
+
+def test_a_new_trainer_adopts_the_evaluations_of_its_lineage_and_asks_again_past_it(short_tmp):
+    """Two kill -9 of the trainer. The first, at step 10, after evaluations were asked for at steps 4 and 8 and
+    the checkpoint of step 8: its successor resumes at 8 and logs those results itself when they come (each
+    step's once). The second, at step 14, after an evaluation at step 12 and before the checkpoint of step 16:
+    the next trainer resumes at 8 again, the step-12 request of weights its lineage never had is written off,
+    and it asks at step 12 anew and gets its own result, not the old one. Nothing is left unanswered."""
+    run_dir = short_tmp / "run"
+    fault_log = short_tmp / "faults.jsonl"
+    env = {**os.environ, PLAN_ENV: "trainer.step:10,trainer.step:6", LOG_ENV: str(fault_log)}
+    with open(run_dir.parent / "launcher.out", "w") as out:
+        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
+                                     "training.max_steps=24", *EVAL, "eval.every_steps=4"],
+                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    finish(launcher, run_dir, timeout=300)
+    run = RunDir(run_dir)
+    assert len(fault_log.read_text().splitlines()) == 2, "both faults fired"
+    folders = sorted((run_dir / "evals").glob("step-*"))
+    assert not [f for f in folders if (f / "drafter").exists()], "no export left waiting for an evaluation"
+    assert all((f / "result.json").is_file() and (f / "logged").is_file() for f in folders), "every request answered and seen"
+    by_step = Counter(m["step"] for m in evaluations(run))
+    assert by_step[4] == 1 and by_step[8] == 1, "the first successor's own lineage: each result logged once"
+    asked_at_12 = [f for f in folders if f.name.startswith("step-00000012-")]
+    assert len(asked_at_12) == 2, "asked at step 12 by both lineages, each its own request"
+    results_12 = [read_json(f / "result.json") for f in asked_at_12]
+    assert sum(1 for r in results_12 if not r["lost"]) >= 1 and all(r["incarnation"] == int(f.name.rsplit("-", 1)[1])
+                                                                   for r, f in zip(results_12, asked_at_12))
+    assert 24 in by_step
+    assert_nothing_trained_twice(run)

@@ -248,4 +248,5 @@ class EvalExportWriter:
             evals.request(self.run_dir, request)
         except Exception as exc:  # auxiliary: a full disk costs this evaluation, never the run
             log.error("cannot export the drafter for the evaluation of step %d: %s", request.step, exc)
-            evals.finish(self.run_dir, evals.EvalResult(step=request.step, lost=f"the export could not be written: {exc}"))
+            evals.finish(self.run_dir, evals.EvalResult(step=request.step, lost=f"the export could not be written: {exc}",
+                                                        incarnation=request.incarnation))

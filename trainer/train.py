@@ -206,8 +206,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps))
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + self.rank)
         self.commits = Commits()
-        self.evals_in_flight: set[int] = set()
-        """Steps whose evaluation was asked for and has not come back (common/evals.py)."""
+        self.evals_in_flight: set[tuple[int, int]] = set()
+        """(step, incarnation) of the evaluations asked for, by this trainer or adopted from the one before, that
+        have not come back (common/evals.py)."""
         self.wandb_id = None
         if resumed is not None:
             # On a GPU the optimizer copies its state to the device; on the CPU it would keep a handed-over
@@ -216,6 +217,8 @@ class Trainer:
                 lambda v: v.clone() if isinstance(v, torch.Tensor) else v, resumed.train_state)
             self._restore(train_state, resumed.meta)
         self.start_step = self.step
+        if self.rank == 0:
+            self._adopt_evaluations()
         clock.lap("optimizer")
         self.wandb = self._init_wandb()
         clock.lap("wandb")
@@ -542,13 +545,13 @@ class Trainer:
         if self.coupled:
             self._evaluate_in_loop(weights)
             return
-        export = evals.folder(self.run_dir, self.step) / "drafter"
+        export = evals.folder(self.run_dir, self.step, self.incarnation) / "drafter"
         request = evals.EvalRequest(step=self.step, drafter=str(export), incarnation=self.incarnation)
         # Training stands still only for the copy to host memory; the export is written in the background.
         stall_s = self.eval_exports.export(self.drafter, weights if weights is not None else self.drafter.state_dict(),
                                            request, background=self.cfg.training.async_checkpoint)
         log.info("evaluation of step %d asked for; training stood still %.2f s for its export", self.step, stall_s)
-        self.evals_in_flight.add(self.step)
+        self.evals_in_flight.add((self.step, self.incarnation))
         self.write_status()
 
     def collect_evaluations(self, wait_s: float = 0.0) -> None:
@@ -557,19 +560,33 @@ class Trainer:
             return
         deadline = time.monotonic() + wait_s
         while self.evals_in_flight:
-            for step in sorted(self.evals_in_flight):
-                result = evals.result(self.run_dir, step)
+            for step, incarnation in sorted(self.evals_in_flight):
+                result = evals.result(self.run_dir, step, incarnation)
                 if result is None:
                     continue
-                self.evals_in_flight.discard(step)
+                self.evals_in_flight.discard((step, incarnation))
                 if result.lost:
                     log.warning("evaluation of step %d lost: %s", step, result.lost)
-                    continue
-                self._log_evaluation(step, result.metrics)
+                else:
+                    self._log_evaluation(step, result.metrics)
+                evals.mark_logged(self.run_dir, step, incarnation)
             if not self.evals_in_flight or time.monotonic() >= deadline or self.stop_requested:
                 break
             time.sleep(0.2)
         self.write_status()
+
+    def _adopt_evaluations(self) -> None:
+        """Take over the evaluations the trainers before asked for, up to the step this one resumed at: their results
+        are logged here when they come. Those past it measured weights this lineage never had: written as lost."""
+        adopted, superseded = evals.adoptable(self.run_dir, self.step, self.incarnation)
+        self.evals_in_flight.update(adopted)
+        for step, incarnation in superseded:
+            if evals.result(self.run_dir, step, incarnation) is None:
+                evals.finish(self.run_dir, evals.EvalResult(step=step, incarnation=incarnation,
+                                                            lost=f"superseded: the trainer resumed at step {self.step}"))
+            evals.mark_logged(self.run_dir, step, incarnation)
+        if adopted:
+            log.info("adopted the evaluations of steps %s asked for before this trainer started", [step for step, _ in adopted])
 
     def _log_evaluation(self, step: int, metrics: dict[str, float]) -> None:
         self.metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
@@ -651,7 +668,7 @@ class Trainer:
             "loss": last.get("loss"), "tau": last.get("tau"), "tokens_per_s": last.get("tokens_per_s"),
             "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "steps_per_s": last.get("steps_per_s"),
             "eval": getattr(self, "last_eval", None),
-            "evals_in_flight": sorted(getattr(self, "evals_in_flight", ())),
+            "evals_in_flight": sorted(step for step, _ in getattr(self, "evals_in_flight", ())),
             "parallelism": self.parallelism, "drafter_params_total": getattr(self, "drafter_params_total", None),
             "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
             "last_checkpoint": vars(self.checkpoints.last) if getattr(self, "checkpoints", None) and self.checkpoints.last else None,
