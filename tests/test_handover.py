@@ -79,6 +79,9 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     # The standby builds its warm start (trainer/warm.py) while the trainer trains: head, drafter, a step.
     wait_for(lambda: "warm start: head, drafter" in trainer_log.read_text(), "the standby's warm start", 60)
     producers = [s["pid"] for s in run.producer_statuses()]
+    staging = lambda: {p.name.rsplit(".", 2)[1]: p for p in Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")}  # noqa: E731
+    wait_for(lambda: {"trainer-drafter", "trainer-optimizer"} <= staging().keys(), "the old trainer's staging (a checkpoint)", 60)
+    inodes_before = {role: path.stat().st_ino for role, path in staging().items()}
     began = time.monotonic()
     answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4")
     assert answer.returncode == 0, answer.stderr
@@ -101,6 +104,12 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     owners = lambda: {p.name.rsplit(".", 1)[1] for p in Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")}  # noqa: E731
     successor = f"{spare}-{process_start_ticks(spare)}"
     wait_for(lambda: owners() == {successor}, "the successor's own staging, and no other", 30)
+    # It adopted the segments handed over as its own staging: its checkpoints copy into the very same pages.
+    next_checkpoint = f"checkpoint step-{(old_step // 8 + 1) * 8:08d} written"
+    wait_for(lambda: next_checkpoint in trainer_log.read_text(), "the successor's next checkpoint", 60)
+    inodes_after = {role: path.stat().st_ino for role, path in staging().items()}
+    assert inodes_after["trainer-drafter"] == inodes_before["trainer-drafter"]
+    assert inodes_after["trainer-optimizer"] == inodes_before["trainer-optimizer"]
     stop_and_finish(launcher, run_dir)
     assert not list(Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")), "a trainer that stops removes its segments"
 

@@ -7,7 +7,8 @@ common/naming.py ``run_tag``), faulted in once and page-locked for CUDA, reused 
 ``control/handover-<pid>.json``, then SIGTERM) the old trainer copies its final state into them, gives its leases back and writes the handover mark
 (``control/trainer-handover.json``) with the segments' layout instead of writing 12.6 GB (a Qwen3-8B
 draft's weights and AdamW state) to disk. Its successor maps the segments, loads the state and trains;
-the disk checkpoint of that step is written by the successor in the background, from the same pages.
+the disk checkpoint of that step is written by the successor in the background, from the same pages, and the
+segments become the successor's own staging (renamed as its own), so its checkpoints need no new ones.
 
 Exactly-once is kept as by any checkpoint: the mark comes after the state is whole, and only the process
 the mark names is believed. The old trainer killed before its mark: the successor resumes from the last
@@ -22,6 +23,7 @@ import logging
 import math
 import mmap
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +102,32 @@ class SharedStaging(HostStaging):
             segment = self.segments.pop(name, None)
             if segment is None:
                 continue
+            if segment.get("pinning") is not None:
+                segment["pinning"].join()
             if segment["pinned"]:
                 torch.cuda.cudart().cudaHostUnregister(segment["flat"].data_ptr())
             Path(segment["path"]).unlink(missing_ok=True)
         self._buffers = {k: v for k, v in self._buffers.items() if any(k.startswith(p) for p in self.segments)}
+
+    def layouts(self) -> dict[str, dict[str, Any]]:
+        """The segments as JSON (prefix -> path, size, layout), for a successor that adopts them (``adopt``)."""
+        return {prefix: {"path": segment["path"], "size": segment["size"], "layout": segment["layout"]}
+                for prefix, segment in self.segments.items()}
+
+    def adopt(self, prefix: str, path: str, size: int, layout: dict, mapped: mmap.mmap, pin: bool) -> None:
+        """Make a predecessor's segment (mapped shared, renamed as this process's at ``path``) this staging's own
+        for ``prefix``: the next checkpoints copy into its pages, already faulted in, instead of new ones. On a
+        CUDA machine it is page-locked in a background thread (seconds for gigabytes), copies running pageable
+        until then."""
+        flat = torch.frombuffer(mapped, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        segment = {"path": path, "size": size, "map": mapped, "flat": flat, "layout": layout, "pinned": False}
+        self.segments[prefix] = segment
+        if pin and torch.cuda.is_available():
+            def register() -> None:
+                if int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), size, 0)) == 0:
+                    segment["pinned"] = True
+            segment["pinning"] = threading.Thread(target=register, name=f"pin-{prefix}", daemon=True)
+            segment["pinning"].start()
 
     def describe(self, tree: Any) -> Any:
         """``tree`` (made of this staging's buffers) as JSON: tensors become references into the segments."""
@@ -160,21 +184,46 @@ def _decode(value: dict, segments: dict[str, mmap.mmap]) -> Any:
     return value["value"]
 
 
-def take(state: dict[str, Any]) -> TrainerState | None:
-    """Map the segments a handover mark's ``state`` names and remove their names (the mapping stays this
-    process's). None, with a warning, when they cannot be read: the caller resumes from the disk checkpoint."""
+def take(state: dict[str, Any], staging: SharedStaging | None = None, pin: bool = False) -> TrainerState | None:
+    """Map the segments a handover mark's ``state`` names. With ``staging`` (and a mark that lists their layouts)
+    they become its own: mapped shared, renamed as this process's, reused by its checkpoints (``adopt``).
+    Otherwise they are mapped copy-on-write and their names removed (the mapping stays this process's). None,
+    with a warning, when they cannot be read: the caller resumes from the disk checkpoint.
+
+    Either way nothing writes the pages while the state's tensors are read: the caller copies them (onto its
+    device, into its modules and optimizer) or clones them, and its first checkpoint copy waits for the
+    background write of the state taken."""
     paths = sorted({ref for ref in _segment_paths(state["trees"])})
+    layouts = state.get("segments") if staging is not None else None
+    adopted = layouts is not None and sorted(entry["path"] for entry in layouts.values()) == paths
     try:
-        segments = {p: _map_private(p) for p in paths}
+        segments = {p: _map_shared(p) if adopted else _map_private(p) for p in paths}
         trees = {name: _decode(tree, segments) for name, tree in state["trees"].items()}
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         log.warning("the state handed over cannot be read (%s); resuming from the last disk checkpoint", exc)
         return None
-    for p in paths:
-        Path(p).unlink(missing_ok=True)
+    if adopted:
+        for prefix, entry in layouts.items():
+            own = SHM_DIR / segment_name(staging.run_tag, _role_of(entry["path"]))
+            os.rename(entry["path"], own)  # this process's name now: a sweep sees a live owner
+            staging.adopt(prefix, str(own), int(entry["size"]), entry["layout"], segments[entry["path"]], pin)
+    else:
+        for p in paths:
+            Path(p).unlink(missing_ok=True)
     faults.point("trainer.taken")
     # Its tensors are mapped from the segments, copy-on-write: read by this process only.
     return TrainerState(trees["weights"], trees["train_state"], state["meta"], state["drafter_config"])
+
+
+def _map_shared(path: str) -> mmap.mmap:
+    """The segment's pages, shared: adopted as this process's staging (its previous owner has exited)."""
+    with open(path, "r+b") as f:
+        return mmap.mmap(f.fileno(), os.path.getsize(path), flags=mmap.MAP_SHARED)
+
+
+def _role_of(path: str) -> str:
+    """The role of a segment named ``dflash.<run tag>.<role>.<pid>-<start>`` (common/naming.py)."""
+    return Path(path).name.rsplit(".", 1)[0].split(".", 2)[2]
 
 
 def _map_private(path: str) -> mmap.mmap:

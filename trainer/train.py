@@ -164,7 +164,10 @@ class Trainer:
                                   dtype=cfg.target.dtype, last_hidden=cfg.training.label_mode != "data").to_wire()
 
         latest = run_dir.latest_checkpoint()
-        handed = handover.take(handed_over) if handed_over and self.world_size == 1 else None
+        # A single process stages its checkpoints in /dev/shm, so that restart-trainer can hand them over; a
+        # successor adopts the segments handed to it as its own staging.
+        staging = handover.SharedStaging(run_tag(run_dir.root)) if self.world_size == 1 else None
+        handed = handover.take(handed_over, staging, pin=self.device.type == "cuda") if handed_over and staging else None
         if handed is not None and latest is not None and handed.meta["step"] < read_json(latest / "trainer_state.json")["step"]:
             log.warning("the state handed over (step %d) is older than %s; resuming from the checkpoint", handed.meta["step"], latest.name)
             handed = None
@@ -230,9 +233,7 @@ class Trainer:
             heartbeat_interval_s=cfg.ring.heartbeat_interval_s, handshake_timeout_s=cfg.ring.handshake_timeout_s,
             pad_to=pad_to,
         )
-        # A single process stages its checkpoints in /dev/shm, so that restart-trainer can hand them over.
-        self.checkpoints = CheckpointWriter(run_dir, cfg.training.keep_last,
-                                            handover.SharedStaging(run_tag(run_dir.root)) if self.world_size == 1 else None)
+        self.checkpoints = CheckpointWriter(run_dir, cfg.training.keep_last, staging)
         if handed is not None:  # the disk checkpoint of the step handed over, from its pages, while training goes on
             self.checkpoints.write(Snapshot(f"step-{self.step:08d}", self.drafter, handed.weights, handed.train_state,
                                             handed.meta), background=True)
@@ -399,6 +400,7 @@ class Trainer:
         train_state = self.state_dict(staging.copy(self.optimizer.state_dict(), "optimizer"))
         train_state.update(staging.copy({k: v for k, v in train_state.items() if k != "optimizer"}, "extras"))
         self.handover_state = {"trees": {"weights": staging.describe(weights), "train_state": staging.describe(train_state)},
+                               "segments": staging.layouts(),
                                "meta": self._checkpoint_meta(), "drafter_config": zlab_config(self.draft_config, self.drafter.fc.weight.dtype)}
         log.info("state of step %d handed over in shared memory in %.2f s", self.step, time.perf_counter() - started)
 
