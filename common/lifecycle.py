@@ -21,24 +21,24 @@ def die_with_parent() -> None:
         pass
 
 
-def exit_rank(code: int) -> NoReturn:
-    """Exit a process started by torchrun (WORLD_SIZE > 1) once it has closed what it owns.
+def exit_process(code: int) -> NoReturn:
+    """Exit a role process (producer, trainer, a torchrun rank) once it has closed what it owns, skipping
+    Python's finalization.
 
-    A rank skips Python's finalization. The collective backend's threads free finished work lazily,
-    and a thread that frees a tensor still tied to a Python object after finalization began can no
-    longer take the GIL: it unwinds, C++ calls std::terminate, and a rank that ended cleanly dies by
-    SIGABRT, which torchrun and the supervisor take for a crash (gloo on torch 2.13: about one exit
-    in ten on 2 CPUs; tests/test_lifecycle.py). Log handlers and the standard streams are flushed
-    first; atexit handlers do not run (wandb is finished explicitly before). A process that is no
-    rank exits as usual.
+    Two reasons. A torchrun rank: the collective backend's threads free finished work lazily, and a thread
+    that frees a tensor still tied to a Python object after finalization began can no longer take the GIL:
+    it unwinds, C++ calls std::terminate, and a rank that ended cleanly dies by SIGABRT, which torchrun and
+    the supervisor take for a crash (gloo on torch 2.13: about one exit in ten on 2 CPUs;
+    tests/test_lifecycle.py). Any process: tearing down torch and transformers takes a second or more after
+    the work is done (about 1.1 s for a tiny producer here), and the launcher, a restart or a stop waits for
+    it. Log handlers and the standard streams are flushed first; atexit handlers do not run (wandb is
+    finished explicitly before, sockets and shared memory are closed by their owners).
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        sys.exit(code)
     end_now(code)
 
 
 def end_now(code: int) -> NoReturn:
-    """Flush logs and standard streams, then leave without finalization (see ``exit_rank``)."""
+    """Flush logs and standard streams, then leave without finalization (see ``exit_process``)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

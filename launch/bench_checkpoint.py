@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from common.config import load_config, save_config
-from common.lifecycle import exit_rank
+from common.lifecycle import exit_process
 from common.rundir import RunDir
 from producer.server import load_target
 from trainer.train import Trainer
@@ -132,4 +132,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_process(main())

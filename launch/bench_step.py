@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from common.batch import PackedBatch
 from launch.benchutil import matmul_tflops, synchronize
-from common.lifecycle import exit_rank
+from common.lifecycle import exit_process
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter, train_flops_per_sample
@@ -206,4 +206,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_rank(0)
+    exit_process(0)

@@ -31,7 +31,7 @@ from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta
 from common.drafter.evaluate import AcceptanceReport, Evaluator, target_head_of, warn_if_gap
 from common.drafter.model import DFlashDrafter
-from common.lifecycle import exit_rank
+from common.lifecycle import exit_process
 from common.rundir import RunDir
 from producer.batching import batch_stats
 from producer.evaluation import build_evaluator
@@ -159,4 +159,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_process(main())

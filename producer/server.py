@@ -45,7 +45,7 @@ from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
 from common.codec import DTYPE_NAMES, bytes_needed, plan_layout, read_tensors
 from common.config import ConfigError, RunConfig, load_config
 from common.contract import BatchMeta, Features, mismatch
-from common.lifecycle import die_with_parent, exit_rank
+from common.lifecycle import die_with_parent, exit_process
 from common.naming import owner_identity, run_tag, sweep_stale
 from common.protocol import Hello
 from common.ring import RingMemoryError, create_ring
@@ -623,4 +623,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_process(main())

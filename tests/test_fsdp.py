@@ -135,7 +135,7 @@ def _fsdp_matches_ddp(rank: int, store: str, checkpoint: str) -> None:
             torch.testing.assert_close(shard.full_tensor(), value, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         dist.destroy_process_group()
-    end_now(0)  # as exit_rank ends our ranks: a plain exit can race gloo's threads into SIGABRT
+    end_now(0)  # as exit_process ends our ranks: a plain exit can race gloo's threads into SIGABRT
 
 
 def test_fsdp_steps_match_ddp_and_each_rank_holds_half(tmp_path):

@@ -3,7 +3,7 @@
 A plain interpreter exit races gloo's worker threads (common/lifecycle.py says how): measured
 here, 5 of 30 such groups lost a rank to SIGABRT, so a trainer that finished would be taken for
 a crash. The test runs GROUPS groups one after the other (groups run side by side slow each
-other down and hide the race), every rank ending through ``exit_rank``; with the race back, at
+other down and hide the race), every rank ending through ``exit_process``; with the race back, at
 least one fails with high probability (about 0.95 at that rate).
 """
 
@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from common.lifecycle import exit_rank
+from common.lifecycle import exit_process
 
 GROUPS = 16
 WORLD_SIZE = 2
@@ -26,7 +26,7 @@ WORLD_SIZE = 2
 def _rank(rank: int, store: str) -> None:
     """Shard tensors as fully_shard's setup does (scattered from rank 0), leave the group right
     after, then exit as our ranks do."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))  # what torchrun sets; exit_rank reads it
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))  # what torchrun sets
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
@@ -34,7 +34,7 @@ def _rank(rank: int, store: str) -> None:
     dist.destroy_process_group()  # at once after the last collective, where the race lies
     assert [shard.to_local().shape[0] for shard in shards] == [32 + i for i in range(20)]
     del shards, mesh  # Python lets go of the tensors first; gloo's threads may still hold them
-    exit_rank(0)
+    exit_process(0)
 
 
 def test_ranks_that_left_their_group_exit_zero(tmp_path):

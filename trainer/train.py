@@ -37,7 +37,7 @@ from common.drafter.export import config_from_export, drafter_from_state, zlab_c
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter, train_flops_per_sample
 from common.hf import target_identity
-from common.lifecycle import die_with_parent, exit_rank
+from common.lifecycle import die_with_parent, exit_process
 from common.naming import process_start_ticks, run_tag
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from trainer import build
@@ -875,4 +875,4 @@ def wait_for_takeover(run_dir: RunDir) -> WarmStart | None:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_process(main())
