@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 EXIT_CONFIG_ERROR = 2
 
 
-EVAL_POLL_S = 1.0  # how often producer 0 looks for the trainer's evaluation requests
+EVAL_POLL_S = 0.25  # how often producer 0 looks for the trainer's evaluation requests (a directory listing)
 
 
 def feature_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
