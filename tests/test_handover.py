@@ -36,9 +36,7 @@ def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_t
     with open(run_dir.parent / "launcher.out", "w") as out:
         launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
                                      "training.max_steps=100000", "training.checkpoint_every=4", "eval.every_steps=0",
-                                     # A metrics line (and trainer.json "training") every step: with one every 4 steps
-                                     # it came right before the checkpoint's "checkpointing", so the "training" that the
-                                     # launcher's standby and each round below wait for showed for moments only.
+                                     # trainer.json every step: each round below waits for steps read from it.
                                      "logging.log_every=1", "launch.standby_trainer_after_s=0"],
                                     cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     run = RunDir(run_dir)
