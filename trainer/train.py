@@ -37,7 +37,7 @@ from common.drafter.export import config_from_export, drafter_from_state, zlab_c
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter, train_flops_per_sample
 from common.hf import target_identity
-from common.lifecycle import die_with_parent, exit_process
+from common.lifecycle import die_with_parent, end_now, exit_process
 from common.naming import process_start_ticks, run_tag
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from trainer import build
@@ -861,17 +861,27 @@ def wait_for_takeover(run_dir: RunDir) -> WarmStart | None:
     """A trainer started ahead of need: import what a start needs and build its warm start (trainer/warm.py),
     then wait for the launcher's word (``control/standby-<pid>.json``, naming the trainer it replaces)
     before touching anything else of the run."""
+    # Stopped before it was needed (the run ends, the launcher stops): it holds nothing of the run, so it
+    # leaves at once and says so, instead of dying by the signal (which the launcher reports as a crash).
+    signal.signal(signal.SIGTERM, _stop_standby)
+    log.info("standby trainer: building ahead, then waiting to take over")
     import_what_a_start_needs()
     warm_start = warm_start_ahead(run_dir)
     go = run_dir.standby_go(os.getpid())
     while (order := read_json(go)) is None:
         time.sleep(0.02)
     go.unlink(missing_ok=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the run's trainer now: its own stop handling follows
     if order.get("predecessor"):
         os.environ[PREDECESSOR_ENV] = order["predecessor"]
     log.info("taking over as the run's trainer")
     faults.point("trainer.takeover")
     return warm_start
+
+
+def _stop_standby(_signum: int, _frame: object) -> None:
+    log.info("standby trainer stopped before it was needed")
+    end_now(0)
 
 
 if __name__ == "__main__":
