@@ -247,9 +247,10 @@ def test_a_run_with_target_path_and_the_tiny_defaults_override_stops_with_exit_2
     result = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), f'target.path="{saved_target_dir}"',
                              "logging.wandb_mode=disabled"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    log = (run_dir / "logs" / "producer-0.log").read_text()
-    assert "target.config_overrides.vocab_size=64" in log and "target.config_overrides={}" in log
-    assert log.count("==== producer-0 start") == 1, "a configuration error is not restarted"
+    # The first producer to fail stops the run: the other may be stopped before it gets to its own error.
+    logs = [(run_dir / "logs" / f"producer-{i}.log").read_text() for i in (0, 1)]
+    assert any("target.config_overrides.vocab_size=64" in log and "target.config_overrides={}" in log for log in logs)
+    assert [log.count(f"==== producer-{i} start") for i, log in enumerate(logs)] == [1, 1], "a configuration error is not restarted"
 
 
 def test_flop_count_of_qwen3_8b_shape():
