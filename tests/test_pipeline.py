@@ -283,7 +283,9 @@ def test_a_hung_producer_does_not_slow_training_on_the_other(run_dir):
     wait_for(lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
              "both producers at epoch 2", 180)
     stop_and_finish(launcher, run_dir)
-    assert producer_pids(run)[0] == hung, "the hung producer was not replaced"
+    # It failed twice in full suites on 2 loaded cores (a producer 0 replaced), never alone: say why if again.
+    why = (run.logs / "launcher.log").read_text()[-3000:] + (run.logs / "producer-0.log").read_text()[-4000:]
+    assert producer_pids(run)[0] == hung, f"the hung producer was not replaced:\n{why}"
     assert_exactly_once(run, must_reach={0, 1})
 
 
