@@ -77,6 +77,7 @@ def checkpoint(args: argparse.Namespace) -> int:
     resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     trainer.save_checkpoint(blocking=True)
     report["after_room"] = _checkpoint_state(run)
+    trainer.close()  # as the trainer process ends: its staging segments in /dev/shm go with it
     print(json.dumps(report), flush=True)
     return 0
 

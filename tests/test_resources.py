@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config, save_config
+from common.naming import run_tag
 from common.rundir import RUN_DIR_FORMAT, RunDir, read_json
 from common.rundir import RunDir as LaunchRunDir
 
@@ -88,6 +89,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(short_tmp
     assert failed == first, "latest.json and the previous checkpoint are untouched, no partial folder is left"
     assert later["latest"] == "step-00000007" and later["step"] == 7 and later["loads"] and not later["partial"]
     assert later["drafter_files"] == first["drafter_files"]
+    assert not list(Path("/dev/shm").glob(f"dflash.{run_tag(run.root)}.*")), "the trainer left its staging behind"
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
