@@ -22,8 +22,9 @@ OVERRIDES = ["data.num_samples=60", "data.mean_len=48", "data.min_len=8", "data.
              "training.label_mode=\"target_hard\""]
 
 
-def start_producer(run_dir: RunDir, producer_id: int = 0) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "producer.server", "--run-dir", str(run_dir.root), "--producer-id", str(producer_id)],
+def start_producer(run_dir: RunDir, producer_id: int = 0, module: tuple[str, ...] = ("producer.server",)) -> subprocess.Popen:
+    """A producer process, ready; ``module``: what ``python -m`` runs (a wrapper may come before producer.server)."""
+    proc = subprocess.Popen([sys.executable, "-m", *module, "--run-dir", str(run_dir.root), "--producer-id", str(producer_id)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

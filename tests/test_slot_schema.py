@@ -4,8 +4,6 @@ added there travels from a real producer process through its ring, and is valida
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -19,21 +17,7 @@ from common.config import load_config, save_config
 from common.rundir import RunDir, read_json
 from common.transport import RingClient
 from tests.extended_slot import TOKEN_POSITIONS, extend
-from tests.test_producer import OVERRIDES, ROOT
-
-
-def start_extended_producer(run_dir: RunDir) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.extended_slot", "producer.server", "--run-dir", str(run_dir.root),
-                             "--producer-id", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        status = read_json(run_dir.producer_status(0))
-        if status and status.get("ready") and status.get("pid") == proc.pid:
-            return proc
-        if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read())
-        time.sleep(0.1)
-    raise AssertionError("producer not ready")
+from tests.test_producer import OVERRIDES, ROOT, start_producer
 
 
 @pytest.fixture
@@ -48,7 +32,7 @@ def test_a_tensor_added_to_the_schema_travels_through_a_real_ring(short_tmp, ext
     run_dir = RunDir(short_tmp / "run")
     run_dir.root.mkdir()
     save_config(cfg, run_dir.config)
-    proc = start_extended_producer(run_dir)
+    proc = start_producer(run_dir, module=("tests.extended_slot", "producer.server"))
     try:
         status = read_json(run_dir.producer_status(0))
         client = RingClient(status["endpoint"], "trainer/r0", 1, credits=2, accept=check_delivery)
