@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import os
 import signal
 import threading
@@ -282,9 +283,7 @@ def _unpack_args(payload: torch.Tensor) -> list:
         rank = values[at + 1]
         shape = values[at + 2: at + 2 + rank]
         at += 2 + rank
-        count = 1
-        for size in shape:
-            count *= size
+        count = math.prod(shape)
         tensor = payload[at: at + count].reshape(shape)
         args.append(tensor.bool() if kind == _BOOL_TENSOR else tensor.clone())
         at += count
