@@ -102,7 +102,8 @@ def run_overrides(name: str, args: argparse.Namespace) -> list[str]:
     if name.endswith("-evals"):
         cadence = [f"training.checkpoint_every={args.eval_every}", f"eval.every_steps={args.eval_every}",
                    f"eval.num_prompts={args.eval_prompts}", f"logging.log_every={EVAL_LOG_EVERY}"]
-        return cadence + ([] if name.startswith("coupled") else [f"ring.num_slots={args.eval_slots}"])
+        return cadence + ([] if name.startswith("coupled") else [f"ring.num_slots={args.eval_slots}",
+                                                                   f"eval.producer_share={args.producer_share}"])
     return []
 
 
@@ -338,8 +339,10 @@ def evaluation_rates(run: RunDir, t0: float, t1: float) -> dict:
         elif inside == 0.0:
             between.append(own)
     inside_window = [b - a for a, b in spans if t0 <= a <= t1]
+    asked = [read_json(here / "request.json") or {} for here in (run.root / "evals").glob("step-*")]
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     return {"evaluations": len(inside_window), "evaluation_s": mean(inside_window),
+            "evaluations_asked": sum(1 for r in asked if t0 <= r.get("requested", 0) <= t1) if asked else None,
             "own_steps_per_s_during_evals": mean(during), "own_steps_per_s_between_evals": mean(between),
             "windows_during_evals": len(during), "windows_between_evals": len(between)}
 
@@ -425,7 +428,8 @@ def print_table(results: list[dict], stages: dict) -> None:
     for r in results:
         if r["run"].endswith("-evals"):
             during, between = r.get("own_steps_per_s_during_evals"), r.get("own_steps_per_s_between_evals")
-            print(f"{r['run']}: {r.get('evaluations')} evaluations of {r.get('evaluation_s') or 0:.1f} s in the window; "
+            asked = "" if r.get("evaluations_asked") is None else f" ({r['evaluations_asked']} asked)"
+            print(f"{r['run']}: {r.get('evaluations')} evaluations of {r.get('evaluation_s') or 0:.1f} s in the window{asked}; "
                   f"trainer's own steps/s during them {during if during is None else round(during, 3)}, "
                   f"between them {between if between is None else round(between, 3)}"
                   + (f" ({during / between - 1:+.1%})" if during and between else ""))
@@ -497,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-prompts", type=int, default=16, help="*-evals: prompts per evaluation")
     parser.add_argument("--eval-slots", type=int, default=128,
                         help="*-evals: ring slots of the decoupled run (its backlog feeds the trainer while producer 0 evaluates)")
+    parser.add_argument("--producer-share", type=float, default=1.0,
+                        help="*-evals: eval.producer_share of the decoupled run; 1 serves every request, the coupled cadence")
     parser.add_argument("--timeout", type=float, default=400.0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run, e.g. launch.mps=true (repeatable)")

@@ -1,0 +1,125 @@
+"""Benchmark (issue 18): does an MPS client priority keep a producer's short kernels ahead of a trainer's?
+
+    python -m launch.bench_mps                 # needs a CUDA GPU and nvidia-cuda-mps-control
+    python -m launch.bench_mps --seconds 6
+
+A producer evaluating beside a trainer on one GPU runs thousands of short kernels (an evaluation's decoding
+rounds) while the trainer keeps every SM busy with long matmuls. Under MPS with equal priorities each short
+kernel waits for SMs behind the trainer's, and an evaluation of 3.4 s alone took 20-40 s beside a trainer
+(BENCHMARKS.md). ``CUDA_MPS_CLIENT_PRIORITY=1`` makes a client's work "below normal": its kernels are
+scheduled after those of normal clients. This program measures it with two stand-ins under the run's own
+MPS daemon (``launch/mps.py``):
+
+  hog    the trainer: back-to-back 8192^3 bf16 matmuls (reports TFLOP/s)
+  probe  the evaluation: rounds of 36 small decode-shaped layers (256 x 4096 @ 4096 x 12288, norms,
+         activations), a host sync per round (reports ms per round)
+
+Runs: the probe alone, beside a normal hog, beside a below-normal hog; the hog alone. Prints a table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hog(seconds: float) -> dict:
+    """Matmuls until ``seconds`` have passed: TFLOP/s achieved."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start, count = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        for _ in range(8):
+            a @ b
+        torch.cuda.synchronize()
+        count += 8
+    return {"tflops": 2 * 8192**3 * count / (time.perf_counter() - start) / 1e12}
+
+
+def probe(seconds: float) -> dict:
+    """Decode-shaped rounds until ``seconds`` have passed: milliseconds per round."""
+    import torch
+
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn(4096, 12288, device="cuda", dtype=torch.bfloat16) / 64
+    down = torch.randn(12288, 4096, device="cuda", dtype=torch.bfloat16) / 110
+
+    def one_round() -> None:
+        h = x
+        for _ in range(36):
+            normed = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+            h = h + torch.nn.functional.silu(normed @ up) @ down
+        h.sum().item()  # the decoding's host sync (accepted tokens) at the end of every round
+
+    for _ in range(3):
+        one_round()
+    start, rounds = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        one_round()
+        rounds += 1
+    return {"ms_per_round": 1000 * (time.perf_counter() - start) / rounds, "rounds": rounds}
+
+
+def run_role(role: str, seconds: float, env: dict[str, str], delay_s: float = 0.0) -> subprocess.Popen:
+    command = [sys.executable, "-m", "launch.bench_mps", "--role", role, "--seconds", str(seconds), "--delay-s", str(delay_s)]
+    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
+
+
+def result_of(proc: subprocess.Popen) -> dict:
+    out, _ = proc.communicate(timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"a bench_mps role exited with {proc.returncode}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=8.0, help="probe time per run (the hog runs 4 s longer)")
+    parser.add_argument("--role", choices=["hog", "probe"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.role:
+        time.sleep(args.delay_s)
+        print(json.dumps(hog(args.seconds) if args.role == "hog" else probe(args.seconds)), flush=True)
+        return 0
+
+    from launch.mps import MPS_CLIENT_PRIORITY_ENV, MpsDaemon
+
+    with tempfile.TemporaryDirectory(prefix="df-mps-") as tmp:
+        daemon = MpsDaemon(Path(tmp), Path(tmp))
+        daemon.start()
+        try:
+            rows = [{"run": "probe alone", **result_of(run_role("probe", args.seconds, daemon.env))},
+                    {"run": "hog alone", **result_of(run_role("hog", args.seconds, daemon.env))}]
+            for label, priority in (("normal", "0"), ("below normal", "1")):
+                # The hog starts first and outlasts the probe, which starts once the hog's matmuls run.
+                hog_proc = run_role("hog", args.seconds + 4, {**daemon.env, MPS_CLIENT_PRIORITY_ENV: priority})
+                probe_proc = run_role("probe", args.seconds, daemon.env, delay_s=2.0)
+                rows.append({"run": f"probe beside a hog of {label} priority", **result_of(probe_proc), **result_of(hog_proc)})
+        finally:
+            daemon.quit()
+    print(f"{'run':<42} {'probe ms/round':>15} {'hog TFLOP/s':>12}")
+    for row in rows:
+        ms, tf = row.get("ms_per_round"), row.get("tflops")
+        print(f"{row['run']:<42} {'' if ms is None else f'{ms:.1f}':>15} {'' if tf is None else f'{tf:.0f}':>12}")
+    record = {"bench": "mps_priority", "seconds": args.seconds, "runs": rows}
+    if args.json:
+        args.json.write_text(json.dumps(record))
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
