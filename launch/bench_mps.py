@@ -14,7 +14,8 @@ MPS daemon (``launch/mps.py``):
   probe  the evaluation: rounds of 36 small decode-shaped layers (256 x 4096 @ 4096 x 12288, norms,
          activations), a host sync per round (reports ms per round)
 
-Runs: the probe alone, beside a normal hog, beside a below-normal hog; the hog alone. Prints a table and JSON.
+Runs: the probe alone; the hog alone; the probe beside the hog under MPS at either priority, and without MPS,
+where the GPU time-slices between the two contexts. Prints a table and JSON.
 """
 
 from __future__ import annotations
@@ -103,11 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows = [{"run": "probe alone", **result_of(run_role("probe", args.seconds, daemon.env))},
                     {"run": "hog alone", **result_of(run_role("hog", args.seconds, daemon.env))}]
-            for label, priority in (("normal", "0"), ("below normal", "1")):
-                # The hog starts first and outlasts the probe, which starts once the hog's matmuls run.
-                hog_proc = run_role("hog", args.seconds + 4, {**daemon.env, MPS_CLIENT_PRIORITY_ENV: priority})
-                probe_proc = run_role("probe", args.seconds, daemon.env, delay_s=2.0)
-                rows.append({"run": f"probe beside a hog of {label} priority", **result_of(probe_proc), **result_of(hog_proc)})
+            # The hog starts first and outlasts the probe, which starts once the hog's matmuls run. Without
+            # the daemon's pipe in their environment the two are no MPS clients: the GPU time-slices them.
+            for label, hog_env, probe_env in (
+                    ("MPS, hog of normal priority", {**daemon.env, MPS_CLIENT_PRIORITY_ENV: "0"}, daemon.env),
+                    ("MPS, hog below normal", {**daemon.env, MPS_CLIENT_PRIORITY_ENV: "1"}, daemon.env),
+                    ("no MPS (time-sliced)", {}, {})):
+                hog_proc = run_role("hog", args.seconds + 4, hog_env)
+                probe_proc = run_role("probe", args.seconds, probe_env, delay_s=2.0)
+                rows.append({"run": f"probe beside a hog: {label}", **result_of(probe_proc), **result_of(hog_proc)})
         finally:
             daemon.quit()
     print(f"{'run':<42} {'probe ms/round':>15} {'hog TFLOP/s':>12}")
