@@ -479,7 +479,6 @@ class LaunchConfig:
         "ready_timeout_s": "launcher trainer",
         "mps": "launcher producer",
         "mps_producer_sm_percent": "launcher producer",
-        "mps_trainer_below_normal": "launcher trainer",
         "remote_producers": "launcher producer trainer",
     }
 
@@ -516,12 +515,6 @@ class LaunchConfig:
     samples/s of the GPU (6.3 / (13.2 + 6.3): 32% for the Qwen3-8B shapes on an H200), if their
     speed scales with SMs. The cap is fixed when the producer starts and holds during the trainer's
     pauses too, so a capped producer refills ring.headroom_slots more slowly. None: no limit."""
-    mps_trainer_below_normal: bool = False
-    """Under launch.mps: run the trainer ranks at MPS's below-normal client priority (CUDA_MPS_CLIENT_PRIORITY=1),
-    so that where they share a GPU with a producer the producer's kernels are scheduled first: its forwards
-    and, on producer 0, the evaluation's thousands of short decoding kernels, which at equal priority wait
-    behind every long matmul of the step (an evaluation of 3.4 s alone took 20-40 s beside a trainer). The
-    trainer then runs in what the producer leaves: the target never waits for the trainer."""
     remote_producers: list[str] = field(default_factory=list)
     """Producers on other hosts, as ``tcp://host:port`` endpoints the trainer connects to (CURVE with
     the run's secrets/curve.json). Their producer ids follow the local ones: the k-th is
@@ -538,8 +531,6 @@ class LaunchConfig:
             _check(self.mps, "mps_producer_sm_percent", "needs launch.mps = true (it is an MPS client setting)")
             _check(1 <= self.mps_producer_sm_percent <= 100, "mps_producer_sm_percent",
                    f"must be in 1..100, got {self.mps_producer_sm_percent}")
-        _check(self.mps or not self.mps_trainer_below_normal, "mps_trainer_below_normal",
-               "needs launch.mps = true (it is an MPS client setting)")
         for index, endpoint in enumerate(self.remote_producers):
             _check(_is_tcp_connect_endpoint(endpoint), f"remote_producers[{index}]",
                    f"must look like tcp://host:port with a host to connect to and a port in 1..65535, got {endpoint!r}")

@@ -1,21 +1,20 @@
-"""Benchmark (issue 18): does an MPS client priority keep a producer's short kernels ahead of a trainer's?
+"""Benchmark (issue 18): can a producer's short kernels keep their speed beside a trainer on one GPU?
 
     python -m launch.bench_mps                 # needs a CUDA GPU and nvidia-cuda-mps-control
     python -m launch.bench_mps --seconds 6
 
 A producer evaluating beside a trainer on one GPU runs thousands of short kernels (an evaluation's decoding
-rounds) while the trainer keeps every SM busy with long matmuls. Under MPS with equal priorities each short
-kernel waits for SMs behind the trainer's, and an evaluation of 3.4 s alone took 20-40 s beside a trainer
-(BENCHMARKS.md). ``CUDA_MPS_CLIENT_PRIORITY=1`` makes a client's work "below normal": its kernels are
-scheduled after those of normal clients. This program measures it with two stand-ins under the run's own
-MPS daemon (``launch/mps.py``):
+rounds) while the trainer keeps every SM busy with long matmuls; an evaluation of 3.4 s alone took 20-40 s
+beside a trainer (BENCHMARKS.md). This program measures the effect with two stand-ins, and whether MPS's client
+priority (``CUDA_MPS_CLIENT_PRIORITY=1``: a client's work "below normal") or no MPS at all changes it:
 
   hog    the trainer: back-to-back 8192^3 bf16 matmuls (reports TFLOP/s)
   probe  the evaluation: rounds of 36 small decode-shaped layers (256 x 4096 @ 4096 x 12288, norms,
          activations), a host sync per round (reports ms per round)
 
-Runs: the probe alone; the hog alone; the probe beside the hog under MPS at either priority, and without MPS,
-where the GPU time-slices between the two contexts. Prints a table and JSON.
+Runs: the probe alone; the hog alone; the probe beside the hog under the run's own MPS daemon
+(``launch/mps.py``) at either priority, and without MPS, where the GPU time-slices between the two contexts.
+Prints a table and JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MPS_CLIENT_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"  # 0 normal, 1 below normal
 
 
 def hog(seconds: float) -> dict:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(hog(args.seconds) if args.role == "hog" else probe(args.seconds)), flush=True)
         return 0
 
-    from launch.mps import MPS_CLIENT_PRIORITY_ENV, MpsDaemon
+    from launch.mps import MpsDaemon
 
     with tempfile.TemporaryDirectory(prefix="df-mps-") as tmp:
         daemon = MpsDaemon(Path(tmp), Path(tmp))

@@ -26,8 +26,6 @@ from common.config import ConfigError
 log = logging.getLogger(__name__)
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
-MPS_CLIENT_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"
-"""A client's scheduling priority: 0 normal, 1 below normal (launch.mps_trainer_below_normal)."""
 
 
 class MpsDaemon:

@@ -55,7 +55,7 @@ from pathlib import Path
 from common.config import ConfigError, RunConfig, fixed_while_producers_run, load_config, readers, save_config, to_dict
 from common.naming import sweep_stale
 from launch import status as status_cmd
-from launch.mps import MPS_CLIENT_PRIORITY_ENV, MpsDaemon
+from launch.mps import MpsDaemon
 from launch.progress import ProgressView, ViewHandler
 from common.rundir import RunDir, read_json, atomic_write_json
 from common.naming import process_alive, process_start_ticks
@@ -434,8 +434,6 @@ class Supervisor:
     def _make_trainer(self) -> ManagedProcess:
         devices = trainer_devices(self.cfg, self.has_cuda)
         extra = {TRAINER_DEVICES_ENV: ",".join(devices), **self._mps_env()}
-        if self.mps and self.cfg.launch.mps_trainer_below_normal:
-            extra[MPS_CLIENT_PRIORITY_ENV] = "1"  # below normal: a producer beside it is scheduled first
         if len(devices) > 1:
             # torchrun gives its ranks this long after forwarding SIGTERM; keep it below our own wait.
             extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(TRAINER_STOP_TIMEOUT_S) - 5))

@@ -42,7 +42,6 @@ def test_resolved_config_round_trips(tmp_path):
         ("batching.token_budget=100", "batching.token_budget"),
         ("launch.producer_devices=[1, 2]", "launch.producer_devices[0]"),
         ("launch.mps_producer_sm_percent=40", "launch.mps_producer_sm_percent"),  # without launch.mps
-        ("launch.mps_trainer_below_normal=true", "launch.mps_trainer_below_normal"),  # without launch.mps
     ],
 )
 def test_errors_name_the_key(override, key):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from common.config import load_config
 from common.rundir import RunDir, read_json
-from launch.mps import MPS_CLIENT_PRIORITY_ENV, MPS_CONTROL, MpsDaemon
+from launch.mps import MPS_CONTROL, MpsDaemon
 from common.rundir import RunDir as LaunchRunDir
 from launch.supervisor import Supervisor
 from peers import wait_for
@@ -90,21 +90,3 @@ def test_only_producers_that_share_a_gpu_with_a_trainer_rank_get_the_sm_share(sh
     assert shares == [None, "45", "45"]
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in supervisor.trainer.env
     assert all(p.env["CUDA_MPS_PIPE_DIRECTORY"] == str(supervisor.mps.pipe) for p in supervisor.producers)
-
-
-def test_the_trainer_runs_below_normal_priority_only_when_asked(short_tmp, monkeypatch):
-    """launch.mps_trainer_below_normal puts CUDA_MPS_CLIENT_PRIORITY=1 into the trainer's environment (the
-    successors and standbys made the same way), never into a producer's; without it no priority is set."""
-    bin_dir = short_tmp / "bin"
-    bin_dir.mkdir()
-    (bin_dir / MPS_CONTROL).write_text(STAND_IN)
-    (bin_dir / MPS_CONTROL).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    placement = ['launch.producer_devices=["cuda:0"]', 'launch.trainer_devices=["cuda:0"]']
-    below = Supervisor(LaunchRunDir(short_tmp / "below"), load_config(None, ["launch.mps=true", "launch.mps_trainer_below_normal=true",
-                                                                          *placement]), has_cuda=lambda: True)
-    assert below.trainer.env[MPS_CLIENT_PRIORITY_ENV] == "1"
-    assert below._make_trainer().env[MPS_CLIENT_PRIORITY_ENV] == "1", "a successor or standby trainer too"
-    assert all(MPS_CLIENT_PRIORITY_ENV not in p.env for p in below.producers)
-    normal = Supervisor(LaunchRunDir(short_tmp / "normal"), load_config(None, ["launch.mps=true", *placement]), has_cuda=lambda: True)
-    assert MPS_CLIENT_PRIORITY_ENV not in normal.trainer.env
