@@ -110,10 +110,19 @@ def is_trainer_staging(name: str) -> bool:
     return len(parts) == 3 and parts[0] == SEGMENT_PREFIX and parts[2].startswith(TRAINER_ROLE_PREFIX)
 
 
+def sweep_stale_trainer_staging(run_tag: str) -> list[Path]:
+    """Remove the staging segments of this run's trainers that are dead (killed before handing them over, or
+    handed over to a successor that never came). Called by a trainer at its start, after it took over its
+    predecessor's (trainer/handover.py ``take`` removes their names first), and by the launcher once every
+    process of the run has exited. ``sweep_stale_segments`` leaves them."""
+    run_prefix = segment_name(run_tag, "trainer").rsplit(".", 2)[0]
+    return sweep_stale(SHM_DIR, prefix=f"{run_prefix}.{TRAINER_ROLE_PREFIX}")
+
+
 def sweep_stale_segments() -> list[Path]:
     """Remove /dev/shm segments of this project whose owning process is dead, of any run, but the trainers'
     staging: a dead owner's may be a state handed over that its successor has yet to map. A trainer sweeps
-    its own run's (trainer/handover.py ``sweep_stale_state``)."""
+    its own run's (``sweep_stale_trainer_staging``)."""
     return sweep_stale(SHM_DIR, prefix=SEGMENT_PREFIX + ".", keep=is_trainer_staging)
 
 

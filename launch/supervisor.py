@@ -53,12 +53,11 @@ from datetime import datetime
 from pathlib import Path
 
 from common.config import ConfigError, RunConfig, fixed_while_producers_run, load_config, readers, save_config, to_dict
-from common.naming import sweep_stale
+from common.naming import process_alive, process_start_ticks, run_tag, sweep_stale, sweep_stale_trainer_staging
 from launch import status as status_cmd
 from launch.mps import MpsDaemon
 from launch.progress import ProgressView, ViewHandler
 from common.rundir import RunDir, read_json, atomic_write_json
-from common.naming import process_alive, process_start_ticks
 
 log = logging.getLogger(__name__)
 
@@ -494,6 +493,10 @@ class Supervisor:
         finally:
             self.view.close()
             self._stop_all()
+            # Nobody of this run can take a dead trainer's state over now: a trainer killed with -9 as the
+            # last one of the run would otherwise keep its weights and optimizer state in /dev/shm until reboot.
+            for leftover in sweep_stale_trainer_staging(run_tag(self.run.root)):
+                log.info("removed %s, the staging of a trainer that did not exit cleanly", leftover.name)
             if self.mps:
                 self.mps.quit()
             self.state = self.outcome

@@ -5,6 +5,8 @@ Real processes and the real /dev/shm, as tests/test_ring_host.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +64,7 @@ def test_a_trainer_sweeps_its_own_runs_dead_staging_and_not_another_runs_of_the_
     ours, theirs = tmp_path / "a" / "run", tmp_path / "b" / "run"
     left = {tag: dead_owner(tag) for tag in (naming.run_tag(ours), naming.run_tag(theirs))}
     try:
-        removed = handover.sweep_stale_state(naming.run_tag(ours))  # our trainer starts (trainer/train.py)
+        removed = naming.sweep_stale_trainer_staging(naming.run_tag(ours))  # our trainer starts (trainer/train.py)
         assert sorted(map(str, removed)) == sorted(left[naming.run_tag(ours)]["segments"]), "our dead trainer's staging"
         assert all(Path(p).exists() for p in left[naming.run_tag(theirs)]["segments"]), "the other run's is left alone"
     finally:
@@ -80,3 +82,29 @@ def test_the_run_tag_is_unique_per_run_directory(tmp_path, monkeypatch):
     # A long folder name: the names of the segments still differ (the tag is cut in segment_name).
     long_a, long_b = tmp_path / "a" / ("x" * 100), tmp_path / "b" / ("x" * 100)
     assert naming.segment_name(naming.run_tag(long_a), "p0") != naming.segment_name(naming.run_tag(long_b), "p0")
+
+
+def test_the_launcher_removes_the_staging_of_a_trainer_killed_as_the_runs_last(short_tmp):
+    """A trainer killed with -9 keeps its checkpoint staging (its weights and optimizer state) in /dev/shm; the
+    next trainer of the run sweeps it. When the run stops before one comes, the launcher sweeps it at its exit."""
+    from common.rundir import RunDir, read_json
+    from test_pipeline import start, stop_and_finish, trainer_step
+    from peers import wait_for
+
+    run_dir = short_tmp / "run"
+    run_dir.mkdir()
+    prefix = naming.segment_name(naming.run_tag(run_dir), "trainer").rsplit(".", 2)[0] + "." + naming.TRAINER_ROLE_PREFIX
+    staging = lambda: sorted(p for p in naming.SHM_DIR.iterdir() if p.name.startswith(prefix))  # noqa: E731
+    # No restart within the test: the killed trainer is the run's last.
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=50", "launch.restart_backoff_s=60")
+    run = RunDir(run_dir)
+    wait_for(lambda: trainer_step(run) >= 9 and staging(), "the first checkpoint, staged in /dev/shm", 120)
+    victim = read_json(run.trainer_status)["pid"]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: not naming.process_alive(victim), "the trainer's death", 30)
+    left = staging()
+    assert left, "the killed trainer's staging is still there before the launcher stops"
+    stop_and_finish(launcher, run_dir)
+    assert not staging(), f"left in /dev/shm after the run: {staging()}"
+    said = (run_dir / "logs" / "launcher.log").read_text() + (short_tmp / "launcher.out").read_text()
+    assert "the staging of a trainer that did not exit cleanly" in said

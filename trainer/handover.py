@@ -31,7 +31,7 @@ import torch
 
 from common import faults
 from common.codec import DTYPE_NAMES, DTYPES
-from common.naming import SHM_DIR, TRAINER_ROLE_PREFIX, segment_name, sweep_stale
+from common.naming import SHM_DIR, TRAINER_ROLE_PREFIX, segment_name
 from trainer.checkpoint import HostStaging, TrainerState
 
 log = logging.getLogger(__name__)
@@ -242,11 +242,3 @@ def _segment_paths(tree: Any):
     elif isinstance(tree, list):
         for v in tree:
             yield from _segment_paths(v)
-
-
-def sweep_stale_state(run_tag: str) -> list[Path]:
-    """Remove the staging segments of this run's trainers that are dead (killed before handing them over).
-    Only here: the sweep at a ring's creation leaves them (common/naming.py ``sweep_stale_segments``). Called
-    at a trainer's start after it took over its predecessor's (``take`` removes their names first)."""
-    run_prefix = segment_name(run_tag, "trainer").rsplit(".", 2)[0]
-    return sweep_stale(SHM_DIR, prefix=f"{run_prefix}.{TRAINER_ROLE_PREFIX}")

@@ -38,7 +38,7 @@ from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter, train_flops_per_sample
 from common.hf import target_identity
 from common.lifecycle import die_with_parent, end_now, exit_process
-from common.naming import process_start_ticks, run_tag
+from common.naming import process_start_ticks, run_tag, sweep_stale_trainer_staging
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from trainer import build
 from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot, load_checkpoint
@@ -175,7 +175,7 @@ class Trainer:
         if self.rank == 0:
             for leftover in run_dir.sweep_partial_checkpoints():
                 log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
-            handover.sweep_stale_state(run_tag(run_dir.root))
+            sweep_stale_trainer_staging(run_tag(run_dir.root))
         clock.lap("state")
         torch.manual_seed(cfg.training.seed)
         # Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the
