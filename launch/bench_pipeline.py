@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 from common.config import load_config, save_config
+from common.naming import run_tag, sweep_stale_segments, sweep_stale_trainer_staging
 from common.rundir import read_json
 from launch.bench_restart import QWEN3_8B, wait_for
 from common.rundir import RunDir
@@ -154,7 +155,9 @@ def kill_run(run: RunDir) -> None:
     """SIGKILL every process of the run (a benchmark needs no final checkpoint): the supervisor first,
     so that nothing is restarted, then everything whose command line names the run directory.
     Process groups are not enough: torchrun starts its ranks in sessions of their own, and ranks
-    left running would share the GPUs with the next run."""
+    left running would share the GPUs with the next run. Then the run's /dev/shm segments, which no process
+    removes after a SIGKILL: its trainer's staging is the drafter's weights and optimizer state (12.6 GB at
+    the Qwen3-8B shapes)."""
     launcher = read_json(run.launcher) or {}
     if launcher.get("pid"):
         try:
@@ -166,6 +169,8 @@ def kill_run(run: RunDir) -> None:
         pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and int(p.name) != os.getpid()
                 and needle in _cmdline(p)]
         if not pids:
+            sweep_stale_trainer_staging(run_tag(run.root))
+            sweep_stale_segments()  # its rings (those of any dead owner, as a ring's creation sweeps them)
             return
         for pid in pids:
             try:
