@@ -110,13 +110,17 @@ def is_trainer_staging(name: str) -> bool:
     return len(parts) == 3 and parts[0] == SEGMENT_PREFIX and parts[2].startswith(TRAINER_ROLE_PREFIX)
 
 
+def trainer_staging_prefix(run_tag: str) -> str:
+    """What the /dev/shm names of this run's trainer staging segments begin with, ``dflash.<run tag>.trainer-``."""
+    return segment_name(run_tag, "trainer").rsplit(".", 2)[0] + "." + TRAINER_ROLE_PREFIX
+
+
 def sweep_stale_trainer_staging(run_tag: str) -> list[Path]:
     """Remove the staging segments of this run's trainers that are dead (killed before handing them over, or
     handed over to a successor that never came). Called by a trainer at its start, after it took over its
     predecessor's (trainer/handover.py ``take`` removes their names first), and by the launcher once every
     process of the run has exited. ``sweep_stale_segments`` leaves them."""
-    run_prefix = segment_name(run_tag, "trainer").rsplit(".", 2)[0]
-    return sweep_stale(SHM_DIR, prefix=f"{run_prefix}.{TRAINER_ROLE_PREFIX}")
+    return sweep_stale(SHM_DIR, prefix=trainer_staging_prefix(run_tag))
 
 
 def sweep_stale_segments() -> list[Path]:

@@ -51,9 +51,8 @@ from pathlib import Path
 
 from common.config import load_config, save_config
 from common.naming import run_tag, sweep_stale_segments, sweep_stale_trainer_staging
-from common.rundir import read_json
+from common.rundir import RunDir, read_json
 from launch.bench_restart import QWEN3_8B, wait_for
-from common.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_LOG_EVERY = 5  # steps per metrics window of the *-evals runs: fine enough to tell windows during an evaluation

@@ -93,7 +93,7 @@ def test_the_launcher_removes_the_staging_of_a_trainer_killed_as_the_runs_last(s
 
     run_dir = short_tmp / "run"
     run_dir.mkdir()
-    prefix = naming.segment_name(naming.run_tag(run_dir), "trainer").rsplit(".", 2)[0] + "." + naming.TRAINER_ROLE_PREFIX
+    prefix = naming.trainer_staging_prefix(naming.run_tag(run_dir))
     staging = lambda: sorted(p for p in naming.SHM_DIR.iterdir() if p.name.startswith(prefix))  # noqa: E731
     # No restart within the test: the killed trainer is the run's last.
     launcher = start(run_dir, "training.max_steps=0", "training.epochs=50", "launch.restart_backoff_s=60")
