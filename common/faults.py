@@ -11,7 +11,12 @@ at the point (a producer handling a trainer's HELLO kills that trainer). The lau
 killed process; its successor reads the log and waits for the next entry. So one run carries a
 whole sequence of kills, across processes, each at an exact place.
 
-Without DFLASH_FAULT (every real run) ``point`` returns at once.
+A point can also be slowed instead of killed, to hold a window open (a checkpoint write in flight when a
+restart comes):
+
+    DFLASH_FAULT_DELAY="trainer.checkpoint=3"    sleep 3 s at every reach of the point
+
+Without DFLASH_FAULT and DFLASH_FAULT_DELAY (every real run) ``point`` returns at once.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 PLAN_ENV = "DFLASH_FAULT"
 LOG_ENV = "DFLASH_FAULT_LOG"
+DELAY_ENV = "DFLASH_FAULT_DELAY"
 
 POINTS = {
     # The trainer is killed ...
@@ -75,6 +81,23 @@ def parse_plan(text: str) -> list[Fault]:
 def format_plan(plan: list[Fault]) -> str:
     """The DFLASH_FAULT value of ``plan``."""
     return ",".join(f"{fault.point}:{fault.count}" for fault in plan)
+
+
+def parse_delays(text: str) -> dict[str, float]:
+    """``"point=seconds,point=seconds"`` as {point: seconds}; unknown points and negative times are errors."""
+    delays = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, equals, seconds = item.partition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if not equals or value < 0:
+            raise ValueError(f"{DELAY_ENV}: {item!r} is not point=seconds with seconds >= 0")
+        if name not in POINTS:
+            raise ValueError(f"{DELAY_ENV}: unknown fault point {name!r} in {item!r}; known: {', '.join(POINTS)}")
+        delays[name] = value
+    return delays
 
 
 def read_log(path: Path) -> list[dict]:
@@ -151,9 +174,13 @@ def _from_environment() -> _Injector | None:
 
 
 _INJECTOR = _from_environment()
+_DELAYS = parse_delays(os.environ.get(DELAY_ENV, ""))
 
 
 def point(name: str, victim: int | None = None) -> None:
-    """A fault point: SIGKILL here (of this process, or of ``victim``) when the plan says so."""
+    """A fault point: sleep here if DFLASH_FAULT_DELAY says so, then SIGKILL (of this process, or of
+    ``victim``) when the plan says so."""
+    if _DELAYS and name in _DELAYS:
+        time.sleep(_DELAYS[name])
     if _INJECTOR is not None:
         _INJECTOR.reach(name, victim)

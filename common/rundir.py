@@ -19,6 +19,7 @@ half of one; readers treat unreadable JSON as absent.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -210,6 +211,22 @@ class RunDir:
             return None
         path = self.checkpoints / pointer["name"]
         return path if (path / "trainer_state.json").is_file() else None
+
+    def advance_latest(self, name: str, step: int) -> bool:
+        """Point ``checkpoints/latest.json`` at folder ``name`` (of ``step``), unless it already names a later
+        step; True if it now names ``name``. Under a lock, so that a write two trainers finish at the same
+        time never takes latest back: an older trainer's write, superseded by the state it handed over
+        (trainer/handover.py), may end after its successor's checkpoint of a later step."""
+        folder = os.open(self.checkpoints, os.O_RDONLY | os.O_DIRECTORY)  # the lock: the folder itself, no file
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            current = read_json(self.checkpoints / "latest.json") or {}
+            if int(current.get("step", -1)) > step and (self.checkpoints / str(current.get("name"))).is_dir():
+                return False
+            atomic_write_json(self.checkpoints / "latest.json", {"name": name, "step": step})
+            return True
+        finally:
+            os.close(folder)  # and with it the lock
 
     def sweep_partial_checkpoints(self) -> list[Path]:
         """Clean up what a trainer killed while checkpointing left in checkpoints/; return the leftovers.

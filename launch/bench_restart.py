@@ -3,6 +3,7 @@ starting the whole pipeline (targets reloaded), on the same run.
 
     python -m launch.bench_restart             # Qwen3-8B-shaped target and draft, one GPU
     python -m launch.bench_restart --tiny      # the tiny CPU default (smoke run)
+    python -m launch.bench_restart --during-write   # the restart comes right after a checkpoint write began
 
 Sequence: start the pipeline and wait for training to run, for its first checkpoint and for the launcher's
 standby trainer (as in a run that has trained a while); ``restart-trainer`` with a changed
@@ -11,6 +12,11 @@ the same run directory (it resumes) and time until its first step. Times are the
 command to the wall-clock time of the first step the new trainer trained (restart-trainer's command
 itself returns later, once the old trainer has exited). The standby is given the time to build its
 warm start first (trainer/warm.py), as in a run that has trained a while.
+
+With ``--during-write`` the restart comes right after a periodic checkpoint write began (at the Qwen3-8B shapes
+it takes 15-22 s): the old trainer hands its state over in new segments instead of waiting for the write. On
+``--tiny`` every write is then held open for ``TINY_WRITE_S`` (DFLASH_FAULT_DELAY), a stand-in for the large
+write the tiny draft does not have.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.faults import DELAY_ENV
 from common.rundir import RunDir, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Qwen3-8B shapes a write takes 15-22 s on an H200 host: 100 steps apart, so that none is in flight when the
 # restart comes (one would be waited for).
 CHECKPOINT_EVERY = {True: 8, False: 100}
+TINY_WRITE_S = 5.0
 WARM_LINE = "warm start: head, drafter"  # the standby's log line once its warm start is built
 QWEN3_8B = {
     "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
@@ -70,9 +78,9 @@ def trainer(run: RunDir) -> dict:
     return read_json(run.trainer_status) or {}
 
 
-def launch(run_dir: Path, overrides: list[str], log_path: Path) -> subprocess.Popen:
+def launch(run_dir: Path, overrides: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *overrides],
-                            cwd=ROOT, stdout=open(log_path, "a"), stderr=subprocess.STDOUT)
+                            cwd=ROOT, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, env=env)
 
 
 def first_step_after(run: RunDir, known: set[int], timeout: float) -> tuple[float, int]:
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-steps", type=int, default=5, help="steps before the restart (compilation done)")
     parser.add_argument("--standby-s", type=float, default=8.0,
                         help="seconds given to the standby trainer's imports before the restart (a run that trained a while)")
+    parser.add_argument("--during-write", action="store_true", help="restart right after a checkpoint write began")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="df-restart-", dir="/tmp"))
     run_dir = tmp / "run"
@@ -116,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     results = _Results()
 
     started = time.time()
-    launcher = launch(run_dir, overrides, log_path)
+    env = {**os.environ, DELAY_ENV: f"trainer.checkpoint={TINY_WRITE_S}"} if args.during_write and args.tiny else None
+    launcher = launch(run_dir, overrides, log_path, env)
     try:
         wait_for(lambda: len([s for s in run.producer_statuses() if s.get("ready")]) >= 1, args.timeout, "producers ready")
         results["cold_producers_ready_s"] = time.time() - started
@@ -138,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         wait_for(lambda: WARM_LINE in trainer_log.read_text(), args.timeout, "the standby's warm start")
         results["standby_warm_after_s"] = time.monotonic() - standby_seen
         time.sleep(max(0.0, args.standby_s - (time.monotonic() - standby_seen)))
+        if args.during_write:
+            before = trainer(run).get("checkpoint_writing")
+            in_flight = wait_for(lambda: trainer(run).get("checkpoint_writing") not in (None, before)
+                                 and trainer(run)["checkpoint_writing"], args.timeout, "a checkpoint write to begin")
+            results["write_before_restart_s"] = float((trainer(run).get("last_checkpoint") or {}).get("write_s") or 0.0)
+            print(f"restarting while {in_flight} is being written", flush=True)
 
         # 1. restart-trainer: producers and their rings stay; only the trainer is replaced.
         t0 = time.time()
@@ -148,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(answer.stdout + answer.stderr)
         t1, inc2 = first_step_after(run, {inc}, args.timeout)
         results["restart_trainer_to_first_step_s"] = t1 - t0
+        handed = [line for line in trainer_log.read_text().splitlines() if "handed over in shared memory" in line]
+        print("handover:", handed[-1].split(" INFO ", 1)[-1] if handed else "none")
         took_over = [line for line in trainer_log.read_text().splitlines() if "took over the state handed over" in line]
         print("takeover:", took_over[-1].split("; ", 1)[-1] if took_over else "no handover (resumed from the checkpoint)")
         assert {s["id"]: s["pid"] for s in run.producer_statuses()} == producer_pids, "producers were not touched"
@@ -175,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             launcher.kill()
     speedup = results["full_restart_to_first_step_s"] / results["restart_trainer_to_first_step_s"]
     print(f"{'full restart / restart-trainer':40s} {speedup:9.1f}x")
-    print(json.dumps({"bench": "restart", "tiny": args.tiny, **results, "speedup": speedup,
+    print(json.dumps({"bench": "restart", "tiny": args.tiny, "during_write": args.during_write, **results, "speedup": speedup,
                       "log": str(log_path)}))
     return 0
 

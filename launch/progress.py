@@ -29,6 +29,8 @@ def trainer_figures(status: dict[str, Any]) -> list[str]:
         parts.append(f"real {evaluation['tau']:.2f}@{evaluation['step']}")
     if status.get("evals_in_flight"):
         parts.append("evaluating " + ",".join(map(str, status["evals_in_flight"])))
+    if status.get("checkpoint_writing"):
+        parts.append(f"writing {status['checkpoint_writing']}")
     if status.get("samples_per_s") is not None:
         parts.append(f"{status['samples_per_s']:.1f} samples/s")
     return parts

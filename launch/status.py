@@ -83,7 +83,7 @@ def collect_status(run_dir: Path) -> dict:
     started = trainer_record.get("status_since") or trainer_record.get("started")
     current = not started or float(trainer_file.get("updated") or 0) >= float(started)
     figures = {key: trainer_file.get(key) if current else None
-               for key in ("loss", "tau", "lr", "samples_per_s", "tokens_per_s", "steps_per_s", "eval", "evals_in_flight")}
+               for key in ("loss", "tau", "lr", "samples_per_s", "tokens_per_s", "steps_per_s", "eval", "evals_in_flight", "checkpoint_writing")}
     trainer = {
         "pid": trainer_pid,
         "alive": trainer_alive,

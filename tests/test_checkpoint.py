@@ -57,6 +57,7 @@ def test_a_background_checkpoint_holds_its_step_while_training_goes_on(short_tmp
         trainer.save_checkpoint()
         assert trainer.checkpoints.writing, "save_checkpoint returned while the write is held"
         assert run.latest_checkpoint() is None, "latest.json names nothing before the folder is complete"
+        assert read_json(run.trainer_status)["checkpoint_writing"] == "step-00000005", "the status shows the write"
 
         optimizer_step(trainer, seed=2)  # training goes on: step 6 changes weights and moments in place
         trainer.step = 6
@@ -91,6 +92,24 @@ def test_blocking_and_synchronous_checkpoints_are_written_before_the_next_step(s
         trainer.step = 4
         trainer.save_checkpoint(blocking=True)  # the last step's and a stop's checkpoint
         assert not trainer.checkpoints.writing and trainer.run_dir.latest_checkpoint().name == "step-00000004"
+    finally:
+        trainer.close()
+
+
+def test_latest_never_goes_back_to_an_earlier_step(short_tmp):
+    """A write of an earlier step that ends after a later one's (a superseded write of a trainer that handed its
+    state over, ending under its successor's) is kept as a folder but never named by latest.json."""
+    trainer = make_trainer(short_tmp / "run", "training.keep_last=3")
+    try:
+        trainer.step = 16
+        trainer.save_checkpoint(blocking=True)
+        trainer.step = 8
+        trainer.save_checkpoint(blocking=True)
+        assert (trainer.run_dir.checkpoints / "step-00000008" / "trainer_state.json").is_file()
+        assert trainer.run_dir.latest_checkpoint().name == "step-00000016"
+        trainer.step = 24
+        trainer.save_checkpoint(blocking=True)
+        assert trainer.run_dir.latest_checkpoint().name == "step-00000024"
     finally:
         trainer.close()
 

@@ -34,7 +34,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.faults import LOG_ENV, PLAN_ENV, POINTS, Fault, format_plan, parse_plan, read_log
+from common.faults import LOG_ENV, PLAN_ENV, POINTS, Fault, format_plan, parse_delays, parse_plan, read_log
 from common.rundir import RunDir, read_json
 from common.naming import process_alive
 from peers import wait_for
@@ -269,6 +269,14 @@ def test_a_point_can_kill_a_peer_and_the_killer_goes_on(tmp_path):
 def test_a_bad_plan_is_refused_naming_the_entry(plan, message):
     with pytest.raises(ValueError, match=message):
         parse_plan(plan)
+
+
+@pytest.mark.parametrize("delays, message", [("trainer.nowhere=1", "unknown fault point"), ("trainer.checkpoint=-1", "seconds >= 0"),
+                                             ("trainer.checkpoint", "seconds >= 0"), ("trainer.checkpoint=soon", "seconds >= 0")])
+def test_a_bad_delay_is_refused_naming_the_entry(delays, message):
+    with pytest.raises(ValueError, match=message):
+        parse_delays(delays)
+    assert parse_delays("trainer.checkpoint=2.5, trainer.stage=0") == {"trainer.checkpoint": 2.5, "trainer.stage": 0.0}
 
 
 @pytest.fixture

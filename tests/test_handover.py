@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-from common.faults import LOG_ENV, PLAN_ENV
+from common.faults import DELAY_ENV, LOG_ENV, PLAN_ENV
 from common.naming import process_start_ticks, run_tag
 from common.rundir import RunDir, read_json
 from tests.peers import wait_for
@@ -112,6 +114,70 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     assert not list(Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")), "a trainer that stops removes its segments"
 
 
+WRITE_S = 6.0  # every checkpoint write held open this long (DFLASH_FAULT_DELAY), so that a restart comes during one
+
+
+def test_a_restart_during_a_checkpoint_write_does_not_wait_for_it_and_loses_nothing(short_tmp):
+    """restart-trainer while a background write is in flight: the old trainer hands its later state over in new
+    segments at once instead of waiting for the write, which dies with it. Twice: the first successor is killed
+    -9 after it mapped that state (before its own write of it), the second trains on. latest.json never goes
+    back, the ledger audit holds, and nothing is left in checkpoints/ or /dev/shm."""
+    run_dir = short_tmp / "run"
+    fault_log = short_tmp / "faults.jsonl"
+    env = {**os.environ, DELAY_ENV: f"trainer.checkpoint={WRITE_S}", PLAN_ENV: "trainer.taken:1", LOG_ENV: str(fault_log)}
+    with open(run_dir.parent / "launcher.out", "w") as out:
+        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
+                                     "training.max_steps=100000", "training.checkpoint_every=200", "eval.every_steps=0",
+                                     "logging.log_every=1", "launch.standby_trainer_after_s=0"],
+                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    run = RunDir(run_dir)
+    latest_steps, watching = [], threading.Event()
+
+    def watch_latest() -> None:  # every value latest.json takes, in order
+        while not watching.is_set():
+            step = (read_json(run.checkpoints / "latest.json") or {}).get("step")
+            if step is not None and (not latest_steps or latest_steps[-1] != step):
+                latest_steps.append(step)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch_latest, daemon=True)
+    watcher.start()
+    trainer_log = run_dir / "logs" / "trainer.log"
+    handed = []
+    for index in range(2):
+        wait_for(lambda: standby(run) is not None and "warm start: head, drafter" in trainer_log.read_text().split(
+            "takes over" if index else "\0")[-1] and (read_json(run.trainer_status) or {}).get("state") == "training",
+                 f"a warm standby (round {index})", 120)
+        writing = (read_json(run.trainer_status) or {}).get("checkpoint_writing")
+        # Right after a new write began: it has about WRITE_S to go when the restart arrives.
+        new_write = wait_for(lambda: ((read_json(run.trainer_status) or {}).get("checkpoint_writing") or writing) != writing
+                             and read_json(run.trainer_status)["checkpoint_writing"], f"a new checkpoint write (round {index})", 120)
+        answer = run_all("restart-trainer", "--run-dir", str(run_dir))
+        assert answer.returncode == 0, answer.stdout + answer.stderr
+        line = wait_for(lambda: [x for x in trainer_log.read_text().splitlines() if "handed over in shared memory" in x][index:],
+                        f"the handover (round {index})", 60)[0]
+        assert f"checkpoint {new_write} was still being written, and is superseded" in line, line
+        seconds = float(re.search(r"in ([0-9.]+) s", line).group(1))
+        assert seconds < WRITE_S / 3, line  # it did not wait for the write
+        handed.append(int(re.search(r"state of step (\d+)", line).group(1)))
+        wait_for(lambda: trainer_step(run) > handed[-1] + 2, f"training after the handover (round {index})", 120)
+    # The first successor was killed before its write of the state handed over: the run went back to the last
+    # disk checkpoint, earlier than the superseded write. The second one's write of its state lands.
+    assert [json.loads(x)["point"] for x in fault_log.read_text().splitlines()] == ["trainer.taken"]
+    wait_for(lambda: latest_steps and latest_steps[-1] >= handed[1], "the checkpoint of the second state handed over", 60)
+    stop_and_finish(launcher, run_dir)
+    watching.set()
+    watcher.join()
+    assert latest_steps == sorted(latest_steps), f"latest.json went back: {latest_steps}"
+    text = trainer_log.read_text()
+    assert f"checkpoint step-{handed[1]:08d} written" in text
+    triples = Counter(tuple(t) for line in lineage(run) for t in line["samples"])
+    assert triples and not [t for t, n in triples.items() if n > 1], "nothing trained twice"
+    leftovers = [p.name for p in run.checkpoints.iterdir() if p.name.startswith(".step-")]
+    assert not leftovers, leftovers  # the superseded writes' folders were swept
+    assert not list(Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.*")), "nothing of the run left in /dev/shm"
+
+
 def test_the_progress_line_names_a_handover_and_an_evaluation_in_flight(tmp_path, capsys):
     from common.rundir import atomic_write_json
     from launch.progress import ProgressView
@@ -121,8 +187,10 @@ def test_the_progress_line_names_a_handover_and_an_evaluation_in_flight(tmp_path
     view = ProgressView(run, terminal=False)
     for step, state in [(40, "handing over"), (41, "taking over"), (42, "training")]:
         atomic_write_json(run.trainer_status, {"step": step, "max_steps": 100, "state": state, "updated": 1000.0 + step,
-                                               "loss": 2.0 + step, "evals_in_flight": [40]})
+                                               "loss": 2.0 + step, "evals_in_flight": [40],
+                                               "checkpoint_writing": "step-00000040" if step == 40 else None})
         view.update(trainer_started_wall=900.0, trainer_alive=True)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and "handing over" in lines[0] and "taking over" in lines[1], lines
     assert lines[1].count("taking over") == 1 and "over" not in lines[2] and all("evaluating 40" in line for line in lines)
+    assert "writing step-00000040" in lines[0] and "writing" not in lines[1] + lines[2]

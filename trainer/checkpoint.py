@@ -11,7 +11,10 @@ the GPUs would idle through it. Instead the trainer copies the state to host mem
 buffers, reused, so the copy runs at PCIe speed) and a background thread writes it. A snapshot is
 taken after an optimizer step and before the next one, so weights, optimizer state and committed
 batches agree, and the exactly-once bookkeeping is the same as for a synchronous save. One write is in
-flight at a time: the next checkpoint first waits for the one before, which also frees its buffers.
+flight at a time: the next checkpoint first waits for the one before, which also frees its buffers. The
+one exception is restart-trainer during a write: the state handed over (trainer/handover.py) is later than
+the write's, so the old trainer does not wait for it (``supersede``) and leaves under it, as if killed
+there; latest.json never goes back to an earlier step (``RunDir.advance_latest``).
 """
 
 from __future__ import annotations
@@ -142,6 +145,8 @@ class CheckpointWriter:
         self.staging = staging or HostStaging()
         self.last: CheckpointRecord | None = None
         self._thread: threading.Thread | None = None
+        self._writing_name: str | None = None
+        self._superseded: threading.Thread | None = None
         self._error: CheckpointError | None = None
 
     def write(self, snapshot: Snapshot, background: bool) -> None:
@@ -152,11 +157,26 @@ class CheckpointWriter:
             self.raise_failure()
             return
         self._thread = threading.Thread(target=self._write, args=(snapshot,), name=f"checkpoint-{snapshot.name}", daemon=True)
+        self._writing_name = snapshot.name
         self._thread.start()
 
     @property
     def writing(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def writing_name(self) -> str | None:
+        """The checkpoint being written in the background, if any (for the status file)."""
+        return self._writing_name if self.writing else None
+
+    def supersede(self) -> str | None:
+        """Stop waiting for the write in flight: restart-trainer hands over a later state than the write's, and
+        this process may leave before the write ends (the previous checkpoint stays the latest; what the write
+        leaves is swept by the next write or start). The write's name, or None if none was in flight."""
+        if not self.writing:
+            return None
+        self._superseded, self._thread = self._thread, None
+        return self._writing_name
 
     def wait(self) -> None:
         """Block until no write is in flight; raise CheckpointError if the last one failed."""
@@ -189,7 +209,8 @@ class CheckpointWriter:
             # A folder of the same step (saved again after a resume) is swapped, never missing.
             replace_dir(tmp, self.root / name)
             faults.point("trainer.latest")
-            atomic_write_json(self.root / "latest.json", {"name": name, "step": snapshot.meta["step"]})
+            if not self.run_dir.advance_latest(name, snapshot.meta["step"]):
+                log.warning("checkpoint %s written, but latest.json already names a later step (a successor's); left as it is", name)
         except Exception as exc:  # torch and safetensors report a full disk as RuntimeError, not OSError
             shutil.rmtree(tmp, ignore_errors=True)
             latest = self.run_dir.latest_checkpoint()
@@ -202,6 +223,8 @@ class CheckpointWriter:
         kept = sorted(p for p in self.root.glob("step-*") if p.is_dir())
         for old in kept[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+        for leftover in self.run_dir.sweep_partial_checkpoints():  # a superseded write's, its process gone by now
+            log.info("cleaned up %s, left by a trainer that exited while checkpointing", leftover.name)
         self.last = CheckpointRecord(name, snapshot.meta["step"], snapshot.stall_s, time.perf_counter() - started)
         log.info("checkpoint %s written in %.1f s; training stood still %.2f s for it", name, self.last.write_s, snapshot.stall_s)
 

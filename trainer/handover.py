@@ -54,6 +54,8 @@ class SharedStaging(HostStaging):
         self.run_tag = run_tag
         self.segments: dict[str, dict[str, Any]] = {}
         """prefix -> {"path", "size", "map" and "flat" (the mapped bytes), "layout": {key: [offset, dtype, shape]}}."""
+        self._detached: list[dict[str, Any]] = []
+        """Segments a superseded checkpoint write still reads (``detach``): kept mapped until the process exits."""
 
     def copy(self, tree: Any, prefix: str = "", keep: bool = True) -> Any:
         tensors: list[tuple[str, torch.Tensor]] = []
@@ -64,13 +66,16 @@ class SharedStaging(HostStaging):
             offset += max(1, -(-t.numel() * t.element_size() // ALIGN)) * ALIGN  # an empty tensor too: no shared address
         segment = self.segments.get(prefix)
         if self.shared and (segment is None or segment["layout"] != layout):
-            segment = self._make_segment(prefix, layout, max(offset, ALIGN), any(t.is_cuda for _, t in tensors))
+            # After ``detach`` the new segments are for a handover: the copy faults their pages in, and the
+            # successor page-locks them in the background, so that the restart waits for neither.
+            pin = any(t.is_cuda for _, t in tensors) and not self._detached
+            segment = self._make_segment(prefix, layout, max(offset, ALIGN), pin, fault_in=not self._detached)
         if segment is not None:
             for key, t in tensors:
                 self._buffers[key] = _tensor(segment["map"], *layout[key])
         return super().copy(tree, prefix, keep)
 
-    def _make_segment(self, prefix: str, layout: dict, size: int, pin: bool) -> dict[str, Any] | None:
+    def _make_segment(self, prefix: str, layout: dict, size: int, pin: bool, fault_in: bool = True) -> dict[str, Any] | None:
         """A new segment for ``prefix``; None (and plain page-locked buffers from now on) when /dev/shm lacks room."""
         self.release(prefix)
         free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
@@ -86,7 +91,8 @@ class SharedStaging(HostStaging):
             f.truncate(size)
             mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED)
         flat = torch.frombuffer(mapped, dtype=torch.uint8)
-        flat.fill_(0)  # fault every page in now, not during the copy of a checkpoint
+        if fault_in:
+            flat.fill_(0)  # fault every page in now, not during the copy of a checkpoint
         if pin and torch.cuda.is_available():
             error = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), size, 0)
             if int(error) != 0:  # copies still work, at pageable speed
@@ -108,6 +114,22 @@ class SharedStaging(HostStaging):
                 torch.cuda.cudart().cudaHostUnregister(segment["flat"].data_ptr())
             Path(segment["path"]).unlink(missing_ok=True)
         self._buffers = {k: v for k, v in self._buffers.items() if any(k.startswith(p) for p in self.segments)}
+
+    def room_for_another_set(self) -> bool:
+        """Whether /dev/shm has room for a second copy of every segment (``detach``), leaving its reserve."""
+        stat = os.statvfs(SHM_DIR)
+        needed = sum(segment["size"] for segment in self.segments.values())
+        return needed + SHM_RESERVE <= stat.f_bavail * stat.f_frsize
+
+    def detach(self) -> None:
+        """Let go of the segments for the next copies, which get new ones: restart-trainer while a checkpoint
+        write still reads these. Their names are removed now (the new segments take them); their pages stay
+        mapped for that write until this process exits, which frees them."""
+        for segment in self.segments.values():
+            Path(segment["path"]).unlink(missing_ok=True)
+            self._detached.append(segment)
+        self.segments = {}
+        self._buffers = {}
 
     def layouts(self) -> dict[str, dict[str, Any]]:
         """The segments as JSON (prefix -> path, size, layout), for a successor that adopts them (``adopt``)."""

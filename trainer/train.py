@@ -393,8 +393,16 @@ class Trainer:
         started = time.perf_counter()
         self.state = "handing over"
         self.write_status()
-        self.checkpoints.wait()  # an earlier write reads the same buffers
         staging = self.checkpoints.staging
+        superseded = None
+        if self.checkpoints.writing and staging.room_for_another_set():
+            # A background write still reads the staging: the state goes into new segments instead of waiting
+            # for it (up to 20 s for a Qwen3-8B draft). The successor writes this later state's checkpoint; the
+            # earlier write is left to end or not as this process exits (like a kill there, which loses nothing).
+            superseded = self.checkpoints.supersede()
+            staging.detach()
+        else:
+            self.checkpoints.wait()  # an earlier write reads the same buffers
         faults.point("trainer.stage")
         weights = staging.copy(self.drafter.state_dict(), "drafter")
         train_state = self.state_dict(staging.copy(self.optimizer.state_dict(), "optimizer"))
@@ -402,7 +410,8 @@ class Trainer:
         self.handover_state = {"trees": {"weights": staging.describe(weights), "train_state": staging.describe(train_state)},
                                "segments": staging.layouts(),
                                "meta": self._checkpoint_meta(), "drafter_config": zlab_config(self.draft_config, self.drafter.fc.weight.dtype)}
-        log.info("state of step %d handed over in shared memory in %.2f s", self.step, time.perf_counter() - started)
+        log.info("state of step %d handed over in shared memory in %.2f s%s", self.step, time.perf_counter() - started,
+                 f" (new segments: checkpoint {superseded} was still being written, and is superseded)" if superseded else "")
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -674,12 +683,13 @@ class Trainer:
             "parallelism": self.parallelism, "drafter_params_total": getattr(self, "drafter_params_total", None),
             "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
             "last_checkpoint": vars(self.checkpoints.last) if getattr(self, "checkpoints", None) and self.checkpoints.last else None,
+            "checkpoint_writing": self.checkpoints.writing_name if getattr(self, "checkpoints", None) else None,
         })
 
     def close(self) -> None:
         self.eval_exports.wait()  # its request is written, so the producer may still answer it
         try:
-            self.checkpoints.wait()  # a background write finishes whatever ends the trainer
+            self.checkpoints.wait()  # a background write finishes whatever ends the trainer (unless a handover superseded it)
         except CheckpointError:
             pass  # logged by the writer; the previous checkpoint stays the latest
         self.feeder.close()
