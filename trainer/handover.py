@@ -66,16 +66,13 @@ class SharedStaging(HostStaging):
             offset += max(1, -(-t.numel() * t.element_size() // ALIGN)) * ALIGN  # an empty tensor too: no shared address
         segment = self.segments.get(prefix)
         if self.shared and (segment is None or segment["layout"] != layout):
-            # After ``detach`` the new segments are for a handover: the copy faults their pages in, and the
-            # successor page-locks them in the background, so that the restart waits for neither.
-            pin = any(t.is_cuda for _, t in tensors) and not self._detached
-            segment = self._make_segment(prefix, layout, max(offset, ALIGN), pin, fault_in=not self._detached)
+            segment = self._make_segment(prefix, layout, max(offset, ALIGN), any(t.is_cuda for _, t in tensors))
         if segment is not None:
             for key, t in tensors:
                 self._buffers[key] = _tensor(segment["map"], *layout[key])
         return super().copy(tree, prefix, keep)
 
-    def _make_segment(self, prefix: str, layout: dict, size: int, pin: bool, fault_in: bool = True) -> dict[str, Any] | None:
+    def _make_segment(self, prefix: str, layout: dict, size: int, pin: bool) -> dict[str, Any] | None:
         """A new segment for ``prefix``; None (and plain page-locked buffers from now on) when /dev/shm lacks room."""
         self.release(prefix)
         free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
@@ -91,8 +88,7 @@ class SharedStaging(HostStaging):
             f.truncate(size)
             mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED)
         flat = torch.frombuffer(mapped, dtype=torch.uint8)
-        if fault_in:
-            flat.fill_(0)  # fault every page in now, not during the copy of a checkpoint
+        flat.fill_(0)  # fault every page in now, not during the copy of a checkpoint
         if pin and torch.cuda.is_available():
             error = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), size, 0)
             if int(error) != 0:  # copies still work, at pageable speed
@@ -124,7 +120,9 @@ class SharedStaging(HostStaging):
     def detach(self) -> None:
         """Let go of the segments for the next copies, which get new ones: restart-trainer while a checkpoint
         write still reads these. Their names are removed now (the new segments take them); their pages stay
-        mapped for that write until this process exits, which frees them."""
+        mapped for that write until this process exits, which frees them. The new segments are made as the
+        first ones were, faulted in and page-locked: a copy into fresh pageable pages runs at about 0.8 GB/s
+        on an H200 host (16 s for a Qwen3-8B draft's state), the page-locked one in about 4 s with the making."""
         for segment in self.segments.values():
             Path(segment["path"]).unlink(missing_ok=True)
             self._detached.append(segment)

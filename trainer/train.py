@@ -173,7 +173,9 @@ class Trainer:
             handed = None
         resumed = handed or (load_checkpoint(latest) if latest is not None else None)
         if self.rank == 0:
-            for leftover in run_dir.sweep_partial_checkpoints():
+            # A successor handed a state over reads no checkpoint: the superseded write's folder it would remove
+            # (seconds for gigabytes) is left to the sweep after its background write (trainer/checkpoint.py).
+            for leftover in run_dir.sweep_partial_checkpoints() if handed is None else ():
                 log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
             sweep_stale_trainer_staging(run_tag(run_dir.root))
         clock.lap("state")
