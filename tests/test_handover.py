@@ -108,8 +108,10 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     next_checkpoint = f"checkpoint step-{(old_step // 8 + 1) * 8:08d} written"
     wait_for(lambda: next_checkpoint in trainer_log.read_text(), "the successor's next checkpoint", 60)
     inodes_after = {role: path.stat().st_ino for role, path in staging().items()}
-    assert inodes_after["trainer-drafter"] == inodes_before["trainer-drafter"]
-    assert inodes_after["trainer-optimizer"] == inodes_before["trainer-optimizer"]
+    handed_line = next(line for line in text.splitlines() if "handed over in shared memory" in line)
+    if "superseded" not in handed_line:  # a write in flight at the handover (rare here) gets new segments
+        assert inodes_after["trainer-drafter"] == inodes_before["trainer-drafter"]
+        assert inodes_after["trainer-optimizer"] == inodes_before["trainer-optimizer"]
     stop_and_finish(launcher, run_dir)
     assert not list(Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")), "a trainer that stops removes its segments"
 

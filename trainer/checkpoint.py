@@ -146,7 +146,6 @@ class CheckpointWriter:
         self.last: CheckpointRecord | None = None
         self._thread: threading.Thread | None = None
         self._writing_name: str | None = None
-        self._superseded: threading.Thread | None = None
         self._error: CheckpointError | None = None
 
     def write(self, snapshot: Snapshot, background: bool) -> None:
@@ -175,7 +174,7 @@ class CheckpointWriter:
         leaves is swept by the next write or start). The write's name, or None if none was in flight."""
         if not self.writing:
             return None
-        self._superseded, self._thread = self._thread, None
+        self._thread = None
         return self._writing_name
 
     def wait(self) -> None:
