@@ -127,6 +127,22 @@ def adoptable(run: RunDir, up_to_step: int, incarnation: int) -> tuple[list[tupl
     return adopted, superseded
 
 
+def mark_abandoned_exports_lost(run: RunDir, incarnation: int) -> list[int]:
+    """Export folders of other incarnations with neither a request nor a result, at the start of trainer
+    ``incarnation``: their trainer stopped (was killed) before its request, and no one else exports now (a
+    trainer starts once the one before is gone or has handed over). Written as lost, which also removes the
+    partial export (gigabytes of weights). Their steps."""
+    lost = []
+    for step, asked_by in _keys(run):
+        here = folder(run, step, asked_by)
+        if asked_by == incarnation or (here / "request.json").exists() or (here / "result.json").exists():
+            continue
+        finish(run, EvalResult(step=step, incarnation=asked_by,
+                               lost="the trainer that asked for it stopped before its export was complete"))
+        lost.append(step)
+    return lost
+
+
 def mark_abandoned_claims_lost(run: RunDir, producer_id: int) -> list[int]:
     """Claims of this producer id by a process that is gone, without a result: written as lost. Their steps."""
     lost = []

@@ -51,6 +51,7 @@ POINTS = {
     "trainer.resume": "a successor trainer after the handover, before it reads the state handed over or the latest "
                       "checkpoint",
     "trainer.taken": "a successor trainer that mapped the state handed over, before it trains or writes its checkpoint",
+    "trainer.export": "asking for an evaluation: its drafter exported, before the request is written (the export thread)",
     # The producer is killed ...
     "producer.handshake": "handling a trainer's HELLO: before reconciling and before WELCOME",
     "producer.fill": "filling a slot: batch taken from the stream, slot FILLING, nothing announced",

@@ -65,6 +65,28 @@ def test_a_producer_killed_during_an_evaluation_loses_the_evaluation_never_data(
     assert_nothing_trained_twice(run)
 
 
+def test_a_trainer_killed_during_its_export_loses_that_evaluation_and_leaves_no_weights_behind(short_tmp):
+    """kill -9 of the trainer after its drafter export, before the request: the next trainer writes that
+    evaluation as lost (and logs it) and removes the partial export; the later ones come back."""
+    run_dir = short_tmp / "run"
+    fault_log = short_tmp / "faults.jsonl"
+    env = {**os.environ, PLAN_ENV: "trainer.export:1", LOG_ENV: str(fault_log)}
+    with open(run_dir.parent / "launcher.out", "w") as out:
+        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
+                                     "training.max_steps=32", *EVAL], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    finish(launcher, run_dir, timeout=300)
+    run = RunDir(run_dir)
+    [fired] = [json.loads(line) for line in fault_log.read_text().splitlines()]
+    assert fired["point"] == "trainer.export"
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "evaluation of step 8 lost: the trainer that asked for it stopped before its export was complete" in trainer_log
+    [abandoned] = [p for p in (run_dir / "evals").glob("step-00000008-*") if not (p / "request.json").exists()]
+    assert read_json(abandoned / "result.json")["lost"].startswith("the trainer that asked for it stopped")
+    assert not list((run_dir / "evals").glob("step-*/drafter")), "no export's weights are left"
+    assert 32 in [m["step"] for m in evaluations(run)]
+    assert_nothing_trained_twice(run)
+
+
 def test_evaluations_asked_faster_than_they_run_never_stop_producer_zero(short_tmp):
     """A request every 4 steps, an evaluation that takes longer: producer 0 evaluates the newest, answers the
     others as skipped and makes batches in between (it used to evaluate back to back and make none)."""

@@ -41,9 +41,10 @@ from peers import wait_for
 from test_pipeline import ROOT, SMALL, lineage, run_all, shard
 
 # Points an ordinary run reaches. The handover points fire only on restart-trainer (tests/test_handover.py),
-# producer.evaluate only on an evaluation (tests/test_eval_in_producer.py): a plan drawn here would wait forever.
+# producer.evaluate and trainer.export only on an evaluation (tests/test_eval_in_producer.py): a plan drawn here
+# would wait forever.
 ONLY_ON_REQUEST = {"trainer.stage", "trainer.handover", "trainer.takeover", "trainer.resume", "trainer.taken",
-                   "producer.evaluate"}
+                   "producer.evaluate", "trainer.export"}
 TRAINER_POINTS = sorted(p for p in POINTS if p.startswith("trainer.") and p not in ONLY_ON_REQUEST)
 PRODUCER_POINTS = sorted(p for p in POINTS if p.startswith("producer.") and p not in ONLY_ON_REQUEST)
 COUNTS = {  # the count-th time the point is reached (range, both ends included)

@@ -267,6 +267,7 @@ class EvalExportWriter:
     def _write(self, drafter: DFlashDrafter, weights: dict[str, torch.Tensor], request: evals.EvalRequest) -> None:
         try:
             export_zlab(drafter, request.drafter, dtype=None, weights=weights)
+            faults.point("trainer.export")
             evals.request(self.run_dir, request)
         except Exception as exc:  # auxiliary: a full disk costs this evaluation, never the run
             log.error("cannot export the drafter for the evaluation of step %d: %s", request.step, exc)

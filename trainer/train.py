@@ -591,6 +591,8 @@ class Trainer:
     def _adopt_evaluations(self) -> None:
         """Take over the evaluations the trainers before asked for, up to the step this one resumed at: their results
         are logged here when they come. Those past it measured weights this lineage never had: written as lost."""
+        for step in evals.mark_abandoned_exports_lost(self.run_dir, self.incarnation):
+            log.warning("evaluation of step %d lost: the trainer that asked for it stopped before its export was complete", step)
         adopted, superseded = evals.adoptable(self.run_dir, self.step, self.incarnation)
         self.evals_in_flight.update(adopted)
         for step, incarnation in superseded:
