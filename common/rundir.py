@@ -219,7 +219,10 @@ class RunDir:
         (trainer/handover.py), may end after its successor's checkpoint of a later step."""
         folder = os.open(self.checkpoints, os.O_RDONLY | os.O_DIRECTORY)  # the lock: the folder itself, no file
         try:
-            fcntl.flock(folder, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(folder, fcntl.LOCK_EX)
+            except OSError:  # NFS or Lustre without flock: unlocked (the overlap is a process's last milliseconds)
+                pass
             current = read_json(self.checkpoints / "latest.json") or {}
             if int(current.get("step", -1)) > step and (self.checkpoints / str(current.get("name"))).is_dir():
                 return False

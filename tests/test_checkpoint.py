@@ -114,6 +114,24 @@ def test_latest_never_goes_back_to_an_earlier_step(short_tmp):
         trainer.close()
 
 
+def test_latest_advances_where_the_filesystem_has_no_flock(tmp_path, monkeypatch):
+    """Checkpoints on NFS or Lustre without flock: advancing latest.json still works (unlocked), never raises."""
+    import errno
+    import fcntl
+
+    run = RunDir(tmp_path / "run")
+    run.checkpoints.mkdir(parents=True)
+    (run.checkpoints / "step-00000004").mkdir()
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    assert run.advance_latest("step-00000004", 4)
+    assert not run.advance_latest("step-00000002", 2)
+    assert read_json(run.checkpoints / "latest.json") == {"name": "step-00000004", "step": 4}
+
+
 @pytest.mark.gpu
 def test_host_staging_copies_cuda_tensors_into_reused_page_locked_buffers():
     staging = HostStaging()
