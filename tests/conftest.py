@@ -66,13 +66,26 @@ def no_orphan_processes():
             pass
 
 
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on the test item (``item.report_call``), for fixtures that act on a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
+
 @pytest.fixture
-def short_tmp(tmp_path_factory):
-    """A short directory for ipc sockets (their paths are limited to ~100 characters)."""
+def short_tmp(request):
+    """A short directory for ipc sockets (their paths are limited to ~100 characters). Removed after the
+    test, but kept when it failed: the run's logs there are what explains a failure that does not repeat."""
     import tempfile
 
     path = Path(tempfile.mkdtemp(prefix="df-", dir="/tmp"))
     yield path
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        print(f"\n{request.node.nodeid} failed: its run directory is kept in {path}", file=sys.stderr)
+        return
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
