@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 from common.config import ConfigError
@@ -71,22 +72,32 @@ def replace_dir(new: Path, final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+_WRITE_LOCKS: dict[str, threading.Lock] = {}
+_WRITE_LOCKS_GUARD = threading.Lock()
+
+
 def atomic_write_json(path: Path, data: dict) -> None:
     """Write ``data`` so that readers see the old file or the new one, never a half-written one.
 
-    On failure (a full disk) the old file stays as it was and the temporary file is removed.
+    On failure (a full disk) the old file stays as it was and the temporary file is removed. Threads of one
+    process that write the same file take turns: they share its temporary name (``.NAME.<pid>.tmp``, which
+    the sweeps of dead processes' leftovers read), and one thread's rename would otherwise take the other's
+    file away under it (a producer's status, written by two threads, crashed it with FileNotFoundError).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with _WRITE_LOCKS_GUARD:
+        lock = _WRITE_LOCKS.setdefault(str(tmp), threading.Lock())
+    with lock:
+        try:
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def read_json(path: Path) -> dict | None:
