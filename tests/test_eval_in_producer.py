@@ -51,10 +51,7 @@ def test_a_producer_killed_during_an_evaluation_loses_the_evaluation_never_data(
     run_dir = short_tmp / "run"
     fault_log = short_tmp / "faults.jsonl"
     env = {**os.environ, PLAN_ENV: "producer.evaluate:1", LOG_ENV: str(fault_log)}
-    with open(run_dir.parent / "launcher.out", "w") as out:
-        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
-                                     "training.max_steps=32", *EVAL], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    finish(launcher, run_dir, timeout=300)
+    finish(start(run_dir, "training.max_steps=32", *EVAL, env=env), run_dir, timeout=300)
     run = RunDir(run_dir)
     assert len(fault_log.read_text().splitlines()) == 1, "the fault fired"
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
@@ -71,10 +68,7 @@ def test_a_trainer_killed_during_its_export_loses_that_evaluation_and_leaves_no_
     run_dir = short_tmp / "run"
     fault_log = short_tmp / "faults.jsonl"
     env = {**os.environ, PLAN_ENV: "trainer.export:1", LOG_ENV: str(fault_log)}
-    with open(run_dir.parent / "launcher.out", "w") as out:
-        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
-                                     "training.max_steps=32", *EVAL], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    finish(launcher, run_dir, timeout=300)
+    finish(start(run_dir, "training.max_steps=32", *EVAL, env=env), run_dir, timeout=300)
     run = RunDir(run_dir)
     [fired] = [json.loads(line) for line in fault_log.read_text().splitlines()]
     assert fired["point"] == "trainer.export"

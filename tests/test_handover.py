@@ -16,7 +16,7 @@ from common.faults import DELAY_ENV, LOG_ENV, PLAN_ENV
 from common.naming import process_start_ticks, run_tag
 from common.rundir import RunDir, read_json
 from tests.peers import wait_for
-from tests.test_pipeline import ROOT, SMALL, lineage, run_all, stop_and_finish, trainer_step
+from tests.test_pipeline import ROOT, SMALL, lineage, run_all, start, stop_and_finish, trainer_step
 
 # Before the handover (the old trainer before it stages its state in shared memory, and after, before its mark),
 # at the takeover (the standby, told to take over) and after it (the successor before it maps the state, and
@@ -35,12 +35,9 @@ def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_t
     run_dir = short_tmp / "run"
     fault_log = short_tmp / "faults.jsonl"
     env = {**os.environ, PLAN_ENV: ",".join(f"{point}:1" for point in PLAN), LOG_ENV: str(fault_log)}
-    with open(run_dir.parent / "launcher.out", "w") as out:
-        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
-                                     "training.max_steps=100000", "training.checkpoint_every=4", "eval.every_steps=0",
-                                     # trainer.json every step: each round below waits for steps read from it.
-                                     "logging.log_every=1", "launch.standby_trainer_after_s=0"],
-                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    launcher = start(run_dir, "training.max_steps=100000", "training.checkpoint_every=4", "eval.every_steps=0",
+                     # trainer.json every step: each round below waits for steps read from it.
+                     "logging.log_every=1", "launch.standby_trainer_after_s=0", env=env)
     run = RunDir(run_dir)
     fired = lambda: len(fault_log.read_text().splitlines()) if fault_log.exists() else 0  # noqa: E731
     taken_over = 0
@@ -127,11 +124,8 @@ def test_a_restart_during_a_checkpoint_write_does_not_wait_for_it_and_loses_noth
     run_dir = short_tmp / "run"
     fault_log = short_tmp / "faults.jsonl"
     env = {**os.environ, DELAY_ENV: f"trainer.checkpoint={WRITE_S}", PLAN_ENV: "trainer.taken:1", LOG_ENV: str(fault_log)}
-    with open(run_dir.parent / "launcher.out", "w") as out:
-        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
-                                     "training.max_steps=100000", "training.checkpoint_every=200", "eval.every_steps=0",
-                                     "logging.log_every=1", "launch.standby_trainer_after_s=0"],
-                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    launcher = start(run_dir, "training.max_steps=100000", "training.checkpoint_every=200", "eval.every_steps=0",
+                     "logging.log_every=1", "launch.standby_trainer_after_s=0", env=env)
     run = RunDir(run_dir)
     latest_steps, watching = [], threading.Event()
 

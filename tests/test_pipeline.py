@@ -42,10 +42,12 @@ def run_all(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(ROOT / "launch" / "run_all.sh"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+def start(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The launcher on the small config, its output in launcher.out beside the run; ``env``: its environment
+    (a fault plan), else this one's."""
     log = open(run_dir.parent / "launcher.out", "w")
     return subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL, *overrides],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def trainer_step(run: RunDir) -> int:
