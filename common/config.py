@@ -599,6 +599,7 @@ class EvalConfig:
         "max_new_tokens": "producer",
         "producer_share": "producer",
         "batch_prompts": "producer",
+        "reference_cache_gb": "producer",
         "prompt_len": "producer",
         "paths": "producer",
         "gap_tolerance": "trainer",
@@ -617,9 +618,13 @@ class EvalConfig:
     (the others are logged as skipped). On a GPU it shares with the trainer an evaluation runs slower than
     alone, and one every few steps would otherwise stop the producer for good. 1: every request, oldest first."""
     batch_prompts: int = 16
-    """Prompts decoded together: one verify forward of the target serves them all, each row keeping exactly
-    what it would alone (tau is unchanged; an evaluation of 16 prompts takes about one prompt's time). Targets
-    with Gated-DeltaNet or sliding-window layers decode one prompt at a time; 1: always one at a time."""
+    """Prompts drafted together: one drafter forward drafts a block for each (each keeps exactly what it keeps
+    alone), and, where the target allows (no Gated-DeltaNet or sliding-window layers), one target forward extends
+    their greedy continuations when the evaluator makes its reference. 1: one prompt at a time."""
+    reference_cache_gb: float = 8.0
+    """Host memory the evaluator may keep the held-out documents' target features in between evaluations (page-
+    locked on a GPU host), so that an evaluation after the first runs no target forward. Documents past it run
+    through the target at every evaluation. The prompts' greedy continuations and their features are always kept."""
     prompt_len: int = 0
     """Prompt of a held-out document: its first prompt_len tokens; 0: the tokens before its first
     supervised token (the prompt turn of chat data)."""
@@ -638,6 +643,7 @@ class EvalConfig:
         _check(self.num_prompts >= 1, "num_prompts", f"must be >= 1, got {self.num_prompts}")
         _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _check(self.batch_prompts >= 1, "batch_prompts", f"must be >= 1, got {self.batch_prompts}")
+        _check(self.reference_cache_gb >= 0, "reference_cache_gb", f"must be >= 0, got {self.reference_cache_gb}")
         _check(0 < self.producer_share <= 1, "producer_share", f"must be in (0, 1], got {self.producer_share}")
         _check(self.prompt_len >= 0, "prompt_len", f"must be >= 0, got {self.prompt_len}")
         _check(self.gap_tolerance > 0, "gap_tolerance", f"must be > 0, got {self.gap_tolerance}")

@@ -66,7 +66,7 @@ class Op(enum.IntEnum):
     EVAL = 4
 
 
-EVAL_METHODS = ("reset", "forward", "forward_rows", "compact", "select_rows", "crop", "save_state", "restore_state", "detach")
+EVAL_METHODS = ("reset", "forward", "forward_rows", "crop", "save_state", "restore_state", "detach")
 """The calls of ``GreedyTarget`` that run the model or change its cache: what EVAL carries."""
 
 _INT, _LONG_TENSOR, _BOOL_TENSOR = 0, 1, 2
@@ -310,14 +310,6 @@ class MirroredTarget(GreedyTarget):
                      last_logits_only: bool = False):
         self.group.send_eval("forward_rows", (token_ids, positions, kv_valid, last_logits_only))
         return super().forward_rows(token_ids, positions, kv_valid, last_logits_only)
-
-    def compact(self, kv_valid: torch.Tensor) -> torch.Tensor:
-        self.group.send_eval("compact", (kv_valid,))
-        return super().compact(kv_valid)
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        self.group.send_eval("select_rows", (rows,))
-        super().select_rows(rows)
 
     def crop(self, length: int) -> None:
         self.group.send_eval("crop", (length,))

@@ -1,4 +1,5 @@
-"""Acceptance evaluation: real speculative decoding against a tiny random Qwen3 target on CPU."""
+"""Acceptance evaluation against a tiny random Qwen3 target on CPU: live speculative decoding is lossless, and the
+evaluator's replay from the target's reference keeps exactly what live decoding keeps."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from common.drafter.blocks import build_blocks
 from common.drafter.evaluate import (
     DraftContext,
     DraftRows,
+    Evaluator,
     GreedyTarget,
     greedy_decode,
+    greedy_transcripts,
+    prompt_of,
+    replay_rows,
     speculative_decode,
-    speculative_decode_rows,
     target_head_of,
 )
 from launch.coupled import TrainingEvaluation
@@ -65,7 +69,7 @@ def target(target_model) -> GreedyTarget:
 
 def random_drafter(target_model, **overrides) -> DFlashDrafter:
     torch.manual_seed(0)
-    config = tiny_config(target_layer_ids=LAYER_IDS, block_size=BLOCK, **overrides)
+    config = tiny_config(**{"target_layer_ids": LAYER_IDS, "block_size": BLOCK, **overrides})
     return DFlashDrafter(config, target_head_of(target_model)).eval()
 
 
@@ -315,82 +319,186 @@ class SteeredContext(OracleContext):
 
 
 class SteeredRows:
-    """DraftRows' interface over steered drafts; keeps each row's features to check its context."""
+    """DraftRows' interface over steered drafts: what the replay asks of a drafter, row by row."""
 
-    def __init__(self, prompts: list[torch.Tensor], references: list[list[int]]) -> None:
-        self.prompts, self.references = prompts, references
-        self.features: list[list[torch.Tensor]] = [[] for _ in prompts]
+    def __init__(self, transcripts) -> None:
+        self.transcripts = transcripts
+        self.block_size = BLOCK
 
-    def extend(self, row: int, features: torch.Tensor) -> None:
-        self.features[row].append(features)
-
-    def extend_rows(self, rows: list[int], features: torch.Tensor, kept: list[int]) -> None:
-        for i, (row, n) in enumerate(zip(rows, kept)):
-            self.extend(row, features[i, :n])
-
-    def propose(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([steered_drafts(self.references[r], len(self.prompts[r]), p, r)
-                             for r, p in zip(rows, positions.tolist())])
+    def propose(self, rows, tokens, positions):
+        return [steered_drafts(self.transcripts[r].continuation, self.transcripts[r].prompt_len, p, r)
+                for r, p in zip(rows, positions)]
 
 
-def test_prompts_decoded_together_keep_exactly_what_each_keeps_alone(target, monkeypatch):
-    """Rows of different prompt lengths and acceptance patterns, one stopping early: each row's text is plain
-    greedy decoding, its acceptance is that of decoding it alone, its drafter context is its own kept tokens'
-    features, and the holes of the rejected drafts were compacted away on the way."""
+@pytest.fixture(scope="module")
+def sliding_target(tmp_path_factory) -> GreedyTarget:
+    """A Qwen3 whose first layers attend through a 6-token window: its cache keeps only the window's slots."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(3)
+    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=6, use_sliding_window=True,
+                         layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    directory = tmp_path_factory.mktemp("sliding")
+    Qwen3ForCausalLM(config).save_pretrained(directory)
+    return GreedyTarget(Qwen3ForCausalLM.from_pretrained(directory).eval(), LAYER_IDS)
+
+
+@pytest.mark.parametrize("together", [4, 1])
+def test_transcripts_are_greedy_decoding_and_the_features_of_its_text(target, together):
+    """The target's reference: each prompt's continuation is plain greedy decoding, and its features are those
+    a single forward over the text gives (rows of different lengths decoded together, or one at a time)."""
+    prompts = [prompt(30, 5), prompt(31, 13), prompt(32, 9), prompt(33, 11)]
+    transcripts = greedy_transcripts(target, prompts, 20, together)
+    for p, transcript in zip(prompts, transcripts):
+        assert transcript.prompt_len == len(p) and transcript.tokens[:len(p)] == p.tolist()
+        assert transcript.continuation == greedy_decode(target, p, 20)
+        target.reset()
+        _, expected = target.forward(torch.tensor(transcript.tokens[:-1]), 0, logits=False)
+        torch.testing.assert_close(transcript.features, expected, atol=1e-5, rtol=1e-5)
+    target.detach()
+
+
+@pytest.mark.parametrize("kind", ["plain", "sliding"])
+def test_the_replay_keeps_exactly_what_live_decoding_keeps(target, sliding_target, kind):
+    """Rows of different prompt lengths and acceptance patterns (every length 0..B-1), one stopping early at a stop
+    token it accepted mid-block: the replay from the reference keeps, round by round, what live decoding with the
+    target's KV cache keeps, and its text is plain greedy decoding."""
+    greedy = target if kind == "plain" else sliding_target
     prompts = [prompt(10, 7), prompt(11, 12), prompt(12, 17), prompt(13, 9)]
     new_tokens = 40
-    references = [greedy_decode(target, p, new_tokens + BLOCK) for p in prompts]
-    stop = frozenset({references[3][14]})  # the last prompt stops early and leaves the batch
-    alone = [speculative_decode(SteeredContext(len(p), ref, r), target, p, new_tokens, stop)
-             for r, (p, ref) in enumerate(zip(prompts, references))]
-    compactions, selections = [], []
-    monkeypatch.setattr(GreedyTarget, "compact", lambda self, valid, f=GreedyTarget.compact: compactions.append(1) or f(self, valid))
-    monkeypatch.setattr(GreedyTarget, "select_rows", lambda self, rows, f=GreedyTarget.select_rows: selections.append(rows.tolist()) or f(self, rows))
-    rows = SteeredRows(prompts, references)
-    together = speculative_decode_rows(rows, target, prompts, new_tokens, stop, compact_at=0.1)
-    for r, (p, ref) in enumerate(zip(prompts, references)):
-        assert together[r].tokens == greedy_decode(target, p, new_tokens, stop), f"row {r}"
-        assert together[r].accepted == alone[r].accepted, f"row {r}"
-        text = torch.cat([p, torch.tensor(together[r].tokens)])
-        target.reset()
-        _, expected = target.forward(text, 0, logits=False)
-        kept = torch.cat(rows.features[r])[: len(text) - 1]  # the last block may run past the cut text
-        torch.testing.assert_close(kept, expected[: len(text) - 1], atol=1e-5, rtol=1e-5)
-    assert len(together[3].tokens) < new_tokens and {n for d in together for n in d.accepted} == set(range(BLOCK))
-    assert compactions and selections and len(selections[0]) == 3
+    transcripts = greedy_transcripts(greedy, prompts, new_tokens + BLOCK - 1, 4)
+    stop = frozenset({transcripts[3].continuation[14]})  # the last prompt stops early
+    replayed = replay_rows(SteeredRows(transcripts), transcripts, new_tokens, stop)
+    for r, (p, transcript) in enumerate(zip(prompts, transcripts)):
+        live = speculative_decode(SteeredContext(len(p), transcript.continuation, r), greedy, p, new_tokens, stop)
+        assert replayed[r].tokens == live.tokens == greedy_decode(greedy, p, new_tokens, stop), f"row {r}"
+        assert replayed[r].accepted == live.accepted, f"row {r}"
+    assert len(replayed[3].tokens) < new_tokens and {n for d in replayed for n in d.accepted} == set(range(BLOCK))
+    greedy.detach()
 
 
 def test_one_drafter_forward_for_all_rows_equals_each_row_alone(target_model, target):
     """The packed proposal (every block sees only its own row's context, windows and in-block causality as
-    trained) gives each row the drafts it gets alone."""
+    trained) gives each row the drafts it gets alone, over the prefix of its features that a position asks for."""
     drafter = random_drafter(target_model, layer_types=["sliding_attention", "full_attention"], sliding_window=3,
                              in_block_causality="causal")
     for name, weight in drafter.named_parameters():
         if name.endswith("proj.weight") or name == "fc.weight":
             torch.nn.init.normal_(weight, std=0.3)
-    rows = DraftRows(drafter, 3)
-    singles = []
+    features = []
     for r, length in enumerate((5, 11, 8)):
         target.reset()
-        _, features = target.forward(prompt(20 + r, length), 0, logits=False)
-        rows.extend(r, features)
-        single = DraftContext(drafter)
-        single.extend(features)
-        singles.append(single)
-    tokens, positions = torch.tensor([3, 17, 40]), torch.tensor([5, 11, 8])
+        features.append(target.forward(prompt(20 + r, length), 0, logits=False)[1])
+    target.detach()
+    rows = DraftRows(drafter, features)
+    tokens, positions = [3, 17, 40], [5, 9, 8]  # row 1 drafts over the first 9 of its 11 tokens' features
     with torch.no_grad():
         together = rows.propose([0, 1, 2], tokens, positions)
         for r in range(3):
-            assert torch.equal(together[r], singles[r].propose(int(tokens[r]), int(positions[r]))), f"row {r}"
-        assert torch.equal(rows.propose([2, 0], tokens[[2, 0]], positions[[2, 0]]), together[[2, 0]])
+            single = DraftContext(drafter)
+            single.extend(features[r][:positions[r]])
+            assert together[r] == single.propose(tokens[r], positions[r]).tolist(), f"row {r}"
+        assert rows.propose([2, 0], [40, 3], [8, 5]) == [together[2], together[0]]
+
+
+def strong_drafter(target_model, **overrides) -> DFlashDrafter:
+    """A random drafter with larger weights, so that its drafts depend on the context."""
+    drafter = random_drafter(target_model, **overrides)
+    for name, weight in drafter.named_parameters():
+        if name.endswith("proj.weight") or name == "fc.weight":
+            torch.nn.init.normal_(weight, std=0.3)
+    return drafter
+
+
+def live_and_replayed_drafts(evaluator: Evaluator, drafter: DFlashDrafter, monkeypatch) -> tuple[list, list]:
+    """Every block the drafter drafted, as (prompt, anchor position, drafts), in live decoding of each held-out
+    prompt and in the evaluator's replay: equal lists mean equal contexts, positions and rounds."""
+    live, replayed = [], []
+    original_single, original_rows = DraftContext.propose, DraftRows.propose
+
+    def single(self, token, position):
+        drafts = original_single(self, token, position)
+        live.append((self.row, position, drafts.tolist()))
+        return drafts
+
+    def rows(self, row_ids, tokens, positions):
+        drafts = original_rows(self, row_ids, tokens, positions)
+        replayed.extend((self.first + r, p, d) for r, p, d in zip(row_ids, positions, drafts))
+        return drafts
+
+    monkeypatch.setattr(DraftContext, "propose", single)
+    monkeypatch.setattr(DraftRows, "propose", rows)
+    original_init = DraftRows.__init__
+    groups = []
+
+    def init(self, drafter_, features):
+        original_init(self, drafter_, features)
+        self.first = sum(groups)
+        groups.append(len(features))
+
+    monkeypatch.setattr(DraftRows, "__init__", init)
+    with torch.no_grad():
+        for r, document in enumerate(evaluator.documents):
+            context = DraftContext(drafter)
+            context.row = r
+            speculative_decode(context, evaluator.target, prompt_of(document, evaluator.config.prompt_len),
+                               evaluator.config.max_new_tokens, evaluator.stop_token_ids)
+    evaluator.target.detach()
+    report = evaluator.evaluate(drafter)
+    return sorted(live), sorted(replayed), report
+
+
+def test_the_evaluator_drafts_what_live_decoding_drafts(target_model, target_dir, monkeypatch):
+    """The real drafter, end to end: every block of the evaluator's replay (prompts in groups of 2) is the block
+    live decoding drafts, at the same anchor, over the same context."""
+    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=5",
+                             "eval.batch_prompts=2"])
+    drafter = strong_drafter(target_model, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    evaluator = build_evaluator(cfg, target_model, drafter)
+    live, replayed, report = live_and_replayed_drafts(evaluator, drafter, monkeypatch)
+    assert live == replayed and len(live) == report.target_forwards - report.num_prompts
+
+
+def test_an_evaluation_after_the_first_runs_no_target_forward(target_model, target_dir):
+    """The target's half is made once: a second drafter's evaluation runs the drafter only. With no room to keep the
+    documents' features, each evaluation runs the target over the documents alone, and reports the same."""
+    forwards = []
+    hook = target_model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4"])
+        evaluator = build_evaluator(cfg, target_model, random_drafter(target_model))
+        first = evaluator.evaluate(random_drafter(target_model))
+        made = len(forwards)
+        assert made > 0 and first.reference_seconds > 0
+        second = evaluator.evaluate(strong_drafter(target_model))
+        assert len(forwards) == made and second.reference_seconds == 0.0
+        assert second.metrics()["eval/reference_seconds"] == 0.0
+        no_room = build_evaluator(load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}",
+                                                     "eval.num_prompts=4", "eval.reference_cache_gb=0"]),
+                                  target_model, random_drafter(target_model))
+        assert no_room.evaluate(strong_drafter(target_model)).tau == second.tau
+        forwards.clear()
+        again = no_room.evaluate(strong_drafter(target_model))
+        assert len(forwards) == len(no_room.documents) and (again.tau, again.sim_tau) == (second.tau, second.sim_tau)
+    finally:
+        hook.remove()
+
+
+def test_a_drafter_with_a_larger_block_gets_longer_continuations(target_model, target_dir):
+    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.max_new_tokens=10"])
+    evaluator = build_evaluator(cfg, target_model, random_drafter(target_model))
+    evaluator.evaluate(random_drafter(target_model))
+    assert evaluator.reference.continuation_length == 10 + BLOCK - 1
+    larger = random_drafter(target_model, block_size=8)
+    assert evaluator.evaluate(larger).reference_seconds > 0
+    assert evaluator.reference.continuation_length == 10 + 8 - 1
 
 
 def test_evaluation_of_prompts_together_reports_what_one_at_a_time_reports(target_model, target_dir):
     overrides = [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=5", "eval.max_new_tokens=24"]
-    drafter = random_drafter(target_model)
-    for name, weight in drafter.named_parameters():
-        if name.endswith("proj.weight") or name == "fc.weight":
-            torch.nn.init.normal_(weight, std=0.3)
+    drafter = strong_drafter(target_model)
     batched = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=4"]), target_model, drafter).evaluate(drafter)
     single = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=1"]), target_model, drafter).evaluate(drafter)
     assert (batched.tau, batched.accept_pos, batched.generated_tokens, batched.target_forwards) == \

@@ -193,25 +193,32 @@ def test_speculative_decoding_against_a_hybrid_target_is_lossless(tmp_path):
     assert naive_mismatches >= 3, "the test must be able to see a state that was not put back"
 
 
-def test_evaluator_reports_the_replays_of_a_hybrid_target(tmp_path):
+def test_the_evaluator_on_a_hybrid_target_drafts_what_live_decoding_drafts(tmp_path, monkeypatch):
+    """Live decoding of a hybrid target puts its state back and replays the kept tokens after each rejection; the
+    evaluator's replay from the target's reference (continuations decoded one prompt at a time, drafted together)
+    drafts every block live decoding drafts, at the same anchors."""
     from common.config import EvalConfig
     from common.batch import Document
     from common.drafter.evaluate import Evaluator
     from common.drafter.model import DFlashDrafter
+    from tests.test_evaluate import live_and_replayed_drafts
     import numpy as np
 
     path = tiny_qwen35(tmp_path, "multimodal")
-    model = reference_model(path)
+    model = remembering_target(path)
     head = load_target_head(path)
     config = DraftConfig.from_target(model.config, num_draft_layers=2, mask_token_id=127, block_size=4)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(config, head)
+    drafter = DFlashDrafter(config, head).eval()
+    for name, weight in drafter.named_parameters():  # drafts that depend on the context
+        if name.endswith("proj.weight") or name == "fc.weight":
+            torch.nn.init.normal_(weight, std=0.3)
     documents = [Document(sample_id=i, input_ids=np.random.default_rng(i).integers(0, 127, 40).astype(np.int32),
                           loss_mask=np.r_[np.zeros(12, np.uint8), np.ones(28, np.uint8)]) for i in range(3)]
     evaluator = Evaluator(model, documents, EvalConfig(max_new_tokens=24), config.target_layer_ids, num_anchors=8)
-    report = evaluator.evaluate(drafter)
-    assert report.replay_forwards > 0 and report.replayed_tokens >= report.replay_forwards
-    assert "replays" in report.table() and report.metrics()["eval/replay_forwards"] == report.replay_forwards
+    assert evaluator.target.recurrent and not evaluator.target.batchable
+    live, replayed, report = live_and_replayed_drafts(evaluator, drafter, monkeypatch)
+    assert live == replayed and len(live) == report.target_forwards - 3 and report.reference_seconds > 0
     # A producer evaluates between its batches with the very modules it captures with: nothing may stay hooked.
     assert not any(layer._forward_hooks for layer in model.model.layers)
 
@@ -233,7 +240,7 @@ def test_pipeline_trains_and_evaluates_a_drafter_for_a_saved_qwen35(short_tmp):
     assert json.loads((run.latest_checkpoint() / "trainer_state.json").read_text())["step"] == 12
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     evaluated = [m for m in metrics if "eval/tau" in m]
-    assert evaluated and evaluated[-1]["eval/replay_forwards"] > 0
+    assert evaluated and 1.0 <= evaluated[-1]["eval/tau"] <= 4 and 0 < evaluated[-1]["eval/generated_tokens"] <= 2 * 16
     statuses = run.producer_statuses()
     assert {s["id"] for s in statuses} == {0, 1}
     assert all(s["kernels"]["linear_attention"] == "per_document" for s in statuses)

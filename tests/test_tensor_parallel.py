@@ -73,7 +73,7 @@ def capture_ranks(out: Path, devices: str, target_path: str | None, seed: int, d
 
 def eval_reports(model, head: dict[str, torch.Tensor], make_target=GreedyTarget) -> list[dict]:
     """Real and simulated acceptance of a seeded drafter on seeded documents, with prompts decoded together and
-    one at a time (every call a greedy target makes: prefill, verify, compact, select, crop)."""
+    one at a time (every call a greedy target makes: prefills, greedy steps, document forwards)."""
     from common.config import EvalConfig
     from common.drafter.draft_config import DraftConfig
     from common.drafter.evaluate import Evaluator

@@ -1,31 +1,32 @@
-"""Acceptance evaluation: real greedy speculative decoding of the target with the drafter.
+"""Acceptance evaluation: greedy speculative decoding of the target with the drafter, on held-out prompts.
 
     python -m launch.evaluate --checkpoint RUN/checkpoints/step-N     # offline: the run's target and held-out data
 
 Producer 0 runs it for a training run (producer/evaluation.py builds it from the run's data).
 
-Each held-out prompt is decoded as a server decodes one request:
-  1. the target prefills the prompt into its KV cache: the first new token, and the drafter's features
-     (outputs of the captured target layers) of every prompt token;
-  2. the drafter fills the block ``[last kept token, MASK x (B-1)]`` from the features of every kept
-     token before it;
-  3. the target verifies the block in one forward: the drafted tokens that equal its own greedy tokens
-     are kept, plus its token after them (the correction, or a bonus when all B-1 were right);
-  4. the target's KV cache is cropped to the kept tokens, and the drafter's context is extended with the
-     kept tokens' features from that same forward (rejected tokens never enter it). Back to 2.
-     A hybrid target's Gated-DeltaNet layers (Qwen3.5 / Qwen3.6) hold a recurrent state and a convolution
-     window that cannot be cropped: their state before the block is kept, and when a draft token was
-     rejected it is put back and the kept tokens are run again (one more target forward of those tokens;
-     the report counts them as ``replay_forwards`` / ``replayed_tokens``).
-Every kept token is the target's greedy choice given the kept prefix, so the text is exactly plain
-greedy decoding (lossless). ``eval.batch_prompts`` prompts are decoded together, one drafter forward and one
-target forward per round for all of them (``speculative_decode_rows``): each keeps exactly what it keeps
-alone, and 16 prompts take about the time of one (hybrid and sliding-window targets: one at a time). tau is the mean number of tokens kept per verify forward, correction
-included (1 <= tau <= B).
+A server decodes a prompt in rounds: the drafter fills the block ``[last kept token, MASK x (B-1)]`` from the
+features (outputs of the captured target layers) of every kept token before it; the target verifies the block
+in one forward and keeps the drafted tokens that equal its own greedy tokens, plus its token after them (the
+correction, or a bonus when all B-1 were right); the kept tokens' features from that forward extend the
+drafter's context. Rejected tokens never enter it.
+
+The target's half of this does not depend on the drafter. Every kept token is the target's greedy choice after
+the kept prefix (that is what makes the decoding lossless), so the text is the target's greedy text whatever
+is drafted, and the features of the kept tokens are the features of that text. So the evaluator computes once,
+per held-out prompt, the target's greedy continuation and the features of every token (``TargetReference``:
+the same forward hooks and KV-cached forwards as live decoding), and each evaluation runs only the drafter
+(``replay_rows``): every round it drafts from the features of the kept tokens, the target's greedy text
+decides how many drafts are kept, and the next round starts after them. The acceptance is exactly live
+decoding's (``speculative_decode`` is the live decoder, one prompt at a time; the tests hold the two
+together, for plain, sliding-window and hybrid Gated-DeltaNet targets). An evaluation after the first runs no
+target forward at all, and prompts are drafted together whatever the target's layers.
+
+tau is the mean number of tokens kept per verify forward, correction included (1 <= tau <= B).
 
 Next to it the simulated tau: the training metric (teacher-forced blocks, ``common.drafter.loss.draft_metrics``)
 on the same held-out documents with the same weights. Their gap is what teacher forcing hides: wrong
-feature layers or positions, or a target whose own text differs from the training data.
+feature layers or positions, or a target whose own text differs from the training data. The documents'
+target features are kept too (within ``eval.reference_cache_gb``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -124,9 +125,9 @@ class GreedyTarget:
 
     @property
     def batchable(self) -> bool:
-        """Whether prompts can be decoded together (``forward_rows``). Not for a hybrid target (a recurrent state
-        cannot skip one row's rejected tokens) nor for sliding-window layers (their cache keeps the last slots,
-        which holes would push out of the window): those decode one prompt at a time."""
+        """Whether prompts can be decoded together (``forward_rows``, left-padded rows). Not for a hybrid target
+        (a recurrent state cannot skip a row's padding) nor for sliding-window layers (their cache keeps the last
+        slots, which padding would push out of the window): those decode one prompt at a time."""
         types = getattr(self.model.config, "layer_types", None) or []
         sliding = any(t != "full_attention" for t in types) or (
             not types and getattr(self.model.config, "sliding_window", None) is not None
@@ -140,9 +141,9 @@ class GreedyTarget:
         (each row's greedy next tokens ``[R, L]``, or ``[R, 1]`` with ``last_logits_only``; features ``[R, L, n * H]``).
 
         ``kv_valid`` ``[R, S + L]`` says which cache slots (the ``S`` already there, then the new ones) each row
-        sees: a row's rejected drafts and its left padding stay in the cache as holes no query attends to.
-        Attention follows the positions, not the slots (``_row_masks``), so every row's tokens get what a
-        forward of that row alone would give.
+        sees: a shorter row's left padding stays in the cache as holes no query attends to. Attention follows
+        the positions, not the slots (``_row_masks``), so every row's tokens get what a forward of that row
+        alone would give.
         """
         self.attach()
         with torch.autocast(self.device.type, enabled=False):
@@ -161,22 +162,6 @@ class GreedyTarget:
         query_slot = total - num_new + torch.arange(num_new, device=self.device)
         itself = slot[None, :] == query_slot[:, None]
         return ((kv_valid[:, None, :] & (slot[None, :] <= query_slot[:, None])[None]) | itself[None])[:, None]
-
-    def compact(self, kv_valid: torch.Tensor) -> torch.Tensor:
-        """Drop the cache slots no row sees any more (a row's rejected drafts), keeping each row's valid slots
-        in order and left-padding the shorter rows with holes. Returns the new ``kv_valid``."""
-        counts = kv_valid.sum(1)
-        width = int(counts.max())
-        # Per row: the valid slots last (stable order), the holes first; keep the last ``width``.
-        order = torch.sort(kv_valid.to(torch.int8), dim=1, stable=True).indices[:, -width:]
-        for layer in self.cache.layers:
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-        return kv_valid.gather(1, order)
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` of the cache (finished prompts leave the batch)."""
-        self.cache.batch_select_indices(rows)
 
     def last_hidden(self) -> torch.Tensor:
         """``[L, H]`` output of the last decoder layer in the latest forward (needs ``capture_last``)."""
@@ -215,11 +200,125 @@ def _is_state_layer(layer: Any) -> bool:
     return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
 
 
+# -- the target's half, computed once ------------------------------------------------------------
+
+
+def _kept_on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` to keep between evaluations: page-locked when it comes from a GPU, so that the
+    next evaluation's upload is one fast copy; a CPU tensor is kept as it is."""
+    if tensor.device.type == "cpu":
+        return tensor
+    kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    kept.copy_(tensor)
+    return kept
+
+
+@dataclass
+class Transcript:
+    """One held-out prompt's decoding as far as the target decides it."""
+
+    prompt_len: int
+    tokens: list[int]
+    """The prompt, then the target's greedy continuation (not stopped at a stop token: a block may run past it)."""
+    features: torch.Tensor
+    """``[len(tokens) - 1, n * H]``: the drafter's features of every token but the last, kept on the host."""
+
+    @property
+    def continuation(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+@torch.no_grad()
+def greedy_transcripts(target: GreedyTarget, prompts: Sequence[torch.Tensor], length: int,
+                       rows_at_once: int) -> list[Transcript]:
+    """Each prompt's greedy continuation of ``length`` tokens with the features of every token: ``rows_at_once``
+    prompts per forward where the target allows (``target.batchable``), else one at a time."""
+    if target.batchable and rows_at_once > 1:
+        return [t for i in range(0, len(prompts), rows_at_once)
+                for t in _greedy_rows(target, prompts[i:i + rows_at_once], length)]
+    return [_greedy_one(target, prompt, length) for prompt in prompts]
+
+
+def _greedy_one(target: GreedyTarget, prompt: torch.Tensor, length: int) -> Transcript:
+    target.reset()
+    greedy, features = target.forward(prompt, 0)
+    tokens, parts = [greedy[-1:]], [features]
+    for step in range(length - 1):  # each token fed back gives its own features; the last is never fed
+        greedy, features = target.forward(tokens[-1], prompt.numel() + step)
+        tokens.append(greedy[-1:])
+        parts.append(features)
+    return Transcript(prompt.numel(), prompt.tolist() + torch.cat(tokens).tolist(), _kept_on_host(torch.cat(parts)))
+
+
+def _greedy_rows(target: GreedyTarget, prompts: Sequence[torch.Tensor], length: int) -> list[Transcript]:
+    """``_greedy_one`` of several prompts at once, left-padded in one cache (every row gets what it gets alone)."""
+    device = target.device
+    lengths = [int(p.numel()) for p in prompts]
+    width, rows = max(lengths), len(prompts)
+    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+    positions = torch.zeros_like(ids)
+    kv_valid = torch.zeros_like(ids, dtype=torch.bool)
+    for r, prompt in enumerate(prompts):
+        ids[r, width - lengths[r]:] = prompt.to(device)
+        positions[r, width - lengths[r]:] = torch.arange(lengths[r], device=device)
+        kv_valid[r, width - lengths[r]:] = True
+    target.reset()
+    greedy, prefill = target.forward_rows(ids, positions, kv_valid, last_logits_only=True)
+    tokens, fed = [greedy[:, -1:]], []
+    next_position = torch.tensor(lengths, device=device)[:, None]
+    for step in range(length - 1):
+        kv_valid = torch.cat([kv_valid, torch.ones(rows, 1, dtype=torch.bool, device=device)], dim=1)
+        greedy, features = target.forward_rows(tokens[-1], next_position + step, kv_valid, last_logits_only=True)
+        tokens.append(greedy[:, -1:])
+        fed.append(features)
+    continuation = torch.cat(tokens, dim=1).tolist()
+    fed_features = torch.cat(fed, dim=1) if fed else prefill[:, :0]
+    return [Transcript(n, prompt.tolist() + continuation[r],
+                       _kept_on_host(torch.cat([prefill[r, width - n:], fed_features[r]])))
+            for r, (prompt, n) in enumerate(zip(prompts, lengths))]
+
+
+@dataclass
+class DocumentFeatures:
+    """A held-out document's target features for the simulated acceptance, kept on the host (or, past the cache's
+    budget, None: that document runs through the target at every evaluation)."""
+
+    aux_hidden: torch.Tensor
+    last_hidden: torch.Tensor | None = None
+
+
+def document_features(target: GreedyTarget, document: Document) -> DocumentFeatures:
+    """One forward of the whole document: its features, and its last layer's output when the target captures it."""
+    target.reset()
+    _, features = target.forward(torch.as_tensor(document.input_ids, dtype=torch.long), 0, logits=False)
+    return DocumentFeatures(features, target.last_hidden() if target.last_layer is not None else None)
+
+
+@dataclass
+class TargetReference:
+    """The target's half of every evaluation on one held-out set: made once, by target forwards, and reused for
+    every drafter with the same target layers."""
+
+    transcripts: list[Transcript]
+    documents: list[DocumentFeatures | None]
+    seconds: float
+    """How long making it took."""
+
+    @property
+    def continuation_length(self) -> int:
+        return min(len(t.continuation) for t in self.transcripts)
+
+
+def reference_length(max_new_tokens: int, block_size: int) -> int:
+    """Greedy tokens a replay may read: a round starts below ``max_new_tokens`` and reads up to B past its anchor."""
+    return max_new_tokens + block_size - 1
+
+
 # -- the drafter side -----------------------------------------------------------------------------
 
 
 class DraftContext:
-    """The drafter during decoding: the fused context of every kept token before the block, and proposals.
+    """The drafter during live decoding of one prompt: the fused context of every kept token before the block.
 
     The context is cached fused (``hidden_norm(fc(features))``, one row per kept token); each proposal runs
     the drafter's own layers on it, so decoding exercises exactly the trained forward.
@@ -245,27 +344,25 @@ class DraftContext:
 
 
 class DraftRows:
-    """``DraftContext`` for prompts decoded together: one context per prompt, one drafter forward for all."""
+    """The drafter over several transcripts: each row's features fused once, and one drafter forward drafts a block
+    for every row, over the context of its kept tokens (a prefix of its transcript)."""
 
-    def __init__(self, drafter: DFlashDrafter, num_rows: int) -> None:
+    def __init__(self, drafter: DFlashDrafter, features: Sequence[torch.Tensor]) -> None:
         self.drafter = drafter
-        empty = torch.empty(0, drafter.config.hidden_size, device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
-        self.contexts = [empty] * num_rows
+        self.block_size = drafter.config.block_size
+        device = drafter.fc.weight.device
+        lengths = [int(f.shape[0]) for f in features]
+        fused = drafter.fuse_context(torch.cat([f.to(device, non_blocking=True) for f in features]))
+        self.contexts = list(fused.split(lengths))
 
-    def extend(self, row: int, features: torch.Tensor) -> None:
-        """Append the target features ``[n, n_layers * H]`` of row ``row``'s newly kept tokens."""
-        self.contexts[row] = torch.cat([self.contexts[row], self.drafter.fuse_context(features)])
-
-    def extend_rows(self, rows: list[int], features: torch.Tensor, kept: list[int]) -> None:
-        """Append to each row ``rows[i]`` the first ``kept[i]`` of its features ``features[i]`` ``[L, n_layers * H]``:
-        one fusion for all rows (a round's verify forward), not one per row."""
-        fused = self.drafter.fuse_context(features.flatten(0, 1)).view(*features.shape[:2], -1)
-        for i, (row, n) in enumerate(zip(rows, kept)):
-            self.contexts[row] = torch.cat([self.contexts[row], fused[i, :n]])
-
-    def propose(self, rows: list[int], tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Greedy drafts ``[len(rows), B - 1]`` of the blocks anchored at ``tokens`` at ``positions``."""
-        return propose_rows(self.drafter, [self.contexts[r] for r in rows], tokens, positions)
+    def propose(self, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> list[list[int]]:
+        """Greedy drafts ``[len(rows)][B - 1]`` of the blocks anchored at ``tokens`` at ``positions``: row ``rows[i]``
+        drafts over the features of its first ``positions[i]`` tokens (the anchor's own are never context)."""
+        device = self.contexts[0].device
+        contexts = [self.contexts[r][:p] for r, p in zip(rows, positions)]
+        drafts = propose_rows(self.drafter, contexts, torch.tensor(list(tokens), device=device),
+                              torch.tensor(list(positions), device=device))
+        return drafts.tolist()  # one copy to the host per round for all rows
 
 
 @torch.no_grad()
@@ -319,7 +416,7 @@ class Decoded:
     accepted: list[int]
     """Per verify forward: how many drafted tokens the target accepted (0 .. B-1)."""
     replayed: list[int] = field(default_factory=list)
-    """Per replay (hybrid targets, after a rejection): how many kept tokens were run through the target again."""
+    """Live decoding of a hybrid target only: per replay after a rejection, how many kept tokens ran again."""
 
 
 def _cut(tokens: list[int], max_new_tokens: int, stop_token_ids: frozenset[int]) -> list[int]:
@@ -330,20 +427,63 @@ def _cut(tokens: list[int], max_new_tokens: int, stop_token_ids: frozenset[int])
     return tokens
 
 
+def _finished(generated: Sequence[int], max_new_tokens: int, stop_token_ids: frozenset[int]) -> bool:
+    """A server stops once ``max_new_tokens`` are kept or a stop token is among them."""
+    return len(generated) >= max_new_tokens or not stop_token_ids.isdisjoint(generated)
+
+
+@torch.no_grad()
+def replay_rows(drafts: DraftRows, transcripts: Sequence[Transcript], max_new_tokens: int,
+                stop_token_ids: frozenset[int] = frozenset()) -> list[Decoded]:
+    """Speculative decoding of every transcript's prompt with the drafter alone: what live decoding keeps, round by
+    round, from one drafter forward per round for all unfinished rows (``drafts`` holds the transcripts' features).
+
+    Each round drafts B-1 tokens after the row's anchor (its last kept token), keeps the drafts that equal the
+    target's greedy text and then the target's own next token, exactly as a verify forward would. Blocks are
+    always full: the last may run past max_new_tokens or a stop token, and the text is cut there while its
+    acceptance still counts, so tau measures the drafter and not where the text ends.
+    """
+    block_size = drafts.block_size
+    kept = [1] * len(transcripts)  # the prefill's greedy token is the first kept token
+    accepted: list[list[int]] = [[] for _ in transcripts]
+    while True:
+        rows = [r for r, t in enumerate(transcripts) if not _finished(t.continuation[:kept[r]], max_new_tokens, stop_token_ids)]
+        if not rows:
+            break
+        anchors = [transcripts[r].prompt_len + kept[r] - 1 for r in rows]
+        if any(a + block_size >= len(transcripts[r].tokens) for r, a in zip(rows, anchors)):
+            raise ValueError(f"a transcript is shorter than {max_new_tokens} + B - 1 greedy tokens")
+        proposed = drafts.propose(rows, [transcripts[r].tokens[a] for r, a in zip(rows, anchors)], anchors)
+        for r, anchor, draft in zip(rows, anchors, proposed):
+            truth = transcripts[r].tokens[anchor + 1: anchor + block_size]
+            num_accepted = next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t), block_size - 1)
+            accepted[r].append(num_accepted)
+            kept[r] += num_accepted + 1  # the accepted drafts and the target's token after them
+    return [Decoded(_cut(t.continuation[:kept[r]], max_new_tokens, stop_token_ids), accepted[r])
+            for r, t in enumerate(transcripts)]
+
+
 @torch.no_grad()
 def speculative_decode(context: DraftContext, target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: int,
                        stop_token_ids: frozenset[int] = frozenset()) -> Decoded:
-    """Greedy speculative decoding of ``prompt`` ``[P]`` with a fresh drafter ``context``: the target's greedy
-    text, and what was accepted.
+    """Live greedy speculative decoding of ``prompt`` ``[P]`` with a fresh drafter ``context``, as a server runs it
+    (one prompt; the reference ``replay_rows`` must equal): the target's greedy text, and what was accepted.
 
-    Blocks are always full; the last one may run past ``max_new_tokens`` or a stop token, and the text is
-    cut there while its acceptance still counts, so tau measures the drafter and not where the text ends.
+      1. the target prefills the prompt into its KV cache: the first new token, and the features of every
+         prompt token;
+      2. the drafter fills the block from the features of every kept token before it;
+      3. the target verifies the block in one forward;
+      4. the KV cache is cropped to the kept tokens, and the drafter's context is extended with the kept
+         tokens' features from that same forward. Back to 2.
+    A hybrid target's Gated-DeltaNet layers hold a recurrent state and a convolution window that cannot be
+    cropped: their state before the block is kept, and when a draft token was rejected it is put back and the
+    kept tokens are run again (``Decoded.replayed``).
     """
     target.reset()
     greedy, features = target.forward(prompt, 0)
     context.extend(features)
     tokens, accepted, replayed = [int(greedy[-1])], [], []
-    while len(tokens) < max_new_tokens and tokens[-1] not in stop_token_ids:
+    while not _finished(tokens, max_new_tokens, stop_token_ids):
         anchor = prompt.shape[0] + len(tokens) - 1  # position of the last kept token
         drafted = context.propose(tokens[-1], anchor)
         block = torch.cat([drafted.new_tensor([tokens[-1]]), drafted])
@@ -366,67 +506,6 @@ def speculative_decode(context: DraftContext, target: GreedyTarget, prompt: torc
 
 
 @torch.no_grad()
-def speculative_decode_rows(drafts: DraftRows, target: GreedyTarget, prompts: list[torch.Tensor],
-                            max_new_tokens: int, stop_token_ids: frozenset[int] = frozenset(),
-                            compact_at: float = 0.5) -> list[Decoded]:
-    """``speculative_decode`` of several prompts at once: one drafter forward and one target verify forward per
-    round for all unfinished prompts (``target.batchable`` only). Each row keeps exactly what it would keep
-    alone: its rejected drafts stay in the shared cache as holes it never attends to (compacted away once
-    they are ``compact_at`` of the longest row's slots), and a finished prompt leaves the batch.
-    """
-    device = target.device
-    lengths = [int(p.numel()) for p in prompts]
-    width = max(lengths)
-    # Prefill, left-padded: every row's last prompt token in the last slot.
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    positions = torch.zeros_like(ids)
-    kv_valid = torch.zeros_like(ids, dtype=torch.bool)
-    for r, prompt in enumerate(prompts):
-        ids[r, width - lengths[r]:] = prompt.to(device)
-        positions[r, width - lengths[r]:] = torch.arange(lengths[r], device=device)
-        kv_valid[r, width - lengths[r]:] = True
-    target.reset()
-    greedy, features = target.forward_rows(ids, positions, kv_valid, last_logits_only=True)
-    for r, n in enumerate(lengths):
-        drafts.extend(r, features[r, width - n:])
-    tokens = [[t] for t in greedy[:, -1].tolist()]
-    accepted: list[list[int]] = [[] for _ in prompts]
-    rows = list(range(len(prompts)))  # the prompts still decoding, in the cache's row order
-
-    def unfinished(r: int) -> bool:
-        return len(tokens[r]) < max_new_tokens and tokens[r][-1] not in stop_token_ids
-
-    while True:
-        keep = [i for i, r in enumerate(rows) if unfinished(r)]
-        if not keep:
-            break
-        if len(keep) < len(rows):
-            index = torch.tensor(keep, device=device)
-            target.select_rows(index)
-            kv_valid = kv_valid[index]
-            rows = [rows[i] for i in keep]
-        anchors = torch.tensor([lengths[r] + len(tokens[r]) - 1 for r in rows], device=device)
-        last = torch.tensor([tokens[r][-1] for r in rows], device=device)
-        drafted = drafts.propose(rows, last, anchors)
-        block = torch.cat([last[:, None], drafted], dim=1)
-        block_size = block.shape[1]
-        kv_valid = torch.cat([kv_valid, torch.ones(len(rows), block_size, dtype=torch.bool, device=device)], dim=1)
-        verified, features = target.forward_rows(block, anchors[:, None] + torch.arange(block_size, device=device), kv_valid)
-        num_accepted = (drafted == verified[:, :-1]).long().cumprod(1).sum(1)
-        # The rejected drafts become holes: only the anchor and the accepted drafts stay visible.
-        kv_valid[:, -block_size:] = torch.arange(block_size, device=device)[None] <= num_accepted[:, None]
-        # One copy to the host per round, not one per row: each is a synchronisation with the GPU.
-        counts, drafted_ids, verified_ids = num_accepted.tolist(), drafted.tolist(), verified.tolist()
-        for i, (r, n) in enumerate(zip(rows, counts)):
-            accepted[r].append(n)
-            tokens[r] += drafted_ids[i][:n] + [verified_ids[i][n]]
-        drafts.extend_rows(rows, features, [n + 1 for n in counts])
-        if kv_valid.shape[1] - int(kv_valid.sum(1).max()) > compact_at * kv_valid.shape[1]:
-            kv_valid = target.compact(kv_valid)
-    return [Decoded(_cut(t, max_new_tokens, stop_token_ids), a) for t, a in zip(tokens, accepted)]
-
-
-@torch.no_grad()
 def greedy_decode(target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: int,
                   stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
     """Plain greedy decoding, one target forward per token: the reference speculative decoding must equal."""
@@ -443,29 +522,33 @@ def greedy_decode(target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: in
 
 
 @torch.no_grad()
-def simulated_acceptance(drafter: DFlashDrafter, target: GreedyTarget, documents: list[Document], num_anchors: int,
-                         seed: int = 0) -> tuple[float, list[float]]:
-    """The training metric on ``documents``: (tau, acc_k) of teacher-forced blocks at up to ``num_anchors``
-    anchors per document, labelled as ``drafter.loss_config`` says. Dense masks, one document at a time."""
-    config, device = drafter.config, target.device
+def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], features: Sequence[DocumentFeatures],
+                         num_anchors: int, seed: int = 0) -> tuple[float, list[float]]:
+    """The training metric on ``documents`` with their target ``features``: (tau, acc_k) of teacher-forced blocks
+    at up to ``num_anchors`` anchors per document, labelled as ``drafter.loss_config`` says. Dense masks, one
+    document at a time."""
+    config = drafter.config
+    device = drafter.fc.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     streaks = blocks_seen = 0.0
     correct = torch.zeros(config.block_size - 1, device=device)
     supervised = torch.zeros(config.block_size - 1, device=device)
-    for document in documents:
+    for document, kept in zip(documents, features):
         input_ids = torch.as_tensor(document.input_ids, device=device)
-        target.reset()
-        _, features = target.forward(input_ids, 0, logits=False)
+        aux_hidden = kept.aux_hidden.to(device, non_blocking=True)
         batch = PackedBatch(input_ids=input_ids, loss_mask=torch.as_tensor(document.loss_mask, device=device),
                             cu_seqlens=torch.tensor([0, len(document)], dtype=torch.int32, device=device),
-                            sample_ids=torch.tensor([document.sample_id], device=device), aux_hidden=features)
+                            sample_ids=torch.tensor([document.sample_id], device=device), aux_hidden=aux_hidden)
         blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator)
         masks = build_masks(blocks, config, dense=True)
-        hidden = drafter(features, blocks, masks)
+        hidden = drafter(aux_hidden, blocks, masks)
         target_hidden = None
         if drafter.loss_config.label_mode != "data":
+            if kept.last_hidden is None:
+                raise ValueError(f"label_mode {drafter.loss_config.label_mode!r}: this evaluator does not capture the "
+                                 "target's last layer (capture_last)")
             head = drafter.target_head
-            target_hidden = head.final_norm(target.last_hidden().to(head.norm_weight.dtype))
+            target_hidden = head.final_norm(kept.last_hidden.to(device, head.norm_weight.dtype, non_blocking=True))
         _, metrics = draft_loss(hidden, blocks, drafter.target_head.lm_head_weight, drafter.loss_config, target_hidden)
         streaks += float((metrics["tau"] - 1) * metrics["num_blocks"])
         blocks_seen += float(metrics["num_blocks"])
@@ -494,12 +577,11 @@ class AcceptanceReport:
     """Teacher-forced per-slot accuracy acc_k, k = 1..B-1."""
     generated_tokens: int
     target_forwards: int
-    """Prefills plus verify forwards."""
+    """Prefills plus verify forwards: what live decoding runs for this text and these acceptances."""
     seconds: float
-    replay_forwards: int = 0
-    """Hybrid targets: extra forwards that ran the kept tokens again after a rejection (not in target_forwards)."""
-    replayed_tokens: int = 0
-    """Tokens those replays ran."""
+    reference_seconds: float = 0.0
+    """Of ``seconds``: making the target's reference (greedy continuations and features by target forwards);
+    0 when an earlier evaluation made it."""
 
     @property
     def tau_gap(self) -> float:
@@ -524,7 +606,7 @@ class AcceptanceReport:
         out = {"tau": self.tau, "sim_tau": self.sim_tau, "tau_gap": self.tau_gap, "forwards_saved": self.forwards_saved,
                "target_forwards": self.target_forwards, "greedy_forwards": self.greedy_forwards,
                "generated_tokens": self.generated_tokens, "num_prompts": self.num_prompts, "seconds": self.seconds,
-               "replay_forwards": self.replay_forwards, "replayed_tokens": self.replayed_tokens}
+               "reference_seconds": self.reference_seconds}
         out.update({f"accept_pos_{k}": p for k, p in enumerate(self.accept_pos, start=1)})
         out.update({f"sim_acc_{k}": a for k, a in enumerate(self.sim_acc, start=1)})
         return {prefix + key: value for key, value in out.items()}
@@ -537,12 +619,7 @@ class AcceptanceReport:
             f"target forwards  {self.target_forwards:6d}   vs {self.greedy_forwards} for plain greedy: "
             f"{self.forwards_saved:.1%} saved",
         ]
-        if self.replay_forwards:
-            lines.append(f"replays          {self.replay_forwards:6d}   forwards that ran {self.replayed_tokens} kept tokens again "
-                         "(a hybrid target's state is not cropped)")
-        lines += [
-            "slot k    accepted (real, streak reaches k)    acc_k (simulated)",
-        ]
+        lines += ["slot k    accepted (real, streak reaches k)    acc_k (simulated)"]
         lines += [f"{k:6d}    {p:10.3f}                           {a:10.3f}"
                   for k, (p, a) in enumerate(zip(self.accept_pos, self.sim_acc), start=1)]
         return "\n".join(lines)
@@ -557,7 +634,11 @@ def prompt_of(document: Document, prompt_len: int) -> torch.Tensor:
 
 
 class Evaluator:
-    """Real and simulated acceptance of drafters against one loaded target, on fixed held-out documents."""
+    """Real and simulated acceptance of drafters against one loaded target, on fixed held-out documents.
+
+    The first evaluation makes the target's reference (``TargetReference``); later ones reuse it and run the drafter
+    only, until a drafter with a larger block needs longer continuations.
+    """
 
     def __init__(self, target_model: nn.Module, documents: list[Document], config: EvalConfig,
                  layer_ids: list[int], num_anchors: int, capture_last: bool = False,
@@ -572,6 +653,7 @@ class Evaluator:
         self.config = config
         self.num_anchors = num_anchors
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.reference: TargetReference | None = None
 
     @torch.no_grad()
     def evaluate(self, drafter: DFlashDrafter) -> AcceptanceReport:
@@ -587,8 +669,11 @@ class Evaluator:
         try:
             # Eager: layers compiled for the trainer's fixed shapes would recompile for every context length.
             with torch.compiler.set_stance("force_eager"), _drafter_autocast(self.target.device):
-                decoded = self._decode(drafter)
-                sim_tau, sim_acc = simulated_acceptance(drafter, self.target, self.documents, self.num_anchors)
+                reference, made = self.reference_for(drafter.config.block_size)
+                decoded = self.decode(drafter, reference)
+                features = [kept if kept is not None else document_features(self.target, document)
+                            for document, kept in zip(self.documents, reference.documents)]
+                sim_tau, sim_acc = simulated_acceptance(drafter, self.documents, features, self.num_anchors)
         finally:
             self.target.detach()
             drafter.train(was_training)
@@ -602,20 +687,52 @@ class Evaluator:
             tau=1.0 + (float(accepted.mean()) if accepted.numel() else 0.0), accept_pos=accept_pos.tolist(),
             sim_tau=sim_tau, sim_acc=sim_acc, generated_tokens=sum(len(d.tokens) for d in decoded),
             target_forwards=len(decoded) + int(accepted.numel()), seconds=time.perf_counter() - started,
-            replay_forwards=sum(len(d.replayed) for d in decoded), replayed_tokens=sum(sum(d.replayed) for d in decoded),
+            reference_seconds=reference.seconds if made else 0.0,
         )
 
-
-    def _decode(self, drafter: DFlashDrafter) -> list[Decoded]:
-        """Every held-out prompt's speculative decoding: ``eval.batch_prompts`` at a time where the target allows."""
+    def reference_for(self, block_size: int) -> tuple[TargetReference, bool]:
+        """The target's reference for drafters of ``block_size``: (it, whether it was made now). Made by target
+        forwards the first time (and again for a larger block); the caller detaches the target's hooks."""
+        length = reference_length(self.config.max_new_tokens, block_size)
+        if self.reference is not None and self.reference.continuation_length >= length:
+            return self.reference, False
+        started = time.perf_counter()
         prompts = [prompt_of(d, self.config.prompt_len) for d in self.documents]
-        if not self.target.batchable or self.config.batch_prompts == 1:
-            return [speculative_decode(DraftContext(drafter), self.target, p, self.config.max_new_tokens, self.stop_token_ids)
-                    for p in prompts]
-        size = self.config.batch_prompts
-        return [decoded for i in range(0, len(prompts), size)
-                for decoded in speculative_decode_rows(DraftRows(drafter, len(prompts[i:i + size])), self.target,
-                                                       prompts[i:i + size], self.config.max_new_tokens, self.stop_token_ids)]
+        transcripts = greedy_transcripts(self.target, prompts, length, self.config.batch_prompts)
+        budget = int(self.config.reference_cache_gb * 2**30) - sum(t.features.nbytes for t in transcripts)
+        documents: list[DocumentFeatures | None] = []
+        for document in self.documents:
+            # Past the budget a document's features are not kept: it runs through the target at every evaluation.
+            needed = len(document) * self.target_feature_bytes()
+            if needed > budget:
+                documents.append(None)
+                continue
+            features = document_features(self.target, document)
+            documents.append(DocumentFeatures(_kept_on_host(features.aux_hidden), None if features.last_hidden is None
+                                              else _kept_on_host(features.last_hidden)))
+            budget -= needed
+        self.reference = TargetReference(transcripts, documents, time.perf_counter() - started)
+        kept = sum(d is not None for d in documents)
+        log.info("evaluation reference: %d greedy continuations of %d tokens and %d of %d documents' features kept, "
+                 "made in %.1f s", len(transcripts), length, kept, len(documents), self.reference.seconds)
+        return self.reference, True
+
+    def target_feature_bytes(self) -> int:
+        """Host bytes per token of a document's kept features."""
+        config = self.target.model.config
+        width = len(self.target.layer_ids) + (1 if self.target.last_layer is not None else 0)
+        return width * int(getattr(config, "hidden_size")) * next(self.target.model.parameters()).element_size()
+
+    def decode(self, drafter: DFlashDrafter, reference: TargetReference) -> list[Decoded]:
+        """Every held-out prompt's speculative decoding, replayed from the reference: ``eval.batch_prompts`` prompts
+        per drafter forward."""
+        size, transcripts = self.config.batch_prompts, reference.transcripts
+        decoded = []
+        for i in range(0, len(transcripts), size):
+            group = transcripts[i:i + size]
+            decoded += replay_rows(DraftRows(drafter, [t.features for t in group]), group, self.config.max_new_tokens,
+                                   self.stop_token_ids)
+        return decoded
 
 
 def _drafter_autocast(device: torch.device):
