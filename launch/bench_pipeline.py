@@ -296,9 +296,14 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
     def checkpoint_step() -> int:
         return (read_json(run.checkpoints / "latest.json") or {}).get("step", 0)
 
+    cycle = args.eval_every if name.endswith("-evals") else args.stall_every  # steps between checkpoints
     first = wait_for(checkpoint_step, args.timeout, "the first checkpoint")
+    if args.skip_cycles:  # e.g. past the first evaluation, which also makes the evaluator's reference
+        skipped = first + args.skip_cycles * cycle
+        wait_for(lambda: checkpoint_step() >= skipped, args.timeout * args.skip_cycles, "the skipped cycles")
+        first = checkpoint_step()
     t0 = time.time()
-    wait_for(lambda: checkpoint_step() >= first + args.cycles * args.stall_every, args.timeout * args.cycles, "whole cycles")
+    wait_for(lambda: checkpoint_step() >= first + args.cycles * cycle, args.timeout * args.cycles, "whole cycles")
     t1 = time.time()
     rows = ledger_rows(run)
     measured = {"samples_per_s": samples_between(rows, t0, t1) / (t1 - t0), "window_s": t1 - t0,
@@ -501,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-every", type=int, default=60, help="*-stalls: checkpoint and pause every N steps")
     parser.add_argument("--pause-s", type=float, default=10.0, help="*-stalls: the evaluation stand-in")
     parser.add_argument("--cycles", type=int, default=2, help="*-stalls: checkpoint cycles measured")
+    parser.add_argument("--skip-cycles", type=int, default=0,
+                        help="*-stalls, *-evals: whole cycles after the first checkpoint left out of the window")
     parser.add_argument("--eval-every", type=int, default=40, help="*-evals: checkpoint and evaluate every N steps")
     parser.add_argument("--eval-prompts", type=int, default=16, help="*-evals: prompts per evaluation")
     parser.add_argument("--eval-slots", type=int, default=128,
