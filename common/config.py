@@ -479,6 +479,7 @@ class LaunchConfig:
         "ready_timeout_s": "launcher trainer",
         "mps": "launcher producer",
         "mps_producer_sm_percent": "launcher producer",
+        "mps_trainer_sm_percent": "launcher trainer",
         "remote_producers": "launcher producer trainer",
     }
 
@@ -515,6 +516,13 @@ class LaunchConfig:
     samples/s of the GPU (6.3 / (13.2 + 6.3): 32% for the Qwen3-8B shapes on an H200), if their
     speed scales with SMs. The cap is fixed when the producer starts and holds during the trainer's
     pauses too, so a capped producer refills ring.headroom_slots more slowly. None: no limit."""
+    mps_trainer_sm_percent: int | None = None
+    """Under launch.mps: the share of a GPU's SMs (1-100) that trainer ranks may use where they share a GPU
+    with a producer (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the trainer's processes). The rest is never taken
+    by the step's long matmuls, so the producer's kernels start at once: its forwards and, on producer 0,
+    the evaluation's short drafting kernels, which beside an uncapped step wait for SMs at every launch
+    (an evaluation of 0.8 s alone took 14 s beside the Qwen3-8B draft's step). The cap holds while the
+    producer is idle too. None: no limit."""
     remote_producers: list[str] = field(default_factory=list)
     """Producers on other hosts, as ``tcp://host:port`` endpoints the trainer connects to (CURVE with
     the run's secrets/curve.json). Their producer ids follow the local ones: the k-th is
@@ -531,6 +539,10 @@ class LaunchConfig:
             _check(self.mps, "mps_producer_sm_percent", "needs launch.mps = true (it is an MPS client setting)")
             _check(1 <= self.mps_producer_sm_percent <= 100, "mps_producer_sm_percent",
                    f"must be in 1..100, got {self.mps_producer_sm_percent}")
+        if self.mps_trainer_sm_percent is not None:
+            _check(self.mps, "mps_trainer_sm_percent", "needs launch.mps = true (it is an MPS client setting)")
+            _check(1 <= self.mps_trainer_sm_percent <= 100, "mps_trainer_sm_percent",
+                   f"must be in 1..100, got {self.mps_trainer_sm_percent}")
         for index, endpoint in enumerate(self.remote_producers):
             _check(_is_tcp_connect_endpoint(endpoint), f"remote_producers[{index}]",
                    f"must look like tcp://host:port with a host to connect to and a port in 1..65535, got {endpoint!r}")

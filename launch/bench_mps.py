@@ -1,19 +1,20 @@
 """Benchmark (issue 18): can a producer's short kernels keep their speed beside a trainer on one GPU?
 
     python -m launch.bench_mps                 # needs a CUDA GPU and nvidia-cuda-mps-control
-    python -m launch.bench_mps --seconds 6
+    python -m launch.bench_mps --seconds 6 --hog-percents 90,80
 
 A producer evaluating beside a trainer on one GPU runs thousands of short kernels (an evaluation's decoding
 rounds) while the trainer keeps every SM busy with long matmuls; an evaluation of 3.4 s alone took 20-40 s
-beside a trainer (BENCHMARKS.md). This program measures the effect with two stand-ins, and whether MPS's client
-priority (``CUDA_MPS_CLIENT_PRIORITY=1``: a client's work "below normal") or no MPS at all changes it:
+beside a trainer (BENCHMARKS.md). This program measures the effect with two stand-ins, and whether capping
+the trainer's SMs (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, ``launch.mps_trainer_sm_percent``) gives them back:
 
   hog    the trainer: back-to-back 8192^3 bf16 matmuls (reports TFLOP/s)
   probe  the evaluation: rounds of 36 small decode-shaped layers (256 x 4096 @ 4096 x 12288, norms,
          activations), a host sync per round (reports ms per round)
 
-Runs: the probe alone; the hog alone; the probe beside the hog under the run's own MPS daemon
-(``launch/mps.py``) at either priority, and without MPS, where the GPU time-slices between the two contexts.
+Runs: the probe alone; the hog alone, uncapped and at each ``--hog-percents``; the probe beside the hog
+under the run's own MPS daemon (``launch/mps.py``), uncapped and at each cap. (MPS client priority,
+``CUDA_MPS_CLIENT_PRIORITY``, was measured here before and changed nothing: BENCHMARKS.md.)
 Prints a table and JSON.
 """
 
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MPS_CLIENT_PRIORITY_ENV = "CUDA_MPS_CLIENT_PRIORITY"  # 0 normal, 1 below normal
+SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # an MPS client's cap on the SMs it may use
 
 
 def hog(seconds: float) -> dict:
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0, help="probe time per run (the hog runs 4 s longer)")
     parser.add_argument("--role", choices=["hog", "probe"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--hog-percents", default="90,80", help="SM caps of the hog to measure (comma list)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.role:
@@ -102,24 +104,21 @@ def main(argv: list[str] | None = None) -> int:
         daemon = MpsDaemon(Path(tmp), Path(tmp))
         daemon.start()
         try:
-            rows = [{"run": "probe alone", **result_of(run_role("probe", args.seconds, daemon.env))},
-                    {"run": "hog alone", **result_of(run_role("hog", args.seconds, daemon.env))}]
-            # The hog starts first and outlasts the probe, which starts once the hog's matmuls run. Without
-            # the daemon's pipe in their environment the two are no MPS clients: the GPU time-slices them.
-            for label, hog_env, probe_env in (
-                    ("MPS, hog of normal priority", {**daemon.env, MPS_CLIENT_PRIORITY_ENV: "0"}, daemon.env),
-                    ("MPS, hog below normal", {**daemon.env, MPS_CLIENT_PRIORITY_ENV: "1"}, daemon.env),
-                    ("no MPS (time-sliced)", {}, {})):
+            rows = [{"run": "probe alone", **result_of(run_role("probe", args.seconds, daemon.env))}]
+            # The hog starts first and outlasts the probe, which starts once the hog's matmuls run.
+            for percent in [100, *(int(p) for p in args.hog_percents.split(","))]:
+                hog_env = {**daemon.env, **({SM_PERCENT_ENV: str(percent)} if percent < 100 else {})}
+                rows.append({"run": f"hog alone, {percent}% of the SMs", **result_of(run_role("hog", args.seconds, hog_env))})
                 hog_proc = run_role("hog", args.seconds + 4, hog_env)
-                probe_proc = run_role("probe", args.seconds, probe_env, delay_s=2.0)
-                rows.append({"run": f"probe beside a hog: {label}", **result_of(probe_proc), **result_of(hog_proc)})
+                probe_proc = run_role("probe", args.seconds, daemon.env, delay_s=2.0)
+                rows.append({"run": f"probe beside a hog of {percent}%", **result_of(probe_proc), **result_of(hog_proc)})
         finally:
             daemon.quit()
     print(f"{'run':<42} {'probe ms/round':>15} {'hog TFLOP/s':>12}")
     for row in rows:
         ms, tf = row.get("ms_per_round"), row.get("tflops")
         print(f"{row['run']:<42} {'' if ms is None else f'{ms:.1f}':>15} {'' if tf is None else f'{tf:.0f}':>12}")
-    record = {"bench": "mps_priority", "seconds": args.seconds, "runs": rows}
+    record = {"bench": "mps_sm_cap", "seconds": args.seconds, "runs": rows}
     if args.json:
         args.json.write_text(json.dumps(record))
     print(json.dumps(record))

@@ -386,6 +386,13 @@ class ManagedProcess:
 # -- the supervisor ------------------------------------------------------------------------------
 
 
+def _sm_cap(percent: int | None, shared_devices: set[str]) -> dict[str, str]:
+    """The MPS client setting that caps a process at ``percent`` of a GPU's SMs, where it shares a GPU."""
+    if percent is None or not any(d.startswith("cuda") for d in shared_devices):
+        return {}
+    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
+
+
 class Supervisor:
     """Starts the producers, then the trainer, and keeps them running until the run ends."""
 
@@ -424,15 +431,17 @@ class Supervisor:
 
     def _producer_mps_limit(self, device: str) -> dict[str, str]:
         """launch.mps_producer_sm_percent for a producer that shares a GPU with a trainer rank."""
-        percent = self.cfg.launch.mps_producer_sm_percent
         shared = set(device.split(",")) & set(trainer_devices(self.cfg, self.has_cuda))
-        if percent is None or not any(d.startswith("cuda") for d in shared):
-            return {}
-        return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
+        return _sm_cap(self.cfg.launch.mps_producer_sm_percent, shared)
+
+    def _trainer_mps_limit(self, devices: list[str]) -> dict[str, str]:
+        """launch.mps_trainer_sm_percent for a trainer whose ranks share a GPU with a producer."""
+        producing = {d for entry in producer_devices(self.cfg, self.has_cuda) for d in entry.split(",")}
+        return _sm_cap(self.cfg.launch.mps_trainer_sm_percent, set(devices) & producing)
 
     def _make_trainer(self) -> ManagedProcess:
         devices = trainer_devices(self.cfg, self.has_cuda)
-        extra = {TRAINER_DEVICES_ENV: ",".join(devices), **self._mps_env()}
+        extra = {TRAINER_DEVICES_ENV: ",".join(devices), **self._mps_env(), **self._trainer_mps_limit(devices)}
         if len(devices) > 1:
             # torchrun gives its ranks this long after forwarding SIGTERM; keep it below our own wait.
             extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(TRAINER_STOP_TIMEOUT_S) - 5))

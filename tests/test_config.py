@@ -42,6 +42,7 @@ def test_resolved_config_round_trips(tmp_path):
         ("batching.token_budget=100", "batching.token_budget"),
         ("launch.producer_devices=[1, 2]", "launch.producer_devices[0]"),
         ("launch.mps_producer_sm_percent=40", "launch.mps_producer_sm_percent"),  # without launch.mps
+        ("launch.mps_trainer_sm_percent=80", "launch.mps_trainer_sm_percent"),  # without launch.mps
     ],
 )
 def test_errors_name_the_key(override, key):
@@ -61,3 +62,5 @@ def test_missing_file_and_bad_toml_name_the_path(tmp_path):
 def test_an_sm_share_out_of_range_names_the_key():
     with pytest.raises(ConfigError, match=r"launch.mps_producer_sm_percent.*1..100, got 0"):
         load_config(None, ["launch.mps=true", "launch.mps_producer_sm_percent=0"])
+    with pytest.raises(ConfigError, match=r"launch.mps_trainer_sm_percent.*1..100, got 101"):
+        load_config(None, ["launch.mps=true", "launch.mps_trainer_sm_percent=101"])

@@ -90,3 +90,21 @@ def test_only_producers_that_share_a_gpu_with_a_trainer_rank_get_the_sm_share(sh
     assert shares == [None, "45", "45"]
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in supervisor.trainer.env
     assert all(p.env["CUDA_MPS_PIPE_DIRECTORY"] == str(supervisor.mps.pipe) for p in supervisor.producers)
+
+
+def test_a_trainer_that_shares_a_gpu_with_a_producer_gets_the_sm_cap(short_tmp, monkeypatch):
+    """launch.mps_trainer_sm_percent reaches the trainer's environment where one of its ranks shares a GPU with a
+    producer (a tensor-parallel one's GPUs count), not a trainer on GPUs of its own, and never a producer."""
+    bin_dir = short_tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / MPS_CONTROL).write_text(STAND_IN)
+    (bin_dir / MPS_CONTROL).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    caps = []
+    for trainer in ('["cuda:3"]', '["cuda:1"]', '["cuda:4", "cuda:5"]'):
+        cfg = load_config(None, ["launch.mps=true", "launch.mps_trainer_sm_percent=80",
+                                 'launch.producer_devices=["cuda:0", "cuda:2,cuda:3"]', f"launch.trainer_devices={trainer}"])
+        supervisor = Supervisor(LaunchRunDir(short_tmp / "run"), cfg, has_cuda=lambda: True)
+        caps.append(supervisor.trainer.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+        assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env for p in supervisor.producers)
+    assert caps == ["80", None, None]
