@@ -22,7 +22,7 @@ import torch
 
 from common.batch import Document
 from common.config import EvalConfig, TargetConfig
-from common.drafter.evaluate import Evaluator, _drafter_autocast, target_head_of
+from common.drafter.evaluate import Evaluator, target_head_of
 from common.drafter.model import DFlashDrafter
 from launch.bench_step import qwen3_8b_draft, tiny_draft
 from launch.bench_target import QWEN3_8B_SHAPE
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         report = evaluator.evaluate(drafter)
         synchronize(device)
         total = time.perf_counter() - started
-        # The decoding alone, as evaluate runs it (eager, the drafter's autocast, in eval mode).
+        # The decoding alone, as evaluate runs it (in eval mode, in the evaluation's context).
         drafter.eval()
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"), _drafter_autocast(device):
+        with evaluator.evaluation_context():
             started = time.perf_counter()
             decoded = evaluator.decode(drafter, evaluator.reference)
             synchronize(device)

@@ -64,7 +64,8 @@ class CoupledSource:
         self.pad_to: int | None = None
         self.refusal: str | None = None
         self.error: BaseException | None = None
-        self.evaluation = TrainingEvaluation(cfg, self.target.model)
+        # Rank 0 evaluates (and so makes the evaluator's reference).
+        self.evaluation = TrainingEvaluation(cfg, self.target.model, self.target.layer_ids) if rank == 0 else None
 
     def bind(self, commits: Commits, pad_to: int | None) -> CoupledSource:
         """Attach the trainer's bookkeeping (made after the target is loaded); returns self."""
@@ -97,7 +98,7 @@ class CoupledSource:
 
     def evaluate(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str], wandb_run: Any) -> AcceptanceReport | None:
         """The in-loop evaluation of ``step`` (rank 0): see ``TrainingEvaluation.maybe_log``."""
-        return self.evaluation.maybe_log(step, drafter, metrics_file, wandb_run)
+        return self.evaluation.maybe_log(step, drafter, metrics_file, wandb_run) if self.evaluation else None
 
     def producer_stats(self) -> dict[int, dict]:
         return {}
@@ -113,27 +114,38 @@ class TrainingEvaluation:
     target's) the error is logged once, evaluation is switched off, and training goes on.
     """
 
-    def __init__(self, cfg: RunConfig, target_model: nn.Module) -> None:
+    def __init__(self, cfg: RunConfig, target_model: nn.Module, layer_ids: list[int]) -> None:
+        """With evaluations due, the evaluator's reference (the target's half of every evaluation) is made now,
+        before the first step, as producer 0 makes it while its ring is full."""
         self.cfg = cfg
         self.target_model = target_model
         self.evaluator: Evaluator | None = None
+        self.checked = False
         self.disabled = False
+        if cfg.eval.every_steps:
+            try:
+                self.evaluator = build_evaluator(cfg, target_model, layer_ids)
+                self.evaluator.prepare(cfg.drafter.block_size)
+            except Exception:
+                self.disabled = True
+                log.exception("evaluation failed; it is off for the rest of this trainer's life")
 
-    def _build(self, drafter: DFlashDrafter) -> Evaluator:
+    def _check(self, drafter: DFlashDrafter) -> None:
         loaded, shared = target_head_of(self.target_model), drafter.target_head
         if not (torch.equal(loaded.embed_weight, shared.embed_weight)
                 and torch.equal(loaded.lm_head_weight, shared.lm_head_weight)):
             raise ValueError("the target of this evaluation is not the producers' (embedding or lm_head differ)")
-        return build_evaluator(self.cfg, self.target_model, drafter)
+        self.checked = True
 
     def maybe_log(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str],
                   wandb_run: Any) -> AcceptanceReport | None:
         """Evaluate when due and write ``eval/*`` at ``step``: a line of its own in metrics.jsonl, and into
         wandb's row of that step (next to the training tau). The report, or None when none was made."""
-        if step % self.cfg.eval.every_steps or self.disabled:
+        if self.disabled or self.evaluator is None or step % self.cfg.eval.every_steps:
             return None
         try:
-            self.evaluator = self.evaluator or self._build(drafter)
+            if not self.checked:
+                self._check(drafter)
             report = self.evaluator.evaluate(drafter)
         except Exception:
             self.disabled = True

@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     loss_config = LossConfig(label_mode=cfg.training.label_mode)
     drafter_dir, own_checkpoint = drafter_folder(args.checkpoint)
-    drafter = load_drafter(drafter_dir, head, loss_config, own_checkpoint=own_checkpoint).to(head.embed_weight.device)
-    report = build_evaluator(cfg, model, drafter).evaluate(drafter)
+    drafter = load_drafter(drafter_dir, head, loss_config, own_checkpoint=own_checkpoint, device=head.embed_weight.device)
+    report = build_evaluator(cfg, model, list(drafter.config.target_layer_ids)).evaluate(drafter)
     print(report.table())
     within = report.gap_within(cfg.eval.gap_tolerance)
     if not within:

@@ -11,7 +11,6 @@ from torch import nn
 from common.batch import Document
 from common.config import ConfigError, RunConfig
 from common.drafter.evaluate import Evaluator, GreedyTarget, stop_tokens_of
-from common.drafter.model import DFlashDrafter
 from producer.data import build_data_source
 
 
@@ -47,10 +46,11 @@ def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
     return documents
 
 
-def build_evaluator(cfg: RunConfig, target_model: nn.Module, drafter: DFlashDrafter,
+def build_evaluator(cfg: RunConfig, target_model: nn.Module, layer_ids: list[int],
                     make_target: Callable[..., GreedyTarget] = GreedyTarget) -> Evaluator:
-    """An evaluator for ``drafter`` on the held-out split of ``cfg``'s data (``make_target``: see Evaluator)."""
+    """An evaluator of the run's drafters (reading target layers ``layer_ids``) on the held-out split of ``cfg``'s
+    data (``make_target``: see Evaluator)."""
     documents = held_out_documents(cfg, int(target_model.config.vocab_size))
-    return Evaluator(target_model, documents, cfg.eval, list(drafter.config.target_layer_ids),
-                     num_anchors=cfg.drafter.num_anchors, capture_last=drafter.loss_config.label_mode != "data",
-                     stop_token_ids=stop_tokens_of(target_model), make_target=make_target)
+    return Evaluator(target_model, documents, cfg.eval, list(layer_ids), num_anchors=cfg.drafter.num_anchors,
+                     capture_last=cfg.training.label_mode != "data", stop_token_ids=stop_tokens_of(target_model),
+                     make_target=make_target)

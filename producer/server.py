@@ -53,8 +53,10 @@ from common.rundir import RunDir, atomic_write_json
 from common.slots import SlotState
 from common.sockets import CurveKeys, SecretsError, ipc_endpoint
 from common.transport import RingServer
+from common.drafter.evaluate import Evaluator, GreedyTarget
 from producer.batching import BatchPlan, RunningBatchStats, batch_stats
 from producer.data import DataError, build_data_source
+from producer.evaluation import build_evaluator
 from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
 from producer.target import Target, build_target_config, check_tensor_parallel
@@ -206,6 +208,7 @@ class Producer:
         self.evaluating: int | None = None
         """The step whose drafter this producer is evaluating for the trainer, if any."""
         self._evaluator = None
+        self._reference_due = True
         self._next_eval_check = 0.0
 
         self.dtype = self.target.dtype
@@ -413,7 +416,8 @@ class Producer:
                     self._hold_back(0.005)
                     continue
                 slot = self.server.acquire(timeout_s=0.2)
-                if slot is None:
+                if slot is None:  # the ring is full
+                    self._prepare_evaluation()
                     continue
                 try:
                     planned = self.stream.take()
@@ -478,10 +482,9 @@ class Producer:
 
     def _evaluate(self, request: evals.EvalRequest) -> dict[str, float]:
         """Real and simulated acceptance of the exported drafter against this producer's target."""
-        from common.drafter.evaluate import GreedyTarget, target_head_of
+        from common.drafter.evaluate import target_head_of
         from common.drafter.target_head import load_target_head
         from common.drafter.export import load_drafter
-        from producer.evaluation import build_evaluator
         from common.drafter.loss import LossConfig
 
         model = self.target.model
@@ -491,11 +494,27 @@ class Producer:
             head = load_target_head(self.run_dir.head_dir(self.cfg.target.path), device=self.target.device,
                                     dtype=self.target.dtype)
         drafter = load_drafter(request.drafter, head, LossConfig(label_mode=self.cfg.training.label_mode),
-                               own_checkpoint=True).to(self.target.device)
+                               own_checkpoint=True, device=self.target.device)
+        return self._evaluator_of_run().evaluate(drafter).metrics()
+
+    def _evaluator_of_run(self) -> Evaluator:
+        """Producer 0's evaluator (made once: it keeps the target's reference between evaluations)."""
         if self._evaluator is None:
             mirrored = functools.partial(MirroredTarget, self.group) if self.group is not None else GreedyTarget
-            self._evaluator = build_evaluator(self.cfg, model, drafter, make_target=mirrored)
-        return self._evaluator.evaluate(drafter).metrics()
+            self._evaluator = build_evaluator(self.cfg, self.target.model, self.layer_ids, make_target=mirrored)
+        return self._evaluator
+
+    def _prepare_evaluation(self) -> None:
+        """While the ring is full and nothing is asked: make the evaluator's reference (the target's greedy
+        continuations and features) once, so that no evaluation the trainer asks for runs a target forward, and
+        none does it beside a training step. Only where evaluations are expected (eval.every_steps); a failure
+        is logged, and the first request tries again (and is lost if it fails too)."""
+        if self._reference_due and self.serves_evaluations and self.cfg.eval.every_steps:
+            self._reference_due = False
+            try:
+                self._evaluator_of_run().prepare(self.cfg.drafter.block_size)
+            except Exception:  # auxiliary: the data keeps flowing whatever happens here
+                log.exception("could not prepare the evaluation reference; the first evaluation will make it")
 
     def _may_fill(self) -> bool:
         """Whether to fill a slot now: always, unless ring.headroom_slots asks to keep some free

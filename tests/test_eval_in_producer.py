@@ -36,6 +36,11 @@ def test_producer_zero_evaluates_and_the_trainer_logs_each_result_at_its_step(sh
     assert producer_log.count("evaluated step") == 3 and "evaluated step" not in (run_dir / "logs" / "producer-1.log").read_text()
     assert "eval at step 8 (logged at" in trainer_log
     assert "evaluation failed" not in trainer_log + producer_log
+    # The target's half was made once, while the ring was full and before anything was asked: no evaluation ran
+    # a target forward.
+    assert producer_log.count("evaluation reference:") == 1
+    assert producer_log.index("evaluation reference:") < producer_log.index("evaluated step")
+    assert [m["eval/reference_seconds"] for m in evaluations(run)] == [0.0, 0.0, 0.0]
     # The decoupled trainer warns of a real/simulated gap too: once for every result past the tolerance.
     gaps = [abs(m["eval/tau_gap"]) > 1e-6 * (4 - 1) for m in evaluations(run)]
     assert trainer_log.count("differ by more than eval.gap_tolerance") == sum(gaps)

@@ -157,7 +157,7 @@ def test_random_drafter_stays_near_one(target_model, target_dir):
     cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4",
                              "eval.max_new_tokens=32"])
     drafter = random_drafter(target_model)
-    report = build_evaluator(cfg, target_model, drafter).evaluate(drafter)
+    report = build_evaluator(cfg, target_model, LAYER_IDS).evaluate(drafter)
     assert 1.0 <= report.tau < 1.15
     assert 1.0 <= report.sim_tau < 1.15
     assert report.tau == pytest.approx(1 + sum(report.accept_pos))
@@ -230,7 +230,7 @@ def test_training_evaluation_logs_when_due(tmp_path, target_dir, target_model):
     cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32",
                              "eval.every_steps=4", "logging.log_every=2"])
     drafter = random_drafter(target_model).train()
-    evaluation = TrainingEvaluation(cfg, target_model)
+    evaluation = TrainingEvaluation(cfg, target_model, LAYER_IDS)
     metrics = tmp_path / "metrics.jsonl"
     with open(metrics, "w") as f:
         for step in (2, 4, 6, 8):
@@ -246,7 +246,7 @@ def test_training_evaluation_refuses_another_target(tmp_path, target_dir, target
                              "eval.every_steps=2", "logging.log_every=2"])
     other = tiny_qwen3_target(tmp_path / "other", vocab_size=64, num_layers=6, hidden=32, seed=1)
     drafter = random_drafter(other)
-    evaluation = TrainingEvaluation(cfg, target_model)
+    evaluation = TrainingEvaluation(cfg, target_model, LAYER_IDS)
     metrics = tmp_path / "metrics.jsonl"
     with open(metrics, "w") as f:
         evaluation.maybe_log(2, drafter, f, None)
@@ -456,7 +456,7 @@ def test_the_evaluator_drafts_what_live_decoding_drafts(target_model, target_dir
     cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=5",
                              "eval.batch_prompts=2"])
     drafter = strong_drafter(target_model, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
-    evaluator = build_evaluator(cfg, target_model, drafter)
+    evaluator = build_evaluator(cfg, target_model, LAYER_IDS)
     live, replayed, report = live_and_replayed_drafts(evaluator, drafter, monkeypatch)
     assert live == replayed and len(live) == report.target_forwards - report.num_prompts
 
@@ -468,7 +468,7 @@ def test_an_evaluation_after_the_first_runs_no_target_forward(target_model, targ
     hook = target_model.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
         cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4"])
-        evaluator = build_evaluator(cfg, target_model, random_drafter(target_model))
+        evaluator = build_evaluator(cfg, target_model, LAYER_IDS)
         first = evaluator.evaluate(random_drafter(target_model))
         made = len(forwards)
         assert made > 0 and first.reference_seconds > 0
@@ -477,7 +477,7 @@ def test_an_evaluation_after_the_first_runs_no_target_forward(target_model, targ
         assert second.metrics()["eval/reference_seconds"] == 0.0
         no_room = build_evaluator(load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}",
                                                      "eval.num_prompts=4", "eval.reference_cache_gb=0"]),
-                                  target_model, random_drafter(target_model))
+                                  target_model, LAYER_IDS)
         assert no_room.evaluate(strong_drafter(target_model)).tau == second.tau
         forwards.clear()
         again = no_room.evaluate(strong_drafter(target_model))
@@ -488,7 +488,7 @@ def test_an_evaluation_after_the_first_runs_no_target_forward(target_model, targ
 
 def test_a_drafter_with_a_larger_block_gets_longer_continuations(target_model, target_dir):
     cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.max_new_tokens=10"])
-    evaluator = build_evaluator(cfg, target_model, random_drafter(target_model))
+    evaluator = build_evaluator(cfg, target_model, LAYER_IDS)
     evaluator.evaluate(random_drafter(target_model))
     assert evaluator.reference.continuation_length == 10 + BLOCK - 1
     larger = random_drafter(target_model, block_size=8)
@@ -499,7 +499,7 @@ def test_a_drafter_with_a_larger_block_gets_longer_continuations(target_model, t
 def test_evaluation_of_prompts_together_reports_what_one_at_a_time_reports(target_model, target_dir):
     overrides = [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=5", "eval.max_new_tokens=24"]
     drafter = strong_drafter(target_model)
-    batched = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=4"]), target_model, drafter).evaluate(drafter)
-    single = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=1"]), target_model, drafter).evaluate(drafter)
+    batched = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=4"]), target_model, LAYER_IDS).evaluate(drafter)
+    single = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=1"]), target_model, LAYER_IDS).evaluate(drafter)
     assert (batched.tau, batched.accept_pos, batched.generated_tokens, batched.target_forwards) == \
         (single.tau, single.accept_pos, single.generated_tokens, single.target_forwards)

@@ -31,6 +31,7 @@ target features are kept too (within ``eval.reference_cache_gb``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -655,29 +656,43 @@ class Evaluator:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.reference: TargetReference | None = None
 
-    @torch.no_grad()
+    @contextlib.contextmanager
+    def evaluation_context(self):
+        """Around what runs the target or the drafter here: no autograd, eager (layers compiled for the trainer's
+        fixed shapes would recompile for every context length), one thread on a CPU (forwards of a few tokens:
+        OpenMP threads cost more than they give), and the target's hooks removed afterwards."""
+        threads = torch.get_num_threads()
+        if self.target.device.type == "cpu":
+            torch.set_num_threads(1)
+        try:
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"), _drafter_autocast(self.target.device):
+                yield
+        finally:
+            self.target.detach()
+            torch.set_num_threads(threads)
+
+    def prepare(self, block_size: int) -> TargetReference:
+        """Make the target's reference for drafters of ``block_size`` now, ahead of the first evaluation (producer 0
+        does it while its ring is full and nothing is asked; the coupled loop before its first step)."""
+        with self.evaluation_context():
+            return self.reference_for(block_size)[0]
+
     def evaluate(self, drafter: DFlashDrafter) -> AcceptanceReport:
         if list(drafter.config.target_layer_ids) != self.target.layer_ids:
             raise ValueError(f"drafter reads target layers {drafter.config.target_layer_ids}, "
                              f"this evaluator captures {self.target.layer_ids}")
         started = time.perf_counter()
-        was_training, threads = drafter.training, torch.get_num_threads()
+        was_training = drafter.training
         drafter.eval()
-        if self.target.device.type == "cpu":
-            # Forwards of a few tokens: OpenMP threads cost more than they give (far more on a busy CPU).
-            torch.set_num_threads(1)
         try:
-            # Eager: layers compiled for the trainer's fixed shapes would recompile for every context length.
-            with torch.compiler.set_stance("force_eager"), _drafter_autocast(self.target.device):
+            with self.evaluation_context():
                 reference, made = self.reference_for(drafter.config.block_size)
                 decoded = self.decode(drafter, reference)
                 features = [kept if kept is not None else document_features(self.target, document)
                             for document, kept in zip(self.documents, reference.documents)]
                 sim_tau, sim_acc = simulated_acceptance(drafter, self.documents, features, self.num_anchors)
         finally:
-            self.target.detach()
             drafter.train(was_training)
-            torch.set_num_threads(threads)
         accepted = torch.tensor([n for d in decoded for n in d.accepted], dtype=torch.float64)
         slots = torch.arange(1, drafter.config.block_size, dtype=torch.float64)
         accept_pos = ((accepted[:, None] >= slots[None, :]).double().mean(0) if accepted.numel()
@@ -692,7 +707,7 @@ class Evaluator:
 
     def reference_for(self, block_size: int) -> tuple[TargetReference, bool]:
         """The target's reference for drafters of ``block_size``: (it, whether it was made now). Made by target
-        forwards the first time (and again for a larger block); the caller detaches the target's hooks."""
+        forwards the first time (and again for a larger block), inside ``evaluation_context``."""
         length = reference_length(self.config.max_new_tokens, block_size)
         if self.reference is not None and self.reference.continuation_length >= length:
             return self.reference, False
