@@ -35,7 +35,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -523,11 +523,11 @@ def greedy_decode(target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: in
 
 
 @torch.no_grad()
-def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], features: Sequence[DocumentFeatures],
+def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], features: Iterable[DocumentFeatures],
                          num_anchors: int, seed: int = 0) -> tuple[float, list[float]]:
-    """The training metric on ``documents`` with their target ``features``: (tau, acc_k) of teacher-forced blocks
-    at up to ``num_anchors`` anchors per document, labelled as ``drafter.loss_config`` says. Dense masks, one
-    document at a time."""
+    """The training metric on ``documents`` with their target ``features`` (taken one document at a time, so they
+    may be made as they are needed): (tau, acc_k) of teacher-forced blocks at up to ``num_anchors`` anchors per
+    document, labelled as ``drafter.loss_config`` says. Dense masks."""
     config = drafter.config
     device = drafter.fc.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -688,8 +688,10 @@ class Evaluator:
             with self.evaluation_context():
                 reference, made = self.reference_for(drafter.config.block_size)
                 decoded = self.decode(drafter, reference)
-                features = [kept if kept is not None else document_features(self.target, document)
-                            for document, kept in zip(self.documents, reference.documents)]
+                # A document whose features were not kept runs through the target when its turn comes: only one
+                # document's features are on the device at a time.
+                features = (kept if kept is not None else document_features(self.target, document)
+                            for document, kept in zip(self.documents, reference.documents))
                 sim_tau, sim_acc = simulated_acceptance(drafter, self.documents, features, self.num_anchors)
         finally:
             drafter.train(was_training)
@@ -716,9 +718,10 @@ class Evaluator:
         transcripts = greedy_transcripts(self.target, prompts, length, self.config.batch_prompts)
         budget = int(self.config.reference_cache_gb * 2**30) - sum(t.features.nbytes for t in transcripts)
         documents: list[DocumentFeatures | None] = []
+        bytes_per_token = self.target_feature_bytes()
         for document in self.documents:
             # Past the budget a document's features are not kept: it runs through the target at every evaluation.
-            needed = len(document) * self.target_feature_bytes()
+            needed = len(document) * bytes_per_token
             if needed > budget:
                 documents.append(None)
                 continue
@@ -736,7 +739,7 @@ class Evaluator:
         """Host bytes per token of a document's kept features."""
         config = self.target.model.config
         width = len(self.target.layer_ids) + (1 if self.target.last_layer is not None else 0)
-        return width * int(getattr(config, "hidden_size")) * next(self.target.model.parameters()).element_size()
+        return width * int(config.hidden_size) * next(self.target.model.parameters()).element_size()
 
     def decode(self, drafter: DFlashDrafter, reference: TargetReference) -> list[Decoded]:
         """Every held-out prompt's speculative decoding, replayed from the reference: ``eval.batch_prompts`` prompts
