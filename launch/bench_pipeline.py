@@ -308,7 +308,7 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
     rows = ledger_rows(run)
     measured = {"samples_per_s": samples_between(rows, t0, t1) / (t1 - t0), "window_s": t1 - t0,
                 "producer_samples_per_s": published_rate(sampler.rows, t0, t1),
-                "net_samples_per_s": net_rate(rows, sampler.rows, t0, t1)}
+                "net_samples_per_s": net_rate(rows, sampler.rows, t0, t1), **backlog_span(sampler.rows, t0, t1)}
     if name.endswith("-evals"):
         measured.update(evaluation_rates(run, t0, t1))
     return measured
@@ -370,6 +370,15 @@ def net_rate(ledger: list[dict], timeline: list[dict], t0: float, t1: float) -> 
     backlog made before the window is not credited with it (nor one that grows a backlog debited)."""
     grown = backlog_at(timeline, t1) - backlog_at(timeline, t0)
     return (samples_between(ledger, t0, t1) + grown) / (t1 - t0)
+
+
+def backlog_span(timeline: list[dict], t0: float, t1: float) -> dict:
+    """The rings' backlog at both ends of the window and its least inside. ``net`` credits the change between
+    the ends, so it says something only where the window starts and ends in the same phase of the cycle; a
+    backlog that never ran dry means the trainer set the pace, and the samples trained are the sustained rate."""
+    inside = [backlog_at(timeline, r["t"]) for r in timeline if t0 <= r["t"] <= t1 and "p0" in r]
+    return {"backlog_start": backlog_at(timeline, t0), "backlog_end": backlog_at(timeline, t1),
+            "backlog_min": min(inside) if inside else None}
 
 
 def run_stage(name: str, args: argparse.Namespace) -> dict:
@@ -442,6 +451,10 @@ def print_table(results: list[dict], stages: dict) -> None:
                   f"trainer's own steps/s during them {during if during is None else round(during, 3)}, "
                   f"between them {between if between is None else round(between, 3)}"
                   + (f" ({during / between - 1:+.1%})" if during and between else ""))
+        if r.get("backlog_min") is not None and r.get("producers"):
+            print(f"{r['run']}: rings' backlog {r['backlog_start']} -> {r['backlog_end']} slots over the window, "
+                  f"never below {r['backlog_min']}" + (" (the trainer set the pace: samples/s is the sustained rate)"
+                                                       if r["backlog_min"] > 2 else ""))
         if r["run"] == "stall":
             print(f"stall test: trainer paused {r['stall_s']:.1f} s; producer {r['producer_before_samples_per_s']:.2f} samples/s "
                   f"before, {r['producer_during_samples_per_s']:.2f} during, {r['producer_after_samples_per_s']:.2f} after; "
