@@ -28,7 +28,7 @@ def test_gpu_pipeline_with_cuda_rings(short_tmp):
 @pytest.mark.gpu
 def test_gpu_pipeline_with_a_hybrid_qwen35_target(short_tmp):
     """A saved multimodal Qwen3.5 on the GPU: the producer runs flash-linear-attention's varlen kernels and
-    compiled layers, the trainer trains the preset drafter and evaluates it against the target at the end."""
+    compiled layers, the trainer trains the preset drafter, and producer 0 evaluates it at step 40."""
     from hybrid_fixtures import tiny_qwen35
 
     path = tiny_qwen35(short_tmp / "qwen35", "multimodal")
