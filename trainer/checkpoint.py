@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor
 
 from common import evals, faults
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json, replace_dir
 from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, export_zlab
 from common.drafter.model import DFlashDrafter
+from trainer.sharding import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class HostStaging:
         return copied if keep else None
 
     def _copy(self, value: Any, key: str, devices: set[torch.device], keep: bool) -> Any:
-        if isinstance(value, DTensor):
+        if is_sharded(value):
             value = value.full_tensor()  # an all-gather: every rank walks the tree in the same order
         if isinstance(value, torch.Tensor):
             if not keep:

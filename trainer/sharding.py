@@ -8,23 +8,22 @@ drafter's parameter order). So a run resumes with either parallelism and any num
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from common.drafter.model import DFlashDrafter
 
-# Whole tensors on rank 0's host (the other ranks get empty dicts), without a full copy on any GPU.
-_FULL_ON_RANK0_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# FSDP, DTensor and distributed checkpointing are imported where a sharded trainer uses them: together
+# they take about 1 s to import, which every trainer start (and restart) would otherwise pay.
+
+
+def is_sharded(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (FSDP's shards); without torch.distributed.tensor loaded there is none."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(value, dtensor.DTensor)
 
 
 class TrainStep(nn.Module):
@@ -60,6 +59,9 @@ def shard_drafter(drafter: DFlashDrafter, device: torch.device, world_size: int)
     gathered in bf16 for compute and gradients reduced in fp32 into the fp32 shards the optimizer
     updates, as bf16 autocast over fp32 weights does under DDP.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh(device.type, (world_size,))
     if device.type == "cuda":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -74,12 +76,12 @@ def shard_drafter(drafter: DFlashDrafter, device: torch.device, world_size: int)
 
 def local_parameter_count(drafter: DFlashDrafter) -> int:
     """Trainable parameters whose values this rank holds (its shards under FSDP, all under DDP)."""
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in drafter.parameters() if p.requires_grad)
+    return sum((p.to_local() if is_sharded(p) else p).numel() for p in drafter.parameters() if p.requires_grad)
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
     """A plain tensor of the whole value (a collective for a sharded DTensor; a replicated one is local)."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return value.full_tensor() if is_sharded(value) else value
 
 
 def _trainable_names(drafter: DFlashDrafter) -> list[str]:
@@ -92,13 +94,18 @@ def full_model_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
 
     A collective: every rank must call it.
     """
-    return get_model_state_dict(drafter, options=_FULL_ON_RANK0_CPU)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # Whole tensors on rank 0's host (the other ranks get empty dicts), without a full copy on any GPU.
+    return get_model_state_dict(drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_full_optimizer_state(drafter: DFlashDrafter, optimizer: torch.optim.Optimizer,
                               state: dict[str, Any]) -> None:
     """Load an ``Optimizer.state_dict()`` of the whole drafter (every rank passes it) into the
     optimizer of the sharded drafter: each rank keeps the slices of its own shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     names = _trainable_names(drafter)
     by_name = {
         "state": {names[index]: value for index, value in state["state"].items()},
