@@ -223,3 +223,17 @@ def test_fsdp_pipeline_on_two_gpus(run_dir):
     evaluation's target is then drawn on the same device type as theirs (the same random weights)."""
     _run_fsdp_pipeline(run_dir, ['launch.producer_devices=["cuda:0", "cuda:1"]', 'launch.trainer_devices=["cuda:0", "cuda:1"]',
                                  'target.dtype="bfloat16"'], timeout_s=300)
+
+
+def test_an_unsharded_trainer_does_not_import_fsdp():
+    """FSDP, DTensor and distributed checkpointing take about 1 s to import, paid by every trainer start and
+    restart: only a sharded trainer loads them (trainer/sharding.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trainer.train; "
+            "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor', 'torch.distributed.checkpoint') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
