@@ -356,13 +356,19 @@ def evaluation_rates(run: RunDir, t0: float, t1: float) -> dict:
             "windows_during_evals": len(during), "windows_between_evals": len(between)}
 
 
+def _is_ring(key: str) -> bool:
+    return key.startswith("p") and key[1:].isdigit()
+
+
+def _row_backlog(row: dict) -> int:
+    """Batches in the rings (ready, leased or filling) in one timeline sample."""
+    return sum(v["ready"] + v["leased"] + v["filling"] for k, v in row.items() if _is_ring(k))
+
+
 def backlog_at(timeline: list[dict], t: float) -> int:
-    """Batches in the rings (ready, leased or filling) at the sample nearest to ``t``."""
-    rows = [r for r in timeline if any(k.startswith("p") and k[1:].isdigit() for k in r)]
-    if not rows:
-        return 0
-    row = min(rows, key=lambda r: abs(r["t"] - t))
-    return sum(v["ready"] + v["leased"] + v["filling"] for k, v in row.items() if k.startswith("p") and k[1:].isdigit())
+    """Batches in the rings at the sample nearest to ``t``."""
+    rows = [r for r in timeline if any(_is_ring(k) for k in r)]
+    return _row_backlog(min(rows, key=lambda r: abs(r["t"] - t))) if rows else 0
 
 
 def net_rate(ledger: list[dict], timeline: list[dict], t0: float, t1: float) -> float:
@@ -376,7 +382,7 @@ def backlog_span(timeline: list[dict], t0: float, t1: float) -> dict:
     """The rings' backlog at both ends of the window and its least inside. ``net`` credits the change between
     the ends, so it says something only where the window starts and ends in the same phase of the cycle; a
     backlog that never ran dry means the trainer set the pace, and the samples trained are the sustained rate."""
-    inside = [backlog_at(timeline, r["t"]) for r in timeline if t0 <= r["t"] <= t1 and "p0" in r]
+    inside = [_row_backlog(r) for r in timeline if t0 <= r["t"] <= t1 and any(_is_ring(k) for k in r)]
     return {"backlog_start": backlog_at(timeline, t0), "backlog_end": backlog_at(timeline, t1),
             "backlog_min": min(inside) if inside else None}
 
