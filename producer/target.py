@@ -421,6 +421,8 @@ class Target:
             compile = self.device.type == "cuda" and not host_loop and not sharded
         self.compiled = compile
         layers = list(self.base.layers[: self.num_layers_run])
+        if self.compiled:
+            _run_grouped_experts_eagerly(layers)
         # One compiled graph serves every layer (their parameters are graph inputs); dynamic token counts.
         self._run_layer = [torch.compile(layer, dynamic=True) for layer in layers] if self.compiled else layers
         self._sliding_windows = {getattr(layer.self_attn, "sliding_window", None) for layer in layers
@@ -563,6 +565,22 @@ def _prepare_token_mixers(model: nn.Module) -> bool:
                 f"target model type {model_type!r}: layer {index} ({type(layer).__name__}: {children}) has neither "
                 "self_attn nor a Gated-DeltaNet linear_attn, so packed capture cannot keep its documents apart")
     return hybrid
+
+
+def _run_grouped_experts_eagerly(layers: list[nn.Module]) -> int:
+    """Keep mixture-of-experts blocks that run transformers' ``grouped_mm`` experts out of the compiled layer
+    graphs; how many. Compiled with dynamic token counts, such a block took minutes to compile on an H200
+    (the tiny Qwen3.5-MoE target, transformers 5.24, torch 2.11) where it runs as one grouped matmul eagerly;
+    the rest of the layer (norms, attention, routing) stays compiled."""
+    count = 0
+    for layer in layers:
+        for module in layer.modules():
+            # transformers' use_experts_implementation sets _is_expert_parallel on the experts modules it wraps.
+            config = getattr(module, "config", None)
+            if hasattr(module, "_is_expert_parallel") and getattr(config, "_experts_implementation", None) == "grouped_mm":
+                module.forward = torch.compiler.disable(module.forward, recursive=True)
+                count += 1
+    return count
 
 
 def flops_per_document(config, num_layers: int, length: int, with_lm_head: bool = False) -> float:
