@@ -28,7 +28,7 @@ from common.rundir import RunDir, read_json
 from drafter_fixtures import random_batch, random_head, tiny_config
 from peers import wait_for
 from test_pipeline import assert_exactly_once, finish, lineage, run_all, start, trainer_step
-from trainer.checkpoint import HostStaging
+from trainer.checkpoint import HostStaging, read_train_state
 from common.drafter.export import load_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter
@@ -43,6 +43,10 @@ from common.drafter.target_head import load_target_head
 
 WORLD_SIZE = 2
 STEPS = 3
+# Weights of DDP and FSDP agree within 1% of one step's update (lr 1e-2): the two reduce in another order, and
+# AdamW turns a rounding difference in a gradient near zero into one of up to 1.2e-5 in its weight (seen on a
+# Xeon host with 1e-6 here). A wrong reduction or a lost step differs by whole updates.
+WEIGHT_ATOL = 1e-4
 NUM_ANCHORS = 16
 # Each trainer start would also start wandb's service: seconds of CPU on a small machine.
 NO_WANDB = "logging.wandb_mode=disabled"
@@ -112,8 +116,8 @@ def _fsdp_matches_ddp(rank: int, store: str, checkpoint: str) -> None:
             assert weights.keys() == replicated.state_dict().keys()
             assert not torch.allclose(weights["fc.weight"], initial["fc.weight"]), "the steps moved the weights"
             for name, value in replicated.state_dict().items():
-                torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
-            # What a DDP trainer writes into train_state.pt, so either parallelism resumes either's checkpoint.
+                torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=WEIGHT_ATOL, msg=name)
+            # What a DDP trainer writes into its train state, so either parallelism resumes either's checkpoint.
             _assert_same_optimizer_state(optimizer_state, ddp_optimizer.state_dict())
             torch.save({"weights": weights, "optimizer": optimizer_state}, checkpoint)
         else:
@@ -132,7 +136,7 @@ def _fsdp_matches_ddp(rank: int, store: str, checkpoint: str) -> None:
         resumed_norm = _step(TrainStep(resumed), resumed, resumed_optimizer, STEPS, rank)
         torch.testing.assert_close(resumed_norm, ddp_norm, rtol=1e-5, atol=1e-6)
         for (name, shard), value in zip(resumed.named_parameters(), replicated.parameters()):
-            torch.testing.assert_close(shard.full_tensor(), value, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(shard.full_tensor(), value, rtol=1e-5, atol=WEIGHT_ATOL, msg=name)
     finally:
         dist.destroy_process_group()
     end_now(0)  # as exit_process ends our ranks: a plain exit can race gloo's threads into SIGABRT
@@ -184,7 +188,7 @@ def _run_fsdp_pipeline(run_dir: Path, placement: list[str], timeout_s: float) ->
     checkpoint = run.latest_checkpoint()
     drafter = load_drafter(checkpoint / "drafter", load_target_head(run.target_head))
     assert drafter.num_trainable_parameters() == read_json(run.trainer_status)["drafter_params_total"]
-    optimizer = torch.load(checkpoint / "train_state.pt", weights_only=True)["optimizer"]
+    optimizer = read_train_state(checkpoint)["optimizer"]
     assert sorted(optimizer["state"]) == list(range(len(list(drafter.parameters())))), "DDP's optimizer format"
 
 
