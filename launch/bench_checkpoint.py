@@ -1,4 +1,5 @@
-"""Benchmark: how long training stands still for a checkpoint, written synchronously or in the background.
+"""Benchmark: how long training stands still for a checkpoint, written synchronously or in the background,
+and how long the write takes with the checkpoint's files written side by side or one after another.
 
     python -m launch.bench_checkpoint                      # a 1024-wide draft on the CPU
     python -m launch.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936
@@ -68,12 +69,17 @@ def run_directory(parent: str | None, async_checkpoint: bool) -> Iterator[Path]:
             shutil.rmtree(path, ignore_errors=True)
 
 
-MODES = ("synchronous", "background")
+MODES = ("synchronous", "background", "one-file-at-a-time")
+"""one-file-at-a-time: in the background, the checkpoint's files written one after another (the baseline of
+writing them side by side)."""
 
 
-def measure(args: argparse.Namespace, async_checkpoint: bool) -> dict:
+def measure(args: argparse.Namespace, mode: str) -> dict:
+    async_checkpoint = mode != "synchronous"
     with run_directory(args.dir, async_checkpoint) as tmp:
         trainer = build_trainer(RunDir(tmp / "run"), args, async_checkpoint)
+        if mode == "one-file-at-a-time":
+            trainer.checkpoints.files_at_once = 1
         params = [p for p in trainer.drafter.parameters() if p.requires_grad]
         stalls, writes = [], []
         try:
@@ -93,7 +99,7 @@ def measure(args: argparse.Namespace, async_checkpoint: bool) -> dict:
             size = sum(f.stat().st_size for f in trainer.run_dir.latest_checkpoint().rglob("*") if f.is_file())
         finally:
             trainer.close()
-    return {"mode": "background" if async_checkpoint else "synchronous", "stall_s": statistics.median(stalls),
+    return {"mode": mode, "stall_s": statistics.median(stalls),
             "write_s": statistics.median(writes), "checkpoint_bytes": size,
             "trainable_params": sum(p.numel() for p in params)}
 
@@ -117,17 +123,23 @@ def main(argv: list[str] | None = None) -> int:
         # Each Trainer joins and leaves the process group; joining it again in the same process under
         # torchrun's rendezvous hangs, so a distributed run measures one mode per launch.
         parser.error("--modes: under torchrun measure one mode per launch (--modes synchronous, then --modes background)")
-    rows = [measure(args, async_checkpoint=mode == "background") for mode in modes]
+    rows = [measure(args, mode) for mode in modes]
     if os.environ.get("RANK", "0") != "0":
         return 0
-    print(f"{'mode':<14}{'params':>12}{'checkpoint MB':>15}{'stall s':>10}{'write s':>10}")
+    print(f"{'mode':<20}{'params':>14}{'checkpoint MB':>15}{'stall s':>10}{'write s':>10}{'GB/s':>7}")
     for r in rows:
-        print(f"{r['mode']:<14}{r['trainable_params']:>12,}{r['checkpoint_bytes'] / 1e6:>15.1f}{r['stall_s']:>10.3f}{r['write_s']:>10.3f}")
-    ratio = rows[1]["stall_s"] / rows[0]["stall_s"] if len(rows) == 2 else None
-    if ratio is not None:
-        print(f"background / synchronous stall: {ratio:.3f}")
+        print(f"{r['mode']:<20}{r['trainable_params']:>14,}{r['checkpoint_bytes'] / 1e6:>15.1f}{r['stall_s']:>10.3f}"
+              f"{r['write_s']:>10.3f}{r['checkpoint_bytes'] / 1e9 / r['write_s']:>7.2f}")
+    by_mode = {r["mode"]: r for r in rows}
+    ratios = {}
+    if {"synchronous", "background"} <= set(by_mode):
+        ratios["stall_background_over_synchronous"] = by_mode["background"]["stall_s"] / by_mode["synchronous"]["stall_s"]
+    if {"background", "one-file-at-a-time"} <= set(by_mode):
+        ratios["write_side_by_side_over_one_at_a_time"] = by_mode["background"]["write_s"] / by_mode["one-file-at-a-time"]["write_s"]
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.3f}")
     print(json.dumps({"bench": "checkpoint", "device": args.device, "parallelism": args.parallelism,
-                      "world_size": int(os.environ.get("WORLD_SIZE", "1")), "rows": rows, "stall_ratio": ratio}))
+                      "world_size": int(os.environ.get("WORLD_SIZE", "1")), "rows": rows, **ratios}))
     return 0
 
 

@@ -17,21 +17,20 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _checkpoint_state(run) -> dict:
     """What a restart would find: the latest checkpoint, whether it loads, and stray partial folders."""
     from common.rundir import read_json
+    from trainer.checkpoint import read_train_state
 
     latest = run.latest_checkpoint()
     state = {"latest": latest.name if latest else None, "pointer": read_json(run.checkpoints / "latest.json"),
              "partial": sorted(p.name for p in run.checkpoints.iterdir() if p.name.startswith("."))}
     if latest is not None:
         state["step"] = read_json(latest / "trainer_state.json")["step"]
-        state["loads"] = bool(torch.load(latest / "train_state.pt", map_location="cpu", weights_only=True)["optimizer"])
+        state["loads"] = bool(read_train_state(latest)["optimizer"])
         state["drafter_files"] = sorted(p.name for p in (latest / "drafter").iterdir())
     return state
 

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from common.config import load_config, save_config
 from common.rundir import RunDir, read_json
 from producer.server import load_target
-from trainer.checkpoint import HostStaging
+from trainer import checkpoint as checkpoint_module
+from trainer.checkpoint import HostStaging, read_train_state
 from common.drafter.export import WEIGHTS_FILE
 from trainer.train import Trainer
 
@@ -72,7 +73,7 @@ def test_a_background_checkpoint_holds_its_step_while_training_goes_on(short_tmp
         assert saved.keys() == weights_at_5.keys()
         for name, tensor in weights_at_5.items():
             torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0, msg=name)
-        saved_state = torch.load(latest / "train_state.pt", weights_only=True)["optimizer"]["state"]
+        saved_state = read_train_state(latest)["optimizer"]["state"]
         for index, moment in moments_at_5.items():
             torch.testing.assert_close(saved_state[index]["exp_avg"], moment, rtol=0, atol=0)
         trainer.write_status()
@@ -92,6 +93,57 @@ def test_blocking_and_synchronous_checkpoints_are_written_before_the_next_step(s
         trainer.step = 4
         trainer.save_checkpoint(blocking=True)  # the last step's and a stop's checkpoint
         assert not trainer.checkpoints.writing and trainer.run_dir.latest_checkpoint().name == "step-00000004"
+    finally:
+        trainer.close()
+
+
+def assert_same_tree(got, expected, where="train_state"):
+    """Bitwise equal trees of dicts, lists and tensors (dtype and shape included)."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == expected.dtype, where
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=where)
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict) and list(got) == list(expected), where
+        for key in expected:
+            assert_same_tree(got[key], expected[key], f"{where}/{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert type(got) is type(expected) and len(got) == len(expected), where
+        for index, (a, b) in enumerate(zip(got, expected)):
+            assert_same_tree(a, b, f"{where}/{index}")
+    else:
+        assert got == expected, where
+
+
+def test_the_train_state_is_written_in_shards_side_by_side_and_read_back_exactly(short_tmp, monkeypatch):
+    """Large tensors of the train state go to safetensors shards, each written (and flushed) by a thread of its
+    own beside the drafter's weights; the rest stays in tree.pt. Read back, it is the state saved, bit for bit,
+    and a checkpoint of the earlier layout (one train_state.pt) still loads."""
+    monkeypatch.setattr(checkpoint_module, "INLINE_BYTES", 4096)
+    monkeypatch.setattr(checkpoint_module, "SHARD_BYTES", 64 << 10)
+    trainer = make_trainer(short_tmp / "run", "training.async_checkpoint=false")
+    try:
+        optimizer_step(trainer, seed=2)
+        trainer.step = 7
+        expected = trainer.state_dict({k: v for k, v in trainer.optimizer.state_dict().items()})
+        # The weights and every shard are written at the same time: one after another, the barrier would break.
+        all_files_at_once = threading.Barrier(checkpoint_module.MAX_SHARDS + 1, timeout=30)
+        original = checkpoint_module._write_then_sync
+        monkeypatch.setattr(checkpoint_module, "_write_then_sync",
+                            lambda write, path: (all_files_at_once.wait(), original(write, path)))
+        trainer.save_checkpoint()
+        folder = trainer.run_dir.latest_checkpoint()
+        shards = sorted(p.name for p in (folder / "train_state").glob("tensors-*.safetensors"))
+        assert len(shards) == checkpoint_module.MAX_SHARDS, shards
+        assert not (folder / "train_state.pt").exists()
+        state = read_train_state(folder)
+        assert_same_tree(state, expected)
+        inline = torch.load(folder / "train_state" / "tree.pt", weights_only=True)
+        assert isinstance(inline["optimizer"]["state"][0]["step"], torch.Tensor), "small tensors stay in the tree"
+
+        legacy = folder.parent / "step-00000001"
+        legacy.mkdir()
+        torch.save(expected, legacy / "train_state.pt")
+        assert_same_tree(read_train_state(legacy), expected)
     finally:
         trainer.close()
 

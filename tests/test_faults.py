@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from common.faults import LOG_ENV, PLAN_ENV, POINTS, Fault, format_plan, parse_delays, parse_plan, read_log
 from common.rundir import RunDir, read_json
 from common.naming import process_alive
+from trainer.checkpoint import read_train_state
 from peers import wait_for
 from test_pipeline import ROOT, SMALL, lineage, run_all, shard
 
@@ -208,7 +208,7 @@ def _audit_checkpoints(run: RunDir, checkpoint_kills: int, trainer_kills: int) -
         assert state is not None and folder.name == f"step-{state['step']:08d}", f"{folder} is incomplete"
         assert load_file(str(folder / "drafter" / "model.safetensors")), f"{folder}: no weights"
         assert read_json(folder / "drafter" / "config.json") is not None
-        assert "optimizer" in torch.load(folder / "train_state.pt", map_location="cpu", weights_only=True)
+        assert "optimizer" in read_train_state(folder)
     # Each kill at the checkpoint point left a half-written folder for the next trainer to clean up. A kill
     # elsewhere may too: checkpoints are written in the background while training goes on.
     cleaned = run.log("trainer").read_text().count("left by a trainer killed while checkpointing")

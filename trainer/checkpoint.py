@@ -1,13 +1,17 @@
 """Trainer checkpoints: a host snapshot taken between two steps, written to disk while training goes on.
 
-A checkpoint is the folder ``checkpoints/step-N``: ``drafter/`` (z-lab format, fp32), ``train_state.pt``
-(optimizer, schedule, RNGs) and ``trainer_state.json`` (step, committed batches). Written (and pruned to
-``keep_last``) by ``CheckpointWriter``, read back by ``load_checkpoint``. It is written under a
-temporary name, fsynced, renamed whole, and only then named by ``latest.json``, so a kill at any point
-leaves the previous checkpoint as the latest and nothing half-written that a restart would read.
+A checkpoint is the folder ``checkpoints/step-N``: ``drafter/`` (z-lab format, fp32), ``train_state/``
+(optimizer, schedule, RNGs: the tree in ``tree.pt``, its large tensors in ``tensors-K.safetensors``) and
+``trainer_state.json`` (step, committed batches). Written (and pruned to ``keep_last``) by
+``CheckpointWriter``, read back by ``load_checkpoint``. It is written under a temporary name, fsynced,
+renamed whole, and only then named by ``latest.json``, so a kill at any point leaves the previous
+checkpoint as the latest and nothing half-written that a restart would read. (Checkpoints written before
+``train_state/`` hold one ``train_state.pt``; ``read_train_state`` reads both.)
 
-Writing 12.6 GB (a Qwen3-8B draft's fp32 weights and AdamW state) takes 20-25 s on an H200 host, and
-the GPUs would idle through it. Instead the trainer copies the state to host memory (page-locked
+The files are written side by side, each thread fsyncing its own file as soon as it is written: one
+stream, serialised and then flushed, reached about 0.7-1 GB/s on an H200 host whose disk takes 1.6 GB/s
+from several (BENCHMARKS.md). Writing 12.6 GB (a Qwen3-8B draft's fp32 weights and AdamW state) still
+takes seconds, and the GPUs would idle through it. Instead the trainer copies the state to host memory (page-locked
 buffers, reused, so the copy runs at PCIe speed) and a background thread writes it. A snapshot is
 taken after an optimizer step and before the next one, so weights, optimizer state and committed
 batches agree, and the exactly-once bookkeeping is the same as for a synchronous save. One write is in
@@ -19,18 +23,20 @@ there; latest.json never goes back to an earlier step (``RunDir.advance_latest``
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from common import evals, faults
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json, replace_dir
@@ -39,6 +45,17 @@ from common.drafter.model import DFlashDrafter
 from trainer.sharding import is_sharded
 
 log = logging.getLogger(__name__)
+TRAIN_STATE_DIR = "train_state"
+TREE_FILE = "tree.pt"
+LEGACY_TRAIN_STATE_FILE = "train_state.pt"
+INLINE_BYTES = 1 << 20
+"""Tensors of the train state smaller than this stay in tree.pt (steps, RNG states); larger ones go to the shards."""
+SHARD_BYTES = 1 << 30
+"""About this much of the train state per shard file; each shard is written by a thread of its own."""
+MAX_SHARDS = 4
+"""At most this many shards: with the drafter's weights beside them, five streams (the H200 host's disk gained
+little past four)."""
+_TENSOR_REF = "__safetensors__"
 
 
 class HostStaging:
@@ -96,7 +113,7 @@ class TrainerState:
 
     weights: dict[str, torch.Tensor]
     train_state: dict[str, Any]
-    """train_state.pt: optimizer, schedule, RNGs."""
+    """The train state: optimizer, schedule, RNGs (``read_train_state``)."""
     meta: dict[str, Any]
     """trainer_state.json: step, committed batches, ..."""
     drafter_config: dict[str, Any]
@@ -107,9 +124,70 @@ def load_checkpoint(path: Path) -> TrainerState:
     """Read checkpoint folder ``path`` (``checkpoints/step-N``) to host memory."""
     drafter = path / "drafter"
     return TrainerState(weights=load_file(str(drafter / WEIGHTS_FILE)),
-                        train_state=torch.load(path / "train_state.pt", map_location="cpu", weights_only=True),
+                        train_state=read_train_state(path),
                         meta=read_json(path / "trainer_state.json"),
                         drafter_config=json.loads((drafter / CONFIG_FILE).read_text()))
+
+
+def read_train_state(path: Path) -> dict[str, Any]:
+    """The train state (optimizer, schedule, RNGs) of checkpoint folder ``path``, on the host."""
+    legacy = path / LEGACY_TRAIN_STATE_FILE
+    if legacy.exists():
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    folder = path / TRAIN_STATE_DIR
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("tensors-*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    return _join_tensors(torch.load(folder / TREE_FILE, map_location="cpu", weights_only=True), tensors)
+
+
+def _split_tensors(value: Any, key: str, out: dict[str, torch.Tensor]) -> Any:
+    """``value`` with each tensor of INLINE_BYTES or more moved into ``out`` (under its path) and replaced by a reference."""
+    if isinstance(value, torch.Tensor) and value.numel() * value.element_size() >= INLINE_BYTES:
+        out[key] = value
+        return {_TENSOR_REF: key}
+    if isinstance(value, dict):
+        return {k: _split_tensors(v, f"{key}/{k}", out) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_split_tensors(v, f"{key}/{i}", out) for i, v in enumerate(value))
+    return value
+
+
+def _join_tensors(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of ``_split_tensors``."""
+    if isinstance(value, dict):
+        if set(value) == {_TENSOR_REF}:
+            return tensors[value[_TENSOR_REF]]
+        return {k: _join_tensors(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_join_tensors(v, tensors) for v in value)
+    return value
+
+
+def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """``tensors`` in up to MAX_SHARDS groups of about equal bytes (largest first into the lightest group)."""
+    size = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    count = max(1, min(MAX_SHARDS, -(-sum(size.values()) // SHARD_BYTES)))
+    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
+    loads = [0] * count
+    for key in sorted(tensors, key=lambda k: (-size[k], k)):
+        lightest = loads.index(min(loads))
+        groups[lightest][key] = tensors[key]
+        loads[lightest] += size[key]
+    return [group for group in groups if group]
+
+
+def _fsync_files(path: Path) -> None:
+    """fsync ``path`` (a file) or every file under it."""
+    for f in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _write_then_sync(write, path: Path) -> None:
+    """Run ``write`` (which writes ``path``), then flush ``path``: its flush overlaps the other files' writes."""
+    write()
+    _fsync_files(path)
 
 
 @dataclass
@@ -143,6 +221,9 @@ class CheckpointWriter:
     def __init__(self, run_dir: RunDir, keep_last: int, staging: HostStaging | None = None) -> None:
         self.run_dir, self.root, self.keep_last = run_dir, run_dir.checkpoints, keep_last
         self.staging = staging or HostStaging()
+        self.files_at_once: int | None = None
+        """How many of a checkpoint's files are written at the same time; None: all of them (launch.bench_checkpoint
+        sets 1 for its baseline)."""
         self.last: CheckpointRecord | None = None
         self._thread: threading.Thread | None = None
         self._writing_name: str | None = None
@@ -196,14 +277,22 @@ class CheckpointWriter:
         tmp = self.root / f".{name}.{os.getpid()}.tmp"
         try:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            export_zlab(snapshot.drafter, tmp / "drafter", dtype=None, weights=snapshot.weights)
-            torch.save(snapshot.train_state, tmp / "train_state.pt")
+            state_dir = tmp / TRAIN_STATE_DIR
+            state_dir.mkdir(parents=True)
+            tensors: dict[str, torch.Tensor] = {}
+            tree = _split_tensors(snapshot.train_state, "", tensors)
+            jobs = [(functools.partial(export_zlab, snapshot.drafter, tmp / "drafter", dtype=None, weights=snapshot.weights),
+                     tmp / "drafter")]
+            for index, shard in enumerate(_shards(tensors)):
+                path = state_dir / f"tensors-{index}.safetensors"
+                jobs.append((functools.partial(save_file, shard, str(path)), path))
+            with ThreadPoolExecutor(self.files_at_once or len(jobs), thread_name_prefix=f"checkpoint-{name}-file") as pool:
+                for done in [pool.submit(_write_then_sync, write, path) for write, path in jobs]:
+                    done.result()
+            torch.save(tree, state_dir / TREE_FILE)
             atomic_write_json(tmp / "trainer_state.json", {**snapshot.meta, "saved": time.time()})
-            for f in tmp.rglob("*"):
-                if f.is_file():
-                    with open(f, "rb") as fh:
-                        os.fsync(fh.fileno())
+            _fsync_files(state_dir / TREE_FILE)
+            _fsync_files(tmp / "trainer_state.json")
             faults.point("trainer.checkpoint")
             # A folder of the same step (saved again after a resume) is swapped, never missing.
             replace_dir(tmp, self.root / name)

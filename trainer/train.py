@@ -323,7 +323,7 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------------
 
     def state_dict(self, optimizer_state: dict) -> dict:
-        """train_state.pt: ``optimizer_state`` (of the whole drafter), the schedule and the RNGs."""
+        """The train state of a checkpoint (its train_state/): ``optimizer_state`` (of the whole drafter), the schedule and the RNGs."""
         return {
             "optimizer": optimizer_state,
             "scheduler": copy.deepcopy(self.scheduler.state_dict()),  # its lists are the scheduler's own
