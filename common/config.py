@@ -112,7 +112,8 @@ class TargetConfig:
     """Packed attention kernel: auto, varlen, flex or sdpa."""
     compile: bool | None = None
     """torch.compile the target's decoder layers; None: on CUDA only, and not for a tensor-parallel target
-    (compiling through transformers' sharding hooks is unverified)."""
+    (compiling through transformers' sharding hooks is unverified) nor a mixture-of-experts one (its compile
+    did not finish in minutes on an H200)."""
     seed: int = 0
     """Seed of the random weights (ignored when loading ``path``)."""
 

@@ -416,13 +416,10 @@ class Target:
                              "(use varlen or flex attention, and flash-linear-attention on a GPU)")
         sharded = any(is_sharded(param) for param in model.parameters())
         # transformers' tensor-parallel hooks swap parameters and all-reduce inside each projection;
-        # compiling through them is unverified, so a sharded target compiles only when asked to.
-        if compile is None:
-            compile = self.device.type == "cuda" and not host_loop and not sharded
-        self.compiled = compile
+        # compiling through them is unverified, so a sharded target compiles only when asked to; nor does a
+        # mixture-of-experts target (``has_experts``).
+        self.compiled = compiles_by_default(model, self.device, host_loop, sharded) if compile is None else compile
         layers = list(self.base.layers[: self.num_layers_run])
-        if self.compiled:
-            _run_grouped_experts_eagerly(layers)
         # One compiled graph serves every layer (their parameters are graph inputs); dynamic token counts.
         self._run_layer = [torch.compile(layer, dynamic=True) for layer in layers] if self.compiled else layers
         self._sliding_windows = {getattr(layer.self_attn, "sliding_window", None) for layer in layers
@@ -567,20 +564,19 @@ def _prepare_token_mixers(model: nn.Module) -> bool:
     return hybrid
 
 
-def _run_grouped_experts_eagerly(layers: list[nn.Module]) -> int:
-    """Keep mixture-of-experts blocks that run transformers' ``grouped_mm`` experts out of the compiled layer
-    graphs; how many. Compiled with dynamic token counts, such a block took minutes to compile on an H200
-    (the tiny Qwen3.5-MoE target, transformers 5.24, torch 2.11) where it runs as one grouped matmul eagerly;
-    the rest of the layer (norms, attention, routing) stays compiled."""
-    count = 0
-    for layer in layers:
-        for module in layer.modules():
-            # transformers' use_experts_implementation sets _is_expert_parallel on the experts modules it wraps.
-            config = getattr(module, "config", None)
-            if hasattr(module, "_is_expert_parallel") and getattr(config, "_experts_implementation", None) == "grouped_mm":
-                module.forward = torch.compiler.disable(module.forward, recursive=True)
-                count += 1
-    return count
+def compiles_by_default(model: nn.Module, device: torch.device, host_loop: bool, sharded: bool) -> bool:
+    """Whether a Target compiles its layers when its config leaves ``compile`` unset: on CUDA, with no
+    per-document host loop, unsharded, and without mixture-of-experts blocks."""
+    return device.type == "cuda" and not host_loop and not sharded and not has_experts(model)
+
+
+def has_experts(model: nn.Module) -> bool:
+    """Whether ``model`` has mixture-of-experts blocks (transformers' experts modules; Qwen3.5/3.6-MoE, Qwen3-MoE).
+
+    Such a target is not compiled unless asked: on an H200 (torch 2.11, transformers 5.24) the compiled
+    decoder layer of the tiny Qwen3.5-MoE target was still compiling after minutes, with transformers' grouped_mm
+    experts and with them kept out of the graph alike, where uncompiled it captured at once."""
+    return any(hasattr(module, "num_experts") and hasattr(module, "gate_up_proj") for module in model.modules())
 
 
 def flops_per_document(config, num_layers: int, length: int, with_lm_head: bool = False) -> float:
