@@ -1,0 +1,105 @@
+"""Benchmark: how fast this host puts a checkpoint on disk, by the writers a checkpoint could use.
+
+    python -m launch.bench_disk --dir /path/of/the/run          # 8 GB raw, 4 GB through each serializer
+    python -m launch.bench_disk --dir /tmp --gb 1 --threads 1,4  # smaller
+
+A checkpoint of the Qwen3-8B draft is 12.6 GB written every few hundred steps (every 40 in the stall
+benchmark), and the trainer waits for the previous write before it starts the next. This measures what the
+disk under the run directory allows, each figure with fsync included (a checkpoint is fsynced before
+latest.json names it):
+
+  raw, N threads   --gb from page-locked host memory in 256 MB writes, split over N files written at once
+  torch.save       --gb/2 in 8 tensors, one file (what the train state was written with before 162a542)
+  safetensors      --gb/2 in 8 tensors, one file (what a checkpoint's files are written with now)
+
+Prints a table, then one JSON line. The files are removed after each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+GB = 1 << 30
+CHUNK = 256 << 20
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def raw(folder: Path, gb: float, threads: int) -> float:
+    """Seconds to write ``gb`` over ``threads`` files at once, each fsynced by its writer."""
+    per_file = int(gb * GB) // threads
+    source = torch.full((per_file,), 7, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    view = memoryview(source.numpy())
+
+    def write(index: int) -> None:
+        with open(folder / f"raw-{index}", "wb", buffering=0) as f:
+            for offset in range(0, per_file, CHUNK):
+                f.write(view[offset:offset + CHUNK])
+            os.fsync(f.fileno())
+
+    started = time.perf_counter()
+    writers = [threading.Thread(target=write, args=(i,)) for i in range(threads)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    return time.perf_counter() - started
+
+
+def serialized(folder: Path, gb: float, how: str) -> tuple[float, float]:
+    """(seconds to write, seconds in all with fsync) of ``gb`` in 8 fp32 tensors through ``how``."""
+    tensors = {f"t{i}": torch.ones(int(gb * GB) // 4 // 8) for i in range(8)}
+    path = folder / ("state.pt" if how == "torch.save" else "state.safetensors")
+    started = time.perf_counter()
+    if how == "torch.save":
+        torch.save(tensors, path)
+    else:
+        save_file(tensors, str(path))
+    written = time.perf_counter() - started
+    _fsync(path)
+    return written, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="/tmp", help="a folder on the disk to measure (a scratch folder is made in it)")
+    parser.add_argument("--gb", type=float, default=8.0, help="gigabytes of each raw measurement (half for the serializers)")
+    parser.add_argument("--threads", default="1,2,4,8", help="comma list of raw writer counts")
+    args = parser.parse_args(argv)
+    folder = Path(args.dir) / f"df-bench-disk-{os.getpid()}"
+    rows = []
+    try:
+        for threads in [int(t) for t in args.threads.split(",")]:
+            folder.mkdir(parents=True)
+            seconds = raw(folder, args.gb, threads)
+            rows.append({"writer": f"raw, {threads} thread{'s' * (threads > 1)}", "gb": args.gb, "s": seconds,
+                         "gb_per_s": args.gb / seconds})
+            shutil.rmtree(folder)
+        for how in ("torch.save", "safetensors"):
+            folder.mkdir(parents=True)
+            written, seconds = serialized(folder, args.gb / 2, how)
+            rows.append({"writer": how, "gb": args.gb / 2, "s": seconds, "written_s": written, "gb_per_s": args.gb / 2 / seconds})
+            shutil.rmtree(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"{'writer':<18}{'GB':>6}{'s (fsync incl.)':>17}{'GB/s':>7}")
+    for row in rows:
+        print(f"{row['writer']:<18}{row['gb']:>6.1f}{row['s']:>17.2f}{row['gb_per_s']:>7.2f}")
+    print(json.dumps({"bench": "disk", "dir": args.dir, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
