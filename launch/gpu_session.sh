@@ -56,8 +56,10 @@ for step in $steps; do
           run pipeline_stalls 560 $PY -m launch.bench_pipeline --runs coupled-2-stalls,shared-2-stalls --seconds 20 --warm-steps 5 --timeout 150 --cycles 1 --stall-every 40 --json "$OUT/pipeline_stalls.json" ;;
     evals)  # issue 18: one H200 under MPS, a checkpoint and a 16-prompt evaluation every 40 steps, decoupled against coupled
           run pipeline_evals 540 $PY -m launch.bench_pipeline --runs coupled-1-evals,shared-1-evals --warm-steps 5 --timeout 240 --cycles 2 --set launch.mps=true --json "$OUT/pipeline_evals.json" ;;
-    checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall, synchronous against background
-          run checkpoint 320 $PY -m launch.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp ;;
+    checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall (synchronous against background) and write (files side by side
+                 # against one at a time), and what the disk under /tmp takes
+          run disk 120 $PY -m launch.bench_disk --dir /tmp
+          run checkpoint 400 $PY -m launch.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp ;;
     checkpoint_fsdp)  # issue 6: the same draft's checkpoint stall under a 2-rank FSDP trainer (NCCL gather into reused pinned buffers)
           for mode in synchronous background; do
             run checkpoint_fsdp_$mode 320 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench_checkpoint --parallelism fsdp --modes $mode --device auto --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp
