@@ -419,6 +419,10 @@ class Target:
         # compiling through them is unverified, so a sharded target compiles only when asked to; nor does a
         # mixture-of-experts target (``has_experts``).
         self.compiled = compiles_by_default(model, self.device, host_loop, sharded) if compile is None else compile
+        if self.compiled and has_experts(model):
+            log.warning("target.compile = true with a mixture-of-experts target: compiling its decoder layer did not "
+                        "finish in minutes on an H200 (torch 2.11, transformers 5.24); leave target.compile unset if the "
+                        "first batch does not come")
         layers = list(self.base.layers[: self.num_layers_run])
         # One compiled graph serves every layer (their parameters are graph inputs); dynamic token counts.
         self._run_layer = [torch.compile(layer, dynamic=True) for layer in layers] if self.compiled else layers
