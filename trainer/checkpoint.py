@@ -290,9 +290,8 @@ class CheckpointWriter:
                 for done in [pool.submit(_write_then_sync, write, path) for write, path in jobs]:
                     done.result()
             torch.save(tree, state_dir / TREE_FILE)
-            atomic_write_json(tmp / "trainer_state.json", {**snapshot.meta, "saved": time.time()})
             _fsync_files(state_dir / TREE_FILE)
-            _fsync_files(tmp / "trainer_state.json")
+            atomic_write_json(tmp / "trainer_state.json", {**snapshot.meta, "saved": time.time()})  # fsyncs it
             faults.point("trainer.checkpoint")
             # A folder of the same step (saved again after a resume) is swapped, never missing.
             replace_dir(tmp, self.root / name)
