@@ -124,7 +124,7 @@ def test_the_train_state_is_written_in_shards_side_by_side_and_read_back_exactly
     try:
         optimizer_step(trainer, seed=2)
         trainer.step = 7
-        expected = trainer.state_dict({k: v for k, v in trainer.optimizer.state_dict().items()})
+        expected = trainer.state_dict(trainer.optimizer.state_dict())
         # The weights and every shard are written at the same time: one after another, the barrier would break.
         all_files_at_once = threading.Barrier(checkpoint_module.MAX_SHARDS + 1, timeout=30)
         original = checkpoint_module._write_then_sync
