@@ -33,6 +33,9 @@ Runs (placement as producers -> trainer ranks):
                  trainer; the coupled baseline evaluates in its loop on its own target. Besides the whole
                  cycles' rate: the trainer's own step rate (steps per second it did not wait for data) in
                  its metrics windows during the evaluations and between them
+  coupled-1-pauses  coupled-1 with a checkpoint and a --pause-s stand-in for the evaluation every
+                 --eval-every steps: the coupled baseline as issue 18 measured it when it set its goal
+                 (before this project's evaluator took 16 prompts from 9 s to about 2 s)
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ PLACEMENTS = {  # name: (producer devices, trainer devices, coupled)
     "coupled-2-stalls": ([], ["cuda:0", "cuda:1"], True),
     "shared-1-evals": (["cuda:0"], ["cuda:0"], False),
     "coupled-1-evals": ([], ["cuda:0"], True),
+    "coupled-1-pauses": ([], ["cuda:0"], True),
 }
 TINY_PLACEMENTS = {name: (["cpu"] * len(p), ["cpu"] * min(1, len(t)), c) for name, (p, t, c) in PLACEMENTS.items()}
 
@@ -104,6 +108,9 @@ def run_overrides(name: str, args: argparse.Namespace) -> list[str]:
                    f"eval.num_prompts={args.eval_prompts}", f"logging.log_every={EVAL_LOG_EVERY}"]
         return cadence + ([] if name.startswith("coupled") else [f"ring.num_slots={args.eval_slots}",
                                                                    f"eval.producer_share={args.producer_share}"])
+    if name.endswith("-pauses"):
+        return [f"training.checkpoint_every={args.eval_every}", f"training.stall_every_steps={args.eval_every}",
+                f"training.stall_s={args.pause_s}", f"logging.log_every={EVAL_LOG_EVERY}"]
     return []
 
 
@@ -225,7 +232,7 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
 
         wait_for(warm, args.timeout, f"{name}: {args.warm_steps} warm steps")
         result["first_step_after_s"] = ledger_rows(run)[0]["time"] - started
-        if name == "stall" or name.endswith("-stalls") or name.endswith("-evals"):
+        if name == "stall" or name.endswith(("-stalls", "-evals", "-pauses")):
             result.update(measure_stalls(name, args, run, sampler))
         else:
             t0 = time.time()
@@ -296,7 +303,7 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
     def checkpoint_step() -> int:
         return (read_json(run.checkpoints / "latest.json") or {}).get("step", 0)
 
-    cycle = args.eval_every if name.endswith("-evals") else args.stall_every  # steps between checkpoints
+    cycle = args.eval_every if name.endswith(("-evals", "-pauses")) else args.stall_every  # steps between checkpoints
     first = wait_for(checkpoint_step, args.timeout, "the first checkpoint")
     if args.skip_cycles:  # e.g. past the first evaluation, which also makes the evaluator's reference
         skipped = first + args.skip_cycles * cycle
@@ -523,11 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-anchors", type=int, default=64, help="stall run: anchors (a lighter step)")
     parser.add_argument("--stall-slots", type=int, default=480, help="stall runs: ring slots (room for the pause)")
     parser.add_argument("--stall-every", type=int, default=60, help="*-stalls: checkpoint and pause every N steps")
-    parser.add_argument("--pause-s", type=float, default=10.0, help="*-stalls: the evaluation stand-in")
+    parser.add_argument("--pause-s", type=float, default=10.0, help="*-stalls, *-pauses: the evaluation stand-in")
     parser.add_argument("--cycles", type=int, default=2, help="*-stalls: checkpoint cycles measured")
     parser.add_argument("--skip-cycles", type=int, default=0,
-                        help="*-stalls, *-evals: whole cycles after the first checkpoint left out of the window")
-    parser.add_argument("--eval-every", type=int, default=40, help="*-evals: checkpoint and evaluate every N steps")
+                        help="*-stalls, *-evals, *-pauses: whole cycles after the first checkpoint left out of the window")
+    parser.add_argument("--eval-every", type=int, default=40,
+                        help="*-evals, *-pauses: checkpoint and evaluate (or pause) every N steps")
     parser.add_argument("--eval-prompts", type=int, default=16, help="*-evals: prompts per evaluation")
     parser.add_argument("--eval-slots", type=int, default=128,
                         help="*-evals: ring slots of the decoupled run (its backlog feeds the trainer while producer 0 evaluates)")
