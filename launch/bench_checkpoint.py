@@ -69,17 +69,17 @@ def run_directory(parent: str | None, async_checkpoint: bool) -> Iterator[Path]:
             shutil.rmtree(path, ignore_errors=True)
 
 
-MODES = ("synchronous", "background", "one-file-at-a-time")
-"""one-file-at-a-time: in the background, the checkpoint's files written one after another (the baseline of
-writing them side by side)."""
+MODES = ("synchronous", "background", "one-thread")
+"""one-thread: in the background, the checkpoint's bytes written by one thread (the baseline of the several
+threads of trainer/tensor_files.py)."""
 
 
 def measure(args: argparse.Namespace, mode: str) -> dict:
     async_checkpoint = mode != "synchronous"
     with run_directory(args.dir, async_checkpoint) as tmp:
         trainer = build_trainer(RunDir(tmp / "run"), args, async_checkpoint)
-        if mode == "one-file-at-a-time":
-            trainer.checkpoints.files_at_once = 1
+        if mode == "one-thread":
+            trainer.checkpoints.write_threads = 1
         params = [p for p in trainer.drafter.parameters() if p.requires_grad]
         stalls, writes = [], []
         try:
@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {}
     if {"synchronous", "background"} <= set(by_mode):
         ratios["stall_background_over_synchronous"] = by_mode["background"]["stall_s"] / by_mode["synchronous"]["stall_s"]
-    if {"background", "one-file-at-a-time"} <= set(by_mode):
-        ratios["write_side_by_side_over_one_at_a_time"] = by_mode["background"]["write_s"] / by_mode["one-file-at-a-time"]["write_s"]
+    if {"background", "one-thread"} <= set(by_mode):
+        ratios["write_threads_over_one_thread"] = by_mode["background"]["write_s"] / by_mode["one-thread"]["write_s"]
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.3f}")
     print(json.dumps({"bench": "checkpoint", "device": args.device, "parallelism": args.parallelism,

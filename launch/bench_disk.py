@@ -10,7 +10,10 @@ latest.json names it):
 
   raw, N threads   --gb from page-locked host memory in 256 MB writes, split over N files written at once
   torch.save       --gb/2 in 8 tensors, one file (what the train state was written with before 162a542)
-  safetensors      --gb/2 in 8 tensors, one file (what a checkpoint's files are written with now)
+  safetensors      --gb/2 in 8 tensors, one file (the library's save_file, one file per thread until 162a542's
+                   successor)
+  tensor files     --gb/2 in 8 tensors, one file written by byte ranges from WRITE_THREADS threads
+                   (trainer/tensor_files.py, what a checkpoint is written with now)
 
 Prints a table, then one JSON line. The files are removed after each measurement.
 """
@@ -27,6 +30,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from trainer.tensor_files import TensorFile, write_tensor_files
 
 GB = 1 << 30
 CHUNK = 256 << 20
@@ -65,8 +70,10 @@ def serialized(folder: Path, gb: float, how: str) -> tuple[float, float]:
     started = time.perf_counter()
     if how == "torch.save":
         torch.save(tensors, path)
-    else:
+    elif how == "safetensors":
         save_file(tensors, str(path))
+    else:
+        write_tensor_files([TensorFile(path, tensors)])  # fsynced by its threads
     written = time.perf_counter() - started
     _fsync(path)
     return written, time.perf_counter() - started
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"writer": f"raw, {threads} thread{'s' * (threads > 1)}", "gb": args.gb, "s": seconds,
                          "gb_per_s": args.gb / seconds})
             shutil.rmtree(folder)
-        for how in ("torch.save", "safetensors"):
+        for how in ("torch.save", "safetensors", "tensor files"):
             folder.mkdir(parents=True)
             written, seconds = serialized(folder, args.gb / 2, how)
             rows.append({"writer": how, "gb": args.gb / 2, "s": seconds, "written_s": written, "gb_per_s": args.gb / 2 / seconds})

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from common.config import load_config, save_config
 from common.rundir import RunDir, read_json
 from producer.server import load_target
 from trainer import checkpoint as checkpoint_module
+from trainer import tensor_files
 from trainer.checkpoint import HostStaging, read_train_state
 from common.drafter.export import WEIGHTS_FILE
 from trainer.train import Trainer
@@ -114,29 +115,31 @@ def assert_same_tree(got, expected, where="train_state"):
         assert got == expected, where
 
 
-def test_the_train_state_is_written_in_shards_side_by_side_and_read_back_exactly(short_tmp, monkeypatch):
-    """Large tensors of the train state go to safetensors shards, each written (and flushed) by a thread of its
-    own beside the drafter's weights; the rest stays in tree.pt. Read back, it is the state saved, bit for bit,
-    and a checkpoint of the earlier layout (one train_state.pt) still loads."""
+def test_the_train_state_is_written_beside_the_weights_and_read_back_exactly(short_tmp, monkeypatch):
+    """Large tensors of the train state go to tensors.safetensors, written by the same threads as the drafter's
+    weights (runs that cross from one file into the other); the rest stays in tree.pt. Read back, it is the state
+    saved, bit for bit, and checkpoints of the earlier layouts (one train_state.pt; tensors-K.safetensors shards)
+    still load."""
     monkeypatch.setattr(checkpoint_module, "INLINE_BYTES", 4096)
-    monkeypatch.setattr(checkpoint_module, "SHARD_BYTES", 64 << 10)
+    monkeypatch.setattr(tensor_files, "PIECE_BYTES", 16 << 10)
     trainer = make_trainer(short_tmp / "run", "training.async_checkpoint=false")
     try:
         optimizer_step(trainer, seed=2)
         trainer.step = 7
         expected = trainer.state_dict(trainer.optimizer.state_dict())
-        # The weights and every shard are written at the same time: one after another, the barrier would break.
-        all_files_at_once = threading.Barrier(checkpoint_module.MAX_SHARDS + 1, timeout=30)
-        original = checkpoint_module._write_then_sync
-        monkeypatch.setattr(checkpoint_module, "_write_then_sync",
-                            lambda write, path: (all_files_at_once.wait(), original(write, path)))
+        weights = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+        written: list[list[int]] = []
+        original = tensor_files._write_run
+        monkeypatch.setattr(tensor_files, "_write_run",
+                            lambda fds, run: (written.append(sorted({p.file for p in run})), original(fds, run)))
         trainer.save_checkpoint()
+        assert len(written) == tensor_files.WRITE_THREADS and [0, 1] in written, "runs of both files, one crossing"
         folder = trainer.run_dir.latest_checkpoint()
-        shards = sorted(p.name for p in (folder / "train_state").glob("tensors-*.safetensors"))
-        assert len(shards) == checkpoint_module.MAX_SHARDS, shards
-        assert not (folder / "train_state.pt").exists()
+        assert sorted(p.name for p in (folder / "train_state").iterdir()) == ["tensors.safetensors", "tree.pt"]
         state = read_train_state(folder)
         assert_same_tree(state, expected)
+        assert_same_tree(dict(sorted(load_file(str(folder / "drafter" / WEIGHTS_FILE)).items())), dict(sorted(weights.items())),
+                         "weights")
         inline = torch.load(folder / "train_state" / "tree.pt", weights_only=True)
         assert isinstance(inline["optimizer"]["state"][0]["step"], torch.Tensor), "small tensors stay in the tree"
 
@@ -144,6 +147,14 @@ def test_the_train_state_is_written_in_shards_side_by_side_and_read_back_exactly
         legacy.mkdir()
         torch.save(expected, legacy / "train_state.pt")
         assert_same_tree(read_train_state(legacy), expected)
+        sharded = folder.parent / "step-00000002" / "train_state"
+        sharded.mkdir(parents=True)
+        tensors = load_file(str(folder / "train_state" / "tensors.safetensors"))
+        names = sorted(tensors)
+        for index in range(2):
+            save_file({k: tensors[k] for k in names[index::2]}, str(sharded / f"tensors-{index}.safetensors"))
+        torch.save(inline, sharded / "tree.pt")
+        assert_same_tree(read_train_state(sharded.parent), expected)
     finally:
         trainer.close()
 

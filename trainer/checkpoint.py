@@ -1,19 +1,19 @@
 """Trainer checkpoints: a host snapshot taken between two steps, written to disk while training goes on.
 
 A checkpoint is the folder ``checkpoints/step-N``: ``drafter/`` (z-lab format, fp32), ``train_state/``
-(optimizer, schedule, RNGs: the tree in ``tree.pt``, its large tensors in ``tensors-K.safetensors``) and
+(optimizer, schedule, RNGs: the tree in ``tree.pt``, its large tensors in ``tensors.safetensors``) and
 ``trainer_state.json`` (step, committed batches). Written (and pruned to ``keep_last``) by
 ``CheckpointWriter``, read back by ``load_checkpoint``. It is written under a temporary name, fsynced,
 renamed whole, and only then named by ``latest.json``, so a kill at any point leaves the previous
 checkpoint as the latest and nothing half-written that a restart would read. (Checkpoints written before
-``train_state/`` hold one ``train_state.pt``; ``read_train_state`` reads both.)
+``train_state/`` hold one ``train_state.pt``, and for a while the tensors were in ``tensors-K.safetensors``
+shards; ``read_train_state`` reads all of them.)
 
-The files are written side by side, each thread fsyncing its own file as soon as it is written: on an H200
-host whose disk took 0.9-1.1 GB/s from one writer and 1.55 from four, the Qwen3-8B draft's 12.6 GB (fp32
-weights and AdamW state) took 11.9 s so, against 13.6 s one file after another (BENCHMARKS.md). That is still
-seconds the GPUs would idle through. Instead the trainer copies the state to host memory (page-locked
-buffers, reused, so the copy runs at PCIe speed) and a background thread writes it. A snapshot is
-taken after an optimizer step and before the next one, so weights, optimizer state and committed
+The weights and the train state's tensors are written by several threads at once, each a contiguous run of
+the bytes of both files (trainer/tensor_files.py). The Qwen3-8B draft's 12.6 GB (fp32 weights and AdamW
+state) take seconds even so, seconds the GPUs would idle through. Instead the trainer copies the state to host
+memory (page-locked buffers, reused, so the copy runs at PCIe speed) and a background thread writes it. A
+snapshot is taken after an optimizer step and before the next one, so weights, optimizer state and committed
 batches agree, and the exactly-once bookkeeping is the same as for a synchronous save. One write is in
 flight at a time: the next checkpoint first waits for the one before, which also frees its buffers. The
 one exception is restart-trainer during a write: the state handed over (trainer/handover.py) is later than
@@ -23,38 +23,33 @@ there; latest.json never goes back to an earlier step (``RunDir.advance_latest``
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from common import evals, faults
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json, replace_dir
-from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, export_zlab
+from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_METADATA, export_zlab, write_config, zlab_config
 from common.drafter.model import DFlashDrafter
 from trainer.sharding import is_sharded
+from trainer.tensor_files import WRITE_THREADS, TensorFile, write_tensor_files
 
 log = logging.getLogger(__name__)
 TRAIN_STATE_DIR = "train_state"
 TREE_FILE = "tree.pt"
 LEGACY_TRAIN_STATE_FILE = "train_state.pt"
+TENSORS_FILE = "tensors.safetensors"
 INLINE_BYTES = 1 << 20
-"""Tensors of the train state smaller than this stay in tree.pt (steps, RNG states); larger ones go to the shards."""
-SHARD_BYTES = 1 << 30
-"""About this much of the train state per shard file; each shard is written by a thread of its own."""
-MAX_SHARDS = 4
-"""At most this many shards: with the drafter's weights beside them, five streams (the H200 host's disk gained
-little past four)."""
+"""Tensors of the train state smaller than this stay in tree.pt (steps, RNG states); larger ones go to TENSORS_FILE."""
 _TENSOR_REF = "__safetensors__"
 
 
@@ -136,7 +131,7 @@ def read_train_state(path: Path) -> dict[str, Any]:
         return torch.load(legacy, map_location="cpu", weights_only=True)
     folder = path / TRAIN_STATE_DIR
     tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(folder.glob("tensors-*.safetensors")):
+    for shard in sorted(folder.glob("tensors*.safetensors")):  # tensors-K.safetensors: shards of 162a542
         tensors.update(load_file(str(shard)))
     return _join_tensors(torch.load(folder / TREE_FILE, map_location="cpu", weights_only=True), tensors)
 
@@ -164,30 +159,9 @@ def _join_tensors(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
-def _shards(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """``tensors`` in up to MAX_SHARDS groups of about equal bytes (largest first into the lightest group)."""
-    size = {k: t.numel() * t.element_size() for k, t in tensors.items()}
-    count = max(1, min(MAX_SHARDS, -(-sum(size.values()) // SHARD_BYTES)))
-    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
-    loads = [0] * count
-    for key in sorted(tensors, key=lambda k: (-size[k], k)):
-        lightest = loads.index(min(loads))
-        groups[lightest][key] = tensors[key]
-        loads[lightest] += size[key]
-    return [group for group in groups if group]
-
-
-def _fsync_files(path: Path) -> None:
-    """fsync ``path`` (a file) or every file under it."""
-    for f in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-
-
-def _write_then_sync(write, path: Path) -> None:
-    """Run ``write`` (which writes ``path``), then flush ``path``: its flush overlaps the other files' writes."""
-    write()
-    _fsync_files(path)
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
 
 
 @dataclass
@@ -221,9 +195,8 @@ class CheckpointWriter:
     def __init__(self, run_dir: RunDir, keep_last: int, staging: HostStaging | None = None) -> None:
         self.run_dir, self.root, self.keep_last = run_dir, run_dir.checkpoints, keep_last
         self.staging = staging or HostStaging()
-        self.files_at_once: int | None = None
-        """How many of a checkpoint's files are written at the same time; None: all of them (launch.bench_checkpoint
-        sets 1 for its baseline)."""
+        self.write_threads = WRITE_THREADS
+        """Threads writing a checkpoint's tensors (launch.bench_checkpoint sets 1 for its baseline)."""
         self.last: CheckpointRecord | None = None
         self._thread: threading.Thread | None = None
         self._writing_name: str | None = None
@@ -277,20 +250,17 @@ class CheckpointWriter:
         tmp = self.root / f".{name}.{os.getpid()}.tmp"
         try:
             shutil.rmtree(tmp, ignore_errors=True)
-            state_dir = tmp / TRAIN_STATE_DIR
-            state_dir.mkdir(parents=True)
+            drafter_dir, state_dir = tmp / "drafter", tmp / TRAIN_STATE_DIR
+            drafter_dir.mkdir(parents=True)
+            state_dir.mkdir()
             tensors: dict[str, torch.Tensor] = {}
             tree = _split_tensors(snapshot.train_state, "", tensors)
-            jobs = [(functools.partial(export_zlab, snapshot.drafter, tmp / "drafter", dtype=None, weights=snapshot.weights),
-                     tmp / "drafter")]
-            for index, shard in enumerate(_shards(tensors)):
-                path = state_dir / f"tensors-{index}.safetensors"
-                jobs.append((functools.partial(save_file, shard, str(path)), path))
-            with ThreadPoolExecutor(self.files_at_once or len(jobs), thread_name_prefix=f"checkpoint-{name}-file") as pool:
-                for done in [pool.submit(_write_then_sync, write, path) for write, path in jobs]:
-                    done.result()
+            write_tensor_files([TensorFile(drafter_dir / WEIGHTS_FILE, snapshot.weights, WEIGHTS_METADATA),
+                                TensorFile(state_dir / TENSORS_FILE, tensors)], self.write_threads)
+            write_config(zlab_config(snapshot.drafter.config, snapshot.drafter.fc.weight.dtype), drafter_dir)
             torch.save(tree, state_dir / TREE_FILE)
-            _fsync_files(state_dir / TREE_FILE)
+            for small in (drafter_dir / CONFIG_FILE, state_dir / TREE_FILE):
+                _fsync(small)
             atomic_write_json(tmp / "trainer_state.json", {**snapshot.meta, "saved": time.time()})  # fsyncs it
             faults.point("trainer.checkpoint")
             # A folder of the same step (saved again after a resume) is swapped, never missing.

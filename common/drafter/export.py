@@ -41,6 +41,7 @@ from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead
 
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_METADATA = {"format": "pt"}
 CONFIG_FILE = "config.json"
 CAUSALITY_KEY = "in_block_causality"
 """Our own statement of the in-block causality, in both formats (servers read their own fields)."""
@@ -174,11 +175,16 @@ def write_export(config_json: dict[str, Any], weights: dict[str, torch.Tensor], 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in weights.items()}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / CONFIG_FILE).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata=WEIGHTS_METADATA)
+    write_config(config_json, out)
     # safetensors writes 0600 whatever the umask: a server running as another user could not read the export.
     os.chmod(out / WEIGHTS_FILE, (out / CONFIG_FILE).stat().st_mode & 0o777)
     return out
+
+
+def write_config(config_json: dict[str, Any], out_dir: Path) -> None:
+    """An export's config.json."""
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
 
 
 def export_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16,
