@@ -10,8 +10,8 @@ latest.json names it):
 
   raw, N threads   --gb from page-locked host memory in 256 MB writes, split over N files written at once
   torch.save       --gb/2 in 8 tensors, one file (what the train state was written with before 162a542)
-  safetensors      --gb/2 in 8 tensors, one file (the library's save_file, one file per thread until 162a542's
-                   successor)
+  safetensors      --gb/2 in 8 tensors, one file (the library's save_file: how each file of a checkpoint was
+                   written, a thread per file, from 162a542 to 8a792b0)
   tensor files     --gb/2 in 8 tensors, one file written by byte ranges from WRITE_THREADS threads
                    (trainer/tensor_files.py, what a checkpoint is written with now)
 

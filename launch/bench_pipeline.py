@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-slots", type=int, default=480, help="stall runs: ring slots (room for the pause)")
     parser.add_argument("--stall-every", type=int, default=60, help="*-stalls: checkpoint and pause every N steps")
     parser.add_argument("--pause-s", type=float, default=10.0, help="*-stalls, *-pauses: the evaluation stand-in")
-    parser.add_argument("--cycles", type=int, default=2, help="*-stalls: checkpoint cycles measured")
+    parser.add_argument("--cycles", type=int, default=2, help="*-stalls, *-evals, *-pauses: checkpoint cycles measured")
     parser.add_argument("--skip-cycles", type=int, default=0,
                         help="*-stalls, *-evals, *-pauses: whole cycles after the first checkpoint left out of the window")
     parser.add_argument("--eval-every", type=int, default=40,

@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the project in one go, for one device-tool call (the device
 # machine keeps nothing between calls). Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|evals|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp ...]   (default: all but pipeline and scaling)
+#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp ...]   (default: all but pipeline and scaling)
 # The pipeline benchmark takes longer than one device call (10 min): start it in the background with
 # setsid (it writes its JSON after every run) and collect the results in a later call.
 # The device image lacks some packages: install them from wheels carried in .whl first, e.g.
@@ -56,8 +56,10 @@ for step in $steps; do
           run pipeline_stalls 560 $PY -m launch.bench_pipeline --runs coupled-2-stalls,shared-2-stalls --seconds 20 --warm-steps 5 --timeout 150 --cycles 1 --stall-every 40 --json "$OUT/pipeline_stalls.json" ;;
     evals)  # issue 18: one H200 under MPS, a checkpoint and a 16-prompt evaluation every 40 steps, decoupled against coupled
           run pipeline_evals 540 $PY -m launch.bench_pipeline --runs coupled-1-evals,shared-1-evals --warm-steps 5 --timeout 240 --cycles 2 --set launch.mps=true --json "$OUT/pipeline_evals.json" ;;
-    checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall (synchronous against background) and write (files side by side
-                 # against one at a time), and what the disk under /tmp takes
+    pauses)  # issue 18: the same decoupled run against the coupled baseline the issue measured, a 10 s pause for each evaluation
+          run pipeline_pauses 580 $PY -m launch.bench_pipeline --runs coupled-1-pauses,shared-1-evals --warm-steps 5 --timeout 200 --cycles 3 --skip-cycles 1 --set launch.mps=true --json "$OUT/pipeline_pauses.json" ;;
+    checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall (synchronous against background) and write (eight threads
+                 # against one), and what the disk under /tmp takes
           run disk 120 $PY -m launch.bench_disk --dir /tmp
           run checkpoint 400 $PY -m launch.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp ;;
     checkpoint_fsdp)  # issue 6: the same draft's checkpoint stall under a 2-rank FSDP trainer (NCCL gather into reused pinned buffers)
