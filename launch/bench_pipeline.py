@@ -444,6 +444,13 @@ def parse_stage_rates(text: str, parser: argparse.ArgumentParser) -> dict:
     return stages
 
 
+def decoupled_over_coupled(results: list[dict]) -> dict[str, float]:
+    """Samples/s of each decoupled run over each coupled run of the same invocation (side by side, one machine)."""
+    return {f"{d['run']} / {c['run']}": d["samples_per_s"] / c["samples_per_s"]
+            for d in results if d.get("coupled") is False and d.get("samples_per_s")  # the stages alone have no "coupled"
+            for c in results if c.get("coupled") is True and c.get("samples_per_s")}
+
+
 def print_table(results: list[dict], stages: dict) -> None:
     header = (f"{'run':<18}{'producers':>14}{'trainer':>18}{'samples/s':>11}{'net':>8}{'ideal':>8}{'of ideal':>10}"
               f"{'producer/s':>12}")
@@ -579,8 +586,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:  # after every run: a run cut short keeps what it measured
             args.json.write_text(json.dumps({"bench": "pipeline", "tiny": args.tiny, "runs": results}))
     print()
-    print_table([r for r in results if "error" not in r], stages)
-    record = {"bench": "pipeline", "tiny": args.tiny, "length": args.length, "anchors": args.anchors, "runs": results}
+    measured = [r for r in results if "error" not in r]
+    print_table(measured, stages)
+    ratios = decoupled_over_coupled(measured)
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f}x in samples trained")
+    record = {"bench": "pipeline", "tiny": args.tiny, "length": args.length, "anchors": args.anchors, "runs": results,
+              "decoupled_over_coupled": ratios}
     if args.json:
         args.json.write_text(json.dumps(record))
     print(json.dumps({**record, "runs": [{k: v for k, v in r.items() if k not in ("timeline", "ledger")} for r in results]}))
