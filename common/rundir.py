@@ -100,6 +100,12 @@ def atomic_write_json(path: Path, data: dict) -> None:
             raise
 
 
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s data to disk (a checkpoint's files are flushed before latest.json names it)."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def read_json(path: Path) -> dict | None:
     """The JSON object in ``path``, or None when it is missing, unreadable or not an object."""
     try:

@@ -1,5 +1,5 @@
 """Benchmark: how long training stands still for a checkpoint, written synchronously or in the background,
-and how long the write takes with the checkpoint's files written side by side or one after another.
+and how long the write takes from eight threads (trainer/tensor_files.py) or from one.
 
     python -m launch.bench_checkpoint                      # a 1024-wide draft on the CPU
     python -m launch.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936

@@ -31,15 +31,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common.rundir import fsync_file
 from trainer.tensor_files import TensorFile, write_tensor_files
 
 GB = 1 << 30
 CHUNK = 256 << 20
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def raw(folder: Path, gb: float, threads: int) -> float:
@@ -75,7 +71,7 @@ def serialized(folder: Path, gb: float, how: str) -> tuple[float, float]:
     else:
         write_tensor_files([TensorFile(path, tensors)])  # fsynced by its threads
     written = time.perf_counter() - started
-    _fsync(path)
+    fsync_file(path)
     return written, time.perf_counter() - started
 
 

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from common import evals, faults
-from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json, replace_dir
+from common.rundir import CheckpointError, RunDir, atomic_write_json, fsync_file, read_json, replace_dir
 from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_METADATA, export_zlab, write_config, zlab_config
 from common.drafter.model import DFlashDrafter
 from trainer.sharding import is_sharded
@@ -159,11 +159,6 @@ def _join_tensors(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
 @dataclass
 class Snapshot:
     """Everything one checkpoint folder holds, already on the host."""
@@ -260,7 +255,7 @@ class CheckpointWriter:
             write_config(zlab_config(snapshot.drafter.config, snapshot.drafter.fc.weight.dtype), drafter_dir)
             torch.save(tree, state_dir / TREE_FILE)
             for small in (drafter_dir / CONFIG_FILE, state_dir / TREE_FILE):
-                _fsync(small)
+                fsync_file(small)
             atomic_write_json(tmp / "trainer_state.json", {**snapshot.meta, "saved": time.time()})  # fsyncs it
             faults.point("trainer.checkpoint")
             # A folder of the same step (saved again after a resume) is swapped, never missing.
