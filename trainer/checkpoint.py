@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file
@@ -76,30 +76,37 @@ class HostStaging:
         a tree of the same structure. Ranks that do not keep the result pass ``keep=False`` (and get None).
         """
         devices: set[torch.device] = set()
-        copied = self._copy(tree, prefix, devices, keep)
+        copied = map_tensors(tree, lambda key, value: self._copy_tensor(key, value, devices, keep), prefix)
         for device in devices:
             torch.cuda.synchronize(device)
         return copied if keep else None
 
-    def _copy(self, value: Any, key: str, devices: set[torch.device], keep: bool) -> Any:
+    def _copy_tensor(self, key: str, value: torch.Tensor, devices: set[torch.device], keep: bool) -> torch.Tensor | None:
         if is_sharded(value):
             value = value.full_tensor()  # an all-gather: every rank walks the tree in the same order
-        if isinstance(value, torch.Tensor):
-            if not keep:
-                return None
-            on_gpu = value.device.type == "cuda"
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                buffer = self._buffers[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=on_gpu)
-            buffer.copy_(value.detach(), non_blocking=on_gpu)
-            if on_gpu:
-                devices.add(value.device)
-            return buffer
-        if isinstance(value, dict):
-            return {k: self._copy(v, f"{key}/{k}", devices, keep) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._copy(v, f"{key}/{i}", devices, keep) for i, v in enumerate(value))
-        return value  # numbers, strings, None: immutable
+        if not keep:
+            return None
+        on_gpu = value.device.type == "cuda"
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = self._buffers[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=on_gpu)
+        buffer.copy_(value.detach(), non_blocking=on_gpu)
+        if on_gpu:
+            devices.add(value.device)
+        return buffer
+
+
+def map_tensors(tree: Any, fn: Callable[[str, torch.Tensor], Any], key: str = "") -> Any:
+    """``tree`` (nested dicts, lists and tuples) with each tensor replaced by ``fn(path, tensor)``, in the tree's
+    order. A path is ``key`` followed by ``/name`` or ``/index`` per level: the keys of HostStaging's buffers, of
+    a handover's segment layouts and of the checkpoint's tensor file. Anything else is kept (numbers, strings, None)."""
+    if isinstance(tree, torch.Tensor):
+        return fn(key, tree)
+    if isinstance(tree, dict):
+        return {k: map_tensors(v, fn, f"{key}/{k}") for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_tensors(v, fn, f"{key}/{i}") for i, v in enumerate(tree))
+    return tree
 
 
 @dataclass
@@ -136,16 +143,14 @@ def read_train_state(path: Path) -> dict[str, Any]:
     return _join_tensors(torch.load(folder / TREE_FILE, map_location="cpu", weights_only=True), tensors)
 
 
-def _split_tensors(value: Any, key: str, out: dict[str, torch.Tensor]) -> Any:
-    """``value`` with each tensor of INLINE_BYTES or more moved into ``out`` (under its path) and replaced by a reference."""
-    if isinstance(value, torch.Tensor) and value.numel() * value.element_size() >= INLINE_BYTES:
+def _split_tensors(tree: Any, out: dict[str, torch.Tensor]) -> Any:
+    """``tree`` with each tensor of INLINE_BYTES or more moved into ``out`` (under its path) and replaced by a reference."""
+    def split(key: str, value: torch.Tensor) -> Any:
+        if value.numel() * value.element_size() < INLINE_BYTES:
+            return value
         out[key] = value
         return {_TENSOR_REF: key}
-    if isinstance(value, dict):
-        return {k: _split_tensors(v, f"{key}/{k}", out) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_split_tensors(v, f"{key}/{i}", out) for i, v in enumerate(value))
-    return value
+    return map_tensors(tree, split)
 
 
 def _join_tensors(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -249,7 +254,7 @@ class CheckpointWriter:
             drafter_dir.mkdir(parents=True)
             state_dir.mkdir()
             tensors: dict[str, torch.Tensor] = {}
-            tree = _split_tensors(snapshot.train_state, "", tensors)
+            tree = _split_tensors(snapshot.train_state, tensors)
             write_tensor_files([TensorFile(drafter_dir / WEIGHTS_FILE, snapshot.weights, WEIGHTS_METADATA),
                                 TensorFile(state_dir / TENSORS_FILE, tensors)], self.write_threads)
             write_config(zlab_config(snapshot.drafter.config, snapshot.drafter.fc.weight.dtype), drafter_dir)

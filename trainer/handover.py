@@ -32,7 +32,7 @@ import torch
 from common import faults
 from common.codec import DTYPE_NAMES, DTYPES
 from common.naming import SHM_DIR, TRAINER_ROLE_PREFIX, segment_name
-from trainer.checkpoint import HostStaging, TrainerState
+from trainer.checkpoint import HostStaging, TrainerState, map_tensors
 
 log = logging.getLogger(__name__)
 ALIGN = 4096  # each tensor on its own page boundary
@@ -59,7 +59,7 @@ class SharedStaging(HostStaging):
 
     def copy(self, tree: Any, prefix: str = "", keep: bool = True) -> Any:
         tensors: list[tuple[str, torch.Tensor]] = []
-        _collect(tree, prefix, tensors)
+        map_tensors(tree, lambda key, value: tensors.append((key, value)), prefix)  # the keys HostStaging gives
         layout, offset = {}, 0
         for key, t in tensors:
             layout[key] = [offset, DTYPE_NAMES[t.dtype], list(t.shape)]
@@ -157,18 +157,6 @@ class SharedStaging(HostStaging):
                 where[self._buffers[key].data_ptr()] = {"segment": segment["path"], "offset": offset, "dtype": dtype,
                                                         "shape": shape}
         return _encode(tree, where)
-
-
-def _collect(value: Any, key: str, out: list[tuple[str, torch.Tensor]]) -> None:
-    """The tensors of a state tree with HostStaging's keys, in its walk order."""
-    if isinstance(value, torch.Tensor):
-        out.append((key, value))
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _collect(v, f"{key}/{k}", out)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _collect(v, f"{key}/{i}", out)
 
 
 def _tensor(mapped: mmap.mmap, offset: int, dtype: str, shape: list[int]) -> torch.Tensor:
