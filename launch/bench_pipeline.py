@@ -31,8 +31,8 @@ Runs (placement as producers -> trainer ranks):
                  --eval-prompts prompts every --eval-every steps: the decoupled trainer asks producer 0,
                  which decodes between two of its batches while its ring (--eval-slots deep) feeds the
                  trainer; the coupled baseline evaluates in its loop on its own target. Besides the whole
-                 cycles' rate: the trainer's own step rate (steps per second it did not wait for data) in
-                 its metrics windows during the evaluations and between them
+                 cycles' rate: the trainer's own step rate (steps per second it waited neither for
+                 data nor for a checkpoint) in its metrics windows during the evaluations and between them
   coupled-1-pauses  coupled-1 with a checkpoint and a --pause-s stand-in for the evaluation every
                  --eval-every steps: the coupled baseline as issue 18 measured it when it set its goal
                  (before this project's evaluator took 16 prompts from 9 s to about 2 s)
@@ -340,16 +340,22 @@ def evaluation_spans(run: RunDir) -> list[tuple[float, float]]:
 def evaluation_rates(run: RunDir, t0: float, t1: float) -> dict:
     """The trainer's own step rate in the metrics windows of [t0, t1] that lie mostly inside an evaluation and
     in those that touch none. Own rate: steps per second of the window less the time it waited for data (a
-    drained ring is the pipeline's rate, measured by samples_per_s; a slower step is a stall of the trainer)."""
+    drained ring is the pipeline's rate, measured by samples_per_s) and for its checkpoint (asked at the step
+    that asks for the evaluation, and paid alike by the coupled loop and between evaluations at other
+    cadences); what is left slower is the evaluation's weight on the trainer's steps."""
     spans = evaluation_spans(run)
-    during, between = [], []
+    during, between, windows = [], [], []
     for line in run.metrics.read_text().splitlines() if run.metrics.is_file() else []:
         w = json.loads(line)
         if "steps_per_s" not in w or not t0 <= w["time"] <= t1 or w["steps_per_s"] <= 0:
             continue
         start, end = w["time"] - EVAL_LOG_EVERY / w["steps_per_s"], w["time"]
         inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans) / (end - start)
-        own = w["steps_per_s"] / max(1e-9, 1.0 - w["starved_fraction"])
+        held = w["starved_fraction"] + w.get("checkpoint_fraction", 0.0)
+        own = w["steps_per_s"] / max(1e-9, 1.0 - held)
+        windows.append({"step": w["step"], "time": w["time"], "steps_per_s": w["steps_per_s"], "own_steps_per_s": own,
+                        "starved_fraction": w["starved_fraction"], "checkpoint_fraction": w.get("checkpoint_fraction"),
+                        "inside_evaluation": inside})
         if inside >= 0.5:
             during.append(own)
         elif inside == 0.0:
@@ -360,7 +366,8 @@ def evaluation_rates(run: RunDir, t0: float, t1: float) -> dict:
     return {"evaluations": len(inside_window), "evaluation_s": mean(inside_window),
             "evaluations_asked": sum(1 for r in asked if t0 <= r.get("requested", 0) <= t1) if asked else None,
             "own_steps_per_s_during_evals": mean(during), "own_steps_per_s_between_evals": mean(between),
-            "windows_during_evals": len(during), "windows_between_evals": len(between)}
+            "windows_during_evals": len(during), "windows_between_evals": len(between), "windows": windows,
+            "evaluation_spans": [span for span in spans if t0 <= span[0] <= t1]}
 
 
 def _is_ring(key: str) -> bool:
@@ -582,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("producer", "trainer"):
             stages[name] = result
         results.append(result)
-        print({k: v for k, v in result.items() if k not in ("timeline", "ledger")}, flush=True)
+        print({k: v for k, v in result.items() if k not in ("timeline", "ledger", "windows", "evaluation_spans")}, flush=True)
         if args.json:  # after every run: a run cut short keeps what it measured
             args.json.write_text(json.dumps({"bench": "pipeline", "tiny": args.tiny, "runs": results}))
     print()
@@ -595,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
               "decoupled_over_coupled": ratios}
     if args.json:
         args.json.write_text(json.dumps(record))
-    print(json.dumps({**record, "runs": [{k: v for k, v in r.items() if k not in ("timeline", "ledger")} for r in results]}))
+    print(json.dumps({**record, "runs": [{k: v for k, v in r.items() if k not in ("timeline", "ledger", "windows", "evaluation_spans")} for r in results]}))
     return 0
 
 

@@ -153,7 +153,7 @@ def run_dir(short_tmp) -> Path:
 
 
 def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
-    launcher = start(run_dir, "training.max_steps=60", WANDB)
+    launcher = start(run_dir, "training.max_steps=60", "training.checkpoint_every=20", WANDB)
     finish(launcher, run_dir)
     run = RunDir(run_dir)
     assert read_json(run.trainer_status)["state"] == "finished"
@@ -164,9 +164,15 @@ def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
     assert len(list(run.checkpoints.glob("step-*"))) == 2  # keep_last = 2 in tiny.toml
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     assert metrics[-1]["step"] == 60 and all(f"ring/{p}/free" in metrics[-1] for p in (0, 1))
+    # The checkpoints of steps 20 and 40 are taken after that step's metrics line: each stands in the window
+    # logged next. The last one, at 60, comes after the last window.
+    windows = [m for m in metrics if "steps_per_s" in m]
+    holding = {min(m["step"] for m in windows if m["step"] > c) for c in (20, 40)}
+    assert {m["step"] for m in windows if m["checkpoint_fraction"] > 0} == holding
+    assert all(m["checkpoint_fraction"] < 1 for m in windows)
     rows = history(run_dir)
     assert rows and all("ring/0/ready" in row and "ring/1/leased" in row for row in rows), "wandb holds the ring series"
-    assert {"train/loss", "train/tau", "producer/0/tokens_per_s", "train/starved_fraction"} <= set(rows[-1])
+    assert {"train/loss", "train/tau", "producer/0/tokens_per_s", "train/starved_fraction", "train/checkpoint_fraction"} <= set(rows[-1])
     lines = lineage(run)
     assert len(lines) == 60 and {p for line in lines for p, _, _ in line["samples"]} == {0, 1}
 

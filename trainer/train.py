@@ -354,13 +354,14 @@ class Trainer:
         self.commits = Commits.from_checkpoint(meta["committed"])
         self.wandb_id = meta.get("wandb_id")
 
-    def save_checkpoint(self, blocking: bool = False) -> None:
+    def save_checkpoint(self, blocking: bool = False) -> float:
         """Checkpoint checkpoints/step-N (trainer/checkpoint.py). Training stands still only while the
         state is copied to the host; the write runs in the background unless ``blocking`` or
         ``training.async_checkpoint`` is off. A write that fails raises CheckpointError (here, or at a
         later step) and leaves the previous checkpoint and latest.json untouched.
         Under FSDP every rank first helps gather the whole weights and optimizer state, tensor by
         tensor, into rank 0's host buffers, so the checkpoint is the same as an unsharded trainer's.
+        Returns the seconds training stood still for it (waiting for the previous write included).
         """
         started = time.perf_counter()
         if self.rank == 0:
@@ -383,6 +384,7 @@ class Trainer:
             self.write_status()
         if self.world_size > 1:
             dist.barrier()
+        return time.perf_counter() - started
 
     def _checkpoint_meta(self) -> dict:
         """trainer_state.json: the step and the batches it committed."""
@@ -532,7 +534,7 @@ class Trainer:
             if self.rank == 0:
                 self.checkpoints.raise_failure()  # a background write that failed stops the run now
             if self.step % self.cfg.training.checkpoint_every == 0 and self.step < self.max_steps:
-                self.save_checkpoint()
+                window.checkpoint_s += self.save_checkpoint()
             if self.cfg.training.stall_every_steps and self.step % self.cfg.training.stall_every_steps == 0:
                 self._stall()
         finished = self.step >= self.max_steps
@@ -729,6 +731,8 @@ class _Window:
         self.tokens = 0
         self.docs = 0
         self.starved = 0.0
+        self.checkpoint_s = 0.0
+        """Seconds the loop stood still for checkpoints (a slow disk shows here, not as a slower step)."""
         self.step_time = 0.0
         self.flops = 0.0
         self.sums: dict[str, torch.Tensor] = {}
@@ -756,6 +760,7 @@ class _Window:
             "step_time_s": self.step_time / self.steps,
             "steps_per_s": self.steps / wall,
             "starved_fraction": self.starved / wall,
+            "checkpoint_fraction": self.checkpoint_s / wall,
             "tflops": self.flops / wall / 1e12,
         })
         return out
