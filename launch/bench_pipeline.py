@@ -31,8 +31,8 @@ Runs (placement as producers -> trainer ranks):
                  --eval-prompts prompts every --eval-every steps: the decoupled trainer asks producer 0,
                  which decodes between two of its batches while its ring (--eval-slots deep) feeds the
                  trainer; the coupled baseline evaluates in its loop on its own target. Besides the whole
-                 cycles' rate: the trainer's own step rate (steps per second it waited neither for
-                 data nor for a checkpoint) in its metrics windows during the evaluations and between them
+                 cycles' rate: the trainer's own step rate during the evaluations and between them, step
+                 by step from the ledger (the steps that held a checkpoint or waited for data left out)
   coupled-1-pauses  coupled-1 with a checkpoint and a --pause-s stand-in for the evaluation every
                  --eval-every steps: the coupled baseline as issue 18 measured it when it set its goal
                  (before this project's evaluator took 16 prompts from 9 s to about 2 s)
@@ -317,7 +317,7 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
                 "producer_samples_per_s": published_rate(sampler.rows, t0, t1),
                 "net_samples_per_s": net_rate(rows, sampler.rows, t0, t1), **backlog_span(sampler.rows, t0, t1)}
     if name.endswith("-evals"):
-        measured.update(evaluation_rates(run, t0, t1))
+        measured.update(evaluation_rates(run, t0, t1, cycle))
     return measured
 
 
@@ -337,37 +337,42 @@ def evaluation_spans(run: RunDir) -> list[tuple[float, float]]:
     return spans
 
 
-def evaluation_rates(run: RunDir, t0: float, t1: float) -> dict:
-    """The trainer's own step rate in the metrics windows of [t0, t1] that lie mostly inside an evaluation and
-    in those that touch none. Own rate: steps per second of the window less the time it waited for data (a
-    drained ring is the pipeline's rate, measured by samples_per_s) and for its checkpoint (asked at the step
-    that asks for the evaluation, and paid alike by the coupled loop and between evaluations at other
-    cadences); what is left slower is the evaluation's weight on the trainer's steps."""
-    spans = evaluation_spans(run)
-    during, between, windows = [], [], []
+def evaluation_rates(run: RunDir, t0: float, t1: float, checkpoint_every: int) -> dict:
+    """The trainer's own step rate during the evaluations of [t0, t1] and between them, step by step: a step's
+    interval (from the ledger line of the step before to its own) counts as during where it lies mostly inside
+    an evaluation, as between where it touches none. Left out are the step after each checkpoint (it holds the
+    checkpoint's copy and any wait for the previous write, which the coupled loop pays alike) and the steps of
+    metrics windows that waited for data (a drained ring is the pipeline's rate, which samples_per_s measures).
+    Between includes the producer's refill of its ring after an evaluation. The metrics windows go into the
+    result as they are, for reading a run afterwards."""
+    spans = [span for span in evaluation_spans(run) if span[1] >= t0 and span[0] <= t1]
+    windows, starved_steps = [], set()
     for line in run.metrics.read_text().splitlines() if run.metrics.is_file() else []:
         w = json.loads(line)
-        if "steps_per_s" not in w or not t0 <= w["time"] <= t1 or w["steps_per_s"] <= 0:
+        if "steps_per_s" not in w or not t0 <= w["time"] <= t1:
             continue
-        start, end = w["time"] - EVAL_LOG_EVERY / w["steps_per_s"], w["time"]
-        inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans) / (end - start)
-        held = w["starved_fraction"] + w.get("checkpoint_fraction", 0.0)
-        own = w["steps_per_s"] / max(1e-9, 1.0 - held)
-        windows.append({"step": w["step"], "time": w["time"], "steps_per_s": w["steps_per_s"], "own_steps_per_s": own,
-                        "starved_fraction": w["starved_fraction"], "checkpoint_fraction": w.get("checkpoint_fraction"),
-                        "inside_evaluation": inside})
+        windows.append({key: w.get(key) for key in ("step", "time", "steps_per_s", "starved_fraction", "checkpoint_fraction")})
+        if w["starved_fraction"] > 0:
+            starved_steps.update(range(w["step"] - EVAL_LOG_EVERY + 1, w["step"] + 1))
+    during, between = [], []
+    rows = ledger_rows(run)
+    for before, row in zip(rows, rows[1:]):
+        a, b = before["time"], row["time"]
+        if not (t0 <= a and b <= t1) or before["step"] % checkpoint_every == 0 or row["step"] in starved_steps:
+            continue
+        inside = sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans) / max(b - a, 1e-9)
         if inside >= 0.5:
-            during.append(own)
+            during.append(b - a)
         elif inside == 0.0:
-            between.append(own)
-    inside_window = [b - a for a, b in spans if t0 <= a <= t1]
+            between.append(b - a)
+    durations = [b - a for a, b in spans if t0 <= a <= t1]
     asked = [read_json(here / "request.json") or {} for here in (run.root / "evals").glob("step-*")]
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    return {"evaluations": len(inside_window), "evaluation_s": mean(inside_window),
+    rate = lambda xs: len(xs) / sum(xs) if xs else None  # noqa: E731
+    return {"evaluations": len(durations), "evaluation_s": sum(durations) / len(durations) if durations else None,
             "evaluations_asked": sum(1 for r in asked if t0 <= r.get("requested", 0) <= t1) if asked else None,
-            "own_steps_per_s_during_evals": mean(during), "own_steps_per_s_between_evals": mean(between),
-            "windows_during_evals": len(during), "windows_between_evals": len(between), "windows": windows,
-            "evaluation_spans": [span for span in spans if t0 <= span[0] <= t1]}
+            "own_steps_per_s_during_evals": rate(during), "own_steps_per_s_between_evals": rate(between),
+            "steps_during_evals": len(during), "steps_between_evals": len(between), "windows": windows,
+            "evaluation_spans": spans}
 
 
 def _is_ring(key: str) -> bool:
@@ -477,7 +482,8 @@ def print_table(results: list[dict], stages: dict) -> None:
             print(f"{r['run']}: {r.get('evaluations')} evaluations of {r.get('evaluation_s') or 0:.1f} s in the window{asked}; "
                   f"trainer's own steps/s during them {during if during is None else round(during, 3)}, "
                   f"between them {between if between is None else round(between, 3)}"
-                  + (f" ({during / between - 1:+.1%})" if during and between else ""))
+                  + (f" ({during / between - 1:+.1%}; {r['steps_during_evals']} and {r['steps_between_evals']} steps)"
+                     if during and between else ""))
         if r.get("backlog_min") is not None and r.get("producers"):
             print(f"{r['run']}: rings' backlog {r['backlog_start']} -> {r['backlog_end']} slots over the window, "
                   f"never below {r['backlog_min']}" + (" (the trainer set the pace: samples/s is the sustained rate)"
