@@ -467,8 +467,12 @@ class Producer:
             metrics = self._evaluate(request)
             result = evals.EvalResult(step=request.step, metrics=metrics, incarnation=request.incarnation,
                                       producer=self.producer_id)
-            log.info("evaluated step %d for the trainer: tau %.3f real, %.3f simulated in %.1f s", request.step,
-                     metrics["eval/tau"], metrics["eval/sim_tau"], metrics["eval/seconds"])
+            took = time.monotonic() - started
+            decode, reference = metrics["eval/decode_seconds"], metrics["eval/reference_seconds"]
+            log.info("evaluated step %d for the trainer in %.1f s: tau %.3f real, %.3f simulated (loading the export "
+                     "%.1f s, the reference %.1f s, decoding %.1f s, the simulated acceptance %.1f s)", request.step,
+                     took, metrics["eval/tau"], metrics["eval/sim_tau"], took - metrics["eval/seconds"], reference,
+                     decode, metrics["eval/seconds"] - reference - decode)
         except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
             log.exception("evaluation of step %d failed", request.step)
             result = evals.EvalResult(step=request.step, lost=f"{type(exc).__name__}: {exc}", incarnation=request.incarnation,

@@ -34,6 +34,7 @@ def test_producer_zero_evaluates_and_the_trainer_logs_each_result_at_its_step(sh
     producer_log = (run_dir / "logs" / "producer-0.log").read_text()
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert producer_log.count("evaluated step") == 3 and "evaluated step" not in (run_dir / "logs" / "producer-1.log").read_text()
+    assert producer_log.count("(loading the export ") == 3, "each evaluation's time split into its phases"
     assert "eval at step 8 (logged at" in trainer_log
     assert "evaluation failed" not in trainer_log + producer_log
     # The target's half was made once, while the ring was full and before anything was asked: no evaluation ran

@@ -475,6 +475,10 @@ def test_an_evaluation_after_the_first_runs_no_target_forward(target_model, targ
         second = evaluator.evaluate(strong_drafter(target_model))
         assert len(forwards) == made and second.reference_seconds == 0.0
         assert second.metrics()["eval/reference_seconds"] == 0.0
+        # The phases add up: the reference, the decoding, and the simulated acceptance after it.
+        for report in (first, second):
+            assert 0 < report.decode_seconds < report.seconds - report.reference_seconds
+            assert report.metrics()["eval/decode_seconds"] == report.decode_seconds
         no_room = build_evaluator(load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}",
                                                      "eval.num_prompts=4", "eval.reference_cache_gb=0"]),
                                   target_model, LAYER_IDS)

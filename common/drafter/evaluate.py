@@ -583,6 +583,8 @@ class AcceptanceReport:
     reference_seconds: float = 0.0
     """Of ``seconds``: making the target's reference (greedy continuations and features by target forwards);
     0 when an earlier evaluation made it."""
+    decode_seconds: float = 0.0
+    """Of ``seconds``: decoding the prompts. The rest, past the reference, is the simulated acceptance."""
 
     @property
     def tau_gap(self) -> float:
@@ -607,7 +609,7 @@ class AcceptanceReport:
         out = {"tau": self.tau, "sim_tau": self.sim_tau, "tau_gap": self.tau_gap, "forwards_saved": self.forwards_saved,
                "target_forwards": self.target_forwards, "greedy_forwards": self.greedy_forwards,
                "generated_tokens": self.generated_tokens, "num_prompts": self.num_prompts, "seconds": self.seconds,
-               "reference_seconds": self.reference_seconds}
+               "reference_seconds": self.reference_seconds, "decode_seconds": self.decode_seconds}
         out.update({f"accept_pos_{k}": p for k, p in enumerate(self.accept_pos, start=1)})
         out.update({f"sim_acc_{k}": a for k, a in enumerate(self.sim_acc, start=1)})
         return {prefix + key: value for key, value in out.items()}
@@ -687,7 +689,9 @@ class Evaluator:
         try:
             with self.evaluation_context():
                 reference, made = self.reference_for(drafter.config.block_size)
-                decoded = self.decode(drafter, reference)
+                decode_started = time.perf_counter()
+                decoded = self.decode(drafter, reference)  # its results are on the host: no work left queued
+                decode_seconds = time.perf_counter() - decode_started
                 # A document whose features were not kept runs through the target when its turn comes: only one
                 # document's features are on the device at a time.
                 features = (kept if kept is not None else document_features(self.target, document)
@@ -704,7 +708,7 @@ class Evaluator:
             tau=1.0 + (float(accepted.mean()) if accepted.numel() else 0.0), accept_pos=accept_pos.tolist(),
             sim_tau=sim_tau, sim_acc=sim_acc, generated_tokens=sum(len(d.tokens) for d in decoded),
             target_forwards=len(decoded) + int(accepted.numel()), seconds=time.perf_counter() - started,
-            reference_seconds=reference.seconds if made else 0.0,
+            reference_seconds=reference.seconds if made else 0.0, decode_seconds=decode_seconds,
         )
 
     def reference_for(self, block_size: int) -> tuple[TargetReference, bool]:
