@@ -58,6 +58,7 @@ from common.rundir import RunDir, read_json
 from launch.bench_restart import QWEN3_8B, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
+AFTER_EVAL_S = 3.0  # seconds after an evaluation's result reported as a phase of their own
 EVAL_LOG_EVERY = 5  # steps per metrics window of the *-evals runs: fine enough to tell windows during an evaluation
 PLACEMENTS = {  # name: (producer devices, trainer devices, coupled)
     "shared-1": (["cuda:0"], ["cuda:0"], False),
@@ -337,6 +338,39 @@ def evaluation_spans(run: RunDir) -> list[tuple[float, float]]:
     return spans
 
 
+def evaluation_phases(run: RunDir) -> dict[str, list[tuple[float, float]]]:
+    """The (start, end) of each phase of producer 0's evaluations, from the claim, the result and its timings:
+    loading the export, the reference (the first only), decoding, the simulated acceptance, and the AFTER_EVAL_S
+    after the result (the producer refills the slots the trainer took meanwhile)."""
+    phases: dict[str, list[tuple[float, float]]] = {}
+    for here in sorted((run.root / "evals").glob("step-*")):
+        claim, result = read_json(here / "claim.json"), read_json(here / "result.json")
+        if not claim or not result or result.get("lost") or "eval/decode_seconds" not in result.get("metrics", {}):
+            continue
+        metrics, finished = result["metrics"], result["finished"]
+        started = finished - metrics["eval/seconds"]
+        decoding = started + metrics["eval/reference_seconds"]
+        bounds = {"loading": (claim["claimed"], started), "reference": (started, decoding),
+                  "decoding": (decoding, decoding + metrics["eval/decode_seconds"]),
+                  "simulated acceptance": (decoding + metrics["eval/decode_seconds"], finished),
+                  f"{AFTER_EVAL_S:g} s after": (finished, finished + AFTER_EVAL_S)}
+        for phase, span in bounds.items():
+            phases.setdefault(phase, []).append(span)
+    return phases
+
+
+def _steps_inside(steps: list[tuple[float, float]], spans: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """The durations of the steps (intervals) that lie mostly inside ``spans``, and of those that touch none."""
+    inside, outside = [], []
+    for a, b in steps:
+        share = sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans) / max(b - a, 1e-9)
+        if share >= 0.5:
+            inside.append(b - a)
+        elif share == 0.0:
+            outside.append(b - a)
+    return inside, outside
+
+
 def evaluation_rates(run: RunDir, t0: float, t1: float, checkpoint_every: int) -> dict:
     """The trainer's own step rate during the evaluations of [t0, t1] and between them, step by step: a step's
     interval (from the ledger line of the step before to its own) counts as during where it lies mostly inside
@@ -354,24 +388,23 @@ def evaluation_rates(run: RunDir, t0: float, t1: float, checkpoint_every: int) -
         windows.append({key: w.get(key) for key in ("step", "time", "steps_per_s", "starved_fraction", "checkpoint_fraction")})
         if w["starved_fraction"] > 0:
             starved_steps.update(range(w["step"] - EVAL_LOG_EVERY + 1, w["step"] + 1))
-    during, between = [], []
     rows = ledger_rows(run)
-    for before, row in zip(rows, rows[1:]):
-        a, b = before["time"], row["time"]
-        if not (t0 <= a and b <= t1) or before["step"] % checkpoint_every == 0 or row["step"] in starved_steps:
-            continue
-        inside = sum(max(0.0, min(b, y) - max(a, x)) for x, y in spans) / max(b - a, 1e-9)
-        if inside >= 0.5:
-            during.append(b - a)
-        elif inside == 0.0:
-            between.append(b - a)
+    steps = [(before["time"], row["time"]) for before, row in zip(rows, rows[1:])
+             if t0 <= before["time"] and row["time"] <= t1 and before["step"] % checkpoint_every
+             and row["step"] not in starved_steps]
+    during, between = _steps_inside(steps, spans)
+    by_phase = {}
+    for phase, phase_spans in evaluation_phases(run).items():
+        inside, _ = _steps_inside(steps, [span for span in phase_spans if span[1] >= t0 and span[0] <= t1])
+        by_phase[phase] = {"steps_per_s": len(inside) / sum(inside) if inside else None, "steps": len(inside)}
     durations = [b - a for a, b in spans if t0 <= a <= t1]
     asked = [read_json(here / "request.json") or {} for here in (run.root / "evals").glob("step-*")]
     rate = lambda xs: len(xs) / sum(xs) if xs else None  # noqa: E731
     return {"evaluations": len(durations), "evaluation_s": sum(durations) / len(durations) if durations else None,
             "evaluations_asked": sum(1 for r in asked if t0 <= r.get("requested", 0) <= t1) if asked else None,
             "own_steps_per_s_during_evals": rate(during), "own_steps_per_s_between_evals": rate(between),
-            "steps_during_evals": len(during), "steps_between_evals": len(between), "windows": windows,
+            "steps_during_evals": len(during), "steps_between_evals": len(between),
+            "own_steps_per_s_by_phase": by_phase, "windows": windows,
             "evaluation_spans": spans}
 
 
@@ -484,6 +517,10 @@ def print_table(results: list[dict], stages: dict) -> None:
                   f"between them {between if between is None else round(between, 3)}"
                   + (f" ({during / between - 1:+.1%}; {r['steps_during_evals']} and {r['steps_between_evals']} steps)"
                      if during and between else ""))
+        phases = [f"{phase} {v['steps_per_s']:.2f} ({v['steps']})" for phase, v in r.get("own_steps_per_s_by_phase", {}).items()
+                  if v["steps_per_s"] is not None]
+        if phases:
+            print(f"{r['run']}: trainer's own steps/s by evaluation phase (steps): " + ", ".join(phases))
         if r.get("backlog_min") is not None and r.get("producers"):
             print(f"{r['run']}: rings' backlog {r['backlog_start']} -> {r['backlog_end']} slots over the window, "
                   f"never below {r['backlog_min']}" + (" (the trainer set the pace: samples/s is the sustained rate)"
