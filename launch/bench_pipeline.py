@@ -32,7 +32,8 @@ Runs (placement as producers -> trainer ranks):
                  which decodes between two of its batches while its ring (--eval-slots deep) feeds the
                  trainer; the coupled baseline evaluates in its loop on its own target. Besides the whole
                  cycles' rate: the trainer's own step rate during the evaluations and between them, step
-                 by step from the ledger (the steps that held a checkpoint or waited for data left out)
+                 by step from the ledger (the steps that held a checkpoint or waited for data left out),
+                 and in each phase of producer 0's evaluations
   coupled-1-pauses  coupled-1 with a checkpoint and a --pause-s stand-in for the evaluation every
                  --eval-every steps: the coupled baseline as issue 18 measured it when it set its goal
                  (before this project's evaluator took 16 prompts from 9 s to about 2 s)
