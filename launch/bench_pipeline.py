@@ -59,6 +59,7 @@ from common.rundir import RunDir, read_json
 from launch.bench_restart import QWEN3_8B, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
+JSON_ONLY = ("timeline", "ledger", "windows", "evaluation_spans")  # a run's series: in --json, not printed
 AFTER_EVAL_S = 3.0  # seconds after an evaluation's result reported as a phase of their own
 EVAL_LOG_EVERY = 5  # steps per metrics window of the *-evals runs: fine enough to tell windows during an evaluation
 PLACEMENTS = {  # name: (producer devices, trainer devices, coupled)
@@ -393,14 +394,14 @@ def evaluation_rates(run: RunDir, t0: float, t1: float, checkpoint_every: int) -
     steps = [(before["time"], row["time"]) for before, row in zip(rows, rows[1:])
              if t0 <= before["time"] and row["time"] <= t1 and before["step"] % checkpoint_every
              and row["step"] not in starved_steps]
+    rate = lambda xs: len(xs) / sum(xs) if xs else None  # noqa: E731
     during, between = _steps_inside(steps, spans)
     by_phase = {}
     for phase, phase_spans in evaluation_phases(run).items():
         inside, _ = _steps_inside(steps, [span for span in phase_spans if span[1] >= t0 and span[0] <= t1])
-        by_phase[phase] = {"steps_per_s": len(inside) / sum(inside) if inside else None, "steps": len(inside)}
+        by_phase[phase] = {"steps_per_s": rate(inside), "steps": len(inside)}
     durations = [b - a for a, b in spans if t0 <= a <= t1]
     asked = [read_json(here / "request.json") or {} for here in (run.root / "evals").glob("step-*")]
-    rate = lambda xs: len(xs) / sum(xs) if xs else None  # noqa: E731
     return {"evaluations": len(durations), "evaluation_s": sum(durations) / len(durations) if durations else None,
             "evaluations_asked": sum(1 for r in asked if t0 <= r.get("requested", 0) <= t1) if asked else None,
             "own_steps_per_s_during_evals": rate(during), "own_steps_per_s_between_evals": rate(between),
@@ -633,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("producer", "trainer"):
             stages[name] = result
         results.append(result)
-        print({k: v for k, v in result.items() if k not in ("timeline", "ledger", "windows", "evaluation_spans")}, flush=True)
+        print({k: v for k, v in result.items() if k not in JSON_ONLY}, flush=True)
         if args.json:  # after every run: a run cut short keeps what it measured
             args.json.write_text(json.dumps({"bench": "pipeline", "tiny": args.tiny, "runs": results}))
     print()
@@ -646,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
               "decoupled_over_coupled": ratios}
     if args.json:
         args.json.write_text(json.dumps(record))
-    print(json.dumps({**record, "runs": [{k: v for k, v in r.items() if k not in ("timeline", "ledger", "windows", "evaluation_spans")} for r in results]}))
+    print(json.dumps({**record, "runs": [{k: v for k, v in r.items() if k not in JSON_ONLY} for r in results]}))
     return 0
 
 
