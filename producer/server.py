@@ -320,7 +320,7 @@ class Producer:
             "ring": {**stats["ring"], "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
             **({"epoch_batches": self.epoch_batches} if self.epoch_batches is not None else {}),
             **{k: v for k, v in stats.items() if k != "ring"},
-        })
+        }, durable=False)  # live state, rewritten every second: not worth a wait behind the trainer's writes
 
     def _status_loop(self) -> None:
         checkpoint = None

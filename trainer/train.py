@@ -574,11 +574,13 @@ class Trainer:
         if self.rank != 0:
             return
         deadline = time.monotonic() + wait_s
+        came = False
         while self.evals_in_flight:
             for step, incarnation in sorted(self.evals_in_flight):
                 result = evals.result(self.run_dir, step, incarnation)
                 if result is None:
                     continue
+                came = True
                 self.evals_in_flight.discard((step, incarnation))
                 if result.lost:
                     log.warning("evaluation of step %d lost: %s", step, result.lost)
@@ -588,7 +590,8 @@ class Trainer:
             if not self.evals_in_flight or time.monotonic() >= deadline or self.stop_requested:
                 break
             time.sleep(0.2)
-        self.write_status()
+        if came:  # called every few steps while one is out: the status changes only when a result comes
+            self.write_status()
 
     def _adopt_evaluations(self) -> None:
         """Take over the evaluations the trainers before asked for, up to the step this one resumed at: their results
@@ -690,7 +693,7 @@ class Trainer:
             "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
             "last_checkpoint": vars(self.checkpoints.last) if getattr(self, "checkpoints", None) and self.checkpoints.last else None,
             "checkpoint_writing": self.checkpoints.writing_name if getattr(self, "checkpoints", None) else None,
-        })
+        }, durable=False)  # every step while an evaluation is out: it must not wait behind a checkpoint's write
 
     def close(self) -> None:
         self.eval_exports.wait()  # its request is written, so the producer may still answer it
