@@ -15,7 +15,11 @@ latest.json names it):
   tensor files     --gb/2 in 8 tensors, one file written by byte ranges from WRITE_THREADS threads
                    (trainer/tensor_files.py, what a checkpoint is written with now)
 
-Prints a table, then one JSON line. The files are removed after each measurement.
+Then how long a live status file's write takes while such a write goes on (`tensor files`, --gb/2), with its
+fsync and without, taking turns every 50 ms: the trainer rewrites trainer.json every few steps while an
+evaluation is out, and a step waits for it.
+
+Prints the tables, then one JSON line. The files are removed after each measurement.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common.rundir import fsync_file
+from common.rundir import atomic_write_json, fsync_file
 from trainer.tensor_files import TensorFile, write_tensor_files
 
 GB = 1 << 30
@@ -75,6 +79,23 @@ def serialized(folder: Path, gb: float, how: str) -> tuple[float, float]:
     return written, time.perf_counter() - started
 
 
+def status_writes(folder: Path, gb: float) -> dict[bool, list[float]]:
+    """Seconds of each status write, by whether it was fsynced, while ``gb`` in 8 tensors is written as a
+    checkpoint is (tensor files, fsynced)."""
+    tensors = {f"t{i}": torch.ones(int(gb * GB) // 4 // 8) for i in range(8)}
+    writer = threading.Thread(target=write_tensor_files, args=([TensorFile(folder / "state.safetensors", tensors)],))
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    writer.start()
+    while writer.is_alive():
+        durable = len(seconds[True]) <= len(seconds[False])
+        started = time.perf_counter()
+        atomic_write_json(folder / "status.json", {"step": len(seconds[True]) + len(seconds[False])}, durable=durable)
+        seconds[durable].append(time.perf_counter() - started)
+        time.sleep(0.05)
+    writer.join()
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/tmp", help="a folder on the disk to measure (a scratch folder is made in it)")
@@ -95,12 +116,25 @@ def main(argv: list[str] | None = None) -> int:
             written, seconds = serialized(folder, args.gb / 2, how)
             rows.append({"writer": how, "gb": args.gb / 2, "s": seconds, "written_s": written, "gb_per_s": args.gb / 2 / seconds})
             shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        status = []
+        for durable, seconds in status_writes(folder, args.gb / 2).items():
+            seconds.sort()
+            status.append({"status write": "fsync" if durable else "no fsync", "writes": len(seconds),
+                           "median_ms": 1000 * seconds[len(seconds) // 2], "p90_ms": 1000 * seconds[int(0.9 * (len(seconds) - 1))],
+                           "max_ms": 1000 * seconds[-1], "total_s": sum(seconds)})
+        shutil.rmtree(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"{'writer':<18}{'GB':>6}{'s (fsync incl.)':>17}{'GB/s':>7}")
     for row in rows:
         print(f"{row['writer']:<18}{row['gb']:>6.1f}{row['s']:>17.2f}{row['gb_per_s']:>7.2f}")
-    print(json.dumps({"bench": "disk", "dir": args.dir, "rows": rows}))
+    print(f"\nstatus writes beside a {args.gb / 2:g} GB checkpoint write (taking turns):")
+    print(f"{'status write':<14}{'writes':>8}{'median ms':>11}{'p90 ms':>9}{'max ms':>9}{'total s':>9}")
+    for row in status:
+        print(f"{row['status write']:<14}{row['writes']:>8}{row['median_ms']:>11.2f}{row['p90_ms']:>9.2f}"
+              f"{row['max_ms']:>9.1f}{row['total_s']:>9.2f}")
+    print(json.dumps({"bench": "disk", "dir": args.dir, "rows": rows, "status_writes": status}))
     return 0
 
 
