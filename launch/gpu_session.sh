@@ -23,6 +23,11 @@ run() {  # name, seconds, command...
   tail -n 8 "$OUT/$name.log" | cut -c1-300
   summary+=("$name rc=$rc")
 }
+keep_run_logs() {  # name: the pipeline runs' logs, metrics and evaluation records, in one file (the device tool
+                  # brings back a few files only), without their exported weights; their checkpoints are gone already
+  tar czf "$OUT/$1-runs.tgz" --exclude="*.safetensors" /tmp/df-*-*/run/logs /tmp/df-*-*/run/metrics.jsonl /tmp/df-*-*/run/evals 2>/dev/null
+  rm -rf /tmp/df-*-*/
+}
 for step in $steps; do
   case $step in
     tests)  # pytest-timeout (in the device image) stops a hung test with its stack, and the others still run
@@ -55,9 +60,11 @@ for step in $steps; do
     stalls)  # issue 6: with the stalls of real training, decoupled (shared GPUs, headroom) against coupled
           run pipeline_stalls 560 $PY -m launch.bench_pipeline --runs coupled-2-stalls,shared-2-stalls --seconds 20 --warm-steps 5 --timeout 150 --cycles 1 --stall-every 40 --json "$OUT/pipeline_stalls.json" ;;
     evals)  # issue 18: one H200 under MPS, a checkpoint and a 16-prompt evaluation every 40 steps, decoupled against coupled
-          run pipeline_evals 540 $PY -m launch.bench_pipeline --runs coupled-1-evals,shared-1-evals --warm-steps 5 --timeout 240 --cycles 2 --set launch.mps=true --json "$OUT/pipeline_evals.json" ;;
+          run pipeline_evals 560 $PY -m launch.bench_pipeline --runs shared-1-evals,coupled-1-evals --warm-steps 5 --timeout 200 --cycles 3 --skip-cycles 1 --set launch.mps=true --json "$OUT/pipeline_evals.json"
+          keep_run_logs pipeline_evals ;;
     pauses)  # issue 18: the same decoupled run against the coupled baseline the issue measured, a 10 s pause for each evaluation
-          run pipeline_pauses 580 $PY -m launch.bench_pipeline --runs coupled-1-pauses,shared-1-evals --warm-steps 5 --timeout 200 --cycles 3 --skip-cycles 1 --set launch.mps=true --json "$OUT/pipeline_pauses.json" ;;
+          run pipeline_pauses 560 $PY -m launch.bench_pipeline --runs shared-1-evals,coupled-1-pauses --warm-steps 5 --timeout 200 --cycles 3 --skip-cycles 1 --set launch.mps=true --json "$OUT/pipeline_pauses.json"
+          keep_run_logs pipeline_pauses ;;
     checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall (synchronous against background) and write (eight threads
                  # against one), and what the disk under /tmp takes
           run disk 120 $PY -m launch.bench_disk --dir /tmp
