@@ -63,9 +63,14 @@ def raw(folder: Path, gb: float, threads: int) -> float:
     return time.perf_counter() - started
 
 
+def eight_tensors(gb: float) -> dict[str, torch.Tensor]:
+    """``gb`` of fp32 in 8 tensors: a train state's shape, as the serializers and the tensor files write it."""
+    return {f"t{i}": torch.ones(int(gb * GB) // 4 // 8) for i in range(8)}
+
+
 def serialized(folder: Path, gb: float, how: str) -> tuple[float, float]:
     """(seconds to write, seconds in all with fsync) of ``gb`` in 8 fp32 tensors through ``how``."""
-    tensors = {f"t{i}": torch.ones(int(gb * GB) // 4 // 8) for i in range(8)}
+    tensors = eight_tensors(gb)
     path = folder / ("state.pt" if how == "torch.save" else "state.safetensors")
     started = time.perf_counter()
     if how == "torch.save":
@@ -82,7 +87,7 @@ def serialized(folder: Path, gb: float, how: str) -> tuple[float, float]:
 def status_writes(folder: Path, gb: float) -> dict[bool, list[float]]:
     """Seconds of each status write, by whether it was fsynced, while ``gb`` in 8 tensors is written as a
     checkpoint is (tensor files, fsynced)."""
-    tensors = {f"t{i}": torch.ones(int(gb * GB) // 4 // 8) for i in range(8)}
+    tensors = eight_tensors(gb)
     writer = threading.Thread(target=write_tensor_files, args=([TensorFile(folder / "state.safetensors", tensors)],))
     seconds: dict[bool, list[float]] = {True: [], False: []}
     writer.start()
