@@ -387,7 +387,8 @@ def evaluation_rates(run: RunDir, t0: float, t1: float, checkpoint_every: int) -
         w = json.loads(line)
         if "steps_per_s" not in w or not t0 <= w["time"] <= t1:
             continue
-        windows.append({key: w.get(key) for key in ("step", "time", "steps_per_s", "starved_fraction", "checkpoint_fraction")})
+        windows.append({key: w.get(key) for key in ("step", "time", "steps_per_s", "step_time_s", "starved_fraction",
+                                                   "checkpoint_fraction", "alloc_retries")})
         if w["starved_fraction"] > 0:
             starved_steps.update(range(w["step"] - EVAL_LOG_EVERY + 1, w["step"] + 1))
     rows = ledger_rows(run)

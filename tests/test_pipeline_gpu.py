@@ -23,6 +23,7 @@ def test_gpu_pipeline_with_cuda_rings(short_tmp):
     assert_exactly_once(run)
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     assert all(m["loss"] == m["loss"] for m in metrics), "no NaN"
+    assert all(isinstance(m["alloc_retries"], int) for m in metrics), "the allocator's retries are logged on a GPU"
 
 
 @pytest.mark.gpu

@@ -653,6 +653,10 @@ class Trainer:
         if self.rank != 0:
             return
         record = {"step": self.step, "lr": self.scheduler.get_last_lr()[0], **window.summary(), "time": time.time()}
+        if self.device.type == "cuda":
+            # Since the start: a count that rises means the caching allocator had to free its cache and try again
+            # (memory pressure, e.g. from a producer sharing the GPU), which costs a synchronisation each time.
+            record["alloc_retries"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
         for producer, stats in sorted(self.feeder.producer_stats().items()):
             ring = stats.get("ring", {})
             slots = max(1, ring.get("slots", 1))
