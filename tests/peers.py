@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def start(role: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "launch.demo", role, *args],
+        [sys.executable, "-m", "launch.tools.demo", role, *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -6,7 +6,7 @@ import sys
 
 
 def test_bench_step_tiny_runs():
-    out = subprocess.run([sys.executable, "-m", "launch.bench_step", "--tiny", "--variants", "eager",
+    out = subprocess.run([sys.executable, "-m", "launch.bench.step", "--tiny", "--variants", "eager",
                           "--warmup", "1", "--steps", "2", "--matmul-size", "256"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])

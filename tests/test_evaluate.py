@@ -26,7 +26,7 @@ from common.drafter.evaluate import (
     speculative_decode,
     target_head_of,
 )
-from launch.coupled import TrainingEvaluation
+from launch.bench.coupled import TrainingEvaluation
 from launch.evaluate import main
 from producer.evaluation import build_evaluator, held_out_documents
 from common.drafter.export import export_zlab

@@ -1,13 +1,13 @@
-"""Protocol fuzzing (launch/fuzz.py): hostile messages against a live producer process, a live
+"""Protocol fuzzing (launch/tools/fuzz.py): hostile messages against a live producer process, a live
 consumer process running the trainer's intake, and a live trainer process; short forms run in CI,
-100,000 messages per side under ``-m fuzz`` (or ``python -m launch.fuzz``)."""
+100,000 messages per side under ``-m fuzz`` (or ``python -m launch.tools.fuzz``)."""
 
 import random
 
 import pytest
 
 from common.protocol import Message, ProtocolError, decode
-from launch.fuzz import INTAKE_DESCRIBE, Hostile, HostileProducer, fuzz_consumer, fuzz_producer, fuzz_trainer, to_consumer, to_producer
+from launch.tools.fuzz import INTAKE_DESCRIBE, Hostile, HostileProducer, fuzz_consumer, fuzz_producer, fuzz_trainer, to_consumer, to_producer
 
 
 def _assert_held(report: dict) -> None:

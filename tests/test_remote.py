@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:  # run as a script (the helper producer below), no
 
 from common.codec import ALIGN, TensorSpec, write_tensors  # noqa: E402
 from common.config import ConfigError, load_config, save_config  # noqa: E402
-from launch.demo import checksum, make_batch  # noqa: E402
+from launch.tools.demo import checksum, make_batch  # noqa: E402
 from common.protocol import Batch, Heartbeat, Hello, Welcome, decode, payload_bytes  # noqa: E402
 from common.ring import HostRing  # noqa: E402
 from common.rundir import RunDir, read_json  # noqa: E402

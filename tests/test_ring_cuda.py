@@ -14,7 +14,7 @@ from peers import ROOT, read_event
 
 def _start(role, env, *args):
     return subprocess.Popen(
-        [sys.executable, "-m", "launch.demo", role, *args],
+        [sys.executable, "-m", "launch.tools.demo", role, *args],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **env},
     )

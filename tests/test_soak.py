@@ -1,5 +1,5 @@
-"""The soak program (launch/soak.py) run briefly: trainer replaced by restart-trainer and by kill -9,
-producer 1 killed once; nothing may leak. ``python -m launch.soak --minutes 30`` is the real soak.
+"""The soak program (launch/tools/soak.py) run briefly: trainer replaced by restart-trainer and by kill -9,
+producer 1 killed once; nothing may leak. ``python -m launch.tools.soak --minutes 30`` is the real soak.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.soak
 @pytest.mark.timeout(1200)
 def test_a_short_soak_leaks_no_segments_sockets_processes_or_descriptors(short_tmp):
-    out = subprocess.run([sys.executable, "-m", "launch.soak", "--run-dir", str(short_tmp / "run"), "--minutes", "3",
+    out = subprocess.run([sys.executable, "-m", "launch.tools.soak", "--run-dir", str(short_tmp / "run"), "--minutes", "3",
                           "--sample-s", "2", "--trainer-restart-s", "60", "training.checkpoint_every=20"],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

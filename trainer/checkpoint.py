@@ -196,7 +196,7 @@ class CheckpointWriter:
         self.run_dir, self.root, self.keep_last = run_dir, run_dir.checkpoints, keep_last
         self.staging = staging or HostStaging()
         self.write_threads = WRITE_THREADS
-        """Threads writing a checkpoint's tensors (launch.bench_checkpoint sets 1 for its baseline)."""
+        """Threads writing a checkpoint's tensors (launch.bench.checkpoint sets 1 for its baseline)."""
         self.last: CheckpointRecord | None = None
         self._thread: threading.Thread | None = None
         self._writing_name: str | None = None

@@ -122,7 +122,7 @@ class SharedStaging(HostStaging):
         write still reads these. Their names are removed now (the new segments take them); their pages stay
         mapped for that write until this process exits, which frees them. The new segments are made as the
         first ones were, faulted in and page-locked: for a Qwen3-8B draft's 12.6 GB on an H200 host that and
-        the copy take 3.5 s, a copy into fresh pageable pages 10-16 s (launch/bench_staging.py)."""
+        the copy take 3.5 s, a copy into fresh pageable pages 10-16 s (launch/bench/staging.py)."""
         for segment in self.segments.values():
             Path(segment["path"]).unlink(missing_ok=True)
             self._detached.append(segment)

@@ -58,7 +58,7 @@ from trainer.warm import prepare as prepare_warm_start
 log = logging.getLogger(__name__)
 EXIT_CONFIG_ERROR = 2
 SourceFactory = Callable[[RunConfig, RunDir, int, int, torch.device], Any]
-"""Builds a batch source in the trainer's process (launch/coupled.py); see ``Trainer``."""
+"""Builds a batch source in the trainer's process (launch/bench/coupled.py); see ``Trainer``."""
 PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"
 """Set by the launcher on restart-trainer: ``pid:start_ticks`` of the trainer this one replaces."""
 EVAL_RESULT_WAIT_S = 300.0  # how long a finished trainer waits for the evaluation of its last step
@@ -108,7 +108,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: RunDir, source_factory: SourceFactory | None = None,
                  handed_over: dict | None = None, warm: WarmStart | None = None) -> None:
         """``source_factory``: builds the batch source in this process instead of the feeder (the coupled
-        baseline, launch/coupled.py), as ``factory(cfg, run_dir, rank, world_size, device)``; it evaluates in
+        baseline, launch/bench/coupled.py), as ``factory(cfg, run_dir, rank, world_size, device)``; it evaluates in
         the loop too. ``handed_over``: the ``state`` of the predecessor's handover mark (trainer/handover.py),
         if it left one. ``warm``: the head and drafter built ahead of this start (trainer/warm.py)."""
         self.cfg = cfg
@@ -135,7 +135,7 @@ class Trainer:
         self.incarnation = self._broadcast(time.time_ns() // 1000)
         self.write_status()
 
-        # The coupled baseline (launch/coupled.py) loads the target here and exports its head.
+        # The coupled baseline (launch/bench/coupled.py) loads the target here and exports its head.
         self.coupled = source_factory(cfg, run_dir, self.rank, self.world_size, self.device) if source_factory else None
 
         # -- the drafter, sharing the target's frozen embedding, final norm and lm_head ----------

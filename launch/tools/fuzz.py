@@ -1,10 +1,10 @@
 """Protocol fuzzing: hostile messages against a live producer, a live trainer intake and a live trainer.
 
-    python -m launch.fuzz                          # all three sides, 100,000 messages each
-    python -m launch.fuzz producer --messages 5000 --seed 3
-    python -m launch.fuzz trainer --json out.json
+    python -m launch.tools.fuzz                          # all three sides, 100,000 messages each
+    python -m launch.tools.fuzz producer --messages 5000 --seed 3
+    python -m launch.tools.fuzz trainer --json out.json
 
-``producer``: a real producer process (``launch.demo``: a RingServer over a /dev/shm ring, every
+``producer``: a real producer process (``launch.tools.demo``: a RingServer over a /dev/shm ring, every
 batch checksummed) serves a well-formed consumer process while hostile peers send it malformed
 and semantically wrong messages: valid msgpack with wrong types, huge lengths, bins and exts,
 unknown types and fields, other versions, negative and foreign slot numbers, stale generations,
@@ -70,7 +70,7 @@ from common.protocol import (
 from common.ring import HostRing
 from common.sockets import ipc_endpoint, make_socket
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOOD_INCARNATION = 10**15
 """The well-formed consumer's incarnation; hostile HELLOs use lower ones, so they are refused as
 superseded (a higher one would legitimately take over: that is the restart protocol, not an attack)."""
@@ -337,7 +337,7 @@ class _Lines:
 
 def good_consumer(args: argparse.Namespace) -> int:
     """The well-formed peer: hold leases a while, check every checksum at ack, replay stale acks."""
-    from launch.demo import checksum
+    from launch.tools.demo import checksum
     from common.transport import Delivery, RingClient
 
     stop = threading.Event()
@@ -382,7 +382,7 @@ def fuzz_producer(messages: int, seed: int) -> dict:
     num_slots = 4
     tmp = Path(tempfile.mkdtemp(prefix="df-fz-", dir="/tmp"))
     endpoint = ipc_endpoint(tmp / "p.ipc")
-    producer = _spawn("launch.demo", "producer", "--endpoint", endpoint, "--count", "0", "--slots", str(num_slots),
+    producer = _spawn("launch.tools.demo", "producer", "--endpoint", endpoint, "--count", "0", "--slots", str(num_slots),
                       "--slot-bytes", "16384", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "5", "--linger", "0.5",
                       log=tmp / "producer.log")
     producer_lines = _Lines(producer)
@@ -391,7 +391,7 @@ def fuzz_producer(messages: int, seed: int) -> dict:
     try:
         if producer_lines.wait(lambda r: r.get("event") == "ready", 60) is None:
             raise RuntimeError(f"producer did not start: {_log_tail(tmp / 'producer.log')}")
-        consumer = _spawn("launch.fuzz", "_good-consumer", "--endpoint", endpoint, "--seed", str(seed), log=tmp / "consumer.log")
+        consumer = _spawn("launch.tools.fuzz", "_good-consumer", "--endpoint", endpoint, "--seed", str(seed), log=tmp / "consumer.log")
         consumer_lines = _Lines(consumer)
         if consumer_lines.wait(lambda r: r.get("event") == "connected", 60) is None:
             raise RuntimeError(f"good consumer did not connect: {_log_tail(tmp / 'consumer.log')}")
@@ -794,7 +794,7 @@ def fuzz_consumer(messages: int, seed: int) -> dict:
     endpoint = ipc_endpoint(tmp / "p0.ipc")
     producer = HostileProducer(random.Random(seed), endpoint, INTAKE_DESCRIBE)
     atomic_write_json(run.producer_status(0), {"id": 0, "pid": os.getpid(), "ready": True, "endpoint": endpoint})
-    consumer = _spawn("launch.fuzz", "_feeder", "--run-dir", str(run.root), log=tmp / "feeder.log")
+    consumer = _spawn("launch.tools.fuzz", "_feeder", "--run-dir", str(run.root), log=tmp / "feeder.log")
     lines = _Lines(consumer)
     report: dict = {"side": "consumer"}
     try:

@@ -1,9 +1,9 @@
 """Benchmark: time from restart-trainer to the first new optimizer step, against stopping and
 starting the whole pipeline (targets reloaded), on the same run.
 
-    python -m launch.bench_restart             # Qwen3-8B-shaped target and draft, one GPU
-    python -m launch.bench_restart --tiny      # the tiny CPU default (smoke run)
-    python -m launch.bench_restart --during-write   # the restart comes right after a checkpoint write began
+    python -m launch.bench.restart             # Qwen3-8B-shaped target and draft, one GPU
+    python -m launch.bench.restart --tiny      # the tiny CPU default (smoke run)
+    python -m launch.bench.restart --during-write   # the restart comes right after a checkpoint write began
 
 Sequence: start the pipeline and wait for training to run, for its first checkpoint and for the launcher's
 standby trainer (as in a run that has trained a while); ``restart-trainer`` with a changed
@@ -33,7 +33,7 @@ from pathlib import Path
 from common.faults import DELAY_ENV
 from common.rundir import RunDir, read_json
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # One checkpoint before the restart, as in any run that trained a while (the restart turns them off). At the
 # Qwen3-8B shapes a write takes 15-22 s on an H200 host: 100 steps apart, so that none is in flight when the
 # restart comes (one would be waited for).

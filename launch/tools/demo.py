@@ -3,9 +3,9 @@
 Used by the transport tests (real processes, real sockets, real shared memory) and runnable by
 hand:
 
-    python -m launch.demo                      # both peers, prints a summary
-    python -m launch.demo producer --endpoint ipc:///tmp/x.ipc --count 1000
-    python -m launch.demo consumer --endpoint ipc:///tmp/x.ipc --count 1000
+    python -m launch.tools.demo                      # both peers, prints a summary
+    python -m launch.tools.demo producer --endpoint ipc:///tmp/x.ipc --count 1000
+    python -m launch.tools.demo consumer --endpoint ipc:///tmp/x.ipc --count 1000
 
 Batch ``i`` is a pure function of (seed, i): a uint8 tensor and a bf16 tensor of random sizes.
 Its CRC travels in the announcement and the consumer checks it against the bytes it reads.
@@ -136,10 +136,10 @@ def run_both(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="dflash-demo-") as tmp:
         endpoint = ipc_endpoint(Path(tmp) / "p0.ipc")
         common = ["--endpoint", endpoint, "--count", str(args.count), "--max-delay-us", "0"]
-        producer = subprocess.Popen([sys.executable, "-m", "launch.demo", "producer", *common], stdout=subprocess.PIPE, text=True)
+        producer = subprocess.Popen([sys.executable, "-m", "launch.tools.demo", "producer", *common], stdout=subprocess.PIPE, text=True)
         json.loads(producer.stdout.readline())
         started = time.perf_counter()
-        consumer = subprocess.run([sys.executable, "-m", "launch.demo", "consumer", *common], capture_output=True, text=True)
+        consumer = subprocess.run([sys.executable, "-m", "launch.tools.demo", "consumer", *common], capture_output=True, text=True)
         elapsed = time.perf_counter() - started
         producer.wait(timeout=30)
         summary = json.loads(consumer.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """Soak: run the pipeline for a long time with trainer restarts and a producer kill; watch for leaks.
 
-    python -m launch.soak [--minutes 30] [--run-dir DIR] [--sample-s 5] [--trainer-restart-s 150] [key=value ...]
+    python -m launch.tools.soak [--minutes 30] [--run-dir DIR] [--sample-s 5] [--trainer-restart-s 150] [key=value ...]
 
 Starts ``launch/run_all.sh`` on the tiny default (or DIR's config, with the overrides), trained
 without end, and every ``--trainer-restart-s`` replaces the trainer, alternately by

@@ -2,14 +2,14 @@
 # Every GPU check and benchmark of the project in one go, for one device-tool call (the device
 # machine keeps nothing between calls). Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp ...]   (default: all but pipeline and scaling)
+#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp ...]   (default: all but pipeline and scaling)
 # The pipeline benchmark takes longer than one device call (10 min): start it in the background with
 # setsid (it writes its JSON after every run) and collect the results in a later call.
 # The device image lacks some packages: install them from wheels carried in .whl first, e.g.
 #   python3 -m pip install -q --no-index --find-links .whl pyzmq wandb accelerate transformers==5.24.0
 # (accelerate: transformers needs it for device_map and tensor-parallel loading).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."  # the repository root (this file is launch/tools/)
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DFLASH_PYTHON=${DFLASH_PYTHON:-python3} WANDB_MODE=offline PYTHONPATH=$PWD
 PY=$DFLASH_PYTHON
@@ -35,43 +35,43 @@ for step in $steps; do
           run gpu_tests 600 $PY -m pytest -q -rfEs -p no:cacheprovider $per_test --durations=8 -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py tests/test_tensor_parallel.py tests/test_fsdp.py ;;
     hybrid)  # issue 17: Qwen3.6-27B shapes (Gated-DeltaNet hybrid): fla GPU test, producer capture, the 27B draft's step
           run hybrid_tests 300 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_hybrid_target.py tests/test_drafter_masks.py tests/test_serving_fidelity.py
-          run target_27b 420 $PY -m launch.bench_target --shape qwen3.6-27b --attn varlen --batches 8 --warmup 2 --json-out "$OUT/target_27b.json"
-          run target_27b_3072 240 $PY -m launch.bench_target --shape qwen3.6-27b --attn varlen --rows 4 --length 3072 --batches 8 --warmup 2 --json-out "$OUT/target_27b_3072.json"
-          run step_27b 300 $PY -m launch.bench_step --draft qwen3.6-27b --variants compile-layers --warmup 3 --steps 8 ;;
-    ring) run ring 110 $PY -m launch.bench_ring --count 100 --json "$OUT/ring.json" ;;
-    producer) run producer 180 $PY -m launch.bench_producer --warmup 20 --seconds 30 ;;
-    step) run step 300 $PY -m launch.bench_step --variants eager,compile-layers --warmup 3 --steps 10
-          run step_fp32 200 $PY -m launch.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
-    restart) run restart 560 $PY -m launch.bench_restart --timeout 240 ;;
+          run target_27b 420 $PY -m launch.bench.target --shape qwen3.6-27b --attn varlen --batches 8 --warmup 2 --json-out "$OUT/target_27b.json"
+          run target_27b_3072 240 $PY -m launch.bench.target --shape qwen3.6-27b --attn varlen --rows 4 --length 3072 --batches 8 --warmup 2 --json-out "$OUT/target_27b_3072.json"
+          run step_27b 300 $PY -m launch.bench.step --draft qwen3.6-27b --variants compile-layers --warmup 3 --steps 8 ;;
+    ring) run ring 110 $PY -m launch.bench.ring --count 100 --json "$OUT/ring.json" ;;
+    producer) run producer 180 $PY -m launch.bench.producer --warmup 20 --seconds 30 ;;
+    step) run step 300 $PY -m launch.bench.step --variants eager,compile-layers --warmup 3 --steps 10
+          run step_fp32 200 $PY -m launch.bench.step --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
+    restart) run restart 560 $PY -m launch.bench.restart --timeout 240 ;;
     scaling)  # issue 8: trainer samples/s on 1 GPU, then DDP and FSDP over 2 (data already on the GPUs)
-          run scale_1gpu 200 $PY -m launch.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10
-          run scale_ddp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism ddp
-          run scale_fsdp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench_step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism fsdp ;;
-    pipeline) run pipeline 3000 $PY -m launch.bench_pipeline --json "$OUT/pipeline.json" ;;
+          run scale_1gpu 200 $PY -m launch.bench.step --variants compile-layers --master-fp32 --warmup 3 --steps 10
+          run scale_ddp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench.step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism ddp
+          run scale_fsdp2 250 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench.step --variants compile-layers --master-fp32 --warmup 3 --steps 10 --parallelism fsdp ;;
+    pipeline) run pipeline 3000 $PY -m launch.bench.pipeline --json "$OUT/pipeline.json" ;;
     mps)  # issue 6: do the shared placements reach their ideal when the processes run under MPS?
           # (stage rates: the H200's producer and trainer alone, BENCHMARKS.md, for the ideal column)
-          run pipeline_mps 560 $PY -m launch.bench_pipeline --runs shared-1,shared-2,balanced-2 --seconds 20 --warm-steps 5 --timeout 200 --set launch.mps=true --stage-rates producer=13.15,trainer=6.27 --json "$OUT/pipeline_mps.json" ;;
+          run pipeline_mps 560 $PY -m launch.bench.pipeline --runs shared-1,shared-2,balanced-2 --seconds 20 --warm-steps 5 --timeout 200 --set launch.mps=true --stage-rates producer=13.15,trainer=6.27 --json "$OUT/pipeline_mps.json" ;;
     mps_share)  # issue 6: MPS with launch.mps_producer_sm_percent, the producers' share of the SMs (32: stage balance)
           for percent in 32 45; do
-            run pipeline_mps_sm$percent 280 $PY -m launch.bench_pipeline --runs shared-2,balanced-2 --seconds 20 --warm-steps 5 --timeout 150 --set launch.mps=true --set launch.mps_producer_sm_percent=$percent --stage-rates producer=13.15,trainer=6.27 --json "$OUT/pipeline_mps_sm$percent.json"
+            run pipeline_mps_sm$percent 280 $PY -m launch.bench.pipeline --runs shared-2,balanced-2 --seconds 20 --warm-steps 5 --timeout 150 --set launch.mps=true --set launch.mps_producer_sm_percent=$percent --stage-rates producer=13.15,trainer=6.27 --json "$OUT/pipeline_mps_sm$percent.json"
           done ;;
     shared_fsdp)  # issue 6: both GPUs shared under MPS with an FSDP trainer (faster alone than DDP, half the memory)
-          run pipeline_shared_fsdp 280 $PY -m launch.bench_pipeline --runs shared-2 --seconds 20 --warm-steps 5 --timeout 150 --set launch.mps=true --set training.parallelism=fsdp --stage-rates producer=13.15,trainer=6.27 --json "$OUT/pipeline_shared_fsdp.json" ;;
+          run pipeline_shared_fsdp 280 $PY -m launch.bench.pipeline --runs shared-2 --seconds 20 --warm-steps 5 --timeout 150 --set launch.mps=true --set training.parallelism=fsdp --stage-rates producer=13.15,trainer=6.27 --json "$OUT/pipeline_shared_fsdp.json" ;;
     stalls)  # issue 6: with the stalls of real training, decoupled (shared GPUs, headroom) against coupled
-          run pipeline_stalls 560 $PY -m launch.bench_pipeline --runs coupled-2-stalls,shared-2-stalls --seconds 20 --warm-steps 5 --timeout 150 --cycles 1 --stall-every 40 --json "$OUT/pipeline_stalls.json" ;;
+          run pipeline_stalls 560 $PY -m launch.bench.pipeline --runs coupled-2-stalls,shared-2-stalls --seconds 20 --warm-steps 5 --timeout 150 --cycles 1 --stall-every 40 --json "$OUT/pipeline_stalls.json" ;;
     evals)  # issue 18: one H200 under MPS, a checkpoint and a 16-prompt evaluation every 40 steps, decoupled against coupled
-          run pipeline_evals 560 $PY -m launch.bench_pipeline --runs shared-1-evals,coupled-1-evals --warm-steps 5 --timeout 200 --cycles 3 --skip-cycles 1 --set launch.mps=true --json "$OUT/pipeline_evals.json"
+          run pipeline_evals 560 $PY -m launch.bench.pipeline --runs shared-1-evals,coupled-1-evals --warm-steps 5 --timeout 200 --cycles 3 --skip-cycles 1 --set launch.mps=true --json "$OUT/pipeline_evals.json"
           keep_run_logs pipeline_evals ;;
     pauses)  # issue 18: the same decoupled run against the coupled baseline the issue measured, a 10 s pause for each evaluation
-          run pipeline_pauses 560 $PY -m launch.bench_pipeline --runs shared-1-evals,coupled-1-pauses --warm-steps 5 --timeout 200 --cycles 3 --skip-cycles 1 --set launch.mps=true --json "$OUT/pipeline_pauses.json"
+          run pipeline_pauses 560 $PY -m launch.bench.pipeline --runs shared-1-evals,coupled-1-pauses --warm-steps 5 --timeout 200 --cycles 3 --skip-cycles 1 --set launch.mps=true --json "$OUT/pipeline_pauses.json"
           keep_run_logs pipeline_pauses ;;
     checkpoint)  # issue 6: the Qwen3-8B draft's checkpoint stall (synchronous against background) and write (eight threads
                  # against one), and what the disk under /tmp takes
-          run disk 120 $PY -m launch.bench_disk --dir /tmp
-          run checkpoint 400 $PY -m launch.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp ;;
+          run disk 120 $PY -m launch.bench.disk --dir /tmp
+          run checkpoint 400 $PY -m launch.bench.checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp ;;
     checkpoint_fsdp)  # issue 6: the same draft's checkpoint stall under a 2-rank FSDP trainer (NCCL gather into reused pinned buffers)
           for mode in synchronous background; do
-            run checkpoint_fsdp_$mode 320 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench_checkpoint --parallelism fsdp --modes $mode --device auto --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp
+            run checkpoint_fsdp_$mode 320 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench.checkpoint --parallelism fsdp --modes $mode --device auto --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp
           done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

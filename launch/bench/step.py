@@ -5,10 +5,10 @@ sequence of --seq-len tokens with --num-anchors blocks. MFU = model FLOPs (commo
 train_flops_per_sample: ~73 TFLOP per sample at the default shapes, frozen head weight gradient
 excluded) / time / the bf16 matmul rate measured here (an 8192^3 matmul).
 
-    python -m launch.bench_step                       # H200: eager layers vs compiled layers
-    python -m launch.bench_step --variants compile-layers --steps 20
-    python -m launch.bench_step --tiny                # CPU smoke run
-    torchrun --nproc-per-node 2 -m launch.bench_step --variants compile-layers --master-fp32 --parallelism ddp
+    python -m launch.bench.step                       # H200: eager layers vs compiled layers
+    python -m launch.bench.step --variants compile-layers --steps 20
+    python -m launch.bench.step --tiny                # CPU smoke run
+    torchrun --nproc-per-node 2 -m launch.bench.step --variants compile-layers --master-fp32 --parallelism ddp
 
 Under torchrun every rank trains its own batch on its GPU (DDP or FSDP, as trainer.train does) and
 rank 0 prints the whole group's samples/s; divided by the single-GPU figure that is the scaling.
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from common.batch import PackedBatch
-from launch.benchutil import matmul_tflops, synchronize
+from launch.bench.util import matmul_tflops, synchronize
 from common.lifecycle import exit_process
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig
@@ -47,7 +47,7 @@ def qwen36_27b_draft(block_size: int) -> DraftConfig:
     """The released Qwen3.6-27B draft's shape (248,320-wide head), as DraftConfig derives it from the target."""
     from transformers import Qwen3_5TextConfig
 
-    from launch.bench_target import QWEN36_27B_SHAPE
+    from launch.bench.target import QWEN36_27B_SHAPE
 
     fields = {k: v for k, v in QWEN36_27B_SHAPE.items() if k != "model_type"}
     return DraftConfig.from_target(Qwen3_5TextConfig(**fields), mask_token_id=248070, block_size=block_size)

@@ -1,22 +1,22 @@
 """Benchmark (issue 6): the decoupled pipeline against its stages alone and the coupled baseline.
 
-    python -m launch.bench_pipeline                             # every run this machine's GPUs allow
-    python -m launch.bench_pipeline --runs trainer,split-2,coupled-2 --seconds 40
-    python -m launch.bench_pipeline --runs shared-1,shared-2 --set launch.mps=true   # shared GPUs under MPS
-    python -m launch.bench_pipeline --tiny                      # CPU smoke run of every run kind
-    python -m launch.bench_pipeline plot RESULTS.json --png docs/ring_occupancy.png
+    python -m launch.bench.pipeline                             # every run this machine's GPUs allow
+    python -m launch.bench.pipeline --runs trainer,split-2,coupled-2 --seconds 40
+    python -m launch.bench.pipeline --runs shared-1,shared-2 --set launch.mps=true   # shared GPUs under MPS
+    python -m launch.bench.pipeline --tiny                      # CPU smoke run of every run kind
+    python -m launch.bench.pipeline plot RESULTS.json --png docs/ring_occupancy.png
 
 Qwen3-8B-shaped target and draft (docs/dflash.md), random bf16 weights, samples of --length tokens (one
 sample per ring slot and per step), 512 anchors, block 16, fp32 master weights under bf16 autocast.
-Every run starts the real processes (``launch/run_all.sh``, or ``launch.coupled``) and
+Every run starts the real processes (``launch/run_all.sh``, or ``launch.bench.coupled``) and
 measures a steady window after warm-up, from the ledger's timestamps (samples trained) and the
 producers' status files (slots published, ring occupancy), sampled every 0.25 s.
 
 Runs (placement as producers -> trainer ranks):
-  producer       producer alone (``launch.bench_producer``): samples/s one target GPU delivers
-  trainer        trainer step alone on data already on its GPU (``launch.bench_step``)
+  producer       producer alone (``launch.bench.producer``): samples/s one target GPU delivers
+  trainer        trainer step alone on data already on its GPU (``launch.bench.step``)
   shared-1       producer and trainer on GPU 0
-  coupled-1      target forward then drafter step in one process on GPU 0 (``launch/coupled.py``)
+  coupled-1      target forward then drafter step in one process on GPU 0 (``launch/bench/coupled.py``)
   split-2        producer on GPU 0, trainer on GPU 1
   balanced-2     producer on GPU 0, trainer ranks on GPUs 0 and 1
   shared-2       producers on GPUs 0 and 1, trainer ranks on GPUs 0 and 1
@@ -56,9 +56,9 @@ from pathlib import Path
 from common.config import load_config, save_config
 from common.naming import run_tag, sweep_stale_segments, sweep_stale_trainer_staging
 from common.rundir import RunDir, read_json
-from launch.bench_restart import QWEN3_8B, wait_for
+from launch.bench.restart import QWEN3_8B, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JSON_ONLY = ("timeline", "ledger", "windows", "evaluation_spans")  # a run's series: in --json, not printed
 AFTER_EVAL_S = 3.0  # seconds after an evaluation's result reported as a phase of their own
 EVAL_LOG_EVERY = 5  # steps per metrics window of the *-evals runs: fine enough to tell windows during an evaluation
@@ -210,7 +210,7 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
         cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
         run.root.mkdir(parents=True)
         save_config(cfg, run.config)
-        trainer = ["-m", "launch.coupled", "--run-dir", str(run.root)]
+        trainer = ["-m", "launch.bench.coupled", "--run-dir", str(run.root)]
         if len(trainer_devices) > 1:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in trainer_devices)
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(trainer_devices)}", *trainer]
@@ -445,10 +445,10 @@ def backlog_span(timeline: list[dict], t0: float, t1: float) -> dict:
 def run_stage(name: str, args: argparse.Namespace) -> dict:
     """The producer alone or the trainer alone, by their own benchmark programs (last line is JSON)."""
     if name == "producer":
-        command = ["-m", "launch.bench_producer", "--warmup", str(args.warmup_s), "--seconds", str(args.seconds)]
+        command = ["-m", "launch.bench.producer", "--warmup", str(args.warmup_s), "--seconds", str(args.seconds)]
         command += ["--tiny"] if args.tiny else ["--fixed-len", str(args.length), "--budget", str(args.length)]
     else:
-        command = ["-m", "launch.bench_step", "--variants", "compile-layers" if not args.tiny else "eager",
+        command = ["-m", "launch.bench.step", "--variants", "compile-layers" if not args.tiny else "eager",
                    "--master-fp32", "--num-docs", "1", "--steps", "20", "--warmup", "3"]
         command += ["--tiny"] if args.tiny else ["--seq-len", str(args.length), "--num-anchors", str(args.anchors)]
     out = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
@@ -571,7 +571,7 @@ def plot(results_path: Path, png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plot"]:
-        parser = argparse.ArgumentParser(prog="bench_pipeline plot")
+        parser = argparse.ArgumentParser(prog="python -m launch.bench.pipeline plot")
         parser.add_argument("results", type=Path)
         parser.add_argument("--png", type=Path, default=ROOT / "docs" / "ring_occupancy.png")
         args = parser.parse_args(argv[1:])

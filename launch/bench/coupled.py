@@ -2,13 +2,13 @@
 
 This is how today's online trainers work: every step first runs the target on its batch, then
 trains the drafter on the captured features, on the same GPU. It exists so that the decoupled
-pipeline can be measured against it (``launch/bench_pipeline.py``) with everything else equal: the
+pipeline can be measured against it (``launch/bench/pipeline.py``) with everything else equal: the
 same data and batches, the same target capture, the same trainer loop, step, logging and ledger.
 Only where a batch comes from differs: ``CoupledSource`` takes the feeder's place, and it evaluates in the
 loop on its own target (``TrainingEvaluation``), as those trainers do.
 
-    python -m launch.coupled --run-dir DIR                      # one GPU
-    torchrun --nproc-per-node 2 -m launch.coupled --run-dir DIR  # DDP: rank r reads shard r
+    python -m launch.bench.coupled --run-dir DIR                      # one GPU
+    torchrun --nproc-per-node 2 -m launch.bench.coupled --run-dir DIR  # DDP: rank r reads shard r
 
 A benchmark tool, not a way to train: there are no producers, so nothing survives the process.
 """

@@ -7,8 +7,8 @@ Prints each evaluation's time split into making the reference, the replayed deco
 together, ``--new-tokens`` each, per round) and the simulated acceptance, then with ``--profile`` the
 operators of a later evaluation that took the most time, host and device.
 
-    python -m launch.bench_eval                  # H200
-    python -m launch.bench_eval --tiny           # CPU smoke run
+    python -m launch.bench.eval                  # H200
+    python -m launch.bench.eval --tiny           # CPU smoke run
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from common.batch import Document
 from common.config import EvalConfig, TargetConfig
 from common.drafter.evaluate import Evaluator, target_head_of
 from common.drafter.model import DFlashDrafter
-from launch.bench_step import qwen3_8b_draft, tiny_draft
-from launch.bench_target import QWEN3_8B_SHAPE
-from launch.benchutil import synchronize
+from launch.bench.step import qwen3_8b_draft, tiny_draft
+from launch.bench.target import QWEN3_8B_SHAPE
+from launch.bench.util import synchronize
 from producer.target import load_target_model
 
 TINY_TARGET = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,

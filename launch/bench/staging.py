@@ -1,8 +1,8 @@
 """Benchmark: how fast a GPU state lands in new /dev/shm staging segments, the way a handover during a checkpoint
 write makes them (trainer/handover.py ``SharedStaging.detach``), against copying into segments already made.
 
-    python -m launch.bench_staging                 # 4.2 + 8.4 GB, a Qwen3-8B draft's weights and AdamW state
-    python -m launch.bench_staging --gb 0.5 0.5    # smaller
+    python -m launch.bench.staging                 # 4.2 + 8.4 GB, a Qwen3-8B draft's weights and AdamW state
+    python -m launch.bench.staging --gb 0.5 0.5    # smaller
 
 Modes, each on fresh segments but "reused":
   reused          segments made and page-locked before, as the first checkpoint leaves them (the usual handover)

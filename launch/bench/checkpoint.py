@@ -1,10 +1,10 @@
 """Benchmark: how long training stands still for a checkpoint, written synchronously or in the background,
 and how long the write takes from eight threads (trainer/tensor_files.py) or from one.
 
-    python -m launch.bench_checkpoint                      # a 1024-wide draft on the CPU
-    python -m launch.bench_checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936
-    torchrun --nproc-per-node 2 -m launch.bench_checkpoint --parallelism fsdp --modes synchronous  # sharded
-    torchrun --nproc-per-node 2 -m launch.bench_checkpoint --parallelism fsdp --modes background
+    python -m launch.bench.checkpoint                      # a 1024-wide draft on the CPU
+    python -m launch.bench.checkpoint --device cuda:0 --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936
+    torchrun --nproc-per-node 2 -m launch.bench.checkpoint --parallelism fsdp --modes synchronous  # sharded
+    torchrun --nproc-per-node 2 -m launch.bench.checkpoint --parallelism fsdp --modes background
 
 A real Trainer (the tiny config with a wider random target) takes an AdamW step, then saves. "stall" is
 how long ``save_checkpoint`` keeps the training loop; "write" is until the checkpoint is on disk and
@@ -32,7 +32,7 @@ from common.rundir import RunDir
 from producer.server import load_target
 from trainer.train import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_trainer(run: RunDir, args: argparse.Namespace, async_checkpoint: bool) -> Trainer:

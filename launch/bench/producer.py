@@ -1,13 +1,13 @@
 """Benchmark: the producer process end to end (data, packing, capture, ring writes, announcements).
 
-    python -m launch.bench_producer                # Qwen3-8B-shaped target on cuda:0, CUDA ring
-    python -m launch.bench_producer --ring host    # page-locked host ring (copies on a side stream)
-    python -m launch.bench_producer --tiny         # the tiny CPU default (smoke run)
+    python -m launch.bench.producer                # Qwen3-8B-shaped target on cuda:0, CUDA ring
+    python -m launch.bench.producer --ring host    # page-locked host ring (copies on a side stream)
+    python -m launch.bench.producer --tiny         # the tiny CPU default (smoke run)
 
 A real ``producer.server`` process fills its ring; a consumer in this process takes every batch,
 acks it at once (no training) and counts tokens. After a warm-up the rate over ``--seconds`` is
 the producer's throughput with everything included; the consumer never holds it back, so it is
-what the target GPU delivers. MFU uses the same FLOP count as ``launch.bench_target``.
+what the target GPU delivers. MFU uses the same FLOP count as ``launch.bench.target``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 from common.config import load_config, save_config
 from common.rundir import RunDir, read_json
 from common.transport import RingClient
-from launch.bench_restart import QWEN3_8B
+from launch.bench.restart import QWEN3_8B
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if peak is None:
             import torch
 
-            from launch.benchutil import matmul_tflops
+            from launch.bench.util import matmul_tflops
 
             peak = matmul_tflops(torch.device("cuda:0"), 8192)
         config = AutoConfig.for_model(**QWEN3_8B)

@@ -1,7 +1,7 @@
 """Benchmark: how fast this host puts a checkpoint on disk, by the writers a checkpoint could use.
 
-    python -m launch.bench_disk --dir /path/of/the/run          # 8 GB raw, 4 GB through each serializer
-    python -m launch.bench_disk --dir /tmp --gb 1 --threads 1,4  # smaller
+    python -m launch.bench.disk --dir /path/of/the/run          # 8 GB raw, 4 GB through each serializer
+    python -m launch.bench.disk --dir /tmp --gb 1 --threads 1,4  # smaller
 
 A checkpoint of the Qwen3-8B draft is 12.6 GB written every few hundred steps (every 40 in the stall
 benchmark), and the trainer waits for the previous write before it starts the next. This measures what the

@@ -12,10 +12,10 @@ On an H200 (default): a Qwen3-8B-shaped target with random bf16 weights, capturi
 FLOPs (``producer.target.flops_per_document``): 2 * matmul params used * tokens + causal attention per
 document (2 * L(L+1) * heads * head_dim per layer); norms, rotary and embedding lookups are not counted.
 
-    python -m launch.bench_target                               # H200: ~3 minutes
-    python -m launch.bench_target --attn varlen,flex,sdpa --compile both
-    python -m launch.bench_target --shape qwen3.6-27b           # the hybrid Gated-DeltaNet family
-    python -m launch.bench_target --tiny                        # CPU smoke run
+    python -m launch.bench.target                               # H200: ~3 minutes
+    python -m launch.bench.target --attn varlen,flex,sdpa --compile both
+    python -m launch.bench.target --shape qwen3.6-27b           # the hybrid Gated-DeltaNet family
+    python -m launch.bench.target --tiny                        # CPU smoke run
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from common.batch import PackedBatch
-from launch.benchutil import matmul_tflops, synchronize
+from launch.bench.util import matmul_tflops, synchronize
 from common.codec import DTYPES
 from common.config import TargetConfig
 from producer.target import (

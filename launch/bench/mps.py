@@ -1,7 +1,7 @@
 """Benchmark (issue 18): can a producer's short kernels keep their speed beside a trainer on one GPU?
 
-    python -m launch.bench_mps                 # needs a CUDA GPU and nvidia-cuda-mps-control
-    python -m launch.bench_mps --seconds 6 --hog-percents 90,80
+    python -m launch.bench.mps                 # needs a CUDA GPU and nvidia-cuda-mps-control
+    python -m launch.bench.mps --seconds 6 --hog-percents 90,80
 
 A producer evaluating beside a trainer on one GPU runs thousands of short kernels (an evaluation's decoding
 rounds) while the trainer keeps every SM busy with long matmuls; an evaluation of 3.4 s alone took 20-40 s
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # an MPS client's cap on the SMs it may use
 
 
@@ -74,14 +74,14 @@ def probe(seconds: float) -> dict:
 
 
 def run_role(role: str, seconds: float, env: dict[str, str], delay_s: float = 0.0) -> subprocess.Popen:
-    command = [sys.executable, "-m", "launch.bench_mps", "--role", role, "--seconds", str(seconds), "--delay-s", str(delay_s)]
+    command = [sys.executable, "-m", "launch.bench.mps", "--role", role, "--seconds", str(seconds), "--delay-s", str(delay_s)]
     return subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
 
 
 def result_of(proc: subprocess.Popen) -> dict:
     out, _ = proc.communicate(timeout=300)
     if proc.returncode != 0:
-        raise RuntimeError(f"a bench_mps role exited with {proc.returncode}")
+        raise RuntimeError(f"a launch.bench.mps role exited with {proc.returncode}")
     return json.loads(out.strip().splitlines()[-1])
 
 

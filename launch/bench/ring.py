@@ -1,8 +1,8 @@
 """Ring benchmark: slot hand-off throughput and protocol latency against the raw copy ceiling.
 
-    python -m launch.bench_ring                  # every placement this machine has
-    python -m launch.bench_ring --json out.json
-    python -m launch.bench_ring --latency-only --repeat 7 --baseline /tmp/base   # before/after
+    python -m launch.bench.ring                  # every placement this machine has
+    python -m launch.bench.ring --json out.json
+    python -m launch.bench.ring --latency-only --repeat 7 --baseline /tmp/base   # before/after
 
 For each placement a real producer process serves a ring and a real consumer process receives
 each slot and copies it into its own memory (CPU tensor, or its GPU); with two credits the copy
@@ -38,7 +38,7 @@ from common.ring import create_ring
 from common.sockets import ipc_endpoint
 from common.transport import RingClient, RingServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -143,10 +143,10 @@ def _finish(client: RingClient, delivery, copied) -> None:
 
 def _run_pair(name: str, backend: str, dest: str, slot_bytes: int, count: int, copy: bool, credits: int,
               producer_env: dict, consumer_env: dict, slots: int, tree: Path = ROOT) -> dict:
-    """One producer and one consumer process, both running ``launch.bench_ring`` of ``tree``."""
+    """One producer and one consumer process, both running ``launch.bench.ring`` of ``tree``."""
     with tempfile.TemporaryDirectory(prefix="df-bench-", dir="/tmp") as tmp:
         endpoint = ipc_endpoint(Path(tmp) / "p.ipc")
-        base = [sys.executable, "-m", "launch.bench_ring"]
+        base = [sys.executable, "-m", "launch.bench.ring"]
         shared = ["--endpoint", endpoint, "--slot-bytes", str(slot_bytes)]
         tree_env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
         producer_env, consumer_env = {**producer_env, **tree_env}, {**consumer_env, **tree_env}
