@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         subprocess.run([str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)], cwd=ROOT,
                        capture_output=True, timeout=300)
-        if os.environ.get("OUT"):  # the device machine keeps nothing: bring the logs back
+        if os.environ.get("OUT"):  # the run directory dies with a GPU machine that starts bare: keep the logs in $OUT
             for path in [log_path, *sorted((run_dir / "logs").glob("*.log"))][:5]:
                 Path(os.environ["OUT"], f"restart_{path.name}").write_text(path.read_text()[-200_000:])
         if launcher.poll() is None:

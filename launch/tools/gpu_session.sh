@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of the project in one go, for one device-tool call (the device
-# machine keeps nothing between calls). Logs and JSON go to $OUT (default ./gpu-out); a summary is
+# Every GPU check and benchmark of the project in one go, on a GPU machine that starts bare and
+# keeps nothing from one run to the next. Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp ...]   (default: all but pipeline and scaling)
-# The pipeline benchmark takes longer than one device call (10 min): start it in the background with
-# setsid (it writes its JSON after every run) and collect the results in a later call.
-# The device image lacks some packages: install them from wheels carried in .whl first, e.g.
+#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp ...]   (default: tests ring producer step restart)
+# The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
+# the background with setsid (it writes its JSON after every run) and collect the results later.
+# A bare image may lack some packages: install them from wheels carried in .whl first, e.g.
 #   python3 -m pip install -q --no-index --find-links .whl pyzmq wandb accelerate transformers==5.24.0
 # (accelerate: transformers needs it for device_map and tensor-parallel loading).
 set -u
@@ -23,14 +23,14 @@ run() {  # name, seconds, command...
   tail -n 8 "$OUT/$name.log" | cut -c1-300
   summary+=("$name rc=$rc")
 }
-keep_run_logs() {  # name: the pipeline runs' logs, metrics and evaluation records, in one file (the device tool
-                  # brings back a few files only), without their exported weights; their checkpoints are gone already
+keep_run_logs() {  # name: the pipeline runs' logs, metrics and evaluation records, in one file under $OUT (small
+                  # enough to copy off the machine), without their exported weights; their checkpoints are gone already
   tar czf "$OUT/$1-runs.tgz" --exclude="*.safetensors" /tmp/df-*-*/run/logs /tmp/df-*-*/run/metrics.jsonl /tmp/df-*-*/run/evals 2>/dev/null
   rm -rf /tmp/df-*-*/
 }
 for step in $steps; do
   case $step in
-    tests)  # pytest-timeout (in the device image) stops a hung test with its stack, and the others still run
+    tests)  # pytest-timeout (where installed) stops a hung test with its stack, and the others still run
           per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 330")
           run gpu_tests 600 $PY -m pytest -q -rfEs -p no:cacheprovider $per_test --durations=8 -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py tests/test_tensor_parallel.py tests/test_fsdp.py ;;
     hybrid)  # issue 17: Qwen3.6-27B shapes (Gated-DeltaNet hybrid): fla GPU test, producer capture, the 27B draft's step
