@@ -1,1 +1,1 @@
-"""The project's own tools: protocol fuzzing, the soak program, the demo peers and the GPU check script."""
+"""The project's own tools, each run as ``python -m launch.tools.<name>``: fuzzing, the soak program, the demo peers, generated docs."""
