@@ -36,10 +36,13 @@ def _check(condition: bool, key: str, message: str) -> None:
 
 
 def resolve_model_path(path: str, key: str) -> str:
-    """A model folder with a config.json: ``path`` itself, or the snapshot of the hub id ``path`` in the local
-    Hugging Face cache (looked up only; nothing is downloaded). ConfigError naming ``key`` otherwise."""
+    """A model folder with a config.json: ``path`` itself, the folder a GGUF file ``path`` is dequantized into
+    (common/gguf.py), or the snapshot of the hub id ``path`` in the local Hugging Face cache (looked up only;
+    nothing is downloaded). ConfigError naming ``key`` otherwise."""
     if (Path(path) / "config.json").is_file():
         return path
+    if path.endswith(".gguf"):
+        return _gguf_folder(path, key)
     if Path(path).exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", path):
         raise ConfigError(f"{key}: no config.json in {path}")
     from huggingface_hub import snapshot_download
@@ -54,6 +57,17 @@ def resolve_model_path(path: str, key: str) -> str:
     if not (Path(snapshot) / "config.json").is_file():
         raise ConfigError(f"{key}: the cached snapshot of {path!r} ({snapshot}) has no config.json")
     return snapshot
+
+
+def _gguf_folder(path: str, key: str) -> str:
+    from common.gguf import GGUFError, dequantized_folder
+
+    if not Path(path).is_file():
+        raise ConfigError(f"{key}: no such GGUF file {path}")
+    try:
+        return str(dequantized_folder(path))
+    except GGUFError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 # -- sections ------------------------------------------------------------------------------------
@@ -97,8 +111,9 @@ class TargetConfig:
     }
 
     path: str | None = None
-    """Local directory of a Hugging Face causal LM (config.json + safetensors), loaded with its weights; or a
-    hub id (``Qwen/Qwen3-8B``) already in the local Hugging Face cache, replaced by its snapshot folder
+    """Local directory of a Hugging Face causal LM (config.json + safetensors), loaded with its weights; a GGUF
+    file (``model.Q4_1.gguf``: dequantized once into a cached folder, tokenizer and chat template included, see
+    common/gguf.py); or a hub id (``Qwen/Qwen3-8B``) already in the local Hugging Face cache, replaced by its snapshot folder
     (nothing is downloaded)."""
     config_json: str | None = None
     """A config.json (with ``model_type``) to build a target with random weights at real shapes."""
@@ -642,8 +657,9 @@ class EvalConfig:
     """Prompt of a held-out document: its first prompt_len tokens; 0: the tokens before its first
     supervised token (the prompt turn of chat data)."""
     paths: list[str] = field(default_factory=list)
-    """Held-out files in data.format; empty: synthetic data holds out the documents after
-    data.num_samples (never trained on); other formats need files."""
+    """Held-out files in data.format; empty: synthetic data holds out the documents after data.num_samples, other
+    data holds out num_prompts of its own records, drawn by a fixed seed and data.shuffle_seed and never trained on
+    (``check`` says how many)."""
     gap_tolerance: float = 0.3
     """Largest |real - simulated tau| without a warning, as a fraction of the most a block can gain
     (B - 1). The tiny default ends at 0.15-0.2 (real 1.9-2.0, simulated 2.45-2.5 of B = 4): real
@@ -686,11 +702,6 @@ class RunConfig:
             self.eval.every_steps % self.logging.log_every == 0,
             "eval.every_steps",
             f"must be a multiple of logging.log_every ({self.logging.log_every}), got {self.eval.every_steps}",
-        )
-        _check(
-            not self.eval.every_steps or self.data.format == "synthetic" or bool(self.eval.paths),
-            "eval.paths",
-            f"must name held-out files to evaluate on data.format={self.data.format!r}",
         )
 
 

