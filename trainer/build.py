@@ -6,6 +6,7 @@ takeover: one place says how, so that what a warm start built is what the traine
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from common.rundir import RunDir
 from common.drafter.draft_config import DraftConfig
 from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead, load_target_head
+
+log = logging.getLogger(__name__)
 
 
 def head_dir_of(cfg: RunConfig, run_dir: RunDir) -> Path:
@@ -66,11 +69,16 @@ def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> Draf
         # uses. (transformers would return an empty tokenizer here, whose ids collide with data.)
         mask = int(target_config.vocab_size) - 1
     try:
-        return DraftConfig.from_target(target_config, num_draft_layers=d.num_layers, tokenizer=tokenizer,
-                                       mask_token_id=mask, **overrides)
+        config = DraftConfig.from_target(target_config, num_draft_layers=d.num_layers, tokenizer=tokenizer,
+                                         mask_token_id=mask, **overrides)
     except ValueError as exc:  # the drafter cannot be built as configured: the same on every try
         message = str(exc)
         raise ConfigError(message if message.startswith("drafter.") else f"drafter.{message}") from None
+    if d.mask_token_id is None:
+        name = f" {tokenizer.convert_ids_to_tokens(config.mask_token_id)!r}" if tokenizer is not None else ""
+        log.info("drafter.mask_token_id unset: the mask token is %d%s (set drafter.mask_token_id to choose another)",
+                 config.mask_token_id, name)
+    return config
 
 
 def compiles(cfg: RunConfig, device: torch.device) -> bool:

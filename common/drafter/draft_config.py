@@ -264,10 +264,33 @@ class DraftConfig:
         reserved = sorted(i for token, i in tokenizer.get_added_vocab().items() if "reserved" in token.lower())
         if reserved:
             return reserved[0]
+        unused = unused_special_token(tokenizer)
+        if unused is not None:
+            return unused
         raise ValueError(
             f"drafter.mask_token_id: the tokenizer has no mask token, its {len(tokenizer)} tokens fill the target's "
-            f"vocabulary of {vocab_size}, and it has no reserved special token to use; set drafter.mask_token_id "
-            "to an id the data never contains")
+            f"vocabulary of {vocab_size}, and it has no reserved or unused special token to use; set "
+            "drafter.mask_token_id to an id the data never contains")
+
+
+def unused_special_token(tokenizer: Any) -> int | None:
+    """The last special token that no conversation uses, or None: not bos, eos, pad or unk, and not written by the
+    chat template in a probe conversation (system, user, assistant, user, generation prompt; with thinking on and
+    off). Plain text never tokenizes to such a token, so the data cannot contain it either (SmolLM2: 16,
+    ``<empty_output>``, of the dozen code-data markers its vocabulary keeps)."""
+    special = {int(i) for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special -= {int(i) for i in tokenizer.all_special_ids}
+    if getattr(tokenizer, "chat_template", None):
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+        for thinking in (True, False):
+            try:
+                text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
+                                                     enable_thinking=thinking)
+            except Exception:  # a template that rejects the probe (e.g. no system role): its tokens stay excluded below
+                continue
+            special -= set(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return max(special) if special else None
 
 
 def target_rope_parameters(config: Any) -> dict[str, Any]:
