@@ -13,7 +13,6 @@ record of the sample is usable.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -79,16 +78,14 @@ def marked(tokenizer: Any, input_ids: np.ndarray, loss_mask: np.ndarray, color: 
 
 def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]]:
     """The report (text) and its figures of what training would see of ``cfg``'s data."""
-    from producer.data import build_data_source
+    from producer.data import run_sources
+    from producer.target import build_target_config
 
     tokenizer = _tokenizer(cfg)
     lines = [_drafter_summary(cfg, tokenizer)]
     data_cfg = cfg.data
-    if data_cfg.format == "synthetic" and data_cfg.vocab_size is None:
-        from producer.target import build_target_config
-
-        data_cfg = dataclasses.replace(data_cfg, vocab_size=int(build_target_config(cfg.target).vocab_size) - 1)
-    source = build_data_source(data_cfg, tokenizer=tokenizer if data_cfg.format == "chat" else None)
+    source, held_out = run_sources(cfg, int(build_target_config(cfg.target).vocab_size),
+                                   tokenizer=tokenizer if data_cfg.format == "chat" else None)
     count = min(sample, len(source))
     # Spread over the data set, so that a bad tail shows too.
     ids = np.unique(np.linspace(0, len(source) - 1, count).round().astype(int)) if count else np.array([], int)
@@ -98,8 +95,13 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
     stats = source.stats
     figures = {"records": len(source), "sampled": int(len(ids)), "good": len(documents),
                "bad": dict(stats.bad), "first_bad": list(stats.first_bad), "truncated": stats.truncated}
-    lines.append(f"data: {len(source)} records in {data_cfg.format} format; sampled {len(ids)}: {len(documents)} good, "
-                 f"{sum(stats.bad.values())} bad {dict(stats.bad) or ''}".rstrip())
+    lines.append(f"data: {len(source)} records in {data_cfg.format} format to train on; sampled {len(ids)}: "
+                 f"{len(documents)} good, {sum(stats.bad.values())} bad {dict(stats.bad) or ''}".rstrip())
+    figures["held_out"] = len(held_out)
+    lines.append(f"held out for evaluation: {len(held_out)} records, " + (
+        "the files of eval.paths" if cfg.eval.paths else
+        "the synthetic documents after data.num_samples" if data_cfg.format == "synthetic" else
+        "drawn from the data and never trained on (eval.num_prompts; eval.paths to give files instead)"))
     lines += [f"  bad record {where}" for where in stats.first_bad]
     if documents:
         figures.update(tokens_min=int(lengths.min()), tokens_mean=float(lengths.mean()),
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
         report, figures = check(cfg, args.sample, color=sys.stdout.isatty())
-    except (ConfigError, DataError, UnsupportedTarget) as exc:
+    except (ConfigError, DataError, UnsupportedTarget, ValueError) as exc:  # ValueError: an override the target contradicts
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(report)

@@ -18,6 +18,7 @@ returns ``None``. It never stops the producer.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import glob
 import json
 import logging
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from common.batch import Document
-from common.config import DataConfig
+from common.config import DataConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -532,6 +533,49 @@ class SyntheticSource(DataSource):
 
 
 # ----------------------------------------------------------------------------------------------
+# The held-out split
+
+
+class SubsetSource(DataSource):
+    """The records of ``source`` with the given ids, renumbered ``0 .. len(ids) - 1`` in their order."""
+
+    def __init__(self, source: DataSource, ids: np.ndarray):
+        super().__init__(source.config)
+        self.source = source
+        self.ids = np.asarray(ids, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def location(self, sample_id: int) -> str:
+        return self.source.location(int(self.ids[sample_id]))
+
+    def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.source._read(int(self.ids[sample_id]))
+
+
+HELD_OUT_SEED = 0x5EED_E7A1
+"""Mixed with data.shuffle_seed to pick the held-out records: fixed, so that every process picks the same ones."""
+
+
+def held_out_ids(num_records: int, count: int, shuffle_seed: int) -> np.ndarray:
+    """The ids of the ``count`` records held out for evaluation, sorted: a seeded draw spread over the whole data
+    set (not its head or tail, which are often one source or one length). ValueError when nothing would be left."""
+    if count >= num_records:
+        raise ValueError(f"the data has {num_records} records: holding out eval.num_prompts={count} for evaluation "
+                         "leaves none to train on (lower eval.num_prompts or give eval.paths)")
+    rng = np.random.default_rng([HELD_OUT_SEED, shuffle_seed])
+    return np.sort(rng.choice(num_records, size=count, replace=False))
+
+
+def split_held_out(source: DataSource, count: int, shuffle_seed: int) -> tuple[DataSource, DataSource]:
+    """(training records, held-out records) of ``source``: disjoint, together all of it, the same in every process."""
+    held = held_out_ids(len(source), count, shuffle_seed)
+    kept = np.setdiff1d(np.arange(len(source), dtype=np.int64), held, assume_unique=True)
+    return SubsetSource(source, kept), SubsetSource(source, held)
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def build_data_source(config: DataConfig, tokenizer: Any = None) -> DataSource:
@@ -555,3 +599,32 @@ def build_data_source(config: DataConfig, tokenizer: Any = None) -> DataSource:
 
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     return ChatJsonlSource(config, paths, tokenizer)
+
+
+def run_sources(cfg: RunConfig, target_vocab_size: int, tokenizer: Any = None) -> tuple[DataSource, DataSource]:
+    """(training, held-out) documents of a run, the same in every process that asks.
+
+    Held out: the files of ``eval.paths`` when given; for synthetic data the ``eval.num_prompts`` documents after
+    ``data.num_samples`` (generated like the training ones); otherwise ``eval.num_prompts`` records of the data
+    itself, drawn by ``held_out_ids`` and never trained on. Chat data is rendered with ``tokenizer``, else
+    ``data.tokenizer``, else the target's.
+    """
+    data = cfg.data
+    if data.format == "synthetic" and data.vocab_size is None:
+        # Keep the last id free: with no tokenizer it is the drafter's mask token.
+        data = dataclasses.replace(data, vocab_size=target_vocab_size - 1)
+    if tokenizer is None and data.format == "chat" and data.tokenizer is None and cfg.target.path is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
+    count = cfg.eval.num_prompts
+    if data.format == "synthetic":
+        extended = build_data_source(dataclasses.replace(data, num_samples=data.num_samples + count))
+        return build_data_source(data), SubsetSource(extended, np.arange(data.num_samples, data.num_samples + count))
+    source = build_data_source(data, tokenizer=tokenizer)
+    if cfg.eval.paths:
+        return source, build_data_source(dataclasses.replace(data, paths=list(cfg.eval.paths)), tokenizer=tokenizer)
+    try:
+        return split_held_out(source, count, data.shuffle_seed)
+    except ValueError as exc:
+        raise DataError(f"{', '.join(data.paths)}: {exc}") from None

@@ -3,41 +3,22 @@ held-out split of the run's data (the decoding itself: common/drafter/evaluate.p
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from torch import nn
 
 from common.batch import Document
-from common.config import ConfigError, RunConfig
+from common.config import RunConfig
 from common.drafter.evaluate import Evaluator, GreedyTarget, stop_tokens_of
-from producer.data import build_data_source
+from producer.data import run_sources
 
 
 def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
-    """The first ``eval.num_prompts`` good documents of the held-out split.
-
-    ``eval.paths`` when given (files in ``data.format``); else, for synthetic data, the documents with ids
-    ``data.num_samples ..``: generated exactly like the training ones, which are ids ``0 .. num_samples - 1``,
-    so never trained on.
-    """
-    data = cfg.data
-    if data.format == "synthetic" and data.vocab_size is None:
-        data = dataclasses.replace(data, vocab_size=vocab_size - 1)  # as the producers: the last id stays free
-    tokenizer = None
-    if data.format == "chat" and data.tokenizer is None and cfg.target.path is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)  # as the producers: the target's own
-    if cfg.eval.paths:
-        source, first = build_data_source(dataclasses.replace(data, paths=list(cfg.eval.paths)), tokenizer), 0
-    elif data.format == "synthetic":
-        extended = dataclasses.replace(data, num_samples=data.num_samples + cfg.eval.num_prompts)
-        source, first = build_data_source(extended), data.num_samples
-    else:
-        raise ConfigError(f"eval.paths: needs held-out files for data.format={data.format!r}")
+    """The first ``eval.num_prompts`` good documents of the run's held-out split (producer/data.py run_sources:
+    ``eval.paths``, the synthetic documents after ``data.num_samples``, or records of the data never trained on)."""
+    _, source = run_sources(cfg, vocab_size)
     documents = []
-    for sample_id in range(first, len(source)):
+    for sample_id in range(len(source)):
         document = source.get(sample_id)
         if document is not None:
             documents.append(document)

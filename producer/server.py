@@ -55,7 +55,7 @@ from common.sockets import CurveKeys, SecretsError, ipc_endpoint
 from common.transport import RingServer
 from common.drafter.evaluate import Evaluator, GreedyTarget
 from producer.batching import BatchPlan, RunningBatchStats, batch_stats
-from producer.data import DataError, build_data_source
+from producer.data import DataError, run_sources
 from producer.evaluation import build_evaluator
 from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
@@ -149,18 +149,10 @@ def load_target(cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str |
 
 
 def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_shards: int) -> BatchPlan:
-    """The batches of one shard of the run's data, in their deterministic order."""
-    data_cfg = cfg.data
-    if data_cfg.format == "synthetic" and data_cfg.vocab_size is None:
-        # Keep the last id free: with no tokenizer it is the drafter's mask token.
-        data_cfg = dataclasses.replace(data_cfg, vocab_size=target_vocab_size - 1)
-    tokenizer = None
-    if data_cfg.format == "chat" and data_cfg.tokenizer is None and cfg.target.path is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.target.path)
-    source = build_data_source(data_cfg, tokenizer=tokenizer)
-    order = ShardOrder(len(source), OrderConfig(seed=data_cfg.shuffle_seed, num_shards=num_shards, shard_index=shard_index))
+    """The batches of one shard of the run's training data (its held-out records left out), in their
+    deterministic order."""
+    source, _ = run_sources(cfg, target_vocab_size)
+    order = ShardOrder(len(source), OrderConfig(seed=cfg.data.shuffle_seed, num_shards=num_shards, shard_index=shard_index))
     return BatchPlan(source, order, cfg.batching)
 
 
