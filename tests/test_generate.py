@@ -85,9 +85,9 @@ def test_greedy_equals_plain_generate_with_refill_and_every_stop(kind):
     assert 0.5 < stats.occupancy <= 1.0
 
 
-def test_results_come_as_they_end_and_follow_ups_go_first():
+def test_follow_ups_go_to_the_front_and_requests_are_pulled_lazily():
     model = tiny_model("qwen3", seed=3)
-    questions = prompts_of([4, 6, 5], seed=5)
+    questions = prompts_of([4, 6], seed=5)
     pulled = []
 
     def source():
@@ -95,22 +95,25 @@ def test_results_come_as_they_end_and_follow_ups_go_first():
             pulled.append(i)
             yield Request(("question", i), prompt, 6)
 
-    def answer(finished: Finished):
+    def next_turns(finished: Finished):
         kind, i = finished.key
-        if kind == "question":  # the second turn continues the whole first one
-            return [Request(("answer", i), finished.prompt_ids + finished.new_ids + [7, 8], 5)]
+        history = finished.prompt_ids + finished.new_ids
+        if kind == "question":  # two answers, each continuing the whole first turn
+            return [Request(("answer", i), history + [7, 8], 5), Request(("other answer", i), history + [9], 4)]
+        if kind == "answer":  # queued ahead of the other answer, which is already waiting
+            return [Request(("third turn", i), history + [10], 3)]
         return None
 
-    generator = Generator(model, GenerationConfig(rows=1, max_new_tokens=6, max_prompt_tokens=24))
+    limits = {"question": 6, "answer": 5, "other answer": 4, "third turn": 3}
+    generator = Generator(model, GenerationConfig(rows=1, max_new_tokens=6, max_prompt_tokens=40))
     order, pulled_when_seen = [], []
-    for finished in generator.generate(source(), answer):
+    for finished in generator.generate(source(), next_turns):
         order.append(finished.key)
         pulled_when_seen.append(len(pulled))
-        prompt = finished.prompt_ids
-        assert finished.new_ids == plain_greedy(model, prompt, 5 if finished.key[0] == "answer" else 6)
-    assert order == [("question", 0), ("answer", 0), ("question", 1), ("answer", 1), ("question", 2), ("answer", 2)]
-    # Pulled lazily: question i+1 is not taken before answer i is done.
-    assert pulled_when_seen == [1, 1, 2, 2, 3, 3]
+        assert finished.new_ids == plain_greedy(model, finished.prompt_ids, limits[finished.key[0]]), finished.key
+    assert order == [(kind, i) for i in range(2) for kind in ("question", "answer", "third turn", "other answer")]
+    # Question 1 is not taken from the source before every turn of question 0 is done.
+    assert pulled_when_seen == [1] * 4 + [2] * 4
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
