@@ -162,7 +162,8 @@ class GenerationStats:
     """Prompt tokens prefilled (padding not counted)."""
     prefill_forwards: int = 0
     seconds: float = 0.0
-    """Time spent inside generate (not while the caller holds a yielded result)."""
+    """Time spent generating: inside generate, less the caller's code (while it holds a yielded result, pulls
+    the next request from its source, or runs on_finish)."""
     warmup_seconds: float = 0.0
     """Graph capture and its warm-up runs: once per Generator, not in ``seconds``."""
     busy_row_steps: int = 0
@@ -443,6 +444,7 @@ class Generator:
         self.engine = STATIC_CACHE_ENGINE if self.refusal is None else TRANSFORMERS_ENGINE
         self._decoder: StaticCacheDecoder | None = None
         self._warm = False
+        self._running = False
         if self.refusal is not None:
             log.warning("generation falls back to model.generate in chunks of %d rows, without refill: %s",
                         config.rows, self.refusal)
@@ -487,28 +489,50 @@ class Generator:
         yielded and may return follow-up requests (the answer turn after a Magpie question, say): they
         go to the front of the queue, ahead of the requests not yet pulled.
         """
-        self.warm_up()
-        run = self._run_static if self._decoder is not None else self._run_transformers
-        queue: deque[Request] = deque()
-        source = iter(requests)
+        if self._running:
+            raise RuntimeError("Generator.generate is already running: exhaust or close that iterator first "
+                               "(they share the cache rows)")
+        self._running = True
+        try:
+            self.warm_up()
+            run = self._run_static if self._decoder is not None else self._run_transformers
+            queue: deque[Request] = deque()
+            source = iter(requests)
+            started = time.perf_counter()
+            callers = 0.0  # seconds spent in the caller's code (the request source, on_finish): not generating
 
-        def next_request() -> Request | None:
-            return queue.popleft() if queue else next(source, None)
+            def next_request() -> Request | None:
+                nonlocal callers
+                if queue:
+                    return queue.popleft()
+                pulling = time.perf_counter()
+                request = next(source, None)
+                callers += time.perf_counter() - pulling
+                return request
 
-        started = time.perf_counter()
-        for batch in run(next_request):
-            follow_ups: list[Request] = []
-            for finished in batch:
-                self.stats.finished += 1
-                self.stats.new_tokens += len(finished.new_ids)
-                if on_finish is not None:
-                    follow_ups.extend(on_finish(finished) or ())
-            queue.extendleft(reversed(follow_ups))
-            for finished in batch:
-                self.stats.seconds += time.perf_counter() - started
-                yield finished
-                started = time.perf_counter()
-        self.stats.seconds += time.perf_counter() - started
+            def count_time() -> None:
+                nonlocal started, callers
+                now = time.perf_counter()
+                self.stats.seconds += now - started - callers
+                started, callers = now, 0.0
+
+            for batch in run(next_request):
+                follow_ups: list[Request] = []
+                for finished in batch:
+                    self.stats.finished += 1
+                    self.stats.new_tokens += len(finished.new_ids)
+                    if on_finish is not None:
+                        asking = time.perf_counter()
+                        follow_ups.extend(on_finish(finished) or ())
+                        callers += time.perf_counter() - asking
+                queue.extendleft(reversed(follow_ups))
+                for finished in batch:
+                    count_time()
+                    yield finished
+                    started = time.perf_counter()
+            count_time()
+        finally:
+            self._running = False
 
     def _limit(self, request: Request) -> int:
         """New tokens the request may have: its own limit, or fewer when its cache row would overflow
@@ -534,6 +558,7 @@ class Generator:
         """Admit, prefill, decode and retire rows until no request is left; yields each step's results."""
         config = self.config
         busy: dict[int, _Busy] = {}
+        self._state.active.zero_()  # rows a closed earlier generate left running
         while True:
             finished: list[Finished] = []
             free = [row for row in range(config.rows) if row not in busy]

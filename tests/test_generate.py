@@ -116,6 +116,20 @@ def test_follow_ups_go_to_the_front_and_requests_are_pulled_lazily():
     assert pulled_when_seen == [1] * 4 + [2] * 4
 
 
+def test_a_closed_generate_leaves_nothing_running():
+    model = tiny_model("llama", seed=5)
+    prompts = prompts_of([4, 9, 6], seed=7)
+    generator = Generator(model, GenerationConfig(rows=2, max_new_tokens=12, max_prompt_tokens=12))
+    first = generator.generate(Request(i, p, 3 + 9 * i) for i, p in enumerate(prompts))
+    assert next(first).key == 0  # row 1 is mid-sequence when the caller walks away
+    with pytest.raises(RuntimeError, match="already running"):
+        next(generator.generate([Request("other", prompts[2])]))
+    first.close()
+    # One request: row 1 is not refilled, so a sequence left running there would surface here.
+    again = run(generator, [Request("again", prompts[2])])
+    assert list(again) == ["again"] and again["again"].new_ids == plain_greedy(model, prompts[2], 12)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_sampling_is_reproducible_and_tiny_top_p_is_greedy(kind):
     model = tiny_model(kind, seed=2)
