@@ -216,7 +216,8 @@ def differences(expected: str, actual: str) -> list[str]:
         [line for line in actual.splitlines() if not re.match(r"\| `[\w.]+` \|", line)],
         [line for line in expected.splitlines() if not re.match(r"\| `[\w.]+` \|", line)], lineterm="", n=0)
         if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    found += [f"other text: {line}" for line in rest]
+    found += [f"other text: {line}" for line in rest[:10]]
+    found += [f"other text: {len(rest) - 10} more lines"] if len(rest) > 10 else []
     return found or ["the page differs (whitespace or order)"]
 
 
