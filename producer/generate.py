@@ -35,7 +35,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +50,6 @@ STATIC_CACHE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # RoPE variants whose frequencies change with the length generated so far: a table of cos/sin computed once
 # per position cannot reproduce them.
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
-STOP_REASONS = ("stop", "length", "max_len", "prompt_too_long")
 
 
 @dataclass
@@ -204,6 +203,8 @@ def static_cache_refusal(model: nn.Module, cache_len: int) -> str | None:
         return f"rope type {rope['rope_type']!r} depends on the sequence length"
     if any(getattr(config, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")):
         return "a mixture of experts"
+    if (getattr(model, "_tp_size", None) or 1) > 1:
+        return "tensor-parallel shards (each rank holds some heads)"
     parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "input_layernorm", "post_attention_layernorm", "mlp")
     for index, layer in enumerate(base.layers):
@@ -240,7 +241,6 @@ class StaticCacheDecoder:
     def __init__(self, model: nn.Module, rows: int, cache_len: int) -> None:
         config = model.config
         base = model.model
-        self.model = model
         self.embed_tokens = base.embed_tokens
         self.layers = list(base.layers)
         self.final_norm = base.norm
@@ -423,7 +423,6 @@ class _Busy:
     request: Request
     position: int
     """Where the row's next fed token goes."""
-    max_new_tokens: int
 
 
 class Generator:
@@ -596,8 +595,8 @@ class Generator:
             row_tensor = torch.tensor(rows, device=self.device)
             logits = self._decoder.prefill(row_tensor, prompts)
             done = self._record_first(row_tensor, self._sampler(logits), prompts, limits)
-            for (row, request), limit, ended in zip(chunk, limits, done.tolist()):
-                busy[row] = _Busy(request, len(request.prompt_ids), limit)
+            for (row, request), ended in zip(chunk, done.tolist()):
+                busy[row] = _Busy(request, len(request.prompt_ids))
                 if ended:
                     done_rows.append(row)
             self.stats.prefill_tokens += sum(len(p) for p in prompts)
