@@ -444,6 +444,9 @@ class Generator:
         self._decoder: StaticCacheDecoder | None = None
         self._warm = False
         self._running = False
+        # Chunks the fallback generated so far: each samples from its own seed, also across generate calls
+        # (the same Magpie prefix asked again must not get the same questions).
+        self._fallback_chunks = 0
         if self.refusal is not None:
             log.warning("generation falls back to model.generate in chunks of %d rows, without refill: %s",
                         config.rows, self.refusal)
@@ -658,7 +661,6 @@ class Generator:
 
     def _run_transformers(self, next_request: Callable[[], Request | None]) -> Iterator[list[Finished]]:
         """Plain ``model.generate`` on chunks of up to ``rows`` requests (a chunk ends when its longest does)."""
-        chunk_index = 0
         while True:
             refused: list[Finished] = []
             chunk: list[Request] = []
@@ -673,11 +675,11 @@ class Generator:
                 if refused:
                     continue  # their follow-ups may have queued more
                 return
-            yield self._transformers_chunk(chunk, chunk_index)
-            chunk_index += 1
+            self._fallback_chunks += 1
+            yield self._transformers_chunk(chunk, self.config.seed + self._fallback_chunks)
 
     @torch.no_grad()
-    def _transformers_chunk(self, chunk: list[Request], chunk_index: int) -> list[Finished]:
+    def _transformers_chunk(self, chunk: list[Request], seed: int) -> list[Finished]:
         from transformers import GenerationConfig as HFGenerationConfig
 
         config, model = self.config, self.model
@@ -700,7 +702,7 @@ class Generator:
         model.generation_config = HFGenerationConfig()
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                torch.manual_seed(config.seed + chunk_index)
+                torch.manual_seed(seed)
                 sequences = model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
                                            generation_config=settings)
         finally:

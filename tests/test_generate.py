@@ -193,6 +193,15 @@ def test_model_outside_the_family_falls_back_to_plain_generate(caplog):
     assert results[1].stop_reason == "stop"
     assert generator.stats.new_tokens == sum(len(r.new_ids) for r in results.values())
 
+    def sampled(generator: Generator) -> list[list[int]]:
+        return [f.new_ids for f in sorted(generator.generate(Request(i, prompts[0]) for i in range(3)),
+                                          key=lambda f: f.key)]
+
+    config = GenerationConfig(rows=2, max_new_tokens=8, max_prompt_tokens=12, temperature=1.0, seed=3)
+    first_call, second_call = sampled(generator := Generator(model, config)), sampled(generator)
+    assert first_call != second_call  # a prompt asked again (a Magpie prefix) gets new samples
+    assert sampled(Generator(model, config)) == first_call
+
 
 @pytest.mark.gpu
 def test_cuda_graph_engine_matches_plain_generate_on_gpu():
