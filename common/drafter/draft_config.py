@@ -278,8 +278,8 @@ def unused_special_token(tokenizer: Any) -> int | None:
     chat template in a probe conversation (system, user, assistant, user, generation prompt; with thinking on and
     off). Plain text never tokenizes to such a token, so the data cannot contain it either (SmolLM2: 16,
     ``<empty_output>``, of the dozen code-data markers its vocabulary keeps)."""
-    special = {int(i) for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-    special -= {int(i) for i in tokenizer.all_special_ids}
+    special = {int(i) for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    special -= {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
     if getattr(tokenizer, "chat_template", None):
         probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                  {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
