@@ -658,8 +658,8 @@ class EvalConfig:
     supervised token (the prompt turn of chat data)."""
     paths: list[str] = field(default_factory=list)
     """Held-out files in data.format; empty: synthetic data holds out the documents after data.num_samples, other
-    data holds out num_prompts of its own records, drawn by a fixed seed and data.shuffle_seed and never trained on
-    (``check`` says how many)."""
+    data holds out num_prompts of its own records (at most a tenth of them), drawn by a fixed seed and
+    data.shuffle_seed and never trained on (``check`` says how many)."""
     gap_tolerance: float = 0.3
     """Largest |real - simulated tau| without a warning, as a fraction of the most a block can gain
     (B - 1). The tiny default ends at 0.15-0.2 (real 1.9-2.0, simulated 2.45-2.5 of B = 4): real
@@ -679,6 +679,76 @@ class EvalConfig:
 
 
 @dataclass
+class SynthesizeConfig:
+    """On-policy data: the producers' target writes the answers (``launch/run_all.sh synthesize``,
+    producer/synthesize.py) as OpenAI-format JSONL shards that ``data.format = "chat"`` reads."""
+
+    READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
+        "prompts": "producer",
+        "num_magpie": "producer",
+        "output_dir": "producer launcher",
+        "max_new_tokens": "producer",
+        "temperature": "producer",
+        "top_p": "producer",
+        "seed": "producer",
+        "enable_thinking": "producer",
+        "magpie_max_tokens": "producer",
+        "magpie_temperature": "producer",
+        "magpie_top_p": "producer",
+        "rows": "producer",
+        "max_prompt_tokens": "producer",
+        "records_per_shard": "producer",
+        "flush_every_s": "producer",
+    }
+
+    prompts: Literal["data", "magpie", "both"] = "data"
+    """Whose prompts the target answers: "data" (the user turns of data.paths, chat records, their assistant turns
+    regenerated), "magpie" (num_magpie prompts the target writes itself from its chat template's user prefix,
+    arXiv 2406.08464) or "both"."""
+    num_magpie: int = 0
+    """Self-written prompts (ids magpie:0 .. num_magpie - 1) for prompts = "magpie" or "both"."""
+    output_dir: str = ""
+    """Folder of the JSONL shards; empty: RUN/synthesized."""
+    max_new_tokens: int = 1024
+    """Longest answer in tokens (a longer one is cut and recorded with stop_reason "length")."""
+    temperature: float = 0.0
+    """Of the answers; 0: greedy, the target's own most likely text (what greedy speculative decoding meets)."""
+    top_p: float = 1.0
+    """Nucleus sampling of the answers (with temperature > 0)."""
+    seed: int = 0
+    """Seed of the sampling."""
+    enable_thinking: bool | None = None
+    """Passed to the chat template where it has a thinking switch (Qwen3); None: the template's default."""
+    magpie_max_tokens: int = 128
+    """Longest self-written prompt in tokens."""
+    magpie_temperature: float = 1.0
+    """Sampling of the self-written prompts (Magpie samples them; greedy would write one prompt over and over)."""
+    magpie_top_p: float = 0.95
+    """Nucleus sampling of the self-written prompts."""
+    rows: int = 256
+    """Sequences each producer decodes at once (its static KV cache holds rows x (max_prompt_tokens + max_new_tokens))."""
+    max_prompt_tokens: int = 2048
+    """Longest prompt (chat-rendered) answered; a longer one is recorded as skipped, so it is not tried again."""
+    records_per_shard: int = 1000
+    """Records per shard file: a shard is written whole (temporary name, fsync, rename) once it has this many."""
+    flush_every_s: float = 60.0
+    """A shard is also written after this many seconds with what is done: what a kill -9 can lose (and redo)."""
+
+    def __post_init__(self) -> None:
+        _check(self.prompts in ("data", "magpie", "both"), "prompts", f"must be data, magpie or both, got {self.prompts!r}")
+        _check(self.num_magpie >= 0, "num_magpie", f"must be >= 0, got {self.num_magpie}")
+        _check(self.prompts == "data" or self.num_magpie >= 1, "num_magpie", f"must be >= 1 for prompts={self.prompts!r}")
+        for name in ("max_new_tokens", "magpie_max_tokens", "rows", "max_prompt_tokens", "records_per_shard"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("temperature", "magpie_temperature"):
+            _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        for name in ("top_p", "magpie_top_p"):
+            _check(0 < getattr(self, name) <= 1, name, f"must be in (0, 1], got {getattr(self, name)}")
+        _check(self.seed >= 0, "seed", "must be >= 0")
+        _check(self.flush_every_s > 0, "flush_every_s", f"must be > 0, got {self.flush_every_s}")
+
+
+@dataclass
 class RunConfig:
     """Everything about one run."""
 
@@ -691,6 +761,7 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    synthesize: SynthesizeConfig = field(default_factory=SynthesizeConfig)
 
     def __post_init__(self) -> None:
         _check(

@@ -95,13 +95,14 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
     stats = source.stats
     figures = {"records": len(source), "sampled": int(len(ids)), "good": len(documents),
                "bad": dict(stats.bad), "first_bad": list(stats.first_bad), "truncated": stats.truncated}
-    lines.append(f"data: {len(source)} records in {data_cfg.format} format to train on; sampled {len(ids)}: "
-                 f"{len(documents)} good, {sum(stats.bad.values())} bad {dict(stats.bad) or ''}".rstrip())
+    lines.append(f"data: {len(source)} records in {data_cfg.format} format; sampled {len(ids)}: {len(documents)} good, "
+                 f"{sum(stats.bad.values())} bad {dict(stats.bad) or ''}".rstrip())
     figures["held_out"] = len(held_out)
     lines.append(f"held out for evaluation: {len(held_out)} records, " + (
         "the files of eval.paths" if cfg.eval.paths else
         "the synthetic documents after data.num_samples" if data_cfg.format == "synthetic" else
-        "drawn from the data and never trained on (eval.num_prompts; eval.paths to give files instead)"))
+        "drawn from the data and never trained on (eval.num_prompts, at most a tenth of the records; eval.paths to "
+        "give files instead)"))
     lines += [f"  bad record {where}" for where in stats.first_bad]
     if documents:
         figures.update(tokens_min=int(lengths.min()), tokens_mean=float(lengths.mean()),

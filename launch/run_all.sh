@@ -6,6 +6,7 @@
 #   launch/run_all.sh stop --run-dir DIR                                stop the run cleanly
 #   launch/run_all.sh status --run-dir DIR [--json]                     the live state
 #   launch/run_all.sh check [--config FILE] [key=value ...]              what training would see of the data
+#   launch/run_all.sh synthesize [--run-dir DIR] [key=value ...]         the target writes on-policy training data
 #
 # With no arguments: launch/tiny.toml into a fresh runs/<timestamp> (relative to the current folder).
 # On an existing DIR the run's own config.toml is the base; key=value overrides apply on top and are
@@ -24,6 +25,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 case "${1:-}" in
   run | restart-trainer | stop | status) COMMAND=$1; shift ;;
   check) shift; exec "$PY" -m launch.check "$@" ;;
+  synthesize) shift; exec "$PY" -m launch.synthesize "$@" ;;
   -h | --help | help)
     cat <<'USAGE'
 usage: launch/run_all.sh [COMMAND] [options] [key=value ...]
@@ -34,6 +36,7 @@ commands:
   stop             stop a running pipeline cleanly                          --run-dir DIR
   status           the live state of a pipeline                             --run-dir DIR [--json]
   check            what training would see of the config and the data        [--config FILE] [--sample N]
+  synthesize       the target writes training data (its own answers)        [--run-dir DIR] [--config FILE]
 
 With no arguments: the tiny default (launch/tiny.toml) on CPU into runs/<timestamp>.
 'run_all.sh COMMAND --help' gives the options of one command.

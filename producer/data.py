@@ -365,7 +365,7 @@ def _text_of(content: Any, where: str) -> str:
     raise BadRecord("wrong_type", f"{where} must be a string, a list of content parts or null")
 
 
-def _validate_messages(record: Any) -> list[dict[str, Any]]:
+def validate_messages(record: Any) -> list[dict[str, Any]]:
     """The conversation of a record in the OpenAI form (tool calls, tool results and content parts included)
     or the ShareGPT form, as OpenAI messages with text content."""
     if not isinstance(record, dict):
@@ -472,7 +472,7 @@ class ChatJsonlSource(JsonlSource):
         self.tokenizer = tokenizer
 
     def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
-        messages = _validate_messages(self.read_json(sample_id))
+        messages = validate_messages(self.read_json(sample_id))
         try:
             return render_chat(self.tokenizer, messages, **self.config.chat_template_kwargs)
         except BadRecord:
@@ -558,12 +558,14 @@ HELD_OUT_SEED = 0x5EED_E7A1
 """Mixed with data.shuffle_seed to pick the held-out records: fixed, so that every process picks the same ones."""
 
 
+HELD_OUT_MOST = 0.1
+"""The largest fraction of a data set held out by default: a small one keeps nine tenths to train on."""
+
+
 def held_out_ids(num_records: int, count: int, shuffle_seed: int) -> np.ndarray:
-    """The ids of the ``count`` records held out for evaluation, sorted: a seeded draw spread over the whole data
-    set (not its head or tail, which are often one source or one length). ValueError when nothing would be left."""
-    if count >= num_records:
-        raise ValueError(f"the data has {num_records} records: holding out eval.num_prompts={count} for evaluation "
-                         "leaves none to train on (lower eval.num_prompts or give eval.paths)")
+    """The ids of the records held out for evaluation, sorted: ``count`` of them, at most a tenth of the data, drawn
+    by a fixed seed spread over the whole data set (not its head or tail, which are often one source or length)."""
+    count = min(count, int(num_records * HELD_OUT_MOST))
     rng = np.random.default_rng([HELD_OUT_SEED, shuffle_seed])
     return np.sort(rng.choice(num_records, size=count, replace=False))
 
@@ -606,7 +608,7 @@ def run_sources(cfg: RunConfig, target_vocab_size: int, tokenizer: Any = None) -
 
     Held out: the files of ``eval.paths`` when given; for synthetic data the ``eval.num_prompts`` documents after
     ``data.num_samples`` (generated like the training ones); otherwise ``eval.num_prompts`` records of the data
-    itself, drawn by ``held_out_ids`` and never trained on. Chat data is rendered with ``tokenizer``, else
+    itself (at most a tenth of it), drawn by ``held_out_ids`` and never trained on. Chat data is rendered with ``tokenizer``, else
     ``data.tokenizer``, else the target's.
     """
     data = cfg.data
@@ -624,7 +626,4 @@ def run_sources(cfg: RunConfig, target_vocab_size: int, tokenizer: Any = None) -
     source = build_data_source(data, tokenizer=tokenizer)
     if cfg.eval.paths:
         return source, build_data_source(dataclasses.replace(data, paths=list(cfg.eval.paths)), tokenizer=tokenizer)
-    try:
-        return split_held_out(source, count, data.shuffle_seed)
-    except ValueError as exc:
-        raise DataError(f"{', '.join(data.paths)}: {exc}") from None
+    return split_held_out(source, count, data.shuffle_seed)

@@ -10,7 +10,7 @@ from torch import nn
 from common.batch import Document
 from common.config import RunConfig
 from common.drafter.evaluate import Evaluator, GreedyTarget, stop_tokens_of
-from producer.data import run_sources
+from producer.data import DataError, run_sources
 
 
 def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
@@ -24,6 +24,9 @@ def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
             documents.append(document)
         if len(documents) == cfg.eval.num_prompts:
             break
+    if not documents:
+        raise DataError(f"eval: no held-out document to evaluate on ({len(source)} held-out records, none usable); "
+                        "a data set of fewer than 10 records holds none out: give eval.paths")
     return documents
 
 

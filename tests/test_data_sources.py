@@ -184,7 +184,7 @@ TOOL_TEMPLATE = (
 def test_openai_tool_calls_tool_results_and_content_parts():
     """An assistant turn that only calls a tool (content null), the tool's result, and content given as parts:
     the calls and the final answer are supervised, the tool's result and the prompt are not."""
-    from producer.data import _validate_messages
+    from producer.data import validate_messages
 
     record = {"messages": [
         {"role": "user", "content": [{"type": "text", "text": "weather "}, {"type": "text", "text": "in Oslo?"}]},
@@ -194,7 +194,7 @@ def test_openai_tool_calls_tool_results_and_content_parts():
         {"role": "assistant", "content": [{"type": "text", "text": "It rains."}]},
     ]}
     tokenizer = tiny_tokenizer(TOOL_TEMPLATE)
-    ids, mask = render_chat(tokenizer, _validate_messages(record))
+    ids, mask = render_chat(tokenizer, validate_messages(record))
     want_ids, want_mask = expected(tokenizer, [
         ("<|im_start|>user\nweather in Oslo?<|im_end|>\n<|im_start|>assistant\n", 0),
         ('<tool_call>weather({"city": "Oslo"})</tool_call><|im_end|>\n', 1),
@@ -205,15 +205,15 @@ def test_openai_tool_calls_tool_results_and_content_parts():
 
 
 def test_sharegpt_records_are_rendered_like_openai_ones():
-    from producer.data import _validate_messages
+    from producer.data import validate_messages
 
     sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "hi there"},
                                   {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "add 2+2"},
                                   {"from": "gpt", "value": "4"}]}
     openai = {"messages": [{"role": "system", "content": "Be brief."}, *CONVERSATION]}
     tokenizer = tiny_tokenizer(PLAIN_TEMPLATE)
-    got = render_chat(tokenizer, _validate_messages(sharegpt))
-    want = render_chat(tokenizer, _validate_messages(openai))
+    got = render_chat(tokenizer, validate_messages(sharegpt))
+    want = render_chat(tokenizer, validate_messages(openai))
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist() and got[1].sum() > 0
 
 
@@ -225,10 +225,10 @@ def test_sharegpt_records_are_rendered_like_openai_ones():
                    {"role": "assistant", "content": "a cat"}]}, "unsupported_content"),
 ])
 def test_records_that_fit_neither_form_get_a_clear_reason(record, reason):
-    from producer.data import BadRecord, _validate_messages
+    from producer.data import BadRecord, validate_messages
 
     with pytest.raises(BadRecord) as error:
-        _validate_messages(record)
+        validate_messages(record)
     assert error.value.reason == reason
 
 

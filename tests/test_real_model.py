@@ -105,25 +105,27 @@ def test_the_mask_token_of_a_full_vocabulary_is_a_special_token_no_conversation_
 def test_chat_data_without_eval_paths_holds_out_records_never_trained_on(tmp_path):
     from producer.data import run_sources
 
-    data = write_chat(tmp_path / "chat.jsonl", 40)
+    data = write_chat(tmp_path / "chat.jsonl", 70)
     overrides = [f"target.path={json.dumps(str(smollm2_gguf()))}", "target.config_overrides={}", "data.format=chat",
                  f"data.paths={json.dumps([str(data)])}", "eval.every_steps=50", "eval.num_prompts=6"]
     cfg = load_config(None, overrides)  # evaluating chat data no longer needs eval.paths
     training, held_out = run_sources(cfg, 49152)
-    assert (len(training), len(held_out)) == (34, 6)
+    assert (len(training), len(held_out)) == (64, 6)
     trained = {training.location(i) for i in range(len(training))}
     held = {held_out.location(i) for i in range(len(held_out))}
-    assert not trained & held and len(trained | held) == 40
+    assert not trained & held and len(trained | held) == 70
     assert held == {run_sources(cfg, 49152)[1].location(i) for i in range(6)}  # the same in every process
     lines = sorted(int(location.rsplit(":", 1)[1]) for location in held)
-    assert lines != list(range(1, 7)) and lines != list(range(35, 41))  # spread over the data, not its head or tail
-    # eval.paths still overrides: then nothing of the data is held out.
+    assert lines != list(range(1, 7)) and lines != list(range(65, 71))  # spread over the data, not its head or tail
+    # eval.paths still overrides: then nothing of the data is held out; a small data set keeps nine tenths.
     files = load_config(None, overrides + [f"eval.paths={json.dumps([str(data)])}"])
-    assert len(run_sources(files, 49152)[0]) == 40
+    assert len(run_sources(files, 49152)[0]) == 70
+    small = load_config(None, overrides[:3] + [f"data.paths={json.dumps([str(write_chat(tmp_path / 's.jsonl', 25))])}"])
+    assert [len(s) for s in run_sources(small, 49152)] == [23, 2]
 
 
 def test_check_names_the_mask_token_and_the_held_out_count(tmp_path):
-    data = write_chat(tmp_path / "chat.jsonl", 30, broken_lines=(4,))
+    data = write_chat(tmp_path / "chat.jsonl", 60, broken_lines=(4,))
     done = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "check", "--json",
                            f"target.path={json.dumps(str(smollm2_gguf()))}", "target.config_overrides={}",
                            "data.format=chat", f"data.paths={json.dumps([str(data)])}", "eval.num_prompts=5"],
@@ -132,7 +134,7 @@ def test_check_names_the_mask_token_and_the_held_out_count(tmp_path):
     assert "mask token 16 ('<empty_output>')" in done.stdout
     assert "held out for evaluation: 5 records" in done.stdout
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    assert figures["records"] == 25 and figures["held_out"] == 5
+    assert figures["records"] == 55 and figures["held_out"] == 5
     assert any("chat.jsonl:4" in where for where in figures["first_bad"])
 
 

@@ -1,0 +1,115 @@
+"""The synthesis job: the real target answers prompts (the data's user turns and its own Magpie prompts) into
+JSONL shards that the chat data path reads, every prompt exactly once through a kill -9 of a producer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, load_config
+from tests.real_model import smollm2_folder, smollm2_gguf, write_chat
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_ALL = str(ROOT / "launch" / "run_all.sh")
+
+
+def synthesize_args(run_dir: Path, data: Path, *extra: str) -> list[str]:
+    """A fast synthesis on the CPU: both kinds of prompt, short answers, a shard every two records."""
+    return [RUN_ALL, "synthesize", "--run-dir", str(run_dir), "--config", str(ROOT / "launch" / "smollm2-135m.toml"),
+            f"target.path={json.dumps(str(smollm2_gguf()))}", "target.dtype=float32", 'synthesize.prompts="both"',
+            f"data.paths={json.dumps([str(data)])}", "synthesize.num_magpie=4", "synthesize.rows=4",
+            "synthesize.max_new_tokens=6", "synthesize.magpie_max_tokens=8", "synthesize.records_per_shard=2",
+            "synthesize.flush_every_s=0.5", 'launch.producer_devices=["cpu"]', 'launch.trainer_devices=["cpu"]',
+            "launch.mps=false", "launch.restart_backoff_s=0.2", *extra]
+
+
+def shard_ids(folder: Path) -> Counter:
+    ids: Counter = Counter()
+    for path in [*folder.glob("*.jsonl"), *folder.glob("*.skipped")]:
+        ids.update(json.loads(line)["id"] for line in path.read_text().splitlines())
+    return ids
+
+
+def test_every_prompt_is_answered_exactly_once_through_a_kill_9_of_the_producer(short_tmp):
+    smollm2_folder()  # converted before the clock of the run starts
+    data = write_chat(short_tmp / "prompts.jsonl", 16)
+    run_dir = short_tmp / "run"
+    launcher = subprocess.Popen(synthesize_args(run_dir, data), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    folder = run_dir / "synthesized"
+    try:
+        deadline = time.monotonic() + 240
+        while not list(folder.glob("p0-*.jsonl")) and time.monotonic() < deadline:
+            assert launcher.poll() is None, launcher.stdout.read()
+            time.sleep(0.1)
+        assert list(folder.glob("p0-*.jsonl")), "no shard was written"
+        found = subprocess.run(["pgrep", "-f", f"producer.synthesize --run-dir {run_dir} "], capture_output=True, text=True)
+        os.kill(int(found.stdout.split()[0]), signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out
+    assert "synth0 killed by SIGKILL; it continues from its shards" in out
+    ids = shard_ids(folder)
+    expected = {f"data:{i}" for i in range(16)} | {f"magpie:{i}" for i in range(4)}
+    assert set(ids) == expected and max(ids.values()) == 1, ids  # all of them, none twice
+    log = (run_dir / "logs" / "synth0.log").read_text()
+    assert "done before" in log and "synthesizes 0 of" not in log.split("==== synth0 start 2")[1]
+    # Run again: nothing left to do, nothing written.
+    again = subprocess.run(synthesize_args(run_dir, data), capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0 and shard_ids(folder) == ids, again.stdout
+    # The shards are chat records the training data path reads as they are, with their prompt id and settings.
+    from transformers import AutoTokenizer
+
+    from producer.data import build_data_source
+
+    cfg = load_config(run_dir / "config.toml", [f"data.paths={json.dumps([str(folder / '*.jsonl')])}"])
+    source = build_data_source(cfg.data, tokenizer=AutoTokenizer.from_pretrained(smollm2_folder()))
+    documents = [source.get(i) for i in range(len(source))]
+    assert len(documents) == 20 and all(d is not None and d.loss_mask.any() for d in documents)
+    record = json.loads(next(folder.glob("p0-*.jsonl")).read_text().splitlines()[0])
+    assert record["generation"]["temperature"] == 0.0 and record["generation"]["max_new_tokens"] == 6
+    assert record["messages"][-1]["role"] == "assistant" and record["messages"][0]["role"] == "user"
+    data_record = next(json.loads(line) for p in folder.glob("*.jsonl") for line in p.read_text().splitlines()
+                       if json.loads(line)["id"] == "data:2")
+    assert data_record["messages"][0]["content"] == "What is 3 plus 3?" and data_record["source"] == f"{data}:3"
+    assert not list(folder.glob(".*.tmp"))
+
+
+def test_a_broken_prompt_line_stops_synthesis_with_exit_2_naming_the_line_and_writes_nothing(short_tmp):
+    data = write_chat(short_tmp / "prompts.jsonl", 6, broken_lines=(5,))
+    run_dir = short_tmp / "run"
+    started = time.monotonic()
+    done = subprocess.run(synthesize_args(run_dir, data), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{data}:5: not a JSON line" in done.stdout + (run_dir / "logs" / "synth0.log").read_text()
+    assert time.monotonic() - started < 60
+    assert not list((run_dir / "synthesized").glob("*.jsonl")) if (run_dir / "synthesized").exists() else True
+
+
+def test_magpie_needs_a_template_with_a_user_turn():
+    from transformers import AutoTokenizer
+
+    from producer.synthesize import magpie_prefix
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+    prefix = magpie_prefix(tokenizer, {})
+    assert prefix.endswith("<|im_start|>user\n") and prefix.startswith("<|im_start|>system\n")
+    tokenizer.chat_template = "{% for m in messages %}{% if m['role'] != 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    with pytest.raises(ConfigError, match="writes no user message"):
+        magpie_prefix(tokenizer, {})
+
+
+def test_synthesize_config_is_validated_naming_the_key():
+    with pytest.raises(ConfigError, match="synthesize.num_magpie: must be >= 1"):
+        load_config(None, ['synthesize.prompts="magpie"'])
+    with pytest.raises(ConfigError, match="synthesize.magpie_top_p"):
+        load_config(None, ["synthesize.magpie_top_p=0"])
