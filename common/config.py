@@ -163,6 +163,7 @@ class DataConfig:
         "min_len": "producer",
         "max_step": "producer",
         "tokenizer": "producer launcher",
+        "regenerate": "producer",
     }
 
     format: SourceFormat = "synthetic"
@@ -193,6 +194,11 @@ class DataConfig:
     """Synthetic only: shortest document in chat mode."""
     max_step: int = 63
     """Synthetic only: largest stride of the arithmetic runs (small strides are easier to learn)."""
+    regenerate: bool = False
+    """Chat only: the producers' target answers each record's last user turn as the stream reaches it, and those
+    answers are trained on (on-policy data without a synthesis first; producer/regenerate.py). Generation follows
+    the synthesize section (max_new_tokens, temperature, rows, ...); the answers are kept in RUN/regenerated, so
+    a batch computed again after a restart holds the same documents."""
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
@@ -204,6 +210,7 @@ class DataConfig:
         _check(self.vocab_size is None or self.vocab_size >= 2, "vocab_size", f"must be >= 2, got {self.vocab_size}")
         _check(self.shuffle_seed >= 0, "shuffle_seed", "must be >= 0")
         _check(self.max_step >= 1, "max_step", "must be >= 1")
+        _check(not self.regenerate or self.format == "chat", "regenerate", f"needs format='chat', got {self.format!r}")
         if self.format == "synthetic":
             _check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
             _check(self.length_mode in ("chat", "fixed"), "length_mode", f"must be 'chat' or 'fixed', got {self.length_mode!r}")

@@ -98,6 +98,10 @@ class DataSource(ABC):
     def location(self, sample_id: int) -> str:
         """Where a record lives, for messages (e.g. ``data/a.jsonl:17``)."""
 
+    def prefetch(self, sample_ids: list[int]) -> None:
+        """These ids are about to be read (a window of the batch plan): a source that makes its documents in
+        batches (producer/regenerate.py) makes them now, together. Nothing to do for records read from files."""
+
     def get(self, sample_id: int) -> Document | None:
         """The document with this id, or None when the record is bad (logged and counted)."""
         if not 0 <= sample_id < len(self):
@@ -552,6 +556,13 @@ class SubsetSource(DataSource):
 
     def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
         return self.source._read(int(self.ids[sample_id]))
+
+    def prefetch(self, sample_ids: list[int]) -> None:
+        self.source.prefetch([int(self.ids[i]) for i in sample_ids])
+
+    def read_json(self, sample_id: int) -> Any:
+        """The raw record (sources of JSON records only)."""
+        return self.source.read_json(int(self.ids[sample_id]))
 
 
 HELD_OUT_SEED = 0x5EED_E7A1

@@ -148,10 +148,21 @@ def load_target(cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str |
     return target
 
 
-def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_shards: int) -> BatchPlan:
+def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_shards: int,
+               target_model: torch.nn.Module | None = None, run_dir: RunDir | None = None) -> BatchPlan:
     """The batches of one shard of the run's training data (its held-out records left out), in their
-    deterministic order."""
+    deterministic order; with ``data.regenerate`` their answers written by ``target_model`` as the stream goes
+    and kept in ``run_dir``."""
     source, _ = run_sources(cfg, target_vocab_size)
+    if cfg.data.regenerate:
+        from transformers import AutoTokenizer
+
+        from producer.regenerate import RegeneratedSource
+
+        if target_model is None or run_dir is None or cfg.target.path is None:
+            raise ConfigError("data.regenerate: needs the producer's target, loaded from target.path with its tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.target.path)
+        source = RegeneratedSource(source, target_model, tokenizer, cfg, run_dir.root / "regenerated", shard_index)
     order = ShardOrder(len(source), OrderConfig(seed=cfg.data.shuffle_seed, num_shards=num_shards, shard_index=shard_index))
     return BatchPlan(source, order, cfg.batching)
 
@@ -189,7 +200,8 @@ class Producer:
         self.load_s = time.monotonic() - started
 
         num_shards = cfg.launch.total_producers
-        self.plan = build_plan(cfg, int(self.target.model.config.vocab_size), producer_id, num_shards)
+        self.plan = build_plan(cfg, int(self.target.model.config.vocab_size), producer_id, num_shards,
+                               target_model=self.target.model, run_dir=run_dir)
         self.stream = BatchStream(self.plan, run_dir.committed_for(producer_id))
         # With training.max_steps = 0 the trainer sizes the run from the epoch's batch count.
         self.epoch_batches = (

@@ -124,14 +124,15 @@ def magpie_prefix(tokenizer: Any, template_kwargs: dict[str, Any]) -> str:
 # -- the shards ----------------------------------------------------------------------------------
 
 
-def done_ids(folder: Path) -> set[str]:
-    """Ids of every prompt already answered or skipped in ``folder`` (whole shards only)."""
-    done: set[str] = set()
+def read_shards(folder: Path) -> dict[str, dict]:
+    """Every record answered or skipped in ``folder`` (whole shards only), by prompt id."""
+    records: dict[str, dict] = {}
     for path in sorted(folder.glob("*.jsonl")) + sorted(folder.glob("*.skipped")):
         with open(path) as f:
             for line in f:
-                done.add(json.loads(line)["id"])
-    return done
+                record = json.loads(line)
+                records[record["id"]] = record
+    return records
 
 
 class ShardWriter:
@@ -212,7 +213,7 @@ class Synthesis:
         self.prefix = magpie_prefix(self.tokenizer, self.template_kwargs) if self.synth.prompts != "data" else ""
         prompts = all_prompts(cfg)  # every record checked before the target loads: a bad one stops in seconds
         self.folder = output_dir(cfg, run)
-        done = done_ids(self.folder) if self.folder.is_dir() else set()
+        done = read_shards(self.folder) if self.folder.is_dir() else {}
         share = cfg.launch.total_producers
         self.total = sum(1 for p in prompts if p.index % share == producer_id)
         self.pending = [p for p in prompts if p.index % share == producer_id and p.id not in done]

@@ -1,0 +1,130 @@
+"""The online form of synthesis (``data.regenerate = true``): the stream regenerates its records as it goes.
+
+Each chat record's last assistant turn is written anew by the producer's own target just before the record
+is batched: the batch plan announces each window of sample ids (``DataSource.prefetch``) and the whole window
+is answered in one batched generation (producer/generate.py), then captured like any other document. No
+synthesis pass first, no second copy of the data on disk beyond the answers themselves.
+
+Exactly once by prompt: the ledger and the committed cursors already say which sample ids are trained; what
+must not change is a document itself, or a batch computed again after a restart (a trainer's kill -9, a
+producer's) would hold another text than the one planned. So the answers are kept, as the offline synthesis
+keeps them (shards written whole in ``RUN/regenerated``, keyed by the record's ``file:line``), before any batch
+of their window is published; a restarted producer reads them back and generates only what no shard holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from common.config import RunConfig
+from producer.data import BadRecord, DataSource, render_chat, validate_messages
+from producer.synthesize import ShardWriter, read_shards, stop_token_ids
+
+log = logging.getLogger(__name__)
+
+
+class RegeneratedSource(DataSource):
+    """The chat records of ``records`` (a source with ``read_json``) with their last answer the target's own."""
+
+    def __init__(self, records: DataSource, model: nn.Module, tokenizer: Any, cfg: RunConfig, folder: Path,
+                 producer_id: int) -> None:
+        super().__init__(records.config)
+        self.records, self.model, self.tokenizer, self.cfg = records, model, tokenizer, cfg
+        self.template_kwargs = dict(cfg.data.chat_template_kwargs)
+        if cfg.synthesize.enable_thinking is not None:
+            self.template_kwargs["enable_thinking"] = cfg.synthesize.enable_thinking
+        self.answers = read_shards(folder) if folder.is_dir() else {}
+        self.writer = ShardWriter(folder, producer_id, cfg.synthesize.records_per_shard, float("inf"))
+        self._generator = None
+        log.info("regenerating the data's answers as the stream goes; %d answers kept in %s from before",
+                 len(self.answers), folder)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def location(self, sample_id: int) -> str:
+        return self.records.location(sample_id)
+
+    def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
+        key = self.location(sample_id)
+        if key not in self.answers:
+            self.prefetch([sample_id])
+        answer = self.answers[key]
+        if "skipped" in answer:
+            raise BadRecord("not_regenerated", answer["skipped"])
+        return render_chat(self.tokenizer, answer["messages"], **self.template_kwargs)
+
+    def prefetch(self, sample_ids: list[int]) -> None:
+        """Answer, in one batched generation, every record of ``sample_ids`` that has no kept answer; keep them
+        (written whole) before returning, so that no batch of theirs is published before they are on disk."""
+        from producer.generate import Request
+
+        missing = [i for i in sample_ids if self.location(i) not in self.answers]
+        if not missing:
+            return
+        requests = []
+        for sample_id in missing:
+            key = self.location(sample_id)
+            try:
+                messages = validate_messages(self.records.read_json(sample_id))
+            except BadRecord as bad:
+                self._keep({"id": key, "skipped": f"{bad.reason}: {bad}"})
+                continue
+            last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+            if last_user is None:
+                self._keep({"id": key, "skipped": "no user message to answer"})
+                continue
+            prompt = messages[: last_user + 1]
+            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                      **self.template_kwargs)
+            requests.append(Request(key=(key, prompt), prompt_ids=self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        generator = self._generator_of_target()
+        settings = {"temperature": generator.config.temperature, "top_p": generator.config.top_p,
+                    "max_new_tokens": generator.config.max_new_tokens}
+        with self._unpacked_attention(generator.engine):
+            for finished in generator.generate(requests):
+                key, prompt = finished.key
+                if finished.stop_reason == "prompt_too_long":
+                    self._keep({"id": key, "skipped": "prompt longer than synthesize.max_prompt_tokens"})
+                    continue
+                answer = self.tokenizer.decode([t for t in finished.new_ids if t not in generator.config.stop_token_ids])
+                self._keep({"id": key, "messages": [*prompt, {"role": "assistant", "content": answer}],
+                            "generation": {**settings, "stop_reason": finished.stop_reason}})
+        self.writer.flush()
+
+    def _keep(self, record: dict) -> None:
+        self.answers[record["id"]] = record
+        self.writer.add(record)
+
+    def _generator_of_target(self) -> Any:
+        from producer.generate import GenerationConfig, Generator
+
+        if self._generator is None:
+            s = self.cfg.synthesize
+            self._generator = Generator(self.model, GenerationConfig(
+                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                stop_token_ids=stop_token_ids(self.model, self.tokenizer), rows=s.rows,
+                max_prompt_tokens=s.max_prompt_tokens))
+        return self._generator
+
+    @contextlib.contextmanager
+    def _unpacked_attention(self, engine: str):
+        """The producer's target attends over packed documents; plain ``generate`` (the generator's fallback for
+        models outside its own forward) needs the ordinary kernel meanwhile."""
+        from producer.generate import STATIC_CACHE_ENGINE
+
+        if engine == STATIC_CACHE_ENGINE:
+            yield
+            return
+        packed = self.model.config._attn_implementation
+        self.model.config._attn_implementation = "sdpa"
+        try:
+            yield
+        finally:
+            self.model.config._attn_implementation = packed
