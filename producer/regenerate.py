@@ -95,7 +95,8 @@ class RegeneratedSource(DataSource):
                     continue
                 answer = self.tokenizer.decode([t for t in finished.new_ids if t not in generator.config.stop_token_ids])
                 self._keep({"id": key, "messages": [*prompt, {"role": "assistant", "content": answer}],
-                            "generation": {**settings, "stop_reason": finished.stop_reason}})
+                            "generation": {**settings, "stop_reason": finished.stop_reason,
+                                           "new_tokens": len(finished.new_ids)}})
         self.writer.flush()
 
     def _keep(self, record: dict) -> None:

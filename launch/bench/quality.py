@@ -11,6 +11,8 @@ Every step is the user's own command, in order, on one GPU (producer and trainer
    ``--eval-every`` steps: the learning curve, against samples and GPU-minutes.
 3. ``launch.evaluate`` on the last checkpoint: real tau (lossless greedy speculative decoding against the target,
    block 16, the trained block size) and the simulated tau, on the held-out synthesized records and on HumanEval.
+4. With ``--online-steps``: the same prompts trained with ``data.regenerate`` (answered as the stream goes), for
+   the online form's throughput beside the offline one (synthesis, then training).
 Prints a table and one JSON line (also written to DIR/quality-NAME.json after every step, so that a run cut
 short still leaves what it measured).
 """
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a few prompts and steps on the CPU: the pipeline only")
     parser.add_argument("--name", default="train", help="the training run's folder in --out: a second recipe on the "
                         "same --out trains on the same data (the synthesis finds nothing left to do)")
+    parser.add_argument("--online-steps", type=int, default=0, help="then train this many steps with data.regenerate "
+                        "(the stream answers the same prompts as it goes): the online form's throughput")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (the recipe)")
     args = parser.parse_args(argv)
     out = args.out.resolve()
@@ -142,6 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     result["total_s"] = result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"]
     save()
 
+    if args.online_steps:
+        result["online"] = online_throughput(out / f"{args.name}-online", common, data_paths, args.online_steps,
+                                             out / f"{args.name}-online.log")
+        offline_samples = result["curve"][-1]["samples"] if result["curve"] else 0
+        result["offline"] = {"samples_per_s_training": offline_samples / result["train_s"],
+                             "new_tokens_per_s_synthesis": result["synthesize_tokens_per_s"]}
+        save()
+
     print(f"{'step':>6} {'samples':>8} {'minutes':>8} {'real tau':>9} {'sim tau':>8}")
     for point in result["curve"]:
         print(f"{point['step']:6d} {point['samples']:8d} {point['minutes']:8.2f} {point['tau']:9.3f} {point['sim_tau']:8.3f}")
@@ -151,6 +163,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{result['train_s']:.0f} s, all {result['total_s'] / 60:.1f} min")
     print(json.dumps(result))
     return 0
+
+
+def online_throughput(run_dir: Path, common: list[str], data_paths: str, steps: int, log: Path) -> dict:
+    """Train ``steps`` steps on the same prompts with ``data.regenerate``: samples trained and answers written per
+    second of the run, the answers' new tokens per second."""
+    started = time.monotonic()
+    timed([RUN_ALL, "--run-dir", str(run_dir), "--config", str(PRESET), *common, f"data.paths={data_paths}",
+           "data.regenerate=true", f"training.max_steps={steps}", f"training.checkpoint_every={steps}",
+           "eval.every_steps=0"], log)
+    seconds = time.monotonic() - started
+    samples = sum(len(json.loads(line)["samples"]) for line in (run_dir / "ledger.jsonl").read_text().splitlines())
+    answers = [json.loads(line) for path in (run_dir / "regenerated").glob("*.jsonl") for line in open(path)]
+    tokens = sum(a["generation"]["new_tokens"] for a in answers)
+    return {"steps": steps, "seconds": seconds, "samples": samples, "samples_per_s": samples / seconds,
+            "answers": len(answers), "new_tokens_per_s": tokens / seconds}
 
 
 def _gpu_name() -> str:
