@@ -222,8 +222,8 @@ def test_eval_config_errors_name_the_key():
         load_config(None, ["eval.gap_tolerance=0"])
     with pytest.raises(ConfigError, match=r"^eval\.every_steps: must be a multiple of logging\.log_every"):
         load_config(None, ["eval.every_steps=15", "logging.log_every=10"])
-    with pytest.raises(ConfigError, match=r"^eval\.paths"):
-        load_config(None, ["eval.every_steps=10", "data.format=tokenized", "data.paths=['x.jsonl']"])
+    # Tokenized or chat data without eval.paths is evaluated on records held out of it (producer/data.py run_sources).
+    assert load_config(None, ["eval.every_steps=10", "data.format=tokenized", "data.paths=['x.jsonl']"]).eval.paths == []
     assert RunConfig().eval.every_steps == 0  # off unless asked for
     assert load_config("launch/tiny.toml").eval.every_steps > 0
 
