@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +50,24 @@ def write_chat(path: Path, count: int, broken_lines: tuple[int, ...] = ()) -> Pa
             f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
                                              {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]}) + "\n")
     return path
+
+
+def run_killing_once(command: list[str], folder: Path, process: str, timeout_s: float = 600) -> str:
+    """Run a launcher ``command`` to its end; once producer 0's first shard is in ``folder``, kill -9 the process
+    whose command line starts with ``process`` (e.g. ``producer.synthesize --run-dir DIR``). The launcher's
+    output; the test fails if the launcher fails or no shard appears."""
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s / 2
+        while not list(folder.glob("p0-*.jsonl")) and time.monotonic() < deadline:
+            assert launcher.poll() is None, launcher.stdout.read()
+            time.sleep(0.1)
+        assert list(folder.glob("p0-*.jsonl")), "no shard was written"
+        found = subprocess.run(["pgrep", "-f", f"{process} "], capture_output=True, text=True)
+        os.kill(int(found.stdout.split()[0]), signal.SIGKILL)
+        out, _ = launcher.communicate(timeout=timeout_s)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out
+    return out

@@ -5,15 +5,11 @@ kill -9 of the producer."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
-from tests.real_model import smollm2_folder, smollm2_gguf, write_chat
+from tests.real_model import run_killing_once, smollm2_folder, smollm2_gguf, write_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,20 +27,8 @@ def test_the_stream_trains_on_the_targets_own_answers_exactly_once_through_a_pro
                "eval.num_prompts=4", "logging.log_every=1", 'launch.producer_devices=["cpu"]',
                'launch.trainer_devices=["cpu"]', "launch.mps=false", "launch.restart_backoff_s=0.2",
                "ring.backend=\"host\"", "ring.num_slots=2"]
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     folder = run_dir / "regenerated"
-    try:
-        deadline = time.monotonic() + 300
-        while not list(folder.glob("p0-*.jsonl")) and time.monotonic() < deadline:
-            assert launcher.poll() is None, launcher.stdout.read()
-            time.sleep(0.1)
-        found = subprocess.run(["pgrep", "-f", f"producer.server --run-dir {run_dir} "], capture_output=True, text=True)
-        os.kill(int(found.stdout.split()[0]), signal.SIGKILL)
-        out, _ = launcher.communicate(timeout=600)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 0, out
+    out = run_killing_once(command, folder, f"producer.server --run-dir {run_dir}")
     answers = Counter()
     records = {}
     for path in folder.glob("*.jsonl"):

@@ -4,8 +4,6 @@ JSONL shards that the chat data path reads, every prompt exactly once through a 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from collections import Counter
@@ -14,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError, load_config
-from tests.real_model import smollm2_folder, smollm2_gguf, write_chat
+from tests.real_model import run_killing_once, smollm2_folder, smollm2_gguf, write_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ALL = str(ROOT / "launch" / "run_all.sh")
@@ -41,22 +39,8 @@ def test_every_prompt_is_answered_exactly_once_through_a_kill_9_of_the_producer(
     smollm2_folder()  # converted before the clock of the run starts
     data = write_chat(short_tmp / "prompts.jsonl", 16)
     run_dir = short_tmp / "run"
-    launcher = subprocess.Popen(synthesize_args(run_dir, data), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
     folder = run_dir / "synthesized"
-    try:
-        deadline = time.monotonic() + 240
-        while not list(folder.glob("p0-*.jsonl")) and time.monotonic() < deadline:
-            assert launcher.poll() is None, launcher.stdout.read()
-            time.sleep(0.1)
-        assert list(folder.glob("p0-*.jsonl")), "no shard was written"
-        found = subprocess.run(["pgrep", "-f", f"producer.synthesize --run-dir {run_dir} "], capture_output=True, text=True)
-        os.kill(int(found.stdout.split()[0]), signal.SIGKILL)
-        out, _ = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 0, out
+    out = run_killing_once(synthesize_args(run_dir, data), folder, f"producer.synthesize --run-dir {run_dir}")
     assert "synth0 killed by SIGKILL; it continues from its shards" in out
     ids = shard_ids(folder)
     expected = {f"data:{i}" for i in range(16)} | {f"magpie:{i}" for i in range(4)}

@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                         "same --out trains on the same data (the synthesis finds nothing left to do)")
     parser.add_argument("--online-steps", type=int, default=0, help="then train this many steps with data.regenerate "
                         "(the stream answers the same prompts as it goes): the online form's throughput")
+    parser.add_argument("--throughput-only", action="store_true", help="no HumanEval and no evaluations: synthesis, "
+                        "training and (with --online-steps) the online form, for their rates alone")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (the recipe)")
     args = parser.parse_args(argv)
     out = args.out.resolve()
@@ -117,11 +119,13 @@ def main(argv: list[str] | None = None) -> int:
                                     f"synthesize.max_new_tokens={args.max_new_tokens}"], out / "synthesize.log")
     status = [json.loads(p.read_text()) for p in sorted((synth / "synthesized").glob("status-p*.json"))]
     result["synthesize_tokens_per_s"] = sum(s["tokens_per_s"] for s in status)
+    result["synthesized_answers"] = sum(s["written"] for s in status)
     humaneval = out / "humaneval"
-    result["humaneval_synthesize_s"] = timed(
-        [RUN_ALL, "synthesize", "--run-dir", str(humaneval), "--config", str(PRESET), *common, 'synthesize.prompts="data"',
-         f"data.paths={json.dumps([str(humaneval_prompts(out / 'humaneval-prompts.jsonl'))])}",
-         f"synthesize.max_new_tokens={16 if args.smoke else 256}"], out / "humaneval-synthesize.log")
+    if not args.throughput_only:
+        result["humaneval_synthesize_s"] = timed(
+            [RUN_ALL, "synthesize", "--run-dir", str(humaneval), "--config", str(PRESET), *common,
+             'synthesize.prompts="data"', f"data.paths={json.dumps([str(humaneval_prompts(out / 'humaneval-prompts.jsonl'))])}",
+             f"synthesize.max_new_tokens={16 if args.smoke else 256}"], out / "humaneval-synthesize.log")
     save()
 
     # 2. Training with the project's defaults for this target, evaluated as it goes.
@@ -130,11 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     timed([RUN_ALL, "--run-dir", str(train), "--config", str(PRESET), *common, f"data.paths={data_paths}",
            f"training.max_steps={args.steps}", f"training.checkpoint_every={args.steps}",
-           f"eval.every_steps={args.eval_every}", f"eval.num_prompts={args.held_out}", f"logging.log_every={math.gcd(50, args.eval_every)}",
-           *args.overrides], out / f"{args.name}.log")
+           f"eval.every_steps={0 if args.throughput_only else args.eval_every}", f"eval.num_prompts={args.held_out}",
+           f"logging.log_every={math.gcd(50, args.eval_every)}", *args.overrides], out / f"{args.name}.log")
     result["train_s"] = time.monotonic() - started
+    result["trained_samples"] = ledger_samples(train)
     result["curve"] = learning_curve(train)
     save()
+    if args.online_steps:
+        result["online"] = online_throughput(out / f"{args.name}-online", common, data_paths, args.online_steps,
+                                             out / f"{args.name}-online.log")
+        result["offline"] = {"answers_per_s": result["synthesized_answers"] / result["synthesize_s"],
+                             "samples_per_s": result["trained_samples"] / result["train_s"]}
+        save()
+        print(f"offline: {result['offline']['answers_per_s']:.2f} answers/s in synthesis, then "
+              f"{result['offline']['samples_per_s']:.2f} samples/s in training; online (data.regenerate): "
+              f"{result['online']['answers_per_s']:.2f} answers/s and {result['online']['samples_per_s']:.2f} samples/s")
+    if args.throughput_only:
+        print(json.dumps(result))
+        return 0
 
     # 3. Real tau of the last checkpoint on the held-out synthesized records and on HumanEval.
     checkpoint = max((train / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -145,14 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     result["humaneval"] = {"tau": code["tau"], "sim_tau": code["sim_tau"], "prompts": code["num_prompts"]}
     result["total_s"] = result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"]
     save()
-
-    if args.online_steps:
-        result["online"] = online_throughput(out / f"{args.name}-online", common, data_paths, args.online_steps,
-                                             out / f"{args.name}-online.log")
-        offline_samples = result["curve"][-1]["samples"] if result["curve"] else 0
-        result["offline"] = {"samples_per_s_training": offline_samples / result["train_s"],
-                             "new_tokens_per_s_synthesis": result["synthesize_tokens_per_s"]}
-        save()
 
     print(f"{'step':>6} {'samples':>8} {'minutes':>8} {'real tau':>9} {'sim tau':>8}")
     for point in result["curve"]:
@@ -173,11 +182,16 @@ def online_throughput(run_dir: Path, common: list[str], data_paths: str, steps: 
            "data.regenerate=true", f"training.max_steps={steps}", f"training.checkpoint_every={steps}",
            "eval.every_steps=0"], log)
     seconds = time.monotonic() - started
-    samples = sum(len(json.loads(line)["samples"]) for line in (run_dir / "ledger.jsonl").read_text().splitlines())
+    samples = ledger_samples(run_dir)
     answers = [json.loads(line) for path in (run_dir / "regenerated").glob("*.jsonl") for line in open(path)]
     tokens = sum(a["generation"]["new_tokens"] for a in answers)
     return {"steps": steps, "seconds": seconds, "samples": samples, "samples_per_s": samples / seconds,
-            "answers": len(answers), "new_tokens_per_s": tokens / seconds}
+            "answers": len(answers), "answers_per_s": len(answers) / seconds, "new_tokens_per_s": tokens / seconds}
+
+
+def ledger_samples(run_dir: Path) -> int:
+    """Samples a run trained, from its ledger."""
+    return sum(len(json.loads(line)["samples"]) for line in (run_dir / "ledger.jsonl").read_text().splitlines())
 
 
 def _gpu_name() -> str:
