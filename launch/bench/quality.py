@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     result["curve"] = learning_curve(train)
     save()
     if args.online_steps:
-        result["online"] = online_throughput(out / f"{args.name}-online", common, data_paths, args.online_steps,
-                                             out / f"{args.name}-online.log")
+        answers_like_synthesis = [f"synthesize.max_new_tokens={args.max_new_tokens}", *args.overrides]
+        result["online"] = online_throughput(out / f"{args.name}-online", [*common, *answers_like_synthesis],
+                                             data_paths, args.online_steps, out / f"{args.name}-online.log")
         result["offline"] = {"answers_per_s": result["synthesized_answers"] / result["synthesize_s"],
                              "samples_per_s": result["trained_samples"] / result["train_s"]}
         save()
