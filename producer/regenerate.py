@@ -3,7 +3,9 @@
 Each chat record's last assistant turn is written anew by the producer's own target just before the record
 is batched: the batch plan announces each window of sample ids (``DataSource.prefetch``) and the whole window
 is answered in one batched generation (producer/generate.py), then captured like any other document. No
-synthesis pass first, no second copy of the data on disk beyond the answers themselves.
+synthesis pass first, no second copy of the data on disk beyond the answers themselves. The cost: while the
+producer answers a window it fills no slot, so the trainer lives on what the ring holds (nothing, for the first
+window), and on one device generation and training take turns rather than overlap (BENCHMARKS.md, synthesis).
 
 Exactly once by prompt: the ledger and the committed cursors already say which sample ids are trained; what
 must not change is a document itself, or a batch computed again after a restart (a trainer's kill -9, a
