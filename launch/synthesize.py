@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from common.config import ConfigError, save_config
-from common.rundir import RunDir, read_json
+from common.rundir import read_json
 from launch.supervisor import (
     ManagedProcess, UsageError, child_environment, describe_exit, detect_cuda, log_tail, producer_devices, resolve_run,
 )
@@ -30,6 +30,17 @@ log = logging.getLogger("launch.synthesize")
 
 POLL_S = 0.2
 STOP_TIMEOUT_S = 60.0
+PROGRESS_EVERY_S = 30.0
+"""How often the command prints how far the producers are."""
+
+
+def progress(folder: Path, num_producers: int) -> str:
+    """One line from the producers' status files: records on disk and the generation rate of each."""
+    statuses = [read_json(folder / f"status-p{i}.json") or {} for i in range(num_producers)]
+    written = sum(s.get("written", 0) for s in statuses)
+    pending = sum(s.get("pending_at_start", 0) for s in statuses)
+    rates = ", ".join(f"{s.get('tokens_per_s', 0):.0f}" for s in statuses)
+    return f"{written} of the {pending} prompts left at this start written; new tokens/s per producer: {rates}"
 
 
 def count_records(folder: Path) -> tuple[int, int]:
@@ -69,9 +80,13 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
     for worker in workers:
         worker.start()
     finished: set[int] = set()
+    next_progress = time.monotonic() + PROGRESS_EVERY_S
     while len(finished) < len(workers):
         if stopping:
             return _stop(workers, finished)
+        if time.monotonic() >= next_progress:
+            next_progress = time.monotonic() + PROGRESS_EVERY_S
+            log.info("%s", progress(folder, len(workers)))
         for index, worker in enumerate(workers):
             if index in finished:
                 continue

@@ -97,3 +97,13 @@ def test_synthesize_config_is_validated_naming_the_key():
         load_config(None, ['synthesize.prompts="magpie"'])
     with pytest.raises(ConfigError, match="synthesize.magpie_top_p"):
         load_config(None, ["synthesize.magpie_top_p=0"])
+
+
+def test_the_command_reports_how_far_the_producers_are(tmp_path):
+    from common.rundir import atomic_write_json
+    from launch.synthesize import progress
+
+    atomic_write_json(tmp_path / "status-p0.json", {"written": 300, "pending_at_start": 500, "tokens_per_s": 1234.4})
+    atomic_write_json(tmp_path / "status-p1.json", {"written": 20, "pending_at_start": 480, "tokens_per_s": 99.6})
+    assert progress(tmp_path, 3) == ("320 of the 980 prompts left at this start written; new tokens/s per producer: "
+                                     "1234, 100, 0")
