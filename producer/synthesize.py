@@ -22,6 +22,7 @@ matches ``*.jsonl``, so nothing half-written passes for a shard.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from common.config import ConfigError, RunConfig, SynthesizeConfig, load_config
 from common.lifecycle import die_with_parent, exit_process
 from common.rundir import RunDir, atomic_write_json, fsync_file
 from producer.data import BadRecord, DataError, expand_paths, validate_messages
+from producer.generate import GenerationConfig, Generator, Request
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +196,6 @@ class Synthesis:
     """One producer's share of the prompts, answered by its target and written as shards."""
 
     def __init__(self, cfg: RunConfig, run: RunDir, producer_id: int, device: str | None) -> None:
-        import dataclasses
-
         from transformers import AutoTokenizer
 
         from producer.target import load_target_model
@@ -236,8 +236,6 @@ class Synthesis:
         return settings
 
     def run(self) -> int:
-        from producer.generate import GenerationConfig, Generator, Request
-
         s = self.synth
         answers = Generator(self.model, GenerationConfig(
             max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed + self.producer_id,
@@ -252,7 +250,7 @@ class Synthesis:
         settings = self.generation_settings()
         started, reported = time.monotonic(), time.monotonic()
         by_id = {p.id: p for p in self.pending}
-        for finished in answers.generate(self._answer_requests(questions, Request)):
+        for finished in answers.generate(self._answer_requests(questions)):
             prompt, messages = by_id[finished.key[0]], finished.key[1]
             if finished.stop_reason == "prompt_too_long":
                 self.writer.add({"id": prompt.id, "skipped": f"prompt longer than synthesize.max_prompt_tokens="
@@ -273,7 +271,7 @@ class Synthesis:
         self._report(answers, started, final=True)
         return 0
 
-    def _answer_requests(self, questions: Any, request_cls: Any) -> Iterator[Any]:
+    def _answer_requests(self, questions: Generator | None) -> Iterator[Request]:
         """Answer requests in prompt order; Magpie prompts get their user message from ``questions`` first, a
         chunk of rows at a time, while the answer rows wait in their cache."""
         pending = list(self.pending)
@@ -282,7 +280,7 @@ class Synthesis:
         while position < len(pending) and not self.stop:
             batch = pending[position: position + chunk]
             position += len(batch)
-            written = self._write_questions(questions, batch, request_cls) if questions is not None else {}
+            written = self._write_questions(questions, batch) if questions is not None else {}
             for prompt in batch:
                 messages = list(prompt.messages) if prompt.messages is not None else written.get(prompt.id)
                 if messages is None:
@@ -290,13 +288,13 @@ class Synthesis:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                           **self.template_kwargs)
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                yield request_cls(key=(prompt.id, messages), prompt_ids=ids)
+                yield Request(key=(prompt.id, messages), prompt_ids=ids)
 
-    def _write_questions(self, questions: Any, batch: list[Prompt], request_cls: Any) -> dict[str, list[dict]]:
+    def _write_questions(self, questions: Generator, batch: list[Prompt]) -> dict[str, list[dict]]:
         prefix_ids = self.tokenizer(self.prefix, add_special_tokens=False)["input_ids"]
         wanted = [p for p in batch if p.messages is None]
         written: dict[str, list[dict]] = {}
-        for finished in questions.generate(request_cls(key=p.id, prompt_ids=prefix_ids) for p in wanted):
+        for finished in questions.generate(Request(key=p.id, prompt_ids=prefix_ids) for p in wanted):
             text = self.tokenizer.decode([t for t in finished.new_ids if t not in self.stop_ids],
                                          skip_special_tokens=True).strip()
             if text:
@@ -305,7 +303,7 @@ class Synthesis:
                 self.writer.add({"id": finished.key, "skipped": "the self-written prompt is empty", "source": "magpie"})
         return written
 
-    def _report(self, generator: Any, started: float, final: bool = False) -> None:
+    def _report(self, generator: Generator, started: float, final: bool = False) -> None:
         stats = generator.stats
         status = {"producer": self.producer_id, "pid": os.getpid(), "job": "synthesize", "written": self.writer.written,
                   "pending_at_start": len(self.pending), "total": self.total, "new_tokens": stats.new_tokens,
