@@ -83,7 +83,7 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
     next_progress = time.monotonic() + PROGRESS_EVERY_S
     while len(finished) < len(workers):
         if stopping:
-            return _stop(workers, finished)
+            return _stop(workers)
         if time.monotonic() >= next_progress:
             next_progress = time.monotonic() + PROGRESS_EVERY_S
             log.info("%s", progress(folder, len(workers)))
@@ -104,13 +104,13 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
             if code == 2:
                 log.error("%s stopped with a configuration or data error: the same on every try%s", worker.name,
                           log_tail(worker.log_path))
-                _stop(workers, finished | {index})
+                _stop(workers, resumable=False)
                 return 2
             delay = worker.schedule_restart(cfg.launch.restart_backoff_s, cfg.launch.max_restarts)
             if delay is None:
                 log.error("%s crashed (%s) more than launch.max_restarts=%d times in a row; stopping%s", worker.name,
                           describe_exit(code), cfg.launch.max_restarts, log_tail(worker.log_path))
-                _stop(workers, finished | {index})
+                _stop(workers, resumable=False)
                 return 1
             log.warning("%s %s; it continues from its shards in %.1f s", worker.name, describe_exit(code), delay)
         time.sleep(POLL_S)
@@ -124,8 +124,9 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
     return 0
 
 
-def _stop(workers: list[ManagedProcess], finished: set[int]) -> int:
-    """SIGTERM every running worker (each writes what it has done) and wait for them."""
+def _stop(workers: list[ManagedProcess], resumable: bool = True) -> int:
+    """SIGTERM every running worker (each writes what it has done) and wait for them. ``resumable``: a stop the
+    same command continues (not an error that would come again)."""
     for worker in workers:
         if worker.proc is not None:
             worker.send(signal.SIGTERM)
@@ -133,7 +134,7 @@ def _stop(workers: list[ManagedProcess], finished: set[int]) -> int:
     for worker in workers:
         if worker.proc is not None and worker.wait(max(0.0, deadline - time.monotonic())) is None:
             worker.kill()
-    log.info("stopped; run the same command again to continue")
+    log.info("stopped; run the same command again to continue" if resumable else "stopped")
     return 130
 
 
