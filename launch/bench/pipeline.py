@@ -163,7 +163,7 @@ def published_rate(timeline: list[dict], t0: float, t1: float) -> float:
 def kill_run(run: RunDir) -> None:
     """SIGKILL every process of the run (a benchmark needs no final checkpoint): the supervisor first,
     so that nothing is restarted, then everything whose command line names the run directory.
-    Process groups are not enough: torchrun starts its ranks in sessions of their own, and ranks
+    Process groups are not enough: torchrun starts its ranks with setsid (process groups of their own), and ranks
     left running would share the GPUs with the next run. Then the run's /dev/shm segments, which no process
     removes after a SIGKILL: its trainer's staging is the drafter's weights and optimizer state (12.6 GB at
     the Qwen3-8B shapes)."""
