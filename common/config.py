@@ -754,6 +754,10 @@ class SynthesizeConfig:
         _check(self.seed >= 0, "seed", "must be >= 0")
         _check(self.flush_every_s > 0, "flush_every_s", f"must be > 0, got {self.flush_every_s}")
 
+    def folder(self, run_root: Path) -> Path:
+        """Where the shards of the run at ``run_root`` go: output_dir, else RUN/synthesized."""
+        return Path(self.output_dir) if self.output_dir else run_root / "synthesized"
+
 
 @dataclass
 class RunConfig:

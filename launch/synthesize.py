@@ -61,7 +61,7 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
     run.create()
     save_config(cfg, run.config)
     logging.basicConfig(level=logging.INFO, format="[synthesize %(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    folder = Path(cfg.synthesize.output_dir) if cfg.synthesize.output_dir else run.root / "synthesized"
+    folder = cfg.synthesize.folder(run.root)
     devices = producer_devices(cfg, detect_cuda)
     workers = [ManagedProcess(f"synth{i}", [sys.executable, "-m", "producer.synthesize", "--run-dir", str(run.root),
                                             "--producer-id", str(i), "--device", device],

@@ -59,10 +59,6 @@ class Prompt:
     """Where it comes from: ``file:line`` of a data record, or ``magpie``."""
 
 
-def output_dir(cfg: RunConfig, run: RunDir) -> Path:
-    return Path(cfg.synthesize.output_dir) if cfg.synthesize.output_dir else run.root / "synthesized"
-
-
 def data_prompts(cfg: RunConfig) -> list[Prompt]:
     """The user turns of the chat records of data.paths, each cut after its last user message. A record that is
     not a chat record with a user turn stops the run (DataError naming file:line): it would fail every try."""
@@ -212,7 +208,7 @@ class Synthesis:
             self.template_kwargs["enable_thinking"] = self.synth.enable_thinking
         self.prefix = magpie_prefix(self.tokenizer, self.template_kwargs) if self.synth.prompts != "data" else ""
         prompts = all_prompts(cfg)  # every record checked before the target loads: a bad one stops in seconds
-        self.folder = output_dir(cfg, run)
+        self.folder = cfg.synthesize.folder(run.root)
         done = read_shards(self.folder) if self.folder.is_dir() else {}
         share = cfg.launch.total_producers
         self.total = sum(1 for p in prompts if p.index % share == producer_id)
