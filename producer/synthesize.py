@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunConfig, SynthesizeConfig, load_config
+from common.drafter.evaluate import stop_tokens_of
 from common.lifecycle import die_with_parent, exit_process
 from common.rundir import RunDir, atomic_write_json, fsync_file
 from producer.data import BadRecord, DataError, expand_paths, validate_messages
@@ -311,8 +312,11 @@ class Synthesis:
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
-    """Where a turn ends: the tokenizer's eos and the model's generation eos ids (one id or a list)."""
-    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    """Where a turn ends: the target's end-of-sequence ids (as the evaluator stops), the tokenizer's eos and the
+    generation config's (one id or a list): a chat template's end of turn is often only in the latter two."""
+    ids = set(stop_tokens_of(model))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids |= {int(i) for i in (configured if isinstance(configured, list) else [configured]) if i is not None}
     return tuple(sorted(ids))
