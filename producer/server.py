@@ -153,8 +153,9 @@ def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_sha
     """The batches of one shard of the run's training data (its held-out records left out), in their
     deterministic order; with ``data.regenerate`` their answers written by ``target_model`` as the stream goes
     and kept in ``run_dir``."""
-    source, _ = run_sources(cfg, target_vocab_size)
-    if cfg.data.regenerate:
+    if not cfg.data.regenerate:
+        source, _ = run_sources(cfg, target_vocab_size)
+    else:
         from transformers import AutoTokenizer
 
         from producer.regenerate import RegeneratedSource
@@ -162,6 +163,7 @@ def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_sha
         if target_model is None or run_dir is None or cfg.target.path is None:
             raise ConfigError("data.regenerate: needs the producer's target, loaded from target.path with its tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.target.path)
+        source, _ = run_sources(cfg, target_vocab_size, tokenizer=tokenizer)  # the same tokenizer renders both
         source = RegeneratedSource(source, target_model, tokenizer, cfg, run_dir.root / "regenerated", shard_index)
     order = ShardOrder(len(source), OrderConfig(seed=cfg.data.shuffle_seed, num_shards=num_shards, shard_index=shard_index))
     return BatchPlan(source, order, cfg.batching)
