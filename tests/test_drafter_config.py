@@ -44,7 +44,8 @@ def test_from_target_qwen3_8b():
     assert config.rope_theta == 1e6 and config.num_target_layers == 36
     assert config.layer_types == ["full_attention"] * 5
     assert config.fused_feature_size == 5 * 4096
-    assert default_gamma(16) == 7 and default_gamma(8) == 4
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    assert default_gamma(12) == pytest.approx(5 + 2 / 3) and default_gamma(9) == 4.5
 
 
 def test_from_target_overrides_and_explicit_mask():

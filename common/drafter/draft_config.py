@@ -51,9 +51,15 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return ids
 
 
+PUBLISHED_GAMMA = ((8, 4.0), (10, 5.0), (16, 7.0))
+"""(block size, loss decay gamma) of the published recipes."""
+
+
 def default_gamma(block_size: int) -> float:
-    """Loss decay constant of the public recipe: 7 for B = 16, 4 for B = 8, else scaled from 16."""
-    return {16: 7.0, 8: 4.0}.get(block_size, 7.0 * block_size / 16)
+    """Loss decay constant of the published recipes: 7 for B = 16, 5 for B = 10, 4 for B = 8; other sizes on the
+    line through the two nearest of those points (below 10: 8 and 10; from 10: 10 and 16)."""
+    (low, low_gamma), (high, high_gamma) = PUBLISHED_GAMMA[:2] if block_size < 10 else PUBLISHED_GAMMA[1:]
+    return low_gamma + (high_gamma - low_gamma) * (block_size - low) / (high - low)
 
 
 @dataclass
