@@ -509,3 +509,43 @@ def test_evaluation_of_prompts_together_reports_what_one_at_a_time_reports(targe
     single = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=1"]), target_model, LAYER_IDS).evaluate(drafter)
     assert (batched.tau, batched.accept_pos, batched.generated_tokens, batched.target_forwards) == \
         (single.tau, single.accept_pos, single.generated_tokens, single.target_forwards)
+
+
+def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model, target_dir):
+    """Real decoding of a held-out prompt stops at eval.max_new_tokens; the simulation scores the same span of each
+    document (its prompt and max_new_tokens tokens), not the rest of a longer answer."""
+    from common.drafter.evaluate import decoded_span, document_features, simulated_acceptance
+
+    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4",
+                             "eval.max_new_tokens=8"])
+    evaluator = build_evaluator(cfg, target_model, LAYER_IDS)
+    drafter = strong_drafter(target_model)
+    report = evaluator.evaluate(drafter)
+    spans = [decoded_span(d, 0, 8) for d in evaluator.documents]
+    assert all(len(s) == prompt_of(d, 0).numel() + 8 < len(d) for s, d in zip(spans, evaluator.documents))
+    with torch.no_grad():
+        whole_features = [document_features(evaluator.target, d) for d in evaluator.documents]
+        on_spans, _ = simulated_acceptance(drafter, spans, whole_features, cfg.drafter.num_anchors)
+        on_documents, _ = simulated_acceptance(drafter, evaluator.documents, whole_features, cfg.drafter.num_anchors)
+    assert report.sim_tau == pytest.approx(on_spans)
+    assert on_spans != pytest.approx(on_documents)
+
+
+def test_the_simulated_tau_counts_each_blocks_own_streak():
+    """tau = 1 + the mean over blocks of each block's leading correct slots, not 1 + the sum of products of per-slot
+    marginals: here the two differ (2.0 against 2.25)."""
+    from common.drafter.blocks import DraftBlocks
+    from common.drafter.loss import draft_metrics
+
+    label_mask = torch.ones(2, 3, dtype=torch.bool)
+    blocks = DraftBlocks(anchors=torch.tensor([0, 5]), valid=torch.tensor([True, True]), doc_start=torch.zeros(2, dtype=torch.long),
+                         block_ids=torch.zeros(2, 4, dtype=torch.long), block_positions=torch.zeros(2, 4, dtype=torch.long),
+                         label_index=torch.zeros(2, 3, dtype=torch.long), label_ids=torch.zeros(2, 3, dtype=torch.long),
+                         label_mask=label_mask, context_doc_ids=torch.zeros(10, dtype=torch.int32),
+                         context_positions=torch.arange(10))
+    correct = torch.tensor([[True, True, False], [False, True, True]])
+    metrics = draft_metrics(blocks, torch.zeros(2, 3), correct)
+    assert metrics["tau"] == pytest.approx(2.0)
+    accuracy = metrics["acc"]
+    assert accuracy.tolist() == [0.5, 1.0, 0.5]
+    assert 1 + torch.cumprod(accuracy, 0).sum() == pytest.approx(2.25)

@@ -526,8 +526,9 @@ def greedy_decode(target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: in
 def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], features: Iterable[DocumentFeatures],
                          num_anchors: int, seed: int = 0) -> tuple[float, list[float]]:
     """The training metric on ``documents`` with their target ``features`` (taken one document at a time, so they
-    may be made as they are needed): (tau, acc_k) of teacher-forced blocks at up to ``num_anchors`` anchors per
-    document, labelled as ``drafter.loss_config`` says. Dense masks."""
+    may be made as they are needed, and may be those of a longer text that begins with the document): (tau, acc_k)
+    of teacher-forced blocks at up to ``num_anchors`` anchors per document, labelled as ``drafter.loss_config``
+    says. Dense masks."""
     config = drafter.config
     device = drafter.fc.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -536,7 +537,8 @@ def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], 
     supervised = torch.zeros(config.block_size - 1, device=device)
     for document, kept in zip(documents, features):
         input_ids = torch.as_tensor(document.input_ids, device=device)
-        aux_hidden = kept.aux_hidden.to(device, non_blocking=True)
+        # Features of a longer text (the whole document of a decoded span) are cut to this one: they are causal.
+        aux_hidden = kept.aux_hidden[:len(document)].to(device, non_blocking=True)
         batch = PackedBatch(input_ids=input_ids, loss_mask=torch.as_tensor(document.loss_mask, device=device),
                             cu_seqlens=torch.tensor([0, len(document)], dtype=torch.int32, device=device),
                             sample_ids=torch.tensor([document.sample_id], device=device), aux_hidden=aux_hidden)
@@ -549,7 +551,7 @@ def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], 
                 raise ValueError(f"label_mode {drafter.loss_config.label_mode!r}: this evaluator does not capture the "
                                  "target's last layer (capture_last)")
             head = drafter.target_head
-            target_hidden = head.final_norm(kept.last_hidden.to(device, head.norm_weight.dtype, non_blocking=True))
+            target_hidden = head.final_norm(kept.last_hidden[:len(document)].to(device, head.norm_weight.dtype, non_blocking=True))
         _, metrics = draft_loss(hidden, blocks, drafter.target_head.lm_head_weight, drafter.loss_config, target_hidden)
         streaks += float((metrics["tau"] - 1) * metrics["num_blocks"])
         blocks_seen += float(metrics["num_blocks"])
@@ -573,7 +575,8 @@ class AcceptanceReport:
     accept_pos: list[float]
     """k = 1..B-1: fraction of verify forwards whose accepted streak reaches slot k (tau = 1 + their sum)."""
     sim_tau: float
-    """The training metric (teacher-forced tau) on the same held-out documents."""
+    """The training metric (teacher-forced tau) on the same held-out documents, each cut to what decoding its prompt
+    produces: the prompt and ``max_new_tokens`` tokens."""
     sim_acc: list[float]
     """Teacher-forced per-slot accuracy acc_k, k = 1..B-1."""
     generated_tokens: int
@@ -626,6 +629,14 @@ class AcceptanceReport:
         lines += [f"{k:6d}    {p:10.3f}                           {a:10.3f}"
                   for k, (p, a) in enumerate(zip(self.accept_pos, self.sim_acc), start=1)]
         return "\n".join(lines)
+
+
+def decoded_span(document: Document, prompt_len: int, max_new_tokens: int) -> Document:
+    """The document's prompt and the ``max_new_tokens`` tokens after it: the part real decoding of that prompt
+    produces, and so the part its simulated acceptance is scored on (a longer answer's later tokens would
+    weigh in the simulation and never in the decoding)."""
+    end = prompt_of(document, prompt_len).numel() + max_new_tokens
+    return Document(document.sample_id, document.input_ids[:end], document.loss_mask[:end])
 
 
 def prompt_of(document: Document, prompt_len: int) -> torch.Tensor:
@@ -696,7 +707,8 @@ class Evaluator:
                 # document's features are on the device at a time.
                 features = (kept if kept is not None else document_features(self.target, document)
                             for document, kept in zip(self.documents, reference.documents))
-                sim_tau, sim_acc = simulated_acceptance(drafter, self.documents, features, self.num_anchors)
+                spans = [decoded_span(d, self.config.prompt_len, self.config.max_new_tokens) for d in self.documents]
+                sim_tau, sim_acc = simulated_acceptance(drafter, spans, features, self.num_anchors)
         finally:
             drafter.train(was_training)
         accepted = torch.tensor([n for d in decoded for n in d.accepted], dtype=torch.float64)
