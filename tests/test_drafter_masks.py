@@ -212,3 +212,31 @@ def test_gpu_compiled_flex_forward_equals_dense_forward(causality):
         flex = drafter(batch.aux_hidden, blocks, build_masks(blocks, config))
         dense = drafter(batch.aux_hidden, blocks, build_masks(blocks, config, dense=True))
     torch.testing.assert_close(flex, dense, rtol=2e-3, atol=2e-3)
+
+
+def test_anchors_count_per_batch_and_their_density_sets_the_coverage():
+    """drafter.num_anchors is per packed batch: the same number over twice the documents covers about half as much of
+    the supervised data, and short documents still get their share (each their first anchor before any second)."""
+    from common.drafter.blocks import label_coverage
+
+    config = tiny_config(block_size=4)
+    one = random_batch([40] * 8, config, seed=5, supervised_fraction=1.0)
+    two = random_batch([40] * 16, config, seed=5, supervised_fraction=1.0)
+    short_among_long = random_batch([300, 12, 12, 12, 300], config, seed=2, supervised_fraction=1.0)
+
+    def coverage(batch, num_anchors, seed=0):
+        blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator(seed))
+        return float(label_coverage(blocks, batch.loss_mask)), blocks
+
+    dense, _ = coverage(one, 64)
+    sparse, _ = coverage(two, 64)
+    assert 0.35 < sparse / dense < 0.65
+    # Every candidate an anchor: every supervised token is covered but each document's first, which has no anchor
+    # before it.
+    everything, blocks = coverage(one, 8 * 39)
+    assert everything == pytest.approx(1 - 8 / 320) and bool(blocks.valid.all())
+    # 30 anchors over 636 supervised tokens: each short document (12 of them) gets about its 2% share, at least one.
+    _, blocks = coverage(short_among_long, 30)
+    doc = torch.repeat_interleave(torch.arange(5), torch.tensor([300, 12, 12, 12, 300]))
+    per_doc = torch.bincount(doc[blocks.anchors[blocks.valid]], minlength=5)
+    assert per_doc[1:4].tolist() == [1, 1, 1] and int(per_doc.sum()) == 30

@@ -751,7 +751,7 @@ class _Window:
         self.starved += starved
         self.step_time += step_time
         self.flops += flops
-        for key in ("loss", "tau", "grad_norm", "acc"):
+        for key in ("loss", "tau", "grad_norm", "acc", "coverage"):
             value = metrics[key].detach().float()
             self.sums[key] = self.sums[key] + value if key in self.sums else value
 

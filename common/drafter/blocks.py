@@ -58,15 +58,25 @@ def valid_anchor_mask(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.T
     return valid
 
 
+def label_coverage(blocks: DraftBlocks, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Fraction of the batch's supervised tokens that are the label of at least one slot (a 0-d tensor, no host
+    synchronisation): how much of the data a step trains on."""
+    covered = torch.zeros(loss_mask.shape[0], dtype=torch.float32, device=loss_mask.device)
+    covered.scatter_reduce_(0, blocks.label_index.reshape(-1), blocks.label_mask.reshape(-1).float(), reduce="amax")
+    return covered.sum() / loss_mask.float().sum().clamp_min(1.0)
+
+
 def sample_anchors(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_anchors: int,
                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample up to ``num_anchors`` valid anchors without replacement, spread over documents.
+    """Sample up to ``num_anchors`` valid anchors of the whole packed batch without replacement, spread over documents.
 
-    Each document's candidates are put in a random order; candidate r of a document with c
-    candidates gets priority r / c, and the N lowest priorities win (random tie-break). So every
-    document gets its first anchor before any gets a second share, and beyond that documents
-    get anchors in proportion to their supervised tokens. Returns sorted ``(anchors, valid)``,
-    both ``[N]``, padded with invalid blocks at anchor 0.
+    The number is per packed batch (not per document, not per sequence of a batch): its density, anchors per
+    supervised token, is what sets how much of the data a step covers (``label_coverage``). Each document's
+    candidates are put in a random order; candidate r of a document with c candidates gets priority r / c, and
+    the N lowest priorities win (random tie-break). So every document gets its first anchor before any gets a
+    second share, and beyond that documents get anchors in proportion to their supervised tokens: a short
+    document packed beside long ones is never starved. Returns sorted ``(anchors, valid)``, both ``[N]``, padded
+    with invalid blocks at anchor 0.
     """
     total = loss_mask.shape[0]
     device = loss_mask.device

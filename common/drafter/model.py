@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from common.batch import PackedBatch
-from common.drafter.blocks import DraftBlocks, build_blocks
+from common.drafter.blocks import DraftBlocks, build_blocks, label_coverage
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig, draft_loss
 from common.drafter.masks import build_masks
@@ -244,7 +244,9 @@ class DFlashDrafter(nn.Module):
             if batch.last_hidden is None:
                 raise ValueError(f"label_mode {self.loss_config.label_mode!r} needs batch.last_hidden")
             target_hidden = self.target_head.final_norm(batch.last_hidden.to(self.target_head.norm_weight.dtype))
-        return draft_loss(hidden, blocks, self.target_head.lm_head_weight, self.loss_config, target_hidden)
+        loss, metrics = draft_loss(hidden, blocks, self.target_head.lm_head_weight, self.loss_config, target_hidden)
+        metrics["coverage"] = label_coverage(blocks, batch.loss_mask)
+        return loss, metrics
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
