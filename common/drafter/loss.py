@@ -4,13 +4,17 @@ The head is the target's frozen lm_head, so only the gradient with respect to th
 state is needed. ``ChunkedHeadLoss`` computes, chunk by chunk, logits -> per-row loss -> the
 row's unit gradient ``d loss_i / d h_i`` in the forward pass (Liger-style: two head matmuls in all,
 no recompute), and the backward only scales those rows by the incoming per-row weights. Returning
-per-row losses keeps the weighting (decay, streak-aware) in ordinary autograd code.
+per-row losses keeps the weighting (decay, streak-aware, D-PACE) in ordinary autograd code.
+
+The row loss is the label mode's cross-entropy, or an LK loss (arXiv 2602.23881) built on the row's
+acceptance rate: q(label) for a hard label, sum_v min(p_v, q_v) for a soft target.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -18,7 +22,8 @@ from common.drafter.blocks import DraftBlocks
 from common.drafter.draft_config import default_gamma
 
 LABEL_MODES = ("data", "target_hard", "target_soft")
-WEIGHTINGS = ("decay", "streak")
+WEIGHTINGS = ("decay", "streak", "dpace")
+OBJECTIVES = ("ce", "lk", "lk_hybrid")
 
 
 @dataclass
@@ -29,26 +34,48 @@ class LossConfig:
     """"data": CE on the data token x_{a+k}; "target_hard": CE on the target's argmax at a+k-1;
     "target_soft": KL(target || draft) on the target's distribution at a+k-1 (needs last_hidden)."""
     gamma: float | None = None
-    """Decay of the slot weight exp(-(k-1)/gamma); None -> 7 for B=16, 4 for B=8."""
+    """Decay of the slot weight exp(-(k-1)/gamma); None -> the published rule, default_gamma (7 for B=16, 5 for
+    B=10, 4 for B=8)."""
     weighting: str = "decay"
-    """"decay": exp(-(k-1)/gamma); "streak": detached probability that the streak reaches slot k."""
+    """"decay": exp(-(k-1)/gamma); "streak": detached probability that the streak reaches slot k;
+    "dpace": D-PACE (arXiv 2605.18810), w_k = sum over supervised m >= k of prod_{i <= m} q~_i, detached,
+    with q~_i = (1 - dpace_alpha) a_i + dpace_alpha and a_i the slot's acceptance rate (the draft's
+    probability of the label; sum_v min(p_v, q_v) for target_soft). Unsupervised slots are skipped."""
     streak_alpha: float = 0.5
     """Floor a of the streak weights: q~ = (1 - a) exp(-CE) + a."""
+    dpace_alpha: float = 0.5
+    """Smoothing floor of the D-PACE confidences, in (0, 1] (arXiv 2605.18810, Eq. 7): q~ >= dpace_alpha
+    keeps the weights of late slots from vanishing; 1 ignores the confidences (w_k = supervised slots >= k)."""
+    objective: str = "ce"
+    """Row loss. "ce": the label mode's CE (KL for target_soft). LK losses (arXiv 2602.23881) train the
+    acceptance rate a (q(label) for hard labels, sum_v min(p_v, q_v) for target_soft) directly:
+    "lk": -log a (for hard labels this is the CE itself); "lk_hybrid": lam CE + (1 - lam)(1 - a) with
+    lam = exp(-lk_eta a) per row, detached, so a row leans on CE while its acceptance is low."""
+    lk_eta: float = 3.0
+    """Decay eta of the lk_hybrid share of CE, lam = exp(-eta a) (arXiv 2602.23881, their eta = 3);
+    0 keeps pure CE, larger hands rows to the acceptance term sooner."""
     feature_noise: float = 0.0
     """Std of Gaussian noise on the target features, relative to each layer's per-token RMS;
     annealed to 0 on a cosine over training (step_fraction 0 -> 1)."""
     chunk_rows: int = 1024
-    """Rows of the head computed at once (memory ~ 4 x chunk_rows x vocab x 4 bytes)."""
+    """Rows of the head computed at once (memory ~ 4 x chunk_rows x vocab x 4 bytes; ~5 x for an LK
+    objective on target_soft)."""
 
     def __post_init__(self) -> None:
         if self.label_mode not in LABEL_MODES:
             raise ValueError(f"label_mode must be one of {LABEL_MODES}, got {self.label_mode!r}")
         if self.weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if not 0.0 <= self.streak_alpha <= 1.0:
             raise ValueError(f"streak_alpha must lie in [0, 1], got {self.streak_alpha}")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must lie in (0, 1], got {self.dpace_alpha}")
+        if not 0.0 <= self.lk_eta < math.inf:
+            raise ValueError(f"lk_eta must be finite and >= 0, got {self.lk_eta}")
         if self.feature_noise < 0:
             raise ValueError(f"feature_noise must be >= 0, got {self.feature_noise}")
         if self.chunk_rows < 1:
@@ -60,19 +87,68 @@ class LossConfig:
         return self.feature_noise * 0.5 * (1.0 + math.cos(math.pi * fraction))
 
 
+class HeadRows(NamedTuple):
+    """Per-row outputs of the chunked head; only ``loss`` is differentiable, and only w.r.t. hidden."""
+
+    loss: torch.Tensor
+    """[M] fp32: the objective's row loss."""
+    ce: torch.Tensor
+    """[M] fp32, detached: the row's CE (KL for a soft target); ``loss.detach()`` under objective "ce"."""
+    acceptance: torch.Tensor | None
+    """[M] fp32, detached: acceptance rate, q(label) for a hard label or sum_v min(p_v, q_v) for a soft
+    target; None under objective "ce" unless asked for."""
+    draft_argmax: torch.Tensor
+    """[M] int64: the draft's top token."""
+    label_used: torch.Tensor
+    """[M] int64: the hard label (the target's argmax for a target label mode)."""
+
+
+def _lk_rows(objective: str, ce: torch.Tensor, acceptance: torch.Tensor,
+             lk_eta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An LK row loss from the row's CE and acceptance a, with the coefficients of its differential
+    ``d loss = ce_coef d CE - overlap_coef d a`` (constants: lam is not differentiated)."""
+    if objective == "lk":
+        # d(-log a) = -d a / a stays bounded (each logit's share of d a is at most a), so no floor is needed;
+        # the clamp only keeps the log finite should the whole overlap underflow.
+        acceptance = acceptance.clamp_min(torch.finfo(acceptance.dtype).tiny)
+        return -acceptance.log(), torch.zeros_like(ce), acceptance.reciprocal()
+    ce_share = torch.exp(-lk_eta * acceptance)
+    return ce_share * ce + (1.0 - ce_share) * (1.0 - acceptance), ce_share, 1.0 - ce_share
+
+
+def _soft_lk_grad(draft_p: torch.Tensor, target_p: torch.Tensor, draft_below_target: torch.Tensor,
+                  ce_coef: torch.Tensor, overlap_coef: torch.Tensor) -> torch.Tensor:
+    """d loss / d logits of ``ce_coef KL(p || q) - overlap_coef sum_v min(p_v, q_v)``, written over draft_p.
+
+    d KL / d z = q - p. d min(p_v, q_v) = [q_v < p_v] d q_v and d q_v / d z_j = q_v (delta_vj - q_j), so
+    d overlap / d z_j = q_j ([q_j < p_j] - s) with s = sum_v [q_v < p_v] q_v.
+    """
+    captured = torch.where(draft_below_target, draft_p, 0.0).sum(-1, keepdim=True)  # s
+    # q (ce_coef + overlap_coef (s - [q < p])) - ce_coef p, in place to hold one extra chunk x vocab tensor.
+    scale = draft_below_target.to(draft_p.dtype).sub_(captured).mul_(-overlap_coef[:, None]).add_(ce_coef[:, None])
+    return draft_p.mul_(scale).addcmul_(target_p, ce_coef[:, None], value=-1.0)
+
+
 class ChunkedHeadLoss(torch.autograd.Function):
     """Per-row loss of ``hidden @ head_weight.T`` against hard labels or a soft target, in row chunks.
 
-    Returns ``(row_loss [M] fp32, draft_argmax [M], label_used [M])``; only row_loss is differentiable,
-    and only with respect to ``hidden``.
+    Returns ``(row_loss [M] fp32, draft_argmax [M], label_used [M], row_ce [M] or None, acceptance [M]
+    or None)``; only row_loss is differentiable, and only with respect to ``hidden``. row_ce is None under
+    objective "ce" (it is row_loss); acceptance is computed for the LK objectives or when asked for.
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor | None,
-                target_hidden: torch.Tensor | None, soft: bool, chunk_rows: int):
+                target_hidden: torch.Tensor | None, soft: bool, chunk_rows: int, objective: str, lk_eta: float,
+                with_acceptance: bool):
         rows = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
+        with_acceptance = with_acceptance or objective != "ce"
+        # For a one-hot target -log(acceptance) = -log q(label) is the CE, so "lk" rows take the CE path.
+        ce_rows = objective == "ce" or (objective == "lk" and not soft)
         row_loss = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        row_ce = torch.empty_like(row_loss) if objective != "ce" else None
+        acceptance = torch.empty_like(row_loss) if with_acceptance else None
         draft_argmax = torch.empty(rows, dtype=torch.long, device=hidden.device)
         label_used = torch.empty(rows, dtype=torch.long, device=hidden.device)
         unit_grad = torch.empty_like(hidden) if need_grad else None
@@ -91,48 +167,100 @@ class ChunkedHeadLoss(torch.autograd.Function):
                 target_logp = torch.log_softmax(target_logits, -1)
                 target_p = target_logp.exp()
                 # KL(p || q) = sum p (log p - logits + logZ)
-                row_loss[chunk] = (target_p * (target_logp - logits)).sum(-1) + log_norm.squeeze(-1)
+                ce = (target_p * (target_logp - logits)).sum(-1) + log_norm.squeeze(-1)
             else:
-                row_loss[chunk] = log_norm.squeeze(-1) - logits.gather(-1, label[:, None]).squeeze(-1)
-            if need_grad:
-                grad_logits = logits.sub_(log_norm).exp_()  # softmax, in place
+                ce = log_norm.squeeze(-1) - logits.gather(-1, label[:, None]).squeeze(-1)
+            if row_ce is not None:
+                row_ce[chunk] = ce
+            # The draft softmax, in place: the logits are not needed past this point.
+            draft_p = logits.sub_(log_norm).exp_() if need_grad or (soft and with_acceptance) else None
+            if with_acceptance:
                 if soft:
-                    grad_logits.sub_(target_p)
+                    draft_below_target = draft_p < target_p
+                    accept = torch.where(draft_below_target, draft_p, target_p).sum(-1)
                 else:
-                    grad_logits.scatter_add_(-1, label[:, None], grad_logits.new_full((label.shape[0], 1), -1.0))
+                    accept = torch.exp(-ce)  # a one-hot target overlaps the draft in q(label) alone
+                acceptance[chunk] = accept
+            if ce_rows:
+                row_loss[chunk] = ce
+            else:
+                row_loss[chunk], ce_coef, overlap_coef = _lk_rows(objective, ce, accept, lk_eta)
+            if need_grad:
+                if soft and not ce_rows:
+                    grad_logits = _soft_lk_grad(draft_p, target_p, draft_below_target, ce_coef, overlap_coef)
+                else:
+                    grad_logits = draft_p
+                    if soft:
+                        grad_logits.sub_(target_p)
+                    else:
+                        grad_logits.scatter_add_(-1, label[:, None], grad_logits.new_full((label.shape[0], 1), -1.0))
+                    if not ce_rows:
+                        # Hard lk_hybrid: d a = d q(label) = -a d CE, so the row's gradient is the CE's, scaled.
+                        grad_logits.mul_((ce_coef + overlap_coef * accept)[:, None])
                 unit_grad[chunk] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
         ctx.save_for_backward(unit_grad)
-        ctx.mark_non_differentiable(draft_argmax, label_used)
-        return row_loss, draft_argmax, label_used
+        ctx.mark_non_differentiable(draft_argmax, label_used,
+                                    *(side for side in (row_ce, acceptance) if side is not None))
+        return row_loss, draft_argmax, label_used, row_ce, acceptance
 
     @staticmethod
-    def backward(ctx, grad_row_loss, _grad_argmax, _grad_label):
+    def backward(ctx, grad_row_loss, _grad_argmax, _grad_label, _grad_ce, _grad_acceptance):
         (unit_grad,) = ctx.saved_tensors
         grad_hidden = unit_grad * grad_row_loss[:, None].to(unit_grad.dtype)
-        return grad_hidden, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None
+
+
+def chunked_head_rows(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor | None = None,
+                      target_hidden: torch.Tensor | None = None, soft: bool = False, objective: str = "ce",
+                      lk_eta: float = 3.0, with_acceptance: bool = False, chunk_rows: int = 1024) -> HeadRows:
+    """Per-row loss of ``objective`` (see LossConfig), CE, acceptance, draft argmax and label used.
+
+    Give ``labels`` (hard labels) or ``target_hidden`` (already final-normed target states: their argmax,
+    or their distribution when ``soft``). ``with_acceptance`` asks for the acceptance under objective "ce".
+    """
+    if (labels is None) == (target_hidden is None):
+        raise ValueError("give exactly one of labels and target_hidden")
+    if soft and target_hidden is None:
+        raise ValueError("soft labels need target_hidden")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    row_loss, draft_argmax, label_used, row_ce, acceptance = ChunkedHeadLoss.apply(
+        hidden, head_weight, labels, target_hidden, soft, chunk_rows, objective, lk_eta, with_acceptance)
+    return HeadRows(loss=row_loss, ce=row_loss.detach() if row_ce is None else row_ce, acceptance=acceptance,
+                    draft_argmax=draft_argmax, label_used=label_used)
 
 
 def chunked_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor | None = None,
                       target_hidden: torch.Tensor | None = None, soft: bool = False,
                       chunk_rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row loss, draft argmax and the label used. Give ``labels`` (hard CE) or ``target_hidden``
+    """Per-row CE loss, draft argmax and the label used. Give ``labels`` (hard CE) or ``target_hidden``
     (already final-normed target states: argmax CE, or KL when ``soft``)."""
-    if (labels is None) == (target_hidden is None):
-        raise ValueError("give exactly one of labels and target_hidden")
-    if soft and target_hidden is None:
-        raise ValueError("soft labels need target_hidden")
-    return ChunkedHeadLoss.apply(hidden, head_weight, labels, target_hidden, soft, chunk_rows)
+    rows = chunked_head_rows(hidden, head_weight, labels, target_hidden, soft, chunk_rows=chunk_rows)
+    return rows.loss, rows.draft_argmax, rows.label_used
 
 
-def slot_weights(blocks: DraftBlocks, config: LossConfig, row_loss: torch.Tensor) -> torch.Tensor:
-    """[N, B-1] loss weights of the supervised slots (detached)."""
+def slot_weights(blocks: DraftBlocks, config: LossConfig, row_ce: torch.Tensor,
+                 acceptance: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, B-1] loss weights of the supervised slots (detached).
+
+    row_ce: [M] per-row CE (KL for target_soft), read by "streak"; acceptance: [M] per-row acceptance
+    rate (HeadRows.acceptance), read by "dpace".
+    """
     mask = blocks.label_mask.float()
     num_slots = mask.shape[1]
     if config.weighting == "streak":
-        reach = (1.0 - config.streak_alpha) * torch.exp(-row_loss.detach().view_as(mask)) + config.streak_alpha
+        reach = (1.0 - config.streak_alpha) * torch.exp(-row_ce.detach().view_as(mask)) + config.streak_alpha
         reach = torch.where(blocks.label_mask, reach, 1.0)
         prefix = torch.cumprod(reach, dim=1)
         weights = prefix.flip(1).cumsum(1).flip(1)  # w_k = sum_{m >= k} prod_{i <= m} q~_i
+    elif config.weighting == "dpace":
+        if acceptance is None:
+            raise ValueError("weighting 'dpace' needs the rows' acceptance")
+        confidence = (1.0 - config.dpace_alpha) * acceptance.detach().view_as(mask) + config.dpace_alpha
+        # An unsupervised slot (prompt token) neither cuts nor scales the streak, and earns no weight.
+        confidence = torch.where(blocks.label_mask, confidence, 1.0)
+        reach = torch.cumprod(confidence, dim=1) * mask  # C_m = prod_{i <= m} q~_i
+        weights = reach.flip(1).cumsum(1).flip(1)  # w_k = sum_{m >= k} C_m
     else:
         gamma = config.gamma if config.gamma is not None else default_gamma(num_slots + 1)
         slot = torch.arange(num_slots, device=mask.device, dtype=torch.float32)  # k - 1
@@ -149,21 +277,21 @@ def draft_loss(hidden: torch.Tensor, blocks: DraftBlocks, head_weight: torch.Ten
     """
     num_blocks, block_size, width = hidden.shape
     rows = hidden[:, 1:].reshape(-1, width)  # slot 0 is the given token
+    options = dict(objective=config.objective, lk_eta=config.lk_eta, with_acceptance=config.weighting == "dpace",
+                   chunk_rows=config.chunk_rows)
     if config.label_mode == "data":
-        row_loss, draft_argmax, label_used = chunked_head_loss(
-            rows, head_weight, labels=blocks.label_ids.reshape(-1), chunk_rows=config.chunk_rows)
+        head = chunked_head_rows(rows, head_weight, labels=blocks.label_ids.reshape(-1), **options)
     else:
         if target_hidden is None:
             raise ValueError(f"label_mode {config.label_mode!r} needs the target's last hidden state")
         # The target predicts x_{a+k} from position a + k - 1.
         source = (blocks.label_index - 1).reshape(-1)
-        row_loss, draft_argmax, label_used = chunked_head_loss(
-            rows, head_weight, target_hidden=target_hidden[source], soft=config.label_mode == "target_soft",
-            chunk_rows=config.chunk_rows)
-    weights = slot_weights(blocks, config, row_loss)
-    loss = (weights.reshape(-1) * row_loss).sum() / weights.sum().clamp_min(1e-6)
-    metrics = draft_metrics(blocks, row_loss.detach().view(num_blocks, -1),
-                            (draft_argmax == label_used).view(num_blocks, -1))
+        head = chunked_head_rows(rows, head_weight, target_hidden=target_hidden[source],
+                                 soft=config.label_mode == "target_soft", **options)
+    weights = slot_weights(blocks, config, head.ce, head.acceptance)
+    loss = (weights.reshape(-1) * head.loss).sum() / weights.sum().clamp_min(1e-6)
+    metrics = draft_metrics(blocks, head.ce.view(num_blocks, -1),
+                            (head.draft_argmax == head.label_used).view(num_blocks, -1))
     metrics["loss"] = loss.detach()
     return loss, metrics
 
