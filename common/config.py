@@ -374,7 +374,11 @@ class TrainingConfig:
         "max_steps": "trainer",
         "epochs": "trainer",
         "gamma": "trainer",
-        "streak_aware": "trainer",
+        "weighting": "trainer",
+        "objective": "trainer",
+        "optimizer": "trainer",
+        "schedule": "trainer",
+        "decay_ratio": "trainer",
         "feature_noise": "trainer",
         "checkpoint_every": "trainer",
         "keep_last": "trainer",
@@ -390,13 +394,21 @@ class TrainingConfig:
     }
 
     lr: float = 6e-4
-    """Peak learning rate of AdamW."""
+    """Peak learning rate (of AdamW, and of Muon's matrices, whose updates are scaled to AdamW's size)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW for every trained weight. muon: Muon (momentum orthogonalised by Newton-Schulz) for the
+    drafter's weight matrices, AdamW for norms and the rest (trainer/optim.py); not with parallelism fsdp."""
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    """After the linear warmup: cosine, a cosine decay to ``min_lr_ratio`` over the remaining steps; wsd
+    (warmup-stable-decay), the peak held until the last ``decay_ratio`` of the steps, then a linear decay."""
+    decay_ratio: float = 0.2
+    """wsd: fraction of the steps spent in the final decay."""
     min_lr_ratio: float = 0.0
-    """Learning rate at the end of the cosine decay, as a fraction of lr."""
+    """Learning rate at the end of the decay, as a fraction of lr."""
     warmup_ratio: float = 0.04
     """Fraction of the steps spent in linear warmup."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """Decoupled weight decay (AdamW's, and Muon's on its matrices)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
     max_steps: int = 0
@@ -405,10 +417,15 @@ class TrainingConfig:
     """Epochs of data when max_steps is 0."""
     label_mode: LabelMode = "data"
     """data: the data tokens; target_hard (argmax CE) / target_soft (KL): the target's distribution (needs its last hidden state)."""
+    objective: Literal["ce", "lk", "lk_hybrid"] = "ce"
+    """Per-position loss: ce, cross-entropy against the label; lk, the LK loss (arXiv 2602.23881: one minus
+    the drafter's probability of being accepted at that position); lk_hybrid, the two mixed."""
+    weighting: Literal["decay", "streak", "dpace"] = "decay"
+    """Weight of block position k: decay, exp(-(k-1)/gamma); streak, the drafter's detached probability of
+    reaching k; dpace, D-PACE (arXiv 2605.18810)."""
     gamma: float | None = None
-    """Decay of the per-position loss weight exp(-(k-1)/gamma); None: 7 for B=16, 4 for B=8."""
-    streak_aware: bool = False
-    """Weight positions by the drafter's detached probability of reaching them."""
+    """Decay of the per-position loss weight exp(-(k-1)/gamma); None: 7 for B=16, 5 for B=10, 4 for B=8
+    (docs/dflash.md)."""
     feature_noise: float = 0.0
     """Std of Gaussian noise on the target features at step 0, cosine-annealed to 0 (0: off)."""
     checkpoint_every: int = 500
@@ -457,6 +474,13 @@ class TrainingConfig:
         _check(self.epochs >= 1, "epochs", "must be >= 1")
         _check(self.label_mode in ("data", "target_hard", "target_soft"), "label_mode", f"must be data, target_hard or target_soft, got {self.label_mode!r}")
         _check(self.gamma is None or self.gamma > 0, "gamma", "must be > 0")
+        _check(self.optimizer in ("adamw", "muon"), "optimizer", f"must be adamw or muon, got {self.optimizer!r}")
+        _check(self.schedule in ("cosine", "wsd"), "schedule", f"must be cosine or wsd, got {self.schedule!r}")
+        _check(0 < self.decay_ratio <= 1, "decay_ratio", "must be in (0, 1]")
+        _check(self.objective in ("ce", "lk", "lk_hybrid"), "objective", f"must be ce, lk or lk_hybrid, got {self.objective!r}")
+        _check(self.weighting in ("decay", "streak", "dpace"), "weighting", f"must be decay, streak or dpace, got {self.weighting!r}")
+        _check(not (self.optimizer == "muon" and self.parallelism == "fsdp"), "optimizer",
+               "muon needs whole weight matrices; use parallelism = \"ddp\" with it")
         _check(self.feature_noise >= 0, "feature_noise", "must be >= 0")
         _check(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         _check(self.keep_last >= 1, "keep_last", "must be >= 1")

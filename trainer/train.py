@@ -44,6 +44,7 @@ from trainer import build
 from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot, load_checkpoint
 from trainer import handover
 from trainer.feeder import Commits, Feeder, Received
+from trainer.optim import build_optimizer
 from trainer.sharding import (
     full_model_state,
     full_tensor,
@@ -74,15 +75,24 @@ def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
 
 
 def lr_lambda(cfg: RunConfig, max_steps: int):
-    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak."""
+    """Linear warmup, then a cosine decay to ``min_lr_ratio`` of the peak, or with ``schedule = "wsd"`` the peak held
+    until the last ``decay_ratio`` of the steps and a linear decay to the floor over them."""
     warmup = max(1, int(cfg.training.warmup_ratio * max_steps))
     floor = cfg.training.min_lr_ratio
+    decay_start = max(warmup, max_steps - int(round(cfg.training.decay_ratio * max_steps)))
 
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
+    def cosine(step: int) -> float:
         progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def warmup_stable_decay(step: int) -> float:
+        progress = min(1.0, max(0.0, (step - decay_start) / max(1, max_steps - decay_start)))
+        return floor + (1 - floor) * (1 - progress)
+
+    after_warmup = warmup_stable_decay if cfg.training.schedule == "wsd" else cosine
+
+    def factor(step: int) -> float:
+        return (step + 1) / warmup if step < warmup else after_warmup(step)
 
     return factor
 
@@ -157,7 +167,8 @@ class Trainer:
         self.loss_config = LossConfig(
             label_mode=cfg.training.label_mode,
             gamma=cfg.training.gamma,
-            weighting="streak" if cfg.training.streak_aware else "decay",
+            weighting=cfg.training.weighting,
+            objective=cfg.training.objective,
             feature_noise=cfg.training.feature_noise,
         )
         self.expect = Expectation(target_identity=identity, layer_ids=list(self.draft_config.target_layer_ids),
@@ -205,9 +216,8 @@ class Trainer:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
         self.max_steps = cfg.training.max_steps or self._steps_from_epochs()
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay,
-                                           betas=(0.9, 0.95), fused=self.device.type == "cuda")
+        self.optimizer = build_optimizer(self.drafter, cfg.training.optimizer, cfg.training.lr,
+                                         cfg.training.weight_decay, fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps))
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + self.rank)
         self.commits = Commits()
@@ -326,6 +336,7 @@ class Trainer:
         """The train state of a checkpoint (its train_state/): ``optimizer_state`` (of the whole drafter), the schedule and the RNGs."""
         return {
             "optimizer": optimizer_state,
+            "optimizer_name": self.cfg.training.optimizer,
             "scheduler": copy.deepcopy(self.scheduler.state_dict()),  # its lists are the scheduler's own
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -334,15 +345,21 @@ class Trainer:
 
     def _restore(self, state: dict, meta: dict) -> None:
         """Optimizer, schedule, RNGs and bookkeeping from ``train_state`` and ``trainer_state.json`` contents."""
-        if self.sharded:
+        trained_with = state.get("optimizer_name", "adamw")  # checkpoints from before the choice: AdamW
+        if trained_with != self.cfg.training.optimizer:
+            log.warning("training.optimizer is %s, the checkpoint's was %s: the weights and the schedule carry on, "
+                        "the optimizer state starts anew", self.cfg.training.optimizer, trained_with)
+        elif self.sharded:
             load_full_optimizer_state(self.drafter, self.optimizer, state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        # A restart may change the learning rate: the schedule keeps its step, the peak is the new one.
-        self.scheduler.base_lrs = [self.cfg.training.lr for _ in self.scheduler.base_lrs]
-        self.scheduler.lr_lambdas = [lr_lambda(self.cfg, self.max_steps)]
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+        # A restart may change the learning rate, the schedule or the optimizer (and so its number of parameter
+        # groups): the schedule keeps its step, the peak and the shape are the new ones.
+        groups = self.optimizer.param_groups
+        self.scheduler.base_lrs = [self.cfg.training.lr] * len(groups)
+        self.scheduler.lr_lambdas = [lr_lambda(self.cfg, self.max_steps)] * len(groups)
+        for group in groups:
             group["initial_lr"] = self.cfg.training.lr
             group["lr"] = self.cfg.training.lr * self.scheduler.lr_lambdas[0](meta["step"])
         # Copies: a state handed over is views into shared pages, which the RNG setters do not take.

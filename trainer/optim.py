@@ -1,0 +1,227 @@
+"""The trainer's optimizer (``training.optimizer``): AdamW, or Muon for the drafter's weight matrices.
+
+``build_optimizer(model, "adamw", ...)`` is torch's AdamW over every trainable parameter, betas (0.9, 0.95).
+
+``build_optimizer(model, "muon", ...)`` is one :class:`MuonAdamW`: one ``torch.optim.Optimizer``, so the
+LR scheduler, ``state_dict`` / ``load_state_dict`` and a reset of every group's ``"lr"`` work as with AdamW.
+Its param groups say which rule they follow in the group key ``"rule"`` (saved and restored with the state):
+
+- ``"muon"``: the weight of every trainable ``nn.Linear`` (2-D) except an output head named ``lm_head``; in
+  the DFlash drafter that is ``fc`` and each layer's q/k/v/o and gate/up/down projections. Update (``g`` the
+  gradient, ``B`` the momentum buffer, ``mu`` 0.95)::
+
+      B <- mu B + (1 - mu) g                       (an average; its scale drops out in the normalisation)
+      U <- (1 - mu) g + mu B                       (Nesterov; U <- B without it)
+      O <- NewtonSchulz5(U)                        (~ U V^T of U's SVD: singular values in about [0.7, 1.2])
+      W <- W (1 - lr wd) - lr * 0.2 sqrt(max(rows, cols)) * O
+
+  An orthogonal [rows, cols] matrix has RMS 1 / sqrt(max(rows, cols)), so the scaled update has RMS about 0.2,
+  AdamW's typical update RMS (the Moonlight rule, "Muon is Scalable for LLM Training"): the same peak lr,
+  warmup and decay serve both rules, and ``training.lr`` keeps its meaning. The Newton-Schulz iteration runs
+  in bf16 on CUDA and in fp32 elsewhere.
+- ``"adamw"``: everything else that trains (norm weights, biases, any other non-matrix), exactly torch's
+  AdamW step (its functional, fused on CUDA when asked), betas (0.9, 0.95), eps 1e-8.
+
+Groups are consecutive runs of parameters of one rule in ``model.named_parameters()`` order, so the
+optimizer numbers its parameters in the drafter's parameter order, as AdamW over ``parameters()`` does: the
+checkpoint format trainer/sharding.py documents (``Optimizer.state_dict()`` numbering = parameter order).
+Frozen parameters (``requires_grad`` False) are in no group.
+
+Muon needs each matrix whole: a shard of an FSDP DTensor cannot be orthogonalised on its own, so building
+Muon over sharded parameters raises (use DDP, whose ranks hold whole replicated weights and all-reduced
+gradients and so compute the same update).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.adam import adam as adam_functional
+
+from trainer.sharding import is_sharded
+
+OPTIMIZERS = ("adamw", "muon")
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_EPS = 1e-8
+MUON_MOMENTUM = 0.95
+MUON_RMS = 0.2
+"""RMS of a Muon update at lr 1 (before weight decay): AdamW's typical update RMS (the Moonlight rule)."""
+# Keller Jordan's quintic Newton-Schulz coefficients: the steepest slope at zero that still lands the
+# singular values in about [0.7, 1.2] after five steps (https://kellerjordan.github.io/posts/muon/).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+RULE_KEY = "rule"
+"""The param-group key naming the update rule of the group: "muon" or "adamw"."""
+
+
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, fused: bool) -> torch.optim.Optimizer:
+    """The optimizer of ``model``'s trainable parameters: ``name`` "adamw" or "muon" (see the module's doc).
+
+    ``fused``: torch's fused AdamW kernel (CUDA); for "muon" it applies to the AdamW groups.
+    """
+    if name == "adamw":
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=ADAMW_BETAS, fused=fused)
+    if name == "muon":
+        return MuonAdamW(muon_param_groups(model), lr=lr, weight_decay=weight_decay, fused=fused)
+    raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
+def is_muon_parameter(module_name: str, module: nn.Module, param: torch.Tensor) -> bool:
+    """Whether ``param`` (owned by ``module``, named ``module_name`` in the model) follows Muon: a trainable
+    2-D ``nn.Linear`` weight that is no output head. Embeddings are ``nn.Embedding`` and so never are."""
+    return (param.requires_grad and param.ndim == 2 and isinstance(module, nn.Linear) and param is module.weight
+            and module_name.rsplit(".", 1)[-1] != "lm_head")
+
+
+def muon_param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """``model``'s trainable parameters as param groups ``{"params": [...], "rule": "muon" | "adamw"}``: one
+    group per consecutive run of one rule in ``named_parameters()`` order (so the groups' concatenation is
+    that order). Frozen parameters are left out."""
+    owner: dict[int, tuple[str, nn.Module]] = {}
+    for module_name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owner.setdefault(id(param), (module_name, module))
+    groups: list[dict[str, Any]] = []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        rule = "muon" if is_muon_parameter(*owner[id(param)], param) else "adamw"
+        if groups and groups[-1][RULE_KEY] == rule:
+            groups[-1]["params"].append(param)
+        else:
+            groups.append({"params": [param], RULE_KEY: rule})
+    return groups
+
+
+def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS, eps: float = NS_EPS,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An approximate orthogonalisation of 2-D ``matrix`` (its U V^T, singular values pushed to about 1) by
+    ``steps`` quintic Newton-Schulz iterations, computed in ``dtype`` (bf16 on CUDA, fp32 elsewhere by
+    default); returned in that dtype."""
+    if matrix.ndim != 2:
+        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(matrix.shape)}")
+    if dtype is None:
+        dtype = torch.bfloat16 if matrix.device.type == "cuda" else torch.float32
+    a, b, c = NS_COEFFICIENTS
+    x = matrix.to(dtype)
+    tall = x.shape[0] > x.shape[1]
+    if tall:  # iterate on the wide orientation: the Gram matrix is the smaller one
+        x = x.T
+    # Frobenius norm >= spectral norm: every singular value starts in [0, 1], where the iteration converges.
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = b * gram + c * (gram @ gram)
+        x = a * x + poly @ x
+    return x.T if tall else x
+
+
+def muon_scale(shape: torch.Size | tuple[int, ...]) -> float:
+    """The factor on lr of a Muon update of a ``shape`` matrix: its RMS then matches AdamW's (about 0.2)."""
+    return MUON_RMS * math.sqrt(max(shape[0], shape[1]))
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for the param groups whose ``"rule"`` is "muon", AdamW for those whose rule is "adamw"; one
+    optimizer with one state (see the module's doc). Every group shares ``lr`` and ``weight_decay`` unless a
+    group sets its own."""
+
+    def __init__(self, param_groups: Iterable[dict[str, Any]], lr: float, weight_decay: float = 0.0,
+                 fused: bool = False, momentum: float = MUON_MOMENTUM, nesterov: bool = True,
+                 ns_steps: int = NS_STEPS, betas: tuple[float, float] = ADAMW_BETAS, eps: float = ADAMW_EPS) -> None:
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        self._rule_defaults = {
+            "muon": {"momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps},
+            "adamw": {"betas": tuple(betas), "eps": eps, "fused": fused},
+        }
+        super().__init__(list(param_groups), {"lr": lr, "weight_decay": weight_decay})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        rule = param_group.get(RULE_KEY)
+        if rule not in self._rule_defaults:
+            raise ValueError(f"each param group needs {RULE_KEY!r} 'muon' or 'adamw', got {rule!r}")
+        param_group = {**self._rule_defaults[rule], **param_group}
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if rule == "muon" and p.ndim != 2:
+                raise ValueError(f"Muon takes matrices only, got a parameter of shape {tuple(p.shape)}")
+            if rule == "muon" and is_sharded(p):
+                raise ValueError("Muon cannot orthogonalise an FSDP-sharded (DTensor) matrix shard by shard; "
+                                 "train with optimizer adamw under FSDP, or with parallelism ddp")
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, after checking that the saved groups follow the same rules (a checkpoint of another
+        optimizer, or of another split of the parameters, is refused with a clear error)."""
+        saved = [group.get(RULE_KEY) for group in state_dict["param_groups"]]
+        ours = [group[RULE_KEY] for group in self.param_groups]
+        if saved != ours:
+            raise ValueError(f"the optimizer state to load is not of this optimizer: its param groups follow "
+                             f"rules {saved}, this one's {ours} (was the optimizer, or the model, changed?)")
+        super().load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group[RULE_KEY] == "muon":
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad.to(buf.dtype), 1 - momentum)
+            update = grad.to(buf.dtype).lerp(buf, momentum) if group["nesterov"] else buf
+            ortho = newton_schulz(update, group["ns_steps"])
+            p.mul_(1 - lr * weight_decay)
+            p.add_(ortho.to(p.dtype), alpha=-lr * muon_scale(p.shape))
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("AdamW does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                # As torch's Adam: the step count on the device for the fused kernel, on the host otherwise.
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if group["fused"]
+                                 else torch.tensor(0.0, dtype=torch.float32))
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adam_functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
+                        fused=group["fused"], has_complex=any(torch.is_complex(p) for p in params),
+                        decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
