@@ -283,3 +283,22 @@ def test_a_trainer_resumes_muon_exactly_and_starts_a_new_optimizer_state_when_th
         switched.scheduler.step()  # one lambda per group: the schedule steps on
     finally:
         switched.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_muon_on_cuda_follows_the_cpu_steps():
+    """On CUDA the Newton-Schulz iteration runs in bf16 and the AdamW groups use the fused kernel: a few steps of the
+    drafter stay within bf16 rounding of the same steps on the CPU (fp32)."""
+    cpu_model = drafter()
+    cuda_model = copy.deepcopy(cpu_model).cuda()
+    cpu_opt = build_optimizer(cpu_model, "muon", lr=1e-2, weight_decay=0.01, fused=False)
+    cuda_opt = build_optimizer(cuda_model, "muon", lr=1e-2, weight_decay=0.01, fused=True)
+    for seed in range(3):
+        set_grads(cpu_model, seed)
+        for (_, p), (_, q) in zip(cpu_model.named_parameters(), cuda_model.named_parameters()):
+            q.grad = None if p.grad is None else p.grad.cuda()
+        cpu_opt.step()
+        cuda_opt.step()
+    for (name, p), (_, q) in zip(cpu_model.named_parameters(), cuda_model.named_parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=2e-3, rtol=2e-2, msg=name)
