@@ -395,9 +395,11 @@ class TrainingConfig:
 
     lr: float = 6e-4
     """Peak learning rate (of AdamW, and of Muon's matrices, whose updates are scaled to AdamW's size)."""
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    """adamw: AdamW for every trained weight. muon: Muon (momentum orthogonalised by Newton-Schulz) for the
-    drafter's weight matrices, AdamW for norms and the rest (trainer/optim.py); not with parallelism fsdp."""
+    optimizer: Literal["auto", "adamw", "muon"] = "auto"
+    """muon: Muon (momentum orthogonalised by Newton-Schulz) for the drafter's weight matrices, AdamW for norms
+    and the rest (trainer/optim.py); not with parallelism fsdp, whose shards cannot be orthogonalised one by one.
+    adamw: AdamW for every trained weight. auto: muon, or adamw with fsdp. Runs saved before the choice existed
+    keep AdamW."""
     schedule: Literal["cosine", "wsd"] = "cosine"
     """After the linear warmup: cosine, a cosine decay to ``min_lr_ratio`` over the remaining steps; wsd
     (warmup-stable-decay), the peak held until the last ``decay_ratio`` of the steps, then a linear decay."""
@@ -420,9 +422,10 @@ class TrainingConfig:
     objective: Literal["ce", "lk", "lk_hybrid"] = "ce"
     """Per-position loss: ce, cross-entropy against the label; lk, the LK loss (arXiv 2602.23881: one minus
     the drafter's probability of being accepted at that position); lk_hybrid, the two mixed."""
-    weighting: Literal["decay", "streak", "dpace"] = "decay"
+    weighting: Literal["decay", "streak", "dpace"] = "dpace"
     """Weight of block position k: decay, exp(-(k-1)/gamma); streak, the drafter's detached probability of
-    reaching k; dpace, D-PACE (arXiv 2605.18810)."""
+    reaching k; dpace, D-PACE (arXiv 2605.18810). Runs saved before the choice existed keep theirs (decay, or
+    streak where training.streak_aware was set)."""
     gamma: float | None = None
     """Decay of the per-position loss weight exp(-(k-1)/gamma); None: 7 for B=16, 5 for B=10, 4 for B=8
     (docs/dflash.md)."""
@@ -462,6 +465,13 @@ class TrainingConfig:
     stall_s: float = 0.0
     """Benchmark aid: how long each pause of ``stall_every_steps`` lasts, in seconds."""
 
+    @property
+    def resolved_optimizer(self) -> Literal["adamw", "muon"]:
+        """The optimizer ``optimizer`` names, auto resolved."""
+        if self.optimizer != "auto":
+            return self.optimizer
+        return "adamw" if self.parallelism == "fsdp" else "muon"
+
     def __post_init__(self) -> None:
         _check(self.stall_every_steps >= 0, "stall_every_steps", "must be >= 0")
         _check(self.stall_s >= 0, "stall_s", "must be >= 0")
@@ -474,7 +484,7 @@ class TrainingConfig:
         _check(self.epochs >= 1, "epochs", "must be >= 1")
         _check(self.label_mode in ("data", "target_hard", "target_soft"), "label_mode", f"must be data, target_hard or target_soft, got {self.label_mode!r}")
         _check(self.gamma is None or self.gamma > 0, "gamma", "must be > 0")
-        _check(self.optimizer in ("adamw", "muon"), "optimizer", f"must be adamw or muon, got {self.optimizer!r}")
+        _check(self.optimizer in ("auto", "adamw", "muon"), "optimizer", f"must be auto, adamw or muon, got {self.optimizer!r}")
         _check(self.schedule in ("cosine", "wsd"), "schedule", f"must be cosine or wsd, got {self.schedule!r}")
         _check(0 < self.decay_ratio <= 1, "decay_ratio", "must be in (0, 1]")
         _check(self.objective in ("ce", "lk", "lk_hybrid"), "objective", f"must be ce, lk or lk_hybrid, got {self.objective!r}")
@@ -913,6 +923,18 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def keep_the_recipe_of_older_runs(data: dict) -> dict:
+    """A config with ``training.streak_aware`` (every run's saved config from before training.weighting and
+    training.optimizer existed, and files written for those runs) keeps the recipe it was made with: its
+    weighting (streak or decay) and AdamW, the only optimizer then; the defaults changed to D-PACE and Muon."""
+    training = data.get("training")
+    if isinstance(training, dict) and "streak_aware" in training:
+        streak_aware = training.pop("streak_aware")
+        training.setdefault("weighting", "streak" if streak_aware else "decay")
+        training.setdefault("optimizer", "adamw")
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = RunConfig) -> Any:
     """Read a TOML file (or start from the defaults) and apply ``key=value`` overrides."""
     data: dict = {}
@@ -921,7 +943,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = tomllib.loads(path.read_text())
+            data = keep_the_recipe_of_older_runs(tomllib.loads(path.read_text()))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     return build(cls, apply_overrides(data, list(overrides or [])))

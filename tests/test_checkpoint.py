@@ -46,7 +46,7 @@ def optimizer_step(trainer: Trainer, seed: int) -> None:
 
 
 def test_a_background_checkpoint_holds_its_step_while_training_goes_on(short_tmp):
-    trainer = make_trainer(short_tmp / "run")
+    trainer = make_trainer(short_tmp / "run", 'training.optimizer="adamw"')  # every parameter has AdamW moments
     try:
         run = trainer.run_dir
         optimizer_step(trainer, seed=1)
@@ -122,7 +122,7 @@ def test_the_train_state_is_written_beside_the_weights_and_read_back_exactly(sho
     still load."""
     monkeypatch.setattr(checkpoint_module, "INLINE_BYTES", 4096)
     monkeypatch.setattr(tensor_files, "PIECE_BYTES", 16 << 10)
-    trainer = make_trainer(short_tmp / "run", "training.async_checkpoint=false")
+    trainer = make_trainer(short_tmp / "run", "training.async_checkpoint=false", 'training.optimizer="adamw"')
     try:
         optimizer_step(trainer, seed=2)
         trainer.step = 7

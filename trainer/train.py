@@ -216,7 +216,7 @@ class Trainer:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
         self.max_steps = cfg.training.max_steps or self._steps_from_epochs()
-        self.optimizer = build_optimizer(self.drafter, cfg.training.optimizer, cfg.training.lr,
+        self.optimizer = build_optimizer(self.drafter, cfg.training.resolved_optimizer, cfg.training.lr,
                                          cfg.training.weight_decay, fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps))
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + self.rank)
@@ -336,7 +336,7 @@ class Trainer:
         """The train state of a checkpoint (its train_state/): ``optimizer_state`` (of the whole drafter), the schedule and the RNGs."""
         return {
             "optimizer": optimizer_state,
-            "optimizer_name": self.cfg.training.optimizer,
+            "optimizer_name": self.cfg.training.resolved_optimizer,
             "scheduler": copy.deepcopy(self.scheduler.state_dict()),  # its lists are the scheduler's own
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
@@ -346,9 +346,9 @@ class Trainer:
     def _restore(self, state: dict, meta: dict) -> None:
         """Optimizer, schedule, RNGs and bookkeeping from ``train_state`` and ``trainer_state.json`` contents."""
         trained_with = state.get("optimizer_name", "adamw")  # checkpoints from before the choice: AdamW
-        if trained_with != self.cfg.training.optimizer:
+        if trained_with != self.cfg.training.resolved_optimizer:
             log.warning("training.optimizer is %s, the checkpoint's was %s: the weights and the schedule carry on, "
-                        "the optimizer state starts anew", self.cfg.training.optimizer, trained_with)
+                        "the optimizer state starts anew", self.cfg.training.resolved_optimizer, trained_with)
         elif self.sharded:
             load_full_optimizer_state(self.drafter, self.optimizer, state["optimizer"])
         else:
