@@ -171,29 +171,40 @@ class GreedyTarget:
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions of the KV cache (recurrent states stay as they are: put them
         back with ``restore_state`` first where they ran past ``length``)."""
-        extra = self.cache.get_seq_length() - length
-        if extra > 0:
-            for layer in self.cache.layers:
-                if not _is_state_layer(layer):
-                    layer.crop(-extra)  # negative: tokens to remove, the meaning every transformers version shares
+        for layer in self.cache.layers:
+            # Each key-value layer by its own length: the cache's length is its first layer's, a linear layer's count
+            # in a hybrid target (transformers 5.25 on), which save_state and restore_state keep apart.
+            extra = layer.get_seq_length() - length if not _is_state_layer(layer) else 0
+            if extra > 0:
+                layer.crop(-extra)  # negative: tokens to remove, the meaning every transformers version shares
 
     def save_state(self) -> None:
-        """Copy the recurrent and convolution states of the Gated-DeltaNet layers (nothing for other targets)."""
+        """Copy the recurrent and convolution states of the Gated-DeltaNet layers, and the length they have seen
+        where the cache keeps one (transformers 5.25 on: the cache's sequence length, and so the next positions,
+        is a linear layer's count); nothing for other targets."""
         if not self.recurrent:
             return
         self._saved_states = [
             (layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
-             {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None})
+             {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
+             _seen_length(layer).clone() if _seen_length(layer) is not None else None)
             for layer in self.cache.layers if _is_state_layer(layer)
         ]
 
     def restore_state(self) -> None:
         """Put back the states of the last ``save_state``, in place."""
-        for layer, conv, recurrent in self._saved_states:
+        for layer, conv, recurrent, seen in self._saved_states:
             for i, saved in conv.items():
                 layer.conv_states[i].copy_(saved)
             for i, saved in recurrent.items():
                 layer.recurrent_states[i].copy_(saved)
+            if seen is not None:
+                _seen_length(layer).copy_(seen)
+
+
+def _seen_length(layer: Any) -> torch.Tensor | None:
+    """The tokens a linear-attention cache layer has seen, where its transformers version counts them."""
+    return getattr(layer, "cumulative_length_linear", None)
 
 
 def _is_state_layer(layer: Any) -> bool:
