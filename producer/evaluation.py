@@ -1,16 +1,29 @@
-"""Producer 0's evaluator for a training run: the drafter decoded against this producer's target on the
-held-out split of the run's data (the decoding itself: common/drafter/evaluate.py)."""
+"""Producer 0's evaluations for a training run: the trainer's exported drafters decoded against this producer's
+target on the held-out split of the run's data (the decoding itself: common/drafter/evaluate.py), as one of the
+producer's jobs (producer/jobs.py)."""
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import time
 from collections.abc import Callable
 
 from torch import nn
 
+from common import evals, faults
 from common.batch import Document
 from common.config import RunConfig
 from common.drafter.evaluate import Evaluator, GreedyTarget, stop_tokens_of
+from common.rundir import RunDir
 from producer.data import DataError, run_sources
+from producer.target import Target
+from producer.tensor_parallel import MirroredTarget, TensorParallelGroup
+
+log = logging.getLogger(__name__)
+
+EVAL_POLL_S = 0.25  # how often producer 0 looks for the trainer's evaluation requests (a directory listing)
 
 
 def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
@@ -38,3 +51,110 @@ def build_evaluator(cfg: RunConfig, target_model: nn.Module, layer_ids: list[int
     return Evaluator(target_model, documents, cfg.eval, list(layer_ids), num_anchors=cfg.drafter.num_anchors,
                      capture_last=cfg.training.label_mode != "data", stop_token_ids=stop_tokens_of(target_model),
                      make_target=make_target)
+
+
+class EvaluationJob:
+    """Producer 0 answers the trainer's evaluation requests (common/evals.py), whatever eval.every_steps it started
+    with: that cadence is the trainer's, and restart-trainer may change it. A tensor-parallel producer evaluates with
+    its followers."""
+
+    name = "evaluating"
+
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, producer_id: int, target: Target,
+                 group: TensorParallelGroup | None, on_change: Callable[[], None]) -> None:
+        """``on_change`` rewrites the producer's status (an evaluation starts or ends)."""
+        self.cfg, self.run_dir, self.producer_id, self.target, self.group = cfg, run_dir, producer_id, target, group
+        self.on_change = on_change
+        self.evaluating: int | None = None
+        """The step whose drafter is being evaluated, if any."""
+        self._evaluator: Evaluator | None = None
+        self._reference_due = True
+        self._next_check = 0.0
+        for step in evals.mark_abandoned_claims_lost(run_dir, producer_id):
+            log.warning("evaluation of step %d was lost: this producer was restarted during it", step)
+
+    def status(self) -> int | None:
+        return self.evaluating
+
+    def between_batches(self) -> None:
+        """Run the oldest open evaluation request of the trainer (the newest, with eval.producer_share below 1).
+
+        The server thread keeps leasing the ring's ready batches meanwhile, so the trainer trains on while
+        this producer decodes. An evaluation that fails is written as lost: it never stops the producer.
+        """
+        if time.monotonic() < self._next_check:
+            return
+        self._next_check = time.monotonic() + EVAL_POLL_S
+        pending = evals.open_requests(self.run_dir)
+        if not pending:
+            return
+        # With a share below 1, the newest weights only: requests that came while this producer evaluated or
+        # made up its share of batches are answered as skipped (the trainer logs that), so none pile up.
+        share = self.cfg.eval.producer_share
+        request = pending[0] if share >= 1 else pending[-1]
+        for stale in pending[:-1] if share < 1 else []:
+            evals.finish(self.run_dir, evals.EvalResult(
+                step=stale.step, incarnation=stale.incarnation, producer=self.producer_id,
+                lost=f"skipped: producer 0 evaluates at most eval.producer_share={share} of its time, "
+                     f"and step {request.step} came since"))
+        evals.claim(self.run_dir, request, self.producer_id, os.getpid())
+        self.evaluating = request.step
+        self.on_change()
+        started = time.monotonic()
+        faults.point("producer.evaluate")
+        try:
+            metrics = self._evaluate(request)
+            result = evals.EvalResult(step=request.step, metrics=metrics, incarnation=request.incarnation,
+                                      producer=self.producer_id)
+            took = time.monotonic() - started
+            decode, reference = metrics["eval/decode_seconds"], metrics["eval/reference_seconds"]
+            log.info("evaluated step %d for the trainer in %.1f s: tau %.3f real, %.3f simulated (loading the export "
+                     "%.1f s, the reference %.1f s, decoding %.1f s, the simulated acceptance %.1f s)", request.step,
+                     took, metrics["eval/tau"], metrics["eval/sim_tau"], took - metrics["eval/seconds"], reference,
+                     decode, metrics["eval/seconds"] - reference - decode)
+        except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
+            log.exception("evaluation of step %d failed", request.step)
+            result = evals.EvalResult(step=request.step, lost=f"{type(exc).__name__}: {exc}", incarnation=request.incarnation,
+                                      producer=self.producer_id)
+        evals.finish(self.run_dir, result)
+        self.evaluating = None
+        self.on_change()
+        # Batches again for long enough that evaluating takes at most eval.producer_share of this producer's time.
+        spent = time.monotonic() - started
+        self._next_check = time.monotonic() + max(EVAL_POLL_S, spent * (1.0 - share) / share)
+
+    def while_ring_full(self) -> None:
+        """While the ring is full and nothing is asked: make the evaluator's reference (the target's greedy
+        continuations and features) once, so that no evaluation the trainer asks for runs a target forward, and
+        none does it beside a training step. Only where evaluations are expected (eval.every_steps); a failure
+        is logged, and the first request tries again (and is lost if it fails too)."""
+        if self._reference_due and self.cfg.eval.every_steps:
+            self._reference_due = False
+            try:
+                self._evaluator_of_run().prepare(self.cfg.drafter.block_size)
+            except Exception:  # auxiliary: the data keeps flowing whatever happens here
+                log.exception("could not prepare the evaluation reference; the first evaluation will make it")
+
+    def _evaluate(self, request: evals.EvalRequest) -> dict[str, float]:
+        """Real and simulated acceptance of the exported drafter against this producer's target."""
+        from common.drafter.evaluate import target_head_of
+        from common.drafter.export import load_drafter
+        from common.drafter.loss import LossConfig
+        from common.drafter.target_head import load_target_head
+
+        model = self.target.model
+        if self.group is None:
+            head = target_head_of(model)
+        else:  # a sharded model's head is in pieces: the whole one, as this producer exported it for the trainer
+            head = load_target_head(self.run_dir.head_dir(self.cfg.target.path), device=self.target.device,
+                                    dtype=self.target.dtype)
+        drafter = load_drafter(request.drafter, head, LossConfig(label_mode=self.cfg.training.label_mode),
+                               own_checkpoint=True, device=self.target.device)
+        return self._evaluator_of_run().evaluate(drafter).metrics()
+
+    def _evaluator_of_run(self) -> Evaluator:
+        """The evaluator, made once: it keeps the target's reference between evaluations."""
+        if self._evaluator is None:
+            mirrored = functools.partial(MirroredTarget, self.group) if self.group is not None else GreedyTarget
+            self._evaluator = build_evaluator(self.cfg, self.target.model, self.target.layer_ids, make_target=mirrored)
+        return self._evaluator

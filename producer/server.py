@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import queue
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from common import evals, faults
+from common import faults
 from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
 from common.codec import DTYPE_NAMES, bytes_needed, plan_layout, read_tensors
 from common.config import ConfigError, RunConfig, load_config
@@ -53,14 +52,14 @@ from common.rundir import RunDir, atomic_write_json
 from common.slots import SlotState
 from common.sockets import CurveKeys, SecretsError, ipc_endpoint
 from common.transport import RingServer
-from common.drafter.evaluate import Evaluator, GreedyTarget
 from producer.batching import BatchPlan, RunningBatchStats, batch_stats
 from producer.data import DataError, run_sources
-from producer.evaluation import build_evaluator
+from producer.evaluation import EvaluationJob
+from producer.jobs import ProducerJob
 from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
 from producer.target import Target, build_target_config, check_tensor_parallel
-from producer.tensor_parallel import MirroredTarget, TensorParallelGroup, follow, split_devices
+from producer.tensor_parallel import TensorParallelGroup, follow, split_devices
 from common.drafter.draft_config import build_target_layer_ids
 
 log = logging.getLogger(__name__)
@@ -68,7 +67,6 @@ log = logging.getLogger(__name__)
 EXIT_CONFIG_ERROR = 2
 
 
-EVAL_POLL_S = 0.25  # how often producer 0 looks for the trainer's evaluation requests (a directory listing)
 
 
 def feature_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
@@ -211,11 +209,8 @@ class Producer:
             if cfg.training.max_steps == 0 else None
         )
         self.batch_stats = RunningBatchStats()
-        self.evaluating: int | None = None
-        """The step whose drafter this producer is evaluating for the trainer, if any."""
-        self._evaluator = None
-        self._reference_due = True
-        self._next_eval_check = 0.0
+        self.jobs: list[ProducerJob] = []
+        """What this producer does on its target between two batches (producer/jobs.py); made when it serves."""
 
         self.dtype = self.target.dtype
         self.max_docs = cfg.batching.max_docs_per_batch or cfg.batching.token_budget
@@ -322,7 +317,7 @@ class Producer:
             "device": ",".join(group.devices) if group is not None else str(self.target.device),
             "kernels": {"attention": self.target.attention, "linear_attention": self.target.linear,
                         "compiled": self.target.compiled},
-            "evaluating": getattr(self, "evaluating", None),
+            **{job.name: job.status() for job in self.jobs},  # producer 0: "evaluating", a step or None
             "ring": {**stats["ring"], "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
             **({"epoch_batches": self.epoch_batches} if self.epoch_batches is not None else {}),
             **{k: v for k, v in stats.items() if k != "ring"},
@@ -410,20 +405,22 @@ class Producer:
                    threading.Thread(target=self._status_loop, name="status", daemon=True)]
         for thread in threads:
             thread.start()
-        if self.serves_evaluations:
-            for step in evals.mark_abandoned_claims_lost(self.run_dir, self.producer_id):
-                log.warning("evaluation of step %d was lost: this producer was restarted during it", step)
+        if self.producer_id == 0:
+            self.jobs.append(EvaluationJob(self.cfg, self.run_dir, self.producer_id, self.target, self.group,
+                                           on_change=lambda: self.write_status(ready=True)))
         try:
             while not self.stop.is_set():
                 if self.group is not None:
                     self.group.keepalive()
-                self._maybe_evaluate()
+                for job in self.jobs:
+                    job.between_batches()
                 if not self._may_fill():
                     self._hold_back(0.005)
                     continue
                 slot = self.server.acquire(timeout_s=0.2)
                 if slot is None:  # the ring is full
-                    self._prepare_evaluation()
+                    for job in self.jobs:
+                        job.while_ring_full()
                     continue
                 try:
                     planned = self.stream.take()
@@ -436,95 +433,6 @@ class Producer:
             self._filled.put(None)
             threads[0].join(timeout=30)
             self.close()
-
-    @property
-    def serves_evaluations(self) -> bool:
-        """Producer 0 answers the trainer's evaluation requests (a tensor-parallel one with its followers), whatever
-        eval.every_steps it started with: that cadence is the trainer's, and restart-trainer may change it."""
-        return self.producer_id == 0
-
-    def _maybe_evaluate(self) -> None:
-        """Between two batches: run the oldest open evaluation request of the trainer (common/evals.py).
-
-        The server thread keeps leasing the ring's ready batches meanwhile, so the trainer trains on while
-        this producer decodes. An evaluation that fails is written as lost: it never stops the producer.
-        """
-        if not self.serves_evaluations or time.monotonic() < self._next_eval_check:
-            return
-        self._next_eval_check = time.monotonic() + EVAL_POLL_S
-        pending = evals.open_requests(self.run_dir)
-        if not pending:
-            return
-        # With a share below 1, the newest weights only: requests that came while this producer evaluated or
-        # made up its share of batches are answered as skipped (the trainer logs that), so none pile up.
-        share = self.cfg.eval.producer_share
-        request = pending[0] if share >= 1 else pending[-1]
-        for stale in pending[:-1] if share < 1 else []:
-            evals.finish(self.run_dir, evals.EvalResult(
-                step=stale.step, incarnation=stale.incarnation, producer=self.producer_id,
-                lost=f"skipped: producer 0 evaluates at most eval.producer_share={share} of its time, "
-                     f"and step {request.step} came since"))
-        evals.claim(self.run_dir, request, self.producer_id, os.getpid())
-        self.evaluating = request.step
-        self.write_status(ready=True)
-        started = time.monotonic()
-        faults.point("producer.evaluate")
-        try:
-            metrics = self._evaluate(request)
-            result = evals.EvalResult(step=request.step, metrics=metrics, incarnation=request.incarnation,
-                                      producer=self.producer_id)
-            took = time.monotonic() - started
-            decode, reference = metrics["eval/decode_seconds"], metrics["eval/reference_seconds"]
-            log.info("evaluated step %d for the trainer in %.1f s: tau %.3f real, %.3f simulated (loading the export "
-                     "%.1f s, the reference %.1f s, decoding %.1f s, the simulated acceptance %.1f s)", request.step,
-                     took, metrics["eval/tau"], metrics["eval/sim_tau"], took - metrics["eval/seconds"], reference,
-                     decode, metrics["eval/seconds"] - reference - decode)
-        except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
-            log.exception("evaluation of step %d failed", request.step)
-            result = evals.EvalResult(step=request.step, lost=f"{type(exc).__name__}: {exc}", incarnation=request.incarnation,
-                                      producer=self.producer_id)
-        evals.finish(self.run_dir, result)
-        self.evaluating = None
-        self.write_status(ready=True)
-        # Batches again for long enough that evaluating takes at most eval.producer_share of this producer's time.
-        spent = time.monotonic() - started
-        self._next_eval_check = time.monotonic() + max(EVAL_POLL_S, spent * (1.0 - share) / share)
-
-    def _evaluate(self, request: evals.EvalRequest) -> dict[str, float]:
-        """Real and simulated acceptance of the exported drafter against this producer's target."""
-        from common.drafter.evaluate import target_head_of
-        from common.drafter.target_head import load_target_head
-        from common.drafter.export import load_drafter
-        from common.drafter.loss import LossConfig
-
-        model = self.target.model
-        if self.group is None:
-            head = target_head_of(model)
-        else:  # a sharded model's head is in pieces: the whole one, as this producer exported it for the trainer
-            head = load_target_head(self.run_dir.head_dir(self.cfg.target.path), device=self.target.device,
-                                    dtype=self.target.dtype)
-        drafter = load_drafter(request.drafter, head, LossConfig(label_mode=self.cfg.training.label_mode),
-                               own_checkpoint=True, device=self.target.device)
-        return self._evaluator_of_run().evaluate(drafter).metrics()
-
-    def _evaluator_of_run(self) -> Evaluator:
-        """Producer 0's evaluator (made once: it keeps the target's reference between evaluations)."""
-        if self._evaluator is None:
-            mirrored = functools.partial(MirroredTarget, self.group) if self.group is not None else GreedyTarget
-            self._evaluator = build_evaluator(self.cfg, self.target.model, self.layer_ids, make_target=mirrored)
-        return self._evaluator
-
-    def _prepare_evaluation(self) -> None:
-        """While the ring is full and nothing is asked: make the evaluator's reference (the target's greedy
-        continuations and features) once, so that no evaluation the trainer asks for runs a target forward, and
-        none does it beside a training step. Only where evaluations are expected (eval.every_steps); a failure
-        is logged, and the first request tries again (and is lost if it fails too)."""
-        if self._reference_due and self.serves_evaluations and self.cfg.eval.every_steps:
-            self._reference_due = False
-            try:
-                self._evaluator_of_run().prepare(self.cfg.drafter.block_size)
-            except Exception:  # auxiliary: the data keeps flowing whatever happens here
-                log.exception("could not prepare the evaluation reference; the first evaluation will make it")
 
     def _may_fill(self) -> bool:
         """Whether to fill a slot now: always, unless ring.headroom_slots asks to keep some free
