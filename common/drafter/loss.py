@@ -230,15 +230,6 @@ def chunked_head_rows(hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
                     draft_argmax=draft_argmax, label_used=label_used)
 
 
-def chunked_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor | None = None,
-                      target_hidden: torch.Tensor | None = None, soft: bool = False,
-                      chunk_rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row CE loss, draft argmax and the label used. Give ``labels`` (hard CE) or ``target_hidden``
-    (already final-normed target states: argmax CE, or KL when ``soft``)."""
-    rows = chunked_head_rows(hidden, head_weight, labels, target_hidden, soft, chunk_rows=chunk_rows)
-    return rows.loss, rows.draft_argmax, rows.label_used
-
-
 def slot_weights(blocks: DraftBlocks, config: LossConfig, row_ce: torch.Tensor,
                  acceptance: torch.Tensor | None = None) -> torch.Tensor:
     """[N, B-1] loss weights of the supervised slots (detached).
