@@ -1,5 +1,7 @@
 """The recipe's defaults for new runs (D-PACE weighting, Muon), and older runs keeping theirs."""
 
+import pytest
+
 from common.config import load_config, save_config, to_toml
 
 
@@ -31,3 +33,24 @@ def test_a_run_saved_now_reads_back_with_its_own_settings(tmp_path):
     save_config(load_config(None, ['training.weighting="streak"']), tmp_path / "config.toml")
     cfg = load_config(tmp_path / "config.toml")
     assert cfg.training.weighting == "streak" and cfg.training.resolved_optimizer == "muon"
+
+
+def test_every_recipe_of_the_recipe_table_is_a_valid_config_on_the_preset():
+    """launch.bench.recipes hands each recipe's overrides to a training run of the SmolLM2 preset: a misspelt key or
+    value there would fail on the GPU, minutes into a batch, so it fails here instead."""
+    from launch.bench.recipes import RECIPES, overrides_of
+
+    for name in RECIPES:
+        run_name, overrides = overrides_of(f"{name}+former@1")
+        assert run_name == f"{name}+former-s1" and overrides[-1] == "training.seed=1"
+        cfg = load_config("launch/smollm2-135m.toml", overrides)
+        assert cfg.training.seed == 1
+    assert load_config("launch/smollm2-135m.toml", overrides_of("layers3")[1]).drafter.num_layers == 3
+    assert load_config("launch/smollm2-135m.toml", overrides_of("lr_double")[1]).training.lr == 1.2e-3
+
+
+def test_an_unknown_recipe_stops_naming_it():
+    from launch.bench.recipes import overrides_of
+
+    with pytest.raises(SystemExit, match="unknown recipe 'layers4'"):
+        overrides_of("dpace+layers4")

@@ -35,13 +35,19 @@ RECIPES: dict[str, list[str]] = {
     "wsd": ['training.schedule="wsd"'],
     "muon": ['training.optimizer="muon"'],
     "dense": ["drafter.num_anchors=4096"],
+    "layers3": ["drafter.num_layers=3"],
+    "layers8": ["drafter.num_layers=8"],
+    "lr_half": ["training.lr=3e-4"],
+    "lr_double": ["training.lr=1.2e-3"],
 }
 """Each option alone, as config overrides on the project's defaults for the target (launch/smollm2-135m.toml; the
 defaults are D-PACE and Muon). former: the defaults before them (decay weighting, AdamW); the options alone were
 measured on top of it (BENCHMARKS.md), e.g. ``former+wsd``.
 lk_soft: the LK loss needs soft labels to differ from the CE (with the data's tokens -log q(label) is the CE), so
 it trains on the target's distribution. dense: 4,096 anchors per 16,384-token batch (1 per 4 tokens, the published recipe's density on samples shorter
-than its 3,072 tokens) against the preset's 512 (1 per 32)."""
+than its 3,072 tokens) against the preset's 512 (1 per 32).
+layers3, layers8, lr_half, lr_double: the preset's size and step for this target (5 drafter layers, lr 6e-4) against
+smaller and larger; epochs are set by ``--steps`` against ``--magpie``, the same for every recipe of one call."""
 
 
 def overrides_of(spec: str) -> tuple[str, list[str]]:
