@@ -513,7 +513,7 @@ def test_evaluation_of_prompts_together_reports_what_one_at_a_time_reports(targe
 
 def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model, target_dir):
     """Real decoding of a held-out prompt stops at eval.max_new_tokens; the simulation scores the same span of each
-    document (its prompt and max_new_tokens tokens), not the rest of a longer answer."""
+    document (its prompt and max_new_tokens tokens, the first of them no label), not the rest of a longer answer."""
     from common.drafter.evaluate import decoded_span, document_features, simulated_acceptance
 
     cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4",
@@ -523,6 +523,9 @@ def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model,
     report = evaluator.evaluate(drafter)
     spans = [decoded_span(d, 0, 8) for d in evaluator.documents]
     assert all(len(s) == prompt_of(d, 0).numel() + 8 < len(d) for s, d in zip(spans, evaluator.documents))
+    # The answer's first token comes from the prefill, never from a block: it is no label, so no block ends the prompt.
+    starts = [prompt_of(d, 0).numel() for d in evaluator.documents]
+    assert all(s.loss_mask[:n + 1].sum() == 0 and s.loss_mask[n + 1:].all() for s, n in zip(spans, starts))
     with torch.no_grad():
         whole_features = [document_features(evaluator.target, d) for d in evaluator.documents]
         on_spans, _ = simulated_acceptance(drafter, spans, whole_features, cfg.drafter.num_anchors)
@@ -549,3 +552,56 @@ def test_the_simulated_tau_counts_each_blocks_own_streak():
     accuracy = metrics["acc"]
     assert accuracy.tolist() == [0.5, 1.0, 0.5]
     assert 1 + torch.cumprod(accuracy, 0).sum() == pytest.approx(2.25)
+
+
+def test_decoding_anchors_are_where_the_replay_started_its_blocks(target):
+    """The walk of anchors that the simulation re-scores is the replay's own: the prefill's token first, then each
+    round's anchor after its kept drafts and the target's token (acceptance lengths of every size)."""
+    from common.drafter.evaluate import decoding_anchors
+
+    prompts = [prompt(40, 7), prompt(41, 12)]
+    transcripts = greedy_transcripts(target, prompts, 40 + BLOCK - 1, 2)
+    target.detach()
+    asked = []
+
+    class Recorded(SteeredRows):
+        def propose(self, rows, tokens, positions):
+            asked.extend(zip(rows, positions))
+            return super().propose(rows, tokens, positions)
+
+    decoded = replay_rows(Recorded(transcripts), transcripts, 40)
+    assert {n for d in decoded for n in d.accepted} == set(range(BLOCK))
+    for r, (transcript, one) in enumerate(zip(transcripts, decoded)):
+        assert decoding_anchors(transcript, one) == [p for row, p in asked if row == r]
+
+
+def test_the_simulation_at_the_decodings_anchors_is_real_tau_and_the_rest_is_split(target_model, target_dir):
+    """A drafter trained on the target's greedy text accepts whole blocks; the training forward at the anchors the
+    decoding visited gives real tau exactly (serving runs what training trained); every anchor of the same text,
+    and documents that are not the target's text, give figures of their own."""
+    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=6",
+                             "eval.max_new_tokens=40"])
+    evaluator = build_evaluator(cfg, target_model, LAYER_IDS)
+    drafter = random_drafter(target_model)
+    evaluator.evaluate(drafter)  # makes the target's reference: the greedy texts to train on
+    transcripts = evaluator.reference.transcripts
+    lengths = [len(t.tokens) - 1 for t in transcripts]
+    loss_mask = torch.cat([torch.arange(n) > t.prompt_len for n, t in zip(lengths, transcripts)]).to(torch.uint8)
+    batch = PackedBatch(input_ids=torch.cat([torch.tensor(t.tokens[:-1]) for t in transcripts]).to(torch.int32),
+                        loss_mask=loss_mask, cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+                        sample_ids=torch.arange(len(transcripts)), aux_hidden=torch.cat([t.features for t in transcripts]))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    drafter.train()
+    for step in range(150):
+        loss, _ = drafter.forward_train(batch, 96, generator, step / 150)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    report = evaluator.evaluate(drafter.eval())
+    assert report.tau > 1.5, "the drafter accepts whole blocks: the comparison is not all zeros"
+    assert report.sim_tau_walk == pytest.approx(report.tau, abs=1e-6)
+    assert report.sim_tau_greedy != pytest.approx(report.sim_tau_walk)
+    assert report.sim_tau != pytest.approx(report.sim_tau_greedy)  # the held-out documents are random text
+    metrics = report.metrics()
+    assert (metrics["eval/sim_tau_greedy"], metrics["eval/sim_tau_walk"]) == (report.sim_tau_greedy, report.sim_tau_walk)

@@ -111,14 +111,20 @@ def sample_anchors(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_anchor
 
 
 def build_blocks(batch: PackedBatch, num_anchors: int, block_size: int, mask_token_id: int,
-                 generator: torch.Generator) -> DraftBlocks:
-    """Anchors and draft blocks of one packed batch."""
+                 generator: torch.Generator | None, anchors: torch.Tensor | None = None) -> DraftBlocks:
+    """Anchors and draft blocks of one packed batch: ``num_anchors`` drawn by ``sample_anchors`` with ``generator``,
+    or the given sorted ``anchors`` (all valid; the evaluation scores the positions a decoding started blocks at)."""
     input_ids = batch.input_ids.long()
     total = input_ids.shape[0]
     device = input_ids.device
     doc_ids = document_ids(batch.cu_seqlens, total)
     positions = position_ids(batch.cu_seqlens, total)
-    anchors, valid = sample_anchors(batch.loss_mask, batch.cu_seqlens, num_anchors, generator)
+    if anchors is None:
+        anchors, valid = sample_anchors(batch.loss_mask, batch.cu_seqlens, num_anchors, generator)
+    else:
+        anchors = anchors.to(device=device, dtype=torch.long)
+        valid = torch.ones_like(anchors, dtype=torch.bool)
+        num_anchors = anchors.shape[0]
 
     doc_start = batch.cu_seqlens.long()[doc_ids[anchors].long()]
     offsets = torch.arange(1, block_size, device=device)

@@ -24,9 +24,13 @@ target forward at all, and prompts are drafted together whatever the target's la
 tau is the mean number of tokens kept per verify forward, correction included (1 <= tau <= B).
 
 Next to it the simulated tau: the training metric (teacher-forced blocks, ``common.drafter.loss.draft_metrics``)
-on the same held-out documents with the same weights. Their gap is what teacher forcing hides: wrong
-feature layers or positions, or a target whose own text differs from the training data. The documents'
-target features are kept too (within ``eval.reference_cache_gb``).
+on the same held-out documents with the same weights. Their gap is what teacher forcing hides, and the report
+splits it in three with two more runs of the training forward over the text the decoding produced (the
+target's greedy text, whose features the reference holds): at every anchor of that text (``sim_tau_greedy``;
+the documents' distance from it: data that is not the target's own text), and at the anchors the decoding
+started its blocks at (``sim_tau_walk``; from every anchor to these: what a walk that restarts after each
+rejection costs; from these to real tau: any difference between the trained forward and the served one,
+zero when the two agree). The documents' target features are kept too (within ``eval.reference_cache_gb``).
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -535,35 +540,41 @@ def greedy_decode(target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: in
 
 @torch.no_grad()
 def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], features: Iterable[DocumentFeatures],
-                         num_anchors: int, seed: int = 0) -> tuple[float, list[float]]:
+                         num_anchors: int, seed: int = 0, anchors: Sequence[Sequence[int]] | None = None,
+                         label_mode: str | None = None) -> tuple[float, list[float]]:
     """The training metric on ``documents`` with their target ``features`` (taken one document at a time, so they
     may be made as they are needed, and may be those of a longer text that begins with the document): (tau, acc_k)
-    of teacher-forced blocks at up to ``num_anchors`` anchors per document, labelled as ``drafter.loss_config``
-    says. Dense masks."""
+    of teacher-forced blocks at up to ``num_anchors`` anchors per document, or at each document's ``anchors``,
+    labelled as ``label_mode`` (default: ``drafter.loss_config``'s) says. Dense masks; tau pools the blocks of
+    every document, as real tau pools verify forwards."""
     config = drafter.config
+    loss_config = drafter.loss_config if label_mode is None else replace(drafter.loss_config, label_mode=label_mode)
     device = drafter.fc.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     streaks = blocks_seen = 0.0
     correct = torch.zeros(config.block_size - 1, device=device)
     supervised = torch.zeros(config.block_size - 1, device=device)
-    for document, kept in zip(documents, features):
+    for i, (document, kept) in enumerate(zip(documents, features)):
+        given = None if anchors is None else torch.as_tensor(anchors[i], dtype=torch.long)
+        if given is not None and not given.numel():
+            continue  # a decoding that ended at its prefill started no block
         input_ids = torch.as_tensor(document.input_ids, device=device)
         # Features of a longer text (the whole document of a decoded span) are cut to this one: they are causal.
         aux_hidden = kept.aux_hidden[:len(document)].to(device, non_blocking=True)
         batch = PackedBatch(input_ids=input_ids, loss_mask=torch.as_tensor(document.loss_mask, device=device),
                             cu_seqlens=torch.tensor([0, len(document)], dtype=torch.int32, device=device),
                             sample_ids=torch.tensor([document.sample_id], device=device), aux_hidden=aux_hidden)
-        blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator)
+        blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator, given)
         masks = build_masks(blocks, config, dense=True)
         hidden = drafter(aux_hidden, blocks, masks)
         target_hidden = None
-        if drafter.loss_config.label_mode != "data":
+        if loss_config.label_mode != "data":
             if kept.last_hidden is None:
-                raise ValueError(f"label_mode {drafter.loss_config.label_mode!r}: this evaluator does not capture the "
+                raise ValueError(f"label_mode {loss_config.label_mode!r}: this evaluator does not capture the "
                                  "target's last layer (capture_last)")
             head = drafter.target_head
             target_hidden = head.final_norm(kept.last_hidden[:len(document)].to(device, head.norm_weight.dtype, non_blocking=True))
-        _, metrics = draft_loss(hidden, blocks, drafter.target_head.lm_head_weight, drafter.loss_config, target_hidden)
+        _, metrics = draft_loss(hidden, blocks, drafter.target_head.lm_head_weight, loss_config, target_hidden)
         streaks += float((metrics["tau"] - 1) * metrics["num_blocks"])
         blocks_seen += float(metrics["num_blocks"])
         per_slot = blocks.label_mask.float().sum(0)
@@ -590,6 +601,14 @@ class AcceptanceReport:
     produces: the prompt and ``max_new_tokens`` tokens."""
     sim_acc: list[float]
     """Teacher-forced per-slot accuracy acc_k, k = 1..B-1."""
+    sim_tau_greedy: float
+    """The training metric on the text the decoding produced (the target's greedy text of the same prompts), at
+    every anchor: beside ``sim_tau``, how far the documents are from the target's own text."""
+    sim_tau_walk: float
+    """The training metric on that text at the anchors the decoding started its blocks at: the training forward
+    where the server ran its own, so it equals ``tau`` unless the two differ (masks, positions, features). Beside
+    ``sim_tau_greedy``, what those anchors cost: a block starts after each rejection, where the text is harder
+    than on average."""
     generated_tokens: int
     target_forwards: int
     """Prefills plus verify forwards: what live decoding runs for this text and these acceptances."""
@@ -620,7 +639,8 @@ class AcceptanceReport:
         return 1.0 - self.target_forwards / max(self.greedy_forwards, 1)
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        out = {"tau": self.tau, "sim_tau": self.sim_tau, "tau_gap": self.tau_gap, "forwards_saved": self.forwards_saved,
+        out = {"tau": self.tau, "sim_tau": self.sim_tau, "tau_gap": self.tau_gap, "sim_tau_greedy": self.sim_tau_greedy,
+               "sim_tau_walk": self.sim_tau_walk, "forwards_saved": self.forwards_saved,
                "target_forwards": self.target_forwards, "greedy_forwards": self.greedy_forwards,
                "generated_tokens": self.generated_tokens, "num_prompts": self.num_prompts, "seconds": self.seconds,
                "reference_seconds": self.reference_seconds, "decode_seconds": self.decode_seconds}
@@ -633,6 +653,10 @@ class AcceptanceReport:
             f"{self.num_prompts} prompts, {self.generated_tokens} tokens generated, block size {self.block_size}",
             f"tau (real)       {self.tau:6.3f}   mean tokens per target verify forward (max {self.block_size})",
             f"tau (simulated)  {self.sim_tau:6.3f}   teacher-forced on the same documents; gap {self.tau_gap:+.3f}",
+            f"  on the target's text       {self.sim_tau_greedy:6.3f}   teacher-forced on what the decoding produced "
+            f"(documents {self.sim_tau - self.sim_tau_greedy:+.3f} from it)",
+            f"  at the decoding's anchors  {self.sim_tau_walk:6.3f}   the blocks the decoding ran, in the training "
+            f"forward (anchors {self.sim_tau_walk - self.sim_tau_greedy:+.3f}, serving {self.tau - self.sim_tau_walk:+.3f})",
             f"target forwards  {self.target_forwards:6d}   vs {self.greedy_forwards} for plain greedy: "
             f"{self.forwards_saved:.1%} saved",
         ]
@@ -645,9 +669,32 @@ class AcceptanceReport:
 def decoded_span(document: Document, prompt_len: int, max_new_tokens: int) -> Document:
     """The document's prompt and the ``max_new_tokens`` tokens after it: the part real decoding of that prompt
     produces, and so the part its simulated acceptance is scored on (a longer answer's later tokens would
-    weigh in the simulation and never in the decoding)."""
-    end = prompt_of(document, prompt_len).numel() + max_new_tokens
-    return Document(document.sample_id, document.input_ids[:end], document.loss_mask[:end])
+    weigh in the simulation and never in the decoding). The answer's first token is no label: decoding takes
+    it from the prefill, never from a block."""
+    start = prompt_of(document, prompt_len).numel()
+    loss_mask = document.loss_mask[:start + max_new_tokens].copy()
+    loss_mask[:start + 1] = 0
+    return Document(document.sample_id, document.input_ids[:start + max_new_tokens], loss_mask)
+
+
+def greedy_text(transcript: Transcript, sample_id: int) -> Document:
+    """A held-out prompt's greedy text as a document, as far as the decoding's blocks read it (every token with
+    features: all but the last): labels from the continuation's second token on (the first comes from the
+    prefill)."""
+    end = len(transcript.tokens) - 1
+    loss_mask = np.zeros(end, dtype=np.uint8)
+    loss_mask[transcript.prompt_len + 1:] = 1
+    return Document(sample_id, np.asarray(transcript.tokens[:end], dtype=np.int32), loss_mask)
+
+
+def decoding_anchors(transcript: Transcript, decoded: Decoded) -> list[int]:
+    """The positions the decoding started its blocks at: the prefill's token, then each round's anchor after the
+    kept drafts and the target's token."""
+    anchors, anchor = [], transcript.prompt_len
+    for accepted in decoded.accepted:
+        anchors.append(anchor)
+        anchor += accepted + 1
+    return anchors
 
 
 def prompt_of(document: Document, prompt_len: int) -> torch.Tensor:
@@ -720,6 +767,7 @@ class Evaluator:
                             for document, kept in zip(self.documents, reference.documents))
                 spans = [decoded_span(d, self.config.prompt_len, self.config.max_new_tokens) for d in self.documents]
                 sim_tau, sim_acc = simulated_acceptance(drafter, spans, features, self.num_anchors)
+                sim_tau_greedy, sim_tau_walk = self.on_greedy_text(drafter, reference.transcripts, decoded)
         finally:
             drafter.train(was_training)
         accepted = torch.tensor([n for d in decoded for n in d.accepted], dtype=torch.float64)
@@ -729,10 +777,24 @@ class Evaluator:
         return AcceptanceReport(
             block_size=drafter.config.block_size, num_prompts=len(decoded),
             tau=1.0 + (float(accepted.mean()) if accepted.numel() else 0.0), accept_pos=accept_pos.tolist(),
-            sim_tau=sim_tau, sim_acc=sim_acc, generated_tokens=sum(len(d.tokens) for d in decoded),
+            sim_tau=sim_tau, sim_acc=sim_acc, sim_tau_greedy=sim_tau_greedy, sim_tau_walk=sim_tau_walk,
+            generated_tokens=sum(len(d.tokens) for d in decoded),
             target_forwards=len(decoded) + int(accepted.numel()), seconds=time.perf_counter() - started,
             reference_seconds=reference.seconds if made else 0.0, decode_seconds=decode_seconds,
         )
+
+    def on_greedy_text(self, drafter: DFlashDrafter, transcripts: Sequence[Transcript],
+                       decoded: Sequence[Decoded]) -> tuple[float, float]:
+        """The training metric on the text the decoding produced: at every anchor, and at the decoding's own anchors
+        (``AcceptanceReport.sim_tau_greedy`` and ``sim_tau_walk``). Data labels: that text is the target's argmax."""
+        features = [DocumentFeatures(t.features) for t in transcripts]
+        texts = [greedy_text(t, r) for r, t in enumerate(transcripts)]
+        # Every anchor whose first label is a token the decoding kept; its block reads on past the cut, as the
+        # decoding's last block does, so the two sets of anchors differ in nothing else.
+        every = [list(range(t.prompt_len, t.prompt_len + len(d.tokens) - 1)) for t, d in zip(transcripts, decoded)]
+        walk = [decoding_anchors(t, d) for t, d in zip(transcripts, decoded)]
+        return tuple(simulated_acceptance(drafter, texts, features, 0, anchors=anchors, label_mode="data")[0]
+                     for anchors in (every, walk))
 
     def reference_for(self, block_size: int) -> tuple[TargetReference, bool]:
         """The target's reference for drafters of ``block_size``: (it, whether it was made now). Made by target
