@@ -156,8 +156,13 @@ def test_the_trainer_warns_when_a_result_shows_a_real_and_simulated_gap(tmp_path
         caplog.clear()
         Trainer._log_evaluation(trainer, 28, {"eval/tau": 2.5, "eval/sim_tau": 2.6, "eval/tau_gap": -0.1})
         assert "differ by more" not in caplog.text
+        # With the gap's three steps measured, the warning says which step it is.
+        Trainer._log_evaluation(trainer, 32, {"eval/tau": 1.2, "eval/sim_tau": 2.6, "eval/tau_gap": -1.4,
+                                              "eval/sim_tau_greedy": 1.4, "eval/sim_tau_walk": 1.25})
+        assert "-1.400 in all, of it -1.200 the documents against the target's own text" in caplog.text
+        assert "-0.150 the anchors decoding starts its blocks at" in caplog.text and "-0.050 serving" in caplog.text
     trainer.metrics_file.close()
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [24, 28]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [24, 28, 32]
 
 
 def test_a_new_trainer_adopts_the_evaluations_of_its_lineage_and_asks_again_past_it(short_tmp):

@@ -634,7 +634,7 @@ class Trainer:
         log.info("eval at step %d (logged at %d): tau %.3f real, %.3f simulated, %.1f%% target forwards saved",
                  step, self.step, metrics.get("eval/tau", 0.0), metrics.get("eval/sim_tau", 0.0),
                  100 * metrics.get("eval/forwards_saved", 0.0))
-        warn_if_gap(metrics.get("eval/tau_gap", 0.0), self.draft_config.block_size, self.cfg.eval.gap_tolerance)
+        warn_if_gap(metrics, self.draft_config.block_size, self.cfg.eval.gap_tolerance)
 
     def _evaluate_in_loop(self, weights: dict | None) -> None:
         """The coupled baseline's evaluation, as today's online trainers do it: in the loop, on its own target."""

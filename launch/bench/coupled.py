@@ -158,7 +158,7 @@ class TrainingEvaluation:
             wandb_run.log(metrics, step=step)
         log.info("eval at step %d: tau %.3f real, %.3f simulated (gap %+.3f), %.1f%% target forwards saved, %.1fs",
                  step, report.tau, report.sim_tau, report.tau_gap, 100 * report.forwards_saved, report.seconds)
-        warn_if_gap(report.tau_gap, report.block_size, self.cfg.eval.gap_tolerance)
+        warn_if_gap(metrics, report.block_size, self.cfg.eval.gap_tolerance)
         return report
 
 
