@@ -767,7 +767,8 @@ class SynthesizeConfig:
     magpie_top_p: float = 0.95
     """Nucleus sampling of the self-written prompts."""
     rows: int = 256
-    """Sequences each producer decodes at once (its static KV cache holds rows x (max_prompt_tokens + max_new_tokens))."""
+    """Sequences each producer decodes at once (its static KV cache holds rows x (max_prompt_tokens + max_new_tokens));
+    a cache larger than 90% of the device's available memory stops the run (exit 2) saying how many rows fit."""
     max_prompt_tokens: int = 2048
     """Longest prompt (chat-rendered) answered; a longer one is recorded as skipped, so it is not tried again."""
     records_per_shard: int = 1000

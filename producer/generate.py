@@ -217,6 +217,28 @@ def static_cache_refusal(model: nn.Module, cache_len: int) -> str | None:
     return None
 
 
+class GenerationMemoryError(ValueError):
+    """The static KV cache asked for cannot fit in the memory its device has available: the same on every try."""
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that ``device`` can give now: a GPU's free memory, a Linux host's MemAvailable; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+CACHE_SHARE = 0.9
+"""The most of the available memory a static KV cache may take: the rest is for the forwards' activations."""
+
+
 def attention_lengths(cache_len: int) -> list[int]:
     """Key lengths a decode step is built for: about 8 steps up to ``cache_len``, multiples of 16 (what the
     fused attention kernels align masks to). A step attends to the shortest one covering its longest row."""
@@ -255,6 +277,7 @@ class StaticCacheDecoder:
         self.has_qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
+        self._check_fits(rows, cache_len, parameter.element_size())
         on = {"device": self.device}
         with torch.no_grad():
             shape = (rows, self.kv_heads, cache_len, self.head_dim)
@@ -275,6 +298,18 @@ class StaticCacheDecoder:
     @property
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def _check_fits(self, rows: int, cache_len: int, element_size: int) -> None:
+        """Refuse, before allocating it, a cache larger than ``CACHE_SHARE`` of the device's available memory (a
+        host would otherwise kill the process, and kill it again at every restart)."""
+        per_row = cache_len * len(self.layers) * 2 * self.kv_heads * self.head_dim * element_size
+        available = available_memory(self.device)
+        if available is None or rows * per_row <= CACHE_SHARE * available:
+            return
+        fit = int(CACHE_SHARE * available // per_row)
+        raise GenerationMemoryError(
+            f"a static KV cache of {rows} rows x {cache_len} positions needs {rows * per_row / 2**30:.2f} GiB, and "
+            f"{self.device} has {available / 2**30:.2f} GiB available: at most {fit} rows of {cache_len} positions fit")
 
     def attention_length_for(self, longest_position: int) -> int:
         """The shortest captured key length that covers a row at ``longest_position``."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from common.config import RunConfig
 from producer.data import BadRecord, DataSource, render_chat, validate_messages
-from producer.synthesize import ShardWriter, read_shards, stop_token_ids
+from producer.synthesize import ShardWriter, generator_for, read_shards, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,11 @@ class RegeneratedSource(DataSource):
         self.writer.add(record)
 
     def _generator_of_target(self) -> Any:
-        from producer.generate import GenerationConfig, Generator
+        from producer.generate import GenerationConfig
 
         if self._generator is None:
             s = self.cfg.synthesize
-            self._generator = Generator(self.model, GenerationConfig(
+            self._generator = generator_for(self.model, GenerationConfig(
                 max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                 stop_token_ids=stop_token_ids(self.model, self.tokenizer), rows=s.rows,
                 max_prompt_tokens=s.max_prompt_tokens))

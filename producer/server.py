@@ -525,8 +525,8 @@ def serve(cfg: RunConfig, root: RunDir, producer_id: int, device: str | None, li
     signal.signal(signal.SIGINT, request_stop)
     try:
         producer.serve_forever()
-    except DataError as exc:  # found while producing (an epoch without a good document): the same on every try
-        log.error("producer %d: %s", producer_id, exc)
+    except (DataError, ConfigError) as exc:  # found while producing (an epoch without a good document, a
+        log.error("producer %d: %s", producer_id, exc)  # regeneration cache too large): the same on every try
         return EXIT_CONFIG_ERROR
     log.info("producer %d stopped cleanly", producer_id)
     return 0

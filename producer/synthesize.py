@@ -39,7 +39,7 @@ from common.drafter.evaluate import stop_tokens_of
 from common.lifecycle import die_with_parent, exit_process
 from common.rundir import RunDir, atomic_write_json, fsync_file
 from producer.data import BadRecord, DataError, expand_paths, validate_messages
-from producer.generate import GenerationConfig, Generator, Request
+from producer.generate import GenerationConfig, GenerationMemoryError, Generator, Request
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,18 @@ class Synthesis:
         self.model.config._attn_implementation = "sdpa"  # generation runs unpacked sequences
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         self.stop = False
+        # Both static caches are made now, before anything is written: one that cannot fit stops at once (exit 2).
+        s = self.synth
+        self.answers = generator_for(self.model, GenerationConfig(
+            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed + producer_id,
+            stop_token_ids=self.stop_ids, rows=s.rows, max_prompt_tokens=s.max_prompt_tokens))
+        self.questions = None
+        if any(p.messages is None for p in self.pending):
+            prefix_len = len(self.tokenizer(self.prefix, add_special_tokens=False)["input_ids"])
+            self.questions = generator_for(self.model, GenerationConfig(
+                max_new_tokens=s.magpie_max_tokens, temperature=s.magpie_temperature, top_p=s.magpie_top_p,
+                seed=s.seed + 7919 * (producer_id + 1), stop_token_ids=self.stop_ids, rows=s.rows,
+                max_prompt_tokens=max(prefix_len, 1)))
 
     def generation_settings(self) -> dict[str, Any]:
         """What every record of this run says about how it was made."""
@@ -233,17 +245,7 @@ class Synthesis:
         return settings
 
     def run(self) -> int:
-        s = self.synth
-        answers = Generator(self.model, GenerationConfig(
-            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed + self.producer_id,
-            stop_token_ids=self.stop_ids, rows=s.rows, max_prompt_tokens=s.max_prompt_tokens))
-        questions = None
-        if any(p.messages is None for p in self.pending):
-            prefix_len = len(self.tokenizer(self.prefix, add_special_tokens=False)["input_ids"])
-            questions = Generator(self.model, GenerationConfig(
-                max_new_tokens=s.magpie_max_tokens, temperature=s.magpie_temperature, top_p=s.magpie_top_p,
-                seed=s.seed + 7919 * (self.producer_id + 1), stop_token_ids=self.stop_ids, rows=s.rows,
-                max_prompt_tokens=max(prefix_len, 1)))
+        s, answers, questions = self.synth, self.answers, self.questions
         settings = self.generation_settings()
         started, reported = time.monotonic(), time.monotonic()
         by_id = {p.id: p for p in self.pending}
@@ -309,6 +311,15 @@ class Synthesis:
         atomic_write_json(self.folder / f"status-p{self.producer_id}.json", status, durable=False)
         log.info("producer %d: %d records written this start, %.0f new tokens/s, rows %.0f%% busy (%s)",
                  self.producer_id, self.writer.written, stats.tokens_per_second, 100 * stats.occupancy, generator.engine)
+
+
+def generator_for(model: Any, config: GenerationConfig) -> Generator:
+    """``Generator(model, config)``; a static KV cache that cannot fit is a ConfigError naming the keys that size it."""
+    try:
+        return Generator(model, config)
+    except GenerationMemoryError as exc:
+        raise ConfigError(f"synthesize.rows: {exc}; lower synthesize.rows, or synthesize.max_prompt_tokens and "
+                          "synthesize.max_new_tokens (a row's positions)") from None
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

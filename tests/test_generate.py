@@ -169,6 +169,26 @@ def test_bad_config_values_name_their_field(field, value):
         GenerationConfig(**{"max_prompt_tokens": 16, field: value})
 
 
+def test_a_cache_larger_than_the_available_memory_is_refused_before_it_is_allocated(monkeypatch):
+    """A static KV cache the host cannot hold would get the process killed (and killed again at every restart):
+    it is refused first, saying what it needs, what is there and how many rows fit."""
+    import producer.generate as generate
+
+    model = tiny_model("llama")  # 2 layers x 2 (keys, values) x 2 heads x 16 x 4 bytes = 512 bytes per position
+    monkeypatch.setattr(generate, "available_memory", lambda device: 100 * 2**20)
+    allocated = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: allocated.append(a) or real_zeros(*a, **k))
+    with pytest.raises(generate.GenerationMemoryError,
+                       match=r"a static KV cache of 4096 rows x 64 positions needs 0\.12 GiB, and cpu has 0\.10 GiB "
+                             r"available: at most 2880 rows of 64 positions fit"):
+        Generator(model, GenerationConfig(max_new_tokens=32, max_prompt_tokens=32, rows=4096))
+    assert not allocated, "nothing is allocated before the refusal"
+    monkeypatch.undo()
+    monkeypatch.setattr(generate, "available_memory", lambda device: 100 * 2**20)
+    assert Generator(model, GenerationConfig(max_new_tokens=32, max_prompt_tokens=32, rows=2880)).engine == STATIC_CACHE_ENGINE
+
+
 def test_bad_requests_are_refused():
     with pytest.raises(ValueError, match="prompt_ids"):
         Request("empty", [])

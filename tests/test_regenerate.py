@@ -49,3 +49,26 @@ def test_the_stream_trains_on_the_targets_own_answers_exactly_once_through_a_pro
     assert "producer 0 killed by SIGKILL" in out or "SIGKILL" in out, out
     kept = re.findall(r"; (\d+) answers kept in", next((run_dir / "logs").glob("producer*0*.log")).read_text())
     assert len(kept) == 2 and kept[0] == "0" and int(kept[1]) > 0, kept  # the restart read the answers kept before
+
+
+def test_rows_whose_cache_cannot_fit_stop_the_run_with_exit_2_naming_the_key(short_tmp):
+    """The online form sizes its static KV cache by synthesize.rows too: one the host cannot hold stops the run at
+    the first window, naming the key, instead of a producer the kernel kills at every restart."""
+    import subprocess
+    import time
+
+    data = write_chat(short_tmp / "chat.jsonl", 12)
+    run_dir = short_tmp / "run"
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), "--config", str(ROOT / "launch" / "smollm2-135m.toml"),
+         f"target.path={json.dumps(str(smollm2_gguf()))}", "target.dtype=float32", f"data.paths={json.dumps([str(data)])}",
+         "data.regenerate=true", "data.max_seq_len=256", "batching.token_budget=512", "synthesize.rows=100000",
+         "drafter.num_layers=1", "training.max_steps=4", "eval.every_steps=0", "eval.num_prompts=2",
+         'launch.producer_devices=["cpu"]', 'launch.trainer_devices=["cpu"]', "launch.mps=false",
+         "launch.restart_backoff_s=0.2", "ring.backend=\"host\""], capture_output=True, text=True, timeout=300)
+    log = next((run_dir / "logs").glob("producer*0*.log")).read_text()
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "synthesize.rows: a static KV cache of 100000 rows x" in log, log[-3000:]
+    assert time.monotonic() - started < 120
+    assert not list((run_dir / "regenerated").glob("*.jsonl")) if (run_dir / "regenerated").exists() else True

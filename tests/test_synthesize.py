@@ -79,6 +79,22 @@ def test_a_broken_prompt_line_stops_synthesis_with_exit_2_naming_the_line_and_wr
     assert not list((run_dir / "synthesized").glob("*.jsonl")) if (run_dir / "synthesized").exists() else True
 
 
+def test_rows_whose_cache_cannot_fit_stop_synthesis_with_exit_2_naming_the_key(short_tmp):
+    """A static KV cache larger than the host's memory would have the kernel kill the producer at every restart:
+    it stops the run instead, in seconds, naming synthesize.rows and how many rows fit, and writes nothing."""
+    data = write_chat(short_tmp / "prompts.jsonl", 6)
+    run_dir = short_tmp / "run"
+    started = time.monotonic()
+    done = subprocess.run(synthesize_args(run_dir, data, "synthesize.rows=100000"), capture_output=True, text=True,
+                          timeout=240)
+    log = (run_dir / "logs" / "synth0.log").read_text()
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "synthesize.rows: a static KV cache of 100000 rows x" in log and "positions fit" in log, log[-2000:]
+    assert "==== synth0 start 2" not in log, "no restart"
+    assert time.monotonic() - started < 60
+    assert not list((run_dir / "synthesized").glob("*.jsonl")) if (run_dir / "synthesized").exists() else True
+
+
 def test_magpie_needs_a_template_with_a_user_turn():
     from transformers import AutoTokenizer
 
