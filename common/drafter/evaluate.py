@@ -50,8 +50,8 @@ from torch import nn
 
 from common.batch import Document, PackedBatch
 from common.config import EvalConfig
-from common.drafter.blocks import build_blocks
-from common.drafter.loss import draft_loss
+from common.drafter.blocks import DraftBlocks, build_blocks
+from common.drafter.loss import LossConfig, draft_loss
 from common.drafter.masks import build_masks, in_block_mask
 from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead
@@ -540,47 +540,51 @@ def greedy_decode(target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: in
 
 @torch.no_grad()
 def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], features: Iterable[DocumentFeatures],
-                         num_anchors: int, seed: int = 0, anchors: Sequence[Sequence[int]] | None = None,
-                         label_mode: str | None = None) -> tuple[float, list[float]]:
+                         num_anchors: int, seed: int = 0) -> tuple[float, list[float]]:
     """The training metric on ``documents`` with their target ``features`` (taken one document at a time, so they
     may be made as they are needed, and may be those of a longer text that begins with the document): (tau, acc_k)
-    of teacher-forced blocks at up to ``num_anchors`` anchors per document, or at each document's ``anchors``,
-    labelled as ``label_mode`` (default: ``drafter.loss_config``'s) says. Dense masks; tau pools the blocks of
-    every document, as real tau pools verify forwards."""
+    of teacher-forced blocks at up to ``num_anchors`` anchors per document, labelled as ``drafter.loss_config``
+    says. Dense masks; tau pools the blocks of every document, as real tau pools verify forwards."""
     config = drafter.config
-    loss_config = drafter.loss_config if label_mode is None else replace(drafter.loss_config, label_mode=label_mode)
     device = drafter.fc.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     streaks = blocks_seen = 0.0
     correct = torch.zeros(config.block_size - 1, device=device)
     supervised = torch.zeros(config.block_size - 1, device=device)
-    for i, (document, kept) in enumerate(zip(documents, features)):
-        given = None if anchors is None else torch.as_tensor(anchors[i], dtype=torch.long)
-        if given is not None and not given.numel():
-            continue  # a decoding that ended at its prefill started no block
-        input_ids = torch.as_tensor(document.input_ids, device=device)
-        # Features of a longer text (the whole document of a decoded span) are cut to this one: they are causal.
-        aux_hidden = kept.aux_hidden[:len(document)].to(device, non_blocking=True)
-        batch = PackedBatch(input_ids=input_ids, loss_mask=torch.as_tensor(document.loss_mask, device=device),
-                            cu_seqlens=torch.tensor([0, len(document)], dtype=torch.int32, device=device),
-                            sample_ids=torch.tensor([document.sample_id], device=device), aux_hidden=aux_hidden)
-        blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator, given)
-        masks = build_masks(blocks, config, dense=True)
-        hidden = drafter(aux_hidden, blocks, masks)
-        target_hidden = None
-        if loss_config.label_mode != "data":
-            if kept.last_hidden is None:
-                raise ValueError(f"label_mode {loss_config.label_mode!r}: this evaluator does not capture the "
-                                 "target's last layer (capture_last)")
-            head = drafter.target_head
-            target_hidden = head.final_norm(kept.last_hidden[:len(document)].to(device, head.norm_weight.dtype, non_blocking=True))
-        _, metrics = draft_loss(hidden, blocks, drafter.target_head.lm_head_weight, loss_config, target_hidden)
+    for document, kept in zip(documents, features):
+        blocks, metrics = teacher_forced(drafter, drafter.loss_config, document, kept, num_anchors, generator)
         streaks += float((metrics["tau"] - 1) * metrics["num_blocks"])
         blocks_seen += float(metrics["num_blocks"])
         per_slot = blocks.label_mask.float().sum(0)
         correct += metrics["acc"] * per_slot
         supervised += per_slot
     return 1.0 + streaks / max(blocks_seen, 1.0), (correct / supervised.clamp_min(1.0)).tolist()
+
+
+def teacher_forced(drafter: DFlashDrafter, loss_config: LossConfig, document: Document, kept: DocumentFeatures,
+                   num_anchors: int, generator: torch.Generator | None,
+                   anchors: torch.Tensor | None = None) -> tuple[DraftBlocks, dict[str, torch.Tensor]]:
+    """One document's teacher-forced blocks, at up to ``num_anchors`` sampled anchors or at the given sorted
+    ``anchors``, labelled as ``loss_config`` says (dense masks), and their ``draft_metrics``."""
+    config = drafter.config
+    device = drafter.fc.weight.device
+    input_ids = torch.as_tensor(document.input_ids, device=device)
+    # Features of a longer text (the whole document of a decoded span) are cut to this one: they are causal.
+    aux_hidden = kept.aux_hidden[:len(document)].to(device, non_blocking=True)
+    batch = PackedBatch(input_ids=input_ids, loss_mask=torch.as_tensor(document.loss_mask, device=device),
+                        cu_seqlens=torch.tensor([0, len(document)], dtype=torch.int32, device=device),
+                        sample_ids=torch.tensor([document.sample_id], device=device), aux_hidden=aux_hidden)
+    blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator, anchors)
+    hidden = drafter(aux_hidden, blocks, build_masks(blocks, config, dense=True))
+    target_hidden = None
+    if loss_config.label_mode != "data":
+        if kept.last_hidden is None:
+            raise ValueError(f"label_mode {loss_config.label_mode!r}: this evaluator does not capture the "
+                             "target's last layer (capture_last)")
+        head = drafter.target_head
+        target_hidden = head.final_norm(kept.last_hidden[:len(document)].to(device, head.norm_weight.dtype, non_blocking=True))
+    _, metrics = draft_loss(hidden, blocks, drafter.target_head.lm_head_weight, loss_config, target_hidden)
+    return blocks, metrics
 
 
 # -- the report ----------------------------------------------------------------------------------
@@ -786,15 +790,28 @@ class Evaluator:
     def on_greedy_text(self, drafter: DFlashDrafter, transcripts: Sequence[Transcript],
                        decoded: Sequence[Decoded]) -> tuple[float, float]:
         """The training metric on the text the decoding produced: at every anchor, and at the decoding's own anchors
-        (``AcceptanceReport.sim_tau_greedy`` and ``sim_tau_walk``). Data labels: that text is the target's argmax."""
-        features = [DocumentFeatures(t.features) for t in transcripts]
-        texts = [greedy_text(t, r) for r, t in enumerate(transcripts)]
-        # Every anchor whose first label is a token the decoding kept; its block reads on past the cut, as the
-        # decoding's last block does, so the two sets of anchors differ in nothing else.
-        every = [list(range(t.prompt_len, t.prompt_len + len(d.tokens) - 1)) for t, d in zip(transcripts, decoded)]
-        walk = [decoding_anchors(t, d) for t, d in zip(transcripts, decoded)]
-        return tuple(simulated_acceptance(drafter, texts, features, 0, anchors=anchors, label_mode="data")[0]
-                     for anchors in (every, walk))
+        (``AcceptanceReport.sim_tau_greedy`` and ``sim_tau_walk``). Data labels: that text is the target's argmax.
+        One forward per prompt serves both: the decoding's anchors are some of every anchor, and a block's result
+        does not depend on the blocks beside it."""
+        data_labels = replace(drafter.loss_config, label_mode="data")
+        every_streaks = walk_streaks = 0.0
+        every_blocks = walk_blocks = 0
+        for r, (transcript, one) in enumerate(zip(transcripts, decoded)):
+            # Every anchor whose first label is a token the decoding kept; its block reads on past the cut, as the
+            # decoding's last block does, so the two sets of anchors differ in nothing else.
+            first = transcript.prompt_len
+            every = torch.arange(first, first + len(one.tokens) - 1)
+            if not every.numel():
+                continue  # a decoding that ended at its prefill started no block
+            _, metrics = teacher_forced(drafter, data_labels, greedy_text(transcript, r),
+                                        DocumentFeatures(transcript.features), 0, None, every)
+            streaks = metrics["block_streaks"]
+            walk = torch.as_tensor(decoding_anchors(transcript, one), device=streaks.device) - first
+            every_streaks += float(streaks.sum())
+            walk_streaks += float(streaks[walk].sum())
+            every_blocks += every.numel()
+            walk_blocks += walk.numel()
+        return 1.0 + every_streaks / max(every_blocks, 1), 1.0 + walk_streaks / max(walk_blocks, 1)
 
     def reference_for(self, block_size: int) -> tuple[TargetReference, bool]:
         """The target's reference for drafters of ``block_size``: (it, whether it was made now). Made by target

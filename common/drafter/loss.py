@@ -288,7 +288,8 @@ def draft_loss(hidden: torch.Tensor, blocks: DraftBlocks, head_weight: torch.Ten
 
 
 def draft_metrics(blocks: DraftBlocks, row_loss: torch.Tensor, correct: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Device tensors: acc [B-1] (acc_k for k = 1..B-1), tau, mean unweighted loss, counts."""
+    """Device tensors: acc [B-1] (acc_k for k = 1..B-1), tau, mean unweighted loss, counts, and each block's
+    streak of leading correct slots (block_streaks [N]; 0 for a padding block)."""
     mask = blocks.label_mask
     supervised = mask.float()
     correct = correct & mask
@@ -304,4 +305,5 @@ def draft_metrics(blocks: DraftBlocks, row_loss: torch.Tensor, correct: torch.Te
         "ce": (row_loss * supervised).sum() / supervised.sum().clamp_min(1.0),
         "num_blocks": num_valid,
         "num_supervised": supervised.sum(),
+        "block_streaks": streak * valid,
     }
