@@ -28,9 +28,9 @@ on the same held-out documents with the same weights. Their gap is what teacher 
 splits it in three with one more run of the training forward, over the text the decoding produced (the
 target's greedy text, whose features the reference holds), read at every anchor of that text
 (``sim_tau_greedy``; the documents' distance from it: data that is not the target's own text) and at the
-anchors the decoding started its blocks at (``sim_tau_walk``; from every anchor to these: what a walk that restarts after each
-rejection costs; from these to real tau: any difference between the trained forward and the served one,
-zero when the two agree). The documents' target features are kept too (within ``eval.reference_cache_gb``).
+anchors the decoding started its blocks at (``sim_tau_walk``; from every anchor to these: what a walk that
+restarts after each rejection costs; from these to real tau: any difference between the trained forward and
+the served one, zero when the two agree). The documents' target features are kept too (within ``eval.reference_cache_gb``).
 """
 
 from __future__ import annotations
