@@ -26,6 +26,7 @@ from torch import nn
 
 from common.config import RunConfig
 from producer.data import BadRecord, DataSource, render_chat, validate_messages
+from producer.generate import STATIC_CACHE_ENGINE, GenerationConfig, Request
 from producer.synthesize import ShardWriter, generator_for, read_shards, stop_token_ids
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,6 @@ class RegeneratedSource(DataSource):
     def prefetch(self, sample_ids: list[int]) -> None:
         """Answer, in one batched generation, every record of ``sample_ids`` that has no kept answer; keep them
         (written whole) before returning, so that no batch of theirs is published before they are on disk."""
-        from producer.generate import Request
-
         missing = [i for i in sample_ids if self.location(i) not in self.answers]
         if not missing:
             return
@@ -106,8 +105,6 @@ class RegeneratedSource(DataSource):
         self.writer.add(record)
 
     def _generator_of_target(self) -> Any:
-        from producer.generate import GenerationConfig
-
         if self._generator is None:
             s = self.cfg.synthesize
             self._generator = generator_for(self.model, GenerationConfig(
@@ -120,8 +117,6 @@ class RegeneratedSource(DataSource):
     def _unpacked_attention(self, engine: str):
         """The producer's target attends over packed documents; plain ``generate`` (the generator's fallback for
         models outside its own forward) needs the ordinary kernel meanwhile."""
-        from producer.generate import STATIC_CACHE_ENGINE
-
         if engine == STATIC_CACHE_ENGINE:
             yield
             return
