@@ -47,14 +47,18 @@ def run_dir(short_tmp):
 
 
 def receive(client: RingClient, count: int, timeout: float = 60.0) -> list[dict]:
+    """Exactly ``count`` deliveries, each acked; one poll can bring two (two credits are out), and the
+    one past ``count`` stays leased, unacked, as a consumer that stopped there would leave it."""
     got = []
     deadline = time.monotonic() + timeout
     while len(got) < count and time.monotonic() < deadline:
         for delivery in client.poll(timeout_s=0.1):
+            if len(got) == count:
+                break
             got.append({"meta": delivery.meta, "tensors": {k: v.clone() for k, v in delivery.tensors.items()}})
             client.ack(delivery)
             client.grant(1)
-    assert len(got) >= count, f"received {len(got)} of {count}"
+    assert len(got) == count, f"received {len(got)} of {count}"
     return got
 
 
