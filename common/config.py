@@ -164,6 +164,7 @@ class DataConfig:
         "max_step": "producer",
         "tokenizer": "producer launcher",
         "regenerate": "producer",
+        "cache_mb": "producer",
     }
 
     format: SourceFormat = "synthetic"
@@ -199,6 +200,9 @@ class DataConfig:
     answers are trained on (on-policy data without a synthesis first; producer/regenerate.py). Generation follows
     the synthesize section (max_new_tokens, temperature, rows, ...); the answers are kept in RUN/regenerated, so
     a batch computed again after a restart holds the same documents."""
+    cache_mb: int = 1024
+    """Host memory (MiB, per producer) for documents already read and rendered, reused by later epochs and replays
+    instead of reading and rendering them again; the first records read are kept until it is full. 0: none kept."""
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
@@ -210,6 +214,7 @@ class DataConfig:
         _check(self.vocab_size is None or self.vocab_size >= 2, "vocab_size", f"must be >= 2, got {self.vocab_size}")
         _check(self.shuffle_seed >= 0, "shuffle_seed", "must be >= 0")
         _check(self.max_step >= 1, "max_step", "must be >= 1")
+        _check(self.cache_mb >= 0, "cache_mb", f"must be >= 0, got {self.cache_mb}")
         _check(not self.regenerate or self.format == "chat", "regenerate", f"needs format='chat', got {self.format!r}")
         if self.format == "synthetic":
             _check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")

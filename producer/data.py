@@ -77,12 +77,53 @@ class DataStats:
         }
 
 
+class DocumentCache:
+    """Documents already made (bad records as None), kept for later epochs and replays up to a byte budget.
+
+    It fills and never evicts: every epoch reads each record once, in a new order, so an evicting cache smaller
+    than the data would almost never hit, while one that keeps the first records it saw hits on that share of
+    every later epoch. Rendering a chat record (template and tokenizer) costs about a millisecond of the
+    producer's one thread, more than a small target's forward of it.
+    """
+
+    _MISSING = object()
+    _BYTES_PER_DOCUMENT = 200
+    """Python's overhead of one kept document (the object, its two arrays, the dict entry), roughly."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.kept_bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._documents: dict[int, Document | None] = {}
+
+    def lookup(self, sample_id: int) -> Document | None | object:
+        """The kept document (None for a kept bad record), or ``DocumentCache._MISSING``."""
+        found = self._documents.get(sample_id, self._MISSING)
+        if found is self._MISSING:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return found
+
+    def keep(self, sample_id: int, document: Document | None) -> None:
+        size = self._BYTES_PER_DOCUMENT + (document.input_ids.nbytes + document.loss_mask.nbytes if document else 0)
+        if self.kept_bytes + size <= self.budget_bytes:
+            self._documents[sample_id] = document
+            self.kept_bytes += size
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cache_documents": len(self._documents), "cache_mb": round(self.kept_bytes / 2**20, 1),
+                "cache_hit_rate": round(self.hits / max(self.hits + self.misses, 1), 3)}
+
+
 class DataSource(ABC):
     """Random access to documents by global sample id, with validation and length policy."""
 
     def __init__(self, config: DataConfig):
         self.config = config
         self.stats = DataStats()
+        self.cache = DocumentCache(config.cache_mb * 2**20)
         # Ids already counted, so re-reads (replay, later epochs) do not recount; a bitmap, not a
         # set, to stay small for data sets of many millions of records.
         self._seen: np.ndarray | None = None
@@ -106,6 +147,9 @@ class DataSource(ABC):
         """The document with this id, or None when the record is bad (logged and counted)."""
         if not 0 <= sample_id < len(self):
             raise IndexError(f"sample id {sample_id} out of range [0, {len(self)})")
+        kept = self.cache.lookup(sample_id)
+        if kept is not DocumentCache._MISSING:
+            return kept
         if self._seen is None:
             self._seen = np.zeros(len(self), dtype=bool)
         first_time = not self._seen[sample_id]
@@ -116,10 +160,12 @@ class DataSource(ABC):
         except BadRecord as bad:
             if first_time:
                 self._report_bad(sample_id, bad)
+            self.cache.keep(sample_id, None)
             return None
         if first_time:
             self.stats.documents += 1
             self.stats.truncated += int(truncated)
+        self.cache.keep(sample_id, document)
         return document
 
     def _apply_length_policy(

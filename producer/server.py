@@ -297,7 +297,7 @@ class Producer:
             "tokens_per_s": round(tokens_per_s, 1),
             "blocked_fraction": round(min(1.0, blocked), 4),
             "batching": self.batch_stats.as_dict(),
-            "data": self.plan.source.stats.as_dict(),
+            "data": {**self.plan.source.stats.as_dict(), **self.plan.source.cache.as_dict()},
             "stream": self.stream.position(),
         }
 

@@ -397,3 +397,45 @@ def test_config_errors_name_the_field(kwargs, field):
 def test_synthetic_source_needs_a_vocabulary_size():
     with pytest.raises(ValueError, match="data.vocab_size"):
         build_data_source(DataConfig(format="synthetic"))
+
+
+def counting_reads(source) -> list[int]:
+    """The sample ids ``source`` reads from its records from now on (a list that grows)."""
+    reads, read = [], source._read
+
+    def counted(sample_id):
+        reads.append(sample_id)
+        return read(sample_id)
+
+    source._read = counted
+    return reads
+
+
+def test_later_epochs_read_no_record_again_and_get_the_same_documents(tmp_path):
+    good = json.dumps({"messages": CONVERSATION})
+    path = write_lines(tmp_path / "chat.jsonl", [good, "{not json", good, good])
+    tokenizer = tiny_tokenizer(PLAIN_TEMPLATE)
+    kept = build_data_source(DataConfig(format="chat", paths=[path], max_seq_len=4096), tokenizer=tokenizer)
+    uncached = build_data_source(DataConfig(format="chat", paths=[path], max_seq_len=4096, cache_mb=0), tokenizer=tokenizer)
+    reads, reads_uncached = counting_reads(kept), counting_reads(uncached)
+    for _epoch in range(3):
+        for i in range(len(kept)):
+            a, b = kept.get(i), uncached.get(i)
+            assert (a is None) == (b is None) and (a is None or a.input_ids.tolist() == b.input_ids.tolist())
+    assert sorted(reads) == [0, 1, 2, 3], "each record read and rendered once, the bad one too"
+    assert len(reads_uncached) == 12
+    assert kept.stats.documents == 3 and kept.stats.bad == {"invalid_json": 1}
+    assert kept.cache.as_dict()["cache_documents"] == 4 and kept.cache.hits == 8
+
+
+def test_the_cache_keeps_the_first_documents_up_to_its_budget_and_reads_the_rest_each_time():
+    source = build_data_source(synthetic(length_mode="fixed", mean_len=1000, max_seq_len=1000, num_samples=600, cache_mb=1))
+    reads = counting_reads(source)
+    per_document = 1000 * 5 + 200  # int32 ids, uint8 mask, the cache's reckoning of Python's overhead
+    fits = 2**20 // per_document
+    for _epoch in range(2):
+        for i in range(len(source)):
+            source.get(i)
+    assert source.cache.kept_bytes <= 2**20 and source.cache.as_dict()["cache_documents"] == fits
+    assert len(reads) == 600 + (600 - fits), "the kept ones are not read again, the others are"
+    assert set(range(fits)).isdisjoint(reads[600:])
