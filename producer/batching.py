@@ -177,7 +177,7 @@ class BatchPlan:
             raise IndexError(f"window {window} out of range [0, {self.num_windows()})")
         start = window * self.config.window_docs
         window_ids = self.order.epoch_ids(epoch)[start : start + self.config.window_docs].tolist()
-        self.source.prefetch([i for i in window_ids if i not in self._documents])
+        self.source.prefetch([i for i in window_ids if i not in self._documents and i not in self.source.cache])
         documents = [d for d in (self._document(i) for i in window_ids) if d is not None]
         batches = split_by_length(
             [d.sample_id for d in documents],

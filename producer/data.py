@@ -18,6 +18,7 @@ returns ``None``. It never stops the producer.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import glob
 import json
@@ -26,6 +27,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +98,9 @@ class DocumentCache:
         self.hits = 0
         self.misses = 0
         self._documents: dict[int, Document | None] = {}
+
+    def __contains__(self, sample_id: int) -> bool:
+        return sample_id in self._documents
 
     def lookup(self, sample_id: int) -> Document | None | object:
         """The kept document (None for a kept bad record), or ``DocumentCache._MISSING``."""
@@ -462,20 +467,31 @@ def render_chat(
     """Token ids of a conversation rendered by the chat template, and its assistant-token mask.
 
     Templates with ``{% generation %}`` blocks give the mask directly. For any other template
-    the assistant spans are found in the text of the full conversation by rendering prefixes:
-    an assistant turn starts where the prompt for it (history + generation header) ends, and ends
-    where the rendering of the history through that turn ends. Templates that render the last
-    turn differently (e.g. Qwen3 adds an empty think block to the final assistant turn only) are
-    handled by finding where that turn's tail rejoins the full text. An empty think block that opens
-    a turn (``<think>\n\n</think>\n\n``, or its tail after a thinking prompt's ``<think>\n``) is
-    left out of the mask; a turn's reasoning, when it has some, is supervised with its answer. Tokens
-    are assigned to spans by character offsets, so merges across turn boundaries cannot shift the mask.
+    the assistant spans are found in the text (``chat_text_and_spans``) and tokens are assigned to
+    them by character offsets (``tokens_with_mask``).
     """
     if _GENERATION_TAG.search(tokenizer.chat_template or ""):
         encoded = tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **template_kwargs
         )
         return np.asarray(encoded["input_ids"], np.int64), np.asarray(encoded["assistant_masks"], np.uint8)
+    full, spans = chat_text_and_spans(tokenizer, messages, **template_kwargs)
+    return tokens_with_mask(tokenizer(full, add_special_tokens=False, return_offsets_mapping=True), spans)
+
+
+def chat_text_and_spans(
+    tokenizer: Any, messages: list[dict[str, Any]], **template_kwargs: Any
+) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation's text by the chat template, and the character spans of its assistant turns.
+
+    The spans are found by rendering prefixes: an assistant turn starts where the prompt for it
+    (history + generation header) ends, and ends where the rendering of the history through that turn
+    ends. Templates that render the last turn differently (e.g. Qwen3 adds an empty think block to the
+    final assistant turn only) are handled by finding where that turn's tail rejoins the full text. An
+    empty think block that opens a turn (``<think>\n\n</think>\n\n``, or its tail after a thinking
+    prompt's ``<think>\n``) is left out of the span; a turn's reasoning, when it has some, is supervised
+    with its answer.
+    """
 
     def render(prefix: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(
@@ -501,13 +517,28 @@ def render_chat(
         if empty_think:
             start = empty_think.end()
         spans.append((start, end))
+    return full, spans
 
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+
+def tokens_with_mask(encoded: Any, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of one encoded text and the mask of the tokens that start inside ``spans``: by character
+    offsets, so merges across turn boundaries cannot shift the mask."""
     token_starts = np.asarray([s for s, _ in encoded["offset_mapping"]], np.int64)
     loss_mask = np.zeros(token_starts.shape[0], np.uint8)
     for start, end in spans:
         loss_mask[(token_starts >= start) & (token_starts < end)] = 1
     return np.asarray(encoded["input_ids"], np.int64), loss_mask
+
+
+@contextlib.contextmanager
+def _template_errors() -> Iterator[None]:
+    """A template may raise on content it rejects (e.g. role order): that record is bad, and the run goes on."""
+    try:
+        yield
+    except BadRecord:
+        raise
+    except Exception as error:
+        raise BadRecord("template", f"{type(error).__name__}: {error}") from None
 
 
 class ChatJsonlSource(JsonlSource):
@@ -521,14 +552,41 @@ class ChatJsonlSource(JsonlSource):
         super().__init__(config, paths)
         self.tokenizer = tokenizer
 
+        self._rendered: dict[int, tuple[np.ndarray, np.ndarray] | BadRecord] = {}
+        """The window announced last (``prefetch``), rendered and tokenized together, until ``_read`` takes it."""
+
     def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
-        messages = validate_messages(self.read_json(sample_id))
-        try:
-            return render_chat(self.tokenizer, messages, **self.config.chat_template_kwargs)
-        except BadRecord:
-            raise
-        except Exception as error:  # a template may raise on content it rejects (e.g. role order)
-            raise BadRecord("template", f"{type(error).__name__}: {error}") from None
+        rendered = self._rendered.pop(sample_id, None)
+        if rendered is None:
+            messages = validate_messages(self.read_json(sample_id))
+            with _template_errors():
+                return render_chat(self.tokenizer, messages, **self.config.chat_template_kwargs)
+        if isinstance(rendered, BadRecord):
+            raise rendered
+        return rendered
+
+    def prefetch(self, sample_ids: list[int]) -> None:
+        """Render the window's records and tokenize them in one call: the tokenizer's batch runs on every core,
+        where one record at a time runs on the producer's one thread (tokenizing is most of a record's cost).
+        The documents are the same as one at a time (tests/test_data_sources.py)."""
+        self._rendered = {}
+        if _GENERATION_TAG.search(self.tokenizer.chat_template or ""):
+            return  # the template gives the mask with its own tokenization: one record at a time
+        texts: dict[int, tuple[str, list[tuple[int, int]]]] = {}
+        for sample_id in sample_ids:
+            try:
+                messages = validate_messages(self.read_json(sample_id))
+                with _template_errors():
+                    texts[sample_id] = chat_text_and_spans(self.tokenizer, messages, **self.config.chat_template_kwargs)
+            except BadRecord as bad:
+                self._rendered[sample_id] = bad
+        if not texts:
+            return
+        encoded = self.tokenizer([text for text, _ in texts.values()], add_special_tokens=False,
+                                 return_offsets_mapping=True)
+        for i, (sample_id, (_, spans)) in enumerate(texts.items()):
+            self._rendered[sample_id] = tokens_with_mask(
+                {"input_ids": encoded["input_ids"][i], "offset_mapping": encoded["offset_mapping"][i]}, spans)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -439,3 +439,26 @@ def test_the_cache_keeps_the_first_documents_up_to_its_budget_and_reads_the_rest
     assert source.cache.kept_bytes <= 2**20 and source.cache.as_dict()["cache_documents"] == fits
     assert len(reads) == 600 + (600 - fits), "the kept ones are not read again, the others are"
     assert set(range(fits)).isdisjoint(reads[600:])
+
+
+@pytest.mark.parametrize("template", [PLAIN_TEMPLATE, THINKING_TEMPLATE, QWEN35_TEMPLATE, GENERATION_TEMPLATE])
+def test_a_window_rendered_and_tokenized_together_gives_the_documents_of_one_at_a_time(tmp_path, template):
+    conversations = [CONVERSATION, CONVERSATION[:2], [{"role": "user", "content": "a b c"},
+                                                       {"role": "assistant", "content": "x " * 40}]]
+    lines = [json.dumps({"messages": c}) for c in conversations]
+    lines[1:1] = ["{not json", json.dumps({"messages": [{"role": "user", "content": "only a question"}]})]
+    path = write_lines(tmp_path / "chat.jsonl", lines)
+    tokenizer = tiny_tokenizer(template)
+    together = build_data_source(DataConfig(format="chat", paths=[path], max_seq_len=4096), tokenizer=tokenizer)
+    alone = build_data_source(DataConfig(format="chat", paths=[path], max_seq_len=4096, cache_mb=0), tokenizer=tokenizer)
+    reads_alone = counting_reads(alone)
+    together.prefetch(list(range(len(lines))))
+    assert len(together._rendered) == (0 if template is GENERATION_TEMPLATE else len(lines))
+    for i in range(len(lines)):
+        a, b = together.get(i), alone.get(i)
+        assert (a is None) == (b is None), f"line {i + 1}"
+        if a is not None:
+            assert a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
+    assert together.stats.as_dict() == alone.stats.as_dict() and together.stats.first_bad == alone.stats.first_bad
+    assert not together._rendered, "the window is taken whole, nothing left behind"
+    assert len(reads_alone) == len(lines)
