@@ -285,6 +285,32 @@ def test_a_trainer_resumes_muon_exactly_and_starts_a_new_optimizer_state_when_th
         switched.close()
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_a_restart_that_changes_the_weight_decay_steps_with_the_new_one(short_tmp, optimizer):
+    """training.weight_decay may change at restart-trainer: the optimizer's state comes from the checkpoint, its
+    groups' weight decay from the new config (loading a state dict alone would bring back the old one)."""
+    from tests.test_checkpoint import make_trainer, optimizer_step
+    from trainer.train import Trainer
+
+    trainer = make_trainer(short_tmp / "run", f'training.optimizer="{optimizer}"', "training.weight_decay=0.1",
+                           "training.async_checkpoint=false", "training.max_steps=100")
+    try:
+        optimizer_step(trainer, seed=1)
+        trainer.scheduler.step()
+        trainer.step = 1
+        trainer.save_checkpoint()
+    finally:
+        trainer.close()
+    changed = copy.deepcopy(trainer.cfg)
+    changed.training.weight_decay = 0.0
+    again = Trainer(changed, trainer.run_dir)
+    try:
+        assert again.step == 1 and again.optimizer.state, "the optimizer state came back"
+        assert {group["weight_decay"] for group in again.optimizer.param_groups} == {0.0}
+    finally:
+        again.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_muon_on_cuda_follows_the_cpu_steps():

@@ -346,6 +346,9 @@ class Trainer:
     def _restore(self, state: dict, meta: dict) -> None:
         """Optimizer, schedule, RNGs and bookkeeping from ``train_state`` and ``trainer_state.json`` contents."""
         trained_with = state.get("optimizer_name", "adamw")  # checkpoints from before the choice: AdamW
+        # The checkpoint brings the optimizer's state (its moments); the settings of its groups are this config's
+        # (a restart may change training.weight_decay) and this device's (fused AdamW on a GPU).
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         if trained_with != self.cfg.training.resolved_optimizer:
             log.warning("training.optimizer is %s, the checkpoint's was %s: the weights and the schedule carry on, "
                         "the optimizer state starts anew", self.cfg.training.resolved_optimizer, trained_with)
@@ -353,6 +356,8 @@ class Trainer:
             load_full_optimizer_state(self.drafter, self.optimizer, state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
+        for group, settings in zip(self.optimizer.param_groups, configured):
+            group.update(settings)
         self.scheduler.load_state_dict(state["scheduler"])
         # A restart may change the learning rate, the schedule or the optimizer (and so its number of parameter
         # groups): the schedule keeps its step, the peak and the shape are the new ones.
