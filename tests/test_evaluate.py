@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from common.batch import PackedBatch
+from common.batch import Document, PackedBatch
 from common.config import ConfigError, RunConfig, load_config, save_config
 from producer.data import build_data_source
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
@@ -512,8 +513,9 @@ def test_evaluation_of_prompts_together_reports_what_one_at_a_time_reports(targe
 
 
 def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model, target_dir):
-    """Real decoding of a held-out prompt stops at eval.max_new_tokens; the simulation scores the same span of each
-    document (its prompt and max_new_tokens tokens, the first of them no label), not the rest of a longer answer."""
+    """Real decoding of a held-out prompt stops at eval.max_new_tokens; the simulation scores blocks at the anchors
+    of the same span of each document (from the prefill's token to the one before the max_new_tokens-th), not at
+    the rest of a longer answer."""
     from common.drafter.evaluate import decoded_span, document_features, simulated_acceptance
 
     cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4",
@@ -521,17 +523,37 @@ def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model,
     evaluator = build_evaluator(cfg, target_model, LAYER_IDS)
     drafter = strong_drafter(target_model)
     report = evaluator.evaluate(drafter)
-    spans = [decoded_span(d, 0, 8) for d in evaluator.documents]
-    assert all(len(s) == prompt_of(d, 0).numel() + 8 < len(d) for s, d in zip(spans, evaluator.documents))
-    # The answer's first token comes from the prefill, never from a block: it is no label, so no block ends the prompt.
+    spans, anchors = zip(*(decoded_span(d, 0, 8, BLOCK) for d in evaluator.documents))
     starts = [prompt_of(d, 0).numel() for d in evaluator.documents]
+    assert all(len(s) == n + 8 + BLOCK - 2 < len(d) for s, n, d in zip(spans, starts, evaluator.documents))
+    assert all(a.tolist() == list(range(n, n + 7)) for a, n in zip(anchors, starts))
+    # The answer's first token comes from the prefill, never from a block: it is no label, so no block ends the prompt.
     assert all(s.loss_mask[:n + 1].sum() == 0 and s.loss_mask[n + 1:].all() for s, n in zip(spans, starts))
     with torch.no_grad():
         whole_features = [document_features(evaluator.target, d) for d in evaluator.documents]
-        on_spans, _ = simulated_acceptance(drafter, spans, whole_features, cfg.drafter.num_anchors)
+        on_spans, _ = simulated_acceptance(drafter, spans, whole_features, cfg.drafter.num_anchors, anchors=anchors)
         on_documents, _ = simulated_acceptance(drafter, evaluator.documents, whole_features, cfg.drafter.num_anchors)
     assert report.sim_tau == pytest.approx(on_spans)
     assert on_spans != pytest.approx(on_documents)
+
+
+def test_the_last_blocks_of_the_decoded_span_are_scored_whole():
+    """The decoding's last block counts its acceptance whole, past eval.max_new_tokens; so does the simulation's:
+    a block anchored near the span's end keeps every label the document has (cutting them capped its streak, and
+    a perfect drafter scored 14.3 of 16)."""
+    from common.drafter.evaluate import decoded_span
+
+    block, max_new = 4, 8
+    document = Document(0, np.arange(105, dtype=np.int32), np.r_[np.zeros(5), np.ones(100)].astype(np.uint8))
+    span, anchors = decoded_span(document, 0, max_new, block)
+    assert anchors.tolist() == list(range(5, 5 + max_new - 1))
+    batch = PackedBatch(input_ids=torch.as_tensor(span.input_ids), loss_mask=torch.as_tensor(span.loss_mask),
+                        cu_seqlens=torch.tensor([0, len(span)], dtype=torch.int32), sample_ids=torch.tensor([0]))
+    blocks = build_blocks(batch, 0, block, 99, None, anchors)
+    assert blocks.label_mask.all(), "every block of the span supervised in all its slots"
+    short = Document(0, document.input_ids[:12], document.loss_mask[:12])  # an answer shorter than the blocks read
+    span, anchors = decoded_span(short, 0, max_new, block)
+    assert len(span) == 12 and anchors.tolist() == list(range(5, 11))
 
 
 def test_the_simulated_tau_counts_each_blocks_own_streak():

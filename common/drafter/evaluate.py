@@ -50,7 +50,7 @@ from torch import nn
 
 from common.batch import Document, PackedBatch
 from common.config import EvalConfig
-from common.drafter.blocks import DraftBlocks, build_blocks
+from common.drafter.blocks import DraftBlocks, build_blocks, valid_anchor_mask
 from common.drafter.loss import LossConfig, draft_loss
 from common.drafter.masks import build_masks, in_block_mask
 from common.drafter.model import DFlashDrafter
@@ -540,19 +540,29 @@ def greedy_decode(target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: in
 
 @torch.no_grad()
 def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], features: Iterable[DocumentFeatures],
-                         num_anchors: int, seed: int = 0) -> tuple[float, list[float]]:
+                         num_anchors: int, seed: int = 0,
+                         anchors: Sequence[torch.Tensor] | None = None) -> tuple[float, list[float]]:
     """The training metric on ``documents`` with their target ``features`` (taken one document at a time, so they
     may be made as they are needed, and may be those of a longer text that begins with the document): (tau, acc_k)
-    of teacher-forced blocks at up to ``num_anchors`` anchors per document, labelled as ``drafter.loss_config``
-    says. Dense masks; tau pools the blocks of every document, as real tau pools verify forwards."""
+    of teacher-forced blocks at up to ``num_anchors`` anchors per document, sampled as in training or drawn from
+    each document's given sorted ``anchors``, labelled as ``drafter.loss_config`` says. Dense masks; tau pools the
+    blocks of every document, as real tau pools verify forwards."""
     config = drafter.config
     device = drafter.fc.weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     streaks = blocks_seen = 0.0
     correct = torch.zeros(config.block_size - 1, device=device)
     supervised = torch.zeros(config.block_size - 1, device=device)
-    for document, kept in zip(documents, features):
-        blocks, metrics = teacher_forced(drafter, drafter.loss_config, document, kept, num_anchors, generator)
+    for i, (document, kept) in enumerate(zip(documents, features)):
+        chosen = None
+        if anchors is not None:
+            chosen = anchors[i].to(device)
+            if not chosen.numel():
+                continue
+            if chosen.numel() > num_anchors:
+                keep = torch.randperm(chosen.numel(), generator=generator, device=device)[:num_anchors]
+                chosen = chosen[keep.sort().values]
+        blocks, metrics = teacher_forced(drafter, drafter.loss_config, document, kept, num_anchors, generator, chosen)
         streaks += float((metrics["tau"] - 1) * metrics["num_blocks"])
         blocks_seen += float(metrics["num_blocks"])
         per_slot = blocks.label_mask.float().sum(0)
@@ -670,15 +680,24 @@ class AcceptanceReport:
         return "\n".join(lines)
 
 
-def decoded_span(document: Document, prompt_len: int, max_new_tokens: int) -> Document:
-    """The document's prompt and the ``max_new_tokens`` tokens after it: the part real decoding of that prompt
-    produces, and so the part its simulated acceptance is scored on (a longer answer's later tokens would
-    weigh in the simulation and never in the decoding). The answer's first token is no label: decoding takes
-    it from the prefill, never from a block."""
+def decoded_span(document: Document, prompt_len: int, max_new_tokens: int,
+                 block_size: int) -> tuple[Document, torch.Tensor]:
+    """The part of the document that real decoding of its prompt produces, and the anchors decoding can start blocks
+    at in it, for its simulated acceptance: (the document as far as those blocks read, the sorted anchors).
+
+    The anchors run from the answer's first token (the prefill's) to the one before its ``max_new_tokens``-th: a
+    longer answer's later anchors would weigh in the simulation and never in the decoding. Each block reads its
+    labels on past that cut, as the decoding's last block does (its acceptance counts whole), so a block near the
+    end is not cut short. The answer's first token is no label: decoding takes it from the prefill, never from a
+    block."""
     start = prompt_of(document, prompt_len).numel()
-    loss_mask = document.loss_mask[:start + max_new_tokens].copy()
+    end = min(len(document), start + max_new_tokens + block_size - 2)
+    loss_mask = document.loss_mask[:end].copy()
     loss_mask[:start + 1] = 0
-    return Document(document.sample_id, document.input_ids[:start + max_new_tokens], loss_mask)
+    span = Document(document.sample_id, document.input_ids[:end], loss_mask)
+    mask = torch.as_tensor(loss_mask)
+    candidates = valid_anchor_mask(mask, torch.zeros_like(mask, dtype=torch.int32)).nonzero()[:, 0]
+    return span, candidates[candidates <= start + max_new_tokens - 2]
 
 
 def greedy_text(transcript: Transcript, sample_id: int) -> Document:
@@ -769,8 +788,9 @@ class Evaluator:
                 # document's features are on the device at a time.
                 features = (kept if kept is not None else document_features(self.target, document)
                             for document, kept in zip(self.documents, reference.documents))
-                spans = [decoded_span(d, self.config.prompt_len, self.config.max_new_tokens) for d in self.documents]
-                sim_tau, sim_acc = simulated_acceptance(drafter, spans, features, self.num_anchors)
+                spans, anchors = zip(*(decoded_span(d, self.config.prompt_len, self.config.max_new_tokens,
+                                                    drafter.config.block_size) for d in self.documents))
+                sim_tau, sim_acc = simulated_acceptance(drafter, spans, features, self.num_anchors, anchors=anchors)
                 sim_tau_greedy, sim_tau_walk = self.on_greedy_text(drafter, reference.transcripts, decoded)
         finally:
             drafter.train(was_training)
