@@ -328,3 +328,20 @@ def test_muon_on_cuda_follows_the_cpu_steps():
         cuda_opt.step()
     for (name, p), (_, q) in zip(cpu_model.named_parameters(), cuda_model.named_parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=2e-3, rtol=2e-2, msg=name)
+
+
+def test_the_adamw_groups_of_muon_step_as_torchs_adamw_with_weight_decay():
+    """The AdamW half of MuonAdamW is torch's AdamW step (decoupled weight decay), through the functional form
+    every torch this project allows has."""
+    torch.manual_seed(0)
+    ours, theirs = nn.Parameter(torch.randn(7)), nn.Parameter(torch.zeros(7))
+    theirs.data.copy_(ours.data)
+    mixed = MuonAdamW([{"params": [ours], RULE_KEY: "adamw"}], lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW([theirs], lr=1e-2, weight_decay=0.1, betas=mixed.param_groups[0]["betas"],
+                              eps=mixed.param_groups[0]["eps"])
+    for _ in range(5):
+        grad = torch.randn(7)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        mixed.step()
+        plain.step()
+    assert torch.equal(ours, theirs)

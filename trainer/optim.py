@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.adam import adam as adam_functional
+from torch.optim.adamw import adamw as adamw_functional  # in every torch this project allows (>= 2.6)
 
 from trainer.sharding import is_sharded
 
@@ -221,7 +221,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        adam_functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
-                        fused=group["fused"], has_complex=any(torch.is_complex(p) for p in params),
-                        decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw_functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
+                         fused=group["fused"], has_complex=any(torch.is_complex(p) for p in params),
+                         amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
