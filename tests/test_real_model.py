@@ -178,3 +178,35 @@ def test_the_real_models_packed_capture_equals_each_documents_own_forward():
         for slot, layer in enumerate(layer_ids):
             got = features.aux_hidden[start:start + len(ids), slot * hidden:(slot + 1) * hidden]
             torch.testing.assert_close(got, states[layer + 1][0], atol=2e-4, rtol=2e-4)
+
+
+def test_the_real_models_windows_of_chat_records_tokenize_as_one_record_at_a_time(tmp_path):
+    """The producer tokenizes each window of chat records in one call (every core); with SmolLM2's own BPE and
+    ChatML template the documents and their masks are those of one record at a time, over two epochs of a batch
+    plan (the second served from the kept documents)."""
+    from transformers import AutoTokenizer
+
+    from common.config import BatchingConfig, DataConfig
+    from producer.batching import BatchCursor, BatchPlan
+    from producer.data import build_data_source
+    from producer.order import OrderConfig, ShardOrder
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+    path = write_chat(tmp_path / "chat.jsonl", 40, broken_lines=(7,))
+    plans = {}
+    for name, cache_mb in (("windows", 64), ("alone", 0)):
+        source = build_data_source(DataConfig(format="chat", paths=[str(path)], cache_mb=cache_mb), tokenizer=tokenizer)
+        if name == "alone":
+            source.prefetch = lambda sample_ids: None
+        plans[name] = BatchPlan(source, ShardOrder(len(source), OrderConfig(seed=0)),
+                                BatchingConfig(token_budget=4096, window_docs=16))
+    for epoch in range(2):
+        for window in range(plans["alone"].num_windows()):
+            batches = {name: plan.window_batches(epoch, window) for name, plan in plans.items()}
+            assert batches["windows"] == batches["alone"]
+            for index, ids in enumerate(batches["alone"]):
+                cursor = BatchCursor(epoch, window, index)
+                a, b = (plans[name].materialize(cursor, ids) for name in ("windows", "alone"))
+                assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+    assert plans["windows"].source.stats.bad == {"invalid_json": 1}
+    assert plans["windows"].source.cache.hits > 0
