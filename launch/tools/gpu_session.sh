@@ -76,6 +76,8 @@ for step in $steps; do
     generate)  # issue 33: batched generation (static cache, CUDA graphs, refill) against plain generate, and its GPU test
           run generate_tests 300 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_generate.py
           run generate_smollm2 300 $PY -m launch.bench.generate --model smollm2 ${GGUF:+--path "$GGUF"} --rows 256 --prompts 1024 --json "$OUT/generate_smollm2.json"
+          # more rows per decode step for the synthesis preset (synthesize.rows): a 135M model's step is launch-bound
+          run generate_smollm2_1024 300 $PY -m launch.bench.generate --model smollm2 ${GGUF:+--path "$GGUF"} --rows 1024 --prompts 2048 --json "$OUT/generate_smollm2_1024.json"
           run generate_qwen3_8b 400 $PY -m launch.bench.generate --model qwen3-8b --rows 128 --prompts 256 --json "$OUT/generate_qwen3_8b.json" ;;
     data)  # the producer's host data path on the GPU host's cores (needs GGUF=SmolLM2's file, for its tokenizer)
           run data 200 $PY -m launch.bench.data --gguf "$GGUF" --records 8000 --epochs 3 ;;
