@@ -79,6 +79,10 @@ class DataStats:
         }
 
 
+MISSING = object()
+"""What ``DocumentCache.lookup`` returns for a document it does not keep (None is a kept bad record)."""
+
+
 class DocumentCache:
     """Documents already made (bad records as None), kept for later epochs and replays up to a byte budget.
 
@@ -88,7 +92,6 @@ class DocumentCache:
     producer's one thread, more than a small target's forward of it.
     """
 
-    _MISSING = object()
     _BYTES_PER_DOCUMENT = 200
     """Python's overhead of one kept document (the object, its two arrays, the dict entry), roughly."""
 
@@ -103,9 +106,9 @@ class DocumentCache:
         return sample_id in self._documents
 
     def lookup(self, sample_id: int) -> Document | None | object:
-        """The kept document (None for a kept bad record), or ``DocumentCache._MISSING``."""
-        found = self._documents.get(sample_id, self._MISSING)
-        if found is self._MISSING:
+        """The kept document (None for a kept bad record), or ``MISSING``."""
+        found = self._documents.get(sample_id, MISSING)
+        if found is MISSING:
             self.misses += 1
         else:
             self.hits += 1
@@ -153,7 +156,7 @@ class DataSource(ABC):
         if not 0 <= sample_id < len(self):
             raise IndexError(f"sample id {sample_id} out of range [0, {len(self)})")
         kept = self.cache.lookup(sample_id)
-        if kept is not DocumentCache._MISSING:
+        if kept is not MISSING:
             return kept
         if self._seen is None:
             self._seen = np.zeros(len(self), dtype=bool)
@@ -551,7 +554,6 @@ class ChatJsonlSource(JsonlSource):
             raise ValueError("chat data needs a fast tokenizer (character offsets locate the assistant turns)")
         super().__init__(config, paths)
         self.tokenizer = tokenizer
-
         self._rendered: dict[int, tuple[np.ndarray, np.ndarray] | BadRecord] = {}
         """The window announced last (``prefetch``), rendered and tokenized together, until ``_read`` takes it."""
 
