@@ -85,9 +85,11 @@ def evaluate(checkpoint: Path, run_dir: Path, log: Path, *overrides: str) -> dic
 def synthesize(args: argparse.Namespace, common: list[str], result: dict, synth: Path, humaneval: Path) -> None:
     """Step 1: the target writes ``--magpie`` prompts and answers them; HumanEval's prompts are answered the same way."""
     out = args.out.resolve()
+    rows = [f"synthesize.rows={args.rows}"] if args.rows else []
+    result["synthesize_rows"] = args.rows
     result["synthesize_s"] = timed([RUN_ALL, "synthesize", "--run-dir", str(synth), "--config", str(PRESET), *common,
                                     f"synthesize.num_magpie={args.magpie}",
-                                    f"synthesize.max_new_tokens={args.max_new_tokens}"], out / "synthesize.log")
+                                    f"synthesize.max_new_tokens={args.max_new_tokens}", *rows], out / "synthesize.log")
     status = [json.loads(p.read_text()) for p in sorted((synth / "synthesized").glob("status-p*.json"))]
     result["synthesize_tokens_per_s"] = sum(s["tokens_per_s"] for s in status)
     result["synthesized_answers"] = sum(s["written"] for s in status)
@@ -95,7 +97,7 @@ def synthesize(args: argparse.Namespace, common: list[str], result: dict, synth:
         result["humaneval_synthesize_s"] = timed(
             [RUN_ALL, "synthesize", "--run-dir", str(humaneval), "--config", str(PRESET), *common,
              'synthesize.prompts="data"', f"data.paths={json.dumps([str(humaneval_prompts(out / 'humaneval-prompts.jsonl'))])}",
-             f"synthesize.max_new_tokens={16 if args.smoke else 256}"], out / "humaneval-synthesize.log")
+             f"synthesize.max_new_tokens={16 if args.smoke else 256}", *rows], out / "humaneval-synthesize.log")
 
 
 SIZES = {"magpie": 24576, "max_new_tokens": 384, "steps": 3000, "eval_every": 500, "held_out": 128}
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, help="longest synthesized answer (384; --smoke 32)")
     parser.add_argument("--steps", type=int, help="training steps (3000; --smoke 20)")
     parser.add_argument("--eval-every", type=int, help="steps between evaluations during training (500; --smoke 10)")
+    parser.add_argument("--rows", type=int, help="rows the synthesis decodes at once (synthesize.rows; the preset's "
+                        "when left out; --smoke 8)")
     parser.add_argument("--held-out", type=int, help="synthesized records held out for evaluation (128; --smoke 4)")
     parser.add_argument("--smoke", action="store_true", help="a few prompts and steps on the CPU: the pipeline only")
     parser.add_argument("--name", default="train", help="the training run's folder in --out: a second recipe on the "
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
            f"eval.every_steps={0 if args.throughput_only else args.eval_every}", f"eval.num_prompts={args.held_out}",
            f"logging.log_every={math.gcd(50, args.eval_every)}", *args.overrides], out / f"{args.name}.log")
     result["train_s"] = time.monotonic() - started
-    result["trained_samples"] = ledger_samples(train)
+    result["trained_samples"], result["steps"] = ledger_samples(train), ledger_steps(train)  # a recipe may set its own
     result["curve"] = learning_curve(train)
     save()
     if args.online_steps:
@@ -230,6 +234,11 @@ def online_throughput(run_dir: Path, common: list[str], data_paths: str, steps: 
 def ledger_samples(run_dir: Path) -> int:
     """Samples a run trained, from its ledger."""
     return sum(len(json.loads(line)["samples"]) for line in (run_dir / "ledger.jsonl").read_text().splitlines())
+
+
+def ledger_steps(run_dir: Path) -> int:
+    """The last step a run trained, from its ledger."""
+    return max(json.loads(line)["step"] for line in (run_dir / "ledger.jsonl").read_text().splitlines())
 
 
 def _gpu_name() -> str:

@@ -39,6 +39,7 @@ RECIPES: dict[str, list[str]] = {
     "layers8": ["drafter.num_layers=8"],
     "lr_half": ["training.lr=3e-4"],
     "lr_double": ["training.lr=1.2e-3"],
+    "big": ["batching.token_budget=65536", "drafter.num_anchors=2048", "training.lr=1.2e-3"],
 }
 """Each option alone, as config overrides on the project's defaults for the target (launch/smollm2-135m.toml; the
 defaults are D-PACE and Muon). former: the defaults before them (decay weighting, AdamW); the options alone were
@@ -47,19 +48,24 @@ lk_soft: the LK loss needs soft labels to differ from the CE (with the data's to
 it trains on the target's distribution. dense: 4,096 anchors per 16,384-token batch (1 per 4 tokens, the published recipe's density on samples shorter
 than its 3,072 tokens) against the preset's 512 (1 per 32).
 layers3, layers8, lr_half, lr_double: the preset's size and step for this target (5 drafter layers, lr 6e-4) against
-smaller and larger; epochs are set by ``--steps`` against ``--magpie``, the same for every recipe of one call."""
+smaller and larger; epochs are set by ``--steps`` against ``--magpie``, the same for every recipe of one call unless
+a recipe names its own steps (``name:STEPS``).
+big: four times the tokens per step (65,536) at the preset's anchor density (2,048 anchors) and twice the lr: a
+135M target's producer and drafter steps are bound by per-step overhead, not by the GPU, so a larger step costs
+little more time and trains on four times the data."""
 
 
 def overrides_of(spec: str) -> tuple[str, list[str]]:
-    """``name[+name...][@seed]`` -> (run name, its config overrides). Exit 2 naming an unknown recipe."""
+    """``name[+name...][:steps][@seed]`` -> (run name, its config overrides). Exit 2 naming an unknown recipe."""
     names, _, seed = spec.partition("@")
-    overrides = []
+    names, _, steps = names.partition(":")
+    overrides = [f"training.max_steps={int(steps)}"] if steps else []
     for name in names.split("+"):
         if name not in RECIPES:
             sys.exit(f"unknown recipe {name!r} in {spec!r}; known: {', '.join(RECIPES)}")
         overrides += RECIPES[name]
     seed = seed or "0"
-    return f"{names}-s{seed}", [*overrides, f"training.seed={int(seed)}"]
+    return f"{names}{f'-{int(steps)}steps' if steps else ''}-s{seed}", [*overrides, f"training.seed={int(seed)}"]
 
 
 def table(out: Path) -> list[dict]:
@@ -80,11 +86,12 @@ def table(out: Path) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     baseline = next((row["tau_held_out"] for row in rows if row["recipe"] == "former-s0"), None)
     print(f"{'recipe':28} {'tau held-out':>12} {'vs former':>10} {'tau HumanEval':>13} {'sim tau':>8} "
-          f"{'samples/s':>9} {'train min':>9}")
+          f"{'steps':>6} {'samples':>8} {'samples/s':>9} {'train min':>9}")
     for row in rows:
         gain = f"{row['tau_held_out'] / baseline - 1:+.1%}" if baseline else "-"
         print(f"{row['recipe']:28} {row['tau_held_out']:12.3f} {gain:>10} {row['tau_humaneval']:13.3f} "
-              f"{row['sim_tau_held_out']:8.3f} {row['samples_per_s']:9.1f} {row['train_s'] / 60:9.1f}")
+              f"{row['sim_tau_held_out']:8.3f} {row['steps']:6d} {row['samples']:8d} {row['samples_per_s']:9.1f} "
+              f"{row['train_s'] / 60:9.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=0, help="evaluations during training (0: at the end only)")
     parser.add_argument("--smoke", action="store_true", help="on the CPU, a few prompts and steps: the pipeline only")
     parser.add_argument("--table", action="store_true", help="print the table of the runs in --out and stop")
-    parser.add_argument("recipes", nargs="*", metavar="RECIPE", help="name[+name...][@seed], e.g. dense+wsd@1")
+    parser.add_argument("--rows", type=int, help="rows the synthesis decodes at once (synthesize.rows; the preset's "
+                        "when left out)")
+    parser.add_argument("recipes", nargs="*", metavar="RECIPE", help="name[+name...][:steps][@seed], e.g. dense+wsd@1, "
+                        "big:800")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     if not args.table:
@@ -116,7 +126,7 @@ def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, list
     out.mkdir(parents=True, exist_ok=True)
     quality = [sys.executable, "-m", "launch.bench.quality", "--gguf", str(args.gguf.resolve()), "--out", str(out),
                "--magpie", str(args.magpie), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-               *(["--smoke"] if args.smoke else [])]
+               *(["--rows", str(args.rows)] if args.rows else []), *(["--smoke"] if args.smoke else [])]
     if not (out / "quality-data.json").exists():
         started = time.monotonic()
         subprocess.run([*quality, "--synthesize-only"], check=True, stdout=subprocess.DEVNULL)
