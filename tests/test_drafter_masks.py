@@ -191,6 +191,74 @@ def test_padding_document_changes_no_real_block():
     torch.testing.assert_close(padded_loss, loss)
 
 
+def tiles_of(dense: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense mask pooled to tiles: (some pair visible, every pair visible), padding counted as visible."""
+    q_len, kv_len = dense.shape
+    padded = F.pad(dense, (0, -kv_len % tile, 0, -q_len % tile), value=True)
+    some = F.pad(dense, (0, -kv_len % tile, 0, -q_len % tile), value=False)
+    pooled = lambda m: m.view(m.shape[0] // tile, tile, m.shape[1] // tile, tile)
+    return pooled(some).any(3).any(1), pooled(padded).all(3).all(1)
+
+
+@pytest.mark.parametrize("block_size", [4, 10, 16])
+@pytest.mark.parametrize("tile", [16, 32, 128])
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_flex_tiles_cover_every_visible_pair_and_skip_the_mask_only_where_all_are(block_size, tile, window,
+                                                                                      causal, seed):
+    """The tiles the block mask lists are what the GPU kernel computes (a CPU flex forward evaluates every pair, so
+    the forward test above cannot see them): every tile holding a visible pair must be listed, a tile listed as
+    full must be visible throughout, and none may be both. One document without a window lists no tile too many
+    (unless a causal block straddles two query tiles: its later slots' keys count as seen by the first tile)."""
+    from common.drafter.masks import context_bounds, tile_layout
+
+    config = tiny_config(block_size=block_size)
+    lengths = [int(x) for x in torch.randint(1, 400, (6,), generator=generator(seed))]
+    for batch in (random_batch(lengths, config, seed=seed, supervised_fraction=0.7),
+                  random_batch([700], config, seed=seed, supervised_fraction=0.9)):
+        blocks = build_blocks(batch, 60, block_size, config.mask_token_id, generator(seed))
+        dense = dense_reference_mask(blocks, window, causal)
+        lo, hi = context_bounds(blocks, window)
+        partial, full = tile_layout(lo, hi, blocks.num_context, dense.shape[0], block_size, tile)
+        some, every = tiles_of(dense, tile)
+        assert not (partial & full).any()
+        assert not (some & ~(partial | full)).any(), "a tile with visible pairs is missing"
+        assert not (full & ~every).any(), "a tile marked full hides pairs that are not visible"
+        if len(batch.sample_ids) == 1 and window is None and (tile % block_size == 0 or not causal):
+            assert torch.equal(partial | full, some)
+        block_mask = flex_block_mask(blocks, window, causal, tile=tile)
+        assert torch.equal(block_mask.to_dense()[0, 0].bool(), partial | full)
+
+
+def test_a_block_mask_of_4096_anchors_costs_megabytes_not_the_query_key_pairs():
+    """4,096 anchors of 16 slots over 16,384 tokens are 65,536 queries by 81,920 keys: evaluating the mask at every
+    pair to find the tiles (what flex attention's create_block_mask does) took 40 GiB on the GPU and stopped a run
+    for lack of memory. The tiles come from the blocks now; in a process of its own, the resident memory that
+    building the mask adds is measured."""
+    import subprocess
+    import sys
+
+    code = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a regression fails here, not by the machine's OOM killer
+import torch
+from tests.drafter_fixtures import random_batch, tiny_config
+from common.drafter.blocks import build_blocks
+from common.drafter.masks import flex_block_mask
+config = tiny_config(block_size=16)
+batch = random_batch([1024] * 16, config, seed=0, supervised_fraction=1.0)
+blocks = build_blocks(batch, 4096, 16, config.mask_token_id, torch.Generator().manual_seed(0))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+mask = flex_block_mask(blocks)
+print(mask.shape[-2:], (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shape, added_mb = done.stdout.split(")")[-2] + ")", int(done.stdout.split()[-1])
+    assert "65536, 81920" in shape and added_mb < 256, done.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("causality", ["sliding_causal", "bidirectional", "causal"])

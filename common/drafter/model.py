@@ -188,12 +188,12 @@ class DFlashDrafter(nn.Module):
         """flex on CUDA; SDPA with dense masks on CPU (flex has no CPU backward)."""
         return self.attention_backend or ("flex" if device.type == "cuda" else "sdpa")
 
-    def prepare(self, batch: PackedBatch, num_anchors: int, generator: torch.Generator,
-                compile_mask: bool = False) -> tuple[DraftBlocks, dict[str, BlockMask | torch.Tensor]]:
+    def prepare(self, batch: PackedBatch, num_anchors: int,
+                generator: torch.Generator) -> tuple[DraftBlocks, dict[str, BlockMask | torch.Tensor]]:
         """Anchors, blocks and per-layer-type masks of a batch; no host sync, can run ahead of the step."""
         blocks = build_blocks(batch, num_anchors, self.config.block_size, self.config.mask_token_id, generator)
         dense = self.backend_for(batch.input_ids.device) == "sdpa"
-        return blocks, build_masks(blocks, self.config, dense, compile_mask)
+        return blocks, build_masks(blocks, self.config, dense)
 
     def fuse_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[T, n * H_target] target features -> [T, H] injected context."""

@@ -103,14 +103,14 @@ def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, d
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
     batch = random_batch(config, args.seq_len, args.num_docs, device)
     generator = torch.Generator(device=device).manual_seed(dist.get_rank() if ranks > 1 else 0)
-    prepared = drafter.prepare(batch, args.num_anchors, generator, args.compile_mask)
+    prepared = drafter.prepare(batch, args.num_anchors, generator)
 
     def step(prepared):
         with autocast:
             loss, metrics = model(batch, args.num_anchors, generator, 0.0, prepared)
         loss.backward()
         # Next step's anchors and masks are queued while the GPU still runs this backward.
-        next_prepared = drafter.prepare(batch, args.num_anchors, generator, args.compile_mask)
+        next_prepared = drafter.prepare(batch, args.num_anchors, generator)
         full_tensor(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0))  # as the trainer does
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -158,7 +158,6 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-docs", type=int, default=4, help="documents packed in the sequence")
     parser.add_argument("--chunk-rows", type=int, default=2048, help="head/loss rows per chunk")
-    parser.add_argument("--compile-mask", action="store_true", help="compile create_block_mask")
     parser.add_argument("--master-fp32", action="store_true",
                         help="fp32 parameters and optimizer under bf16 autocast (what trainer.train does)")
     parser.add_argument("--matmul-size", type=int, default=None, help="size of the reference matmul (8192)")
