@@ -94,6 +94,8 @@ def tile_layout(lo: torch.Tensor, hi: torch.Tensor, num_context: int, q_len: int
     context_some = ((start < num_context)[None] & (start[None] < some_hi[:, None])
                     & (end.clamp(max=num_context)[None] > some_lo[:, None]))
     context_all = (end <= num_context)[None] & (all_lo[:, None] <= start[None]) & (end[None] <= all_hi[:, None])
+    if pad:  # a last query tile cut short by q_len stays partial, as flex attention's own masks keep it
+        context_all[-1] = False
     # Block keys: the queries of a tile see the keys of their own blocks, which lie at the same offsets past the
     # context (a block may straddle two query tiles when ``tile`` is no multiple of B).
     q_start = torch.arange(q_tiles, device=device) * tile
