@@ -46,19 +46,22 @@ def test_every_recipe_of_the_recipe_table_is_a_valid_config_on_the_preset():
         cfg = load_config("launch/smollm2-135m.toml", overrides)
         assert cfg.training.seed == 1
     assert load_config("launch/smollm2-135m.toml", overrides_of("layers3")[1]).drafter.num_layers == 3
-    assert load_config("launch/smollm2-135m.toml", overrides_of("lr_double")[1]).training.lr == 1.2e-3
+    assert load_config("launch/smollm2-135m.toml", overrides_of("lr_double")[1]).training.lr == 2.4e-3
+    former_step = load_config("launch/smollm2-135m.toml", overrides_of("step16k+layers5")[1])
+    assert (former_step.batching.token_budget, former_step.drafter.num_anchors, former_step.drafter.num_layers,
+            former_step.training.lr) == (16384, 512, 5, 6e-4)
 
 
 def test_a_recipe_may_name_its_own_steps_over_the_common_ones():
-    """``big:800`` trains 800 steps where the call's --steps says 2,000: the quality run puts the recipe's overrides
-    after its own training.max_steps, and the later setting wins."""
+    """``step16k:2000`` trains 2,000 steps where the call's --steps says 800: the quality run puts the recipe's
+    overrides after its own training.max_steps, and the later setting wins."""
     from launch.bench.recipes import overrides_of
 
-    name, overrides = overrides_of("big:800@1")
-    assert name == "big-800steps-s1"
-    cfg = load_config("launch/smollm2-135m.toml", ["training.max_steps=2000", *overrides])
-    assert (cfg.training.max_steps, cfg.batching.token_budget, cfg.drafter.num_anchors) == (800, 65536, 2048)
-    assert overrides_of("big@1")[0] == "big-s1"
+    name, overrides = overrides_of("step16k:2000@1")
+    assert name == "step16k-2000steps-s1"
+    cfg = load_config("launch/smollm2-135m.toml", ["training.max_steps=800", *overrides])
+    assert (cfg.training.max_steps, cfg.batching.token_budget, cfg.drafter.num_anchors) == (2000, 16384, 512)
+    assert overrides_of("step16k@1")[0] == "step16k-s1"
 
 
 def test_an_unknown_recipe_stops_naming_it():

