@@ -50,9 +50,8 @@ lk_soft: the LK loss needs soft labels to differ from the CE (with the data's to
 it trains on the target's distribution. dense: 16,384 anchors per 65,536-token batch (1 per 4 tokens, the
 published recipe's density on samples shorter than its 3,072 tokens) against the preset's 2,048 (1 per 32).
 layers3, layers5, layers12, lr_half, lr_double: the preset's size and step against smaller and larger.
-step16k: the preset's former step, a quarter of the tokens and anchors at half the lr: a 135M target's producer and
-drafter steps are bound by per-step overhead, not by the GPU, so the larger step costs little more time and trains
-on four times the data. Epochs are set by ``--steps`` against ``--magpie``, the same for every recipe of one call
+step16k: the preset's former step, a quarter of the tokens and anchors at half the lr (a 135M target's steps are
+short: the larger one trains more tokens per second, BENCHMARKS.md#quality). Epochs are set by ``--steps`` against ``--magpie``, the same for every recipe of one call
 unless a recipe names its own steps (``name:STEPS``)."""
 
 
