@@ -53,7 +53,16 @@ def qwen36_27b_draft(block_size: int) -> DraftConfig:
     return DraftConfig.from_target(Qwen3_5TextConfig(**fields), mask_token_id=248070, block_size=block_size)
 
 
-DRAFTS = {"qwen3-8b": qwen3_8b_draft, "qwen3.6-27b": qwen36_27b_draft}
+def smollm2_draft(block_size: int) -> DraftConfig:
+    """The SmolLM2-135M preset's draft (8 layers over the 30-layer target, launch/smollm2-135m.toml)."""
+    from transformers import LlamaConfig
+
+    target = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True)
+    return DraftConfig.from_target(target, num_draft_layers=8, mask_token_id=16, block_size=block_size)
+
+
+DRAFTS = {"qwen3-8b": qwen3_8b_draft, "qwen3.6-27b": qwen36_27b_draft, "smollm2-135m": smollm2_draft}
 
 
 def tiny_draft(block_size: int) -> DraftConfig:

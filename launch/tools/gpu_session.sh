@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the project in one go, on a GPU machine that starts bare and
 # keeps nothing from one run to the next. Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp|generate|data|quality|collect_quality|recipes|collect_recipes ...]   (default: tests ring producer step restart)
+#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp|generate|data|masks|quality|collect_quality|recipes|collect_recipes ...]   (default: tests ring producer step restart)
 # The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
 # the background with setsid (it writes its JSON after every run) and collect the results later.
 # A bare image may lack some packages: install them from wheels carried in .whl first, e.g.
@@ -79,6 +79,11 @@ for step in $steps; do
           # more rows per decode step for the synthesis preset (synthesize.rows): a 135M model's step is launch-bound
           run generate_smollm2_1024 300 $PY -m launch.bench.generate --model smollm2 ${GGUF:+--path "$GGUF"} --rows 1024 --prompts 2048 --json "$OUT/generate_smollm2_1024.json"
           run generate_qwen3_8b 400 $PY -m launch.bench.generate --model qwen3-8b --rows 128 --prompts 256 --json "$OUT/generate_qwen3_8b.json" ;;
+    masks)  # the drafter's block mask built from its tiles (a80755e): the compiled flex forward against the dense one,
+            # the build against create_block_mask's pair-by-pair one, and a SmolLM2-sized draft step (65,536 tokens)
+          run masks_tests 300 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_drafter_masks.py
+          run masks 200 $PY -m launch.bench.masks --repeats 5
+          run step_smollm2 300 $PY -m launch.bench.step --draft smollm2-135m --seq-len 65536 --num-anchors 2048 --num-docs 160 --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
     data)  # the producer's host data path on the GPU host's cores (needs GGUF=SmolLM2's file, for its tokenizer)
           run data 200 $PY -m launch.bench.data --gguf "$GGUF" --records 8000 --epochs 3 ;;
     quality)  # issue 33: the real drafter (needs GGUF=SmolLM2's file); over one call's time: in the background, its
