@@ -5,8 +5,9 @@
 Each size is ANCHORSxTOKENS (blocks of 16 over one packed batch of 1,024-token documents). ``flex_block_mask``
 lists the tiles from the anchors' context ranges; the baseline hands the same mask function to
 ``create_block_mask``, which evaluates it at every query-key pair to find them. Prints the time and the peak
-memory of each (on a GPU) and one JSON line. A baseline that does not fit the device's memory is reported so; "tiles listed / needed" counts the tiles each lists
-(the first counts the gaps between two documents' context ranges as seen: a tile too many is slower, never wrong).
+memory of each (on a GPU) and one JSON line. A baseline that does not fit the device's memory is reported so.
+"tiles listed / needed" counts the tiles each lists (the first counts the gaps between two documents' context
+ranges as seen: a tile too many is slower, never wrong).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@
     python -m launch.bench.recipes --out DIR --table                                         # the table so far
 
 Each RECIPE is a name of ``RECIPES``, or names joined by ``+`` (their settings together), with ``:STEPS`` for its
-own training steps and ``@SEED`` for training.seed (0 when left out). The data is synthesized once (``launch.bench.quality --synthesize-only``: the
-target's own Magpie prompts and answers, HumanEval's prompts answered too); then every recipe is one
+own training steps and ``@SEED`` for training.seed (0 when left out). The data is synthesized once
+(``launch.bench.quality --synthesize-only``: the target's own Magpie prompts and answers, HumanEval's prompts
+answered too); then every recipe is one
 ``launch.bench.quality --reuse-data`` run: the same records in the same order for the same steps, then real tau
 on the held-out synthesized records and on HumanEval. The recipes train side by side on one GPU (one MPS
 daemon serves them all), so each one's samples/s is its rate while sharing the GPU with the others: an option
@@ -51,8 +52,8 @@ it trains on the target's distribution. dense: 16,384 anchors per 65,536-token b
 published recipe's density on samples shorter than its 3,072 tokens) against the preset's 2,048 (1 per 32).
 layers3, layers5, layers12, lr_half, lr_double: the preset's size and step against smaller and larger.
 step16k: the preset's former step, a quarter of the tokens and anchors at half the lr (a 135M target's steps are
-short: the larger one trains more tokens per second, BENCHMARKS.md#quality). Epochs are set by ``--steps`` against ``--magpie``, the same for every recipe of one call
-unless a recipe names its own steps (``name:STEPS``)."""
+short: the larger one trains more tokens per second, BENCHMARKS.md#quality). Epochs are set by ``--steps`` against
+``--magpie``, the same for every recipe of one call unless a recipe names its own steps (``name:STEPS``)."""
 
 
 def overrides_of(spec: str) -> tuple[str, list[str]]:
