@@ -321,9 +321,10 @@ def _per_document_sdpa(query, key, value, document_bounds, scaling, sliding_wind
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
-def document_causal_block_mask(document_ids: torch.Tensor, sliding_window: int | None = None):
-    """flex_attention BlockMask: causal inside each document (and within ``sliding_window`` if set)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def document_causal_block_mask(document_ids: torch.Tensor, sliding_window: int | None = None, tile: int = 128):
+    """flex_attention BlockMask: causal inside each document (and within ``sliding_window`` if set). Its tiles
+    come from the documents' bounds (``document_causal_tiles``), not from the mask at every pair of tokens."""
+    from common.drafter.masks import block_mask_of_tiles
 
     def same_document_causal(batch, head, q_index, kv_index):
         visible = (document_ids[q_index] == document_ids[kv_index]) & (q_index >= kv_index)
@@ -332,7 +333,27 @@ def document_causal_block_mask(document_ids: torch.Tensor, sliding_window: int |
         return visible
 
     total = document_ids.numel()
-    return create_block_mask(same_document_causal, None, None, total, total, device=document_ids.device)
+    partial, full = document_causal_tiles(document_ids, sliding_window, tile)
+    return block_mask_of_tiles(partial, full, tile, same_document_causal, (total, total))
+
+
+def document_causal_tiles(document_ids: torch.Tensor, sliding_window: int | None,
+                          tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[tiles, tiles]`` bool pair (partial, full) of the packed causal mask, from the sorted document ids: a
+    key tile before the query tile holds a visible pair exactly when its last token's document reaches the query
+    tile's first token (their closest pair), and is visible throughout when one document spans both tiles."""
+    total = document_ids.numel()
+    tiles = -(-total // tile)
+    start = torch.arange(tiles, device=document_ids.device) * tile
+    first, last = document_ids[start], document_ids[(start + tile - 1).clamp(max=total - 1)]
+    q, kv = start[:, None], start[None, :]
+    earlier = kv < q
+    some = (kv == q) | (earlier & (last[None, :] == first[:, None]))
+    full = earlier & (first[None, :] == last[:, None]) & (q + tile <= total)
+    if sliding_window is not None:
+        some &= (kv == q) | (q - (kv + tile - 1) < sliding_window)  # the closest pair of the two tiles
+        full &= q + tile - 1 - kv < sliding_window  # the farthest
+    return some & ~full, full
 
 
 _registered = False

@@ -176,6 +176,59 @@ def test_sliding_window_layers_are_honoured():
         torch.testing.assert_close(features.last_hidden[start:end], last, **TIGHT)
 
 
+@pytest.mark.parametrize("tile", [16, 128])
+@pytest.mark.parametrize("window", [None, 5, 40, 300])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_packed_causal_mask_lists_exactly_the_tiles_with_visible_pairs(tile, window, seed):
+    """The flex path's document-causal mask takes its tiles from the documents' bounds (a CPU flex forward
+    evaluates every pair, so only the tiles can tell): pooled from the dense mask, the listed tiles are exactly
+    those with a visible pair, and a full one is visible throughout."""
+    import torch.nn.functional as F
+
+    from common.batch import document_ids
+    from producer.target import document_causal_block_mask, document_causal_tiles
+
+    lengths = torch.randint(1, 300, (7,), generator=torch.Generator().manual_seed(seed))
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+    doc = document_ids(cu_seqlens)
+    position = torch.arange(doc.numel())
+    dense = (doc[:, None] == doc[None, :]) & (position[:, None] >= position[None, :])
+    if window is not None:
+        dense &= position[:, None] - position[None, :] < window
+    pad = -doc.numel() % tile
+    pooled = lambda m: m.view(m.shape[0] // tile, tile, m.shape[1] // tile, tile)
+    some = pooled(F.pad(dense, (0, pad, 0, pad), value=False)).any(3).any(1)
+    every = pooled(F.pad(dense, (0, pad, 0, pad), value=True)).all(3).all(1)
+    partial, full = document_causal_tiles(doc, window, tile)
+    assert torch.equal(partial | full, some) and not (partial & full).any()
+    assert not (full & ~every).any()
+    if window is None and tile == 16:
+        assert full.any()  # documents of up to 300 tokens span whole tiles: the full path is exercised
+    assert torch.equal(document_causal_block_mask(doc, window, tile).to_dense()[0, 0].bool(), some)
+
+
+def test_the_packed_causal_mask_of_65536_tokens_costs_megabytes():
+    """65,536 packed tokens are 4.3 G token pairs: finding the tiles by evaluating the mask at each (flex
+    attention's create_block_mask) needs tens of GiB. In a process of its own under an 8 GiB address-space limit,
+    the resident memory that building the mask adds is measured."""
+    import sys
+
+    code = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+import torch
+from common.batch import document_ids
+from producer.target import document_causal_block_mask
+doc = document_ids(torch.arange(0, 65537, 1024, dtype=torch.int32))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+mask = document_causal_block_mask(doc, 4096)
+print(tuple(mask.shape[-2:]), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("(65536, 65536)") and int(done.stdout.split()[-1]) < 256, done.stdout
+
+
 def test_random_target_is_deterministic_given_seed():
     first = load_target_model(TargetConfig(dtype="float32", device="cpu", seed=7))
     second = load_target_model(TargetConfig(dtype="float32", device="cpu", seed=7))

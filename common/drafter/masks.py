@@ -13,6 +13,8 @@ Visibility depends on the anchor position, never on the block index.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
@@ -70,8 +72,7 @@ def flex_block_mask(blocks: DraftBlocks, window: int | None = None, causal: bool
         return in_context | own_block
 
     partial, full = tile_layout(lo, hi, num_context, q_len, block_size, tile)
-    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
-                                    seq_lengths=(q_len, num_context + q_len))
+    return block_mask_of_tiles(partial, full, tile, mask_mod, (q_len, num_context + q_len))
 
 
 def tile_layout(lo: torch.Tensor, hi: torch.Tensor, num_context: int, q_len: int, block_size: int,
@@ -105,11 +106,18 @@ def tile_layout(lo: torch.Tensor, hi: torch.Tensor, num_context: int, q_len: int
     return (context_some | own) & ~context_all, context_all
 
 
-def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ``[query tiles, key tiles]`` bool as flex attention's (counts, indices), listed ones first, in key order."""
-    counts = tiles.sum(dim=-1, dtype=torch.int32)
-    indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return counts[None, None], indices[None, None]
+def block_mask_of_tiles(partial: torch.Tensor, full: torch.Tensor, tile: int, mask_mod: Callable,
+                        seq_lengths: tuple[int, int]) -> BlockMask:
+    """A flex-attention BlockMask from ``[query tiles, key tiles]`` bools: ``mask_mod`` is applied in the partial
+    tiles, the full ones are computed whole, the others skipped. Building it costs memory in tiles, where
+    ``create_block_mask`` evaluates ``mask_mod`` at every query-key pair to find them."""
+    def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # counts, and the listed tiles first
+        counts = tiles.sum(dim=-1, dtype=torch.int32)
+        indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts[None, None], indices[None, None]
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
+                                    seq_lengths=seq_lengths)
 
 
 def dense_reference_mask(blocks: DraftBlocks, window: int | None = None, causal: bool = False) -> torch.Tensor:
