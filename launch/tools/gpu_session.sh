@@ -79,9 +79,9 @@ for step in $steps; do
           # more rows per decode step for the synthesis preset (synthesize.rows): a 135M model's step is launch-bound
           run generate_smollm2_1024 300 $PY -m launch.bench.generate --model smollm2 ${GGUF:+--path "$GGUF"} --rows 1024 --prompts 2048 --json "$OUT/generate_smollm2_1024.json"
           run generate_qwen3_8b 400 $PY -m launch.bench.generate --model qwen3-8b --rows 128 --prompts 256 --json "$OUT/generate_qwen3_8b.json" ;;
-    masks)  # the drafter's block mask built from its tiles (a80755e): the compiled flex forward against the dense one,
+    masks)  # block masks built from their tiles (a80755e, 4dd5bb8): the compiled flex forwards against the dense ones,
             # the build against create_block_mask's pair-by-pair one, and a SmolLM2-sized draft step (65,536 tokens)
-          run masks_tests 300 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_drafter_masks.py
+          run masks_tests 420 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_drafter_masks.py tests/test_target.py
           run masks 200 $PY -m launch.bench.masks --repeats 5
           run step_smollm2 300 $PY -m launch.bench.step --draft smollm2-135m --seq-len 65536 --num-anchors 2048 --num-docs 160 --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
     data)  # the producer's host data path on the GPU host's cores (needs GGUF=SmolLM2's file, for its tokenizer)
