@@ -71,3 +71,13 @@ def target_features(target, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
     finally:
         hook.remove()
     return torch.cat(aux), torch.cat([c.reshape(-1, c.shape[-1]) for c in captured])
+
+
+def listed_tiles(block_mask, name: str) -> torch.Tensor:
+    """One of a BlockMask's four tile lists (kv, full_kv: per query tile; q, full_q: per key tile, what the
+    backward reads) as a bool matrix."""
+    counts, indices = getattr(block_mask, f"{name}_num_blocks")[0, 0], getattr(block_mask, f"{name}_indices")[0, 0]
+    tiles = torch.zeros(indices.shape, dtype=torch.bool)
+    for row, count in enumerate(counts.tolist()):
+        tiles[row, indices[row, :count].long()] = True
+    return tiles

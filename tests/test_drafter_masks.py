@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from common.batch import PackedBatch
-from tests.drafter_fixtures import random_batch, tiny_config
+from tests.drafter_fixtures import listed_tiles, random_batch, tiny_config
 from common.drafter.blocks import build_blocks, sample_anchors, valid_anchor_mask
 from common.drafter.masks import build_masks, dense_reference_mask, flex_block_mask
 
@@ -231,6 +231,31 @@ def test_the_flex_tiles_cover_every_visible_pair_and_skip_the_mask_only_where_al
         assert torch.equal(block_mask.to_dense()[0, 0].bool(), partial | full)
 
 
+@pytest.mark.parametrize("block_size", [4, 10, 16])
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seed", range(2))
+def test_the_block_mask_lists_what_create_block_mask_lists_and_at_most_a_few_tiles_more(block_size, window, causal,
+                                                                                         seed):
+    """Against flex attention's own create_block_mask on the same mask function (small enough here to evaluate at
+    every pair): every tile it lists, on the query side and on the key side that the backward reads, is listed;
+    none it leaves partial is marked full."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    config = tiny_config(block_size=block_size)
+    lengths = [int(x) for x in torch.randint(1, 400, (6,), generator=generator(seed))]
+    batch = random_batch(lengths, config, seed=seed, supervised_fraction=0.7)
+    blocks = build_blocks(batch, 60, block_size, config.mask_token_id, generator(seed))
+    for tile in (16, 128):
+        ours = flex_block_mask(blocks, window, causal, tile=tile)
+        q_len, kv_len = ours.seq_lengths
+        theirs = create_block_mask(ours.mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=tile)
+        for side in ("kv", "q"):
+            listed = listed_tiles(ours, side) | listed_tiles(ours, f"full_{side}")
+            assert not ((listed_tiles(theirs, side) | listed_tiles(theirs, f"full_{side}")) & ~listed).any()
+            assert not (listed_tiles(ours, f"full_{side}") & ~listed_tiles(theirs, f"full_{side}")).any()
+
+
 def test_a_block_mask_of_4096_anchors_costs_megabytes_not_the_query_key_pairs():
     """4,096 anchors of 16 slots over 16,384 tokens are 65,536 queries by 81,920 keys: evaluating the mask at every
     pair to find the tiles (what flex attention's create_block_mask does) took 40 GiB on the GPU and stopped a run
@@ -243,7 +268,7 @@ def test_a_block_mask_of_4096_anchors_costs_megabytes_not_the_query_key_pairs():
 import resource
 resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # a regression fails here, not by the machine's OOM killer
 import torch
-from tests.drafter_fixtures import random_batch, tiny_config
+from tests.drafter_fixtures import listed_tiles, random_batch, tiny_config
 from common.drafter.blocks import build_blocks
 from common.drafter.masks import flex_block_mask
 config = tiny_config(block_size=16)

@@ -204,7 +204,17 @@ def test_the_packed_causal_mask_lists_exactly_the_tiles_with_visible_pairs(tile,
     assert not (full & ~every).any()
     if window is None and tile == 16:
         assert full.any()  # documents of up to 300 tokens span whole tiles: the full path is exercised
-    assert torch.equal(document_causal_block_mask(doc, window, tile).to_dense()[0, 0].bool(), some)
+    ours = document_causal_block_mask(doc, window, tile)
+    assert torch.equal(ours.to_dense()[0, 0].bool(), some)
+    # The same four tile lists as flex attention's own create_block_mask (key side and the query side that the
+    # backward reads), evaluated here at every pair of tokens.
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from tests.drafter_fixtures import listed_tiles
+
+    theirs = create_block_mask(ours.mask_mod, None, None, doc.numel(), doc.numel(), device="cpu", BLOCK_SIZE=tile)
+    for name in ("kv", "full_kv", "q", "full_q"):
+        assert torch.equal(listed_tiles(ours, name), listed_tiles(theirs, name)), name
 
 
 def test_the_packed_causal_mask_of_65536_tokens_costs_megabytes():
