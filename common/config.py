@@ -741,6 +741,7 @@ class SynthesizeConfig:
         "magpie_max_tokens": "producer",
         "magpie_temperature": "producer",
         "magpie_top_p": "producer",
+        "magpie_system_prompts": "producer",
         "rows": "producer",
         "max_prompt_tokens": "producer",
         "records_per_shard": "producer",
@@ -771,6 +772,10 @@ class SynthesizeConfig:
     """Sampling of the self-written prompts (Magpie samples them; greedy would write one prompt over and over)."""
     magpie_top_p: float = 0.95
     """Nucleus sampling of the self-written prompts."""
+    magpie_system_prompts: list[str] = field(default_factory=list)
+    """System prompts that steer what the target asks, taken in turn: magpie:n writes its prompt under the
+    (n mod k)-th, "" being the template's default (Magpie's domain prompts: a code assistant's makes it ask for
+    code). The answer is written under the template's default, as an evaluation's prompts are. Empty: the default."""
     rows: int = 256
     """Sequences each producer decodes at once (its static KV cache holds rows x (max_prompt_tokens + max_new_tokens));
     a cache larger than 90% of the device's available memory stops the run (exit 2) saying how many rows fit."""

@@ -105,12 +105,14 @@ def all_prompts(cfg: RunConfig) -> list[Prompt]:
     return prompts
 
 
-def magpie_prefix(tokenizer: Any, template_kwargs: dict[str, Any]) -> str:
-    """What the chat template writes before a user's message (with its default system prompt, if any): the
-    target continues it with a user's message of its own. ConfigError when the template has no user turn."""
+def magpie_prefix(tokenizer: Any, template_kwargs: dict[str, Any], system: str = "") -> str:
+    """What the chat template writes before a user's message, under ``system`` ("": its default system prompt,
+    if any): the target continues it with a user's message of its own. ConfigError when the template has no user
+    turn."""
+    messages = [{"role": "system", "content": system}] if system else []
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": MAGPIE_PLACEHOLDER}], tokenize=False,
-                                             add_generation_prompt=False, **template_kwargs)
+        text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": MAGPIE_PLACEHOLDER}],
+                                             tokenize=False, add_generation_prompt=False, **template_kwargs)
     except Exception as exc:  # a template that raises on a lone user turn cannot be prompted this way
         raise ConfigError(f"synthesize.prompts: the chat template cannot render a user turn ({type(exc).__name__}: "
                           f"{exc}); self-written prompts need one") from None
@@ -207,7 +209,11 @@ class Synthesis:
         self.template_kwargs = dict(cfg.data.chat_template_kwargs)
         if self.synth.enable_thinking is not None:
             self.template_kwargs["enable_thinking"] = self.synth.enable_thinking
-        self.prefix = magpie_prefix(self.tokenizer, self.template_kwargs) if self.synth.prompts != "data" else ""
+        # One user prefix per system prompt of the self-written prompts (magpie:n takes the (n mod k)-th).
+        self.systems = list(self.synth.magpie_system_prompts) or [""]
+        self.prefix_ids = [self.tokenizer(magpie_prefix(self.tokenizer, self.template_kwargs, system),
+                                          add_special_tokens=False)["input_ids"] for system in self.systems] \
+            if self.synth.prompts != "data" else []
         prompts = all_prompts(cfg)  # every record checked before the target loads: a bad one stops in seconds
         self.folder = cfg.synthesize.folder(run.root)
         done = read_shards(self.folder) if self.folder.is_dir() else {}
@@ -229,11 +235,14 @@ class Synthesis:
             stop_token_ids=self.stop_ids, rows=s.rows, max_prompt_tokens=s.max_prompt_tokens))
         self.questions = None
         if any(p.messages is None for p in self.pending):
-            prefix_len = len(self.tokenizer(self.prefix, add_special_tokens=False)["input_ids"])
             self.questions = generator_for(self.model, GenerationConfig(
                 max_new_tokens=s.magpie_max_tokens, temperature=s.magpie_temperature, top_p=s.magpie_top_p,
                 seed=s.seed + 7919 * (producer_id + 1), stop_token_ids=self.stop_ids, rows=s.rows,
-                max_prompt_tokens=max(prefix_len, 1)))
+                max_prompt_tokens=max(map(len, self.prefix_ids))))
+
+    def system_index(self, prompt: Prompt) -> int:
+        """Which of synthesize.magpie_system_prompts the self-written ``prompt`` (magpie:n) is written under."""
+        return int(prompt.id.removeprefix("magpie:")) % len(self.systems)
 
     def generation_settings(self) -> dict[str, Any]:
         """What every record of this run says about how it was made."""
@@ -243,6 +252,11 @@ class Synthesis:
         if self.synth.enable_thinking is not None:
             settings["enable_thinking"] = self.synth.enable_thinking
         return settings
+
+    def prompt_settings(self, prompt: Prompt) -> dict[str, Any]:
+        """How a self-written prompt was written: the system prompt it was steered by, where not the default."""
+        system = self.systems[self.system_index(prompt)] if prompt.source == "magpie" else ""
+        return {"magpie_system_prompt": system} if system else {}
 
     def run(self) -> int:
         s, answers, questions = self.synth, self.answers, self.questions
@@ -259,7 +273,8 @@ class Synthesis:
                                              skip_special_tokens=False)
                 self.writer.add({"id": prompt.id, "messages": [*messages, {"role": "assistant", "content": text}],
                                  "source": prompt.source,
-                                 "generation": {**settings, "stop_reason": finished.stop_reason,
+                                 "generation": {**settings, **self.prompt_settings(prompt),
+                                                "stop_reason": finished.stop_reason,
                                                 "new_tokens": len(finished.new_ids)}})
             if time.monotonic() - reported > 10:
                 reported = time.monotonic()
@@ -290,10 +305,10 @@ class Synthesis:
                 yield Request(key=(prompt.id, messages), prompt_ids=ids)
 
     def _write_questions(self, questions: Generator, batch: list[Prompt]) -> dict[str, list[dict]]:
-        prefix_ids = self.tokenizer(self.prefix, add_special_tokens=False)["input_ids"]
         wanted = [p for p in batch if p.messages is None]
         written: dict[str, list[dict]] = {}
-        for finished in questions.generate(Request(key=p.id, prompt_ids=prefix_ids) for p in wanted):
+        requests = (Request(key=p.id, prompt_ids=self.prefix_ids[self.system_index(p)]) for p in wanted)
+        for finished in questions.generate(requests):
             text = self.tokenizer.decode([t for t in finished.new_ids if t not in self.stop_ids],
                                          skip_special_tokens=True).strip()
             if text:

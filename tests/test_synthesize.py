@@ -40,7 +40,8 @@ def test_every_prompt_is_answered_exactly_once_through_a_kill_9_of_the_producer(
     data = write_chat(short_tmp / "prompts.jsonl", 16)
     run_dir = short_tmp / "run"
     folder = run_dir / "synthesized"
-    out = run_killing_once(synthesize_args(run_dir, data), folder, f"producer.synthesize --run-dir {run_dir}")
+    steer = 'synthesize.magpie_system_prompts=["", "You help people write Python code."]'
+    out = run_killing_once(synthesize_args(run_dir, data, steer), folder, f"producer.synthesize --run-dir {run_dir}")
     assert "synth0 killed by SIGKILL; it continues from its shards" in out
     ids = shard_ids(folder)
     expected = {f"data:{i}" for i in range(16)} | {f"magpie:{i}" for i in range(4)}
@@ -48,7 +49,7 @@ def test_every_prompt_is_answered_exactly_once_through_a_kill_9_of_the_producer(
     log = (run_dir / "logs" / "synth0.log").read_text()
     assert "done before" in log and "synthesizes 0 of" not in log.split("==== synth0 start 2")[1]
     # Run again: nothing left to do, nothing written.
-    again = subprocess.run(synthesize_args(run_dir, data), capture_output=True, text=True, timeout=240)
+    again = subprocess.run(synthesize_args(run_dir, data, steer), capture_output=True, text=True, timeout=240)
     assert again.returncode == 0 and shard_ids(folder) == ids, again.stdout
     # The shards are chat records the training data path reads as they are, with their prompt id and settings.
     from transformers import AutoTokenizer
@@ -65,6 +66,11 @@ def test_every_prompt_is_answered_exactly_once_through_a_kill_9_of_the_producer(
     data_record = next(json.loads(line) for p in folder.glob("*.jsonl") for line in p.read_text().splitlines()
                        if json.loads(line)["id"] == "data:2")
     assert data_record["messages"][0]["content"] == "What is 3 plus 3?" and data_record["source"] == f"{data}:3"
+    # The self-written prompts take the system prompts in turn; each record says which steered it.
+    steered = {record["id"]: record["generation"].get("magpie_system_prompt") for path in folder.glob("*.jsonl")
+               for record in map(json.loads, path.read_text().splitlines()) if record["id"].startswith("magpie:")}
+    assert {k: v for k, v in steered.items() if v} == {k: "You help people write Python code." for k in steered
+                                                       if int(k.split(":")[1]) % 2 == 1}, steered
     assert not list(folder.glob(".*.tmp"))
 
 
@@ -103,6 +109,8 @@ def test_magpie_needs_a_template_with_a_user_turn():
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
     prefix = magpie_prefix(tokenizer, {})
     assert prefix.endswith("<|im_start|>user\n") and prefix.startswith("<|im_start|>system\n")
+    steered = magpie_prefix(tokenizer, {}, "You help people write Python code.")
+    assert steered == "<|im_start|>system\nYou help people write Python code.<|im_end|>\n<|im_start|>user\n"
     tokenizer.chat_template = "{% for m in messages %}{% if m['role'] != 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
     with pytest.raises(ConfigError, match="writes no user message"):
         magpie_prefix(tokenizer, {})
@@ -113,6 +121,8 @@ def test_synthesize_config_is_validated_naming_the_key():
         load_config(None, ['synthesize.prompts="magpie"'])
     with pytest.raises(ConfigError, match="synthesize.magpie_top_p"):
         load_config(None, ["synthesize.magpie_top_p=0"])
+    with pytest.raises(ConfigError, match=r"synthesize.magpie_system_prompts\[0\]: must be a string"):
+        load_config(None, ["synthesize.magpie_system_prompts=[1]"])
 
 
 def test_the_command_reports_how_far_the_producers_are(tmp_path):
