@@ -35,7 +35,7 @@ from common.contract import Expectation
 from common.drafter.evaluate import warn_if_gap
 from common.drafter.export import config_from_export, drafter_from_state, zlab_config
 from common.drafter.loss import LossConfig
-from common.drafter.model import DFlashDrafter, train_flops_per_sample
+from common.drafter.model import DFlashDrafter, train_flops
 from common.hf import target_identity
 from common.lifecycle import die_with_parent, end_now, exit_process
 from common.naming import process_start_ticks, run_tag, sweep_stale_trainer_staging
@@ -544,7 +544,7 @@ class Trainer:
             metrics = self.train_step(received)
             self.step += 1
             self.record(everyone)
-            window.add(received, metrics, starved, time.perf_counter() - started, self._flops(received))
+            window.add(received, metrics, starved, time.perf_counter() - started, self._flops(received, metrics))
             if self.evals_in_flight and self.step % max(1, self.cfg.logging.log_every // 4) == 0:
                 self.collect_evaluations()
             if self.step % self.cfg.logging.log_every == 0 or self.step == self.max_steps:
@@ -663,13 +663,13 @@ class Trainer:
         self.state = "training"
         self.write_status()
 
-    def _flops(self, received: Received) -> float:
-        """Model FLOPs of this batch's step (forward + backward), for MFU."""
+    def _flops(self, received: Received, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Model FLOPs of this batch's step (forward + backward), for MFU; a device scalar, read when logged."""
         tokens = received.num_tokens  # useful work only: padding is not counted
-        if tokens not in self.flops_cache:
-            counts = train_flops_per_sample(self.draft_config, tokens, self.cfg.drafter.num_anchors)
-            self.flops_cache[tokens] = counts["total"]
-        return self.flops_cache[tokens]
+        if tokens not in self.flops_cache:  # all but attention depends on the shapes alone
+            self.flops_cache[tokens] = train_flops(self.draft_config, tokens, self.cfg.drafter.num_anchors, 0.0)["total"]
+        per_pair = train_flops(self.draft_config, 0, 0, 1.0)["attention"]
+        return self.flops_cache[tokens] + per_pair * metrics["attention_pairs"]
 
     def log_metrics(self, window: _Window) -> None:
         if self.rank != 0:
@@ -766,7 +766,8 @@ class _Window:
         self.flops = 0.0
         self.sums: dict[str, torch.Tensor] = {}
 
-    def add(self, received: Received, metrics: dict[str, torch.Tensor], starved: float, step_time: float, flops: float) -> None:
+    def add(self, received: Received, metrics: dict[str, torch.Tensor], starved: float, step_time: float,
+            flops: torch.Tensor) -> None:
         self.steps += 1
         self.tokens += received.num_tokens
         self.docs += len(received.sample_ids)
@@ -790,7 +791,7 @@ class _Window:
             "steps_per_s": self.steps / wall,
             "starved_fraction": self.starved / wall,
             "checkpoint_fraction": self.checkpoint_s / wall,
-            "tflops": self.flops / wall / 1e12,
+            "tflops": float(self.flops) / wall / 1e12,
         })
         return out
 

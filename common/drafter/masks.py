@@ -147,6 +147,21 @@ def dense_reference_mask(blocks: DraftBlocks, window: int | None = None, causal:
     return torch.cat([context, own], dim=1)
 
 
+def visible_pairs(blocks: DraftBlocks, config: DraftConfig) -> torch.Tensor:
+    """Query-key pairs the masks let attend, summed over the drafter's layers (a device scalar, no host sync).
+
+    The useful work of attention: a block-sparse kernel computes whole tiles, so it does a little more; a count
+    from the sequence length alone would take every query to see half the packed sequence, where it sees the
+    context of its own document up to its anchor (a packed batch of 160 documents: about 1/160 of that)."""
+    pairs = torch.zeros((), dtype=torch.float64, device=blocks.anchors.device)
+    for layer_type in dict.fromkeys(config.layer_types):
+        window, causal = config.window_of(layer_type), config.causal_in_block(layer_type)
+        lo, hi = context_bounds(blocks, window)
+        own = int(in_block_mask(blocks.block_size, causal, window).sum()) * blocks.num_blocks
+        pairs = pairs + config.layer_types.count(layer_type) * ((hi - lo).clamp(min=0).sum() + own)
+    return pairs
+
+
 def build_masks(blocks: DraftBlocks, config: DraftConfig, dense: bool = False) -> dict[str, BlockMask | torch.Tensor]:
     """One mask per layer type of ``config``: flex block masks, or dense boolean masks (SDPA path)."""
     masks: dict[str, BlockMask | torch.Tensor] = {}

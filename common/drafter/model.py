@@ -17,7 +17,7 @@ from common.batch import PackedBatch
 from common.drafter.blocks import DraftBlocks, build_blocks, label_coverage
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig, draft_loss
-from common.drafter.masks import build_masks
+from common.drafter.masks import build_masks, visible_pairs
 from common.drafter.target_head import TargetHead
 
 _compiled_flex_attention = None
@@ -246,20 +246,22 @@ class DFlashDrafter(nn.Module):
             target_hidden = self.target_head.final_norm(batch.last_hidden.to(self.target_head.norm_weight.dtype))
         loss, metrics = draft_loss(hidden, blocks, self.target_head.lm_head_weight, self.loss_config, target_hidden)
         metrics["coverage"] = label_coverage(blocks, batch.loss_mask)
+        metrics["attention_pairs"] = visible_pairs(blocks, self.config)  # for the step's model FLOPs
         return loss, metrics
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
 
-def train_flops_per_sample(config: DraftConfig, num_context: int, num_anchors: int) -> dict[str, float]:
+def train_flops(config: DraftConfig, num_context: int, num_anchors: int,
+                attention_pairs: float | torch.Tensor) -> dict[str, float | torch.Tensor]:
     """Matmul FLOPs of one training step on one packed sequence (forward + backward).
 
     Backward of a trainable matmul costs 2x its forward (input and weight gradients); attention
     backward ~2.5x forward (flash-style: dQ, dK, dV plus the recomputed scores); the frozen head
-    needs only the input gradient (1x). Attention counts only the visible key range per query
-    (context up to the anchor, plus its own block), as a block-sparse kernel does, averaged over
-    uniformly spread anchors (mean context = T / 2).
+    needs only the input gradient (1x). Attention counts the query-key pairs the masks let attend,
+    summed over the layers (``masks.visible_pairs``: the step's metric ``attention_pairs``), as a
+    block-sparse kernel skips the rest; a device tensor there keeps the count free of host syncs.
     """
     hidden, inter, heads, kv_heads, head_dim = (config.hidden_size, config.intermediate_size,
                                                 config.num_attention_heads, config.num_key_value_heads,
@@ -271,12 +273,9 @@ def train_flops_per_sample(config: DraftConfig, num_context: int, num_anchors: i
         + 2 * (queries + num_context) * hidden * kv_width * 2  # k_proj, v_proj over blocks and context
         + 2 * queries * hidden * inter * 3  # gate, up, down
     )
-    mean_visible = num_context / 2 + config.block_size
-    attention = 2 * 2 * queries * mean_visible * heads * head_dim  # QK^T and PV
+    attention = 2 * 2 * attention_pairs * heads * head_dim  # QK^T and PV, all layers
     fc = 2 * num_context * config.fused_feature_size * hidden
     head = 2 * num_anchors * (config.block_size - 1) * hidden * config.vocab_size
-    forward = config.num_hidden_layers * (per_layer + attention) + fc + head
-    backward = config.num_hidden_layers * (2 * per_layer + 2.5 * attention) + 2 * fc + head
-    return {"forward": float(forward), "backward": float(backward), "total": float(forward + backward),
-            "head": float(2 * head), "attention": float(config.num_hidden_layers * 3.5 * attention),
-            "gemm": float(config.num_hidden_layers * 3 * per_layer + 3 * fc)}
+    gemm = float(config.num_hidden_layers * 3 * per_layer + 3 * fc)
+    return {"total": gemm + 2 * head + 3.5 * attention, "head": float(2 * head), "attention": 3.5 * attention,
+            "gemm": gemm}

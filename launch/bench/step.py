@@ -2,7 +2,7 @@
 
 Features are random and already on the device; weights are random bf16. One "sample" is one packed
 sequence of --seq-len tokens with --num-anchors blocks. MFU = model FLOPs (common.drafter.model.
-train_flops_per_sample: ~73 TFLOP per sample at the default shapes, frozen head weight gradient
+train_flops, attention over the query-key pairs the step's masks let attend, frozen head weight gradient
 excluded) / time / the bf16 matmul rate measured here (an 8192^3 matmul).
 
     python -m launch.bench.step                       # H200: eager layers vs compiled layers
@@ -29,7 +29,7 @@ from launch.bench.util import matmul_tflops, synchronize
 from common.lifecycle import exit_process
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig
-from common.drafter.model import DFlashDrafter, train_flops_per_sample
+from common.drafter.model import DFlashDrafter, train_flops
 from trainer.sharding import full_tensor, parallelize
 from common.drafter.target_head import TargetHead
 
@@ -133,13 +133,15 @@ def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, d
     if ranks > 1:
         dist.barrier()
     start = time.perf_counter()
+    pairs = 0.0
     for _ in range(args.steps):
         prepared, metrics = step(prepared)
+        pairs = pairs + metrics["attention_pairs"]
     synchronize(device)
     if ranks > 1:
         dist.barrier()  # the group is as fast as its slowest rank
     step_s = (time.perf_counter() - start) / args.steps
-    flops = train_flops_per_sample(config, args.seq_len, args.num_anchors)["total"]
+    flops = float(train_flops(config, args.seq_len, args.num_anchors, pairs / args.steps)["total"])
     return {
         "variant": variant if args.parallelism == "single" else f"{variant} {args.parallelism}x{ranks}",
         "ranks": ranks,
