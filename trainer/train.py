@@ -253,6 +253,7 @@ class Trainer:
         self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
         self.flops_cache: dict[int, float] = {}
+        self.flops_per_attention_pair = train_flops(self.draft_config, 0, 0, 1.0)["attention"]
         self._upcoming: Received | None = None
         clock.lap("the rest")
         log.info("trainer rank %d/%d (%s) on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters, "
@@ -668,8 +669,7 @@ class Trainer:
         tokens = received.num_tokens  # useful work only: padding is not counted
         if tokens not in self.flops_cache:  # all but attention depends on the shapes alone
             self.flops_cache[tokens] = train_flops(self.draft_config, tokens, self.cfg.drafter.num_anchors, 0.0)["total"]
-        per_pair = train_flops(self.draft_config, 0, 0, 1.0)["attention"]
-        return self.flops_cache[tokens] + per_pair * metrics["attention_pairs"]
+        return self.flops_cache[tokens] + self.flops_per_attention_pair * metrics["attention_pairs"]
 
     def log_metrics(self, window: _Window) -> None:
         if self.rank != 0:
