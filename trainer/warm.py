@@ -29,6 +29,7 @@ from common.rundir import RunDir
 from trainer import build
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig
+from common.drafter.kinds import build_drafter
 from common.drafter.model import DFlashDrafter
 from trainer.sharding import parallelize
 from common.drafter.target_head import TargetHead
@@ -100,9 +101,9 @@ def prepare(cfg: RunConfig, run_dir: RunDir, device: torch.device) -> WarmStart 
         target_config, head = build.load_head(cfg, head_dir, device)
         identity = target_identity(target_config, head.embed_weight)
         draft_config = build.draft_config_for(cfg, target_config, head_dir)
-        loss_config = LossConfig(label_mode=cfg.training.label_mode)
-        with torch.device(device):  # initialised where it will train; the state replaces the weights
-            drafter = DFlashDrafter(draft_config, head, loss_config)
+        loss_config = build.loss_config_of(cfg)
+        # initialised where it will train; the state replaces the weights
+        drafter = build_drafter(draft_config, head, loss_config, device=device)
         compiled = build.compiles(cfg, device)
         if compiled:
             build.compile_layers(drafter)

@@ -19,6 +19,8 @@ BIDIRECTIONAL = "bidirectional"
 CAUSAL = "causal"
 """Every layer causal inside the block."""
 IN_BLOCK_CAUSALITY = (SLIDING_CAUSAL, BIDIRECTIONAL, CAUSAL)
+DRAFTER_KINDS = ("dflash", "dflash2")
+"""The drafter kinds (common/drafter/kinds.py): DFlash, and DFlash 2 (dynamic convolutions and a candidate selector)."""
 # The hybrid Gated-DeltaNet Qwen family (Qwen3.5, Qwen3.6; dense and mixture-of-experts): drafts of the released shape.
 HYBRID_QWEN_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
 
@@ -108,6 +110,18 @@ class DraftConfig:
     """MLP activation; only SwiGLU with silu is implemented."""
     attention_bias: bool = False
     """Bias on q/k/v/o projections (Qwen3: none)."""
+    kind: str = "dflash"
+    """The drafter kind: "dflash", or "dflash2" (the DFlash layers wrapped in dynamic convolutions, and a candidate
+    selector over the draft's top-K); the fields below shape DFlash 2 only."""
+    conv_kernel_size: int = 2
+    """DFlash 2: taps of each grouped dynamic causal convolution (offset 0 is the position itself; taps look back
+    inside the block only)."""
+    conv_group_size: int = 16
+    """DFlash 2: channels that share one dynamic kernel delta (hidden_size must be a multiple)."""
+    selector_rank: int = 256
+    """DFlash 2: rank r of the selector's bilinear term (predecessor and successor codebooks V x r)."""
+    selector_top_k: int = 16
+    """DFlash 2: candidates K the selector rescores, the draft's top-K per slot (<= vocab_size)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -149,6 +163,20 @@ class DraftConfig:
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.kind == "dflash2":
+            if self.hidden_size % self.conv_group_size:
+                raise ValueError(f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}")
+            if self.conv_kernel_size > self.block_size:
+                raise ValueError(f"conv_kernel_size {self.conv_kernel_size} must be <= block_size {self.block_size} "
+                                 "(the taps look back inside the block only)")
+            if self.selector_top_k > self.vocab_size:
+                raise ValueError(f"selector_top_k {self.selector_top_k} must be <= vocab_size {self.vocab_size}")
 
     @property
     def rope_theta(self) -> float:

@@ -23,7 +23,7 @@ target forward at all, and prompts are drafted together whatever the target's la
 
 tau is the mean number of tokens kept per verify forward, correction included (1 <= tau <= B).
 
-Next to it the simulated tau: the training metric (teacher-forced blocks, ``common.drafter.loss.draft_metrics``)
+Next to it the simulated tau: the training metric (teacher-forced blocks, the drafter kind's ``objective``)
 on the same held-out documents with the same weights. Their gap is what teacher forcing hides, and the report
 splits it in three with one more run of the training forward, over the text the decoding produced (the
 target's greedy text, whose features the reference holds), read at every anchor of that text
@@ -51,7 +51,7 @@ from torch import nn
 from common.batch import Document, PackedBatch
 from common.config import EvalConfig
 from common.drafter.blocks import DraftBlocks, build_blocks, valid_anchor_mask
-from common.drafter.loss import LossConfig, draft_loss
+from common.drafter.loss import LossConfig
 from common.drafter.masks import build_masks, in_block_mask
 from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead
@@ -385,9 +385,18 @@ class DraftRows:
 @torch.no_grad()
 def propose_rows(drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
-    """Greedy draft tokens ``[R, B - 1]`` of one block per row in one drafter forward: row r's block is anchored
-    at ``tokens[r]``, at ``positions[r]``, over its fused context ``contexts[r]`` ``[C_r, H]``. The rows are
-    packed as in training (every block sees only its own row's context), with the training masks."""
+    """Greedy draft tokens ``[R, B - 1]`` of one block per row in one drafter forward (see :func:`draft_rows`); the
+    drafter's kind turns the slots' hidden states into tokens (DFlash: the argmax; DFlash 2: the selector's walk)."""
+    return drafter.propose(draft_rows(drafter, contexts, tokens, positions), tokens).tokens
+
+
+@torch.no_grad()
+def draft_rows(drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+    """Draft hidden states ``[R, B - 1, H]`` (after the final norm) of slots 1.. of one block per row, in one drafter
+    forward: row r's block is anchored at ``tokens[r]``, at ``positions[r]``, over its fused context ``contexts[r]``
+    ``[C_r, H]``. The rows are packed as in training (every block sees only its own row's context), with the
+    training masks."""
     config = drafter.config
     block_size, device = config.block_size, contexts[0].device
     num_rows = len(contexts)
@@ -415,10 +424,7 @@ def propose_rows(drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: t
         masks[layer_type] = torch.cat([context, own & (block_rows[:, None] == block_rows[None, :])], dim=1)
     for layer in drafter.layers:
         x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
-    head = drafter.target_head.lm_head_weight
-    # Contiguous rows: a strided 3-d product runs as a batched matmul, several times slower at a vocabulary's width.
-    drafts = drafter.norm(x).view(num_rows, block_size, -1)[:, 1:].reshape(num_rows * (block_size - 1), -1)
-    return (drafts.to(head.dtype) @ head.T).argmax(-1).view(num_rows, block_size - 1)
+    return drafter.norm(x).view(num_rows, block_size, -1)[:, 1:]
 
 
 # -- decoding -------------------------------------------------------------------------------------
@@ -593,7 +599,7 @@ def teacher_forced(drafter: DFlashDrafter, loss_config: LossConfig, document: Do
                              "target's last layer (capture_last)")
         head = drafter.target_head
         target_hidden = head.final_norm(kept.last_hidden[:len(document)].to(device, head.norm_weight.dtype, non_blocking=True))
-    _, metrics = draft_loss(hidden, blocks, drafter.target_head.lm_head_weight, loss_config, target_hidden)
+    _, metrics = drafter.objective(hidden, blocks, target_hidden, loss_config)
     return blocks, metrics
 
 

@@ -22,7 +22,6 @@ A checkpoint is exported with ``python -m trainer.export`` (trainer/export.py).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from common.codec import DTYPE_NAMES
 from common.drafter.draft_config import (BIDIRECTIONAL, FULL_ATTENTION, IN_BLOCK_CAUSALITY, SLIDING_ATTENTION, DraftConfig,
                                   causal_in_block, target_rope_parameters)
+from common.drafter.kinds import build_drafter, kind_of, kind_of_export
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead
@@ -128,14 +128,17 @@ def qwen3_fields(config: DraftConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def zlab_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """config.json of the z-lab native format (vLLM ``method: dflash``)."""
+    """config.json of the z-lab native format (vLLM ``method: dflash``; the kind's architecture, and its own fields
+    in ``dflash_config`` beside the mask token and the target layers)."""
     causality = zlab_causality_fields(config)
+    kind = kind_of(config.kind)
     return {
         **qwen3_fields(config, dtype),
         **{k: v for k, v in causality.items() if k != "dflash_config"},
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [kind.zlab_architecture],
         "block_size": config.block_size,
         "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                          **{name: getattr(config, name) for name in kind.config_fields},
                           **causality.get("dflash_config", {})},
         "num_target_layers": config.num_target_layers,
         "target_hidden_size": config.target_hidden_size,
@@ -147,11 +150,13 @@ def speculators_config(config: DraftConfig, verifier_name_or_path: str,
                        verifier_architectures: list[str] | None = None,
                        dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """config.json of the speculators format (``vllm serve DIR``)."""
+    kind = kind_of(config.kind)
     return {
-        "speculators_model_type": "dflash",
-        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": kind.speculators_type,
+        "architectures": ["DFlash2Speculator" if config.kind == "dflash2" else "DFlashSpeculator"],
+        **{name: getattr(config, name) for name in kind.config_fields},
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": kind.speculators_type,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
@@ -224,7 +229,7 @@ def _served_causality(config_json: dict[str, Any], layer_types: list[str]) -> li
     """Per layer, the in-block causality a config.json written elsewhere states, read as its format's own
     trainer reads it: z-lab ``is_causal``, else ``dflash_config.causal``, else the layer-type default;
     speculators: sliding layers causal unless ``sliding_window_non_causal``, full layers bidirectional."""
-    if config_json.get("speculators_model_type") == "dflash":
+    if config_json.get("speculators_model_type") is not None:
         non_causal = config_json.get("sliding_window_non_causal", False)
         return [t == SLIDING_ATTENTION and not non_causal for t in layer_types]
     explicit = config_json.get("is_causal", (config_json.get("dflash_config") or {}).get("causal"))
@@ -238,16 +243,22 @@ def config_from_export(config_json: dict[str, Any], own_checkpoint: bool = False
     ``in_block_causality`` was written before that setting existed, when every layer trained
     bidirectionally inside the block, and is read so (a foreign export is read by its format's rules).
     """
-    if config_json.get("speculators_model_type") == "dflash":
+    kind = kind_of_export(config_json)
+    if kind is not None and "speculators_model_type" in config_json:
         fields = _draft_fields(config_json["transformer_layer_config"])
         layer_ids = [i - 1 for i in config_json["aux_hidden_state_layer_ids"]]
         mask_token_id = config_json["mask_token_id"]
+        kind_fields = {name: config_json[name] for name in kind.config_fields if name in config_json}
     elif "dflash_config" in config_json:
+        kind = kind or kind_of("dflash")  # a config without architectures, as this project wrote before the kinds
         fields = _draft_fields(config_json)
         layer_ids = list(config_json["dflash_config"]["target_layer_ids"])
         mask_token_id = config_json["dflash_config"]["mask_token_id"]
+        kind_fields = {name: config_json["dflash_config"][name] for name in kind.config_fields
+                       if name in config_json["dflash_config"]}
     else:
-        raise ValueError("config.json is neither a speculators dflash config nor a z-lab DFlashDraftModel config")
+        raise ValueError("config.json is neither a speculators dflash/dflash2 config nor a z-lab DFlashDraftModel or "
+                         "DFlash2DraftModel config")
     layer_types = fields["layer_types"] or [FULL_ATTENTION] * fields["num_hidden_layers"]
     if CAUSALITY_KEY in config_json:
         causality = config_json[CAUSALITY_KEY]
@@ -263,6 +274,8 @@ def config_from_export(config_json: dict[str, Any], own_checkpoint: bool = False
         mask_token_id=mask_token_id,
         block_size=config_json["block_size"],
         in_block_causality=causality,
+        kind=kind.name,
+        **kind_fields,
     )
 
 
@@ -285,8 +298,7 @@ def drafter_from_state(config_json: dict[str, Any], state: dict[str, torch.Tenso
     """A drafter from an export's config.json contents and its weights (copied: ``state`` stays the caller's).
     ``device``: built there (the weights are copied straight onto it); else on the default device."""
     config = config_from_export(config_json, own_checkpoint)
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        drafter = DFlashDrafter(config, target_head, loss_config, attention_backend)
+    drafter = build_drafter(config, target_head, loss_config, attention_backend, device)
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) == 1:
         drafter.to(dtypes.pop())  # the target head keeps its own dtype

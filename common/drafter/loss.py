@@ -22,6 +22,7 @@ from common.drafter.blocks import DraftBlocks
 from common.drafter.draft_config import default_gamma
 
 LABEL_MODES = ("data", "target_hard", "target_soft")
+MISSING_GOLD_RULES = ("inject", "exclude")
 WEIGHTINGS = ("decay", "streak", "dpace")
 OBJECTIVES = ("ce", "lk", "lk_hybrid")
 
@@ -60,6 +61,14 @@ class LossConfig:
     chunk_rows: int = 1024
     """Rows of the head computed at once (memory ~ 4 x chunk_rows x vocab x 4 bytes; ~5 x for an LK
     objective on target_soft)."""
+    selector_loss_alpha: float = 1.0
+    """DFlash 2: weight of the selector's K-way cross-entropy (previous gold token teacher-forced) beside the
+    DFlash loss; both are normalised by the same slot weights."""
+    selector_missing_gold: str = "inject"
+    """DFlash 2, a slot whose gold token is not among the draft's top-K: "inject" puts it in place of the K-th
+    candidate; "exclude" leaves the slot out of the selector loss."""
+    selector_stop_gradient: bool = False
+    """DFlash 2: the selector loss trains the selector alone (its gradient stops at the draft hidden state)."""
 
     def __post_init__(self) -> None:
         if self.label_mode not in LABEL_MODES:
@@ -80,6 +89,10 @@ class LossConfig:
             raise ValueError(f"feature_noise must be >= 0, got {self.feature_noise}")
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
+        if self.selector_loss_alpha < 0:
+            raise ValueError(f"selector_loss_alpha must be >= 0, got {self.selector_loss_alpha}")
+        if self.selector_missing_gold not in MISSING_GOLD_RULES:
+            raise ValueError(f"selector_missing_gold must be one of {MISSING_GOLD_RULES}, got {self.selector_missing_gold!r}")
 
     def noise_scale(self, step_fraction: float) -> float:
         """Cosine-annealed feature noise at this point of training."""
@@ -101,6 +114,8 @@ class HeadRows(NamedTuple):
     """[M] int64: the draft's top token."""
     label_used: torch.Tensor
     """[M] int64: the hard label (the target's argmax for a target label mode)."""
+    top_ids: torch.Tensor | None = None
+    """[M, K] int64, most likely first: the draft's top-K tokens, when asked for (a DFlash 2 selector's candidates)."""
 
 
 def _lk_rows(objective: str, ce: torch.Tensor, acceptance: torch.Tensor,
@@ -133,14 +148,15 @@ class ChunkedHeadLoss(torch.autograd.Function):
     """Per-row loss of ``hidden @ head_weight.T`` against hard labels or a soft target, in row chunks.
 
     Returns ``(row_loss [M] fp32, draft_argmax [M], label_used [M], row_ce [M] or None, acceptance [M]
-    or None)``; only row_loss is differentiable, and only with respect to ``hidden``. row_ce is None under
-    objective "ce" (it is row_loss); acceptance is computed for the LK objectives or when asked for.
+    or None, top_ids [M, top_k] or None)``; only row_loss is differentiable, and only with respect to ``hidden``.
+    row_ce is None under objective "ce" (it is row_loss); acceptance is computed for the LK objectives or when
+    asked for; top_ids when top_k > 0.
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor | None,
                 target_hidden: torch.Tensor | None, soft: bool, chunk_rows: int, objective: str, lk_eta: float,
-                with_acceptance: bool):
+                with_acceptance: bool, top_k: int = 0):
         rows = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
         with_acceptance = with_acceptance or objective != "ce"
@@ -151,11 +167,14 @@ class ChunkedHeadLoss(torch.autograd.Function):
         acceptance = torch.empty_like(row_loss) if with_acceptance else None
         draft_argmax = torch.empty(rows, dtype=torch.long, device=hidden.device)
         label_used = torch.empty(rows, dtype=torch.long, device=hidden.device)
+        top_ids = torch.empty(rows, top_k, dtype=torch.long, device=hidden.device) if top_k else None
         unit_grad = torch.empty_like(hidden) if need_grad else None
         for start in range(0, rows, chunk_rows):
             chunk = slice(start, min(start + chunk_rows, rows))
             logits = (hidden[chunk].to(head_weight.dtype) @ head_weight.T).float()
             draft_argmax[chunk] = logits.argmax(-1)
+            if top_ids is not None:
+                top_ids[chunk] = logits.topk(top_k, dim=-1).indices
             log_norm = torch.logsumexp(logits, -1, keepdim=True)
             if target_hidden is not None:
                 target_logits = (target_hidden[chunk].to(head_weight.dtype) @ head_weight.T).float()
@@ -200,23 +219,25 @@ class ChunkedHeadLoss(torch.autograd.Function):
                 unit_grad[chunk] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
         ctx.save_for_backward(unit_grad)
         ctx.mark_non_differentiable(draft_argmax, label_used,
-                                    *(side for side in (row_ce, acceptance) if side is not None))
-        return row_loss, draft_argmax, label_used, row_ce, acceptance
+                                    *(side for side in (row_ce, acceptance, top_ids) if side is not None))
+        return row_loss, draft_argmax, label_used, row_ce, acceptance, top_ids
 
     @staticmethod
-    def backward(ctx, grad_row_loss, _grad_argmax, _grad_label, _grad_ce, _grad_acceptance):
+    def backward(ctx, grad_row_loss, _grad_argmax, _grad_label, _grad_ce, _grad_acceptance, _grad_top):
         (unit_grad,) = ctx.saved_tensors
         grad_hidden = unit_grad * grad_row_loss[:, None].to(unit_grad.dtype)
-        return grad_hidden, None, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None, None
 
 
 def chunked_head_rows(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor | None = None,
                       target_hidden: torch.Tensor | None = None, soft: bool = False, objective: str = "ce",
-                      lk_eta: float = 3.0, with_acceptance: bool = False, chunk_rows: int = 1024) -> HeadRows:
+                      lk_eta: float = 3.0, with_acceptance: bool = False, chunk_rows: int = 1024,
+                      top_k: int = 0) -> HeadRows:
     """Per-row loss of ``objective`` (see LossConfig), CE, acceptance, draft argmax and label used.
 
     Give ``labels`` (hard labels) or ``target_hidden`` (already final-normed target states: their argmax,
-    or their distribution when ``soft``). ``with_acceptance`` asks for the acceptance under objective "ce".
+    or their distribution when ``soft``). ``with_acceptance`` asks for the acceptance under objective "ce";
+    ``top_k`` > 0 for the draft's top-K tokens of every row.
     """
     if (labels is None) == (target_hidden is None):
         raise ValueError("give exactly one of labels and target_hidden")
@@ -224,10 +245,43 @@ def chunked_head_rows(hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
         raise ValueError("soft labels need target_hidden")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    row_loss, draft_argmax, label_used, row_ce, acceptance = ChunkedHeadLoss.apply(
-        hidden, head_weight, labels, target_hidden, soft, chunk_rows, objective, lk_eta, with_acceptance)
+    row_loss, draft_argmax, label_used, row_ce, acceptance, top_ids = ChunkedHeadLoss.apply(
+        hidden, head_weight, labels, target_hidden, soft, chunk_rows, objective, lk_eta, with_acceptance, top_k)
     return HeadRows(loss=row_loss, ce=row_loss.detach() if row_ce is None else row_ce, acceptance=acceptance,
-                    draft_argmax=draft_argmax, label_used=label_used)
+                    draft_argmax=draft_argmax, label_used=label_used, top_ids=top_ids)
+
+
+class CandidateLogits(torch.autograd.Function):
+    """Logits of K candidate tokens per row, ``hidden[m] . head_weight[candidates[m, k]]`` [M, K] fp32, in row
+    chunks (never M x K x H at once); differentiable with respect to ``hidden`` only (the head is frozen)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, head_weight: torch.Tensor, candidates: torch.Tensor, chunk_rows: int):
+        out = torch.empty(candidates.shape, dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_rows):
+            chunk = slice(start, start + chunk_rows)
+            rows = head_weight[candidates[chunk]]  # [m, K, H]
+            out[chunk] = torch.einsum("mh,mkh->mk", hidden[chunk].to(head_weight.dtype), rows).float()
+        ctx.save_for_backward(head_weight, candidates)
+        ctx.chunk_rows, ctx.hidden_dtype = chunk_rows, hidden.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        head_weight, candidates = ctx.saved_tensors
+        grad_hidden = torch.empty(candidates.shape[0], head_weight.shape[1], dtype=ctx.hidden_dtype,
+                                  device=grad_out.device)
+        for start in range(0, candidates.shape[0], ctx.chunk_rows):
+            chunk = slice(start, start + ctx.chunk_rows)
+            rows = head_weight[candidates[chunk]]
+            grad_hidden[chunk] = torch.einsum("mk,mkh->mh", grad_out[chunk].to(head_weight.dtype), rows).to(ctx.hidden_dtype)
+        return grad_hidden, None, None, None
+
+
+def candidate_logits(hidden: torch.Tensor, head_weight: torch.Tensor, candidates: torch.Tensor,
+                     chunk_rows: int = 1024) -> torch.Tensor:
+    """[M, K] fp32 logits of ``candidates`` [M, K] for the rows ``hidden`` [M, H] (see CandidateLogits)."""
+    return CandidateLogits.apply(hidden, head_weight, candidates, chunk_rows)
 
 
 def slot_weights(blocks: DraftBlocks, config: LossConfig, row_ce: torch.Tensor,
@@ -266,10 +320,19 @@ def draft_loss(hidden: torch.Tensor, blocks: DraftBlocks, head_weight: torch.Ten
     hidden: [N, B, H] draft output after its final norm. target_hidden: [T, H] target last hidden
     state after the target's final norm (target label modes only).
     """
+    loss, metrics, _, _ = draft_loss_parts(hidden, blocks, head_weight, config, target_hidden)
+    return loss, metrics
+
+
+def draft_loss_parts(hidden: torch.Tensor, blocks: DraftBlocks, head_weight: torch.Tensor, config: LossConfig,
+                     target_hidden: torch.Tensor | None = None, top_k: int = 0,
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], HeadRows, torch.Tensor]:
+    """:func:`draft_loss`, with the head's rows (the draft's ``top_k`` tokens among them when > 0) and the slot
+    weights [N, B-1], for a kind whose objective builds on the DFlash loss."""
     num_blocks, block_size, width = hidden.shape
     rows = hidden[:, 1:].reshape(-1, width)  # slot 0 is the given token
     options = dict(objective=config.objective, lk_eta=config.lk_eta, with_acceptance=config.weighting == "dpace",
-                   chunk_rows=config.chunk_rows)
+                   chunk_rows=config.chunk_rows, top_k=top_k)
     if config.label_mode == "data":
         head = chunked_head_rows(rows, head_weight, labels=blocks.label_ids.reshape(-1), **options)
     else:
@@ -284,7 +347,7 @@ def draft_loss(hidden: torch.Tensor, blocks: DraftBlocks, head_weight: torch.Ten
     metrics = draft_metrics(blocks, head.ce.view(num_blocks, -1),
                             (head.draft_argmax == head.label_used).view(num_blocks, -1))
     metrics["loss"] = loss.detach()
-    return loss, metrics
+    return loss, metrics, head, weights
 
 
 def draft_metrics(blocks: DraftBlocks, row_loss: torch.Tensor, correct: torch.Tensor) -> dict[str, torch.Tensor]:

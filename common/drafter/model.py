@@ -8,6 +8,8 @@ head of common.drafter.loss turns the block slots into a loss without materialis
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,7 @@ from common.drafter.blocks import DraftBlocks, build_blocks, label_coverage
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig, draft_loss
 from common.drafter.masks import build_masks, visible_pairs
+from common.drafter.sampling import Proposal, Sampling, sampling_probs
 from common.drafter.target_head import TargetHead
 
 _compiled_flex_attention = None
@@ -153,7 +156,16 @@ class DFlashDrafter(nn.Module):
 
     The state dict holds only trainable weights, named as in the z-lab export
     (``fc``, ``hidden_norm``, ``layers.{i}...``, ``norm``).
+
+    It is also the interface of a drafter kind (common/drafter/kinds.py): a kind subclasses it and overrides
+    ``make_layer`` (its decoder layer), ``objective`` (loss and metrics of the draft slots), ``propose`` (the
+    tokens decoding drafts from the slots' hidden states) and ``warm_start`` (loading another kind's weights);
+    the trainer, the evaluator and export call only these.
     """
+
+    kind: ClassVar[str] = "dflash"
+    logged_metrics: ClassVar[tuple[str, ...]] = ()
+    """Scalar metrics of ``objective`` beyond the common ones (loss, tau, acc), logged by the trainer."""
 
     def __init__(self, config: DraftConfig, target_head: TargetHead, loss_config: LossConfig | None = None,
                  attention_backend: str | None = None) -> None:
@@ -168,7 +180,9 @@ class DFlashDrafter(nn.Module):
         self.attention_backend = attention_backend
         self.fc = nn.Linear(config.fused_feature_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftDecoderLayer(config, t) for t in config.layer_types)
+        if config.kind != self.kind:
+            raise ValueError(f"a {config.kind} config given to the {self.kind} drafter")
+        self.layers = nn.ModuleList(self.make_layer(config, t) for t in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.target_head = target_head
@@ -183,6 +197,42 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+
+    @staticmethod
+    def make_layer(config: DraftConfig, layer_type: str) -> nn.Module:
+        """One draft decoder layer of this kind."""
+        return DraftDecoderLayer(config, layer_type)
+
+    def objective(self, hidden: torch.Tensor, blocks: DraftBlocks, target_hidden: torch.Tensor | None = None,
+                  loss_config: LossConfig | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss and metrics of the draft slots: ``hidden`` [N, B, H] after the final norm. ``tau``, ``acc`` and
+        ``block_streaks`` describe the tokens ``propose`` would draft, teacher-forced."""
+        return draft_loss(hidden, blocks, self.target_head.lm_head_weight, loss_config or self.loss_config,
+                          target_hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of draft hidden states through the target's head."""
+        head = self.target_head.lm_head_weight
+        return (hidden.to(head.dtype) @ head.T).float()
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, sampling: Sampling | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
+        """Draft tokens of slots 1..B-1 from their hidden states ``[R, B-1, H]`` (after the final norm); ``anchor_ids``
+        [R] are the blocks' given tokens. Greedy: the argmax; sampled: drawn from the sampling distribution, which
+        the proposal keeps for rejection sampling."""
+        rows, slots, width = hidden.shape
+        # Contiguous rows: a strided 3-d product runs as a batched matmul, several times slower at a vocabulary's width.
+        logits = self.logits(hidden.reshape(rows * slots, width)).view(rows, slots, -1)
+        if sampling is None or sampling.greedy:
+            return Proposal(tokens=logits.argmax(-1))
+        probs = sampling_probs(logits, sampling)
+        tokens = torch.multinomial(probs.view(rows * slots, -1), 1, generator=generator).view(rows, slots)
+        return Proposal(tokens=tokens, probs=probs)
+
+    def warm_start(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a drafter's weights of this kind, or of a kind this one extends (see the subclasses)."""
+        self.load_state_dict(state, strict=True)
 
     def backend_for(self, device: torch.device) -> str:
         """flex on CUDA; SDPA with dense masks on CPU (flex has no CPU backward)."""
@@ -244,7 +294,7 @@ class DFlashDrafter(nn.Module):
             if batch.last_hidden is None:
                 raise ValueError(f"label_mode {self.loss_config.label_mode!r} needs batch.last_hidden")
             target_hidden = self.target_head.final_norm(batch.last_hidden.to(self.target_head.norm_weight.dtype))
-        loss, metrics = draft_loss(hidden, blocks, self.target_head.lm_head_weight, self.loss_config, target_hidden)
+        loss, metrics = self.objective(hidden, blocks, target_hidden)
         metrics["coverage"] = label_coverage(blocks, batch.loss_mask)
         metrics["attention_pairs"] = visible_pairs(blocks, self.config)  # for the step's model FLOPs
         return loss, metrics

@@ -1,0 +1,240 @@
+"""DFlash 2: the DFlash drafter plus grouped dynamic causal convolutions and a candidate selector.
+
+The backbone is DFlash's (one parallel forward per block). Two modules are added, as z-lab's reference runs them:
+
+- Around each draft layer's attention and its MLP, a grouped dynamic causal convolution. One projection of the
+  sublayer's normed input gives, per position, kernel deltas for an input-side convolution (before the
+  sublayer) and an output-side one (after it); kernel = a learned base ``[taps, H]`` + the delta, one delta per
+  group of ``conv_group_size`` channels; tap ``o`` reads the position ``o`` slots back in the same block (zero
+  before the block's first slot), so no tap ever crosses a block, hence never a packed document either.
+  Identity at initialisation (base tap 0 = 1, the rest 0, projection 0).
+- A candidate selector: the draft's top-K tokens of each slot, rescored by
+  ``unary(b) + < pred[a] * W h_t , succ[b] >`` with ``a`` the previous token of the path; decoding walks the
+  block from its given token, taking the argmax (greedy) or sampling with the probabilities over the K
+  candidates kept for rejection sampling. The successor codebook starts at zero, so a fresh selector proposes
+  the draft's argmax.
+
+Training adds to the DFlash loss ``selector_loss_alpha`` x a K-way cross-entropy over the draft's top-K with the
+previous gold token teacher-forced, weighted by the DFlash loss's own slot weights (D-PACE by default). Its
+metrics ``tau``, ``acc`` and ``block_streaks`` are the selector path's (what decoding drafts); ``unary_tau`` is the
+draft argmax's beside it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from common.drafter.blocks import DraftBlocks
+from common.drafter.draft_config import DraftConfig
+from common.drafter.loss import LossConfig, candidate_logits, draft_loss_parts, draft_metrics
+from common.drafter.model import DFlashDrafter, DraftDecoderLayer
+from common.drafter.sampling import Proposal, Sampling
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """The pair of convolutions around one sublayer: ``base_kernel`` [2, taps, H] (input side, output side) and
+    ``kernel_projection`` H -> 2 x taps x groups, the per-position deltas of both, read from the normed input."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.group_size = group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.reset_identity()
+
+    def reset_identity(self) -> None:
+        """The identity: each position passes through unchanged, whatever its input."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def deltas(self, normed: torch.Tensor) -> torch.Tensor:
+        """[N, B, 2, taps, groups] kernel deltas of the blocks' normed input [N, B, H]."""
+        return self.kernel_projection(normed).view(*normed.shape[:-1], 2, self.kernel_size, self.groups)
+
+    def convolve(self, x: torch.Tensor, deltas: torch.Tensor, side: int) -> torch.Tensor:
+        """One side's convolution of ``x`` [N, B, H] inside each block, all taps at once."""
+        blocks, length, width = x.shape
+        taps = self.kernel_size
+        # shifted[:, :, o] is x o slots back in the same block (zeros before the block's first slot).
+        padded = F.pad(x, (0, 0, taps - 1, 0))
+        shifted = padded.unfold(1, taps, 1).flip(-1).permute(0, 1, 3, 2)  # [N, B, taps, H]
+        shifted = shifted.reshape(blocks, length, taps, self.groups, self.group_size)
+        base = self.base_kernel[side].to(x.dtype).view(1, 1, taps, self.groups, self.group_size)
+        kernel = base + deltas[:, :, side, :, :, None].to(x.dtype)
+        return (kernel * shifted).sum(2).reshape(blocks, length, width)
+
+
+class DFlash2DecoderLayer(DraftDecoderLayer):
+    """The DFlash layer with its attention and its MLP each between an input-side and an output-side convolution."""
+
+    def __init__(self, config: DraftConfig, layer_type: str) -> None:
+        super().__init__(config, layer_type)
+        self.block_size = config.block_size
+        self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+        self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_rope: tuple[torch.Tensor, torch.Tensor],
+                context_rope: tuple[torch.Tensor, torch.Tensor], mask: BlockMask | torch.Tensor) -> torch.Tensor:
+        """x: [N * B, H], the blocks' slots in order."""
+        shape = (-1, self.block_size, x.shape[-1])
+        normed = self.input_layernorm(x).view(shape)
+        deltas = self.attention_conv.deltas(normed)
+        inner = self.attention_conv.convolve(normed, deltas, 0).view_as(x)
+        inner = self.self_attn(inner, ctx, block_rope, context_rope, mask).view(shape)
+        x = x + self.attention_conv.convolve(inner, deltas, 1).view_as(x)
+        normed = self.post_attention_layernorm(x).view(shape)
+        deltas = self.mlp_conv.deltas(normed)
+        inner = self.mlp(self.mlp_conv.convolve(normed, deltas, 0)).view(shape)
+        return x + self.mlp_conv.convolve(inner, deltas, 1).view_as(x)
+
+
+class CandidateSelector(nn.Module):
+    """Rescoring of the draft's top-K by a low-rank bilinear term between the previous token and each candidate,
+    gated by the draft hidden state. Tensor names as the reference saves them: ``predecessor_codebook`` and
+    ``successor_codebook`` [V, r] (no ``.weight``), ``hidden_projection.weight`` [r, H]."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.top_k = config.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, config.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, config.selector_rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random predecessor codebook and projection, zero successor codebook: a no-op until it learns."""
+        with torch.no_grad():
+            nn.init.normal_(self.predecessor_codebook, std=std)
+            nn.init.normal_(self.hidden_projection.weight, std=std)
+            self.successor_codebook.zero_()
+
+    def pairwise(self, hidden: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """The bilinear term [M, K] fp32 of rows ``hidden`` [M, H], previous tokens [M] and candidates [M, K]."""
+        gate = self.predecessor_codebook[previous] * self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
+        return torch.einsum("mr,mkr->mk", gate, self.successor_codebook[candidates]).float()
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """The DFlash 2 drafter (see the module's doc). Its state dict adds ``layers.{i}.{attention,mlp}_conv.*`` and
+    ``candidate_selector.*`` to DFlash's names."""
+
+    kind = "dflash2"
+    logged_metrics = ("unary_tau", "selector/recall", "selector/accuracy", "selector/loss")
+
+    def __init__(self, config: DraftConfig, target_head, loss_config: LossConfig | None = None,
+                 attention_backend: str | None = None) -> None:
+        super().__init__(config, target_head, loss_config, attention_backend)
+        self.candidate_selector = CandidateSelector(config)
+        self.reset_parameters()
+
+    @staticmethod
+    def make_layer(config: DraftConfig, layer_type: str) -> nn.Module:
+        return DFlash2DecoderLayer(config, layer_type)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        super().reset_parameters(std)
+        if "candidate_selector" in self._modules:  # else still being built: the constructor calls this again
+            self.reset_additions()
+
+    def reset_additions(self) -> None:
+        """Identity convolutions and a no-op selector: the drafter proposes what its DFlash backbone would."""
+        for layer in self.layers:
+            layer.attention_conv.reset_identity()
+            layer.mlp_conv.reset_identity()
+        self.candidate_selector.reset_parameters()
+
+    def warm_start(self, state: dict[str, torch.Tensor]) -> None:
+        """A DFlash 2 drafter's weights, or a DFlash drafter's: its backbone, with the convolutions and the
+        selector reset to the identity and a no-op (greedy proposals equal the DFlash drafter's)."""
+        own = self.state_dict()
+        if set(state) == set(own):
+            self.load_state_dict(state, strict=True)
+            return
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        added = ("attention_conv.", "mlp_conv.", "candidate_selector.")
+        if unexpected or any(not any(part in name for part in added) for name in missing):
+            raise ValueError(f"not a DFlash or DFlash 2 drafter of this shape: unexpected {sorted(unexpected)[:3]}, "
+                             f"missing {sorted(n for n in missing if not any(p in n for p in added))[:3]}")
+        self.reset_additions()
+
+    # -- training -------------------------------------------------------------------------------
+
+    def objective(self, hidden: torch.Tensor, blocks: DraftBlocks, target_hidden: torch.Tensor | None = None,
+                  loss_config: LossConfig | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        config = loss_config or self.loss_config
+        selector = self.candidate_selector
+        unary_loss, metrics, head, weights = draft_loss_parts(hidden, blocks, self.target_head.lm_head_weight, config,
+                                                              target_hidden, top_k=selector.top_k)
+        num_blocks, block_size, width = hidden.shape
+        rows = hidden[:, 1:].reshape(-1, width)
+        if config.selector_stop_gradient:
+            rows = rows.detach()
+        gold = head.label_used
+        candidates = head.top_ids
+        found = candidates == gold[:, None]
+        recalled = found.any(-1)
+        mask = blocks.label_mask.reshape(-1)
+        if config.selector_missing_gold == "inject":
+            candidates = candidates.clone()
+            candidates[:, -1] = torch.where(recalled, candidates[:, -1], gold)
+            found = candidates == gold[:, None]
+            trained = mask
+        else:
+            trained = mask & recalled
+        # The previous gold token: the block's given token before slot 1, the label of slot k - 1 before slot k.
+        previous = torch.cat([blocks.block_ids[:, :1], gold.view(num_blocks, -1)[:, :-1]], dim=1).reshape(-1)
+        scores = candidate_logits(rows, self.target_head.lm_head_weight, candidates, config.chunk_rows)
+        scores = scores + selector.pairwise(rows, previous, candidates)
+        gold_index = found.long().argmax(-1)  # the gold's place among the candidates (0 where absent and excluded)
+        row_ce = torch.logsumexp(scores, -1) - scores.gather(-1, gold_index[:, None]).squeeze(-1)
+        selector_weights = weights.reshape(-1) * trained.float()
+        selector_loss = (selector_weights * row_ce).sum() / selector_weights.sum().clamp_min(1e-6)
+        loss = unary_loss + config.selector_loss_alpha * selector_loss
+
+        # Teacher-forced, a path's streak equals the free walk's: while every earlier pick was right, the previous
+        # token it conditions on is the gold one. A pick is right only if the gold really is among the top-K.
+        picked = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+        correct = (picked == gold) & recalled
+        path = draft_metrics(blocks, row_ce.detach().view(num_blocks, -1), correct.view(num_blocks, -1))
+        supervised = mask.float().sum().clamp_min(1.0)
+        out = dict(metrics)
+        out.update(
+            loss=loss.detach(), tau=path["tau"], acc=path["acc"], block_streaks=path["block_streaks"],
+            unary_tau=metrics["tau"],
+            **{"selector/recall": (recalled & mask).float().sum() / supervised,
+               "selector/accuracy": (correct & mask).float().sum() / supervised,
+               "selector/loss": selector_loss.detach()})
+        return loss, out
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, sampling: Sampling | None = None,
+                generator: torch.Generator | None = None) -> Proposal:
+        """The selector's walk over slots 1..B-1 from each block's given token: the argmax of the rescored top-K
+        (greedy), or a draw from their softmax at the temperature (kept in the proposal, over the candidates)."""
+        rows, slots, width = hidden.shape
+        selector = self.candidate_selector
+        logits = self.logits(hidden.reshape(rows * slots, width)).view(rows, slots, -1)
+        unary, candidates = logits.topk(selector.top_k, dim=-1)
+        sampled = sampling is not None and not sampling.greedy
+        previous = anchor_ids.long()
+        tokens, probs = [], []
+        for slot in range(slots):
+            scores = unary[:, slot] + selector.pairwise(hidden[:, slot], previous, candidates[:, slot])
+            if sampled:
+                q = torch.softmax(scores / sampling.temperature, dim=-1)
+                index = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+                probs.append(q)
+            else:
+                index = scores.argmax(-1)
+            previous = candidates[:, slot].gather(-1, index[:, None]).squeeze(-1)
+            tokens.append(previous)
+        return Proposal(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1) if sampled else None,
+                        candidates=candidates if sampled else None)

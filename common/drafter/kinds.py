@@ -1,0 +1,68 @@
+"""The drafter kinds: DFlash and DFlash 2, one family behind one interface (DFlashDrafter's ``make_layer``,
+``objective``, ``propose``, ``warm_start``).
+
+Each kind names its model class and how the serving formats name it; the rest of the project builds drafters
+and writes exports through this table, so a new kind (say DSpark's Markov and confidence heads) is one module
+with its model class and one entry here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from common.drafter.dflash2 import DFlash2Drafter
+from common.drafter.draft_config import DraftConfig
+from common.drafter.loss import LossConfig
+from common.drafter.model import DFlashDrafter
+from common.drafter.target_head import TargetHead
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One kind of drafter and its names in the serving formats."""
+
+    name: str
+    """``drafter.kind`` and ``DraftConfig.kind``."""
+    model: type[DFlashDrafter]
+    """The drafter class."""
+    zlab_architecture: str
+    """config.json ``architectures`` of z-lab's format (vLLM method "dflash", SGLang)."""
+    speculators_type: str
+    """config.json ``speculators_model_type`` of the speculators format."""
+    config_fields: tuple[str, ...] = ()
+    """DraftConfig fields of the kind written into ``dflash_config`` (z-lab) or the top level (speculators)."""
+
+
+KINDS: dict[str, DrafterKind] = {
+    kind.name: kind for kind in (
+        DrafterKind("dflash", DFlashDrafter, "DFlashDraftModel", "dflash"),
+        DrafterKind("dflash2", DFlash2Drafter, "DFlash2DraftModel", "dflash2",
+                    ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
+    )
+}
+
+
+def kind_of(name: str) -> DrafterKind:
+    if name not in KINDS:
+        raise ValueError(f"drafter kind must be one of {sorted(KINDS)}, got {name!r}")
+    return KINDS[name]
+
+
+def kind_of_export(config_json: dict) -> DrafterKind | None:
+    """The kind an exported config.json of either format describes (None: neither format's)."""
+    speculators_type = config_json.get("speculators_model_type")
+    architectures = config_json.get("architectures") or []
+    for kind in KINDS.values():
+        if speculators_type == kind.speculators_type or (speculators_type is None and kind.zlab_architecture in architectures):
+            return kind
+    return None
+
+
+def build_drafter(config: DraftConfig, target_head: TargetHead, loss_config: LossConfig | None = None,
+                  attention_backend: str | None = None, device: torch.device | None = None) -> DFlashDrafter:
+    """A fresh drafter of ``config.kind`` (built on ``device`` when given)."""
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return kind_of(config.kind).model(config, target_head, loss_config, attention_backend)

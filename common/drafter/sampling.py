@@ -1,0 +1,68 @@
+"""Sampling settings and what a drafter proposes: the tokens, and at temperature > 0 the distribution they were
+drawn from, which lossless rejection sampling needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the target's tokens are chosen (the server's sampling parameters); temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    """0: greedy; > 0: logits divided by it before the softmax."""
+    top_p: float = 1.0
+    """Nucleus: keep the smallest set of most likely tokens whose mass reaches top_p (1: all)."""
+    top_k: int = 0
+    """Keep the top_k most likely tokens (0: all)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """fp32 probabilities over the last dimension after temperature, top-k and top-p (a server's sampler)."""
+    scores = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < scores.shape[-1]:
+        kth = scores.topk(sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # A token is kept while the mass before it is below top_p: the most likely token always is.
+        keep = (sorted_probs.cumsum(-1) - sorted_probs) < sampling.top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+@dataclass
+class Proposal:
+    """The drafted tokens of R blocks, slots 1..B-1."""
+
+    tokens: torch.Tensor
+    """[R, B-1] int64."""
+    probs: torch.Tensor | None = None
+    """Sampled only: [R, B-1, V] the distribution each token was drawn from, or [R, B-1, K] over ``candidates``."""
+    candidates: torch.Tensor | None = None
+    """[R, B-1, K] int64 when ``probs`` is over a candidate set (a DFlash 2 selector), else None."""
+
+    def dense(self, vocab_size: int) -> Proposal:
+        """The same proposal with ``probs`` over the whole vocabulary (a candidate set scattered into it)."""
+        if self.probs is None or self.candidates is None:
+            return self
+        dense = torch.zeros(*self.probs.shape[:-1], vocab_size, dtype=self.probs.dtype, device=self.probs.device)
+        dense.scatter_add_(-1, self.candidates, self.probs)
+        return Proposal(tokens=self.tokens, probs=dense)
