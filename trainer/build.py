@@ -55,11 +55,7 @@ def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> Draf
     overrides = {"block_size": d.block_size, "in_block_causality": d.in_block_causality, "kind": d.kind,
                  "conv_kernel_size": d.conv_kernel_size, "conv_group_size": d.conv_group_size,
                  "selector_rank": d.selector_rank, "selector_top_k": d.selector_top_k}
-    if d.kind == "dflash2" and "vocab_size" in cfg.target.config_overrides:
-        # The selector's codebooks and servers' candidates index the target's whole vocabulary; there is no
-        # draft-vocabulary mapping for it.
-        raise ConfigError("drafter.kind: dflash2 needs the target's full vocabulary, and target.config_overrides "
-                          f"cuts it to vocab_size={cfg.target.config_overrides['vocab_size']}")
+
     if d.target_layer_ids:
         overrides["target_layer_ids"] = list(d.target_layer_ids)
     if d.layer_types:
@@ -72,10 +68,15 @@ def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> Draf
     tokenizer = None
     mask = d.mask_token_id
     has_tokenizer = any((head_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    if mask is None and has_tokenizer:
+    if has_tokenizer and (mask is None or d.kind == "dflash2"):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(head_dir)
+        if d.kind == "dflash2" and len(tokenizer) > int(target_config.vocab_size):
+            # The selector's codebooks, and the candidates servers compute, span the target's head; a head cut
+            # below its tokenizer (a pruned draft vocabulary) has no DFlash 2 form.
+            raise ConfigError(f"drafter.kind: dflash2 needs the target's full vocabulary: its tokenizer has "
+                              f"{len(tokenizer)} tokens, its head {target_config.vocab_size}")
     elif mask is None:
         # No tokenizer (a random target's exported head): the last id, which synthetic data never
         # uses. (transformers would return an empty tokenizer here, whose ids collide with data.)
