@@ -2,6 +2,7 @@
 
     python -m launch.bench.quality --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR [--magpie 49152] [--steps 1400]
     python -m launch.bench.quality --gguf FILE --out DIR --smoke          # the same pipeline in minutes on a CPU
+    python -m launch.bench.quality --gguf FILE --out DIR --reuse-data --name dflash2 --kind dflash2
 
 Every step is the user's own command, in order, on one GPU (producer and trainer share it under MPS):
 1. ``run_all.sh synthesize``: the target writes ``--magpie`` prompts of its own (Magpie) and answers them greedily;
@@ -28,6 +29,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from common.drafter.draft_config import DRAFTER_KINDS
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "launch" / "smollm2-135m.toml"
@@ -128,8 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     data_stage.add_argument("--synthesize-only", action="store_true", help="step 1 only: the data, for runs that follow")
     data_stage.add_argument("--reuse-data", action="store_true", help="skip step 1: train on the data an earlier run of "
                             "this --out synthesized (several recipes may then train side by side)")
+    parser.add_argument("--kind", choices=DRAFTER_KINDS, default="dflash",
+                        help="the drafter kind trained (drafter.kind; its options as overrides, e.g. "
+                             "drafter.selector_missing_gold=exclude)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (the recipe)")
     args = parser.parse_args(argv)
+    args.overrides = [f"drafter.kind={args.kind}", *args.overrides]
     for key, value in (SMOKE_SIZES if args.smoke else SIZES).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         common += ["target.dtype=float32", 'launch.producer_devices=["cpu"]', 'launch.trainer_devices=["cpu"]',
                    "launch.mps=false", "synthesize.rows=8", "batching.token_budget=2048", "data.max_seq_len=1024",
                    "drafter.num_anchors=64", "eval.max_new_tokens=32", "training.checkpoint_every=20"]
-    result: dict = {"bench": "quality", "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+    result: dict = {"bench": "quality", "kind": args.kind, "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
                     "magpie_prompts": args.magpie, "steps": args.steps, "overrides": args.overrides,
                     "device": "cpu" if args.smoke else _gpu_name()}
 

@@ -1,13 +1,16 @@
-"""Benchmark one DFlash training step (forward, backward, fused AdamW) at the Qwen3-8B draft shapes.
+"""Benchmark one DFlash training step (forward, backward, fused AdamW) at the Qwen3-8B draft shapes, for each
+drafter kind asked (--kinds dflash,dflash2: the table adds each kind's step time over the first kind's).
 
 Features are random and already on the device; weights are random bf16. One "sample" is one packed
 sequence of --seq-len tokens with --num-anchors blocks. MFU = model FLOPs (common.drafter.model.
 train_flops, attention over the query-key pairs the step's masks let attend, frozen head weight gradient
-excluded) / time / the bf16 matmul rate measured here (an 8192^3 matmul).
+excluded) / time / the bf16 matmul rate measured here (an 8192^3 matmul). Every kind is counted with DFlash's
+FLOPs, so a kind's extra modules show as a longer step and a lower MFU, not as more work.
 
     python -m launch.bench.step                       # H200: eager layers vs compiled layers
     python -m launch.bench.step --variants compile-layers --steps 20
     python -m launch.bench.step --tiny                # CPU smoke run
+    python -m launch.bench.step --kinds dflash,dflash2 --variants compile-layers --draft qwen3.6-27b
     torchrun --nproc-per-node 2 -m launch.bench.step --variants compile-layers --master-fp32 --parallelism ddp
 
 Under torchrun every rank trains its own batch on its GPU (DDP or FSDP, as trainer.train does) and
@@ -17,6 +20,7 @@ rank 0 prints the whole group's samples/s; divided by the single-GPU figure that
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -27,7 +31,8 @@ import torch.distributed as dist
 from common.batch import PackedBatch
 from launch.bench.util import matmul_tflops, synchronize
 from common.lifecycle import exit_process
-from common.drafter.draft_config import DraftConfig
+from common.drafter.draft_config import DRAFTER_KINDS, DraftConfig
+from common.drafter.kinds import build_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter, train_flops
 from trainer.sharding import full_tensor, parallelize
@@ -85,13 +90,13 @@ def random_batch(config: DraftConfig, seq_len: int, num_docs: int, device: torch
     return batch.to(device)
 
 
-def build_drafter(config: DraftConfig, variant: str, device: torch.device, chunk_rows: int,
-                  master_fp32: bool = False, parallelism: str = "single") -> DFlashDrafter:
+def drafter_of_variant(config: DraftConfig, variant: str, device: torch.device, chunk_rows: int,
+                       master_fp32: bool = False, parallelism: str = "single") -> DFlashDrafter:
     """The drafter on ``device`` (on the host under FSDP, which moves each rank's shards itself), its
     layers or whole forward compiled as ``variant`` says."""
     head = TargetHead.random(config.vocab_size, config.hidden_size, torch.bfloat16, device)
     param_dtype = torch.float32 if master_fp32 else torch.bfloat16
-    drafter = DFlashDrafter(config, head, LossConfig(chunk_rows=chunk_rows)).to(dtype=param_dtype)
+    drafter = build_drafter(config, head, LossConfig(chunk_rows=chunk_rows)).to(dtype=param_dtype)
     if parallelism != "fsdp":
         drafter.to(device)  # FSDP moves each rank's shards to the device itself
     if variant == "compile-layers":
@@ -106,7 +111,7 @@ def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, d
                   peak_tflops: float) -> dict:
     torch.manual_seed(0)
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    drafter = build_drafter(config, variant, device, args.chunk_rows, args.master_fp32, args.parallelism)
+    drafter = drafter_of_variant(config, variant, device, args.chunk_rows, args.master_fp32, args.parallelism)
     model = parallelize(drafter, device, ranks, sharded=args.parallelism == "fsdp")  # as trainer.train does
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.master_fp32)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -143,6 +148,7 @@ def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, d
     step_s = (time.perf_counter() - start) / args.steps
     flops = float(train_flops(config, args.seq_len, args.num_anchors, pairs / args.steps)["total"])
     return {
+        "kind": config.kind,
         "variant": variant if args.parallelism == "single" else f"{variant} {args.parallelism}x{ranks}",
         "ranks": ranks,
         "step_ms": step_s * 1e3,
@@ -162,6 +168,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--draft", choices=sorted(DRAFTS), default="qwen3-8b", help="draft shape")
     parser.add_argument("--variants", default="eager,compile-layers", help=f"comma list of {VARIANTS}")
+    parser.add_argument("--kinds", default="dflash", help=f"comma list of drafter kinds {DRAFTER_KINDS}")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per packed sequence (3072; tiny 256)")
@@ -192,11 +199,18 @@ def main() -> None:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if set(kinds) - set(DRAFTER_KINDS):
+        parser.error(f"unknown kinds {sorted(set(kinds) - set(DRAFTER_KINDS))}; choose from {DRAFTER_KINDS}")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_tflops(device, args.matmul_size or (1024 if device.type == "cpu" else 8192))
 
-    results = [bench_variant(config, v, args, device, peak) for v in variants]
+    results = [bench_variant(dataclasses.replace(config, kind=kind), v, args, device, peak)
+               for kind in kinds for v in variants]
+    baseline = {r["variant"]: r["step_ms"] for r in results if r["kind"] == kinds[0]}
+    for r in results:
+        r["step_vs_first_kind"] = r["step_ms"] / baseline[r["variant"]]
     if dist.is_initialized():
         dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
@@ -204,14 +218,17 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
           f"measured bf16 matmul {peak:.1f} TFLOP/s, seq {args.seq_len}, anchors {args.num_anchors}, "
           f"B {args.block_size}, docs {args.num_docs}")
-    header = f"{'variant':<16}{'step ms':>10}{'samples/s':>11}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}"
+    header = (f"{'kind':<9}{'variant':<16}{'step ms':>10}{'x first':>9}{'samples/s':>11}{'tokens/s':>11}{'TFLOP/s':>9}"
+              f"{'MFU':>7}{'peak GiB':>10}{'params M':>10}")
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r['variant']:<16}{r['step_ms']:>10.1f}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>11.0f}"
-              f"{r['achieved_tflops']:>9.1f}{r['mfu']:>7.1%}{r['peak_mem_gib']:>10.1f}")
+        print(f"{r['kind']:<9}{r['variant']:<16}{r['step_ms']:>10.1f}{r['step_vs_first_kind']:>9.3f}"
+              f"{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>11.0f}{r['achieved_tflops']:>9.1f}{r['mfu']:>7.1%}"
+              f"{r['peak_mem_gib']:>10.1f}{r['trainable_params'] / 1e6:>10.1f}")
     print(json.dumps({"bench": "dflash_train_step", "matmul_tflops": peak, "seq_len": args.seq_len,
-                      "num_anchors": args.num_anchors, "block_size": args.block_size, "results": results}))
+                      "num_anchors": args.num_anchors, "block_size": args.block_size, "draft": "tiny" if args.tiny
+                      else args.draft, "results": results}))
 
 
 if __name__ == "__main__":
