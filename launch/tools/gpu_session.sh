@@ -2,7 +2,7 @@
 # Every GPU check and benchmark of the project in one go, on a GPU machine that starts bare and
 # keeps nothing from one run to the next. Logs and JSON go to $OUT (default ./gpu-out); a summary is
 # printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp|generate|data|masks|quality|collect_quality|recipes|collect_recipes ...]   (default: tests ring producer step restart)
+#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp|generate|data|masks|dflash2|quality|collect_quality|recipes|collect_recipes ...]   (default: tests ring producer step restart)
 # The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
 # the background with setsid (it writes its JSON after every run) and collect the results later.
 # A bare image may lack some packages: install them from wheels carried in .whl first, e.g.
@@ -79,6 +79,12 @@ for step in $steps; do
           # more rows per decode step for the synthesis preset (synthesize.rows): a 135M model's step is launch-bound
           run generate_smollm2_1024 300 $PY -m launch.bench.generate --model smollm2 ${GGUF:+--path "$GGUF"} --rows 1024 --prompts 2048 --json "$OUT/generate_smollm2_1024.json"
           run generate_qwen3_8b 400 $PY -m launch.bench.generate --model qwen3-8b --rows 128 --prompts 256 --json "$OUT/generate_qwen3_8b.json" ;;
+    dflash2)  # DFlash 2: its compiled CUDA step against the eager dense one, then its step cost beside DFlash's at the
+              # Qwen3-8B, Qwen3.6-27B and SmolLM2 preset draft shapes (compiled layers, fp32 master weights, as trained)
+          run dflash2_tests 300 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_dflash2.py
+          run step_kinds_8b 240 $PY -m launch.bench.step --kinds dflash,dflash2 --variants compile-layers --master-fp32 --warmup 3 --steps 10
+          run step_kinds_27b 300 $PY -m launch.bench.step --kinds dflash,dflash2 --draft qwen3.6-27b --variants compile-layers --master-fp32 --warmup 3 --steps 8
+          run step_kinds_smollm2 240 $PY -m launch.bench.step --kinds dflash,dflash2 --draft smollm2-135m --seq-len 65536 --num-anchors 2048 --num-docs 160 --variants compile-layers --master-fp32 --warmup 3 --steps 10 ;;
     masks)  # block masks built from their tiles (a80755e, 4dd5bb8): the compiled flex forwards against the dense ones,
             # the build against create_block_mask's pair-by-pair one, and a SmolLM2-sized draft step (65,536 tokens)
           run masks_tests 420 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_drafter_masks.py tests/test_target.py
