@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of the project in one go, on a GPU machine that starts bare and
-# keeps nothing from one run to the next. Logs and JSON go to $OUT (default ./gpu-out); a summary is
-# printed last. Each step has its own time limit so that one slow step cannot eat the others.
-#   bash launch/tools/gpu_session.sh [tests|ring|producer|step|restart|evals|pauses|hybrid|scaling|pipeline|mps|mps_share|shared_fsdp|stalls|checkpoint|checkpoint_fsdp|generate|data|masks|dflash2|quality|collect_quality|recipes|collect_recipes ...]   (default: tests ring producer step restart)
+# The project's GPU suite: the tests marked gpu and the benchmarks that only mean something on a GPU, one named
+# step each, run in order on one machine; each step's log goes to $OUT (default ./gpu-out) and a summary of the
+# steps' exit codes is printed last. Each step has its own time limit so that one slow step cannot eat the others.
+#   bash launch/tools/gpu_suite.sh [STEP ...]      (default: tests ring producer step restart)
+# Steps: tests (CUDA ring, target capture, pipeline, tensor parallel, FSDP), ring, producer, step (the draft step,
+# eager and compiled), restart, evals, pauses, hybrid (Qwen3.6-27B shapes), scaling (DDP / FSDP over 2 GPUs),
+# pipeline, mps, mps_share, shared_fsdp, stalls, checkpoint, checkpoint_fsdp, generate, data, masks, dflash2 (the
+# DFlash 2 step against the eager one, and both kinds' step cost), quality, collect_quality, recipes, collect_recipes.
 # The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
 # the background with setsid (it writes its JSON after every run) and collect the results later.
-# A bare image may lack some packages: install them from wheels carried in .whl first, e.g.
+# The machine may start bare and keep nothing between runs: install what the image lacks from wheels carried in
+# .whl first, e.g.
 #   python3 -m pip install -q --no-index --find-links .whl pyzmq wandb accelerate transformers==5.24.0
 # (accelerate: transformers needs it for device_map and tensor-parallel loading).
 set -u
