@@ -12,7 +12,8 @@ import torch
 from common.drafter.blocks import build_blocks
 from common.drafter.dflash2 import DFlash2Drafter, GroupedDynamicCausalConv
 from common.drafter.evaluate import draft_rows, propose_rows
-from common.drafter.export import config_from_export, export_speculators, export_zlab, load_drafter, zlab_config
+from common.drafter.export import (config_from_export, export_speculators, export_zlab, load_drafter,
+                                   speculators_config, zlab_config)
 from common.drafter.kinds import build_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.masks import build_masks
@@ -179,6 +180,23 @@ def test_export_round_trip_keeps_the_kind_and_its_fields(tmp_path):
         assert isinstance(loaded, DFlash2Drafter) and loaded.config == config, fmt
         for name, tensor in drafter.state_dict().items():
             assert torch.equal(loaded.state_dict()[name], tensor), (fmt, name)
+
+
+def test_a_speculators_dflash2_config_without_the_causality_flag_reads_as_speculators_defaults_it():
+    """speculators' dflash2 config defaults sliding_window_non_causal to True (dflash: False): an export written
+    elsewhere that leaves it out trained its sliding layers bidirectional inside the block."""
+    config = dflash2_config(layer_types=["sliding_attention", "sliding_attention"], sliding_window=8,
+                            in_block_causality="bidirectional")
+    exported = speculators_config(config, "verifier")
+    assert exported["architectures"] == ["DFlash2DraftModel"] and exported["sliding_window_non_causal"] is True
+    for key in ("sliding_window_non_causal", "in_block_causality"):
+        del exported[key]
+    assert config_from_export(exported).causal_per_layer == [False, False]
+    dflash = speculators_config(tiny_config(layer_types=["sliding_attention", "sliding_attention"], sliding_window=8,
+                                            in_block_causality="causal"), "verifier")
+    for key in ("sliding_window_non_causal", "in_block_causality"):
+        del dflash[key]
+    assert config_from_export(dflash).causal_per_layer == [True, True]
 
 
 reference = pytest.mark.skipif(importlib.util.find_spec("dflash") is None,

@@ -153,7 +153,7 @@ def speculators_config(config: DraftConfig, verifier_name_or_path: str,
     kind = kind_of(config.kind)
     return {
         "speculators_model_type": kind.speculators_type,
-        "architectures": ["DFlash2Speculator" if config.kind == "dflash2" else "DFlashSpeculator"],
+        "architectures": [kind.speculators_architecture],
         **{name: getattr(config, name) for name in kind.config_fields},
         "speculators_config": {
             "algorithm": kind.speculators_type,
@@ -228,9 +228,11 @@ def _draft_fields(qwen3: dict[str, Any]) -> dict[str, Any]:
 def _served_causality(config_json: dict[str, Any], layer_types: list[str]) -> list[bool]:
     """Per layer, the in-block causality a config.json written elsewhere states, read as its format's own
     trainer reads it: z-lab ``is_causal``, else ``dflash_config.causal``, else the layer-type default;
-    speculators: sliding layers causal unless ``sliding_window_non_causal``, full layers bidirectional."""
-    if config_json.get("speculators_model_type") is not None:
-        non_causal = config_json.get("sliding_window_non_causal", False)
+    speculators: sliding layers causal unless ``sliding_window_non_causal``, full layers bidirectional (the flag left
+    out means False for dflash and True for dflash2, as speculators' own configs default it)."""
+    kind = kind_of_export(config_json)
+    if kind is not None and "speculators_model_type" in config_json:
+        non_causal = config_json.get("sliding_window_non_causal", kind.speculators_sliding_non_causal)
         return [t == SLIDING_ATTENTION and not non_causal for t in layer_types]
     explicit = config_json.get("is_causal", (config_json.get("dflash_config") or {}).get("causal"))
     return [bool(explicit) if explicit is not None else _default_causal(t) for t in layer_types]

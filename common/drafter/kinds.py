@@ -32,14 +32,18 @@ class DrafterKind:
     """config.json ``architectures`` of z-lab's format (vLLM method "dflash", SGLang)."""
     speculators_type: str
     """config.json ``speculators_model_type`` of the speculators format."""
+    speculators_architecture: str
+    """config.json ``architectures`` of the speculators format."""
+    speculators_sliding_non_causal: bool
+    """What speculators assumes of ``sliding_window_non_causal`` when a config of this kind leaves it out."""
     config_fields: tuple[str, ...] = ()
     """DraftConfig fields of the kind written into ``dflash_config`` (z-lab) or the top level (speculators)."""
 
 
 KINDS: dict[str, DrafterKind] = {
     kind.name: kind for kind in (
-        DrafterKind("dflash", DFlashDrafter, "DFlashDraftModel", "dflash"),
-        DrafterKind("dflash2", DFlash2Drafter, "DFlash2DraftModel", "dflash2",
+        DrafterKind("dflash", DFlashDrafter, "DFlashDraftModel", "dflash", "DFlashSpeculator", False),
+        DrafterKind("dflash2", DFlash2Drafter, "DFlash2DraftModel", "dflash2", "DFlash2DraftModel", True,
                     ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
     )
 }
