@@ -59,7 +59,7 @@ def test_an_evaluation_out_rewrites_the_status_only_when_its_result_comes(short_
     original = trainer.write_status
     trainer.write_status = lambda: (original(), writes.append(read_json(trainer.run_dir.trainer_status)["evals_in_flight"]))
     try:
-        trainer.evals_in_flight.add((8, trainer.incarnation))
+        trainer.evals.in_flight.add((8, trainer.incarnation))
         for _ in range(3):  # the loop asks every few steps
             trainer.collect_evaluations()
         assert writes == []

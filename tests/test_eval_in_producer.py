@@ -143,26 +143,31 @@ def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_c
 
 def test_the_trainer_warns_when_a_result_shows_a_real_and_simulated_gap(tmp_path, caplog):
     """The result of producer 0 goes through the trainer's own logging, which warns past eval.gap_tolerance."""
-    from types import SimpleNamespace
-
     from common.config import load_config
-    from trainer.train import Trainer
+    from common.rundir import RunDir
+    from trainer.evaluations import EvalClient
 
-    trainer = SimpleNamespace(metrics_file=open(tmp_path / "metrics.jsonl", "w"), wandb=None, step=30,
-                              draft_config=SimpleNamespace(block_size=4), cfg=load_config(None))
+    client = EvalClient(RunDir(tmp_path), incarnation=1, block_size=4, gap_tolerance=load_config(None).eval.gap_tolerance,
+                        background_export=False)
+    metrics_file = open(tmp_path / "metrics.jsonl", "w")
+
+    def record(step: int, metrics: dict) -> None:
+        client.record(step, metrics, now_step=30, metrics_file=metrics_file, wandb_run=None)
+
     with caplog.at_level("WARNING"):
-        Trainer._log_evaluation(trainer, 24, {"eval/tau": 1.2, "eval/sim_tau": 2.6, "eval/tau_gap": -1.4})
+        record(24, {"eval/tau": 1.2, "eval/sim_tau": 2.6, "eval/tau_gap": -1.4})
         assert "differ by more than eval.gap_tolerance" in caplog.text  # 1.4 > 0.3 * (B - 1)
         caplog.clear()
-        Trainer._log_evaluation(trainer, 28, {"eval/tau": 2.5, "eval/sim_tau": 2.6, "eval/tau_gap": -0.1})
+        record(28, {"eval/tau": 2.5, "eval/sim_tau": 2.6, "eval/tau_gap": -0.1})
         assert "differ by more" not in caplog.text
         # With the gap's three steps measured, the warning says which step it is.
-        Trainer._log_evaluation(trainer, 32, {"eval/tau": 1.2, "eval/sim_tau": 2.6, "eval/tau_gap": -1.4,
-                                              "eval/sim_tau_greedy": 1.4, "eval/sim_tau_walk": 1.25})
+        record(32, {"eval/tau": 1.2, "eval/sim_tau": 2.6, "eval/tau_gap": -1.4, "eval/sim_tau_greedy": 1.4,
+                    "eval/sim_tau_walk": 1.25})
         assert "-1.400 in all, of it -1.200 the documents against the target's own text" in caplog.text
         assert "-0.150 the anchors decoding starts its blocks at" in caplog.text and "-0.050 serving" in caplog.text
-    trainer.metrics_file.close()
+    metrics_file.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [24, 28, 32]
+    assert client.last == {"step": 32, "tau": 1.2, "sim_tau": 2.6}
 
 
 def test_a_new_trainer_adopts_the_evaluations_of_its_lineage_and_asks_again_past_it(short_tmp):

@@ -29,10 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from common import evals, faults
+from common import faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
 from common.contract import Expectation
-from common.drafter.evaluate import warn_if_gap
 from common.drafter.export import config_from_export, drafter_from_state, zlab_config
 from common.drafter.kinds import build_drafter, kind_of
 from common.drafter.model import train_flops
@@ -41,7 +40,8 @@ from common.lifecycle import die_with_parent, end_now, exit_process
 from common.naming import process_start_ticks, run_tag, sweep_stale_trainer_staging
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from trainer import build
-from trainer.checkpoint import CheckpointWriter, EvalExportWriter, Snapshot, load_checkpoint
+from trainer.checkpoint import CheckpointWriter, Snapshot, load_checkpoint
+from trainer.evaluations import EvalClient
 from trainer import handover
 from trainer.feeder import Commits, Feeder, Received
 from trainer.optim import build_optimizer
@@ -219,9 +219,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps))
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + self.rank)
         self.commits = Commits()
-        self.evals_in_flight: set[tuple[int, int]] = set()
-        """(step, incarnation) of the evaluations asked for, by this trainer or adopted from the one before, that
-        have not come back (common/evals.py)."""
+        self.evals = EvalClient(run_dir, self.incarnation, self.draft_config.block_size, cfg.eval.gap_tolerance,
+                                background_export=cfg.training.async_checkpoint)
         self.wandb_id = None
         if resumed is not None:
             # On a GPU the optimizer copies its state to the device; on the CPU it would keep a handed-over
@@ -231,7 +230,7 @@ class Trainer:
             self._restore(train_state, resumed.meta)
         self.start_step = self.step
         if self.rank == 0:
-            self._adopt_evaluations()
+            self.evals.adopt(self.step)
         clock.lap("optimizer")
         self.wandb = self._init_wandb()
         clock.lap("wandb")
@@ -247,7 +246,6 @@ class Trainer:
         if handed is not None:  # the disk checkpoint of the step handed over, from its pages, while training goes on
             self.checkpoints.write(Snapshot(f"step-{self.step:08d}", self.drafter, handed.weights, handed.train_state,
                                             handed.meta), background=True)
-        self.eval_exports = EvalExportWriter(run_dir)
         self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
         self.flops_cache: dict[int, float] = {}
@@ -544,7 +542,7 @@ class Trainer:
             self.step += 1
             self.record(everyone)
             window.add(received, metrics, starved, time.perf_counter() - started, self._flops(received, metrics))
-            if self.evals_in_flight and self.step % max(1, self.cfg.logging.log_every // 4) == 0:
+            if self.evals.in_flight and self.step % max(1, self.cfg.logging.log_every // 4) == 0:
                 self.collect_evaluations()
             if self.step % self.cfg.logging.log_every == 0 or self.step == self.max_steps:
                 self.log_metrics(window)
@@ -571,74 +569,27 @@ class Trainer:
         return self.state
 
     def evaluate(self) -> None:
-        """Ask for an acceptance evaluation of this step's weights (common/evals.py) and go on training: the
-        drafter is exported into the run directory and producer 0, which holds the target, evaluates it
-        between two of its batches; ``collect_evaluations`` logs the result at the step it belongs to. Under
-        FSDP every rank helps gather the weights. The coupled baseline evaluates in its own loop instead."""
+        """Ask for an acceptance evaluation of this step's weights and go on training: producer 0, which holds the
+        target, evaluates the exported drafter between two of its batches (trainer/evaluations.py). Under FSDP every
+        rank helps gather the weights. The coupled baseline evaluates in its own loop instead."""
         weights = full_model_state(self.drafter) if self.sharded else None
         if self.rank != 0:
             return
         if self.coupled:
             self._evaluate_in_loop(weights)
             return
-        export = evals.folder(self.run_dir, self.step, self.incarnation) / "drafter"
-        request = evals.EvalRequest(step=self.step, drafter=str(export), incarnation=self.incarnation)
-        # Training stands still only for the copy to host memory; the export is written in the background.
-        stall_s = self.eval_exports.export(self.drafter, weights if weights is not None else self.drafter.state_dict(),
-                                           request, background=self.cfg.training.async_checkpoint)
-        log.info("evaluation of step %d asked for; training stood still %.2f s for its export", self.step, stall_s)
-        self.evals_in_flight.add((self.step, self.incarnation))
+        self.evals.ask(self.step, self.drafter, weights if weights is not None else self.drafter.state_dict())
         self.write_status()
 
     def collect_evaluations(self, wait_s: float = 0.0) -> None:
         """Log the results of the evaluations asked for that have come back (waiting up to ``wait_s`` for all)."""
         if self.rank != 0:
             return
-        deadline = time.monotonic() + wait_s
-        came = False
-        while self.evals_in_flight:
-            for step, incarnation in sorted(self.evals_in_flight):
-                result = evals.result(self.run_dir, step, incarnation)
-                if result is None:
-                    continue
-                came = True
-                self.evals_in_flight.discard((step, incarnation))
-                if result.lost:
-                    log.warning("evaluation of step %d lost: %s", step, result.lost)
-                else:
-                    self._log_evaluation(step, result.metrics)
-                evals.mark_logged(self.run_dir, step, incarnation)
-            if not self.evals_in_flight or time.monotonic() >= deadline or self.stop_requested:
-                break
-            time.sleep(0.2)
-        if came:  # called every few steps while one is out: the status changes only when a result comes
-            self.write_status()
-
-    def _adopt_evaluations(self) -> None:
-        """Take over the evaluations the trainers before asked for, up to the step this one resumed at: their results
-        are logged here when they come. Those past it measured weights this lineage never had: written as lost."""
-        for step in evals.mark_abandoned_exports_lost(self.run_dir, self.incarnation):
-            log.warning("evaluation of step %d lost: the trainer that asked for it stopped before its export was complete", step)
-        adopted, superseded = evals.adoptable(self.run_dir, self.step, self.incarnation)
-        self.evals_in_flight.update(adopted)
-        for step, incarnation in superseded:
-            if evals.result(self.run_dir, step, incarnation) is None:
-                evals.finish(self.run_dir, evals.EvalResult(step=step, incarnation=incarnation,
-                                                            lost=f"superseded: the trainer resumed at step {self.step}"))
-            evals.mark_logged(self.run_dir, step, incarnation)
-        if adopted:
-            log.info("adopted the evaluations of steps %s asked for before this trainer started", [step for step, _ in adopted])
+        if self.evals.collect(self._log_evaluation, wait_s, stop=lambda: self.stop_requested):
+            self.write_status()  # called every few steps while one is out: the status changes only when a result comes
 
     def _log_evaluation(self, step: int, metrics: dict[str, float]) -> None:
-        self.metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
-        self.metrics_file.flush()
-        if self.wandb is not None:  # wandb's steps only grow: eval/* are plotted against eval/step
-            self.wandb.log({**metrics, "eval/step": step}, step=self.step)
-        self.last_eval = {"step": step, "tau": metrics.get("eval/tau"), "sim_tau": metrics.get("eval/sim_tau")}
-        log.info("eval at step %d (logged at %d): tau %.3f real, %.3f simulated, %.1f%% target forwards saved",
-                 step, self.step, metrics.get("eval/tau", 0.0), metrics.get("eval/sim_tau", 0.0),
-                 100 * metrics.get("eval/forwards_saved", 0.0))
-        warn_if_gap(metrics, self.draft_config.block_size, self.cfg.eval.gap_tolerance)
+        self.evals.record(step, metrics, self.step, self.metrics_file, self.wandb)
 
     def _evaluate_in_loop(self, weights: dict | None) -> None:
         """The coupled baseline's evaluation, as today's online trainers do it: in the loop, on its own target."""
@@ -649,7 +600,7 @@ class Trainer:
             drafter.to(self.device)
         report = self.coupled.evaluate(self.step, drafter, self.metrics_file, self.wandb)
         if report is not None:
-            self.last_eval = {"step": self.step, "tau": report.tau, "sim_tau": report.sim_tau}
+            self.evals.last = {"step": self.step, "tau": report.tau, "sim_tau": report.sim_tau}
             self.write_status()
 
     def _stall(self) -> None:
@@ -713,8 +664,7 @@ class Trainer:
             "kind": self.cfg.drafter.kind,
             "kind_metrics": {key: last[key] for key in kind_of(self.cfg.drafter.kind).model.logged_metrics if key in last},
             "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "steps_per_s": last.get("steps_per_s"),
-            "eval": getattr(self, "last_eval", None),
-            "evals_in_flight": sorted(step for step, _ in getattr(self, "evals_in_flight", ())),
+            **(self.evals.status() if hasattr(self, "evals") else {"eval": None, "evals_in_flight": []}),
             "parallelism": self.parallelism, "drafter_params_total": getattr(self, "drafter_params_total", None),
             "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
             "last_checkpoint": vars(self.checkpoints.last) if getattr(self, "checkpoints", None) and self.checkpoints.last else None,
@@ -722,7 +672,7 @@ class Trainer:
         }, durable=False)  # every step while an evaluation is out: it must not wait behind a checkpoint's write
 
     def close(self) -> None:
-        self.eval_exports.wait()  # its request is written, so the producer may still answer it
+        self.evals.close()
         try:
             self.checkpoints.wait()  # a background write finishes whatever ends the trainer (unless a handover superseded it)
         except CheckpointError:

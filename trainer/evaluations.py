@@ -1,0 +1,107 @@
+"""The trainer's side of producer 0's evaluations (common/evals.py is the contract, producer/evaluation.py the other
+side): ask for one at a step, log each result at the step it belongs to when it comes back, and take over those a
+trainer before this one asked for. Training never waits for a result, except a finished run for its last step's."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+import torch
+
+from common import evals
+from common.drafter.evaluate import warn_if_gap
+from common.drafter.model import DFlashDrafter
+from common.rundir import RunDir
+from trainer.checkpoint import EvalExportWriter
+
+log = logging.getLogger(__name__)
+
+
+class EvalClient:
+    """The evaluations one trainer (rank 0) asked for or adopted, and the last result logged."""
+
+    def __init__(self, run_dir: RunDir, incarnation: int, block_size: int, gap_tolerance: float,
+                 background_export: bool) -> None:
+        self.run_dir = run_dir
+        self.incarnation = incarnation
+        self.block_size = block_size
+        self.gap_tolerance = gap_tolerance
+        self.background_export = background_export
+        self.exports = EvalExportWriter(run_dir)
+        self.in_flight: set[tuple[int, int]] = set()
+        """(step, incarnation) of the evaluations asked for, by this trainer or adopted from the one before, that
+        have not come back."""
+        self.last: dict[str, Any] | None = None
+        """The last result logged: step, real tau, simulated tau (the status shows it)."""
+
+    def adopt(self, resumed_step: int) -> None:
+        """Take over the evaluations the trainers before asked for, up to the step this one resumed at: their results
+        are logged here when they come. Those past it measured weights this lineage never had: written as lost."""
+        for step in evals.mark_abandoned_exports_lost(self.run_dir, self.incarnation):
+            log.warning("evaluation of step %d lost: the trainer that asked for it stopped before its export was complete", step)
+        adopted, superseded = evals.adoptable(self.run_dir, resumed_step, self.incarnation)
+        self.in_flight.update(adopted)
+        for step, incarnation in superseded:
+            if evals.result(self.run_dir, step, incarnation) is None:
+                evals.finish(self.run_dir, evals.EvalResult(step=step, incarnation=incarnation,
+                                                            lost=f"superseded: the trainer resumed at step {resumed_step}"))
+            evals.mark_logged(self.run_dir, step, incarnation)
+        if adopted:
+            log.info("adopted the evaluations of steps %s asked for before this trainer started", [step for step, _ in adopted])
+
+    def ask(self, step: int, drafter: DFlashDrafter, weights: dict[str, torch.Tensor]) -> None:
+        """Export the drafter's ``weights`` for producer 0 to evaluate; training stands still only for their copy to
+        host memory, the export is written in the background."""
+        export = evals.folder(self.run_dir, step, self.incarnation) / "drafter"
+        request = evals.EvalRequest(step=step, drafter=str(export), incarnation=self.incarnation)
+        stall_s = self.exports.export(drafter, weights, request, background=self.background_export)
+        log.info("evaluation of step %d asked for; training stood still %.2f s for its export", step, stall_s)
+        self.in_flight.add((step, self.incarnation))
+
+    def collect(self, log_result: Callable[[int, dict[str, float]], None], wait_s: float = 0.0,
+                stop: Callable[[], bool] = lambda: False) -> bool:
+        """Hand each result that has come back to ``log_result(step, metrics)`` (waiting up to ``wait_s`` for all,
+        unless ``stop()``); whether any came."""
+        deadline = time.monotonic() + wait_s
+        came = False
+        while self.in_flight:
+            for step, incarnation in sorted(self.in_flight):
+                result = evals.result(self.run_dir, step, incarnation)
+                if result is None:
+                    continue
+                came = True
+                self.in_flight.discard((step, incarnation))
+                if result.lost:
+                    log.warning("evaluation of step %d lost: %s", step, result.lost)
+                else:
+                    log_result(step, result.metrics)
+                evals.mark_logged(self.run_dir, step, incarnation)
+            if not self.in_flight or time.monotonic() >= deadline or stop():
+                break
+            time.sleep(0.2)
+        return came
+
+    def record(self, step: int, metrics: dict[str, float], now_step: int, metrics_file: IO[str], wandb_run: Any) -> None:
+        """Log one result in metrics.jsonl at its own step, in wandb (whose steps only grow: against eval/step) and
+        in the trainer's log, warning when real and simulated tau drift apart."""
+        metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
+        metrics_file.flush()
+        if wandb_run is not None:
+            wandb_run.log({**metrics, "eval/step": step}, step=now_step)
+        self.last = {"step": step, "tau": metrics.get("eval/tau"), "sim_tau": metrics.get("eval/sim_tau")}
+        log.info("eval at step %d (logged at %d): tau %.3f real, %.3f simulated, %.1f%% target forwards saved",
+                 step, now_step, metrics.get("eval/tau", 0.0), metrics.get("eval/sim_tau", 0.0),
+                 100 * metrics.get("eval/forwards_saved", 0.0))
+        warn_if_gap(metrics, self.block_size, self.gap_tolerance)
+
+    def status(self) -> dict[str, Any]:
+        """The status file's part: the last result and the steps still out."""
+        return {"eval": self.last, "evals_in_flight": sorted(step for step, _ in self.in_flight)}
+
+    def close(self) -> None:
+        """Wait for an export being written: its request is, so the producer may still answer it."""
+        self.exports.wait()
