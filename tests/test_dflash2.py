@@ -266,3 +266,16 @@ def test_gpu_compiled_dflash2_step_equals_the_dense_eager_step():
         torch.testing.assert_close(metrics_b[key], metrics_a[key], rtol=0.02, atol=0.02)
     for name, grad in grads_a.items():
         torch.testing.assert_close(grads_b[name], grad, rtol=2e-2, atol=2e-3, msg=name)
+
+
+@pytest.mark.parametrize("width", [64, 151936, 49152, 5000])
+def test_the_two_pass_top_k_equals_topk(width):
+    from common.drafter.loss import top_k_indices
+
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(37, width, generator=gen)
+    logits[0, -3:] = 50.0  # the largest in the short last group
+    logits[1, :20] = 40.0 + torch.arange(20.0)  # many of the largest in one group
+    ours = top_k_indices(logits, 16)
+    torch.testing.assert_close(logits.gather(1, ours), logits.topk(16, dim=-1).values)
+    assert all(len(set(row)) == 16 for row in ours.tolist())

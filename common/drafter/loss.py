@@ -144,6 +144,30 @@ def _soft_lk_grad(draft_p: torch.Tensor, target_p: torch.Tensor, draft_below_tar
     return draft_p.mul_(scale).addcmul_(target_p, ce_coef[:, None], value=-1.0)
 
 
+TOP_K_GROUP = 256
+"""Columns per group of :func:`top_k_indices`' first pass."""
+
+
+def top_k_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, k] indices of each row's k largest logits, most likely first: ``logits.topk(k).indices``, exact, in two
+    passes that never sort a vocabulary-wide row. The k largest lie in the k groups of TOP_K_GROUP columns with the
+    largest maxima (each group with a larger maximum holds a larger value), so the second pass selects among k x
+    TOP_K_GROUP columns. On an H200, topk over the whole rows took 13 ms of each step at the Qwen3-8B draft shapes,
+    half of what DFlash 2 added to the step."""
+    rows, width = logits.shape
+    full = width // TOP_K_GROUP
+    if full < 2 * k:
+        return logits.topk(k, dim=-1).indices
+    maxima = logits[:, :full * TOP_K_GROUP].view(rows, full, TOP_K_GROUP).amax(-1)
+    if width > full * TOP_K_GROUP:  # the columns past the last whole group form one more group
+        maxima = torch.cat([maxima, logits[:, full * TOP_K_GROUP:].amax(-1, keepdim=True)], dim=1)
+    groups = maxima.topk(k, dim=-1).indices  # [rows, k]
+    columns = (groups[:, :, None] * TOP_K_GROUP + torch.arange(TOP_K_GROUP, device=logits.device)).view(rows, -1)
+    inside = columns < width  # the short last group's missing columns
+    values = logits.gather(1, columns.clamp_max(width - 1)).masked_fill(~inside, float("-inf"))
+    return columns.gather(1, values.topk(k, dim=-1).indices)
+
+
 class ChunkedHeadLoss(torch.autograd.Function):
     """Per-row loss of ``hidden @ head_weight.T`` against hard labels or a soft target, in row chunks.
 
@@ -174,7 +198,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
             logits = (hidden[chunk].to(head_weight.dtype) @ head_weight.T).float()
             draft_argmax[chunk] = logits.argmax(-1)
             if top_ids is not None:
-                top_ids[chunk] = logits.topk(top_k, dim=-1).indices
+                top_ids[chunk] = top_k_indices(logits, top_k)
             log_norm = torch.logsumexp(logits, -1, keepdim=True)
             if target_hidden is not None:
                 target_logits = (target_hidden[chunk].to(head_weight.dtype) @ head_weight.T).float()
