@@ -11,9 +11,11 @@ errors, never silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
+import shlex
 import tomllib
 import types
 import typing
@@ -43,8 +45,10 @@ def resolve_model_path(path: str, key: str) -> str:
         return path
     if path.endswith(".gguf"):
         return _gguf_folder(path, key)
-    if Path(path).exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", path):
+    if Path(path).exists():
         raise ConfigError(f"{key}: no config.json in {path}")
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", path):  # not a hub id either
+        raise ConfigError(f"{key}: {path} does not exist")
     from huggingface_hub import snapshot_download
     from huggingface_hub.constants import HF_HUB_CACHE
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -53,7 +57,7 @@ def resolve_model_path(path: str, key: str) -> str:
         snapshot = snapshot_download(path, local_files_only=True)
     except LocalEntryNotFoundError:
         raise ConfigError(f"{key}: {path!r} is no folder and is not in the local Hugging Face cache ({HF_HUB_CACHE}); "
-                          f"download it first (huggingface-cli download {path}) or give its folder") from None
+                          f"download it first ({shlex.join(['huggingface-cli', 'download', path])}) or give its folder") from None
     if not (Path(snapshot) / "config.json").is_file():
         raise ConfigError(f"{key}: the cached snapshot of {path!r} ({snapshot}) has no config.json")
     return snapshot
@@ -935,14 +939,31 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise TypeError(f"{key}: unsupported annotation {tp}")
 
 
+def unknown_key(cls: type, data: dict, prefix: str = "", nested: bool = False) -> str | None:
+    """The error for the first key of ``data`` that dataclass ``cls`` has no field for, naming the closest known
+    key (a typo's likely meaning); with ``nested`` the sections' keys too. None when every key is known."""
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    where = f"{prefix}." if prefix else ""
+    unknown = sorted(set(data) - known)
+    if unknown:
+        closest = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        hint = f"did you mean {where}{closest[0]}? " if closest else ""
+        return f"unknown key {where}{unknown[0]} ({hint}known keys{' of ' + prefix if prefix else ''}: {', '.join(sorted(known))})"
+    hints = typing.get_type_hints(cls) if nested else {}
+    for name, value in data.items() if nested else ():
+        if dataclasses.is_dataclass(hints[name]) and isinstance(value, dict):
+            message = unknown_key(hints[name], value, f"{where}{name}", nested)
+            if message:
+                return message
+    return None
+
+
 def build(cls: type, data: dict, prefix: str = "") -> Any:
     """Make dataclass ``cls`` from nested plain data; errors name the dotted key."""
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - known)
+    unknown = unknown_key(cls, data, prefix)
     if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"unknown key {where}{unknown[0]} (known keys{' of ' + prefix if prefix else ''}: {', '.join(sorted(known))})")
+        raise ConfigError(unknown)
     kwargs = {name: _coerce(value, hints[name], f"{prefix}.{name}" if prefix else name) for name, value in data.items()}
     try:
         return cls(**kwargs)
@@ -998,6 +1019,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = keep_the_recipe_of_older_runs(tomllib.loads(path.read_text()))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        unknown = unknown_key(cls, data, nested=True)  # the file's own keys: a typo there names the file
+        if unknown:
+            raise ConfigError(f"{path}: {unknown}")
     return build(cls, apply_overrides(data, list(overrides or [])))
 
 

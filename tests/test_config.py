@@ -64,3 +64,15 @@ def test_an_sm_share_out_of_range_names_the_key():
         load_config(None, ["launch.mps=true", "launch.mps_producer_sm_percent=0"])
     with pytest.raises(ConfigError, match=r"launch.mps_trainer_sm_percent.*1..100, got 101"):
         load_config(None, ["launch.mps=true", "launch.mps_trainer_sm_percent=101"])
+
+
+def test_a_key_typo_suggests_the_closest_key_and_names_the_file_it_is_in(tmp_path):
+    path = _write(tmp_path, '[training]\nlr = 1e-3\n[batching]\ntoken_budgte = 4096\n')
+    with pytest.raises(ConfigError, match=rf"^{path}: unknown key batching.token_budgte \(did you mean batching.token_budget\?"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^unknown key training.lrr \(did you mean training.lr\?"):
+        load_config(None, ["training.lrr=1"])  # on the command line: no file to name
+    with pytest.raises(ConfigError, match=r"^unknown key training.zzzz \(known keys of training: "):
+        load_config(None, ["training.zzzz=1"])  # nothing close: no guess
+    with pytest.raises(ConfigError, match="target.path: /nonexistent/model does not exist"):
+        load_config(None, ["target.path=/nonexistent/model"])
