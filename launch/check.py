@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,12 @@ def marked(tokenizer: Any, input_ids: np.ndarray, loss_mask: np.ndarray, color: 
     return "".join(out)
 
 
+def spread_ids(num_records: int, count: int) -> np.ndarray:
+    """``count`` record ids spread over ``num_records`` (a bad tail shows too), sorted, each once."""
+    count = min(count, num_records)
+    return np.unique(np.linspace(0, num_records - 1, count).round().astype(int)) if count else np.array([], int)
+
+
 def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]]:
     """The report (text) and its figures of what training would see of ``cfg``'s data."""
     from producer.data import run_sources
@@ -86,10 +93,11 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
     data_cfg = cfg.data
     source, held_out = run_sources(cfg, int(build_target_config(cfg.target).vocab_size),
                                    tokenizer=tokenizer if data_cfg.format == "chat" else None)
-    count = min(sample, len(source))
-    # Spread over the data set, so that a bad tail shows too.
-    ids = np.unique(np.linspace(0, len(source) - 1, count).round().astype(int)) if count else np.array([], int)
+    ids = spread_ids(len(source), sample)
+    source.stats.keep_first_bad = held_out.stats.keep_first_bad = sample  # every bad record read, not the first 3
     documents = [d for d in (source.get(int(i)) for i in ids) if d is not None]
+    held_ids = spread_ids(len(held_out), sample)
+    held_good = sum(held_out.get(int(i)) is not None for i in held_ids)  # read: a bad one would fail an evaluation
     lengths = np.array([len(d) for d in documents])
     supervised = np.array([int(d.loss_mask.sum()) for d in documents])
     stats = source.stats
@@ -97,13 +105,17 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
                "bad": dict(stats.bad), "first_bad": list(stats.first_bad), "truncated": stats.truncated}
     lines.append(f"data: {len(source)} records in {data_cfg.format} format; sampled {len(ids)}: {len(documents)} good, "
                  f"{sum(stats.bad.values())} bad {dict(stats.bad) or ''}".rstrip())
-    figures["held_out"] = len(held_out)
+    lines += [f"  bad record {where}" for where in stats.first_bad]
+    held_stats = held_out.stats
+    figures.update(held_out=len(held_out), held_out_read=int(len(held_ids)), held_out_good=int(held_good),
+                   held_out_bad=dict(held_stats.bad), held_out_first_bad=list(held_stats.first_bad))
     lines.append(f"held out for evaluation: {len(held_out)} records, " + (
         "the files of eval.paths" if cfg.eval.paths else
         "the synthetic documents after data.num_samples" if data_cfg.format == "synthetic" else
         "drawn from the data and never trained on (eval.num_prompts, at most a tenth of the records; eval.paths to "
-        "give files instead)"))
-    lines += [f"  bad record {where}" for where in stats.first_bad]
+        "give files instead)") + f"; read {len(held_ids)}: {held_good} good, {sum(held_stats.bad.values())} bad "
+        f"{dict(held_stats.bad) or ''}".rstrip())
+    lines += [f"  bad held-out record {where}" for where in held_stats.first_bad]
     if documents:
         figures.update(tokens_min=int(lengths.min()), tokens_mean=float(lengths.mean()),
                        tokens_p50=float(np.percentile(lengths, 50)), tokens_p90=float(np.percentile(lengths, 90)),
@@ -127,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     from producer.data import DataError
     from producer.target import UnsupportedTarget
+
+    # The data's own warnings are its bad records, one line each: the report lists every one already.
+    logging.getLogger("producer.data").setLevel(logging.ERROR)
 
     try:
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)

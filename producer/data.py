@@ -68,7 +68,9 @@ class DataStats:
     bad: Counter = field(default_factory=Counter)
     """Distinct bad records per reason."""
     first_bad: list[str] = field(default_factory=list)
-    """``file:line reason`` of the first few bad records, for messages."""
+    """``file:line reason`` of the first ``keep_first_bad`` bad records, for messages."""
+    keep_first_bad: int = 3
+    """How many bad records ``first_bad`` lists (``check`` lists every one it reads)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -199,7 +201,7 @@ class DataSource(ABC):
 
     def _report_bad(self, sample_id: int, bad: BadRecord) -> None:
         self.stats.bad[bad.reason] += 1
-        if len(self.stats.first_bad) < 3:
+        if len(self.stats.first_bad) < self.stats.keep_first_bad:
             self.stats.first_bad.append(f"{self.location(sample_id)} {bad}")
         total = sum(self.stats.bad.values())
         if total <= _MAX_LOGGED_BAD_RECORDS:

@@ -137,6 +137,43 @@ def test_check_prints_what_training_would_see(tmp_path):
     assert missing.returncode == 2 and "data.paths: data file not found: '/nope.jsonl'" in missing.stderr
 
 
+def test_check_reads_the_held_out_records_and_lists_every_bad_record_once(tmp_path):
+    """Issue 45: check never read the held-out records (a broken line among them went unreported), printed each
+    bad record twice (its report and the data's own warning) and listed only the first three."""
+    import subprocess
+
+    from common.config import load_config
+    from producer.data import held_out_ids
+    from tests.test_data_sources import PLAIN_TEMPLATE, tiny_tokenizer
+
+    root = Path(__file__).resolve().parents[1]
+    target = tmp_path / "target"
+    tiny_qwen3_target(target, vocab_size=512)
+    tiny_tokenizer(PLAIN_TEMPLATE).save_pretrained(target)
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"}]})
+    held = held_out_ids(40, 4, load_config(None).data.shuffle_seed).tolist()
+    broken_trained = [i for i in range(40) if i not in held][1:30:6]  # five of the records trained on
+    lines = [good] * 40
+    for i in [held[1], *broken_trained]:
+        lines[i] = "{oops"
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    command = [str(root / "launch" / "run_all.sh"), "check", f"target.path={target}", "target.config_overrides={}",
+               'data.format="chat"', f'data.paths=["{data}"]', "eval.every_steps=0", "eval.num_prompts=4", "--json"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out, figures_line = done.stdout.strip().rsplit("\n", 1)
+    assert "36 records in chat format; sampled 36: 31 good, 5 bad" in out, out
+    for i in broken_trained:  # each once, none as the data's warning on stderr
+        assert (out + done.stderr).count(f"{data}:{i + 1} ") == 1, (i, out, done.stderr)
+        assert f"  bad record {data}:{i + 1} invalid_json" in out
+    assert "held out for evaluation: 4 records" in out and "read 4: 3 good, 1 bad {'invalid_json': 1}" in out, out
+    assert (out + done.stderr).count(f"{data}:{held[1] + 1} ") == 1
+    assert f"  bad held-out record {data}:{held[1] + 1} invalid_json" in out
+    figures = json.loads(figures_line)
+    assert len(figures["first_bad"]) == 5 and figures["held_out_bad"] == {"invalid_json": 1}
+
+
 def test_a_hub_id_in_the_local_cache_is_a_target_path(tmp_path):
     """target.path = org/name resolves to the model's snapshot in the local Hugging Face cache, as
     huggingface_hub lays it out; one that is not there is a clear error, and nothing is downloaded."""
