@@ -11,6 +11,7 @@ On a terminal (tqdm, as the ecosystem's trainers draw it)::
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from typing import Any
@@ -52,6 +53,18 @@ def eta_s(step: int, max_steps: int | None, steps_per_s: float | None) -> float 
     if not max_steps or not steps_per_s:
         return None
     return max(0, max_steps - step) / steps_per_s
+
+
+def significant(value: float | None, digits: int = 3) -> str:
+    """``value`` to ``digits`` significant digits without an exponent, whole numbers kept whole: 0.27 stays 0.270
+    (not 0, which reads as a hang), 99.6 stays 99.6, 1234.4 is 1234; ``-`` for None."""
+    if value is None:
+        return "-"
+    if value == 0 or not math.isfinite(value):
+        return "0" if value == 0 else str(value)
+    rounded = float(f"{value:.{digits}g}")  # 9.996 -> 10.0: the digits counted after rounding
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(rounded))))
+    return f"{value:.{decimals}f}"
 
 
 def format_duration(seconds: float | None) -> str:

@@ -228,6 +228,33 @@ def trainer_command(run_dir: Path, devices: list[str]) -> list[str]:
     return [sys.executable, "-m", "trainer.train", "--run-dir", str(run_dir)]
 
 
+def cpu_processes(device_entries: list[str]) -> int:
+    """Processes that compute on the CPU among these device entries: one per ``cpu`` (``cpu,cpu`` is two ranks)."""
+    return sum(entry.split(",").count("cpu") for entry in device_entries)
+
+
+def cpu_threads(processes: int) -> int | None:
+    """Torch threads for each of ``processes`` processes that compute on the CPU, so that together they fit
+    ``os.cpu_count()`` (at least 1 each): more threads than cores made the tiny quickstart on two cores 7x slower
+    (658 s against 92 s), each process's threads waiting for cores that another's hold. None when no process
+    computes on the CPU or the user set OMP_NUM_THREADS (theirs wins)."""
+    if processes < 1 or os.environ.get("OMP_NUM_THREADS", "").strip():
+        return None
+    return max(1, (os.cpu_count() or 1) // processes)
+
+
+def thread_environment(threads: int | None) -> dict[str, str]:
+    """What makes a child's torch use ``threads`` intra-op threads (OpenMP and MKL, read when torch is imported);
+    nothing for None, and a user's own MKL_NUM_THREADS is kept."""
+    if threads is None:
+        return {}
+    return {name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if not os.environ.get(name, "").strip()}
+
+
+def threads_message(processes: int, threads: int) -> str:
+    return f"{processes} CPU processes on {os.cpu_count() or 1} cores: {threads} threads each"
+
+
 def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The launcher's environment (NCCL_*, CUDA_*, WANDB_* pass through) plus the repo on PYTHONPATH."""
     env = dict(os.environ)
@@ -403,9 +430,14 @@ class Supervisor:
         """The config the producers were started with (restart-trainer may change only the trainer's)."""
         self.has_cuda = functools.cache(has_cuda)  # asked at most once: detection imports torch (seconds)
         self.mps = MpsDaemon(run.root, run.logs) if cfg.launch.mps else None
+        self.cpu_processes = cpu_processes([*producer_devices(cfg, self.has_cuda),
+                                            ",".join(trainer_devices(cfg, self.has_cuda))])
+        self.cpu_threads = cpu_threads(self.cpu_processes)
+        """Torch threads of each child that computes on the CPU (None: the user's OMP_NUM_THREADS, or no such child)."""
         self.producers = [
             ManagedProcess(f"producer-{i}", producer_command(run.root, i, device),
-                           {**producer_environment(device), **self._mps_env(), **self._producer_mps_limit(device)},
+                           {**producer_environment(device), **self._mps_env(), **self._producer_mps_limit(device),
+                            **self._thread_env(device.split(","))},
                            run.log(f"producer-{i}"), device.split(","))
             for i, device in enumerate(producer_devices(cfg, self.has_cuda))
         ]
@@ -425,6 +457,10 @@ class Supervisor:
         self._last_record: dict | None = None
         self.view = ProgressView(run, enabled=cfg.logging.progress)
 
+    def _thread_env(self, devices: list[str]) -> dict[str, str]:
+        """The torch thread limit of a child on ``devices``, when it computes on the CPU."""
+        return thread_environment(self.cpu_threads) if "cpu" in devices else {}
+
     def _mps_env(self) -> dict[str, str]:
         """What makes a child a client of the run's MPS daemon (nothing without launch.mps)."""
         return self.mps.env if self.mps else {}
@@ -441,7 +477,8 @@ class Supervisor:
 
     def _make_trainer(self) -> ManagedProcess:
         devices = trainer_devices(self.cfg, self.has_cuda)
-        extra = {TRAINER_DEVICES_ENV: ",".join(devices), **self._mps_env(), **self._trainer_mps_limit(devices)}
+        extra = {TRAINER_DEVICES_ENV: ",".join(devices), **self._mps_env(), **self._trainer_mps_limit(devices),
+                 **self._thread_env(devices)}
         if len(devices) > 1:
             # torchrun gives its ranks this long after forwarding SIGTERM; keep it below our own wait.
             extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(TRAINER_STOP_TIMEOUT_S) - 5))
@@ -475,6 +512,8 @@ class Supervisor:
         removed = sweep_stale(self.run.sockets)
         if removed:
             log.info("removed %d stale socket(s) of dead processes in %s", len(removed), self.run.sockets)
+        if self.cpu_threads is not None:
+            log.info("%s", threads_message(self.cpu_processes, self.cpu_threads))
         exit_code: int | None = None
         try:
             if self.mps:
@@ -828,7 +867,7 @@ def _refuse_if_running(run: RunDir) -> None:
     leftovers = [c["pid"] for c in _children(record) if process_alive(c.get("pid"), c.get("start_ticks"))]
     if leftovers:
         raise UsageError(f"processes of the previous launcher still run (pids {leftovers}); "
-                         f"run: launch/run_all.sh stop --run-dir {run.root}")
+                         f"run: {shlex.join(['launch/run_all.sh', 'stop', '--run-dir', str(run.root)])}")
 
 
 def _children(record: dict) -> list[dict]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -22,8 +23,10 @@ from pathlib import Path
 
 from common.config import ConfigError, save_config
 from common.rundir import read_json
+from launch.progress import format_duration, significant
 from launch.supervisor import (
-    ManagedProcess, UsageError, child_environment, describe_exit, detect_cuda, log_tail, producer_devices, resolve_run,
+    ManagedProcess, UsageError, child_environment, cpu_processes, cpu_threads, describe_exit, detect_cuda, log_tail,
+    producer_devices, resolve_run, thread_environment, threads_message,
 )
 
 log = logging.getLogger("launch.synthesize")
@@ -34,13 +37,45 @@ PROGRESS_EVERY_S = 30.0
 """How often the command prints how far the producers are."""
 
 
-def progress(folder: Path, num_producers: int) -> str:
-    """One line from the producers' status files: records on disk and the generation rate of each."""
-    statuses = [read_json(folder / f"status-p{i}.json") or {} for i in range(num_producers)]
-    written = sum(s.get("written", 0) for s in statuses)
-    pending = sum(s.get("pending_at_start", 0) for s in statuses)
-    rates = ", ".join(f"{s.get('tokens_per_s', 0):.0f}" for s in statuses)
-    return f"{written} of the {pending} prompts left at this start written; new tokens/s per producer: {rates}"
+def progress(folder: Path, started_wall: list[float]) -> str:
+    """One line from the producers' status files: prompts answered of all (earlier starts' included), each
+    producer's new tokens/s (three significant digits: a slow CPU's 0.27 is not 0) and the time left.
+
+    ``started_wall[i]``: when producer i's current process started. A status file older than that is the previous
+    start's (or there is none yet): that producer is shown as starting and its figures are not taken."""
+    done = total = 0
+    rates: list[str] = []
+    etas: list[float | None] = []
+    for i, since in enumerate(started_wall):
+        path = folder / f"status-p{i}.json"
+        status = read_json(path)
+        try:
+            current = status is not None and path.stat().st_mtime >= since
+        except OSError:
+            current = False
+        if not current:
+            rates.append("starting")
+            etas.append(None)
+            continue
+        written, pending, share = (int(status.get(key) or 0) for key in ("written", "pending_at_start", "total"))
+        done += share - pending + written
+        total += share
+        rate = float(status.get("tokens_per_s") or 0.0)
+        rates.append(significant(rate) if rate or status.get("finished") else "no answer yet")
+        left, seconds = max(0, pending - written), float(status.get("seconds") or 0.0)
+        etas.append(0.0 if not left else left * seconds / written if written and seconds else None)
+    complete = "starting" not in rates  # every producer's share is known
+    share_done = f" ({done / total:.0%})" if complete and total else ""
+    eta = max(etas) if complete and etas and None not in etas else None
+    return (f"{done}/{total if complete else '?'} prompts done{share_done}; new tokens/s per producer: "
+            f"{', '.join(rates)}; eta {format_duration(eta)}")
+
+
+def training_command(folder: Path) -> str:
+    """The command that trains on the shards in ``folder``, quoted for a shell (the data.paths value holds
+    brackets, quotes and a glob, and the folder may hold spaces)."""
+    return shlex.join(["launch/run_all.sh", "--config", "...", "data.format=chat",
+                       f"data.paths={json.dumps([str(folder / '*.jsonl')])}"])
 
 
 def count_records(folder: Path) -> tuple[int, int]:
@@ -63,9 +98,12 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
     logging.basicConfig(level=logging.INFO, format="[synthesize %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     folder = cfg.synthesize.folder(run.root)
     devices = producer_devices(cfg, detect_cuda)
+    on_cpu = cpu_processes(devices)
+    threads = cpu_threads(on_cpu)
     workers = [ManagedProcess(f"synth{i}", [sys.executable, "-m", "producer.synthesize", "--run-dir", str(run.root),
                                             "--producer-id", str(i), "--device", device],
-                              child_environment(), run.log(f"synth{i}"), [device]) for i, device in enumerate(devices)]
+                              child_environment(thread_environment(threads) if "cpu" in device.split(",") else {}),
+                              run.log(f"synth{i}"), [device]) for i, device in enumerate(devices)]
     stopping = False
 
     def request_stop(_signum: int, _frame: object) -> None:
@@ -76,6 +114,8 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
     signal.signal(signal.SIGINT, request_stop)
     log.info("%s synthesis in %s: %d producer(s) on %s, shards in %s", "continuing" if resumed else "starting",
              run.root, len(workers), ", ".join(devices), folder)
+    if threads is not None:
+        log.info("%s", threads_message(on_cpu, threads))
     started = time.monotonic()
     for worker in workers:
         worker.start()
@@ -86,7 +126,7 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
             return _stop(workers)
         if time.monotonic() >= next_progress:
             next_progress = time.monotonic() + PROGRESS_EVERY_S
-            log.info("%s", progress(folder, len(workers)))
+            log.info("%s", progress(folder, [worker.started_wall for worker in workers]))
         for index, worker in enumerate(workers):
             if index in finished:
                 continue
@@ -118,9 +158,8 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
     rates = [read_json(folder / f"status-p{i}.json") or {} for i in range(len(workers))]
     log.info("done in %.0f s: %d records in %s (%d prompts skipped, see *.skipped); new tokens/s this start: %s",
              time.monotonic() - started, answered, folder, skipped,
-             ", ".join(f"{r.get('tokens_per_s', 0):.0f}" for r in rates))
-    log.info("train on them: launch/run_all.sh --config ... data.format=chat data.paths=%s",
-             json.dumps([str(folder / "*.jsonl")]))
+             ", ".join(significant(float(r.get("tokens_per_s") or 0.0)) for r in rates))
+    log.info("train on them: %s", training_command(folder))
     return 0
 
 

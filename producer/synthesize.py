@@ -262,6 +262,7 @@ class Synthesis:
         s, answers, questions = self.synth, self.answers, self.questions
         settings = self.generation_settings()
         started, reported = time.monotonic(), time.monotonic()
+        self._report(answers, started)  # the launcher shows this start's share and what is done at once, not the last start's
         by_id = {p.id: p for p in self.pending}
         for finished in answers.generate(self._answer_requests(questions)):
             prompt, messages = by_id[finished.key[0]], finished.key[1]

@@ -6,12 +6,12 @@
 The launcher runs them through its testing hook (DFLASH_PRODUCER_CMD / DFLASH_TRAINER_CMD). They
 load no model and import nothing heavy, so a whole pipeline starts in well under a second.
 
-Producer: after STANDIN_READY_DELAY_S (0.2) writes producers/p{I}.json with ready true, then
-refreshes it every 0.2 s; keeps a file named like a socket in DIR/sockets while it runs; exits 0
-on SIGTERM/SIGINT. STANDIN_PRODUCER_EXIT=N: exit N at once instead.
+Producer: after STANDIN_READY_DELAY_S (0.2) writes producers/p{I}.json with ready true (and the thread
+limits it was given), then refreshes it every 0.2 s; keeps a file named like a socket in DIR/sockets
+while it runs; exits 0 on SIGTERM/SIGINT. STANDIN_PRODUCER_EXIT=N: exit N at once instead.
 
-Trainer: one step per STANDIN_STEP_S (0.02) into trainer.json (plus lr and the device list it was
-given) and a metrics.jsonl line per step; resumes from checkpoints/standin.json; finishes
+Trainer: one step per STANDIN_STEP_S (0.02) into trainer.json (plus lr, the device list and the thread limits
+it was given) and a metrics.jsonl line per step; resumes from checkpoints/standin.json; finishes
 (state "finished", exit 0) at training.max_steps (0: never); on SIGTERM checkpoints and exits 0
 with state "stopped". STANDIN_TRAINER_EXIT=N: exit N at once instead. STANDIN_TRAINER_CHECKPOINT_THEN_CRASH=K:
 incarnations 1..K each move checkpoints/latest.json one step on and exit 1.
@@ -44,6 +44,11 @@ def _config(run_dir: Path) -> dict:
     return tomllib.loads((run_dir / "config.toml").read_text())
 
 
+def _threads() -> dict[str, str | None]:
+    """The thread limits this process was given (torch reads them at its import)."""
+    return {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
 def run_producer(run_dir: Path, producer_id: int, device: str) -> int:
     if "STANDIN_PRODUCER_EXIT" in os.environ:
         print(f"stand-in producer {producer_id}: exiting with {os.environ['STANDIN_PRODUCER_EXIT']} as told")
@@ -62,7 +67,7 @@ def run_producer(run_dir: Path, producer_id: int, device: str) -> int:
                 "id": producer_id, "pid": os.getpid(), "ready": now >= ready_at, "endpoint": f"ipc://{socket_file}",
                 "updated": now, "device": device,
                 "ring": {"slots": slots, "free": 1, "filling": 0, "ready": slots - 1, "leased": 0},
-                "tokens_per_s": 1000.0, "blocked_fraction": 0.5,
+                "tokens_per_s": 1000.0, "blocked_fraction": 0.5, "threads": _threads(),
             })
             time.sleep(0.2 if now >= ready_at else 0.02)
     finally:
@@ -91,7 +96,8 @@ def run_trainer(run_dir: Path) -> int:
         return 1
     step_s = float(os.environ.get("STANDIN_STEP_S", "0.02"))
     common = {"pid": os.getpid(), "incarnation": incarnation, "max_steps": training["max_steps"], "lr": training["lr"],
-              "devices": os.environ.get("DFLASH_TRAINER_DEVICES"), "producers_ready_at_start": _producers_ready(run_dir)}
+              "devices": os.environ.get("DFLASH_TRAINER_DEVICES"), "producers_ready_at_start": _producers_ready(run_dir),
+              "threads": _threads()}
 
     def report(state: str) -> None:
         atomic_write_json(run_dir / "trainer.json", {**common, "step": step, "state": state, "updated": time.time()})

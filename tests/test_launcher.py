@@ -329,6 +329,23 @@ def test_config_errors_exit_2_naming_the_key_and_start_nothing(short_tmp):
     assert not pipe.run.launcher.exists() and not pipe.run.config.exists()
 
 
+def test_a_key_typo_in_the_config_file_names_the_file_and_the_closest_key(short_tmp):
+    """Issue 45: a typo inside a TOML file names the file and suggests the key meant; a target.path that is not
+    there says so (not "no config.json"), naming the key. Both exit 2 and start nothing."""
+    config = short_tmp / "typo.toml"
+    config.write_text(BASE_CONFIG.replace("[training]\n", "[training]\nlrr = 3e-4\n"))
+    pipe = Pipeline(short_tmp)
+    pipe.config_file = config
+    rc, output = pipe.start().finish()
+    assert rc == 2 and f"{config}: unknown key training.lrr (did you mean training.lr?" in output, output
+    config.write_text(BASE_CONFIG.replace("[launch]", "[lanuch]"))
+    rc, output = pipe.start().finish()
+    assert rc == 2 and f"{config}: unknown key lanuch (did you mean launch?" in output, output
+    rc, output = Pipeline(short_tmp, "run2").start("target.path=/nonexistent/Qwen3-8B").finish()
+    assert rc == 2 and "target.path: /nonexistent/Qwen3-8B does not exist" in output, output
+    assert not pipe.run.launcher.exists() and not pipe.run.config.exists()
+
+
 def test_child_configuration_error_stops_the_run_with_exit_2(pipeline):
     rc, output = pipeline.start(STANDIN_TRAINER_EXIT="2").finish()
     assert rc == 2, output
@@ -450,3 +467,66 @@ def test_no_arguments_runs_the_tiny_default_in_a_fresh_run_dir(short_tmp):
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, output
+
+
+def test_children_on_the_cpu_get_threads_that_fit_the_cores_unless_the_user_set_them(short_tmp, monkeypatch):
+    """Issue 45: three processes with a thread per core each on two cores made the tiny quickstart 7x slower. Two
+    producers and a trainer on the CPU share os.cpu_count() (at least one thread each), and the log says so once;
+    a user's own OMP_NUM_THREADS is passed on as it is."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    threads = str(max(1, (os.cpu_count() or 1) // 3))
+    pipe = Pipeline(short_tmp)
+    try:
+        pipe.start()
+        pipe.wait_training()
+        limits = [(read_json(pipe.run.producer_status(i)) or {}).get("threads") for i in range(2)]
+        limits.append(read_json(pipe.run.trainer_status)["threads"])
+    finally:
+        pipe.stop_and_check_clean()
+    assert limits == [{"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}] * 3, limits
+    log = pipe.run.log("launcher").read_text()
+    assert log.count(f"3 CPU processes on {os.cpu_count()} cores: {threads} threads each") == 1, log
+
+    mine = Pipeline(short_tmp, "run2")
+    try:
+        mine.start(OMP_NUM_THREADS="5")
+        mine.wait_training()
+        limits = [(read_json(mine.run.producer_status(i)) or {}).get("threads") for i in range(2)]
+        limits.append(read_json(mine.run.trainer_status)["threads"])
+    finally:
+        mine.stop_and_check_clean()
+    assert limits == [{"OMP_NUM_THREADS": "5", "MKL_NUM_THREADS": None}] * 3, limits
+    assert "threads each" not in mine.run.log("launcher").read_text()
+
+
+def test_the_stop_command_a_refused_launcher_prints_works_when_pasted(short_tmp):
+    """Issue 45: commands printed for the user to paste are quoted for the shell. A run directory with a space,
+    left with a process of a dead launcher: the printed stop command, pasted into bash, stops that process."""
+    import shlex
+    import threading
+
+    from common.naming import process_start_ticks
+    from common.rundir import atomic_write_json
+
+    run = RunDir(short_tmp / "my run")
+    run.create()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    leftover = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    threading.Thread(target=leftover.wait, daemon=True).start()  # reaped at once: a zombie would still look alive
+    try:
+        atomic_write_json(run.launcher, {"pid": gone.pid, "start_ticks": 1, "producers": [], "trainer": {
+            "pid": leftover.pid, "start_ticks": process_start_ticks(leftover.pid)}})
+        refused = subprocess.run([RUN_ALL, "--run-dir", str(run.root)], env=launcher_env(), capture_output=True,
+                                 text=True, timeout=60)
+        assert refused.returncode == 2 and "processes of the previous launcher still run" in refused.stderr, refused.stderr
+        command = refused.stderr.split("run: ", 1)[1].strip()
+        assert shlex.split(command) == ["launch/run_all.sh", "stop", "--run-dir", str(run.root)], command
+        pasted = subprocess.run(["bash", "-c", command], cwd=ROOT, env=launcher_env(), capture_output=True, text=True,
+                                timeout=90)
+        assert pasted.returncode == 0 and "stopped" in pasted.stdout, pasted.stdout + pasted.stderr
+        wait_for(lambda: leftover.poll() is not None, "the leftover process to stop", 10)
+    finally:
+        if leftover.poll() is None:
+            leftover.kill()

@@ -126,10 +126,88 @@ def test_synthesize_config_is_validated_naming_the_key():
 
 
 def test_the_command_reports_how_far_the_producers_are(tmp_path):
+    """Issue 45: "0 of the 0 prompts ... new tokens/s per producer: 0" for 15 minutes could not tell slow from hung,
+    and after a resume the previous start's count stayed. Prompts done of all, each producer's rate to three
+    significant digits, the time left; a status file older than its producer's current start is not taken."""
+    import os
+
     from common.rundir import atomic_write_json
     from launch.synthesize import progress
 
-    atomic_write_json(tmp_path / "status-p0.json", {"written": 300, "pending_at_start": 500, "tokens_per_s": 1234.4})
-    atomic_write_json(tmp_path / "status-p1.json", {"written": 20, "pending_at_start": 480, "tokens_per_s": 99.6})
-    assert progress(tmp_path, 3) == ("320 of the 980 prompts left at this start written; new tokens/s per producer: "
-                                     "1234, 100, 0")
+    atomic_write_json(tmp_path / "status-p0.json", {"written": 300, "pending_at_start": 500, "total": 800,
+                                                    "tokens_per_s": 1234.4, "seconds": 60.0})
+    atomic_write_json(tmp_path / "status-p1.json", {"written": 20, "pending_at_start": 480, "total": 480,
+                                                    "tokens_per_s": 0.27, "seconds": 900.0})
+    atomic_write_json(tmp_path / "status-p2.json", {"written": 999, "pending_at_start": 999, "total": 999,
+                                                    "tokens_per_s": 50.0, "seconds": 10.0})
+    os.utime(tmp_path / "status-p2.json", (1000.0, 1000.0))  # written by the previous start of producer 2
+    started = [1500.0, 1500.0, 2000.0]
+    # p0: 300 done before and 300 now, 200 left at 5 a second; p1: 460 left at 20 in 900 s (the slower one).
+    assert progress(tmp_path, started[:2]) == ("620/1280 prompts done (48%); new tokens/s per producer: 1234, 0.270; "
+                                               "eta 5:45:00")
+    assert progress(tmp_path, started) == ("620/? prompts done; new tokens/s per producer: 1234, 0.270, starting; "
+                                           "eta -")
+    atomic_write_json(tmp_path / "status-p1.json", {"written": 0, "pending_at_start": 480, "total": 480,
+                                                    "tokens_per_s": 0.0, "seconds": 5.0})
+    assert progress(tmp_path, started[:2]) == ("600/1280 prompts done (47%); new tokens/s per producer: 1234, "
+                                               "no answer yet; eta -")
+
+
+def test_synthesis_on_the_cpu_fits_its_threads_and_prints_a_training_command_that_pastes(short_tmp, monkeypatch):
+    """Issue 45: the producers' torch threads fit the cores unless the user set OMP_NUM_THREADS, and the command
+    printed at the end survives the shell (data.paths holds brackets, quotes, a glob; the run dir a space)."""
+    import os
+    import shlex
+
+    from producer.data import expand_paths
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    smollm2_folder()
+    data = write_chat(short_tmp / "prompts.jsonl", 3)
+    run_dir = short_tmp / "my run"
+    threads = str(os.cpu_count() or 1)  # one producer on the CPU
+    launcher = subprocess.Popen(synthesize_args(run_dir, data, 'synthesize.prompts="data"'), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        environ = None
+        deadline = time.monotonic() + 120
+        while environ is None and launcher.poll() is None and time.monotonic() < deadline:
+            environ = next((child_environ(pid) for pid in children(launcher.pid, "producer.synthesize")), None)
+            time.sleep(0.05)
+        out, _ = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out
+    assert environ is not None and environ.get("OMP_NUM_THREADS") == threads and environ.get("MKL_NUM_THREADS") == threads
+    assert f"1 CPU processes on {os.cpu_count()} cores: {threads} threads each" in out, out
+    command = out.split("train on them: ", 1)[1].splitlines()[0]
+    pasted = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, text=True, cwd=short_tmp)
+    words = pasted.stdout.split("\0")[:-1]
+    shards = str(run_dir / "synthesized" / "*.jsonl")
+    assert words == shlex.split(command) and f"data.paths={json.dumps([shards])}" in words, (command, words)
+    paths = load_config(None, [w for w in words if w.startswith("data.")]).data.paths
+    assert paths == [shards] and len(expand_paths(paths)) >= 1
+
+
+def children(pid: int, running: str) -> list[int]:
+    """The pids whose parent is ``pid`` and whose command line holds ``running`` (not run_all.sh's subshells)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and running in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def child_environ(pid: int) -> dict[str, str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
