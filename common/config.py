@@ -722,6 +722,10 @@ class EvalConfig:
         "prompt_len": "producer",
         "paths": "producer",
         "gap_tolerance": "trainer",
+        "temperature": "producer",
+        "top_p": "producer",
+        "top_k": "producer",
+        "seed": "producer",
     }
 
     every_steps: int = 0
@@ -730,7 +734,8 @@ class EvalConfig:
     num_prompts: int = 8
     """Held-out documents whose prompts are decoded (and whose teacher-forced tau is the simulated one)."""
     max_new_tokens: int = 64
-    """Tokens generated per prompt (fewer when the target emits its end-of-sequence token)."""
+    """Tokens generated per prompt (fewer when the target emits its end-of-sequence token). Any count: z-lab's
+    published figures decode 2048."""
     producer_share: float = 0.25
     """Most of producer 0's time its evaluations take: after one of E seconds it makes batches for E * (1 - share)
     / share seconds before the next, and of the requests that came meanwhile only the newest is evaluated
@@ -755,6 +760,21 @@ class EvalConfig:
     """Largest |real - simulated tau| without a warning, as a fraction of the most a block can gain
     (B - 1). The tiny default ends at 0.15-0.2 (real 1.9-2.0, simulated 2.45-2.5 of B = 4): real
     decoding meets more blocks where the drafter fails early, and its random target's text is not the data."""
+    temperature: float = 0.0
+    """0: greedy speculative decoding (the replay of the target's greedy text, fast). Above 0: sampled speculative
+    decoding, lossless by rejection sampling (each draft token kept with probability min(1, p/q), a rejected one
+    replaced by a draw from max(0, p - q), a bonus token from p), live and one prompt at a time: p is the target's
+    distribution after this temperature, ``top_p`` and ``top_k``, q the drafter's proposal (DFlash: its logits
+    through the same sampler; DFlash 2: its selector's softmax over its candidates). The simulated tau stays
+    teacher-forced, and the two figures on the greedy text (sim_tau_greedy, sim_tau_walk) are left out."""
+    top_p: float = 1.0
+    """Nucleus sampling of the target and of a DFlash drafter (with temperature > 0): the smallest set of most likely
+    tokens whose mass reaches top_p; 1: all."""
+    top_k: int = 0
+    """The top_k most likely tokens only (with temperature > 0), for the target and a DFlash drafter; 0: all."""
+    seed: int = 0
+    """Seed of sampled decoding (with temperature > 0): prompt i draws from its own generator seeded by seed and i,
+    so an evaluation is reproducible and every evaluation of a run draws the same way."""
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
@@ -767,6 +787,10 @@ class EvalConfig:
         _check(0 < self.producer_share <= 1, "producer_share", f"must be in (0, 1], got {self.producer_share}")
         _check(self.prompt_len >= 0, "prompt_len", f"must be >= 0, got {self.prompt_len}")
         _check(self.gap_tolerance > 0, "gap_tolerance", f"must be > 0, got {self.gap_tolerance}")
+        _check(self.temperature >= 0, "temperature", f"must be >= 0 (0: greedy), got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "top_k", f"must be >= 0 (0: all tokens), got {self.top_k}")
+        _check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
 
 
 @dataclass

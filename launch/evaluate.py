@@ -1,8 +1,10 @@
-"""Acceptance evaluation of a checkpoint or an export, offline: real greedy speculative decoding of the
-run's target with the drafter, on the held-out split of the run's data (common/drafter/evaluate.py).
+"""Acceptance evaluation of a checkpoint or an export, offline: real speculative decoding of the run's target
+with the drafter (greedy, or sampled with lossless rejection sampling at eval.temperature > 0), on the held-out
+split of the run's data (common/drafter/evaluate.py).
 
     python -m launch.evaluate --checkpoint RUN/checkpoints/step-N     # the run's target and held-out data
     python -m launch.evaluate --checkpoint DIR --target HF_DIR [--config FILE] [key=value ...]
+    python -m launch.evaluate --checkpoint DIR --temperature 0.7 --top-p 0.95 --seed 1 eval.max_new_tokens=2048
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def _run_dir_of(checkpoint: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Real greedy speculative decoding of the target with an exported DFlash drafter: tau, "
-                    "per-position acceptance and target forwards saved on held-out data.")
+        description="Real speculative decoding of the target with an exported drafter (greedy, or sampled with "
+                    "lossless rejection sampling): tau (ours and z-lab's), per-position acceptance and target "
+                    "forwards saved on held-out data.")
     parser.add_argument("--checkpoint", required=True, type=Path,
                         help="exported drafter dir (z-lab or speculators), or a run's checkpoints/step-N")
     parser.add_argument("--run-dir", type=Path, help="run whose config.toml names the target and data "
@@ -43,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help="Hugging Face target dir (replaces the config's target)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--json-out", type=Path, help="also write the JSON here")
+    parser.add_argument("--temperature", type=float, help="eval.temperature: 0 greedy (the default), > 0 sampled")
+    parser.add_argument("--top-p", type=float, help="eval.top_p of sampled decoding")
+    parser.add_argument("--top-k", type=int, help="eval.top_k of sampled decoding")
+    parser.add_argument("--seed", type=int, help="eval.seed of sampled decoding")
     parser.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. eval.num_prompts=32")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -52,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.target:
         overrides += [f"target.path={json.dumps(args.target)}", "target.config_overrides={}"]
+    for key, value in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
+                       ("seed", args.seed)):
+        if value is not None:
+            overrides.append(f"eval.{key}={value}")
     try:
         cfg = load_config(config_file, overrides)
         # Random target weights depend on the device type they are drawn on: by default the producers'

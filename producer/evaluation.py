@@ -46,7 +46,7 @@ def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
 def build_evaluator(cfg: RunConfig, target_model: nn.Module, layer_ids: list[int],
                     make_target: Callable[..., GreedyTarget] = GreedyTarget) -> Evaluator:
     """An evaluator of the run's drafters (reading target layers ``layer_ids``) on the held-out split of ``cfg``'s
-    data (``make_target``: see Evaluator)."""
+    data (``make_target``: see Evaluator), greedy or sampled as ``cfg.eval`` says (temperature, top_p, top_k, seed)."""
     documents = held_out_documents(cfg, int(target_model.config.vocab_size))
     return Evaluator(target_model, documents, cfg.eval, list(layer_ids), num_anchors=cfg.drafter.num_anchors,
                      capture_last=cfg.training.label_mode != "data", stop_token_ids=stop_tokens_of(target_model),
@@ -108,10 +108,12 @@ class EvaluationJob:
                                       producer=self.producer_id)
             took = time.monotonic() - started
             decode, reference = metrics["eval/decode_seconds"], metrics["eval/reference_seconds"]
-            log.info("evaluated step %d for the trainer in %.1f s: tau %.3f real, %.3f simulated (loading the export "
-                     "%.1f s, the reference %.1f s, decoding %.1f s, the simulated acceptance %.1f s)", request.step,
-                     took, metrics["eval/tau"], metrics["eval/sim_tau"], took - metrics["eval/seconds"], reference,
-                     decode, metrics["eval/seconds"] - reference - decode)
+            log.info("evaluated step %d for the trainer in %.1f s: tau %.3f real (%.3f as z-lab counts it%s), %.3f "
+                     "simulated (loading the export %.1f s, the reference %.1f s, decoding %.1f s, the simulated "
+                     "acceptance %.1f s)", request.step, took, metrics["eval/tau"], metrics["eval/zlab_tau"],
+                     f", sampled at temperature {self.cfg.eval.temperature:g}" if self.cfg.eval.temperature > 0 else "",
+                     metrics["eval/sim_tau"], took - metrics["eval/seconds"], reference, decode,
+                     metrics["eval/seconds"] - reference - decode)
         except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
             log.exception("evaluation of step %d failed", request.step)
             result = evals.EvalResult(step=request.step, lost=f"{type(exc).__name__}: {exc}", incarnation=request.incarnation,

@@ -1,4 +1,4 @@
-"""Acceptance evaluation: greedy speculative decoding of the target with the drafter, on held-out prompts.
+"""Acceptance evaluation: speculative decoding of the target with the drafter (greedy, or sampled), on held-out prompts.
 
     python -m launch.evaluate --checkpoint RUN/checkpoints/step-N     # offline: the run's target and held-out data
 
@@ -21,7 +21,14 @@ decoding's (``speculative_decode`` is the live decoder, one prompt at a time; th
 together, for plain, sliding-window and hybrid Gated-DeltaNet targets). An evaluation after the first runs no
 target forward at all, and prompts are drafted together whatever the target's layers.
 
-tau is the mean number of tokens kept per verify forward, correction included (1 <= tau <= B).
+tau is the mean number of tokens kept per verify forward, correction included (1 <= tau <= B), pooled over every
+verify forward, the last block counted whole; ``zlab_tau`` beside it counts as z-lab's ``dflash_generate`` does
+(tokens added per step, cut at the stop token and max_new_tokens, mean per prompt, then over prompts).
+
+At ``eval.temperature`` > 0 the decoding is sampled: lossless rejection sampling (``common.drafter.sampling.
+rejection_sample``) of the drafter kind's proposal against the target's sampling distribution. Its text depends on
+the draws, so nothing is replayed: ``speculative_decode`` runs live, one prompt at a time, each prompt with its own
+generator seeded by ``eval.seed``; the figures on the greedy text (``sim_tau_greedy``, ``sim_tau_walk``) are left out.
 
 Next to it the simulated tau: the training metric (teacher-forced blocks, the drafter kind's ``objective``)
 on the same held-out documents with the same weights. Their gap is what teacher forcing hides, and the report
@@ -54,6 +61,7 @@ from common.drafter.blocks import DraftBlocks, build_blocks, valid_anchor_mask
 from common.drafter.loss import LossConfig
 from common.drafter.masks import build_masks, in_block_mask
 from common.drafter.model import DFlashDrafter
+from common.drafter.sampling import Proposal, Sampling, rejection_sample, sample_from, sampling_probs
 from common.drafter.target_head import TargetHead
 
 log = logging.getLogger(__name__)
@@ -86,6 +94,8 @@ class GreedyTarget:
         self.recurrent = any(hasattr(layer, "linear_attn") for layer in layers)
         self.cache = None
         self._saved_states: list[tuple[Any, dict, dict]] = []
+        self._keep_logits = False
+        self._logits: torch.Tensor | None = None
 
     def _keep_output(self, layer_id: int, _module: nn.Module, _args: Any, output: Any) -> None:
         self._outputs[layer_id] = output[0] if isinstance(output, tuple) else output
@@ -127,7 +137,20 @@ class GreedyTarget:
             out = self.model(input_ids=token_ids[None].to(self.device), position_ids=positions, use_cache=True,
                              logits_to_keep=0 if logits else 1, **{self._cache_arg: self.cache})
         features = torch.cat([self._outputs[k][0] for k in self.layer_ids], dim=-1)
+        if self._keep_logits:
+            self._logits = out.logits[0]
         return (out.logits[0].argmax(-1) if logits else None), features
+
+    def forward_logits(self, token_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for sampled decoding: (the target's logits ``[L, V]`` after each token, the features). Through
+        ``forward`` itself, so that a subclass that mirrors it (a tensor-parallel target) mirrors this too."""
+        self._keep_logits = True
+        try:
+            _, features = self.forward(token_ids, start)
+        finally:
+            self._keep_logits = False
+        logits, self._logits = self._logits, None
+        return logits, features
 
     @property
     def batchable(self) -> bool:
@@ -323,7 +346,8 @@ class TargetReference:
 
     @property
     def continuation_length(self) -> int:
-        return min(len(t.continuation) for t in self.transcripts)
+        """The shortest greedy continuation (0 without transcripts: a sampled evaluation makes none)."""
+        return min((len(t.continuation) for t in self.transcripts), default=0)
 
 
 def reference_length(max_new_tokens: int, block_size: int) -> int:
@@ -358,6 +382,15 @@ class DraftContext:
         device = self.ctx.device
         return propose_rows(self.drafter, [self.ctx], torch.tensor([token], device=device),
                             torch.tensor([position], device=device))[0]
+
+    def proposal(self, token: int, position: int, sampling: Sampling,
+                 generator: torch.Generator | None = None) -> Proposal:
+        """The drafter kind's proposal of the same block under ``sampling`` (one row): the drawn tokens and the
+        distribution they were drawn from (DFlash 2: over its candidates)."""
+        device = self.ctx.device
+        anchor = torch.tensor([token], device=device)
+        hidden = draft_rows(self.drafter, [self.ctx], anchor, torch.tensor([position], device=device))
+        return self.drafter.propose(hidden, anchor, sampling, generator)
 
 
 class DraftRows:
@@ -488,9 +521,14 @@ def replay_rows(drafts: DraftRows, transcripts: Sequence[Transcript], max_new_to
 
 @torch.no_grad()
 def speculative_decode(context: DraftContext, target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: int,
-                       stop_token_ids: frozenset[int] = frozenset()) -> Decoded:
+                       stop_token_ids: frozenset[int] = frozenset(), sampling: Sampling | None = None,
+                       generator: torch.Generator | None = None) -> Decoded:
     """Live greedy speculative decoding of ``prompt`` ``[P]`` with a fresh drafter ``context``, as a server runs it
     (one prompt; the reference ``replay_rows`` must equal): the target's greedy text, and what was accepted.
+    With ``sampling`` at a temperature above 0, sampled speculative decoding instead (``generator`` draws every
+    token): the prefill's token is drawn from the target, the drafter's kind draws the block from its proposal q,
+    and ``rejection_sample`` verifies it against the target's distribution p of the same forward, so the text is
+    distributed as the target's own sampling.
 
       1. the target prefills the prompt into its KV cache: the first new token, and the features of every
          prompt token;
@@ -502,19 +540,37 @@ def speculative_decode(context: DraftContext, target: GreedyTarget, prompt: torc
     cropped: their state before the block is kept, and when a draft token was rejected it is put back and the
     kept tokens are run again (``Decoded.replayed``).
     """
+    sampled = sampling is not None and not sampling.greedy
     target.reset()
-    greedy, features = target.forward(prompt, 0)
+    if sampled:
+        logits, features = target.forward_logits(prompt, 0)
+        first = int(sample_from(sampling_probs(logits[-1], sampling), generator))
+    else:
+        greedy, features = target.forward(prompt, 0)
+        first = int(greedy[-1])
     context.extend(features)
-    tokens, accepted, replayed = [int(greedy[-1])], [], []
+    tokens, accepted, replayed = [first], [], []
     while not _finished(tokens, max_new_tokens, stop_token_ids):
         anchor = prompt.shape[0] + len(tokens) - 1  # position of the last kept token
-        drafted = context.propose(tokens[-1], anchor)
-        block = torch.cat([drafted.new_tensor([tokens[-1]]), drafted])
-        target.save_state()  # a hybrid target's recurrent state before the block
-        verified, features = target.forward(block, anchor)  # verified[i]: the target's token after block[:i + 1]
-        num_accepted = int((drafted == verified[:-1]).long().cumprod(0).sum())
+        if sampled:
+            proposal = context.proposal(tokens[-1], anchor, sampling, generator)
+            drafted = proposal.tokens[0]
+            block = torch.cat([drafted.new_tensor([tokens[-1]]), drafted])
+            target.save_state()
+            logits, features = target.forward_logits(block, anchor)
+            target_probs = sampling_probs(logits, sampling)
+            draft_probs = proposal.dense(target_probs.shape[-1]).probs
+            kept_drafts, after = rejection_sample(drafted[None], target_probs[None], draft_probs, generator)
+            num_accepted, next_token = int(kept_drafts[0]), int(after[0])
+        else:
+            drafted = context.propose(tokens[-1], anchor)
+            block = torch.cat([drafted.new_tensor([tokens[-1]]), drafted])
+            target.save_state()  # a hybrid target's recurrent state before the block
+            verified, features = target.forward(block, anchor)  # verified[i]: the target's token after block[:i + 1]
+            num_accepted = int((drafted == verified[:-1]).long().cumprod(0).sum())
+            next_token = int(verified[num_accepted])
         accepted.append(num_accepted)
-        tokens += drafted[:num_accepted].tolist() + [int(verified[num_accepted])]
+        tokens += drafted[:num_accepted].tolist() + [next_token]
         kept = num_accepted + 1  # the anchor and the accepted drafts; the correction is the next anchor
         if target.recurrent and kept < block.shape[0]:
             # The state ran over rejected tokens and cannot be cropped: back to before the block, run the kept again.
@@ -539,6 +595,34 @@ def greedy_decode(target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: in
         greedy, _ = target.forward(greedy[-1:], prompt.shape[0] + len(tokens) - 1)
         tokens.append(int(greedy[-1]))
     return tokens
+
+
+def zlab_acceptance_lengths(decoded: Decoded) -> list[int]:
+    """The decoding's steps as z-lab's ``dflash_generate`` counts them (its ``acceptance_lengths``): tokens each verify
+    forward added to the output, the accepted drafts and the target's token after them, cut at the stop token and at
+    max_new_tokens (``decoded.tokens`` is cut at both). The prefill's token is no step. Our ``accepted`` counts
+    the last block whole instead. (dflash_generate also drafts a shorter last block where fewer than B - 1 tokens are
+    left, so its last step's drafts may differ from a full block's; every step before it is the same.)"""
+    lengths, generated = [], 1
+    for num_accepted in decoded.accepted:
+        if generated >= len(decoded.tokens):
+            break
+        produced = min(num_accepted + 1, len(decoded.tokens) - generated)
+        lengths.append(produced)
+        generated += produced
+    return lengths
+
+
+def zlab_tau(decoded: Sequence[Decoded]) -> float:
+    """z-lab's tau: each prompt's mean acceptance length (``zlab_acceptance_lengths``), then the mean over prompts (a
+    prompt that ended at its prefill, with no step, is left out; 0.0 when all did)."""
+    means = [sum(lengths) / len(lengths) for lengths in map(zlab_acceptance_lengths, decoded) if lengths]
+    return sum(means) / len(means) if means else 0.0
+
+
+def sampling_seed(seed: int, index: int) -> int:
+    """The seed of prompt ``index``'s generator in a sampled evaluation seeded with ``seed``."""
+    return seed * 1_000_003 + index
 
 
 # -- simulated acceptance ------------------------------------------------------------------------
@@ -613,7 +697,8 @@ class AcceptanceReport:
     block_size: int
     num_prompts: int
     tau: float
-    """Mean tokens kept per verify forward, the correction token included (1 .. B)."""
+    """Mean tokens kept per verify forward, the correction token included (1 .. B), pooled over every prompt's verify
+    forwards, the last block counted whole (as vLLM counts its acceptance length)."""
     accept_pos: list[float]
     """k = 1..B-1: fraction of verify forwards whose accepted streak reaches slot k (tau = 1 + their sum)."""
     sim_tau: float
@@ -621,14 +706,14 @@ class AcceptanceReport:
     produces: the prompt and ``max_new_tokens`` tokens."""
     sim_acc: list[float]
     """Teacher-forced per-slot accuracy acc_k, k = 1..B-1."""
-    sim_tau_greedy: float
+    sim_tau_greedy: float | None
     """The training metric on the text the decoding produced (the target's greedy text of the same prompts), at
     every anchor: beside ``sim_tau``, how far the documents are from the target's own text."""
-    sim_tau_walk: float
+    sim_tau_walk: float | None
     """The training metric on that text at the anchors the decoding started its blocks at: the training forward
     where the server ran its own, so it equals ``tau`` unless the two differ (masks, positions, features). Beside
     ``sim_tau_greedy``, what those anchors cost: a block starts after each rejection, where the text is harder
-    than on average."""
+    than on average. None for a sampled evaluation (as ``sim_tau_greedy``): its text is not the greedy text."""
     generated_tokens: int
     target_forwards: int
     """Prefills plus verify forwards: what live decoding runs for this text and these acceptances."""
@@ -638,6 +723,14 @@ class AcceptanceReport:
     0 when an earlier evaluation made it."""
     decode_seconds: float = 0.0
     """Of ``seconds``: decoding the prompts. The rest, past the reference, is the simulated acceptance."""
+    zlab_tau: float = 0.0
+    """tau as z-lab's benchmark gives it from ``dflash_generate``'s acceptance lengths: tokens each verify forward
+    added to the output, cut at the stop token and at max_new_tokens, averaged per prompt and then over prompts
+    (``zlab_tau``). Below ``tau`` where last blocks are cut, and it weighs short answers as much as long ones."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """How the target's tokens were chosen (temperature 0: greedy)."""
+    seed: int = 0
+    """The sampled decoding's seed (``eval.seed``)."""
 
     @property
     def tau_gap(self) -> float:
@@ -659,26 +752,44 @@ class AcceptanceReport:
         return 1.0 - self.target_forwards / max(self.greedy_forwards, 1)
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        out = {"tau": self.tau, "sim_tau": self.sim_tau, "tau_gap": self.tau_gap, "sim_tau_greedy": self.sim_tau_greedy,
-               "sim_tau_walk": self.sim_tau_walk, "forwards_saved": self.forwards_saved,
+        """The figures by name; a sampled evaluation's adds its sampling settings and has no ``sim_tau_greedy`` nor
+        ``sim_tau_walk``."""
+        out = {"tau": self.tau, "zlab_tau": self.zlab_tau, "sim_tau": self.sim_tau, "tau_gap": self.tau_gap,
+               "sim_tau_greedy": self.sim_tau_greedy, "sim_tau_walk": self.sim_tau_walk,
+               "forwards_saved": self.forwards_saved,
                "target_forwards": self.target_forwards, "greedy_forwards": self.greedy_forwards,
                "generated_tokens": self.generated_tokens, "num_prompts": self.num_prompts, "seconds": self.seconds,
                "reference_seconds": self.reference_seconds, "decode_seconds": self.decode_seconds}
+        out = {key: value for key, value in out.items() if value is not None}
+        if not self.sampling.greedy:
+            out.update(temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
+                       seed=self.seed)
         out.update({f"accept_pos_{k}": p for k, p in enumerate(self.accept_pos, start=1)})
         out.update({f"sim_acc_{k}": a for k, a in enumerate(self.sim_acc, start=1)})
         return {prefix + key: value for key, value in out.items()}
 
     def table(self) -> str:
+        sampling = self.sampling
+        how = ("greedy" if sampling.greedy else f"sampled at temperature {sampling.temperature:g}, top_p "
+               f"{sampling.top_p:g}, top_k {sampling.top_k}, seed {self.seed}")
         lines = [
-            f"{self.num_prompts} prompts, {self.generated_tokens} tokens generated, block size {self.block_size}",
-            f"tau (real)       {self.tau:6.3f}   mean tokens per target verify forward (max {self.block_size})",
+            f"{self.num_prompts} prompts, {self.generated_tokens} tokens generated, block size {self.block_size}, {how}",
+            f"tau (real)       {self.tau:6.3f}   mean tokens per target verify forward (max {self.block_size}), "
+            "pooled, last blocks whole",
+            f"tau (z-lab)      {self.zlab_tau:6.3f}   tokens added per step, cut at the stop token and max_new_tokens, "
+            "mean per prompt, then over prompts",
             f"tau (simulated)  {self.sim_tau:6.3f}   teacher-forced on the same documents; gap {self.tau_gap:+.3f}",
-            f"  on the target's text       {self.sim_tau_greedy:6.3f}   teacher-forced on what the decoding produced "
-            f"(documents {self.sim_tau - self.sim_tau_greedy:+.3f} from it)",
-            f"  at the decoding's anchors  {self.sim_tau_walk:6.3f}   the blocks the decoding ran, in the training "
-            f"forward (anchors {self.sim_tau_walk - self.sim_tau_greedy:+.3f}, serving {self.tau - self.sim_tau_walk:+.3f})",
-            f"target forwards  {self.target_forwards:6d}   vs {self.greedy_forwards} for plain greedy: "
-            f"{self.forwards_saved:.1%} saved",
+        ]
+        if self.sim_tau_greedy is not None and self.sim_tau_walk is not None:
+            lines += [
+                f"  on the target's text       {self.sim_tau_greedy:6.3f}   teacher-forced on what the decoding produced "
+                f"(documents {self.sim_tau - self.sim_tau_greedy:+.3f} from it)",
+                f"  at the decoding's anchors  {self.sim_tau_walk:6.3f}   the blocks the decoding ran, in the training "
+                f"forward (anchors {self.sim_tau_walk - self.sim_tau_greedy:+.3f}, serving {self.tau - self.sim_tau_walk:+.3f})",
+            ]
+        lines += [
+            f"target forwards  {self.target_forwards:6d}   vs {self.greedy_forwards} for plain "
+            f"{'greedy' if sampling.greedy else 'sampled'} decoding: {self.forwards_saved:.1%} saved",
         ]
         lines += ["slot k    accepted (real, streak reaches k)    acc_k (simulated)"]
         lines += [f"{k:6d}    {p:10.3f}                           {a:10.3f}"
@@ -752,6 +863,7 @@ class Evaluator:
             raise ValueError("no held-out document has a prompt (tokens before its first supervised token); "
                              "set eval.prompt_len")
         self.config = config
+        self.sampling = Sampling(config.temperature, config.top_p, config.top_k)
         self.num_anchors = num_anchors
         self.stop_token_ids = frozenset(stop_token_ids)
         self.reference: TargetReference | None = None
@@ -788,7 +900,10 @@ class Evaluator:
             with self.evaluation_context():
                 reference, made = self.reference_for(drafter.config.block_size)
                 decode_started = time.perf_counter()
-                decoded = self.decode(drafter, reference)  # its results are on the host: no work left queued
+                if self.sampling.greedy:
+                    decoded = self.decode(drafter, reference)  # its results are on the host: no work left queued
+                else:
+                    decoded = self.decode_sampled(drafter)
                 decode_seconds = time.perf_counter() - decode_started
                 # A document whose features were not kept runs through the target when its turn comes: only one
                 # document's features are on the device at a time.
@@ -797,7 +912,8 @@ class Evaluator:
                 spans, anchors = zip(*(decoded_span(d, self.config.prompt_len, self.config.max_new_tokens,
                                                     drafter.config.block_size) for d in self.documents))
                 sim_tau, sim_acc = simulated_acceptance(drafter, spans, features, self.num_anchors, anchors=anchors)
-                sim_tau_greedy, sim_tau_walk = self.on_greedy_text(drafter, reference.transcripts, decoded)
+                sim_tau_greedy, sim_tau_walk = (self.on_greedy_text(drafter, reference.transcripts, decoded)
+                                                if self.sampling.greedy else (None, None))
         finally:
             drafter.train(was_training)
         accepted = torch.tensor([n for d in decoded for n in d.accepted], dtype=torch.float64)
@@ -811,6 +927,7 @@ class Evaluator:
             generated_tokens=sum(len(d.tokens) for d in decoded),
             target_forwards=len(decoded) + int(accepted.numel()), seconds=time.perf_counter() - started,
             reference_seconds=reference.seconds if made else 0.0, decode_seconds=decode_seconds,
+            zlab_tau=zlab_tau(decoded), sampling=self.sampling, seed=self.config.seed,
         )
 
     def on_greedy_text(self, drafter: DFlashDrafter, transcripts: Sequence[Transcript],
@@ -841,13 +958,14 @@ class Evaluator:
 
     def reference_for(self, block_size: int) -> tuple[TargetReference, bool]:
         """The target's reference for drafters of ``block_size``: (it, whether it was made now). Made by target
-        forwards the first time (and again for a larger block), inside ``evaluation_context``."""
-        length = reference_length(self.config.max_new_tokens, block_size)
+        forwards the first time (and again for a larger block), inside ``evaluation_context``. A sampled evaluation
+        decodes live and needs no greedy continuation: its reference holds the documents' features only."""
+        length = reference_length(self.config.max_new_tokens, block_size) if self.sampling.greedy else 0
         if self.reference is not None and self.reference.continuation_length >= length:
             return self.reference, False
         started = time.perf_counter()
         prompts = [prompt_of(d, self.config.prompt_len) for d in self.documents]
-        transcripts = greedy_transcripts(self.target, prompts, length, self.config.batch_prompts)
+        transcripts = greedy_transcripts(self.target, prompts, length, self.config.batch_prompts) if length else []
         budget = int(self.config.reference_cache_gb * 2**30) - sum(t.features.nbytes for t in transcripts)
         documents: list[DocumentFeatures | None] = []
         bytes_per_token = self.target_feature_bytes()
@@ -882,6 +1000,16 @@ class Evaluator:
             group = transcripts[i:i + size]
             decoded += replay_rows(DraftRows(drafter, [t.features for t in group]), group, self.config.max_new_tokens,
                                    self.stop_token_ids)
+        return decoded
+
+    def decode_sampled(self, drafter: DFlashDrafter) -> list[Decoded]:
+        """Every held-out prompt's sampled speculative decoding, live (the target verifies each block), one prompt at
+        a time, prompt i drawing from a generator seeded by ``eval.seed`` and i (``sampling_seed``)."""
+        decoded = []
+        for index, document in enumerate(self.documents):
+            generator = torch.Generator(device=self.target.device).manual_seed(sampling_seed(self.config.seed, index))
+            decoded.append(speculative_decode(DraftContext(drafter), self.target, prompt_of(document, self.config.prompt_len),
+                                              self.config.max_new_tokens, self.stop_token_ids, self.sampling, generator))
         return decoded
 
 

@@ -66,3 +66,34 @@ class Proposal:
         dense = torch.zeros(*self.probs.shape[:-1], vocab_size, dtype=self.probs.dtype, device=self.probs.device)
         dense.scatter_add_(-1, self.candidates, self.probs)
         return Proposal(tokens=self.tokens, probs=dense)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of ``probs`` ``[..., V]`` (int64 ``[...]``)."""
+    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+
+
+def rejection_sample(drafted: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless verification of R sampled blocks: (accepted drafts ``[R]`` in 0..n, the target's token after them
+    ``[R]``), whose text is distributed exactly as sampling the target token by token.
+
+    ``drafted`` ``[R, n]`` are the draft tokens, drawn from ``draft_probs`` ``[R, n, V]`` (dense over the vocabulary:
+    ``Proposal.dense``); ``target_probs`` ``[R, n + 1, V]`` the target's sampling distribution after the block's given
+    token and after each draft. Draft k is kept with probability min(1, p_k(x) / q_k(x)) while every draft before it
+    was; at the first rejection the token comes from the residual max(0, p_k - q_k) normalised, and after n kept
+    drafts the bonus from p_n (the residual with q = 0)."""
+    rows, n = drafted.shape
+    p_drafted = target_probs[:, :n].gather(-1, drafted[..., None]).squeeze(-1)
+    q_drafted = draft_probs.gather(-1, drafted[..., None]).squeeze(-1)
+    uniform = torch.rand(rows, n, generator=generator, device=drafted.device, dtype=p_drafted.dtype)
+    kept = uniform * q_drafted < p_drafted  # u < p / q without dividing (q > 0 for a drawn token)
+    accepted = kept.long().cumprod(1).sum(1)
+    at = torch.arange(rows, device=drafted.device)
+    p = target_probs[at, accepted]
+    q = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[at, accepted]
+    residual = (p - q).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    # All mass cancelled (p = q up to rounding, where no rejection can happen): p itself.
+    residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
+    return accepted, sample_from(residual, generator)
