@@ -44,7 +44,9 @@ def _drafter_summary(cfg: RunConfig, tokenizer: Any) -> str:
 
     target = build_target_config(cfg.target)
     d = cfg.drafter
-    overrides: dict[str, Any] = {"block_size": d.block_size, "in_block_causality": d.in_block_causality}
+    overrides: dict[str, Any] = {"block_size": d.block_size, "in_block_causality": d.in_block_causality, "kind": d.kind,
+                                 "conv_kernel_size": d.conv_kernel_size, "conv_group_size": d.conv_group_size,
+                                 "selector_rank": d.selector_rank, "selector_top_k": d.selector_top_k}
     for name in ("target_layer_ids", "layer_types", "sliding_window", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads"):
         value = getattr(d, name)
@@ -62,7 +64,11 @@ def _drafter_summary(cfg: RunConfig, tokenizer: Any) -> str:
             f"{draft.hidden_size}, heads {draft.num_attention_heads}/{draft.num_key_value_heads} of {draft.head_dim}, "
             f"target layers {draft.target_layer_ids}, mask token {draft.mask_token_id}"
             + (f" ({tokenizer.convert_ids_to_tokens(draft.mask_token_id)!r})" if tokenizer is not None
-               and draft.mask_token_id < len(tokenizer) else ""))
+               and draft.mask_token_id < len(tokenizer) else "")
+            + (f"\nDFlash 2: convolutions of {draft.conv_kernel_size} taps in groups of {draft.conv_group_size}, a "
+               f"rank-{draft.selector_rank} selector over the top {draft.selector_top_k} of the full vocabulary "
+               f"({draft.vocab_size}; a target whose head was cut below its tokenizer cannot have one)"
+               if draft.kind == "dflash2" else ""))
 
 
 def marked(tokenizer: Any, input_ids: np.ndarray, loss_mask: np.ndarray, color: bool) -> str:

@@ -82,3 +82,11 @@ def test_dflash2_on_a_cut_vocabulary_stops_the_run_naming_the_key(short_tmp):
                                  'drafter.kind="dflash2"', "drafter.mask_token_id=63")
     assert "drafter.kind: dflash2 needs the target's full vocabulary: its tokenizer has 80 tokens, its head 64" in text
     assert seconds < 60
+
+
+def test_check_describes_the_dflash2_drafter_and_its_vocabulary(tmp_path):
+    done = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "check", *DFLASH2], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert ("DFlash 2: convolutions of 2 taps in groups of 16, a rank-16 selector over the top 8 of the full "
+            "vocabulary (64;") in done.stdout
