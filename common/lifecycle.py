@@ -12,6 +12,10 @@ from typing import NoReturn
 
 _PR_SET_PDEATHSIG = 1
 
+EXIT_CONFIG_ERROR = 2
+"""The exit code of an error that repeats on every try (a bad config key, a missing or unusable file): the
+launcher stops the run at once instead of restarting the process."""
+
 
 def die_with_parent() -> None:
     """Ask the kernel to SIGTERM us when the launcher dies, so no orphan holds a GPU (Linux only)."""

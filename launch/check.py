@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from common.config import ConfigError, RunConfig, load_config
+from common.lifecycle import EXIT_CONFIG_ERROR
 from launch.supervisor import DEFAULT_CONFIG
 
 SUPERVISED_OPEN, SUPERVISED_CLOSE = "\x1b[1;32m", "\x1b[0m"
@@ -154,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         report, figures = check(cfg, args.sample, color=sys.stdout.isatty())
     except (ConfigError, DataError, UnsupportedTarget, ValueError) as exc:  # ValueError: an override the target contradicts
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
     print(report)
     if args.json:
         print(json.dumps(figures))
     if not figures["good"]:
         print("error: no record of the sample is usable (see the bad records above)", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
     return 0
 
 

@@ -24,6 +24,7 @@ from common.drafter.export import drafter_folder, load_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.target_head import load_target_head
 from common.rundir import RunDir
+from common.lifecycle import EXIT_CONFIG_ERROR
 from producer.evaluation import build_evaluator
 from producer.target import load_target_model
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.target = dataclasses.replace(cfg.target, device=device)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
 
     model = load_target_model(cfg.target)
     head = target_head_of(model)
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if differs:  # the drafter shares all three: each must be the producers' bit for bit
             print(f"the target built here is not the run's (its {', '.join(differs)} differ from the head in "
                   f"{produced}): try --device cpu or the producers' device", file=sys.stderr)
-            return 2
+            return EXIT_CONFIG_ERROR
     loss_config = LossConfig(label_mode=cfg.training.label_mode)
     drafter_dir, own_checkpoint = drafter_folder(args.checkpoint)
     drafter = load_drafter(drafter_dir, head, loss_config, own_checkpoint=own_checkpoint, device=head.embed_weight.device)

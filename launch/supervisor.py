@@ -58,6 +58,7 @@ from launch import status as status_cmd
 from launch.mps import MpsDaemon
 from launch.progress import ProgressView, ViewHandler
 from common.rundir import RunDir, read_json, atomic_write_json
+from common.lifecycle import EXIT_CONFIG_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -570,11 +571,11 @@ class Supervisor:
                 continue
             producer.clear()
             self._mark_not_ready(i)
-            if returncode == 2:
+            if returncode == EXIT_CONFIG_ERROR:
                 log.error("%s: configuration error (exit 2); stopping the run. See %s%s",
                           producer.name, producer.log_path, log_tail(producer.log_path))
                 self.outcome = "failed"
-                return 2
+                return EXIT_CONFIG_ERROR
             # Exit 0 too: the launcher did not ask it to stop, and the run still needs it.
             result = self._after_crash(producer, returncode)
             if result is not None:
@@ -691,18 +692,18 @@ class Supervisor:
             log.info("training finished at step %s: stopping the producers", status.get("step"))
             self.outcome = "finished"
             return 0
-        if state == "stopped" and returncode != 2:
+        if state == "stopped" and returncode != EXIT_CONFIG_ERROR:
             # Stopped from outside (SIGTERM to its pid): it checkpointed; replace it at once. Any exit
             # code: torchrun reports the SIGTERM it forwarded to its ranks as exit 1.
             log.info("trainer stopped with a checkpoint at step %s without being asked: starting a new one", status.get("step"))
             self.trainer.restart_at = time.monotonic()
             self.trainer.restarts += 1
             return None
-        if returncode == 2:
+        if returncode == EXIT_CONFIG_ERROR:
             log.error("trainer: configuration error (exit 2); stopping the run. See %s%s",
                       self.trainer.log_path, log_tail(self.trainer.log_path))
             self.outcome = "failed"
-            return 2
+            return EXIT_CONFIG_ERROR
         # A trainer killed again and again that checkpoints in between is no crash loop (e.g. a
         # flaky node, preemptions): it resumes further on each time.
         return self._after_crash(self.trainer, returncode, made_progress=self._checkpoint_step() > self.trainer_checkpoint_at_start)
@@ -884,7 +885,7 @@ def run_supervisor(run_dir: Path | None, config_file: Path | None, overrides: li
         _refuse_if_running(run)
     except (ConfigError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
     run.create()
     save_config(cfg, run.config)
     _setup_logging(run)
@@ -893,7 +894,7 @@ def run_supervisor(run_dir: Path | None, config_file: Path | None, overrides: li
     except ConfigError as exc:  # what the config asks for does not exist on this host
         log.error("configuration error: %s", exc)
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
     _setup_logging(run, supervisor.view)  # the terminal's log lines now go above the progress bar
     supervisor.install_signal_handlers()
     log.info("%s run %s (launcher pid %d)", "resuming" if resumed else "starting", run.root, os.getpid())
@@ -926,7 +927,7 @@ def request_trainer_restart(run_dir: Path, overrides: list[str], timeout_s: floa
         if result is not None and result.get("request_id") == request_id:
             if not result.get("ok"):
                 print(f"error: restart-trainer refused: {result.get('error')}", file=sys.stderr)
-                return 2
+                return EXIT_CONFIG_ERROR
             changed = ", ".join(result.get("changed") or []) or "none"
             if result.get("trainer_pid") is None:
                 print(f"config saved (changed: {changed}); the trainer starts once the producers are ready")
@@ -1003,7 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python -m launch.supervisor {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
     command = argv[0]
     # Intermixed: overrides may come before or after --run-dir.
     args = _command_parser(command).parse_intermixed_args(argv[1:])

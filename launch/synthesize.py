@@ -23,6 +23,7 @@ from pathlib import Path
 
 from common.config import ConfigError, save_config
 from common.rundir import read_json
+from common.lifecycle import EXIT_CONFIG_ERROR
 from launch.progress import format_duration, significant
 from launch.supervisor import (
     ManagedProcess, UsageError, child_environment, cpu_processes, cpu_threads, describe_exit, detect_cuda, log_tail,
@@ -92,7 +93,7 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
         run, cfg, resumed = resolve_run(run_dir, config_file, overrides)
     except (ConfigError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
     run.create()
     save_config(cfg, run.config)
     logging.basicConfig(level=logging.INFO, format="[synthesize %(asctime)s] %(message)s", datefmt="%H:%M:%S")
@@ -141,11 +142,11 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
             if code == 0:
                 finished.add(index)
                 continue
-            if code == 2:
+            if code == EXIT_CONFIG_ERROR:
                 log.error("%s stopped with a configuration or data error: the same on every try%s", worker.name,
                           log_tail(worker.log_path))
                 _stop(workers, resumable=False)
-                return 2
+                return EXIT_CONFIG_ERROR
             delay = worker.schedule_restart(cfg.launch.restart_backoff_s, cfg.launch.max_restarts)
             if delay is None:
                 log.error("%s crashed (%s) more than launch.max_restarts=%d times in a row; stopping%s", worker.name,

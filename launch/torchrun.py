@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun
 
-EXIT_CONFIG_ERROR = 2
+from common.lifecycle import EXIT_CONFIG_ERROR
 
 
 def main(argv: list[str] | None = None) -> int:

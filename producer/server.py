@@ -44,7 +44,7 @@ from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
 from common.codec import DTYPE_NAMES, bytes_needed, plan_layout, read_tensors
 from common.config import ConfigError, RunConfig, load_config
 from common.contract import BatchMeta, Features, mismatch
-from common.lifecycle import die_with_parent, exit_process
+from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, exit_process
 from common.naming import owner_identity, run_tag, sweep_stale
 from common.protocol import Hello
 from common.ring import RingMemoryError, create_ring
@@ -64,7 +64,6 @@ from common.drafter.draft_config import build_target_layer_ids
 
 log = logging.getLogger(__name__)
 
-EXIT_CONFIG_ERROR = 2
 
 
 

@@ -36,14 +36,13 @@ from typing import Any
 
 from common.config import ConfigError, RunConfig, SynthesizeConfig, load_config
 from common.drafter.evaluate import stop_tokens_of
-from common.lifecycle import die_with_parent, exit_process
+from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, exit_process
 from common.rundir import RunDir, atomic_write_json, fsync_file
 from producer.data import BadRecord, DataError, expand_paths, validate_messages
 from producer.generate import GenerationConfig, GenerationMemoryError, Generator, Request
 
 log = logging.getLogger(__name__)
 
-EXIT_CONFIG_ERROR = 2
 MAGPIE_PLACEHOLDER = "\x00MAGPIE\x00"
 """Rendered as the user's message to find where the template's user prefix ends."""
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from common.drafter.export import (CAUSALITY_KEY, CONFIG_FILE, WEIGHTS_FILE, ExportError, config_from_export,
                                    drafter_folder, speculators_config, write_export, zlab_config)
+from common.lifecycle import EXIT_CONFIG_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         out = export_checkpoint(args.checkpoint, args.out, args.format, verifier, dtype=getattr(torch, args.dtype))
     except (ExportError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
     config = json.loads((out / CONFIG_FILE).read_text())
     log.info("wrote %s (%s format, in-block causality %s)", out, args.format, config[CAUSALITY_KEY])
     return 0

@@ -36,7 +36,7 @@ from common.drafter.export import config_from_export, drafter_from_state, zlab_c
 from common.drafter.kinds import build_drafter, kind_of
 from common.drafter.model import train_flops
 from common.hf import target_identity
-from common.lifecycle import die_with_parent, end_now, exit_process
+from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, end_now, exit_process
 from common.naming import process_start_ticks, run_tag, sweep_stale_trainer_staging
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from trainer import build
@@ -57,7 +57,6 @@ from trainer.warm import WarmStart
 from trainer.warm import prepare as prepare_warm_start
 
 log = logging.getLogger(__name__)
-EXIT_CONFIG_ERROR = 2
 SourceFactory = Callable[[RunConfig, RunDir, int, int, torch.device], Any]
 """Builds a batch source in the trainer's process (launch/bench/coupled.py); see ``Trainer``."""
 PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"
