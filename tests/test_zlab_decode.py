@@ -161,6 +161,7 @@ def test_dflash_generate_with_our_export_decodes_as_we_do(tmp_path, target_model
 
 
 @pytest.mark.slow
+@pytest.mark.reference
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 def test_dflash_generate_on_smollm2_decodes_as_we_do(tmp_path, kind):
     """The same on the real model (SmolLM2-135M, fp32), with a random drafter of its shapes."""
