@@ -266,6 +266,20 @@ def test_export_command(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_the_speculators_export_names_a_local_verifiers_architectures(tmp_path):
+    """A verifier that is a model folder: its config.json's architectures go into the export (vLLM reads them)."""
+    step, _ = legacy_checkpoint(tmp_path)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
+    done = subprocess.run([sys.executable, "-m", "trainer.export", "--checkpoint", str(step), "--out", str(tmp_path / "a"),
+                           "--format", "speculators", "--verifier", str(target)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    verifier = json.loads((tmp_path / "a" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": str(target), "architectures": ["Qwen3ForCausalLM"]}
+
+
 def test_legacy_checkpoint_resumes_and_its_next_checkpoint_says_bidirectional(short_tmp):
     """A run with sliding layers, its checkpoint turned into a pre-change one, resumed by a new trainer."""
     from common.rundir import RunDir

@@ -56,6 +56,14 @@ def _verifier_of_run(checkpoint: Path) -> str | None:
     return tomllib.loads(config.read_text()).get("target", {}).get("path") or None
 
 
+def _architectures_of(verifier: str | None) -> list[str] | None:
+    """The target's ``architectures`` from its config.json, when the verifier is a local model folder."""
+    config = Path(verifier) / "config.json" if verifier else None
+    if config is None or not config.is_file():
+        return None
+    return list(json.loads(config.read_text()).get("architectures") or []) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoints/step-N")
@@ -67,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     verifier = args.verifier or (_verifier_of_run(args.checkpoint) if args.format == "speculators" else None)
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.format, verifier, dtype=getattr(torch, args.dtype))
+        out = export_checkpoint(args.checkpoint, args.out, args.format, verifier, _architectures_of(verifier),
+                                dtype=getattr(torch, args.dtype))
     except (ExportError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
