@@ -155,3 +155,33 @@ class ViewHandler(logging.Handler):
             self.view.write(self.format(record))
         except Exception:
             self.handleError(record)
+
+
+def run_summary(run: RunDir, block_size: int, target: str | None) -> str:
+    """What a finished run leaves and what to do next: the last checkpoint, the final simulated (training) and real
+    tau, and the commands that evaluate, export and serve it, each ready to paste."""
+    import json
+    import shlex
+
+    status = read_json(run.trainer_status) or {}
+    checkpoint = run.latest_checkpoint()
+    lines = [f"run finished at step {status.get('step')}: {run.root}"]
+    lines.append(f"  last checkpoint  {checkpoint}" if checkpoint else "  no checkpoint was written")
+    if status.get("tau") is not None:
+        lines.append(f"  simulated tau    {status['tau']:.3f} (training, the last metrics window)")
+    evaluation = status.get("eval") or {}
+    if evaluation.get("tau") is not None:
+        simulated = f", simulated {evaluation['sim_tau']:.3f}" if evaluation.get("sim_tau") is not None else ""
+        lines.append(f"  real tau         {evaluation['tau']:.3f} at step {evaluation['step']}{simulated} (held out)")
+    if checkpoint is None:
+        return "\n".join(lines)
+    python = shlex.quote(sys.executable)
+    export = run.root / "export"
+    speculative = json.dumps({"method": "dflash", "model": str(export), "num_speculative_tokens": block_size - 1})
+    lines += [
+        "next:",
+        f"  {python} -m launch.evaluate --checkpoint {shlex.quote(str(checkpoint))}",
+        f"  {python} -m trainer.export --checkpoint {shlex.quote(str(checkpoint))} --out {shlex.quote(str(export))}",
+        f"  vllm serve {shlex.quote(target or 'TARGET')} --speculative-config {shlex.quote(speculative)}",
+    ]
+    return "\n".join(lines)

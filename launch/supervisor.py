@@ -56,7 +56,7 @@ from common.config import ConfigError, RunConfig, fixed_while_producers_run, loa
 from common.naming import process_alive, process_start_ticks, run_tag, sweep_stale, sweep_stale_trainer_staging
 from launch import status as status_cmd
 from launch.mps import MpsDaemon
-from launch.progress import ProgressView, ViewHandler
+from launch.progress import ProgressView, ViewHandler, run_summary
 from common.rundir import RunDir, read_json, atomic_write_json
 from common.lifecycle import EXIT_CONFIG_ERROR
 
@@ -550,6 +550,8 @@ class Supervisor:
                 self.mps.quit()
             self.state = self.outcome
             self._write_launcher_json(exit_code)
+            if self.outcome == "finished":
+                print(run_summary(self.run, self.cfg.drafter.block_size, self.cfg.target.path), flush=True)
         return exit_code
 
     # -- producers

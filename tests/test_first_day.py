@@ -342,3 +342,24 @@ def test_readme_and_docs_link_nothing_outside_the_repository():
                 continue
             resolved = (path.parent / target.split("#")[0]).resolve()
             assert resolved.is_relative_to(root) and resolved.exists(), f"{path.name} links {target}"
+
+
+def test_a_finished_run_says_where_its_checkpoint_is_its_tau_and_commands_that_paste(short_tmp):
+    """The launcher's last words after a finished run: the last checkpoint, simulated and real tau, and the next
+    commands; the export command, pasted into a shell as printed, writes the export."""
+    import subprocess
+
+    from tests.test_pipeline import finish
+
+    run_dir = short_tmp / "run with space"
+    finish(start(run_dir, "training.max_steps=8", "eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8"),
+           run_dir)
+    output = (run_dir.parent / "launcher.out").read_text()
+    summary = output[output.index("run finished at step 8"):]
+    assert "last checkpoint" in summary and "step-00000008" in summary
+    assert "simulated tau" in summary and "real tau" in summary
+    export = next(line for line in summary.splitlines() if "-m trainer.export" in line)
+    done = subprocess.run(["bash", "-c", export], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (run_dir / "export" / "config.json").is_file()
+    assert "--speculative-config" in summary and '"num_speculative_tokens": 3' in summary
