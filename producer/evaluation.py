@@ -26,6 +26,14 @@ log = logging.getLogger(__name__)
 EVAL_POLL_S = 0.25  # how often producer 0 looks for the trainer's evaluation requests (a directory listing)
 
 
+def evaluations_expected(cfg: RunConfig) -> bool:
+    """Whether the trainer will ask for evaluations: eval.every_steps is set and, where training.max_steps is, within
+    it (a run of fewer steps never asks, and its reference, minutes on a CPU, is not worth making ahead). A trainer
+    restarted with more steps still gets its evaluations: the first request makes the reference."""
+    every, max_steps = cfg.eval.every_steps, cfg.training.max_steps
+    return bool(every) and not (max_steps and every > max_steps)
+
+
 def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
     """The first ``eval.num_prompts`` good documents of the run's held-out split (producer/data.py run_sources:
     ``eval.paths``, the synthetic documents after ``data.num_samples``, or records of the data never trained on)."""
@@ -130,7 +138,7 @@ class EvaluationJob:
         continuations and features) once, so that no evaluation the trainer asks for runs a target forward, and
         none does it beside a training step. Only where evaluations are expected (eval.every_steps); a failure
         is logged, and the first request tries again (and is lost if it fails too)."""
-        if self._reference_due and self.cfg.eval.every_steps:
+        if self._reference_due and evaluations_expected(self.cfg):
             self._reference_due = False
             try:
                 self._evaluator_of_run().prepare(self.cfg.drafter.block_size)

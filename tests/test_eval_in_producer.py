@@ -201,3 +201,13 @@ def test_a_new_trainer_adopts_the_evaluations_of_its_lineage_and_asks_again_past
                                                                    for r, f in zip(results_12, asked_at_12))
     assert 24 in by_step
     assert_nothing_trained_twice(run)
+
+
+def test_no_evaluation_reference_is_made_ahead_for_a_run_that_never_reaches_an_evaluation():
+    from common.config import load_config
+    from producer.evaluation import evaluations_expected
+
+    assert evaluations_expected(load_config(None, ["eval.every_steps=10", "training.max_steps=20"]))
+    assert not evaluations_expected(load_config(None, ["eval.every_steps=300", "training.max_steps=40"]))
+    assert not evaluations_expected(load_config(None, ["eval.every_steps=0"]))
+    assert evaluations_expected(load_config(None, ["eval.every_steps=300", "training.max_steps=0"]))  # from epochs
