@@ -657,6 +657,7 @@ class Supervisor:
         if not status.get("step") or status.get("state") != "training":
             return
         spare = self._make_trainer()
+        spare.name = "standby trainer"  # in the launcher's log; its output goes to trainer.log, which it takes over
         spare.command = [*spare.command, "--standby"]
         spare.start()
         self.spare = spare
@@ -755,6 +756,7 @@ class Supervisor:
             if spare is not None and spare.proc is not None and spare.poll() is None and spare.devices == successor.devices:
                 atomic_write_json(self.run.standby_go(spare.pid), {"predecessor": predecessor})
                 spare.command = successor.command  # a crash restart of it is an ordinary trainer start
+                spare.name = successor.name
                 spare.restarts = successor.restarts
                 self.trainer = spare
                 self.trainer_checkpoint_at_start = self._checkpoint_step()

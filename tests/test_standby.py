@@ -33,3 +33,6 @@ def test_a_waiting_standby_stops_cleanly_on_sigterm(short_tmp):
     output = "".join(lines)
     assert proc.returncode == 0, output[-2000:]
     assert "standby trainer stopped before it was needed" in output
+    # It writes into trainer.log beside the running trainer: each of its log lines says it is the standby.
+    logged = [line for line in lines if " INFO " in line]
+    assert logged and all(" standby-trainer-r0 INFO " in line for line in logged), logged

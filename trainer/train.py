@@ -849,11 +849,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standby", action="store_true",
                         help="started ahead by the launcher: import, then wait until told to take over (restart-trainer)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer-r{os.environ.get('RANK', 0)} %(levelname)s %(message)s")
+    role = f"trainer-r{os.environ.get('RANK', 0)}"
+    # A standby writes into trainer.log beside the running trainer until it takes over: its lines say so.
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {'standby-' + role if args.standby else role} "
+                        "%(levelname)s %(message)s")
     warm_start = None
     if args.standby:
         die_with_parent()
         warm_start = wait_for_takeover(RunDir(args.run_dir))
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(message)s"))
     return run_trainer(args.run_dir, warm_start=warm_start)
 
 
