@@ -189,6 +189,11 @@ class RunDir:
         return self.root / "ledger.jsonl"
 
     @property
+    def held_out(self) -> Path:
+        """The ids of the records the run holds out of its data for evaluation, fixed by its first start."""
+        return self.root / "held_out.json"
+
+    @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 

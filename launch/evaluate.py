@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     loss_config = LossConfig(label_mode=cfg.training.label_mode)
     drafter_dir, own_checkpoint = drafter_folder(args.checkpoint)
     drafter = load_drafter(drafter_dir, head, loss_config, own_checkpoint=own_checkpoint, device=head.embed_weight.device)
-    report = build_evaluator(cfg, model, list(drafter.config.target_layer_ids)).evaluate(drafter)
+    held_out_file = RunDir(run_dir).held_out if run_dir is not None else None
+    report = build_evaluator(cfg, model, list(drafter.config.target_layer_ids), held_out_file=held_out_file).evaluate(drafter)
     print(report.table())
     within = report.gap_within(cfg.eval.gap_tolerance)
     if not within:

@@ -29,12 +29,14 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from common.batch import Document
 from common.config import DataConfig, RunConfig
+from common.rundir import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
 
@@ -689,9 +691,24 @@ def held_out_ids(num_records: int, count: int, shuffle_seed: int) -> np.ndarray:
     return np.sort(rng.choice(num_records, size=count, replace=False))
 
 
-def split_held_out(source: DataSource, count: int, shuffle_seed: int) -> tuple[DataSource, DataSource]:
-    """(training records, held-out records) of ``source``: disjoint, together all of it, the same in every process."""
-    held = held_out_ids(len(source), count, shuffle_seed)
+def split_held_out(source: DataSource, count: int, shuffle_seed: int,
+                   held_out_file: Path | None = None) -> tuple[DataSource, DataSource]:
+    """(training records, held-out records) of ``source``: disjoint, together all of it, the same in every process.
+
+    With ``held_out_file`` (a run's ``held_out.json``) the ids are the ones it stores, written there at the run's first
+    start: a later start or evaluation with another ``eval.num_prompts`` holds out, and evaluates on, the same records
+    (never some the run trained on). A file of another data set (another record count) is refused."""
+    stored = read_json(held_out_file) if held_out_file is not None else None
+    if stored is not None:
+        if stored.get("num_records") != len(source):
+            raise DataError(f"{held_out_file}: the run held out records of a data set of {stored.get('num_records')} "
+                             f"records, data.paths now holds {len(source)}: evaluate with the run's own data, or "
+                             "give eval.paths")
+        held = np.asarray(stored["ids"], dtype=np.int64)
+    else:
+        held = held_out_ids(len(source), count, shuffle_seed)
+        if held_out_file is not None:
+            atomic_write_json(held_out_file, {"num_records": len(source), "ids": held.tolist()})
     kept = np.setdiff1d(np.arange(len(source), dtype=np.int64), held, assume_unique=True)
     return SubsetSource(source, kept), SubsetSource(source, held)
 
@@ -722,13 +739,15 @@ def build_data_source(config: DataConfig, tokenizer: Any = None) -> DataSource:
     return ChatJsonlSource(config, paths, tokenizer)
 
 
-def run_sources(cfg: RunConfig, target_vocab_size: int, tokenizer: Any = None) -> tuple[DataSource, DataSource]:
+def run_sources(cfg: RunConfig, target_vocab_size: int, tokenizer: Any = None,
+                held_out_file: Path | None = None) -> tuple[DataSource, DataSource]:
     """(training, held-out) documents of a run, the same in every process that asks.
 
     Held out: the files of ``eval.paths`` when given; for synthetic data the ``eval.num_prompts`` documents after
     ``data.num_samples`` (generated like the training ones); otherwise ``eval.num_prompts`` records of the data
-    itself (at most a tenth of it), drawn by ``held_out_ids`` and never trained on. Chat data is rendered with ``tokenizer``, else
-    ``data.tokenizer``, else the target's.
+    itself (at most a tenth of it), drawn by ``held_out_ids`` and never trained on, kept in ``held_out_file`` (a run's
+    ``held_out.json``) from the first start on. Chat data is rendered with ``tokenizer``, else ``data.tokenizer``,
+    else the target's.
     """
     data = cfg.data
     if data.format == "synthetic" and data.vocab_size is None:
@@ -745,4 +764,4 @@ def run_sources(cfg: RunConfig, target_vocab_size: int, tokenizer: Any = None) -
     source = build_data_source(data, tokenizer=tokenizer)
     if cfg.eval.paths:
         return source, build_data_source(dataclasses.replace(data, paths=list(cfg.eval.paths)), tokenizer=tokenizer)
-    return split_held_out(source, count, data.shuffle_seed)
+    return split_held_out(source, count, data.shuffle_seed, held_out_file)

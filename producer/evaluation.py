@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from torch import nn
 
@@ -34,10 +35,11 @@ def evaluations_expected(cfg: RunConfig) -> bool:
     return bool(every) and not (max_steps and every > max_steps)
 
 
-def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
+def held_out_documents(cfg: RunConfig, vocab_size: int, held_out_file: Path | None = None) -> list[Document]:
     """The first ``eval.num_prompts`` good documents of the run's held-out split (producer/data.py run_sources:
-    ``eval.paths``, the synthetic documents after ``data.num_samples``, or records of the data never trained on)."""
-    _, source = run_sources(cfg, vocab_size)
+    ``eval.paths``, the synthetic documents after ``data.num_samples``, or records of the data never trained on,
+    those the run's ``held_out_file`` names when given)."""
+    _, source = run_sources(cfg, vocab_size, held_out_file=held_out_file)
     documents = []
     for sample_id in range(len(source)):
         document = source.get(sample_id)
@@ -52,10 +54,14 @@ def held_out_documents(cfg: RunConfig, vocab_size: int) -> list[Document]:
 
 
 def build_evaluator(cfg: RunConfig, target_model: nn.Module, layer_ids: list[int],
-                    make_target: Callable[..., GreedyTarget] = GreedyTarget) -> Evaluator:
+                    make_target: Callable[..., GreedyTarget] = GreedyTarget,
+                    held_out_file: Path | None = None) -> Evaluator:
     """An evaluator of the run's drafters (reading target layers ``layer_ids``) on the held-out split of ``cfg``'s
     data (``make_target``: see Evaluator), greedy or sampled as ``cfg.eval`` says (temperature, top_p, top_k, seed)."""
-    documents = held_out_documents(cfg, int(target_model.config.vocab_size))
+    documents = held_out_documents(cfg, int(target_model.config.vocab_size), held_out_file)
+    if len(documents) < cfg.eval.num_prompts:
+        log.warning("eval.num_prompts is %d, the run's held-out split has %d usable documents: evaluating on those",
+                    cfg.eval.num_prompts, len(documents))
     return Evaluator(target_model, documents, cfg.eval, list(layer_ids), num_anchors=cfg.drafter.num_anchors,
                      capture_last=cfg.training.label_mode != "data", stop_token_ids=stop_tokens_of(target_model),
                      make_target=make_target)
@@ -166,5 +172,6 @@ class EvaluationJob:
         """The evaluator, made once: it keeps the target's reference between evaluations."""
         if self._evaluator is None:
             mirrored = functools.partial(MirroredTarget, self.group) if self.group is not None else GreedyTarget
-            self._evaluator = build_evaluator(self.cfg, self.target.model, self.target.layer_ids, make_target=mirrored)
+            self._evaluator = build_evaluator(self.cfg, self.target.model, self.target.layer_ids, make_target=mirrored,
+                                              held_out_file=self.run_dir.held_out)
         return self._evaluator

@@ -151,7 +151,7 @@ def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_sha
     deterministic order; with ``data.regenerate`` their answers written by ``target_model`` as the stream goes
     and kept in ``run_dir``."""
     if not cfg.data.regenerate:
-        source, _ = run_sources(cfg, target_vocab_size)
+        source, _ = run_sources(cfg, target_vocab_size, held_out_file=run_dir.held_out if run_dir else None)
     else:
         from transformers import AutoTokenizer
 
@@ -160,7 +160,8 @@ def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_sha
         if target_model is None or run_dir is None or cfg.target.path is None:
             raise ConfigError("data.regenerate: needs the producer's target, loaded from target.path with its tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.target.path)
-        source, _ = run_sources(cfg, target_vocab_size, tokenizer=tokenizer)  # the same tokenizer renders both
+        source, _ = run_sources(cfg, target_vocab_size, tokenizer=tokenizer,  # the same tokenizer renders both
+                                held_out_file=run_dir.held_out)
         source = RegeneratedSource(source, target_model, tokenizer, cfg, run_dir.root / "regenerated", shard_index)
     order = ShardOrder(len(source), OrderConfig(seed=cfg.data.shuffle_seed, num_shards=num_shards, shard_index=shard_index))
     return BatchPlan(source, order, cfg.batching)

@@ -210,3 +210,26 @@ def test_the_real_models_windows_of_chat_records_tokenize_as_one_record_at_a_tim
                 assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
     assert plans["windows"].source.stats.bad == {"invalid_json": 1}
     assert plans["windows"].source.cache.hits > 0
+
+
+def test_the_held_out_records_are_fixed_by_the_runs_first_start_whatever_num_prompts_says_later(tmp_path):
+    """A later start or evaluation with another eval.num_prompts holds out, and evaluates on, the records the run held
+    out first: 32 and 128 prompts of one data set drawn afresh share few records, so a later evaluation with 128
+    would have scored records the run trained on."""
+    from producer.data import held_out_ids, run_sources
+
+    data = write_chat(tmp_path / "chat.jsonl", 400)
+    base = [f"target.path={json.dumps(str(smollm2_gguf()))}", "target.config_overrides={}", "data.format=chat",
+            f"data.paths={json.dumps([str(data)])}", "eval.every_steps=50"]
+    stored = tmp_path / "run" / "held_out.json"
+    stored.parent.mkdir()
+    first_training, first = run_sources(load_config(None, base + ["eval.num_prompts=8"]), 49152, held_out_file=stored)
+    assert len(first) == 8 and json.loads(stored.read_text())["num_records"] == 400
+    training, later = run_sources(load_config(None, base + ["eval.num_prompts=32"]), 49152, held_out_file=stored)
+    assert [later.location(i) for i in range(len(later))] == [first.location(i) for i in range(8)]
+    assert len(training) == len(first_training) == 392
+    assert set(held_out_ids(400, 32, 0)) - set(held_out_ids(400, 8, 0)), "drawn afresh, the split would move"
+    other = write_chat(tmp_path / "other.jsonl", 300)
+    with pytest.raises(ValueError, match="held out records of a data set of 400 records, data.paths now holds 300"):
+        run_sources(load_config(None, base[:3] + [f"data.paths={json.dumps([str(other)])}", "eval.every_steps=50"]),
+                    49152, held_out_file=stored)
