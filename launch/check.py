@@ -40,8 +40,8 @@ def _tokenizer(cfg: RunConfig) -> Any:
 
 def _drafter_summary(cfg: RunConfig, tokenizer: Any) -> str:
     """The drafter this config implies: its shape, target layers and mask token (from the target's config)."""
-    from producer.target import build_target_config
     from common.drafter.draft_config import DraftConfig
+    from producer.target import build_target_config
 
     target = build_target_config(cfg.target)
     d = cfg.drafter

@@ -23,8 +23,8 @@ from common.drafter.evaluate import target_head_of
 from common.drafter.export import drafter_folder, load_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.target_head import load_target_head
-from common.rundir import RunDir
 from common.lifecycle import EXIT_CONFIG_ERROR
+from common.rundir import RunDir
 from producer.evaluation import build_evaluator
 from producer.target import load_target_model
 

@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from launch.progress import eta_s, format_duration, ring_occupancy, trainer_figures
-from common.rundir import RunDir, last_json_line, read_json
 from common.naming import process_alive
+from common.rundir import RunDir, last_json_line, read_json
+from launch.progress import eta_s, format_duration, ring_occupancy, trainer_figures
 
 STALE_AFTER_S = 10.0
 RING_FIELDS = ("slots", "free", "filling", "ready", "leased")

@@ -53,12 +53,12 @@ from datetime import datetime
 from pathlib import Path
 
 from common.config import ConfigError, RunConfig, fixed_while_producers_run, load_config, readers, save_config, to_dict
+from common.lifecycle import EXIT_CONFIG_ERROR
 from common.naming import process_alive, process_start_ticks, run_tag, sweep_stale, sweep_stale_trainer_staging
+from common.rundir import RunDir, atomic_write_json, read_json
 from launch import status as status_cmd
 from launch.mps import MpsDaemon
 from launch.progress import ProgressView, ViewHandler, run_summary
-from common.rundir import RunDir, read_json, atomic_write_json
-from common.lifecycle import EXIT_CONFIG_ERROR
 
 log = logging.getLogger(__name__)
 

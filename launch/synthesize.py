@@ -22,12 +22,22 @@ import time
 from pathlib import Path
 
 from common.config import ConfigError, save_config
-from common.rundir import read_json
 from common.lifecycle import EXIT_CONFIG_ERROR
+from common.rundir import read_json
 from launch.progress import format_duration, significant
 from launch.supervisor import (
-    ManagedProcess, UsageError, child_environment, cpu_processes, cpu_threads, describe_exit, detect_cuda, log_tail,
-    producer_devices, resolve_run, thread_environment, threads_message,
+    ManagedProcess,
+    UsageError,
+    child_environment,
+    cpu_processes,
+    cpu_threads,
+    describe_exit,
+    detect_cuda,
+    log_tail,
+    producer_devices,
+    resolve_run,
+    thread_environment,
+    threads_message,
 )
 
 log = logging.getLogger("launch.synthesize")

@@ -23,9 +23,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from common.batch import PackedBatch
+from common.batch import Document, PackedBatch
 from common.config import BatchingConfig
-from common.batch import Document
 from producer.data import DataError, DataSource
 from producer.order import ShardOrder
 

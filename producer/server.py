@@ -44,6 +44,7 @@ from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
 from common.codec import DTYPE_NAMES, bytes_needed, plan_layout, read_tensors
 from common.config import ConfigError, RunConfig, load_config
 from common.contract import BatchMeta, Features, mismatch
+from common.drafter.draft_config import build_target_layer_ids
 from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, exit_process
 from common.naming import owner_identity, run_tag, sweep_stale
 from common.protocol import Hello
@@ -60,7 +61,6 @@ from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
 from producer.target import Target, build_target_config, check_tensor_parallel
 from producer.tensor_parallel import TensorParallelGroup, follow, split_devices
-from common.drafter.draft_config import build_target_layer_ids
 
 log = logging.getLogger(__name__)
 

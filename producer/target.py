@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.config import TargetConfig
 from common.batch import PackedBatch, document_ids, position_ids
 from common.codec import DTYPES
+from common.config import TargetConfig
 from common.hf import target_identity, text_config_of
 from producer.linear_attention import install_packed_forward, is_gated_deltanet, resolve_linear_backend
 

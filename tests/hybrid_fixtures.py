@@ -28,8 +28,14 @@ def tiny_qwen35(directory: Path, form: str = "multimodal", seed: int = 0) -> Pat
     """A random Qwen3.5 target: ``multimodal`` (Qwen3_5ForConditionalGeneration, text under
     model.language_model, a vision tower beside it), ``text`` (Qwen3_5ForCausalLM) or ``moe``
     (Qwen3_5MoeForConditionalGeneration)."""
-    from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
-                              Qwen3_5MoeForConditionalGeneration, Qwen3_5TextConfig)
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3_5TextConfig,
+    )
 
     torch.manual_seed(seed)
     if form == "multimodal":

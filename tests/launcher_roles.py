@@ -28,9 +28,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from common.naming import owner_identity
-from common.naming import process_alive
-from common.rundir import read_json, atomic_write_json
+from common.naming import owner_identity, process_alive
+from common.rundir import atomic_write_json, read_json
 
 stop_requested = False
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.batch import slot_tensors
+from common.config import BatchingConfig, DataConfig
 from producer.batching import (
     BatchCursor,
     BatchPlan,
@@ -18,7 +19,6 @@ from producer.batching import (
     batch_stats,
     split_by_length,
 )
-from common.config import BatchingConfig, DataConfig
 from producer.data import DataError, build_data_source
 from producer.order import OrderConfig, ShardOrder
 

@@ -12,8 +12,14 @@ import torch
 from common.drafter.blocks import build_blocks
 from common.drafter.dflash2 import DFlash2Drafter, GroupedDynamicCausalConv
 from common.drafter.evaluate import draft_rows, propose_rows
-from common.drafter.export import (config_from_export, export_speculators, export_zlab, load_drafter,
-                                   speculators_config, zlab_config)
+from common.drafter.export import (
+    config_from_export,
+    export_speculators,
+    export_zlab,
+    load_drafter,
+    speculators_config,
+    zlab_config,
+)
 from common.drafter.kinds import build_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.masks import build_masks

@@ -5,9 +5,9 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from tests.drafter_fixtures import tiny_config
 from common.drafter.draft_config import DraftConfig, build_target_layer_ids, default_gamma
 from common.drafter.model import RotaryEmbedding
+from tests.drafter_fixtures import tiny_config
 
 
 def qwen3_8b_config(**overrides) -> Qwen3Config:

@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.drafter_fixtures import random_batch, tiny_config, tiny_qwen3_target
 from common.drafter.export import export_speculators, export_zlab, load_drafter
 from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import load_target_head
+from tests.drafter_fixtures import random_batch, tiny_config, tiny_qwen3_target
 
 
 def expected_weight_names(num_layers: int) -> set[str]:

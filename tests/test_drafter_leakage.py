@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from tests.drafter_fixtures import random_batch, random_head, tiny_config
 from common.drafter.blocks import build_blocks
 from common.drafter.masks import build_masks
 from common.drafter.model import DFlashDrafter
+from tests.drafter_fixtures import random_batch, random_head, tiny_config
 
 LENGTHS = [30, 41, 25]  # documents [0, 30), [30, 71), [71, 96)
 

@@ -4,11 +4,11 @@ propose whole blocks: the simulated acceptance length rises well above 1."""
 import torch
 
 from common.batch import PackedBatch
-from tests.drafter_fixtures import target_features, tiny_qwen3_target
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import load_target_head
+from tests.drafter_fixtures import target_features, tiny_qwen3_target
 
 VOCAB = 64
 MASK = 63

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.drafter_fixtures import random_batch, random_head, tiny_config
 from common.drafter.blocks import build_blocks
 from common.drafter.loss import LossConfig, chunked_head_rows, draft_loss, draft_metrics, slot_weights
 from common.drafter.model import DFlashDrafter
+from tests.drafter_fixtures import random_batch, random_head, tiny_config
 
 
 def inputs(rows=37, width=16, vocab=50, seed=0):

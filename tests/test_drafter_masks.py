@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from common.batch import PackedBatch
-from tests.drafter_fixtures import listed_tiles, random_batch, tiny_config
 from common.drafter.blocks import build_blocks, sample_anchors, valid_anchor_mask
 from common.drafter.masks import build_masks, dense_reference_mask, flex_block_mask, visible_pairs
+from tests.drafter_fixtures import listed_tiles, random_batch, tiny_config
 
 
 def generator(seed: int) -> torch.Generator:

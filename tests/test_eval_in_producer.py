@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections import Counter
 
 from common.faults import LOG_ENV, PLAN_ENV
 from common.rundir import RunDir, read_json
-from collections import Counter
-
 from tests.test_pipeline import ROOT, SMALL, finish, lineage, start
 
 EVAL = ["eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8", "logging.log_every=4", "eval.producer_share=1.0"]
@@ -111,11 +110,11 @@ def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_c
     import torch
 
     from common import evals
-    from tests.drafter_fixtures import random_head, tiny_config
-    from trainer.checkpoint import EvalExportWriter
     from common.drafter.export import load_drafter
     from common.drafter.loss import LossConfig
     from common.drafter.model import DFlashDrafter
+    from tests.drafter_fixtures import random_head, tiny_config
+    from trainer.checkpoint import EvalExportWriter
 
     run = RunDir(tmp_path / "run")
     config = tiny_config()

@@ -12,8 +12,6 @@ import torch
 
 from common.batch import Document, PackedBatch
 from common.config import ConfigError, RunConfig, load_config, save_config
-from producer.data import build_data_source
-from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
 from common.drafter.blocks import build_blocks
 from common.drafter.evaluate import (
     DraftContext,
@@ -27,12 +25,14 @@ from common.drafter.evaluate import (
     speculative_decode,
     target_head_of,
 )
-from launch.bench.coupled import TrainingEvaluation
-from launch.evaluate import main
-from producer.evaluation import build_evaluator, held_out_documents
 from common.drafter.export import export_zlab
 from common.drafter.masks import build_masks
 from common.drafter.model import DFlashDrafter
+from launch.bench.coupled import TrainingEvaluation
+from launch.evaluate import main
+from producer.data import build_data_source
+from producer.evaluation import build_evaluator, held_out_documents
+from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
 
 LAYER_IDS = [1, 3]
 BLOCK = 4

@@ -31,14 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from peers import wait_for
 from safetensors.torch import load_file
+from test_pipeline import ROOT, SMALL, lineage, run_all, shard
 
 from common.faults import LOG_ENV, PLAN_ENV, POINTS, Fault, format_plan, parse_delays, parse_plan, read_log
-from common.rundir import RunDir, read_json
 from common.naming import process_alive
+from common.rundir import RunDir, read_json
 from trainer.checkpoint import read_train_state
-from peers import wait_for
-from test_pipeline import ROOT, SMALL, lineage, run_all, shard
 
 # Points an ordinary run reaches. The handover points fire only on restart-trainer (tests/test_handover.py),
 # producer.evaluate and trainer.export only on an evaluation (tests/test_eval_in_producer.py): a plan drawn here

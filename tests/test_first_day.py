@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from common.drafter.draft_config import DraftConfig, build_target_layer_ids
 from tests.drafter_fixtures import tiny_qwen3_target
 from tests.test_pipeline import start
-from common.drafter.draft_config import DraftConfig, build_target_layer_ids
 
 
 def stops_with_2(run_dir: Path, *overrides: str) -> tuple[str, float]:
@@ -201,8 +201,8 @@ def test_a_hub_id_in_the_local_cache_is_a_target_path(tmp_path):
 def test_progress_view_shows_only_the_current_trainers_figures(tmp_path):
     """After a restart the old trainer's figures are not the new one's: until the new trainer writes its own
     trainer.json the view says it is starting."""
-    from launch.progress import ProgressView
     from common.rundir import RunDir, atomic_write_json
+    from launch.progress import ProgressView
 
     run = RunDir(tmp_path / "run")
     (run.root / "producers").mkdir(parents=True)
@@ -310,9 +310,9 @@ def test_a_first_start_that_failed_does_not_lock_the_run_directorys_config(short
 def test_exports_are_readable_like_the_files_beside_them(tmp_path):
     import stat
 
-    from tests.drafter_fixtures import random_head, tiny_config
     from common.drafter.export import export_speculators, export_zlab
     from common.drafter.model import DFlashDrafter
+    from tests.drafter_fixtures import random_head, tiny_config
 
     config = tiny_config()
     drafter = DFlashDrafter(config, random_head(config))

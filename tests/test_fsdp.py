@@ -20,18 +20,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
-from torch.distributed.tensor import DTensor
-
-from common.lifecycle import end_now
-from common.rundir import RunDir, read_json
 from drafter_fixtures import random_batch, random_head, tiny_config
 from peers import wait_for
 from test_pipeline import assert_exactly_once, finish, lineage, run_all, start, trainer_step
-from trainer.checkpoint import HostStaging, read_train_state
+from torch import nn
+from torch.distributed.tensor import DTensor
+
 from common.drafter.export import load_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter
+from common.drafter.target_head import load_target_head
+from common.lifecycle import end_now
+from common.rundir import RunDir, read_json
+from trainer.checkpoint import HostStaging, read_train_state
 from trainer.sharding import (
     TrainStep,
     full_tensor,
@@ -39,7 +40,6 @@ from trainer.sharding import (
     local_parameter_count,
     shard_drafter,
 )
-from common.drafter.target_head import load_target_head
 
 WORLD_SIZE = 2
 STEPS = 3

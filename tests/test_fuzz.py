@@ -7,7 +7,16 @@ import random
 import pytest
 
 from common.protocol import Message, ProtocolError, decode
-from launch.tools.fuzz import INTAKE_DESCRIBE, Hostile, HostileProducer, fuzz_consumer, fuzz_producer, fuzz_trainer, to_consumer, to_producer
+from launch.tools.fuzz import (
+    INTAKE_DESCRIBE,
+    Hostile,
+    HostileProducer,
+    fuzz_consumer,
+    fuzz_producer,
+    fuzz_trainer,
+    to_consumer,
+    to_producer,
+)
 
 
 def _assert_held(report: dict) -> None:

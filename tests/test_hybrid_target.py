@@ -10,12 +10,11 @@ from transformers import AutoConfig
 
 from common.batch import PackedBatch
 from common.config import TargetConfig
-from common.hf import text_config_of
-from common.hf import target_identity
-from producer.target import Target, UnsupportedTarget, compiles_by_default
-from tests.hybrid_fixtures import FORMS, reference_model, tiny_qwen35
 from common.drafter.draft_config import DraftConfig
 from common.drafter.target_head import load_target_head
+from common.hf import target_identity, text_config_of
+from producer.target import Target, UnsupportedTarget, compiles_by_default
+from tests.hybrid_fixtures import FORMS, reference_model, tiny_qwen35
 
 LAYER_IDS = [0, 2, 3, 5]  # linear and full-attention layers (layer_types: 3 linear, then 1 full)
 
@@ -110,7 +109,8 @@ def test_other_targets_keep_todays_rule():
 
 def test_a_target_without_a_known_token_mixer_is_refused(tmp_path):
     """LFM2's convolution layers have no self_attn: capture could not keep documents apart in them."""
-    from transformers import AutoConfig as Auto, AutoModelForCausalLM
+    from transformers import AutoConfig as Auto
+    from transformers import AutoModelForCausalLM
 
     config = Auto.for_model("lfm2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                             num_attention_heads=4, num_key_value_heads=2,
@@ -179,8 +179,8 @@ def remembering_target(path):
 def test_speculative_decoding_against_a_hybrid_target_is_lossless(tmp_path):
     """Rejected drafts ran through the linear layers' state, which cannot be cropped like a KV cache: the
     state before the block is kept and the kept tokens replayed, so the text equals plain greedy decoding."""
-    from tests.test_evaluate import OracleContext
     from common.drafter.evaluate import GreedyTarget, greedy_decode, speculative_decode
+    from tests.test_evaluate import OracleContext
 
     target = GreedyTarget(remembering_target(tiny_qwen35(tmp_path, "text")), [1, 3])
     assert target.recurrent
@@ -209,12 +209,13 @@ def test_the_evaluator_on_a_hybrid_target_drafts_what_live_decoding_drafts(tmp_p
     """Live decoding of a hybrid target puts its state back and replays the kept tokens after each rejection; the
     evaluator's replay from the target's reference (continuations decoded one prompt at a time, drafted together)
     drafts every block live decoding drafts, at the same anchors."""
-    from common.config import EvalConfig
+    import numpy as np
+
     from common.batch import Document
+    from common.config import EvalConfig
     from common.drafter.evaluate import Evaluator
     from common.drafter.model import DFlashDrafter
     from tests.test_evaluate import live_and_replayed_drafts
-    import numpy as np
 
     path = tiny_qwen35(tmp_path, "multimodal")
     model = remembering_target(path)
@@ -263,7 +264,8 @@ def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):
     and no restart loop."""
     import time
 
-    from transformers import AutoConfig as Auto, AutoModelForCausalLM
+    from transformers import AutoConfig as Auto
+    from transformers import AutoModelForCausalLM
 
     from tests.test_pipeline import start
 

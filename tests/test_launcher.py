@@ -16,13 +16,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from peers import wait_for
 
 from common.config import RunConfig, load_config
-from common.naming import owner_identity
-from launch import supervisor
+from common.naming import owner_identity, process_alive
 from common.rundir import RunDir, read_json
-from common.naming import process_alive
-from peers import wait_for
+from launch import supervisor
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ALL = str(ROOT / "launch" / "run_all.sh")

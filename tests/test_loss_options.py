@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.drafter_fixtures import random_batch, tiny_config
 from common.drafter.blocks import build_blocks
 from common.drafter.loss import LossConfig, chunked_head_rows, draft_loss, slot_weights
+from tests.drafter_fixtures import random_batch, tiny_config
 
 LABEL_MODES = ("data", "target_hard", "target_soft")
 

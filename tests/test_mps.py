@@ -14,13 +14,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from common.config import load_config
-from common.rundir import RunDir, read_json
-from launch.mps import MPS_CONTROL, MpsDaemon
-from common.rundir import RunDir as LaunchRunDir
-from launch.supervisor import Supervisor
 from peers import wait_for
 from test_pipeline import ROOT, SMALL, producer_pids, start, stop_and_finish, trainer_step
+
+from common.config import load_config
+from common.rundir import RunDir, read_json
+from common.rundir import RunDir as LaunchRunDir
+from launch.mps import MPS_CONTROL, MpsDaemon
+from launch.supervisor import Supervisor
 
 STAND_IN = """#!/bin/bash
 if [ "$1" = "-d" ]; then

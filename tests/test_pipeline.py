@@ -16,11 +16,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from peers import wait_for
+from wandb_log import history
 
 from common.rundir import RunDir, read_json
 from producer.order import OrderConfig, ShardOrder
-from peers import wait_for
-from wandb_log import history
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_SAMPLES = 160

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_pipeline import assert_exactly_once, finish, start
 
 from common.rundir import RunDir, read_json
-from test_pipeline import assert_exactly_once, finish, start
 
 
 @pytest.mark.gpu

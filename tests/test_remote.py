@@ -31,12 +31,12 @@ if str(ROOT) not in sys.path:  # run as a script (the helper producer below), no
 
 from common.codec import ALIGN, TensorSpec, write_tensors  # noqa: E402
 from common.config import ConfigError, load_config, save_config  # noqa: E402
-from launch.tools.demo import checksum, make_batch  # noqa: E402
 from common.protocol import Batch, Heartbeat, Hello, Welcome, decode, payload_bytes  # noqa: E402
 from common.ring import HostRing  # noqa: E402
 from common.rundir import RunDir, read_json  # noqa: E402
 from common.sockets import CurveKeys, ipc_endpoint, make_socket, run_keys, start_authenticator  # noqa: E402
 from common.transport import HandshakeRefused, HandshakeTimeout, RingClient, RingServer  # noqa: E402
+from launch.tools.demo import checksum, make_batch  # noqa: E402
 
 SEED = 5
 SLOT_BYTES = 256 * 1024  # batches of up to 128 KiB: some below pyzmq's copy threshold (64 KiB), some above

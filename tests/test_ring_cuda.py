@@ -6,10 +6,10 @@ import sys
 
 import pytest
 import torch
+from peers import ROOT, read_event
 
 from common.ring import CudaRing, HostRing, RingMemoryError
 from common.sockets import ipc_endpoint
-from peers import ROOT, read_event
 
 
 def _start(role, env, *args):

@@ -25,7 +25,13 @@ import pytest
 import torch
 
 from common.config import load_config
-from common.drafter.evaluate import DraftContext, GreedyTarget, speculative_decode, target_head_of, zlab_acceptance_lengths
+from common.drafter.evaluate import (
+    DraftContext,
+    GreedyTarget,
+    speculative_decode,
+    target_head_of,
+    zlab_acceptance_lengths,
+)
 from common.drafter.kinds import build_drafter
 from common.drafter.sampling import Sampling, rejection_sample, sample_from, sampling_probs
 from producer.evaluation import build_evaluator

@@ -12,9 +12,9 @@ import zmq
 from common.codec import write_tensors
 from common.protocol import Hello
 from common.ring import HostRing
+from common.rundir import RunDir
 from common.sockets import CurveKeys, SecretsError, ipc_endpoint, run_keys
 from common.transport import HandshakeTimeout, RingClient, RingServer
-from common.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534

@@ -17,12 +17,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.drafter_fixtures import random_batch, random_head, tiny_config
 from common.drafter.blocks import build_blocks
-from common.drafter.export import (CAUSALITY_KEY, ExportError, config_from_export, export_speculators, export_zlab,
-                                   load_drafter, speculators_config, zlab_config)
-from trainer.export import export_checkpoint
+from common.drafter.export import (
+    CAUSALITY_KEY,
+    ExportError,
+    config_from_export,
+    export_speculators,
+    export_zlab,
+    load_drafter,
+    speculators_config,
+    zlab_config,
+)
 from common.drafter.model import DFlashDrafter
+from tests.drafter_fixtures import random_batch, random_head, tiny_config
+from trainer.export import export_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 S, F = "sliding_attention", "full_attention"

@@ -87,9 +87,10 @@ def test_the_run_tag_is_unique_per_run_directory(tmp_path, monkeypatch):
 def test_the_launcher_removes_the_staging_of_a_trainer_killed_as_the_runs_last(short_tmp):
     """A trainer killed with -9 keeps its checkpoint staging (its weights and optimizer state) in /dev/shm; the
     next trainer of the run sweeps it. When the run stops before one comes, the launcher sweeps it at its exit."""
-    from common.rundir import RunDir, read_json
-    from test_pipeline import start, stop_and_finish, trainer_step
     from peers import wait_for
+    from test_pipeline import start, stop_and_finish, trainer_step
+
+    from common.rundir import RunDir, read_json
 
     run_dir = short_tmp / "run"
     run_dir.mkdir()

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import TargetConfig
-
 from common.batch import PackedBatch
+from common.config import TargetConfig
 from common.hf import target_identity
 from producer.target import (
     CapturedFeatures,

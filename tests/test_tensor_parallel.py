@@ -21,18 +21,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from peers import wait_for
+from test_pipeline import (
+    assert_exactly_once,
+    epochs_trained,
+    finish,
+    producer_pids,
+    run_all,
+    start,
+    stop_and_finish,
+    trainer_step,
+)
+from test_target import make_batch, tiny_qwen3_config
 
+from common.batch import Document
 from common.config import ConfigError, TargetConfig, load_config
+from common.drafter.evaluate import GreedyTarget
+from common.naming import process_alive
 from common.rundir import RunDir, read_json
 from launch import supervisor
-from common.naming import process_alive
-from peers import wait_for
 from producer.target import Target, check_tensor_parallel
-from common.batch import Document
-from common.drafter.evaluate import GreedyTarget
 from producer.tensor_parallel import MirroredTarget, TensorParallelGroup, follow, split_devices
-from test_pipeline import assert_exactly_once, epochs_trained, finish, producer_pids, run_all, start, stop_and_finish, trainer_step
-from test_target import make_batch, tiny_qwen3_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER_IDS = [1, 3]

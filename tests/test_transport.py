@@ -8,11 +8,11 @@ import time
 
 import msgpack
 import zmq
+from peers import read_event, start
 
 from common import naming
 from common.protocol import PROTOCOL_VERSION, Ack, Credit, Hello
 from common.sockets import ipc_endpoint
-from peers import read_event, start
 
 
 def _segments_of(pid: int) -> list:

@@ -14,16 +14,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from common.config import ConfigError, RunConfig
 from common.codec import DTYPES
-from common.hf import text_config_of
-from common.rundir import RunDir
+from common.config import ConfigError, RunConfig
 from common.drafter.draft_config import DraftConfig
 from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, config_from_export, drafter_folder
 from common.drafter.kinds import build_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead, load_target_head
+from common.hf import text_config_of
+from common.rundir import RunDir
 
 log = logging.getLogger(__name__)
 

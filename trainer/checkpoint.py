@@ -29,17 +29,18 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
 from common import evals, faults
-from common.rundir import CheckpointError, RunDir, atomic_write_json, fsync_file, read_json, replace_dir
 from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_METADATA, export_zlab, write_config, zlab_config
 from common.drafter.model import DFlashDrafter
+from common.rundir import CheckpointError, RunDir, atomic_write_json, fsync_file, read_json, replace_dir
 from trainer.sharding import is_sharded
 from trainer.tensor_files import WRITE_THREADS, TensorFile, write_tensor_files
 

@@ -14,8 +14,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from common.drafter.export import (CAUSALITY_KEY, CONFIG_FILE, WEIGHTS_FILE, ExportError, config_from_export,
-                                   drafter_folder, speculators_config, write_export, zlab_config)
+from common.drafter.export import (
+    CAUSALITY_KEY,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ExportError,
+    config_from_export,
+    drafter_folder,
+    speculators_config,
+    write_export,
+    zlab_config,
+)
 from common.lifecycle import EXIT_CONFIG_ERROR
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ import torch
 from common.batch import PackedBatch, pad_packed
 from common.batchcheck import check_delivery
 from common.committed import OrdinalSet
-from common.contract import BatchMeta
 from common.config import load_config
+from common.contract import BatchMeta
 from common.naming import process_start_ticks
 from common.protocol import PAYLOAD_FRAMES, Welcome
 from common.ring import RingMemoryError

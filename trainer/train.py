@@ -39,10 +39,9 @@ from common.hf import target_identity
 from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, end_now, exit_process
 from common.naming import process_start_ticks, run_tag, sweep_stale_trainer_staging
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
-from trainer import build
+from trainer import build, handover
 from trainer.checkpoint import CheckpointWriter, Snapshot, load_checkpoint
 from trainer.evaluations import EvalClient
-from trainer import handover
 from trainer.feeder import Commits, Feeder, Received
 from trainer.optim import build_optimizer
 from trainer.sharding import (
@@ -750,9 +749,9 @@ class _Window:
 def import_what_a_start_needs() -> None:
     """The slow imports of a trainer's start, done ahead (by a successor or a standby trainer)."""
     import safetensors.torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (the optimizer's first construction imports it: a second or more)
     import transformers  # noqa: F401
     import wandb  # noqa: F401
-    import torch._dynamo  # noqa: F401  (the optimizer's first construction imports it: a second or more)
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
     import common.drafter.evaluate  # noqa: F401

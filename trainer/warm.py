@@ -24,15 +24,15 @@ import torch
 from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
 from common.codec import DTYPES
 from common.config import RunConfig
+from common.drafter.draft_config import DraftConfig
+from common.drafter.kinds import build_drafter
+from common.drafter.loss import LossConfig
+from common.drafter.model import DFlashDrafter
+from common.drafter.target_head import TargetHead
 from common.hf import target_identity
 from common.rundir import RunDir
 from trainer import build
-from common.drafter.draft_config import DraftConfig
-from common.drafter.loss import LossConfig
-from common.drafter.kinds import build_drafter
-from common.drafter.model import DFlashDrafter
 from trainer.sharding import parallelize
-from common.drafter.target_head import TargetHead
 
 log = logging.getLogger(__name__)
 

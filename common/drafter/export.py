@@ -33,8 +33,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.codec import DTYPE_NAMES
-from common.drafter.draft_config import (BIDIRECTIONAL, FULL_ATTENTION, IN_BLOCK_CAUSALITY, SLIDING_ATTENTION, DraftConfig,
-                                  causal_in_block, target_rope_parameters)
+from common.drafter.draft_config import (
+    BIDIRECTIONAL,
+    FULL_ATTENTION,
+    IN_BLOCK_CAUSALITY,
+    SLIDING_ATTENTION,
+    DraftConfig,
+    causal_in_block,
+    target_rope_parameters,
+)
 from common.drafter.kinds import build_drafter, kind_of, kind_of_export
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter

@@ -29,14 +29,14 @@ import torch
 import torch.distributed as dist
 
 from common.batch import PackedBatch
-from launch.bench.util import matmul_tflops, synchronize
-from common.lifecycle import exit_process
 from common.drafter.draft_config import DRAFTER_KINDS, DraftConfig
 from common.drafter.kinds import build_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter, train_flops
-from trainer.sharding import full_tensor, parallelize
 from common.drafter.target_head import TargetHead
+from common.lifecycle import exit_process
+from launch.bench.util import matmul_tflops, synchronize
+from trainer.sharding import full_tensor, parallelize
 
 VARIANTS = ("eager", "compile-layers", "compile-model")
 

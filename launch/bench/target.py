@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from common.batch import PackedBatch
-from launch.bench.util import matmul_tflops, synchronize
 from common.codec import DTYPES
 from common.config import TargetConfig
+from common.drafter.draft_config import build_target_layer_ids
+from launch.bench.util import matmul_tflops, synchronize
 from producer.target import (
     TINY_TARGET_CONFIG,
     Target,
@@ -40,7 +41,6 @@ from producer.target import (
     load_target_model,
     resolve_device,
 )
-from common.drafter.draft_config import build_target_layer_ids
 
 QWEN3_8B_SHAPE = {
     "model_type": "qwen3",

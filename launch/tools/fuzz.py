@@ -337,8 +337,8 @@ class _Lines:
 
 def good_consumer(args: argparse.Namespace) -> int:
     """The well-formed peer: hold leases a while, check every checksum at ack, replay stale acks."""
-    from launch.tools.demo import checksum
     from common.transport import Delivery, RingClient
+    from launch.tools.demo import checksum
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -36,9 +36,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from common.naming import SHM_DIR, parse_owner, process_start_ticks, run_tag, segment_name
+from common.naming import SHM_DIR, parse_owner, process_alive, process_start_ticks, run_tag, segment_name
 from common.rundir import RunDir, read_json
-from common.naming import process_alive
 from launch.supervisor import REPO_ROOT
 
 TAG_ENV = "DFLASH_SOAK_TAG"
