@@ -60,10 +60,23 @@ SLOT_TENSORS: tuple[SlotTensor, ...] = (
     SlotTensor("loss_mask", "1 where the token is a training target (assistant)", "tokens", torch.uint8),
     SlotTensor("cu_seqlens", "document boundaries", "boundaries", torch.int32),
     SlotTensor("sample_ids", "global id of each document in the data set", "docs", torch.int64, pad=-1),
-    SlotTensor("aux_hidden", "outputs of the decoder layers target_layer_ids, side by side (hidden_states[k + 1] in HF)",
-               "tokens", None, width="aux", source="target"),
-    SlotTensor("last_hidden", "last decoder layer's output, before the final norm (target-distribution labels)",
-               "tokens", None, width="hidden", when_announced="last_hidden", source="target"),
+    SlotTensor(
+        "aux_hidden",
+        "outputs of the decoder layers target_layer_ids, side by side (hidden_states[k + 1] in HF)",
+        "tokens",
+        None,
+        width="aux",
+        source="target",
+    ),
+    SlotTensor(
+        "last_hidden",
+        "last decoder layer's output, before the final norm (target-distribution labels)",
+        "tokens",
+        None,
+        width="hidden",
+        when_announced="last_hidden",
+        source="target",
+    ),
 )
 """The slot's tensors, in slot order."""
 
@@ -83,7 +96,9 @@ def slot_tensors() -> tuple[SlotTensor, ...]:
     return SLOT_TENSORS
 
 
-def slot_shapes(dims: SlotDims, feature_dtype: torch.dtype, announced: dict[str, bool]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def slot_shapes(
+    dims: SlotDims, feature_dtype: torch.dtype, announced: dict[str, bool]
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every tensor a batch of ``dims`` carries, in slot order."""
     return {t.name: (t.shape(dims), t.dtype or feature_dtype) for t in slot_tensors() if t.present(announced)}
 
@@ -191,5 +206,7 @@ def document_ids(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Te
 def position_ids(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """Position of every token inside its own document, ``[T]`` int64."""
     total = int(cu_seqlens[-1]) if total is None else total
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=total)
+    starts = torch.repeat_interleave(
+        cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long(), output_size=total
+    )
     return torch.arange(total, device=cu_seqlens.device) - starts

@@ -50,7 +50,9 @@ def check_batch(meta: dict, tensors: dict[str, torch.Tensor], describe: dict) ->
         tensor = tensors.get(entry.name)
         if not entry.present(announced_flags):
             if tensor is not None:
-                raise BatchContractError(f"tensor {entry.name!r} was not announced (describe.{entry.when_announced} is not true)")
+                raise BatchContractError(
+                    f"tensor {entry.name!r} was not announced (describe.{entry.when_announced} is not true)"
+                )
             continue
         _check_tensor(entry, tensor, tokens, docs, widths, feature_dtype)
     unknown = tensors.keys() - {entry.name for entry in slot_tensors()}
@@ -73,8 +75,14 @@ def check_delivery(delivery: Delivery, describe: dict) -> None:
     check_batch(delivery.meta, delivery.tensors, describe)
 
 
-def _check_tensor(entry: SlotTensor, tensor: torch.Tensor | None, tokens: int, docs: int,
-                  widths: dict[str, int | None], feature_dtype: torch.dtype | None) -> None:
+def _check_tensor(
+    entry: SlotTensor,
+    tensor: torch.Tensor | None,
+    tokens: int,
+    docs: int,
+    widths: dict[str, int | None],
+    feature_dtype: torch.dtype | None,
+) -> None:
     """Raise unless ``tensor`` has the shape and dtype ``entry`` gives a batch of ``tokens`` in ``docs``."""
     rows = {"tokens": tokens, "docs": docs, "boundaries": docs + 1}[entry.rows]
     dims = 1 if entry.width is None else 2
@@ -82,11 +90,15 @@ def _check_tensor(entry: SlotTensor, tensor: torch.Tensor | None, tokens: int, d
         raise BatchContractError(f"tensor {entry.name!r} is missing")
     if tensor.dim() != dims or tensor.shape[0] != rows:
         wanted = f"[{rows}]" if dims == 1 else f"[{rows}, width]"
-        raise BatchContractError(f"tensor {entry.name!r} has shape {list(tensor.shape)}; meta announces {tokens} tokens "
-                                 f"in {docs} documents, so it must be {wanted}")
+        raise BatchContractError(
+            f"tensor {entry.name!r} has shape {list(tensor.shape)}; meta announces {tokens} tokens "
+            f"in {docs} documents, so it must be {wanted}"
+        )
     columns = widths.get(entry.width) if entry.width is not None else None
     if columns is not None and tensor.shape[1] != columns:
-        raise BatchContractError(f"tensor {entry.name!r} has {tensor.shape[1]} columns, the producer announced {columns}")
+        raise BatchContractError(
+            f"tensor {entry.name!r} has {tensor.shape[1]} columns, the producer announced {columns}"
+        )
     dtype = entry.dtype or feature_dtype
     if dtype is not None and tensor.dtype != dtype:
         raise BatchContractError(f"tensor {entry.name!r} is {tensor.dtype}, it must be {dtype}")

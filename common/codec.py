@@ -129,9 +129,13 @@ def _views(slot: torch.Tensor, specs: list[TensorSpec]) -> dict[str, torch.Tenso
         base = typed.get(dtype)
         if base is None:
             if size % itemsize or slot.storage_offset() % itemsize:
-                raise LayoutError(f"a slot of {size} bytes at byte {slot.storage_offset()} cannot hold {spec.dtype} tensors")
+                raise LayoutError(
+                    f"a slot of {size} bytes at byte {slot.storage_offset()} cannot hold {spec.dtype} tensors"
+                )
             base = typed[dtype] = slot.view(dtype)
-        out[spec.name] = base.as_strided(spec.shape, _contiguous_strides(spec.shape), base.storage_offset() + spec.offset // itemsize)
+        out[spec.name] = base.as_strided(
+            spec.shape, _contiguous_strides(spec.shape), base.storage_offset() + spec.offset // itemsize
+        )
     return out
 
 

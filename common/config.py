@@ -56,8 +56,10 @@ def resolve_model_path(path: str, key: str) -> str:
     try:
         snapshot = snapshot_download(path, local_files_only=True)
     except LocalEntryNotFoundError:
-        raise ConfigError(f"{key}: {path!r} is no folder and is not in the local Hugging Face cache ({HF_HUB_CACHE}); "
-                          f"download it first ({shlex.join(['huggingface-cli', 'download', path])}) or give its folder") from None
+        raise ConfigError(
+            f"{key}: {path!r} is no folder and is not in the local Hugging Face cache ({HF_HUB_CACHE}); "
+            f"download it first ({shlex.join(['huggingface-cli', 'download', path])}) or give its folder"
+        ) from None
     if not (Path(snapshot) / "config.json").is_file():
         raise ConfigError(f"{key}: the cached snapshot of {path!r} ({snapshot}) has no config.json")
     return snapshot
@@ -142,9 +144,21 @@ class TargetConfig:
             self.path = resolve_model_path(self.path, "path")
         if self.config_json is not None:
             _check(Path(self.config_json).is_file(), "config_json", f"no such file {self.config_json}")
-        _check(self.dtype in ("bfloat16", "float16", "float32"), "dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
-        _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        _check(self.attention in ("auto", "varlen", "flex", "sdpa"), "attention", f"must be auto, varlen, flex or sdpa, got {self.attention!r}")
+        _check(
+            self.dtype in ("bfloat16", "float16", "float32"),
+            "dtype",
+            f"must be bfloat16, float16 or float32, got {self.dtype!r}",
+        )
+        _check(
+            re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
+            "device",
+            f"must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
+        _check(
+            self.attention in ("auto", "varlen", "flex", "sdpa"),
+            "attention",
+            f"must be auto, varlen, flex or sdpa, got {self.attention!r}",
+        )
         _check(self.seed >= 0, "seed", "must be >= 0")
 
 
@@ -211,10 +225,20 @@ class DataConfig:
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
             self.paths = [self.paths]
-        _check(self.format in ("chat", "tokenized", "synthetic"), "format", f"must be 'chat', 'tokenized' or 'synthetic', got {self.format!r}")
-        _check(self.format == "synthetic" or bool(self.paths), "paths", f"must name at least one file for format={self.format!r}")
+        _check(
+            self.format in ("chat", "tokenized", "synthetic"),
+            "format",
+            f"must be 'chat', 'tokenized' or 'synthetic', got {self.format!r}",
+        )
+        _check(
+            self.format == "synthetic" or bool(self.paths),
+            "paths",
+            f"must name at least one file for format={self.format!r}",
+        )
         _check(self.max_seq_len >= 1, "max_seq_len", f"must be >= 1, got {self.max_seq_len}")
-        _check(self.too_long in ("truncate", "drop"), "too_long", f"must be 'truncate' or 'drop', got {self.too_long!r}")
+        _check(
+            self.too_long in ("truncate", "drop"), "too_long", f"must be 'truncate' or 'drop', got {self.too_long!r}"
+        )
         _check(self.vocab_size is None or self.vocab_size >= 2, "vocab_size", f"must be >= 2, got {self.vocab_size}")
         _check(self.shuffle_seed >= 0, "shuffle_seed", "must be >= 0")
         _check(self.max_step >= 1, "max_step", "must be >= 1")
@@ -222,7 +246,11 @@ class DataConfig:
         _check(not self.regenerate or self.format == "chat", "regenerate", f"needs format='chat', got {self.format!r}")
         if self.format == "synthetic":
             _check(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
-            _check(self.length_mode in ("chat", "fixed"), "length_mode", f"must be 'chat' or 'fixed', got {self.length_mode!r}")
+            _check(
+                self.length_mode in ("chat", "fixed"),
+                "length_mode",
+                f"must be 'chat' or 'fixed', got {self.length_mode!r}",
+            )
             _check(
                 1 <= self.min_len <= self.mean_len <= self.max_seq_len,
                 "mean_len",
@@ -250,7 +278,11 @@ class BatchingConfig:
 
     def __post_init__(self) -> None:
         _check(self.token_budget >= 1, "token_budget", f"must be >= 1, got {self.token_budget}")
-        _check(self.max_docs_per_batch is None or self.max_docs_per_batch >= 1, "max_docs_per_batch", "must be >= 1 or unset")
+        _check(
+            self.max_docs_per_batch is None or self.max_docs_per_batch >= 1,
+            "max_docs_per_batch",
+            "must be >= 1 or unset",
+        )
         _check(self.window_docs >= 1, "window_docs", f"must be >= 1, got {self.window_docs}")
 
 
@@ -336,11 +368,17 @@ class DrafterConfig:
         _check(self.kind in ("dflash", "dflash2"), "kind", f"must be dflash or dflash2, got {self.kind!r}")
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
-        _check(self.conv_kernel_size <= self.block_size, "conv_kernel_size",
-               f"must be <= block_size ({self.block_size}): the taps look back inside the block only")
+        _check(
+            self.conv_kernel_size <= self.block_size,
+            "conv_kernel_size",
+            f"must be <= block_size ({self.block_size}): the taps look back inside the block only",
+        )
         _check(self.selector_loss_alpha >= 0, "selector_loss_alpha", "must be >= 0")
-        _check(self.selector_missing_gold in ("inject", "exclude"), "selector_missing_gold",
-               f"must be inject or exclude, got {self.selector_missing_gold!r}")
+        _check(
+            self.selector_missing_gold in ("inject", "exclude"),
+            "selector_missing_gold",
+            f"must be inject or exclude, got {self.selector_missing_gold!r}",
+        )
         _check(self.block_size >= 2, "block_size", "must be >= 2")
         _check(self.num_anchors >= 1, "num_anchors", "must be >= 1")
         _check(all(k >= 0 for k in self.target_layer_ids), "target_layer_ids", "must be >= 0")
@@ -354,10 +392,17 @@ class DrafterConfig:
             "layer_types",
             "entries must be full_attention or sliding_attention",
         )
-        _check(self.in_block_causality in ("sliding_causal", "bidirectional", "causal"), "in_block_causality",
-               f"must be sliding_causal, bidirectional or causal, got {self.in_block_causality!r}")
+        _check(
+            self.in_block_causality in ("sliding_causal", "bidirectional", "causal"),
+            "in_block_causality",
+            f"must be sliding_causal, bidirectional or causal, got {self.in_block_causality!r}",
+        )
         if "sliding_attention" in self.layer_types:
-            _check(self.sliding_window is not None and self.sliding_window >= 1, "sliding_window", "must be set (>= 1) for sliding layers")
+            _check(
+                self.sliding_window is not None and self.sliding_window >= 1,
+                "sliding_window",
+                "must be set (>= 1) for sliding layers",
+            )
 
 
 @dataclass
@@ -399,7 +444,9 @@ class RingConfig:
     def __post_init__(self) -> None:
         _check(self.backend in ("auto", "host", "cuda"), "backend", f"must be auto, host or cuda, got {self.backend!r}")
         _check(self.num_slots >= 1, "num_slots", "must be >= 1")
-        _check(0 <= self.headroom_slots < self.num_slots, "headroom_slots", f"must be in [0, num_slots={self.num_slots})")
+        _check(
+            0 <= self.headroom_slots < self.num_slots, "headroom_slots", f"must be in [0, num_slots={self.num_slots})"
+        )
         _check(self.pause_detect_s > 0, "pause_detect_s", "must be > 0")
         _check(self.credits >= 1, "credits", "must be >= 1")
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
@@ -532,15 +579,34 @@ class TrainingConfig:
         _check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
         _check(self.max_steps >= 0, "max_steps", "must be >= 0")
         _check(self.epochs >= 1, "epochs", "must be >= 1")
-        _check(self.label_mode in ("data", "target_hard", "target_soft"), "label_mode", f"must be data, target_hard or target_soft, got {self.label_mode!r}")
+        _check(
+            self.label_mode in ("data", "target_hard", "target_soft"),
+            "label_mode",
+            f"must be data, target_hard or target_soft, got {self.label_mode!r}",
+        )
         _check(self.gamma is None or self.gamma > 0, "gamma", "must be > 0")
-        _check(self.optimizer in ("auto", "adamw", "muon"), "optimizer", f"must be auto, adamw or muon, got {self.optimizer!r}")
+        _check(
+            self.optimizer in ("auto", "adamw", "muon"),
+            "optimizer",
+            f"must be auto, adamw or muon, got {self.optimizer!r}",
+        )
         _check(self.schedule in ("cosine", "wsd"), "schedule", f"must be cosine or wsd, got {self.schedule!r}")
         _check(0 < self.decay_ratio <= 1, "decay_ratio", "must be in (0, 1]")
-        _check(self.objective in ("ce", "lk", "lk_hybrid"), "objective", f"must be ce, lk or lk_hybrid, got {self.objective!r}")
-        _check(self.weighting in ("decay", "streak", "dpace"), "weighting", f"must be decay, streak or dpace, got {self.weighting!r}")
-        _check(not (self.optimizer == "muon" and self.parallelism == "fsdp"), "optimizer",
-               "muon needs whole weight matrices; use parallelism = \"ddp\" with it")
+        _check(
+            self.objective in ("ce", "lk", "lk_hybrid"),
+            "objective",
+            f"must be ce, lk or lk_hybrid, got {self.objective!r}",
+        )
+        _check(
+            self.weighting in ("decay", "streak", "dpace"),
+            "weighting",
+            f"must be decay, streak or dpace, got {self.weighting!r}",
+        )
+        _check(
+            not (self.optimizer == "muon" and self.parallelism == "fsdp"),
+            "optimizer",
+            "muon needs whole weight matrices; use parallelism = \"ddp\" with it",
+        )
         _check(self.feature_noise >= 0, "feature_noise", "must be >= 0")
         _check(self.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         _check(self.keep_last >= 1, "keep_last", "must be >= 1")
@@ -569,7 +635,11 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         _check(self.log_every >= 1, "log_every", "must be >= 1")
-        _check(self.wandb_mode in ("offline", "online", "disabled"), "wandb_mode", f"must be offline, online or disabled, got {self.wandb_mode!r}")
+        _check(
+            self.wandb_mode in ("offline", "online", "disabled"),
+            "wandb_mode",
+            f"must be offline, online or disabled, got {self.wandb_mode!r}",
+        )
 
 
 @dataclass
@@ -640,20 +710,34 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_producers >= 0, "num_producers", "must be >= 0")
-        _check(self.local_producers + len(self.remote_producers) >= 1, "num_producers",
-               "must be >= 1 unless launch.remote_producers lists producers on other hosts")
+        _check(
+            self.local_producers + len(self.remote_producers) >= 1,
+            "num_producers",
+            "must be >= 1 unless launch.remote_producers lists producers on other hosts",
+        )
         if self.mps_producer_sm_percent is not None:
             _check(self.mps, "mps_producer_sm_percent", "needs launch.mps = true (it is an MPS client setting)")
-            _check(1 <= self.mps_producer_sm_percent <= 100, "mps_producer_sm_percent",
-                   f"must be in 1..100, got {self.mps_producer_sm_percent}")
+            _check(
+                1 <= self.mps_producer_sm_percent <= 100,
+                "mps_producer_sm_percent",
+                f"must be in 1..100, got {self.mps_producer_sm_percent}",
+            )
         if self.mps_trainer_sm_percent is not None:
             _check(self.mps, "mps_trainer_sm_percent", "needs launch.mps = true (it is an MPS client setting)")
-            _check(1 <= self.mps_trainer_sm_percent <= 100, "mps_trainer_sm_percent",
-                   f"must be in 1..100, got {self.mps_trainer_sm_percent}")
+            _check(
+                1 <= self.mps_trainer_sm_percent <= 100,
+                "mps_trainer_sm_percent",
+                f"must be in 1..100, got {self.mps_trainer_sm_percent}",
+            )
         for index, endpoint in enumerate(self.remote_producers):
-            _check(_is_tcp_connect_endpoint(endpoint), f"remote_producers[{index}]",
-                   f"must look like tcp://host:port with a host to connect to and a port in 1..65535, got {endpoint!r}")
-        _check(len(set(self.remote_producers)) == len(self.remote_producers), "remote_producers", "lists an endpoint twice")
+            _check(
+                _is_tcp_connect_endpoint(endpoint),
+                f"remote_producers[{index}]",
+                f"must look like tcp://host:port with a host to connect to and a port in 1..65535, got {endpoint!r}",
+            )
+        _check(
+            len(set(self.remote_producers)) == len(self.remote_producers), "remote_producers", "lists an endpoint twice"
+        )
         _check_producer_devices(self.producer_devices)
         _check(self.restart_backoff_s >= 0, "restart_backoff_s", "must be >= 0")
         _check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
@@ -688,24 +772,41 @@ def _check_producer_devices(entries: list[str]) -> None:
     for index, entry in enumerate(entries):
         key, devices = f"producer_devices[{index}]", [part.strip() for part in entry.split(",")]
         if len(devices) == 1:
-            _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", devices[0]) is not None, key,
-                   f"must be auto, cpu, cuda or cuda:N (several, comma-separated, for tensor parallel), got {entry!r}")
+            _check(
+                re.fullmatch(r"auto|cpu|cuda(:\d+)?", devices[0]) is not None,
+                key,
+                f"must be auto, cpu, cuda or cuda:N (several, comma-separated, for tensor parallel), got {entry!r}",
+            )
             continue
         if all(device == "cpu" for device in devices):
             continue
-        _check("cpu" not in devices, key, f"mixes cpu and GPUs in {entry!r}: a tensor-parallel producer runs on one kind of device")
+        _check(
+            "cpu" not in devices,
+            key,
+            f"mixes cpu and GPUs in {entry!r}: a tensor-parallel producer runs on one kind of device",
+        )
         for device in devices:
-            _check(re.fullmatch(r"cuda:\d+", device) is not None, key,
-                   f"names {device!r}: each device of a tensor-parallel producer is cpu or cuda:N")
-        _check(len(set(devices)) == len(devices), key, f"names a GPU twice in {entry!r}: each rank of a tensor-parallel producer needs its own")
+            _check(
+                re.fullmatch(r"cuda:\d+", device) is not None,
+                key,
+                f"names {device!r}: each device of a tensor-parallel producer is cpu or cuda:N",
+            )
+        _check(
+            len(set(devices)) == len(devices),
+            key,
+            f"names a GPU twice in {entry!r}: each rank of a tensor-parallel producer needs its own",
+        )
         group_of_gpu.update(dict.fromkeys(devices, index))
     for index, entry in enumerate(entries):
         for device in entry.split(","):
             gpu = "cuda:0" if device.strip() == "cuda" else device.strip()
             group = group_of_gpu.get(gpu, index)
-            _check(group == index, f"producer_devices[{index}]",
-                   f"{gpu} is also in launch.producer_devices[{group}], a tensor-parallel producer: its ranks wait for each other "
-                   "at every layer, so a GPU it shares slows all of them")
+            _check(
+                group == index,
+                f"producer_devices[{index}]",
+                f"{gpu} is also in launch.producer_devices[{group}], a tensor-parallel producer: its ranks wait for each other "
+                "at every layer, so a GPU it shares slows all of them",
+            )
 
 
 @dataclass
@@ -856,9 +957,13 @@ class SynthesizeConfig:
     """A shard is also written after this many seconds with what is done: what a kill -9 can lose (and redo)."""
 
     def __post_init__(self) -> None:
-        _check(self.prompts in ("data", "magpie", "both"), "prompts", f"must be data, magpie or both, got {self.prompts!r}")
+        _check(
+            self.prompts in ("data", "magpie", "both"), "prompts", f"must be data, magpie or both, got {self.prompts!r}"
+        )
         _check(self.num_magpie >= 0, "num_magpie", f"must be >= 0, got {self.num_magpie}")
-        _check(self.prompts == "data" or self.num_magpie >= 1, "num_magpie", f"must be >= 1 for prompts={self.prompts!r}")
+        _check(
+            self.prompts == "data" or self.num_magpie >= 1, "num_magpie", f"must be >= 1 for prompts={self.prompts!r}"
+        )
         for name in ("max_new_tokens", "magpie_max_tokens", "rows", "max_prompt_tokens", "records_per_shard"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("temperature", "magpie_temperature"):
@@ -1057,7 +1162,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
-        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+        return (
+            repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+        )
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, list):

@@ -108,7 +108,13 @@ class BatchMeta:
         cursor = data.get("cursor")
         if type(cursor) is not list or len(cursor) != 3 or not all(type(c) is int and c >= 0 for c in cursor):
             raise ContractError(f"{where}['cursor'] must be [epoch, window, index], got {repr(cursor)[:60]}")
-        return cls(producer=_int(data, "producer", where), ordinal=_int(data, "ordinal", where), cursor=list(cursor),
-                   epoch=_int(data, "epoch", where), tokens=_int(data, "tokens", where), docs=_int(data, "docs", where),
-                   max_doc_len=_int(data, "max_doc_len", where),
-                   replay=_field(data, "replay", bool, where) if "replay" in data else False)
+        return cls(
+            producer=_int(data, "producer", where),
+            ordinal=_int(data, "ordinal", where),
+            cursor=list(cursor),
+            epoch=_int(data, "epoch", where),
+            tokens=_int(data, "tokens", where),
+            docs=_int(data, "docs", where),
+            max_doc_len=_int(data, "max_doc_len", where),
+            replay=_field(data, "replay", bool, where) if "replay" in data else False,
+        )

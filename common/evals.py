@@ -93,8 +93,10 @@ def open_requests(run: RunDir) -> list[EvalRequest]:
 
 
 def claim(run: RunDir, req: EvalRequest, producer_id: int, pid: int) -> None:
-    atomic_write_json(folder(run, req.step, req.incarnation) / "claim.json",
-                      {"producer": producer_id, "pid": pid, "start_ticks": process_start_ticks(pid), "claimed": time.time()})
+    atomic_write_json(
+        folder(run, req.step, req.incarnation) / "claim.json",
+        {"producer": producer_id, "pid": pid, "start_ticks": process_start_ticks(pid), "claimed": time.time()},
+    )
 
 
 def finish(run: RunDir, result: EvalResult) -> None:
@@ -137,8 +139,14 @@ def mark_abandoned_exports_lost(run: RunDir, incarnation: int) -> list[int]:
         here = folder(run, step, asked_by)
         if asked_by == incarnation or (here / "request.json").exists() or (here / "result.json").exists():
             continue
-        finish(run, EvalResult(step=step, incarnation=asked_by,
-                               lost="the trainer that asked for it stopped before its export was complete"))
+        finish(
+            run,
+            EvalResult(
+                step=step,
+                incarnation=asked_by,
+                lost="the trainer that asked for it stopped before its export was complete",
+            ),
+        )
         lost.append(step)
     return lost
 
@@ -151,9 +159,19 @@ def mark_abandoned_claims_lost(run: RunDir, producer_id: int) -> list[int]:
         if (here / "result.json").exists():
             continue
         claimed = read_json(here / "claim.json")
-        if claimed and claimed.get("producer") == producer_id and not (
-                isinstance(claimed.get("pid"), int) and process_alive(claimed["pid"], claimed.get("start_ticks"))):
-            finish(run, EvalResult(step=step, lost="the producer evaluating it was restarted", incarnation=incarnation,
-                                   producer=producer_id))
+        if (
+            claimed
+            and claimed.get("producer") == producer_id
+            and not (isinstance(claimed.get("pid"), int) and process_alive(claimed["pid"], claimed.get("start_ticks")))
+        ):
+            finish(
+                run,
+                EvalResult(
+                    step=step,
+                    lost="the producer evaluating it was restarted",
+                    incarnation=incarnation,
+                    producer=producer_id,
+                ),
+            )
             lost.append(step)
     return lost

@@ -37,19 +37,19 @@ DELAY_ENV = "DFLASH_FAULT_DELAY"
 POINTS = {
     # The trainer is killed ...
     "trainer.handshake": "after a producer reconciled its stream for the trainer's HELLO, before WELCOME "
-                         "(checked in the producer, which kills the trainer)",
+    "(checked in the producer, which kills the trainer)",
     "trainer.batch": "holding a batch taken from the feeder (received and acked, not trained) while the "
-                     "producers have more leased to it",
+    "producers have more leased to it",
     "trainer.step": "inside a step: after backward, before the optimizer step",
     "trainer.checkpoint": "writing a checkpoint: every file written and synced, before the folder is renamed into place",
     "trainer.latest": "after a checkpoint folder is in place, before latest.json points at it",
     "trainer.stage": "a trainer being replaced (restart-trainer), its last step done, before it copies its state "
-                     "into shared memory",
+    "into shared memory",
     "trainer.handover": "a trainer being replaced: its final state handed over (or checkpointed), leases and status "
-                        "done, before the handover mark its successor waits for",
+    "done, before the handover mark its successor waits for",
     "trainer.takeover": "a standby trainer told to take over, before it waits for the trainer it replaces",
     "trainer.resume": "a successor trainer after the handover, before it reads the state handed over or the latest "
-                      "checkpoint",
+    "checkpoint",
     "trainer.taken": "a successor trainer that mapped the state handed over, before it trains or writes its checkpoint",
     "trainer.export": "asking for an evaluation: its drafter exported, before the request is written (the export thread)",
     # The producer is killed ...
@@ -157,8 +157,19 @@ class _Injector:
             except ProcessLookupError:
                 return  # the victim is already gone: wait for the next reach
             fault = self.plan[self._current]
-            log.write(json.dumps({"index": self._current, "point": name, "count": fault.count, "pid": pid,
-                                  "by": os.getpid(), "time": time.time()}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "index": self._current,
+                        "point": name,
+                        "count": fault.count,
+                        "pid": pid,
+                        "by": os.getpid(),
+                        "time": time.time(),
+                    }
+                )
+                + "\n"
+            )
             log.flush()
             os.fsync(log.fileno())
             self._advance_to(self._current + 1)

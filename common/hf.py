@@ -10,8 +10,17 @@ import torch
 
 # Keys of config.to_dict() that describe how a model was loaded, not what it is.
 _VOLATILE_CONFIG_KEYS = frozenset(
-    {"_name_or_path", "transformers_version", "_attn_implementation", "_attn_implementation_internal",
-     "_experts_implementation", "_experts_implementation_internal", "dtype", "torch_dtype", "use_cache"}
+    {
+        "_name_or_path",
+        "transformers_version",
+        "_attn_implementation",
+        "_attn_implementation_internal",
+        "_experts_implementation",
+        "_experts_implementation_internal",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+    }
 )
 # Model types whose RMSNorm scales by (1 + weight), computed in fp32 (weights stored zero-centred).
 ZERO_CENTERED_NORM_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})

@@ -135,7 +135,12 @@ class HostRing:
         return self._flat[index * self.slot_bytes : (index + 1) * self.slot_bytes]
 
     def spec(self) -> dict:
-        return {"backend": self.backend, "path": str(self.path), "num_slots": self.num_slots, "slot_bytes": self.slot_bytes}
+        return {
+            "backend": self.backend,
+            "path": str(self.path),
+            "num_slots": self.num_slots,
+            "slot_bytes": self.slot_bytes,
+        }
 
     def close(self) -> None:
         if self._mmap is None:
@@ -196,7 +201,13 @@ class _DevicePointer:
     """Exposes raw device memory to torch.as_tensor through __cuda_array_interface__."""
 
     def __init__(self, ptr: int, size: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def device_uuid(index: int) -> str:
@@ -244,7 +255,9 @@ class CudaRing:
         _Driver.check(lib.cuMemAlloc_v2(ctypes.byref(ptr), size), f"allocating {size} bytes on GPU {device}")
         handle = _IpcHandle()
         try:
-            _Driver.check(lib.cuIpcGetMemHandle(ctypes.byref(handle), ptr.value), "exporting the ring (cuIpcGetMemHandle)")
+            _Driver.check(
+                lib.cuIpcGetMemHandle(ctypes.byref(handle), ptr.value), "exporting the ring (cuIpcGetMemHandle)"
+            )
         except BaseException:
             lib.cuMemFree_v2(ptr.value)
             raise
@@ -311,7 +324,9 @@ class CudaRing:
 RingBuffer = HostRing | CudaRing
 
 
-def create_ring(backend: str, *, num_slots: int, slot_bytes: int, run_tag: str = "run", role: str = "ring", device: int = 0) -> RingBuffer:
+def create_ring(
+    backend: str, *, num_slots: int, slot_bytes: int, run_tag: str = "run", role: str = "ring", device: int = 0
+) -> RingBuffer:
     """Make a ring of ``backend`` ("host" or "cuda")."""
     if backend == "host":
         return HostRing.create(run_tag, role, num_slots, slot_bytes)

@@ -76,7 +76,12 @@ class CurveKeys:
                 )
             try:
                 data = json.load(f)
-                keys = cls(**{name: data[name].encode() for name in ("server_public", "server_secret", "client_public", "client_secret")})
+                keys = cls(
+                    **{
+                        name: data[name].encode()
+                        for name in ("server_public", "server_secret", "client_public", "client_secret")
+                    }
+                )
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise SecretsError(f"{path}: not a CURVE key file ({type(exc).__name__}: {exc})") from None
         for name, value in vars(keys).items():
@@ -96,7 +101,9 @@ def ipc_endpoint(path: Path) -> str:
     """``ipc://`` endpoint for a socket file, refusing paths the kernel would truncate."""
     text = str(path)
     if len(text) > MAX_IPC_PATH:
-        raise ValueError(f"socket path {text} is {len(text)} characters; the limit is {MAX_IPC_PATH}: use a shorter run directory")
+        raise ValueError(
+            f"socket path {text} is {len(text)} characters; the limit is {MAX_IPC_PATH}: use a shorter run directory"
+        )
     return "ipc://" + text
 
 
@@ -117,8 +124,11 @@ class _AllowRunClient:
         now = time.monotonic()
         if now - self._logged_at >= 60.0:
             self._logged_at = now
-            log.warning("refused a tcp client whose CURVE key is not the run's client key (%d refused so far): "
-                        "it needs a copy of this run's secrets/curve.json", self.refused)
+            log.warning(
+                "refused a tcp client whose CURVE key is not the run's client key (%d refused so far): "
+                "it needs a copy of this run's secrets/curve.json",
+                self.refused,
+            )
         return False
 
 

@@ -348,8 +348,12 @@ class RingServer:
         if frames and self.ring.backend != "host":
             # Staging GPU slots through host memory would add a copy and a buffer per lease; a producer
             # serving other hosts is better off writing its features to a host ring at once.
-            self._refuse(sock, identity, f"this producer's ring is in GPU memory (ring.backend={self.ring.backend}), which a "
-                                         "consumer on another host cannot read: start the producer with ring.backend=host")
+            self._refuse(
+                sock,
+                identity,
+                f"this producer's ring is in GPU memory (ring.backend={self.ring.backend}), which a "
+                "consumer on another host cannot read: start the producer with ring.backend=host",
+            )
             return
         if self._check_hello is not None:
             reason = self._check_hello(hello)
@@ -362,7 +366,9 @@ class RingServer:
             for old in [c for c in self._consumers.values() if c.incarnation < hello.incarnation]:
                 self.counters.consumers_superseded += 1
                 self._drop(old.identity, reason=f"superseded by incarnation {hello.incarnation}")
-        for old in [c for c in self._consumers.values() if c.consumer_id == hello.consumer_id or c.identity == identity]:
+        for old in [
+            c for c in self._consumers.values() if c.consumer_id == hello.consumer_id or c.identity == identity
+        ]:
             self._drop(old.identity, reason="reconnected")
         if self._on_welcome is not None:
             # After the superseded leases are back in the ring, before anything is leased again.
@@ -387,8 +393,13 @@ class RingServer:
             self.counters.send_failures += 1
             self._consumers.pop(identity, None)
             return
-        log.info("consumer %s (pid %d, incarnation %d, payload by %s) connected", hello.consumer_id, hello.pid,
-                 hello.incarnation, hello.payload)
+        log.info(
+            "consumer %s (pid %d, incarnation %d, payload by %s) connected",
+            hello.consumer_id,
+            hello.pid,
+            hello.incarnation,
+            hello.payload,
+        )
 
     def _refuse(self, sock: zmq.Socket, identity: bytes, reason: str) -> None:
         self.counters.refused += 1
@@ -426,7 +437,9 @@ class RingServer:
                 self.counters.socket_blocked += 1
                 self.slots.unlease(consumer.identity, lease.slot, lease.generation)
                 consumer.paused_until = now + self.heartbeat_interval_s
-                self._blocked_log.warn(f"send to consumer {consumer.consumer_id} would block; slot {lease.slot} back in the ring")
+                self._blocked_log.warn(
+                    f"send to consumer {consumer.consumer_id} would block; slot {lease.slot} back in the ring"
+                )
         self._credit_waiting = any(c.credits > 0 for c in self._consumers.values())
 
     def _slot_buffer(self, index: int) -> memoryview:
@@ -555,15 +568,17 @@ class RingClient:
     def hello(self) -> None:
         """Send HELLO; ``await_welcome`` then takes the answer (a caller that must not wait, e.g. for
         a producer on another host that may be down, asks it with timeout 0 from time to time)."""
-        self._send(Hello(
-            consumer_id=self.consumer_id,
-            incarnation=self.incarnation,
-            pid=os.getpid(),
-            credits=self.initial_credits,
-            expect=self.expect,
-            committed=self.committed,
-            payload=self.payload,
-        ))
+        self._send(
+            Hello(
+                consumer_id=self.consumer_id,
+                incarnation=self.incarnation,
+                pid=os.getpid(),
+                credits=self.initial_credits,
+                expect=self.expect,
+                committed=self.committed,
+                payload=self.payload,
+            )
+        )
 
     def await_welcome(self, timeout_s: float) -> Welcome | None:
         """The WELCOME (its ring attached) once it arrives within ``timeout_s``, else None; a REFUSE
@@ -589,11 +604,15 @@ class RingClient:
             raise HandshakeRefused(f"producer at {self.endpoint}: {differs}")
         backend = message.ring["backend"]
         if (backend == PAYLOAD_FRAMES) != self._frames:
-            raise HandshakeRefused(f"producer at {self.endpoint} answered a HELLO for payload by {self.payload} "
-                                   f"with a ring of backend {backend!r}")
+            raise HandshakeRefused(
+                f"producer at {self.endpoint} answered a HELLO for payload by {self.payload} "
+                f"with a ring of backend {backend!r}"
+            )
         if self._frames and message.ring["slot_bytes"] > self.max_payload_bytes:
-            raise HandshakeRefused(f"producer at {self.endpoint} has slots of {message.ring['slot_bytes']} bytes, "
-                                   f"more than this consumer accepts as frames ({self.max_payload_bytes})")
+            raise HandshakeRefused(
+                f"producer at {self.endpoint} has slots of {message.ring['slot_bytes']} bytes, "
+                f"more than this consumer accepts as frames ({self.max_payload_bytes})"
+            )
         self.welcome = message
         if not self._frames:
             self.ring = attach_ring(message.ring)
@@ -675,7 +694,11 @@ class RingClient:
         if self._sock.closed:
             return
         if self.dropped_malformed:
-            log.warning("dropped %d malformed messages or batches from the producer at %s", self.dropped_malformed, self.endpoint)
+            log.warning(
+                "dropped %d malformed messages or batches from the producer at %s",
+                self.dropped_malformed,
+                self.endpoint,
+            )
         try:
             # Best effort, never waiting: a socket whose producer refused our CURVE key (or was never
             # reached) has no peer to queue it for, and the producer times our leases out anyway.
@@ -720,8 +743,10 @@ class RingClient:
         wanted = 1 if self._frames and isinstance(message, Batch) else 0
         if extra != wanted:
             self.dropped_malformed += 1
-            self._bad_log.warn(f"dropped a {message.TYPE} message of {1 + extra} frames from the producer at "
-                               f"{self.endpoint} (expected {1 + wanted})")
+            self._bad_log.warn(
+                f"dropped a {message.TYPE} message of {1 + extra} frames from the producer at "
+                f"{self.endpoint} (expected {1 + wanted})"
+            )
             if isinstance(message, Batch):
                 # As for any dropped batch: the slot and its credit go back, nothing was read.
                 self._send(Ack(slot=message.slot, generation=message.generation, credit=1))

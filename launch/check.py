@@ -45,31 +45,52 @@ def _drafter_summary(cfg: RunConfig, tokenizer: Any) -> str:
 
     target = build_target_config(cfg.target)
     d = cfg.drafter
-    overrides: dict[str, Any] = {"block_size": d.block_size, "in_block_causality": d.in_block_causality, "kind": d.kind,
-                                 "conv_kernel_size": d.conv_kernel_size, "conv_group_size": d.conv_group_size,
-                                 "selector_rank": d.selector_rank, "selector_top_k": d.selector_top_k}
-    for name in ("target_layer_ids", "layer_types", "sliding_window", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads"):
+    overrides: dict[str, Any] = {
+        "block_size": d.block_size,
+        "in_block_causality": d.in_block_causality,
+        "kind": d.kind,
+        "conv_kernel_size": d.conv_kernel_size,
+        "conv_group_size": d.conv_group_size,
+        "selector_rank": d.selector_rank,
+        "selector_top_k": d.selector_top_k,
+    }
+    for name in (
+        "target_layer_ids",
+        "layer_types",
+        "sliding_window",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+    ):
         value = getattr(d, name)
         if value:
             overrides[name] = list(value) if isinstance(value, list) else value
     mask = d.mask_token_id if d.mask_token_id is not None or tokenizer is not None else int(target.vocab_size) - 1
     try:
-        draft = DraftConfig.from_target(target, num_draft_layers=d.num_layers, tokenizer=tokenizer, mask_token_id=mask,
-                                        **overrides)
+        draft = DraftConfig.from_target(
+            target, num_draft_layers=d.num_layers, tokenizer=tokenizer, mask_token_id=mask, **overrides
+        )
     except ValueError as exc:
         message = str(exc)
         raise ConfigError(message if message.startswith("drafter.") else f"drafter.{message}") from None
-    return (f"target {target.model_type}: {target.num_hidden_layers} layers, hidden {target.hidden_size}, vocab "
-            f"{target.vocab_size}\ndrafter: {draft.num_hidden_layers} layers {draft.layer_types}, hidden "
-            f"{draft.hidden_size}, heads {draft.num_attention_heads}/{draft.num_key_value_heads} of {draft.head_dim}, "
-            f"target layers {draft.target_layer_ids}, mask token {draft.mask_token_id}"
-            + (f" ({tokenizer.convert_ids_to_tokens(draft.mask_token_id)!r})" if tokenizer is not None
-               and draft.mask_token_id < len(tokenizer) else "")
-            + (f"\nDFlash 2: convolutions of {draft.conv_kernel_size} taps in groups of {draft.conv_group_size}, a "
-               f"rank-{draft.selector_rank} selector over the top {draft.selector_top_k} of the full vocabulary "
-               f"({draft.vocab_size}; a target whose head was cut below its tokenizer cannot have one)"
-               if draft.kind == "dflash2" else ""))
+    return (
+        f"target {target.model_type}: {target.num_hidden_layers} layers, hidden {target.hidden_size}, vocab "
+        f"{target.vocab_size}\ndrafter: {draft.num_hidden_layers} layers {draft.layer_types}, hidden "
+        f"{draft.hidden_size}, heads {draft.num_attention_heads}/{draft.num_key_value_heads} of {draft.head_dim}, "
+        f"target layers {draft.target_layer_ids}, mask token {draft.mask_token_id}"
+        + (
+            f" ({tokenizer.convert_ids_to_tokens(draft.mask_token_id)!r})"
+            if tokenizer is not None and draft.mask_token_id < len(tokenizer)
+            else ""
+        )
+        + (
+            f"\nDFlash 2: convolutions of {draft.conv_kernel_size} taps in groups of {draft.conv_group_size}, a "
+            f"rank-{draft.selector_rank} selector over the top {draft.selector_top_k} of the full vocabulary "
+            f"({draft.vocab_size}; a target whose head was cut below its tokenizer cannot have one)"
+            if draft.kind == "dflash2"
+            else ""
+        )
+    )
 
 
 def marked(tokenizer: Any, input_ids: np.ndarray, loss_mask: np.ndarray, color: bool) -> str:
@@ -78,7 +99,11 @@ def marked(tokenizer: Any, input_ids: np.ndarray, loss_mask: np.ndarray, color: 
     out, start = [], 0
     for end in range(1, len(input_ids) + 1):
         if end == len(input_ids) or loss_mask[end] != loss_mask[start]:
-            text = tokenizer.decode(input_ids[start:end]) if tokenizer is not None else " ".join(map(str, input_ids[start:end]))
+            text = (
+                tokenizer.decode(input_ids[start:end])
+                if tokenizer is not None
+                else " ".join(map(str, input_ids[start:end]))
+            )
             out.append(f"{opened}{text}{closed}" if loss_mask[start] else text)
             start = end
     return "".join(out)
@@ -98,8 +123,9 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
     tokenizer = _tokenizer(cfg)
     lines = [_drafter_summary(cfg, tokenizer)]
     data_cfg = cfg.data
-    source, held_out = run_sources(cfg, int(build_target_config(cfg.target).vocab_size),
-                                   tokenizer=tokenizer if data_cfg.format == "chat" else None)
+    source, held_out = run_sources(
+        cfg, int(build_target_config(cfg.target).vocab_size), tokenizer=tokenizer if data_cfg.format == "chat" else None
+    )
     ids = spread_ids(len(source), sample)
     source.stats.keep_first_bad = held_out.stats.keep_first_bad = sample  # every bad record read, not the first 3
     documents = [d for d in (source.get(int(i)) for i in ids) if d is not None]
@@ -108,28 +134,55 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
     lengths = np.array([len(d) for d in documents])
     supervised = np.array([int(d.loss_mask.sum()) for d in documents])
     stats = source.stats
-    figures = {"records": len(source), "sampled": int(len(ids)), "good": len(documents),
-               "bad": dict(stats.bad), "first_bad": list(stats.first_bad), "truncated": stats.truncated}
-    lines.append(f"data: {len(source)} records in {data_cfg.format} format; sampled {len(ids)}: {len(documents)} good, "
-                 f"{sum(stats.bad.values())} bad {dict(stats.bad) or ''}".rstrip())
+    figures = {
+        "records": len(source),
+        "sampled": int(len(ids)),
+        "good": len(documents),
+        "bad": dict(stats.bad),
+        "first_bad": list(stats.first_bad),
+        "truncated": stats.truncated,
+    }
+    lines.append(
+        f"data: {len(source)} records in {data_cfg.format} format; sampled {len(ids)}: {len(documents)} good, "
+        f"{sum(stats.bad.values())} bad {dict(stats.bad) or ''}".rstrip()
+    )
     lines += [f"  bad record {where}" for where in stats.first_bad]
     held_stats = held_out.stats
-    figures.update(held_out=len(held_out), held_out_read=int(len(held_ids)), held_out_good=int(held_good),
-                   held_out_bad=dict(held_stats.bad), held_out_first_bad=list(held_stats.first_bad))
-    lines.append(f"held out for evaluation: {len(held_out)} records, " + (
-        "the files of eval.paths" if cfg.eval.paths else
-        "the synthetic documents after data.num_samples" if data_cfg.format == "synthetic" else
-        "drawn from the data and never trained on (eval.num_prompts, at most a tenth of the records; eval.paths to "
-        "give files instead)") + f"; read {len(held_ids)}: {held_good} good, {sum(held_stats.bad.values())} bad "
-        f"{dict(held_stats.bad) or ''}".rstrip())
+    figures.update(
+        held_out=len(held_out),
+        held_out_read=int(len(held_ids)),
+        held_out_good=int(held_good),
+        held_out_bad=dict(held_stats.bad),
+        held_out_first_bad=list(held_stats.first_bad),
+    )
+    lines.append(
+        f"held out for evaluation: {len(held_out)} records, "
+        + (
+            "the files of eval.paths"
+            if cfg.eval.paths
+            else "the synthetic documents after data.num_samples"
+            if data_cfg.format == "synthetic"
+            else "drawn from the data and never trained on (eval.num_prompts, at most a tenth of the records; eval.paths to "
+            "give files instead)"
+        )
+        + f"; read {len(held_ids)}: {held_good} good, {sum(held_stats.bad.values())} bad "
+        f"{dict(held_stats.bad) or ''}".rstrip()
+    )
     lines += [f"  bad held-out record {where}" for where in held_stats.first_bad]
     if documents:
-        figures.update(tokens_min=int(lengths.min()), tokens_mean=float(lengths.mean()),
-                       tokens_p50=float(np.percentile(lengths, 50)), tokens_p90=float(np.percentile(lengths, 90)),
-                       tokens_max=int(lengths.max()), supervised_fraction=float(supervised.sum() / lengths.sum()))
-        lines.append(f"tokens per document: min {lengths.min()}, mean {lengths.mean():.0f}, p50 {np.percentile(lengths, 50):.0f}, "
-                     f"p90 {np.percentile(lengths, 90):.0f}, max {lengths.max()} (data.max_seq_len {data_cfg.max_seq_len}, "
-                     f"{stats.truncated} truncated); supervised {figures['supervised_fraction']:.1%} of the tokens")
+        figures.update(
+            tokens_min=int(lengths.min()),
+            tokens_mean=float(lengths.mean()),
+            tokens_p50=float(np.percentile(lengths, 50)),
+            tokens_p90=float(np.percentile(lengths, 90)),
+            tokens_max=int(lengths.max()),
+            supervised_fraction=float(supervised.sum() / lengths.sum()),
+        )
+        lines.append(
+            f"tokens per document: min {lengths.min()}, mean {lengths.mean():.0f}, p50 {np.percentile(lengths, 50):.0f}, "
+            f"p90 {np.percentile(lengths, 90):.0f}, max {lengths.max()} (data.max_seq_len {data_cfg.max_seq_len}, "
+            f"{stats.truncated} truncated); supervised {figures['supervised_fraction']:.1%} of the tokens"
+        )
         first = documents[0]
         shown = marked(tokenizer, first.input_ids, first.loss_mask, color)
         legend = "supervised tokens in green" if color else "supervised tokens between [[ and ]]"
@@ -153,7 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
         report, figures = check(cfg, args.sample, color=sys.stdout.isatty())
-    except (ConfigError, DataError, UnsupportedTarget, ValueError) as exc:  # ValueError: an override the target contradicts
+    except (
+        ConfigError,
+        DataError,
+        UnsupportedTarget,
+        ValueError,
+    ) as exc:  # ValueError: an override the target contradicts
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     print(report)

@@ -37,12 +37,20 @@ def _run_dir_of(checkpoint: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Real speculative decoding of the target with an exported drafter (greedy, or sampled with "
-                    "lossless rejection sampling): tau (ours and z-lab's), per-position acceptance and target "
-                    "forwards saved on held-out data.")
-    parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="exported drafter dir (z-lab or speculators), or a run's checkpoints/step-N")
-    parser.add_argument("--run-dir", type=Path, help="run whose config.toml names the target and data "
-                        "(default: the run the checkpoint is in)")
+        "lossless rejection sampling): tau (ours and z-lab's), per-position acceptance and target "
+        "forwards saved on held-out data."
+    )
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        type=Path,
+        help="exported drafter dir (z-lab or speculators), or a run's checkpoints/step-N",
+    )
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="run whose config.toml names the target and data (default: the run the checkpoint is in)",
+    )
     parser.add_argument("--config", type=Path, help="a run TOML instead of a run dir")
     parser.add_argument("--target", help="Hugging Face target dir (replaces the config's target)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -60,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.target:
         overrides += [f"target.path={json.dumps(args.target)}", "target.config_overrides={}"]
-    for key, value in (("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
-                       ("seed", args.seed)):
+    for key, value in (
+        ("temperature", args.temperature),
+        ("top_p", args.top_p),
+        ("top_k", args.top_k),
+        ("seed", args.seed),
+    ):
         if value is not None:
             overrides.append(f"eval.{key}={value}")
     try:
@@ -79,17 +91,27 @@ def main(argv: list[str] | None = None) -> int:
     produced = RunDir(run_dir).target_head if run_dir is not None and cfg.target.path is None else None
     if produced is not None and (produced / "config.json").is_file():
         shipped = load_target_head(produced, device=head.embed_weight.device)
-        differs = [name for name in ("embed_weight", "lm_head_weight", "norm_weight")
-                   if not torch.equal(getattr(shipped, name), getattr(head, name))]
+        differs = [
+            name
+            for name in ("embed_weight", "lm_head_weight", "norm_weight")
+            if not torch.equal(getattr(shipped, name), getattr(head, name))
+        ]
         if differs:  # the drafter shares all three: each must be the producers' bit for bit
-            print(f"the target built here is not the run's (its {', '.join(differs)} differ from the head in "
-                  f"{produced}): try --device cpu or the producers' device", file=sys.stderr)
+            print(
+                f"the target built here is not the run's (its {', '.join(differs)} differ from the head in "
+                f"{produced}): try --device cpu or the producers' device",
+                file=sys.stderr,
+            )
             return EXIT_CONFIG_ERROR
     loss_config = LossConfig(label_mode=cfg.training.label_mode)
     drafter_dir, own_checkpoint = drafter_folder(args.checkpoint)
-    drafter = load_drafter(drafter_dir, head, loss_config, own_checkpoint=own_checkpoint, device=head.embed_weight.device)
+    drafter = load_drafter(
+        drafter_dir, head, loss_config, own_checkpoint=own_checkpoint, device=head.embed_weight.device
+    )
     held_out_file = RunDir(run_dir).held_out if run_dir is not None else None
-    report = build_evaluator(cfg, model, list(drafter.config.target_layer_ids), held_out_file=held_out_file).evaluate(drafter)
+    report = build_evaluator(cfg, model, list(drafter.config.target_layer_ids), held_out_file=held_out_file).evaluate(
+        drafter
+    )
     print(report.table())
     within = report.gap_within(cfg.eval.gap_tolerance)
     if not within:

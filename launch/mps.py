@@ -34,8 +34,10 @@ class MpsDaemon:
     def __init__(self, run_root: Path, logs: Path) -> None:
         binary = shutil.which(MPS_CONTROL)
         if binary is None:
-            raise ConfigError(f"launch.mps: {MPS_CONTROL} is not on PATH (it comes with the NVIDIA driver's utilities); "
-                              "install it or set launch.mps = false")
+            raise ConfigError(
+                f"launch.mps: {MPS_CONTROL} is not on PATH (it comes with the NVIDIA driver's utilities); "
+                "install it or set launch.mps = false"
+            )
         self.binary = binary
         key = hashlib.sha1(str(run_root.resolve()).encode()).hexdigest()[:12]
         self.pipe = Path(tempfile.gettempdir()) / f"dflash-mps-{key}"
@@ -52,6 +54,13 @@ class MpsDaemon:
         """Tell this run's daemon to quit, if one is listening; it ends its server after the last client."""
         if not (self.pipe / "control").exists():
             return
-        subprocess.run([self.binary], input="quit\n", text=True, env={**os.environ, **self.env}, timeout=30,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [self.binary],
+            input="quit\n",
+            text=True,
+            env={**os.environ, **self.env},
+            timeout=30,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         log.info("asked the MPS control daemon (pipe %s) to quit", self.pipe)

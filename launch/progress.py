@@ -112,15 +112,24 @@ class ProgressView:
         if current and status.get("loss") is not None and key != self._last_shown:
             self._last_shown = key
             eta = eta_s(step, max_steps, status.get("steps_per_s"))
-            print(f"step {step}/{max_steps}  elapsed {format_duration(time.monotonic() - self.started)}  "
-                  f"eta {format_duration(eta)}  {postfix}", flush=True)
+            print(
+                f"step {step}/{max_steps}  elapsed {format_duration(time.monotonic() - self.started)}  "
+                f"eta {format_duration(eta)}  {postfix}",
+                flush=True,
+            )
 
     def _draw(self, step: int | None, max_steps: int | None, postfix: str) -> None:
         from tqdm import tqdm
 
         if self._bar is None:
-            self._bar = tqdm(total=max_steps, initial=step or 0, desc="step", dynamic_ncols=True, leave=True,
-                             bar_format="{desc} {n_fmt}/{total_fmt} {bar} {percentage:3.0f}% {elapsed}<{remaining}{postfix}")
+            self._bar = tqdm(
+                total=max_steps,
+                initial=step or 0,
+                desc="step",
+                dynamic_ncols=True,
+                leave=True,
+                bar_format="{desc} {n_fmt}/{total_fmt} {bar} {percentage:3.0f}% {elapsed}<{remaining}{postfix}",
+            )
         if max_steps and self._bar.total != max_steps:
             self._bar.total = max_steps
         if step is not None and step != self._bar.n:

@@ -82,8 +82,20 @@ def collect_status(run_dir: Path) -> dict:
     # trainer.json of an earlier trainer (a new one still loading) is not this trainer's state.
     started = trainer_record.get("status_since") or trainer_record.get("started")
     current = not started or float(trainer_file.get("updated") or 0) >= float(started)
-    figures = {key: trainer_file.get(key) if current else None
-               for key in ("loss", "tau", "lr", "samples_per_s", "tokens_per_s", "steps_per_s", "eval", "evals_in_flight", "checkpoint_writing")}
+    figures = {
+        key: trainer_file.get(key) if current else None
+        for key in (
+            "loss",
+            "tau",
+            "lr",
+            "samples_per_s",
+            "tokens_per_s",
+            "steps_per_s",
+            "eval",
+            "evals_in_flight",
+            "checkpoint_writing",
+        )
+    }
     trainer = {
         "pid": trainer_pid,
         "alive": trainer_alive,
@@ -123,7 +135,8 @@ def format_status(status: dict) -> str:
     lines = [
         f"run       {status['run_dir']}",
         f"launcher  pid {_cell(launcher['pid'])}  {'running' if launcher['alive'] else 'not running'}"
-        f"  state {_cell(launcher['state'])}" + (f"  up {uptime:.0f} s" if uptime is not None else "")
+        f"  state {_cell(launcher['state'])}"
+        + (f"  up {uptime:.0f} s" if uptime is not None else "")
         + (f"  exit {launcher['exit_code']}" if launcher["exit_code"] is not None and not launcher["alive"] else ""),
         "",
         f"{'producer':<9} {'pid':>8} {'alive':<6} {'ready':<6} {'device':<13} {'ring free/fill/ready/leased':<28} "
@@ -131,7 +144,11 @@ def format_status(status: dict) -> str:
     ]
     for p in status["producers"]:
         ring = p["ring"]
-        ring_text = "-" if ring["slots"] is None else f"{ring['free']}/{ring['filling']}/{ring['ready']}/{ring['leased']} of {ring['slots']}"
+        ring_text = (
+            "-"
+            if ring["slots"] is None
+            else f"{ring['free']}/{ring['filling']}/{ring['ready']}/{ring['leased']} of {ring['slots']}"
+        )
         lines.append(
             f"{p['id']:<9} {_cell(p['pid']):>8} {'yes' if p['alive'] else 'no':<6} {'yes' if p['ready'] else 'no':<6} "
             f"{_cell(p['device']):<13} {ring_text:<28} {_cell(p['tokens_per_s'], '{:.0f}'):>10} "

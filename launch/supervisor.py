@@ -145,19 +145,32 @@ def changed_keys(old: RunConfig, new: RunConfig) -> list[str]:
     ]
 
 
-def refused_trainer_changes(changed: list[str], old: RunConfig | None = None, new: RunConfig | None = None) -> list[str]:
+def refused_trainer_changes(
+    changed: list[str], old: RunConfig | None = None, new: RunConfig | None = None
+) -> list[str]:
     """Messages for the changed keys that restart-trainer must refuse: those a producer or the drafter's
     checkpoint holds (each field's readers, ``READ_BY`` in common/config.py)."""
     refusals = []
     for key in changed:
-        if (key == "training.max_steps" and new is not None and old is not None and new.training.max_steps == 0
-                and old.training.max_steps != 0):
+        if (
+            key == "training.max_steps"
+            and new is not None
+            and old is not None
+            and new.training.max_steps == 0
+            and old.training.max_steps != 0
+        ):
             # A trainer sized by epochs reads each producer's epoch batch count, which producers write only
             # when they themselves started with max_steps 0: it would wait for counts that never come.
-            refusals.append("training.max_steps=0 (size the run by training.epochs) needs the producers started with "
-                            f"max_steps 0, and they run with {old.training.max_steps}")
+            refusals.append(
+                "training.max_steps=0 (size the run by training.epochs) needs the producers started with "
+                f"max_steps 0, and they run with {old.training.max_steps}"
+            )
         elif fixed_while_producers_run(key):
-            held_by = "the producers read it at their start" if "producer" in readers(key) else "the drafter's checkpoint fixes it"
+            held_by = (
+                "the producers read it at their start"
+                if "producer" in readers(key)
+                else "the drafter's checkpoint fixes it"
+            )
             refusals.append(f"{key} cannot change while the producers run ({held_by})")
     return refusals
 
@@ -170,7 +183,9 @@ def detect_cuda() -> bool:
     try:
         result = subprocess.run(
             [sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -204,10 +219,25 @@ def producer_command(run_dir: Path, producer_id: int, device: str) -> list[str]:
     program = [sys.executable, "-m", "producer.server"]
     ranks = len(device.split(","))
     if ranks > 1:
-        program = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", str(ranks),
-                   "-m", "producer.server"]
-    return [*_hooked_program(PRODUCER_CMD_ENV, program), "--run-dir", str(run_dir), "--producer-id", str(producer_id),
-            "--device", device]
+        program = [
+            sys.executable,
+            "-m",
+            "launch.torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+            "-m",
+            "producer.server",
+        ]
+    return [
+        *_hooked_program(PRODUCER_CMD_ENV, program),
+        "--run-dir",
+        str(run_dir),
+        "--producer-id",
+        str(producer_id),
+        "--device",
+        device,
+    ]
 
 
 def producer_environment(device: str) -> dict[str, str]:
@@ -215,8 +245,13 @@ def producer_environment(device: str) -> dict[str, str]:
     if "," not in device:
         return child_environment()
     # torchrun gives its ranks this long after forwarding SIGTERM; keep it below our own wait.
-    return child_environment({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get(
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(PRODUCER_STOP_TIMEOUT_S) - 5))})
+    return child_environment(
+        {
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get(
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(PRODUCER_STOP_TIMEOUT_S) - 5)
+            )
+        }
+    )
 
 
 def trainer_command(run_dir: Path, devices: list[str]) -> list[str]:
@@ -224,8 +259,18 @@ def trainer_command(run_dir: Path, devices: list[str]) -> list[str]:
         return [*_hooked_program(TRAINER_CMD_ENV, []), "--run-dir", str(run_dir)]
     if len(devices) > 1:
         # launch.torchrun is torchrun (without relying on PATH) that keeps a rank's configuration error as exit 2.
-        return [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", str(len(devices)),
-                "-m", "trainer.train", "--run-dir", str(run_dir)]
+        return [
+            sys.executable,
+            "-m",
+            "launch.torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            str(len(devices)),
+            "-m",
+            "trainer.train",
+            "--run-dir",
+            str(run_dir),
+        ]
     return [sys.executable, "-m", "trainer.train", "--run-dir", str(run_dir)]
 
 
@@ -249,7 +294,9 @@ def thread_environment(threads: int | None) -> dict[str, str]:
     nothing for None, and a user's own MKL_NUM_THREADS is kept."""
     if threads is None:
         return {}
-    return {name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if not os.environ.get(name, "").strip()}
+    return {
+        name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if not os.environ.get(name, "").strip()
+    }
 
 
 def threads_message(processes: int, threads: int) -> str:
@@ -343,8 +390,13 @@ class ManagedProcess:
             # Own process group: a Ctrl-C in the terminal reaches only the supervisor, which then
             # stops the children in order (trainer first). Same session, so /dev/tty stays usable.
             self.proc = subprocess.Popen(
-                self.command, env=self.env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                process_group=0, preexec_fn=_terminate_with_parent(os.getpid()),
+                self.command,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                process_group=0,
+                preexec_fn=_terminate_with_parent(os.getpid()),
             )
         self.start_ticks = process_start_ticks(self.proc.pid)
 
@@ -406,9 +458,14 @@ class ManagedProcess:
         return delay
 
     def record(self) -> dict:
-        return {"pid": self.pid, "start_ticks": self.start_ticks, "started": self.started_wall if self.proc else None,
-                "status_since": self.status_since if self.proc else None,
-                "incarnation": self.incarnation, "restarts": self.restarts}
+        return {
+            "pid": self.pid,
+            "start_ticks": self.start_ticks,
+            "started": self.started_wall if self.proc else None,
+            "status_since": self.status_since if self.proc else None,
+            "incarnation": self.incarnation,
+            "restarts": self.restarts,
+        }
 
 
 # -- the supervisor ------------------------------------------------------------------------------
@@ -431,15 +488,24 @@ class Supervisor:
         """The config the producers were started with (restart-trainer may change only the trainer's)."""
         self.has_cuda = functools.cache(has_cuda)  # asked at most once: detection imports torch (seconds)
         self.mps = MpsDaemon(run.root, run.logs) if cfg.launch.mps else None
-        self.cpu_processes = cpu_processes([*producer_devices(cfg, self.has_cuda),
-                                            ",".join(trainer_devices(cfg, self.has_cuda))])
+        self.cpu_processes = cpu_processes(
+            [*producer_devices(cfg, self.has_cuda), ",".join(trainer_devices(cfg, self.has_cuda))]
+        )
         self.cpu_threads = cpu_threads(self.cpu_processes)
         """Torch threads of each child that computes on the CPU (None: the user's OMP_NUM_THREADS, or no such child)."""
         self.producers = [
-            ManagedProcess(f"producer-{i}", producer_command(run.root, i, device),
-                           {**producer_environment(device), **self._mps_env(), **self._producer_mps_limit(device),
-                            **self._thread_env(device.split(","))},
-                           run.log(f"producer-{i}"), device.split(","))
+            ManagedProcess(
+                f"producer-{i}",
+                producer_command(run.root, i, device),
+                {
+                    **producer_environment(device),
+                    **self._mps_env(),
+                    **self._producer_mps_limit(device),
+                    **self._thread_env(device.split(",")),
+                },
+                run.log(f"producer-{i}"),
+                device.split(","),
+            )
             for i, device in enumerate(producer_devices(cfg, self.has_cuda))
         ]
         self.trainer = self._make_trainer()
@@ -478,13 +544,24 @@ class Supervisor:
 
     def _make_trainer(self) -> ManagedProcess:
         devices = trainer_devices(self.cfg, self.has_cuda)
-        extra = {TRAINER_DEVICES_ENV: ",".join(devices), **self._mps_env(), **self._trainer_mps_limit(devices),
-                 **self._thread_env(devices)}
+        extra = {
+            TRAINER_DEVICES_ENV: ",".join(devices),
+            **self._mps_env(),
+            **self._trainer_mps_limit(devices),
+            **self._thread_env(devices),
+        }
         if len(devices) > 1:
             # torchrun gives its ranks this long after forwarding SIGTERM; keep it below our own wait.
-            extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(TRAINER_STOP_TIMEOUT_S) - 5))
-        return ManagedProcess("trainer", trainer_command(self.run.root, devices), child_environment(extra),
-                              self.run.log("trainer"), devices)
+            extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = os.environ.get(
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(TRAINER_STOP_TIMEOUT_S) - 5)
+            )
+        return ManagedProcess(
+            "trainer",
+            trainer_command(self.run.root, devices),
+            child_environment(extra),
+            self.run.log("trainer"),
+            devices,
+        )
 
     # signals only set flags; the poll loop acts on them
     def _on_stop_signal(self, signum: int, _frame: object) -> None:
@@ -499,8 +576,10 @@ class Supervisor:
         while len(self.signals) > self._signals_answered:
             self._signals_answered += 1
             if self._signals_answered > 1:
-                log.warning("already stopping in order: the trainer writes its checkpoint, then the producers free "
-                            "their rings (each has a time limit); waiting")
+                log.warning(
+                    "already stopping in order: the trainer writes its checkpoint, then the producers free "
+                    "their rings (each has a time limit); waiting"
+                )
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGINT, self._on_stop_signal)
@@ -574,8 +653,12 @@ class Supervisor:
             producer.clear()
             self._mark_not_ready(i)
             if returncode == EXIT_CONFIG_ERROR:
-                log.error("%s: configuration error (exit 2); stopping the run. See %s%s",
-                          producer.name, producer.log_path, log_tail(producer.log_path))
+                log.error(
+                    "%s: configuration error (exit 2); stopping the run. See %s%s",
+                    producer.name,
+                    producer.log_path,
+                    log_tail(producer.log_path),
+                )
                 self.outcome = "failed"
                 return EXIT_CONFIG_ERROR
             # Exit 0 too: the launcher did not ask it to stop, and the run still needs it.
@@ -607,8 +690,13 @@ class Supervisor:
         if producer.uptime_s <= self.cfg.launch.ready_timeout_s:
             return None
         if not self.trainer_started_once:
-            log.error("%s not ready after %.0f s (launch.ready_timeout_s); stopping the run. See %s%s",
-                      producer.name, self.cfg.launch.ready_timeout_s, producer.log_path, log_tail(producer.log_path))
+            log.error(
+                "%s not ready after %.0f s (launch.ready_timeout_s); stopping the run. See %s%s",
+                producer.name,
+                self.cfg.launch.ready_timeout_s,
+                producer.log_path,
+                log_tail(producer.log_path),
+            )
             self.outcome = "failed"
             return 1
         # Mid-run a producer that hangs while loading is treated like a crashed one.
@@ -621,14 +709,26 @@ class Supervisor:
         """Schedule the restart of a crashed process, or give up on the run (exit 1)."""
         delay = process.schedule_restart(self.cfg.launch.restart_backoff_s, self.cfg.launch.max_restarts, made_progress)
         if delay is None:
-            log.error("%s crashed (%s) %d times in a row, more than launch.max_restarts=%d: giving up. See %s%s",
-                      process.name, describe_exit(returncode), process.crashes_in_a_row, self.cfg.launch.max_restarts,
-                      process.log_path, log_tail(process.log_path))
+            log.error(
+                "%s crashed (%s) %d times in a row, more than launch.max_restarts=%d: giving up. See %s%s",
+                process.name,
+                describe_exit(returncode),
+                process.crashes_in_a_row,
+                self.cfg.launch.max_restarts,
+                process.log_path,
+                log_tail(process.log_path),
+            )
             self.outcome = "failed"
             return 1
-        log.warning("%s crashed (%s), restarting in %.1f s (crash %d in a row). See %s%s",
-                    process.name, describe_exit(returncode), delay, process.crashes_in_a_row, process.log_path,
-                    log_tail(process.log_path, 3))
+        log.warning(
+            "%s crashed (%s), restarting in %.1f s (crash %d in a row). See %s%s",
+            process.name,
+            describe_exit(returncode),
+            delay,
+            process.crashes_in_a_row,
+            process.log_path,
+            log_tail(process.log_path, 3),
+        )
         return None
 
     # -- trainer
@@ -645,13 +745,22 @@ class Supervisor:
         run): a restart-trainer then costs no imports. Only for a single-process trainer of the real program
         (a torchrun group's successor starts as before)."""
         if self.spare is not None and self.spare.poll() is not None:
-            log.warning("the standby trainer pid %d exited (%s); another is started later", self.spare.pid,
-                        describe_exit(self.spare.poll()))
+            log.warning(
+                "the standby trainer pid %d exited (%s); another is started later",
+                self.spare.pid,
+                describe_exit(self.spare.poll()),
+            )
             self.spare.clear()
             self.spare = None
         after = self.cfg.launch.standby_trainer_after_s
-        if (self.spare is not None or self.trainer.proc is None or len(self.trainer.devices) > 1 or after < 0
-                or self.trainer.uptime_s < after or os.environ.get(TRAINER_CMD_ENV, "").strip()):
+        if (
+            self.spare is not None
+            or self.trainer.proc is None
+            or len(self.trainer.devices) > 1
+            or after < 0
+            or self.trainer.uptime_s < after
+            or os.environ.get(TRAINER_CMD_ENV, "").strip()
+        ):
             return
         status = self._trainer_final_state()  # this trainer's own status: it has trained, so its start is over
         if not status.get("step") or status.get("state") != "training":
@@ -698,18 +807,26 @@ class Supervisor:
         if state == "stopped" and returncode != EXIT_CONFIG_ERROR:
             # Stopped from outside (SIGTERM to its pid): it checkpointed; replace it at once. Any exit
             # code: torchrun reports the SIGTERM it forwarded to its ranks as exit 1.
-            log.info("trainer stopped with a checkpoint at step %s without being asked: starting a new one", status.get("step"))
+            log.info(
+                "trainer stopped with a checkpoint at step %s without being asked: starting a new one",
+                status.get("step"),
+            )
             self.trainer.restart_at = time.monotonic()
             self.trainer.restarts += 1
             return None
         if returncode == EXIT_CONFIG_ERROR:
-            log.error("trainer: configuration error (exit 2); stopping the run. See %s%s",
-                      self.trainer.log_path, log_tail(self.trainer.log_path))
+            log.error(
+                "trainer: configuration error (exit 2); stopping the run. See %s%s",
+                self.trainer.log_path,
+                log_tail(self.trainer.log_path),
+            )
             self.outcome = "failed"
             return EXIT_CONFIG_ERROR
         # A trainer killed again and again that checkpoints in between is no crash loop (e.g. a
         # flaky node, preemptions): it resumes further on each time.
-        return self._after_crash(self.trainer, returncode, made_progress=self._checkpoint_step() > self.trainer_checkpoint_at_start)
+        return self._after_crash(
+            self.trainer, returncode, made_progress=self._checkpoint_step() > self.trainer_checkpoint_at_start
+        )
 
     def _handle_restart_request(self) -> None:
         """Apply a restart-trainer request: validate, save config.toml, replace the trainer."""
@@ -727,7 +844,9 @@ class Supervisor:
         changed = changed_keys(self.cfg, new_cfg)
         refusals = refused_trainer_changes(changed, self.producers_cfg, new_cfg)
         if refusals:
-            self._answer_restart(request_id, error="; ".join(refusals) + ". Stop the run and resume it with the new value instead.")
+            self._answer_restart(
+                request_id, error="; ".join(refusals) + ". Stop the run and resume it with the new value instead."
+            )
             return
         save_config(new_cfg, self.run.config)
         self.cfg = new_cfg
@@ -742,8 +861,12 @@ class Supervisor:
             hand_over = len(old.devices) == 1 and len(successor.devices) == 1
             if hand_over:
                 atomic_write_json(self.run.handover_request(old.pid), {"successor_devices": successor.devices})
-            log.info("stopping trainer pid %d (waiting up to %.0f s for its %s)", old.pid, TRAINER_STOP_TIMEOUT_S,
-                     "handover" if hand_over else "checkpoint")
+            log.info(
+                "stopping trainer pid %d (waiting up to %.0f s for its %s)",
+                old.pid,
+                TRAINER_STOP_TIMEOUT_S,
+                "handover" if hand_over else "checkpoint",
+            )
             old.send(signal.SIGTERM)
         successor.restarts = old_restarts = (old or self.trainer).restarts
         if self.trainer_started_once:
@@ -753,7 +876,12 @@ class Supervisor:
             # already, as the spare started ahead.
             predecessor = f"{old.pid}:{old.start_ticks}" if old is not None else None
             spare, self.spare = self.spare, None
-            if spare is not None and spare.proc is not None and spare.poll() is None and spare.devices == successor.devices:
+            if (
+                spare is not None
+                and spare.proc is not None
+                and spare.poll() is None
+                and spare.devices == successor.devices
+            ):
                 atomic_write_json(self.run.standby_go(spare.pid), {"predecessor": predecessor})
                 spare.command = successor.command  # a crash restart of it is an ordinary trainer start
                 spare.name = successor.name
@@ -773,19 +901,33 @@ class Supervisor:
         if old is not None:
             self._await_exit(old, TRAINER_STOP_TIMEOUT_S)
             self.run.handover_request(old.pid).unlink(missing_ok=True)  # unread if it died first
-            self.trainer_checkpoint_at_start = self._checkpoint_step()  # the old one's final checkpoint counts as before
+            self.trainer_checkpoint_at_start = (
+                self._checkpoint_step()
+            )  # the old one's final checkpoint counts as before
             self.trainer.status_since = time.time()  # trainer.json was the old one's until now
         self._write_launcher_json()
         self._answer_restart(request_id, trainer_pid=self.trainer.pid, changed=changed)
 
-    def _answer_restart(self, request_id: object, error: str | None = None, trainer_pid: int | None = None,
-                        changed: list[str] | None = None) -> None:
+    def _answer_restart(
+        self,
+        request_id: object,
+        error: str | None = None,
+        trainer_pid: int | None = None,
+        changed: list[str] | None = None,
+    ) -> None:
         if error:
             log.error("restart-trainer refused: %s", error)
-        atomic_write_json(self.run.restart_result, {
-            "request_id": request_id, "ok": error is None, "error": error, "trainer_pid": trainer_pid,
-            "changed": changed or [], "answered": time.time(),
-        })
+        atomic_write_json(
+            self.run.restart_result,
+            {
+                "request_id": request_id,
+                "ok": error is None,
+                "error": error,
+                "trainer_pid": trainer_pid,
+                "changed": changed or [],
+                "answered": time.time(),
+            },
+        )
 
     # -- shutdown
 
@@ -815,7 +957,11 @@ class Supervisor:
             self._stop_process(self.spare, 10.0)
             self.spare = None
         if self.trainer.proc is not None:
-            log.info("stopping trainer pid %d (waiting up to %.0f s for its checkpoint)", self.trainer.pid, TRAINER_STOP_TIMEOUT_S)
+            log.info(
+                "stopping trainer pid %d (waiting up to %.0f s for its checkpoint)",
+                self.trainer.pid,
+                TRAINER_STOP_TIMEOUT_S,
+            )
             self._stop_process(self.trainer, TRAINER_STOP_TIMEOUT_S)
         running = [p for p in self.producers if p.proc is not None]
         for producer in running:
@@ -868,21 +1014,28 @@ def _refuse_if_running(run: RunDir) -> None:
     if record is None:
         return
     if process_alive(record.get("pid"), record.get("start_ticks")):
-        raise UsageError(f"a launcher (pid {record['pid']}) already runs {run.root}; use restart-trainer, stop or status")
+        raise UsageError(
+            f"a launcher (pid {record['pid']}) already runs {run.root}; use restart-trainer, stop or status"
+        )
     leftovers = [c["pid"] for c in _children(record) if process_alive(c.get("pid"), c.get("start_ticks"))]
     if leftovers:
-        raise UsageError(f"processes of the previous launcher still run (pids {leftovers}); "
-                         f"run: {shlex.join(['launch/run_all.sh', 'stop', '--run-dir', str(run.root)])}")
+        raise UsageError(
+            f"processes of the previous launcher still run (pids {leftovers}); "
+            f"run: {shlex.join(['launch/run_all.sh', 'stop', '--run-dir', str(run.root)])}"
+        )
 
 
 def _children(record: dict) -> list[dict]:
     """Child records of launcher.json, trainer first (the order they are stopped in)."""
     trainers = [record.get(key) for key in ("trainer", "standby_trainer")]
-    return [t for t in trainers if isinstance(t, dict)] + [p for p in record.get("producers") or [] if isinstance(p, dict)]
+    return [t for t in trainers if isinstance(t, dict)] + [
+        p for p in record.get("producers") or [] if isinstance(p, dict)
+    ]
 
 
-def run_supervisor(run_dir: Path | None, config_file: Path | None, overrides: list[str],
-                   has_cuda: Callable[[], bool] = detect_cuda) -> int:
+def run_supervisor(
+    run_dir: Path | None, config_file: Path | None, overrides: list[str], has_cuda: Callable[[], bool] = detect_cuda
+) -> int:
     """Start (or resume) a run in the foreground; the exit code (see the module docstring)."""
     try:
         run, cfg, resumed = resolve_run(run_dir, config_file, overrides)
@@ -959,7 +1112,9 @@ def stop_run(run_dir: Path, timeout_s: float = STOP_TIMEOUT_S) -> int:
         print(f"error: launcher pid {record['pid']} still runs after {timeout_s:.0f} s", file=sys.stderr)
         return 1
     # The launcher died without stopping its children (e.g. SIGKILL before they noticed): stop them.
-    leftovers = [c for c in _children(read_json(run.launcher) or {}) if process_alive(c.get("pid"), c.get("start_ticks"))]
+    leftovers = [
+        c for c in _children(read_json(run.launcher) or {}) if process_alive(c.get("pid"), c.get("start_ticks"))
+    ]
     if not leftovers:
         print(f"no launcher is running for {run.root}")
         return 1
@@ -988,14 +1143,18 @@ def _command_parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"launch/run_all.sh {command}")
     if command == "run":
         parser.description = "Start (or resume) a run in the foreground."
-        parser.add_argument("--run-dir", type=Path, help="run directory (default: a fresh runs/<timestamp>); an existing one is resumed")
+        parser.add_argument(
+            "--run-dir", type=Path, help="run directory (default: a fresh runs/<timestamp>); an existing one is resumed"
+        )
         parser.add_argument("--config", type=Path, help="TOML config of a new run (default: launch/tiny.toml)")
     else:
         parser.add_argument("--run-dir", type=Path, required=True)
     if command in ("run", "restart-trainer"):
         parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. training.lr=3e-4")
     if command == "restart-trainer":
-        parser.description = "Replace the trainer of a running pipeline (only training.*, logging.* and launcher-only keys may change)."
+        parser.description = (
+            "Replace the trainer of a running pipeline (only training.*, logging.* and launcher-only keys may change)."
+        )
     if command == "stop":
         parser.description = "Stop a running pipeline cleanly and wait for it."
     if command == "status":

@@ -78,19 +78,29 @@ def progress(folder: Path, started_wall: list[float]) -> str:
     complete = "starting" not in rates  # every producer's share is known
     share_done = f" ({done / total:.0%})" if complete and total else ""
     eta = max(etas) if complete and etas and None not in etas else None
-    return (f"{done}/{total if complete else '?'} prompts done{share_done}; new tokens/s per producer: "
-            f"{', '.join(rates)}; eta {format_duration(eta)}")
+    return (
+        f"{done}/{total if complete else '?'} prompts done{share_done}; new tokens/s per producer: "
+        f"{', '.join(rates)}; eta {format_duration(eta)}"
+    )
 
 
 def training_command(folder: Path) -> str:
     """The command that trains on the shards in ``folder``, quoted for a shell (the data.paths value holds
     brackets, quotes and a glob, and the folder may hold spaces)."""
-    return shlex.join(["launch/run_all.sh", "--config", "...", "data.format=chat",
-                       f"data.paths={json.dumps([str(folder / '*.jsonl')])}"])
+    return shlex.join(
+        [
+            "launch/run_all.sh",
+            "--config",
+            "...",
+            "data.format=chat",
+            f"data.paths={json.dumps([str(folder / '*.jsonl')])}",
+        ]
+    )
 
 
 def count_records(folder: Path) -> tuple[int, int]:
     """(answered records, skipped prompts) in the shards of ``folder``."""
+
     def lines(pattern: str) -> int:
         return sum(sum(1 for _ in open(path)) for path in folder.glob(pattern))
 
@@ -111,10 +121,26 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
     devices = producer_devices(cfg, detect_cuda)
     on_cpu = cpu_processes(devices)
     threads = cpu_threads(on_cpu)
-    workers = [ManagedProcess(f"synth{i}", [sys.executable, "-m", "producer.synthesize", "--run-dir", str(run.root),
-                                            "--producer-id", str(i), "--device", device],
-                              child_environment(thread_environment(threads) if "cpu" in device.split(",") else {}),
-                              run.log(f"synth{i}"), [device]) for i, device in enumerate(devices)]
+    workers = [
+        ManagedProcess(
+            f"synth{i}",
+            [
+                sys.executable,
+                "-m",
+                "producer.synthesize",
+                "--run-dir",
+                str(run.root),
+                "--producer-id",
+                str(i),
+                "--device",
+                device,
+            ],
+            child_environment(thread_environment(threads) if "cpu" in device.split(",") else {}),
+            run.log(f"synth{i}"),
+            [device],
+        )
+        for i, device in enumerate(devices)
+    ]
     stopping = False
 
     def request_stop(_signum: int, _frame: object) -> None:
@@ -123,8 +149,14 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    log.info("%s synthesis in %s: %d producer(s) on %s, shards in %s", "continuing" if resumed else "starting",
-             run.root, len(workers), ", ".join(devices), folder)
+    log.info(
+        "%s synthesis in %s: %d producer(s) on %s, shards in %s",
+        "continuing" if resumed else "starting",
+        run.root,
+        len(workers),
+        ", ".join(devices),
+        folder,
+    )
     if threads is not None:
         log.info("%s", threads_message(on_cpu, threads))
     started = time.monotonic()
@@ -153,23 +185,36 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
                 finished.add(index)
                 continue
             if code == EXIT_CONFIG_ERROR:
-                log.error("%s stopped with a configuration or data error: the same on every try%s", worker.name,
-                          log_tail(worker.log_path))
+                log.error(
+                    "%s stopped with a configuration or data error: the same on every try%s",
+                    worker.name,
+                    log_tail(worker.log_path),
+                )
                 _stop(workers, resumable=False)
                 return EXIT_CONFIG_ERROR
             delay = worker.schedule_restart(cfg.launch.restart_backoff_s, cfg.launch.max_restarts)
             if delay is None:
-                log.error("%s crashed (%s) more than launch.max_restarts=%d times in a row; stopping%s", worker.name,
-                          describe_exit(code), cfg.launch.max_restarts, log_tail(worker.log_path))
+                log.error(
+                    "%s crashed (%s) more than launch.max_restarts=%d times in a row; stopping%s",
+                    worker.name,
+                    describe_exit(code),
+                    cfg.launch.max_restarts,
+                    log_tail(worker.log_path),
+                )
                 _stop(workers, resumable=False)
                 return 1
             log.warning("%s %s; it continues from its shards in %.1f s", worker.name, describe_exit(code), delay)
         time.sleep(POLL_S)
     answered, skipped = count_records(folder)
     rates = [read_json(folder / f"status-p{i}.json") or {} for i in range(len(workers))]
-    log.info("done in %.0f s: %d records in %s (%d prompts skipped, see *.skipped); new tokens/s this start: %s",
-             time.monotonic() - started, answered, folder, skipped,
-             ", ".join(significant(float(r.get("tokens_per_s") or 0.0)) for r in rates))
+    log.info(
+        "done in %.0f s: %d records in %s (%d prompts skipped, see *.skipped); new tokens/s this start: %s",
+        time.monotonic() - started,
+        answered,
+        folder,
+        skipped,
+        ", ".join(significant(float(r.get("tokens_per_s") or 0.0)) for r in rates),
+    )
     log.info("train on them: %s", training_command(folder))
     return 0
 
@@ -190,8 +235,9 @@ def _stop(workers: list[ManagedProcess], resumable: bool = True) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="launch/run_all.sh synthesize", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", type=Path, help="run directory (default: a fresh runs/<timestamp>); an existing "
-                        "one continues")
+    parser.add_argument(
+        "--run-dir", type=Path, help="run directory (default: a fresh runs/<timestamp>); an existing one continues"
+    )
     parser.add_argument("--config", type=Path, help="TOML config of a new run (default: launch/tiny.toml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. synthesize.prompts=magpie")
     args = parser.parse_intermixed_args(argv)

@@ -222,7 +222,8 @@ class BatchPlan:
         return DataError(
             f"data.paths: epoch {epoch} of shard {self.order.config.shard_index} has no good document among the "
             f"{self.order.epoch_length()} records of {', '.join(map(str, files)) or 'the source'} "
-            f"(bad: {dict(stats.bad) or 'none'}){first}")
+            f"(bad: {dict(stats.bad) or 'none'}){first}"
+        )
 
     def materialize(self, cursor: BatchCursor, sample_ids: list[int]) -> PackedBatch:
         """The packed batch of these sample ids; meta carries the cursor."""

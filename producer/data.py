@@ -125,8 +125,11 @@ class DocumentCache:
             self.kept_bytes += size
 
     def as_dict(self) -> dict[str, Any]:
-        return {"cache_documents": len(self._documents), "cache_mb": round(self.kept_bytes / 2**20, 1),
-                "cache_hit_rate": round(self.hits / max(self.hits + self.misses, 1), 3)}
+        return {
+            "cache_documents": len(self._documents),
+            "cache_mb": round(self.kept_bytes / 2**20, 1),
+            "cache_hit_rate": round(self.hits / max(self.hits + self.misses, 1), 3),
+        }
 
 
 class DataSource(ABC):
@@ -400,10 +403,21 @@ def _common_prefix_length(a: str, b: str) -> int:
 
 
 # ShareGPT speakers -> OpenAI roles.
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-                   "system": "system", "tool": "tool", "observation": "tool", "function_response": "tool"}
-_FORMATS = ("expected {\"messages\": [{\"role\", \"content\"}, ...]} (OpenAI) or "
-            "{\"conversations\": [{\"from\", \"value\"}, ...]} (ShareGPT)")
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
+_FORMATS = (
+    "expected {\"messages\": [{\"role\", \"content\"}, ...]} (OpenAI) or "
+    "{\"conversations\": [{\"from\", \"value\"}, ...]} (ShareGPT)"
+)
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -422,7 +436,9 @@ def _text_of(content: Any, where: str) -> str:
                 texts.append(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise BadRecord("unsupported_content", f"{where}[{j}] is a {kind!r} part: only text parts are trained on")
+                raise BadRecord(
+                    "unsupported_content", f"{where}[{j}] is a {kind!r} part: only text parts are trained on"
+                )
         return "".join(texts)
     raise BadRecord("wrong_type", f"{where} must be a string, a list of content parts or null")
 
@@ -437,7 +453,9 @@ def validate_messages(record: Any) -> list[dict[str, Any]]:
     elif "conversations" in record:
         raw, key = record["conversations"], "conversations"
     else:
-        raise BadRecord("unknown_format", f"no 'messages' or 'conversations' key (keys: {sorted(record)[:6]}); {_FORMATS}")
+        raise BadRecord(
+            "unknown_format", f"no 'messages' or 'conversations' key (keys: {sorted(record)[:6]}); {_FORMATS}"
+        )
     if not isinstance(raw, list) or not raw:
         raise BadRecord("wrong_type", f"{key} must be a non-empty list")
     messages = []
@@ -588,11 +606,13 @@ class ChatJsonlSource(JsonlSource):
                 self._rendered[sample_id] = bad
         if not texts:
             return
-        encoded = self.tokenizer([text for text, _ in texts.values()], add_special_tokens=False,
-                                 return_offsets_mapping=True)
+        encoded = self.tokenizer(
+            [text for text, _ in texts.values()], add_special_tokens=False, return_offsets_mapping=True
+        )
         for i, (sample_id, (_, spans)) in enumerate(texts.items()):
             self._rendered[sample_id] = tokens_with_mask(
-                {"input_ids": encoded["input_ids"][i], "offset_mapping": encoded["offset_mapping"][i]}, spans)
+                {"input_ids": encoded["input_ids"][i], "offset_mapping": encoded["offset_mapping"][i]}, spans
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -691,8 +711,9 @@ def held_out_ids(num_records: int, count: int, shuffle_seed: int) -> np.ndarray:
     return np.sort(rng.choice(num_records, size=count, replace=False))
 
 
-def split_held_out(source: DataSource, count: int, shuffle_seed: int,
-                   held_out_file: Path | None = None) -> tuple[DataSource, DataSource]:
+def split_held_out(
+    source: DataSource, count: int, shuffle_seed: int, held_out_file: Path | None = None
+) -> tuple[DataSource, DataSource]:
     """(training records, held-out records) of ``source``: disjoint, together all of it, the same in every process.
 
     With ``held_out_file`` (a run's ``held_out.json``) the ids are the ones it stores, written there at the run's first
@@ -701,9 +722,11 @@ def split_held_out(source: DataSource, count: int, shuffle_seed: int,
     stored = read_json(held_out_file) if held_out_file is not None else None
     if stored is not None:
         if stored.get("num_records") != len(source):
-            raise DataError(f"{held_out_file}: the run held out records of a data set of {stored.get('num_records')} "
-                             f"records, data.paths now holds {len(source)}: evaluate with the run's own data, or "
-                             "give eval.paths")
+            raise DataError(
+                f"{held_out_file}: the run held out records of a data set of {stored.get('num_records')} "
+                f"records, data.paths now holds {len(source)}: evaluate with the run's own data, or "
+                "give eval.paths"
+            )
         held = np.asarray(stored["ids"], dtype=np.int64)
     else:
         held = held_out_ids(len(source), count, shuffle_seed)
@@ -739,8 +762,9 @@ def build_data_source(config: DataConfig, tokenizer: Any = None) -> DataSource:
     return ChatJsonlSource(config, paths, tokenizer)
 
 
-def run_sources(cfg: RunConfig, target_vocab_size: int, tokenizer: Any = None,
-                held_out_file: Path | None = None) -> tuple[DataSource, DataSource]:
+def run_sources(
+    cfg: RunConfig, target_vocab_size: int, tokenizer: Any = None, held_out_file: Path | None = None
+) -> tuple[DataSource, DataSource]:
     """(training, held-out) documents of a run, the same in every process that asks.
 
     Held out: the files of ``eval.paths`` when given; for synthetic data the ``eval.num_prompts`` documents after

@@ -48,23 +48,39 @@ def held_out_documents(cfg: RunConfig, vocab_size: int, held_out_file: Path | No
         if len(documents) == cfg.eval.num_prompts:
             break
     if not documents:
-        raise DataError(f"eval: no held-out document to evaluate on ({len(source)} held-out records, none usable); "
-                        "a data set of fewer than 10 records holds none out: give eval.paths")
+        raise DataError(
+            f"eval: no held-out document to evaluate on ({len(source)} held-out records, none usable); "
+            "a data set of fewer than 10 records holds none out: give eval.paths"
+        )
     return documents
 
 
-def build_evaluator(cfg: RunConfig, target_model: nn.Module, layer_ids: list[int],
-                    make_target: Callable[..., GreedyTarget] = GreedyTarget,
-                    held_out_file: Path | None = None) -> Evaluator:
+def build_evaluator(
+    cfg: RunConfig,
+    target_model: nn.Module,
+    layer_ids: list[int],
+    make_target: Callable[..., GreedyTarget] = GreedyTarget,
+    held_out_file: Path | None = None,
+) -> Evaluator:
     """An evaluator of the run's drafters (reading target layers ``layer_ids``) on the held-out split of ``cfg``'s
     data (``make_target``: see Evaluator), greedy or sampled as ``cfg.eval`` says (temperature, top_p, top_k, seed)."""
     documents = held_out_documents(cfg, int(target_model.config.vocab_size), held_out_file)
     if len(documents) < cfg.eval.num_prompts:
-        log.warning("eval.num_prompts is %d, the run's held-out split has %d usable documents: evaluating on those",
-                    cfg.eval.num_prompts, len(documents))
-    return Evaluator(target_model, documents, cfg.eval, list(layer_ids), num_anchors=cfg.drafter.num_anchors,
-                     capture_last=cfg.training.label_mode != "data", stop_token_ids=stop_tokens_of(target_model),
-                     make_target=make_target)
+        log.warning(
+            "eval.num_prompts is %d, the run's held-out split has %d usable documents: evaluating on those",
+            cfg.eval.num_prompts,
+            len(documents),
+        )
+    return Evaluator(
+        target_model,
+        documents,
+        cfg.eval,
+        list(layer_ids),
+        num_anchors=cfg.drafter.num_anchors,
+        capture_last=cfg.training.label_mode != "data",
+        stop_token_ids=stop_tokens_of(target_model),
+        make_target=make_target,
+    )
 
 
 class EvaluationJob:
@@ -74,8 +90,15 @@ class EvaluationJob:
 
     name = "evaluating"
 
-    def __init__(self, cfg: RunConfig, run_dir: RunDir, producer_id: int, target: Target,
-                 group: TensorParallelGroup | None, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: RunDir,
+        producer_id: int,
+        target: Target,
+        group: TensorParallelGroup | None,
+        on_change: Callable[[], None],
+    ) -> None:
         """``on_change`` rewrites the producer's status (an evaluation starts or ends)."""
         self.cfg, self.run_dir, self.producer_id, self.target, self.group = cfg, run_dir, producer_id, target, group
         self.on_change = on_change
@@ -107,10 +130,16 @@ class EvaluationJob:
         share = self.cfg.eval.producer_share
         request = pending[0] if share >= 1 else pending[-1]
         for stale in pending[:-1] if share < 1 else []:
-            evals.finish(self.run_dir, evals.EvalResult(
-                step=stale.step, incarnation=stale.incarnation, producer=self.producer_id,
-                lost=f"skipped: producer 0 evaluates at most eval.producer_share={share} of its time, "
-                     f"and step {request.step} came since"))
+            evals.finish(
+                self.run_dir,
+                evals.EvalResult(
+                    step=stale.step,
+                    incarnation=stale.incarnation,
+                    producer=self.producer_id,
+                    lost=f"skipped: producer 0 evaluates at most eval.producer_share={share} of its time, "
+                    f"and step {request.step} came since",
+                ),
+            )
         evals.claim(self.run_dir, request, self.producer_id, os.getpid())
         self.evaluating = request.step
         self.on_change()
@@ -118,20 +147,34 @@ class EvaluationJob:
         faults.point("producer.evaluate")
         try:
             metrics = self._evaluate(request)
-            result = evals.EvalResult(step=request.step, metrics=metrics, incarnation=request.incarnation,
-                                      producer=self.producer_id)
+            result = evals.EvalResult(
+                step=request.step, metrics=metrics, incarnation=request.incarnation, producer=self.producer_id
+            )
             took = time.monotonic() - started
             decode, reference = metrics["eval/decode_seconds"], metrics["eval/reference_seconds"]
-            log.info("evaluated step %d for the trainer in %.1f s: tau %.3f real (%.3f as z-lab counts it%s), %.3f "
-                     "simulated (loading the export %.1f s, the reference %.1f s, decoding %.1f s, the simulated "
-                     "acceptance %.1f s)", request.step, took, metrics["eval/tau"], metrics["eval/zlab_tau"],
-                     f", sampled at temperature {self.cfg.eval.temperature:g}" if self.cfg.eval.temperature > 0 else "",
-                     metrics["eval/sim_tau"], took - metrics["eval/seconds"], reference, decode,
-                     metrics["eval/seconds"] - reference - decode)
+            log.info(
+                "evaluated step %d for the trainer in %.1f s: tau %.3f real (%.3f as z-lab counts it%s), %.3f "
+                "simulated (loading the export %.1f s, the reference %.1f s, decoding %.1f s, the simulated "
+                "acceptance %.1f s)",
+                request.step,
+                took,
+                metrics["eval/tau"],
+                metrics["eval/zlab_tau"],
+                f", sampled at temperature {self.cfg.eval.temperature:g}" if self.cfg.eval.temperature > 0 else "",
+                metrics["eval/sim_tau"],
+                took - metrics["eval/seconds"],
+                reference,
+                decode,
+                metrics["eval/seconds"] - reference - decode,
+            )
         except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
             log.exception("evaluation of step %d failed", request.step)
-            result = evals.EvalResult(step=request.step, lost=f"{type(exc).__name__}: {exc}", incarnation=request.incarnation,
-                                      producer=self.producer_id)
+            result = evals.EvalResult(
+                step=request.step,
+                lost=f"{type(exc).__name__}: {exc}",
+                incarnation=request.incarnation,
+                producer=self.producer_id,
+            )
         evals.finish(self.run_dir, result)
         self.evaluating = None
         self.on_change()
@@ -162,16 +205,27 @@ class EvaluationJob:
         if self.group is None:
             head = target_head_of(model)
         else:  # a sharded model's head is in pieces: the whole one, as this producer exported it for the trainer
-            head = load_target_head(self.run_dir.head_dir(self.cfg.target.path), device=self.target.device,
-                                    dtype=self.target.dtype)
-        drafter = load_drafter(request.drafter, head, LossConfig(label_mode=self.cfg.training.label_mode),
-                               own_checkpoint=True, device=self.target.device)
+            head = load_target_head(
+                self.run_dir.head_dir(self.cfg.target.path), device=self.target.device, dtype=self.target.dtype
+            )
+        drafter = load_drafter(
+            request.drafter,
+            head,
+            LossConfig(label_mode=self.cfg.training.label_mode),
+            own_checkpoint=True,
+            device=self.target.device,
+        )
         return self._evaluator_of_run().evaluate(drafter).metrics()
 
     def _evaluator_of_run(self) -> Evaluator:
         """The evaluator, made once: it keeps the target's reference between evaluations."""
         if self._evaluator is None:
             mirrored = functools.partial(MirroredTarget, self.group) if self.group is not None else GreedyTarget
-            self._evaluator = build_evaluator(self.cfg, self.target.model, self.target.layer_ids, make_target=mirrored,
-                                              held_out_file=self.run_dir.held_out)
+            self._evaluator = build_evaluator(
+                self.cfg,
+                self.target.model,
+                self.target.layer_ids,
+                make_target=mirrored,
+                held_out_file=self.run_dir.held_out,
+            )
         return self._evaluator

@@ -93,21 +93,35 @@ class GenerationConfig:
             return isinstance(value, int) and not isinstance(value, bool)
 
         require("max_new_tokens", integer("max_new_tokens") and self.max_new_tokens >= 1, "an integer >= 1")
-        require("temperature", isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0, "a finite number >= 0")
+        require(
+            "temperature",
+            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0,
+            "a finite number >= 0",
+        )
         require("top_p", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "in (0, 1]")
         require("seed", integer("seed") and self.seed >= 0, "an integer >= 0")
-        require("stop_token_ids", all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                      for t in self.stop_token_ids), "token ids (integers >= 0)")
+        require(
+            "stop_token_ids",
+            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+            "token ids (integers >= 0)",
+        )
         require("rows", integer("rows") and self.rows >= 1, "an integer >= 1")
-        require("max_prompt_tokens", integer("max_prompt_tokens") and self.max_prompt_tokens >= 1,
-                "an integer >= 1")
-        require("max_len", self.max_len is None or (integer("max_len") and self.max_len >= self.max_prompt_tokens),
-                f"None or an integer >= max_prompt_tokens ({self.max_prompt_tokens})")
-        require("prefill_tokens", integer("prefill_tokens") and self.prefill_tokens >= self.max_prompt_tokens,
-                f"an integer >= max_prompt_tokens ({self.max_prompt_tokens}): one prompt must fit a prefill")
-        require("refill_rows", self.refill_rows is None or (integer("refill_rows") and 1 <= self.refill_rows <= self.rows),
-                f"None or an integer in [1, rows={self.rows}]")
+        require("max_prompt_tokens", integer("max_prompt_tokens") and self.max_prompt_tokens >= 1, "an integer >= 1")
+        require(
+            "max_len",
+            self.max_len is None or (integer("max_len") and self.max_len >= self.max_prompt_tokens),
+            f"None or an integer >= max_prompt_tokens ({self.max_prompt_tokens})",
+        )
+        require(
+            "prefill_tokens",
+            integer("prefill_tokens") and self.prefill_tokens >= self.max_prompt_tokens,
+            f"an integer >= max_prompt_tokens ({self.max_prompt_tokens}): one prompt must fit a prefill",
+        )
+        require(
+            "refill_rows",
+            self.refill_rows is None or (integer("refill_rows") and 1 <= self.refill_rows <= self.rows),
+            f"None or an integer in [1, rows={self.rows}]",
+        )
         require("cuda_graph", isinstance(self.cuda_graph, bool), "a bool")
 
     @property
@@ -205,8 +219,15 @@ def static_cache_refusal(model: nn.Module, cache_len: int) -> str | None:
         return "a mixture of experts"
     if (getattr(model, "_tp_size", None) or 1) > 1:
         return "tensor-parallel shards (each rank holds some heads)"
-    parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "input_layernorm", "post_attention_layernorm", "mlp")
+    parts = (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "mlp",
+    )
     for index, layer in enumerate(base.layers):
         for part in parts:
             owner = layer
@@ -309,7 +330,8 @@ class StaticCacheDecoder:
         fit = int(CACHE_SHARE * available // per_row)
         raise GenerationMemoryError(
             f"a static KV cache of {rows} rows x {cache_len} positions needs {rows * per_row / 2**30:.2f} GiB, and "
-            f"{self.device} has {available / 2**30:.2f} GiB available: at most {fit} rows of {cache_len} positions fit")
+            f"{self.device} has {available / 2**30:.2f} GiB available: at most {fit} rows of {cache_len} positions fit"
+        )
 
     def attention_length_for(self, longest_position: int) -> int:
         """The shortest captured key length that covers a row at ``longest_position``."""
@@ -370,7 +392,10 @@ class StaticCacheDecoder:
             keys[self.row_index, :, self.positions] = k
             values[self.row_index, :, self.positions] = v
             out = F.scaled_dot_product_attention(
-                q, keys[:, :, :attention_length], values[:, :, :attention_length], attn_mask=visible,
+                q,
+                keys[:, :, :attention_length],
+                values[:, :, :attention_length],
+                attn_mask=visible,
                 scale=self.scaling,
             )
             hidden = hidden + attn.o_proj(out.reshape(rows, 1, -1))
@@ -404,8 +429,7 @@ class StaticCacheDecoder:
             values[rows, :, :width] = v
             # Right padding: causal attention alone keeps every real token away from the padding after it.
             # The padding's own keys land past the prompt, where decode overwrites them before reading.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                                 enable_gqa=self.group > 1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.group > 1)
             hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(count, width, -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last_hidden = hidden[torch.arange(count, device=self.device), last]
@@ -483,8 +507,11 @@ class Generator:
         # (the same Magpie prefix asked again must not get the same questions).
         self._fallback_chunks = 0
         if self.refusal is not None:
-            log.warning("generation falls back to model.generate in chunks of %d rows, without refill: %s",
-                        config.rows, self.refusal)
+            log.warning(
+                "generation falls back to model.generate in chunks of %d rows, without refill: %s",
+                config.rows,
+                self.refusal,
+            )
             return
         self._decoder = StaticCacheDecoder(model, config.rows, config.cache_len)
         on = {"device": self.device}
@@ -496,9 +523,14 @@ class Generator:
             stop_ids=torch.tensor(config.stop_token_ids, dtype=torch.long, **on),
         )
         self._sampler = Sampler(config, self.device)
-        log.info("generation: static KV cache of %d rows x %d positions (%.2f GiB), key lengths %s, %s",
-                 config.rows, config.cache_len, self._decoder.cache_bytes / 2**30, self._decoder.attention_lengths,
-                 "CUDA graphs" if self.uses_cuda_graphs else "eager")
+        log.info(
+            "generation: static KV cache of %d rows x %d positions (%.2f GiB), key lengths %s, %s",
+            config.rows,
+            config.cache_len,
+            self._decoder.cache_bytes / 2**30,
+            self._decoder.attention_lengths,
+            "CUDA graphs" if self.uses_cuda_graphs else "eager",
+        )
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -527,8 +559,10 @@ class Generator:
         go to the front of the queue, ahead of the requests not yet pulled.
         """
         if self._running:
-            raise RuntimeError("Generator.generate is already running: exhaust or close that iterator first "
-                               "(they share the cache rows)")
+            raise RuntimeError(
+                "Generator.generate is already running: exhaust or close that iterator first "
+                "(they share the cache rows)"
+            )
         self._running = True
         try:
             self.warm_up()
@@ -642,8 +676,9 @@ class Generator:
         return self._retire(sorted(done_rows), busy)
 
     @torch.no_grad()
-    def _record_first(self, rows: torch.Tensor, first: torch.Tensor, prompts: list[list[int]],
-                      limits: list[int]) -> torch.Tensor:
+    def _record_first(
+        self, rows: torch.Tensor, first: torch.Tensor, prompts: list[list[int]], limits: list[int]
+    ) -> torch.Tensor:
         """Start the rows' sequences with their first sampled token; returns which ended with it."""
         state, decoder = self._state, self._decoder
         limit = torch.tensor(limits, device=self.device)
@@ -725,12 +760,16 @@ class Generator:
         ids = torch.full((len(chunk), width), pad, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
         for i, request in enumerate(chunk):
-            ids[i, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids)
-            mask[i, width - len(request.prompt_ids):] = 1
-        sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p, "top_k": 0} \
-            if config.temperature > 0 else {"do_sample": False}
-        settings = HFGenerationConfig(max_new_tokens=max(limits), eos_token_id=list(config.stop_token_ids) or None,
-                                      pad_token_id=pad, **sampling)
+            ids[i, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+            mask[i, width - len(request.prompt_ids) :] = 1
+        sampling = (
+            {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p, "top_k": 0}
+            if config.temperature > 0
+            else {"do_sample": False}
+        )
+        settings = HFGenerationConfig(
+            max_new_tokens=max(limits), eos_token_id=list(config.stop_token_ids) or None, pad_token_id=pad, **sampling
+        )
         # The model's own generation defaults (sampling settings, penalties, its EOS) must not leak into a
         # generation this config describes: only transformers' global defaults fill what it leaves unset.
         saved = model.generation_config
@@ -738,8 +777,9 @@ class Generator:
         try:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                sequences = model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
-                                           generation_config=settings)
+                sequences = model.generate(
+                    ids.to(self.device), attention_mask=mask.to(self.device), generation_config=settings
+                )
         finally:
             model.generation_config = saved
         steps = sequences.shape[1] - width

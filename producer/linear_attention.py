@@ -26,8 +26,17 @@ from torch import nn
 
 LINEAR_BACKENDS = ("fla", "per_document")
 # What the packed path reads of a Gated-DeltaNet module (transformers' Qwen3_5GatedDeltaNet and kin).
-GATED_DELTANET_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "conv1d", "A_log", "dt_bias", "norm",
-                        "out_proj")
+GATED_DELTANET_PARTS = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_a",
+    "in_proj_b",
+    "conv1d",
+    "A_log",
+    "dt_bias",
+    "norm",
+    "out_proj",
+)
 
 
 def is_gated_deltanet(module: nn.Module) -> bool:
@@ -86,8 +95,11 @@ def _fla_varlen(module: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tenso
     total = hidden.shape[1]
     cu = cu_seqlens.to(torch.long)
     mixed, _ = causal_conv1d(
-        x=module.in_proj_qkv(hidden), weight=module.conv1d.weight.squeeze(1), bias=module.conv1d.bias,
-        activation=module.activation, cu_seqlens=cu,
+        x=module.in_proj_qkv(hidden),
+        weight=module.conv1d.weight.squeeze(1),
+        bias=module.conv1d.bias,
+        activation=module.activation,
+        cu_seqlens=cu,
     )
     query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(1, total, -1, module.head_k_dim)
@@ -96,8 +108,17 @@ def _fla_varlen(module: nn.Module, hidden: torch.Tensor, cu_seqlens: torch.Tenso
     beta = module.in_proj_b(hidden).sigmoid()
     # As transformers: in fp32, else A may overflow in fp16.
     g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden).float() + module.dt_bias)
-    core, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    core, _ = chunk_gated_delta_rule(
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu,
+    )
     z = module.in_proj_z(hidden).reshape(-1, module.head_v_dim)
     core = module.norm(core.reshape(-1, module.head_v_dim), z).reshape(1, total, -1)
     return module.out_proj(core)

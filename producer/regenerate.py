@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 class RegeneratedSource(DataSource):
     """The chat records of ``records`` (a source with ``read_json``) with their last answer the target's own."""
 
-    def __init__(self, records: DataSource, model: nn.Module, tokenizer: Any, cfg: RunConfig, folder: Path,
-                 producer_id: int) -> None:
+    def __init__(
+        self, records: DataSource, model: nn.Module, tokenizer: Any, cfg: RunConfig, folder: Path, producer_id: int
+    ) -> None:
         super().__init__(records.config)
         self.records, self.model, self.tokenizer, self.cfg = records, model, tokenizer, cfg
         self.template_kwargs = dict(cfg.data.chat_template_kwargs)
@@ -45,8 +46,11 @@ class RegeneratedSource(DataSource):
         self.answers = read_shards(folder) if folder.is_dir() else {}
         self.writer = ShardWriter(folder, producer_id, cfg.synthesize.records_per_shard, float("inf"))
         self._generator = None
-        log.info("regenerating the data's answers as the stream goes; %d answers kept in %s from before",
-                 len(self.answers), folder)
+        log.info(
+            "regenerating the data's answers as the stream goes; %d answers kept in %s from before",
+            len(self.answers),
+            folder,
+        )
 
     def __len__(self) -> int:
         return len(self.records)
@@ -82,22 +86,38 @@ class RegeneratedSource(DataSource):
                 self._keep({"id": key, "skipped": "no user message to answer"})
                 continue
             prompt = messages[: last_user + 1]
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                                      **self.template_kwargs)
-            requests.append(Request(key=(key, prompt), prompt_ids=self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+            text = self.tokenizer.apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+            )
+            requests.append(
+                Request(key=(key, prompt), prompt_ids=self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            )
         generator = self._generator_of_target()
-        settings = {"temperature": generator.config.temperature, "top_p": generator.config.top_p,
-                    "max_new_tokens": generator.config.max_new_tokens}
+        settings = {
+            "temperature": generator.config.temperature,
+            "top_p": generator.config.top_p,
+            "max_new_tokens": generator.config.max_new_tokens,
+        }
         with self._unpacked_attention(generator.engine):
             for finished in generator.generate(requests):
                 key, prompt = finished.key
                 if finished.stop_reason == "prompt_too_long":
                     self._keep({"id": key, "skipped": "prompt longer than synthesize.max_prompt_tokens"})
                     continue
-                answer = self.tokenizer.decode([t for t in finished.new_ids if t not in generator.config.stop_token_ids])
-                self._keep({"id": key, "messages": [*prompt, {"role": "assistant", "content": answer}],
-                            "generation": {**settings, "stop_reason": finished.stop_reason,
-                                           "new_tokens": len(finished.new_ids)}})
+                answer = self.tokenizer.decode(
+                    [t for t in finished.new_ids if t not in generator.config.stop_token_ids]
+                )
+                self._keep(
+                    {
+                        "id": key,
+                        "messages": [*prompt, {"role": "assistant", "content": answer}],
+                        "generation": {
+                            **settings,
+                            "stop_reason": finished.stop_reason,
+                            "new_tokens": len(finished.new_ids),
+                        },
+                    }
+                )
         self.writer.flush()
 
     def _keep(self, record: dict) -> None:
@@ -107,10 +127,18 @@ class RegeneratedSource(DataSource):
     def _generator_of_target(self) -> Any:
         if self._generator is None:
             s = self.cfg.synthesize
-            self._generator = generator_for(self.model, GenerationConfig(
-                max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                stop_token_ids=stop_token_ids(self.model, self.tokenizer), rows=s.rows,
-                max_prompt_tokens=s.max_prompt_tokens))
+            self._generator = generator_for(
+                self.model,
+                GenerationConfig(
+                    max_new_tokens=s.max_new_tokens,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    seed=s.seed,
+                    stop_token_ids=stop_token_ids(self.model, self.tokenizer),
+                    rows=s.rows,
+                    max_prompt_tokens=s.max_prompt_tokens,
+                ),
+            )
         return self._generator
 
     @contextlib.contextmanager

@@ -65,9 +65,6 @@ from producer.tensor_parallel import TensorParallelGroup, follow, split_devices
 log = logging.getLogger(__name__)
 
 
-
-
-
 def feature_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
     """The target layers both sides use: the configured ones, else the docs/dflash.md rule."""
     return list(cfg.drafter.target_layer_ids) or build_target_layer_ids(num_target_layers, cfg.drafter.num_layers)
@@ -116,8 +113,9 @@ def _unloadable_target_is_a_config_error(cfg: RunConfig):
         raise ConfigError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}") from None
 
 
-def load_target(cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str | None,
-                group: TensorParallelGroup | None) -> Target:
+def load_target(
+    cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str | None, group: TensorParallelGroup | None
+) -> Target:
     """The producer's target, and with random weights its head exported for the trainer.
 
     With a tensor-parallel group every rank runs this, in step: it holds every collective of the
@@ -145,8 +143,14 @@ def load_target(cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str |
     return target
 
 
-def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_shards: int,
-               target_model: torch.nn.Module | None = None, run_dir: RunDir | None = None) -> BatchPlan:
+def build_plan(
+    cfg: RunConfig,
+    target_vocab_size: int,
+    shard_index: int,
+    num_shards: int,
+    target_model: torch.nn.Module | None = None,
+    run_dir: RunDir | None = None,
+) -> BatchPlan:
     """The batches of one shard of the run's training data (its held-out records left out), in their
     deterministic order; with ``data.regenerate`` their answers written by ``target_model`` as the stream goes
     and kept in ``run_dir``."""
@@ -158,12 +162,20 @@ def build_plan(cfg: RunConfig, target_vocab_size: int, shard_index: int, num_sha
         from producer.regenerate import RegeneratedSource
 
         if target_model is None or run_dir is None or cfg.target.path is None:
-            raise ConfigError("data.regenerate: needs the producer's target, loaded from target.path with its tokenizer")
+            raise ConfigError(
+                "data.regenerate: needs the producer's target, loaded from target.path with its tokenizer"
+            )
         tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.target.path)
-        source, _ = run_sources(cfg, target_vocab_size, tokenizer=tokenizer,  # the same tokenizer renders both
-                                held_out_file=run_dir.held_out)
+        source, _ = run_sources(
+            cfg,
+            target_vocab_size,
+            tokenizer=tokenizer,  # the same tokenizer renders both
+            held_out_file=run_dir.held_out,
+        )
         source = RegeneratedSource(source, target_model, tokenizer, cfg, run_dir.root / "regenerated", shard_index)
-    order = ShardOrder(len(source), OrderConfig(seed=cfg.data.shuffle_seed, num_shards=num_shards, shard_index=shard_index))
+    order = ShardOrder(
+        len(source), OrderConfig(seed=cfg.data.shuffle_seed, num_shards=num_shards, shard_index=shard_index)
+    )
     return BatchPlan(source, order, cfg.batching)
 
 
@@ -181,9 +193,16 @@ class Producer:
     """One target, one ring, one shard of the data (rank 0 of a tensor-parallel producer: the whole
     producer, its followers run each forward with it)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: RunDir, producer_id: int, device: str | None,
-                 listen: str | None = None, curve: CurveKeys | None = None,
-                 group: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: RunDir,
+        producer_id: int,
+        device: str | None,
+        listen: str | None = None,
+        curve: CurveKeys | None = None,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.producer_id = producer_id
@@ -200,13 +219,20 @@ class Producer:
         self.load_s = time.monotonic() - started
 
         num_shards = cfg.launch.total_producers
-        self.plan = build_plan(cfg, int(self.target.model.config.vocab_size), producer_id, num_shards,
-                               target_model=self.target.model, run_dir=run_dir)
+        self.plan = build_plan(
+            cfg,
+            int(self.target.model.config.vocab_size),
+            producer_id,
+            num_shards,
+            target_model=self.target.model,
+            run_dir=run_dir,
+        )
         self.stream = BatchStream(self.plan, run_dir.committed_for(producer_id))
         # With training.max_steps = 0 the trainer sizes the run from the epoch's batch count.
         self.epoch_batches = (
             sum(len(self.plan.window_batches(0, w)) for w in range(self.plan.num_windows()))
-            if cfg.training.max_steps == 0 else None
+            if cfg.training.max_steps == 0
+            else None
         )
         self.batch_stats = RunningBatchStats()
         self.jobs: list[ProducerJob] = []
@@ -220,15 +246,26 @@ class Producer:
             # Consumers on other hosts need the bytes in host memory (sent as frames from there).
             backend = "cuda" if self.target.device.type == "cuda" and listen is None else "host"
         device_index = (self.target.device.index or 0) if self.target.device.type == "cuda" else 0
-        self.ring = create_ring(backend, num_slots=cfg.ring.num_slots, slot_bytes=self.slot_bytes,
-                                run_tag=run_tag(run_dir.root), role=f"p{producer_id}", device=device_index)
+        self.ring = create_ring(
+            backend,
+            num_slots=cfg.ring.num_slots,
+            slot_bytes=self.slot_bytes,
+            run_tag=run_tag(run_dir.root),
+            role=f"p{producer_id}",
+            device=device_index,
+        )
         self.ring_on_target_device = (backend == "cuda") == (self.target.device.type == "cuda")
         self.copy_stream = torch.cuda.Stream(self.target.device) if self.target.device.type == "cuda" else None
 
         self.describe = Features(
-            producer_id=producer_id, target_identity=self.target.identity, layer_ids=list(self.layer_ids),
-            dtype=DTYPE_NAMES[self.target.dtype], last_hidden=self.needs_last, hidden_size=self.target.hidden_size,
-            vocab_size=int(self.target.model.config.vocab_size), token_budget=cfg.batching.token_budget,
+            producer_id=producer_id,
+            target_identity=self.target.identity,
+            layer_ids=list(self.layer_ids),
+            dtype=DTYPE_NAMES[self.target.dtype],
+            last_hidden=self.needs_last,
+            hidden_size=self.target.hidden_size,
+            vocab_size=int(self.target.model.config.vocab_size),
+            token_budget=cfg.batching.token_budget,
         ).to_wire()
         run_dir.sockets.mkdir(parents=True, exist_ok=True, mode=0o700)
         sweep_stale(run_dir.sockets, prefix=f"p{producer_id}.", suffix=".ipc")
@@ -276,8 +313,12 @@ class Producer:
         replays = self.stream.reconcile(hello.committed, ring_ordinals)
         committed = self.stream.committed_snapshot()
         dropped = self.server.slots.discard_ready(lambda payload: committed(payload[1]["ordinal"]))
-        log.info("trainer incarnation %d: %d committed batches dropped from the ring, %d to recompute",
-                 hello.incarnation, len(dropped), replays)
+        log.info(
+            "trainer incarnation %d: %d committed batches dropped from the ring, %d to recompute",
+            hello.incarnation,
+            len(dropped),
+            replays,
+        )
 
     # -- statistics ------------------------------------------------------------------------------
 
@@ -305,23 +346,34 @@ class Producer:
         stats = self.server.stats()
         group = self.group
         # The launcher knows a tensor-parallel producer by the pid of its torchrun.
-        ranks = {"torchrun_pid": group.torchrun_pid, "tensor_parallel": {"size": group.size, "pids": group.pids}} if group else {}
-        atomic_write_json(self.run_dir.producer_status(self.producer_id), {
-            "id": self.producer_id,
-            "pid": os.getpid(),
-            **ranks,
-            "ready": ready,
-            "endpoint": self.endpoint,
-            "updated": time.time(),
-            "load_s": round(self.load_s, 2),
-            "device": ",".join(group.devices) if group is not None else str(self.target.device),
-            "kernels": {"attention": self.target.attention, "linear_attention": self.target.linear,
-                        "compiled": self.target.compiled},
-            **{job.name: job.status() for job in self.jobs},  # producer 0: "evaluating", a step or None
-            "ring": {**stats["ring"], "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
-            **({"epoch_batches": self.epoch_batches} if self.epoch_batches is not None else {}),
-            **{k: v for k, v in stats.items() if k != "ring"},
-        }, durable=False)  # live state, rewritten every second: not worth a wait behind the trainer's writes
+        ranks = (
+            {"torchrun_pid": group.torchrun_pid, "tensor_parallel": {"size": group.size, "pids": group.pids}}
+            if group
+            else {}
+        )
+        atomic_write_json(
+            self.run_dir.producer_status(self.producer_id),
+            {
+                "id": self.producer_id,
+                "pid": os.getpid(),
+                **ranks,
+                "ready": ready,
+                "endpoint": self.endpoint,
+                "updated": time.time(),
+                "load_s": round(self.load_s, 2),
+                "device": ",".join(group.devices) if group is not None else str(self.target.device),
+                "kernels": {
+                    "attention": self.target.attention,
+                    "linear_attention": self.target.linear,
+                    "compiled": self.target.compiled,
+                },
+                **{job.name: job.status() for job in self.jobs},  # producer 0: "evaluating", a step or None
+                "ring": {**stats["ring"], "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
+                **({"epoch_batches": self.epoch_batches} if self.epoch_batches is not None else {}),
+                **{k: v for k, v in stats.items() if k != "ring"},
+            },
+            durable=False,
+        )  # live state, rewritten every second: not worth a wait behind the trainer's writes
 
     def _status_loop(self) -> None:
         checkpoint = None
@@ -370,9 +422,16 @@ class Producer:
                 done.record()
             keepalive = (batch, features)
         stats = batch_stats(batch)
-        meta = BatchMeta(producer=self.producer_id, ordinal=planned.ordinal, cursor=list(planned.cursor),
-                         epoch=planned.cursor.epoch, tokens=batch.num_tokens, docs=batch.num_docs,
-                         max_doc_len=stats.max_doc_len, replay=planned.replay).to_wire()
+        meta = BatchMeta(
+            producer=self.producer_id,
+            ordinal=planned.ordinal,
+            cursor=list(planned.cursor),
+            epoch=planned.cursor.epoch,
+            tokens=batch.num_tokens,
+            docs=batch.num_docs,
+            max_doc_len=stats.max_doc_len,
+            replay=planned.replay,
+        ).to_wire()
         self.batch_stats.update(stats)
         return _Filled(slot, planned, layout, meta, done, keepalive)
 
@@ -390,24 +449,45 @@ class Producer:
             )
             if published:
                 with self._lock:
-                    self._published_tokens.append((time.monotonic(), filled.meta["tokens"], self.server.slots.counters.blocked_s))
+                    self._published_tokens.append(
+                        (time.monotonic(), filled.meta["tokens"], self.server.slots.counters.blocked_s)
+                    )
                 faults.point("producer.publish")
 
     def serve_forever(self) -> None:
         self.server.start()
         self.write_status(ready=True)
-        log.info("producer %d ready in %.1fs: %s, layers %s, attention %s%s%s, ring %s x %d bytes (%s), endpoint %s",
-                 self.producer_id, self.load_s, self.target.identity, self.layer_ids, self.target.attention,
-                 f", Gated-DeltaNet {self.target.linear}" if self.target.linear else "",
-                 ", compiled" if self.target.compiled else "", self.ring.num_slots, self.slot_bytes,
-                 self.ring.backend, self.endpoint)
-        threads = [threading.Thread(target=self._publish_loop, name="publisher", daemon=True),
-                   threading.Thread(target=self._status_loop, name="status", daemon=True)]
+        log.info(
+            "producer %d ready in %.1fs: %s, layers %s, attention %s%s%s, ring %s x %d bytes (%s), endpoint %s",
+            self.producer_id,
+            self.load_s,
+            self.target.identity,
+            self.layer_ids,
+            self.target.attention,
+            f", Gated-DeltaNet {self.target.linear}" if self.target.linear else "",
+            ", compiled" if self.target.compiled else "",
+            self.ring.num_slots,
+            self.slot_bytes,
+            self.ring.backend,
+            self.endpoint,
+        )
+        threads = [
+            threading.Thread(target=self._publish_loop, name="publisher", daemon=True),
+            threading.Thread(target=self._status_loop, name="status", daemon=True),
+        ]
         for thread in threads:
             thread.start()
         if self.producer_id == 0:
-            self.jobs.append(EvaluationJob(self.cfg, self.run_dir, self.producer_id, self.target, self.group,
-                                           on_change=lambda: self.write_status(ready=True)))
+            self.jobs.append(
+                EvaluationJob(
+                    self.cfg,
+                    self.run_dir,
+                    self.producer_id,
+                    self.target,
+                    self.group,
+                    on_change=lambda: self.write_status(ready=True),
+                )
+            )
         try:
             while not self.stop.is_set():
                 if self.group is not None:
@@ -467,7 +547,9 @@ def remote_keys(cfg: RunConfig, run_dir: RunDir, producer_id: int, listen: str) 
     """The run's CURVE keys for a producer serving other hosts on ``listen``; ConfigError says what
     is wrong (not tcp, an id launch.remote_producers does not give, a GPU ring, missing keys)."""
     if not listen.startswith("tcp://"):
-        raise ConfigError(f"--listen {listen}: must be a tcp:// endpoint (producers on the trainer's host need no --listen)")
+        raise ConfigError(
+            f"--listen {listen}: must be a tcp:// endpoint (producers on the trainer's host need no --listen)"
+        )
     remote = cfg.launch.remote_producer_ids()
     if producer_id not in remote:
         raise ConfigError(
@@ -475,12 +557,16 @@ def remote_keys(cfg: RunConfig, run_dir: RunDir, producer_id: int, listen: str) 
             f"whose ids follow the {cfg.launch.local_producers} local ones: {sorted(remote) or 'none listed'}"
         )
     if cfg.ring.backend == "cuda":
-        raise ConfigError("ring.backend: a producer serving other hosts (--listen) sends from host memory: use host or auto, not cuda")
+        raise ConfigError(
+            "ring.backend: a producer serving other hosts (--listen) sends from host memory: use host or auto, not cuda"
+        )
     try:
         return CurveKeys.load(run_dir.curve_keys)
     except SecretsError as exc:
-        raise ConfigError(f"{exc}. Copy the run's secrets/curve.json from the trainer's host into {run_dir.root}/secrets/ "
-                          "(mode 0600, folder 0700).") from None
+        raise ConfigError(
+            f"{exc}. Copy the run's secrets/curve.json from the trainer's host into {run_dir.root}/secrets/ "
+            "(mode 0600, folder 0700)."
+        ) from None
 
 
 def run_producer(run_dir: str | Path, producer_id: int, device: str | None = None, listen: str | None = None) -> int:
@@ -508,14 +594,22 @@ def run_producer(run_dir: str | Path, producer_id: int, device: str | None = Non
             group.close()
 
 
-def serve(cfg: RunConfig, root: RunDir, producer_id: int, device: str | None, listen: str | None,
-          curve: CurveKeys | None, group: TensorParallelGroup | None) -> int:
+def serve(
+    cfg: RunConfig,
+    root: RunDir,
+    producer_id: int,
+    device: str | None,
+    listen: str | None,
+    curve: CurveKeys | None,
+    group: TensorParallelGroup | None,
+) -> int:
     """Run the producer until SIGTERM / SIGINT; the exit code."""
     try:
         producer = Producer(cfg, root, producer_id, device, listen=listen, curve=curve, group=group)
     except (ConfigError, RingMemoryError, ValueError) as exc:
         log.error("cannot start producer %d: %s", producer_id, exc)
         return EXIT_CONFIG_ERROR
+
     def request_stop(signum, _frame):
         log.info("signal %d: stopping", signum)
         producer.stop.set()
@@ -539,8 +633,14 @@ def run_follower(cfg: RunConfig, root: RunDir, producer_id: int, group: TensorPa
     except (ConfigError, ValueError) as exc:
         log.error("cannot start producer %d rank %d: %s", producer_id, group.rank, exc)
         return EXIT_CONFIG_ERROR
-    log.info("producer %d rank %d of %d ready on %s (%s): following rank 0", producer_id, group.rank, group.size,
-             group.devices[group.rank], target.identity)
+    log.info(
+        "producer %d rank %d of %d ready on %s (%s): following rank 0",
+        producer_id,
+        group.rank,
+        group.size,
+        group.devices[group.rank],
+        target.identity,
+    )
     return follow(group, target)
 
 
@@ -548,10 +648,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="DFlash producer: one target, one ring, one data shard.")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--producer-id", type=int, required=True)
-    parser.add_argument("--device", default=None,
-                        help="overrides target.device for this producer; several, comma-separated, under torchrun: tensor parallel")
-    parser.add_argument("--listen", default=None, metavar="tcp://ADDRESS:PORT",
-                        help="serve consumers on other hosts here (a producer of launch.remote_producers)")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="overrides target.device for this producer; several, comma-separated, under torchrun: tensor parallel",
+    )
+    parser.add_argument(
+        "--listen",
+        default=None,
+        metavar="tcp://ADDRESS:PORT",
+        help="serve consumers on other hosts here (a producer of launch.remote_producers)",
+    )
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     name = f"producer-{args.producer_id}" + (f".r{rank}" if rank else "")

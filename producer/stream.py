@@ -125,10 +125,7 @@ class BatchStream:
             self._skip = {o for o in extra if o >= self._next_ordinal}
             for old in [o for o in self._history if self._is_committed(o)]:
                 del self._history[old]
-            lost = [
-                o for o in self._history
-                if o not in in_ring and o not in self._in_flight and o not in self._replay
-            ]
+            lost = [o for o in self._history if o not in in_ring and o not in self._in_flight and o not in self._replay]
             self._replay = sorted(set(self._replay + lost) - {o for o in self._replay if self._is_committed(o)})
             return len(lost)
 
@@ -148,5 +145,9 @@ class BatchStream:
 
     def position(self) -> dict:
         with self._lock:
-            return {"next_ordinal": self._next_ordinal, "replay_queue": len(self._replay), "replayed": self.replayed,
-                    "history": len(self._history)}
+            return {
+                "next_ordinal": self._next_ordinal,
+                "replay_queue": len(self._replay),
+                "replayed": self.replayed,
+                "history": len(self._history),
+            }

@@ -63,8 +63,10 @@ def data_prompts(cfg: RunConfig) -> list[Prompt]:
     """The user turns of the chat records of data.paths, each cut after its last user message. A record that is
     not a chat record with a user turn stops the run (DataError naming file:line): it would fail every try."""
     if cfg.data.format != "chat":
-        raise ConfigError(f"data.format: synthesize.prompts={cfg.synthesize.prompts!r} answers the user turns of chat "
-                          f"records, got data.format={cfg.data.format!r}")
+        raise ConfigError(
+            f"data.format: synthesize.prompts={cfg.synthesize.prompts!r} answers the user turns of chat "
+            f"records, got data.format={cfg.data.format!r}"
+        )
     prompts: list[Prompt] = []
     for path in expand_paths(cfg.data.paths):
         with open(path, "rb") as f:
@@ -110,14 +112,21 @@ def magpie_prefix(tokenizer: Any, template_kwargs: dict[str, Any], system: str =
     turn."""
     messages = [{"role": "system", "content": system}] if system else []
     try:
-        text = tokenizer.apply_chat_template([*messages, {"role": "user", "content": MAGPIE_PLACEHOLDER}],
-                                             tokenize=False, add_generation_prompt=False, **template_kwargs)
+        text = tokenizer.apply_chat_template(
+            [*messages, {"role": "user", "content": MAGPIE_PLACEHOLDER}],
+            tokenize=False,
+            add_generation_prompt=False,
+            **template_kwargs,
+        )
     except Exception as exc:  # a template that raises on a lone user turn cannot be prompted this way
-        raise ConfigError(f"synthesize.prompts: the chat template cannot render a user turn ({type(exc).__name__}: "
-                          f"{exc}); self-written prompts need one") from None
+        raise ConfigError(
+            f"synthesize.prompts: the chat template cannot render a user turn ({type(exc).__name__}: "
+            f"{exc}); self-written prompts need one"
+        ) from None
     if MAGPIE_PLACEHOLDER not in text:
-        raise ConfigError("synthesize.prompts: the chat template writes no user message (no user role); "
-                          "self-written prompts need one")
+        raise ConfigError(
+            "synthesize.prompts: the chat template writes no user message (no user role); self-written prompts need one"
+        )
     return text[: text.index(MAGPIE_PLACEHOLDER)]
 
 
@@ -155,8 +164,10 @@ class ShardWriter:
 
     def add(self, record: dict) -> None:
         (self.skipped if "skipped" in record else self.records).append(record)
-        if len(self.records) + len(self.skipped) >= self.records_per_shard or \
-                time.monotonic() - self.last_flush >= self.flush_every_s:
+        if (
+            len(self.records) + len(self.skipped) >= self.records_per_shard
+            or time.monotonic() - self.last_flush >= self.flush_every_s
+        ):
             self.flush()
 
     def flush(self) -> None:
@@ -210,9 +221,16 @@ class Synthesis:
             self.template_kwargs["enable_thinking"] = self.synth.enable_thinking
         # One user prefix per system prompt of the self-written prompts (magpie:n takes the (n mod k)-th).
         self.systems = list(self.synth.magpie_system_prompts) or [""]
-        self.prefix_ids = [self.tokenizer(magpie_prefix(self.tokenizer, self.template_kwargs, system),
-                                          add_special_tokens=False)["input_ids"] for system in self.systems] \
-            if self.synth.prompts != "data" else []
+        self.prefix_ids = (
+            [
+                self.tokenizer(magpie_prefix(self.tokenizer, self.template_kwargs, system), add_special_tokens=False)[
+                    "input_ids"
+                ]
+                for system in self.systems
+            ]
+            if self.synth.prompts != "data"
+            else []
+        )
         prompts = all_prompts(cfg)  # every record checked before the target loads: a bad one stops in seconds
         self.folder = cfg.synthesize.folder(run.root)
         done = read_shards(self.folder) if self.folder.is_dir() else {}
@@ -220,8 +238,14 @@ class Synthesis:
         self.total = sum(1 for p in prompts if p.index % share == producer_id)
         self.pending = [p for p in prompts if p.index % share == producer_id and p.id not in done]
         self.writer = ShardWriter(self.folder, producer_id, self.synth.records_per_shard, self.synth.flush_every_s)
-        log.info("producer %d synthesizes %d of its %d prompts (%d done before) into %s", producer_id,
-                 len(self.pending), self.total, self.total - len(self.pending), self.folder)
+        log.info(
+            "producer %d synthesizes %d of its %d prompts (%d done before) into %s",
+            producer_id,
+            len(self.pending),
+            self.total,
+            self.total - len(self.pending),
+            self.folder,
+        )
         target_cfg = dataclasses.replace(cfg.target, device=device) if device else cfg.target
         self.model = load_target_model(target_cfg)
         self.model.config._attn_implementation = "sdpa"  # generation runs unpacked sequences
@@ -229,15 +253,32 @@ class Synthesis:
         self.stop = False
         # Both static caches are made now, before anything is written: one that cannot fit stops at once (exit 2).
         s = self.synth
-        self.answers = generator_for(self.model, GenerationConfig(
-            max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed + producer_id,
-            stop_token_ids=self.stop_ids, rows=s.rows, max_prompt_tokens=s.max_prompt_tokens))
+        self.answers = generator_for(
+            self.model,
+            GenerationConfig(
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                seed=s.seed + producer_id,
+                stop_token_ids=self.stop_ids,
+                rows=s.rows,
+                max_prompt_tokens=s.max_prompt_tokens,
+            ),
+        )
         self.questions = None
         if any(p.messages is None for p in self.pending):
-            self.questions = generator_for(self.model, GenerationConfig(
-                max_new_tokens=s.magpie_max_tokens, temperature=s.magpie_temperature, top_p=s.magpie_top_p,
-                seed=s.seed + 7919 * (producer_id + 1), stop_token_ids=self.stop_ids, rows=s.rows,
-                max_prompt_tokens=max(map(len, self.prefix_ids))))
+            self.questions = generator_for(
+                self.model,
+                GenerationConfig(
+                    max_new_tokens=s.magpie_max_tokens,
+                    temperature=s.magpie_temperature,
+                    top_p=s.magpie_top_p,
+                    seed=s.seed + 7919 * (producer_id + 1),
+                    stop_token_ids=self.stop_ids,
+                    rows=s.rows,
+                    max_prompt_tokens=max(map(len, self.prefix_ids)),
+                ),
+            )
 
     def system_index(self, prompt: Prompt) -> int:
         """Which of synthesize.magpie_system_prompts the self-written ``prompt`` (magpie:n) is written under."""
@@ -246,8 +287,13 @@ class Synthesis:
     def generation_settings(self) -> dict[str, Any]:
         """What every record of this run says about how it was made."""
         s = self.synth
-        settings = {"target": self.cfg.target.path, "temperature": s.temperature, "top_p": s.top_p,
-                    "max_new_tokens": s.max_new_tokens, "seed": s.seed}
+        settings = {
+            "target": self.cfg.target.path,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "max_new_tokens": s.max_new_tokens,
+            "seed": s.seed,
+        }
         if self.synth.enable_thinking is not None:
             settings["enable_thinking"] = self.synth.enable_thinking
         return settings
@@ -261,21 +307,37 @@ class Synthesis:
         s, answers, questions = self.synth, self.answers, self.questions
         settings = self.generation_settings()
         started, reported = time.monotonic(), time.monotonic()
-        self._report(answers, started)  # the launcher shows this start's share and what is done at once, not the last start's
+        self._report(
+            answers, started
+        )  # the launcher shows this start's share and what is done at once, not the last start's
         by_id = {p.id: p for p in self.pending}
         for finished in answers.generate(self._answer_requests(questions)):
             prompt, messages = by_id[finished.key[0]], finished.key[1]
             if finished.stop_reason == "prompt_too_long":
-                self.writer.add({"id": prompt.id, "skipped": f"prompt longer than synthesize.max_prompt_tokens="
-                                 f"{s.max_prompt_tokens}", "source": prompt.source})
+                self.writer.add(
+                    {
+                        "id": prompt.id,
+                        "skipped": f"prompt longer than synthesize.max_prompt_tokens={s.max_prompt_tokens}",
+                        "source": prompt.source,
+                    }
+                )
             else:
-                text = self.tokenizer.decode([t for t in finished.new_ids if t not in self.stop_ids],
-                                             skip_special_tokens=False)
-                self.writer.add({"id": prompt.id, "messages": [*messages, {"role": "assistant", "content": text}],
-                                 "source": prompt.source,
-                                 "generation": {**settings, **self.prompt_settings(prompt),
-                                                "stop_reason": finished.stop_reason,
-                                                "new_tokens": len(finished.new_ids)}})
+                text = self.tokenizer.decode(
+                    [t for t in finished.new_ids if t not in self.stop_ids], skip_special_tokens=False
+                )
+                self.writer.add(
+                    {
+                        "id": prompt.id,
+                        "messages": [*messages, {"role": "assistant", "content": text}],
+                        "source": prompt.source,
+                        "generation": {
+                            **settings,
+                            **self.prompt_settings(prompt),
+                            "stop_reason": finished.stop_reason,
+                            "new_tokens": len(finished.new_ids),
+                        },
+                    }
+                )
             if time.monotonic() - reported > 10:
                 reported = time.monotonic()
                 self._report(answers, started)
@@ -292,15 +354,16 @@ class Synthesis:
         chunk = 4 * self.synth.rows
         position = 0
         while position < len(pending) and not self.stop:
-            batch = pending[position: position + chunk]
+            batch = pending[position : position + chunk]
             position += len(batch)
             written = self._write_questions(questions, batch) if questions is not None else {}
             for prompt in batch:
                 messages = list(prompt.messages) if prompt.messages is not None else written.get(prompt.id)
                 if messages is None:
                     continue  # an empty self-written prompt: recorded as skipped
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                          **self.template_kwargs)
+                text = self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+                )
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 yield Request(key=(prompt.id, messages), prompt_ids=ids)
 
@@ -309,8 +372,9 @@ class Synthesis:
         written: dict[str, list[dict]] = {}
         requests = (Request(key=p.id, prompt_ids=self.prefix_ids[self.system_index(p)]) for p in wanted)
         for finished in questions.generate(requests):
-            text = self.tokenizer.decode([t for t in finished.new_ids if t not in self.stop_ids],
-                                         skip_special_tokens=True).strip()
+            text = self.tokenizer.decode(
+                [t for t in finished.new_ids if t not in self.stop_ids], skip_special_tokens=True
+            ).strip()
             if text:
                 written[finished.key] = [{"role": "user", "content": text}]
             else:
@@ -319,13 +383,29 @@ class Synthesis:
 
     def _report(self, generator: Generator, started: float, final: bool = False) -> None:
         stats = generator.stats
-        status = {"producer": self.producer_id, "pid": os.getpid(), "job": "synthesize", "written": self.writer.written,
-                  "pending_at_start": len(self.pending), "total": self.total, "new_tokens": stats.new_tokens,
-                  "tokens_per_s": stats.tokens_per_second, "occupancy": stats.occupancy,
-                  "engine": generator.engine, "seconds": time.monotonic() - started, "finished": final}
+        status = {
+            "producer": self.producer_id,
+            "pid": os.getpid(),
+            "job": "synthesize",
+            "written": self.writer.written,
+            "pending_at_start": len(self.pending),
+            "total": self.total,
+            "new_tokens": stats.new_tokens,
+            "tokens_per_s": stats.tokens_per_second,
+            "occupancy": stats.occupancy,
+            "engine": generator.engine,
+            "seconds": time.monotonic() - started,
+            "finished": final,
+        }
         atomic_write_json(self.folder / f"status-p{self.producer_id}.json", status, durable=False)
-        log.info("producer %d: %d records written this start, %.0f new tokens/s, rows %.0f%% busy (%s)",
-                 self.producer_id, self.writer.written, stats.tokens_per_second, 100 * stats.occupancy, generator.engine)
+        log.info(
+            "producer %d: %d records written this start, %.0f new tokens/s, rows %.0f%% busy (%s)",
+            self.producer_id,
+            self.writer.written,
+            stats.tokens_per_second,
+            100 * stats.occupancy,
+            generator.engine,
+        )
 
 
 def generator_for(model: Any, config: GenerationConfig) -> Generator:
@@ -333,8 +413,10 @@ def generator_for(model: Any, config: GenerationConfig) -> Generator:
     try:
         return Generator(model, config)
     except GenerationMemoryError as exc:
-        raise ConfigError(f"synthesize.rows: {exc}; lower synthesize.rows, or synthesize.max_prompt_tokens and "
-                          "synthesize.max_new_tokens (a row's positions)") from None
+        raise ConfigError(
+            f"synthesize.rows: {exc}; lower synthesize.rows, or synthesize.max_prompt_tokens and "
+            "synthesize.max_new_tokens (a row's positions)"
+        ) from None
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

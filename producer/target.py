@@ -98,8 +98,9 @@ class UnsupportedTarget(ValueError):
     """A target this producer cannot capture from: the same on every try, so the run stops (exit 2)."""
 
 
-WEIGHT_SHAPE_KEYS = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                               "num_key_value_heads", "head_dim"})
+WEIGHT_SHAPE_KEYS = frozenset(
+    {"vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"}
+)
 """Config fields that set the shapes of stored weights: an override may not change them for target.path
 (num_hidden_layers may: fewer layers load a prefix of the stored ones)."""
 
@@ -192,7 +193,11 @@ def load_target_model(cfg: TargetConfig, tensor_parallel: int = 1) -> nn.Module:
         if sharding is not None:
             whole = model
             model = type(whole).from_pretrained(
-                None, config=whole.config, state_dict=whole.state_dict(), dtype=dtype, attn_implementation="sdpa",
+                None,
+                config=whole.config,
+                state_dict=whole.state_dict(),
+                dtype=dtype,
+                attn_implementation="sdpa",
                 distributed_config=sharding,
             )
             del whole
@@ -211,8 +216,10 @@ def _sharding(config, size: int):
     except ImportError as exc:
         import transformers
 
-        raise ValueError(f"tensor parallelism needs transformers' DistributedConfig (transformers >= 5), "
-                         f"found transformers {transformers.__version__}") from exc
+        raise ValueError(
+            f"tensor parallelism needs transformers' DistributedConfig (transformers >= 5), "
+            f"found transformers {transformers.__version__}"
+        ) from exc
     return DistributedConfig(tp_size=size)
 
 
@@ -265,8 +272,15 @@ def packed_attention_forward(
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-            sliding_window=sliding_window, **kwargs,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
         )
     if query.shape[0] != 1:
         raise ValueError("packed attention expects one packed row (batch dimension 1)")
@@ -337,8 +351,9 @@ def document_causal_block_mask(document_ids: torch.Tensor, sliding_window: int |
     return block_mask_of_tiles(partial, full, tile, same_document_causal, (total, total))
 
 
-def document_causal_tiles(document_ids: torch.Tensor, sliding_window: int | None,
-                          tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+def document_causal_tiles(
+    document_ids: torch.Tensor, sliding_window: int | None, tile: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[tiles, tiles]`` bool pair (partial, full) of the packed causal mask, from the sorted document ids: a
     key tile before the query tile holds a visible pair exactly when its last token's document reaches the query
     tile's first token (their closest pair), and is visible throughout when one document spans both tiles."""
@@ -410,12 +425,18 @@ class Target:
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         for part in ("embed_tokens", "rotary_emb", "layers"):
             if not hasattr(self.base, part):
-                raise UnsupportedTarget(f"target model type {getattr(model.config, 'model_type', '?')!r} "
-                                        f"({type(model).__name__}): its base model has no '{part}'; packed capture "
-                                        "needs embed_tokens -> rotary_emb -> layers")
+                raise UnsupportedTarget(
+                    f"target model type {getattr(model.config, 'model_type', '?')!r} "
+                    f"({type(model).__name__}): its base model has no '{part}'; packed capture "
+                    "needs embed_tokens -> rotary_emb -> layers"
+                )
         num_layers = len(self.base.layers)
         self.hybrid = _prepare_token_mixers(model)
-        if not layer_ids or sorted(set(layer_ids)) != list(layer_ids) or not 0 <= layer_ids[0] <= layer_ids[-1] < num_layers:
+        if (
+            not layer_ids
+            or sorted(set(layer_ids)) != list(layer_ids)
+            or not 0 <= layer_ids[0] <= layer_ids[-1] < num_layers
+        ):
             raise ValueError(f"layer_ids must be strictly increasing within [0, {num_layers}), got {layer_ids}")
         self.layer_ids = list(layer_ids)
         self.capture_last_hidden = capture_last_hidden
@@ -428,27 +449,34 @@ class Target:
         self.attention = resolve_attention_backend(attention, self.device, self.dtype)
         self.linear = resolve_linear_backend(self.device, self.dtype) if self.hybrid else None
         if self.linear == "per_document" and self.device.type == "cuda":
-            log.warning("Gated-DeltaNet layers run one document at a time (exact, slow): install flash-linear-attention "
-                        "(pip install -e '.[gpu]') for its varlen kernels")
+            log.warning(
+                "Gated-DeltaNet layers run one document at a time (exact, slow): install flash-linear-attention "
+                "(pip install -e '.[gpu]') for its varlen kernels"
+            )
         # The per-document loops use host lengths: a compiled graph would specialise on every batch.
         host_loop = self.attention == "sdpa" or self.linear == "per_document"
         if compile and host_loop:
-            raise ValueError("compile: not supported with attention 'sdpa' or Gated-DeltaNet layers run per document "
-                             "(use varlen or flex attention, and flash-linear-attention on a GPU)")
+            raise ValueError(
+                "compile: not supported with attention 'sdpa' or Gated-DeltaNet layers run per document "
+                "(use varlen or flex attention, and flash-linear-attention on a GPU)"
+            )
         sharded = any(is_sharded(param) for param in model.parameters())
         # transformers' tensor-parallel hooks swap parameters and all-reduce inside each projection;
         # compiling through them is unverified, so a sharded target compiles only when asked to; nor does a
         # mixture-of-experts target (``has_experts``).
         self.compiled = compiles_by_default(model, self.device, host_loop, sharded) if compile is None else compile
         if self.compiled and has_experts(model):
-            log.warning("target.compile = true with a mixture-of-experts target: compiling its decoder layer did not "
-                        "finish in minutes on an H200 (torch 2.11, transformers 5.24); leave target.compile unset if the "
-                        "first batch does not come")
+            log.warning(
+                "target.compile = true with a mixture-of-experts target: compiling its decoder layer did not "
+                "finish in minutes on an H200 (torch 2.11, transformers 5.24); leave target.compile unset if the "
+                "first batch does not come"
+            )
         layers = list(self.base.layers[: self.num_layers_run])
         # One compiled graph serves every layer (their parameters are graph inputs); dynamic token counts.
         self._run_layer = [torch.compile(layer, dynamic=True) for layer in layers] if self.compiled else layers
-        self._sliding_windows = {getattr(layer.self_attn, "sliding_window", None) for layer in layers
-                                 if hasattr(layer, "self_attn")}
+        self._sliding_windows = {
+            getattr(layer.self_attn, "sliding_window", None) for layer in layers if hasattr(layer, "self_attn")
+        }
         self._slot_of_layer = {layer_id: slot for slot, layer_id in enumerate(self.layer_ids)}
         self.followers = followers  # rank 0 of a tensor-parallel group tells them of every capture first
         self._identity: str | None = None
@@ -457,13 +485,24 @@ class Target:
             self._identity = target_identity(self.model.config, whole_tensor(self.base.embed_tokens.weight))
 
     @classmethod
-    def load(cls, cfg: TargetConfig, layer_ids: list[int], capture_last_hidden: bool = False,
-             group: TensorParallelGroup | None = None) -> Target:
+    def load(
+        cls,
+        cfg: TargetConfig,
+        layer_ids: list[int],
+        capture_last_hidden: bool = False,
+        group: TensorParallelGroup | None = None,
+    ) -> Target:
         """Load the target described by ``cfg`` and prepare capture of ``layer_ids``; with ``group``, this
         rank's shards (every rank of the group calls this at the same point)."""
         model = load_target_model(cfg, tensor_parallel=group.size if group is not None else 1)
-        return cls(model, layer_ids, capture_last_hidden=capture_last_hidden, attention=cfg.attention, compile=cfg.compile,
-                   followers=group if group is not None and group.rank == 0 else None)
+        return cls(
+            model,
+            layer_ids,
+            capture_last_hidden=capture_last_hidden,
+            attention=cfg.attention,
+            compile=cfg.compile,
+            followers=group if group is not None and group.rank == 0 else None,
+        )
 
     @property
     def identity(self) -> str:
@@ -512,8 +551,9 @@ class Target:
         last = self._output(None, (total, self.hidden_size), "out_last") if self.capture_last_hidden else None
         return self._forward(input_ids, cu_seqlens, aux, last)
 
-    def _forward(self, host_input_ids: torch.Tensor, host_cu_seqlens: torch.Tensor, aux: torch.Tensor,
-                 last: torch.Tensor | None) -> CapturedFeatures:
+    def _forward(
+        self, host_input_ids: torch.Tensor, host_cu_seqlens: torch.Tensor, aux: torch.Tensor, last: torch.Tensor | None
+    ) -> CapturedFeatures:
         total = int(host_input_ids.numel())
         input_ids = host_input_ids.to(self.device, non_blocking=True)
         cu_seqlens = host_cu_seqlens.to(self.device, dtype=torch.int32, non_blocking=True)
@@ -523,7 +563,9 @@ class Target:
         hidden = self.base.embed_tokens(input_ids).unsqueeze(0)
         rotary = self.base.rotary_emb(hidden, positions)
         for index, layer in enumerate(self._run_layer):
-            hidden = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary, dflash_packed=packed)
+            hidden = layer(
+                hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary, dflash_packed=packed
+            )
             if isinstance(hidden, tuple):  # older transformers return (hidden_states, ...)
                 hidden = hidden[0]
             slot = self._slot_of_layer.get(index)
@@ -578,14 +620,16 @@ def _prepare_token_mixers(model: nn.Module) -> bool:
                 raise UnsupportedTarget(
                     f"target model type {model_type!r}: layer {index}'s linear_attn ({type(linear).__name__}) is not a "
                     "Gated-DeltaNet layer this producer can run per document (it needs "
-                    f"{', '.join(p for p in ('in_proj_qkv', 'conv1d', 'A_log') if not hasattr(linear, p))})")
+                    f"{', '.join(p for p in ('in_proj_qkv', 'conv1d', 'A_log') if not hasattr(linear, p))})"
+                )
             install_packed_forward(linear)
             hybrid = True
         elif not hasattr(layer, "self_attn"):
             children = ", ".join(name for name, _ in layer.named_children())
             raise UnsupportedTarget(
                 f"target model type {model_type!r}: layer {index} ({type(layer).__name__}: {children}) has neither "
-                "self_attn nor a Gated-DeltaNet linear_attn, so packed capture cannot keep its documents apart")
+                "self_attn nor a Gated-DeltaNet linear_attn, so packed capture cannot keep its documents apart"
+            )
     return hybrid
 
 
@@ -624,7 +668,9 @@ def flops_per_document(config, num_layers: int, length: int, with_lm_head: bool 
     q_width = heads * head_dim * (2 if gated else 1)
     attention_params = hidden * (q_width + 2 * kv_heads * head_dim) + heads * head_dim * hidden
     if getattr(config, "num_experts", None):
-        ffn = config.num_experts_per_tok * config.moe_intermediate_size + getattr(config, "shared_expert_intermediate_size", 0)
+        ffn = config.num_experts_per_tok * config.moe_intermediate_size + getattr(
+            config, "shared_expert_intermediate_size", 0
+        )
     else:
         ffn = config.intermediate_size
     mlp_params = 3 * hidden * ffn
@@ -636,8 +682,12 @@ def flops_per_document(config, num_layers: int, length: int, with_lm_head: bool 
         value_dim = config.linear_num_value_heads * config.linear_value_head_dim
         linear_params = hidden * (2 * key_dim + 2 * value_dim + 2 * config.linear_num_value_heads) + value_dim * hidden
         linear_mixing = 2 * 4.0 * config.linear_key_head_dim * value_dim * length
-    params = (num_full * attention_params + num_linear * linear_params + num_layers * mlp_params
-              + (hidden * config.vocab_size if with_lm_head else 0))
+    params = (
+        num_full * attention_params
+        + num_linear * linear_params
+        + num_layers * mlp_params
+        + (hidden * config.vocab_size if with_lm_head else 0)
+    )
     attention = num_full * 2 * length * (length + 1) * heads * head_dim
     return 2.0 * params * length + attention + num_linear * linear_mixing
 

@@ -90,14 +90,18 @@ def _restrict_visible_gpus(devices: list[str], key: str) -> list[str]:
     for device in devices:
         kind, _, index = device.partition(":")
         if kind != "cuda" or not index.isdigit():
-            raise ConfigError(f"{key}: a tensor-parallel group runs on GPUs named cuda:N (or on cpu only), got {device!r}")
+            raise ConfigError(
+                f"{key}: a tensor-parallel group runs on GPUs named cuda:N (or on cpu only), got {device!r}"
+            )
         indices.append(int(index))
     if len(set(indices)) != len(indices):
         raise ConfigError(f"{key}: names a GPU twice; each rank of a tensor-parallel group needs its own")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     names = [name.strip() for name in visible.split(",")] if visible else None
     if names is not None and max(indices) >= len(names):
-        raise ConfigError(f"{key}: names cuda:{max(indices)}, but CUDA_VISIBLE_DEVICES={visible} shows {len(names)} GPUs")
+        raise ConfigError(
+            f"{key}: names cuda:{max(indices)}, but CUDA_VISIBLE_DEVICES={visible} shows {len(names)} GPUs"
+        )
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(names[i] if names is not None else str(i) for i in indices)
     if torch.cuda.device_count() != len(indices):
         raise ConfigError(f"{key}: names {len(indices)} GPUs, but only {torch.cuda.device_count()} of them exist here")
@@ -107,8 +111,15 @@ def _restrict_visible_gpus(devices: list[str], key: str) -> list[str]:
 class TensorParallelGroup:
     """This process's place in a tensor-parallel producer, and rank 0's channel to its followers."""
 
-    def __init__(self, rank: int, devices: list[str], device: str, control: dist.ProcessGroup, pids: list[int],
-                 keepalive_interval_s: float = KEEPALIVE_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        rank: int,
+        devices: list[str],
+        device: str,
+        control: dist.ProcessGroup,
+        pids: list[int],
+        keepalive_interval_s: float = KEEPALIVE_INTERVAL_S,
+    ) -> None:
         self.rank = rank
         self.size = len(devices)
         self.devices = devices  # as named in the config (the launcher's GPU numbering)
@@ -123,7 +134,9 @@ class TensorParallelGroup:
         self._stopped = False
 
     @classmethod
-    def join(cls, devices: list[str], key: str, keepalive_interval_s: float = KEEPALIVE_INTERVAL_S) -> TensorParallelGroup:
+    def join(
+        cls, devices: list[str], key: str, keepalive_interval_s: float = KEEPALIVE_INTERVAL_S
+    ) -> TensorParallelGroup:
         """Join the group torchrun started this process in (one rank per device of ``devices``).
 
         ``key`` names the setting in error messages. Restricts the visible GPUs first, so it must run
@@ -242,7 +255,9 @@ def follow(group: TensorParallelGroup, target: Target) -> int:
 
     def on_signal(signum: int, _frame: object) -> None:
         if not signalled_at:
-            log.info("rank %d: signal %d, waiting up to %.0f s for rank 0's STOP", group.rank, signum, FOLLOWER_STOP_GRACE_S)
+            log.info(
+                "rank %d: signal %d, waiting up to %.0f s for rank 0's STOP", group.rank, signum, FOLLOWER_STOP_GRACE_S
+            )
             signalled_at.append(time.monotonic())
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -265,7 +280,10 @@ def _pack_args(args: tuple) -> torch.Tensor:
     for arg in args:
         if isinstance(arg, torch.Tensor):
             kind = _BOOL_TENSOR if arg.dtype == torch.bool else _LONG_TENSOR
-            parts += [torch.tensor([kind, arg.dim(), *arg.shape], dtype=torch.int64), arg.reshape(-1).to("cpu", torch.int64)]
+            parts += [
+                torch.tensor([kind, arg.dim(), *arg.shape], dtype=torch.int64),
+                arg.reshape(-1).to("cpu", torch.int64),
+            ]
         else:
             parts.append(torch.tensor([_INT, int(arg)], dtype=torch.int64))
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
@@ -281,10 +299,10 @@ def _unpack_args(payload: torch.Tensor) -> list:
             at += 2
             continue
         rank = values[at + 1]
-        shape = values[at + 2: at + 2 + rank]
+        shape = values[at + 2 : at + 2 + rank]
         at += 2 + rank
         count = math.prod(shape)
-        tensor = payload[at: at + count].reshape(shape)
+        tensor = payload[at : at + count].reshape(shape)
         args.append(tensor.bool() if kind == _BOOL_TENSOR else tensor.clone())
         at += count
     return args
@@ -294,7 +312,9 @@ class MirroredTarget(GreedyTarget):
     """Rank 0's greedy target over a sharded model: every call that runs the model or changes its cache goes
     to the followers first (EVAL), who make it on their shards, so that each of its all-reduces has every rank."""
 
-    def __init__(self, group: TensorParallelGroup, model: Any, layer_ids: list[int], capture_last: bool = False) -> None:
+    def __init__(
+        self, group: TensorParallelGroup, model: Any, layer_ids: list[int], capture_last: bool = False
+    ) -> None:
         super().__init__(model, layer_ids, capture_last)
         self.group = group
 
@@ -306,8 +326,9 @@ class MirroredTarget(GreedyTarget):
         self.group.send_eval("forward", (token_ids, start, logits))
         return super().forward(token_ids, start, logits)
 
-    def forward_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_valid: torch.Tensor,
-                     last_logits_only: bool = False):
+    def forward_rows(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, kv_valid: torch.Tensor, last_logits_only: bool = False
+    ):
         self.group.send_eval("forward_rows", (token_ids, positions, kv_valid, last_logits_only))
         return super().forward_rows(token_ids, positions, kv_valid, last_logits_only)
 

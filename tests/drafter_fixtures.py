@@ -12,9 +12,20 @@ from common.drafter.target_head import TargetHead
 
 
 def tiny_config(**overrides) -> DraftConfig:
-    values = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, vocab_size=64, target_hidden_size=32, num_target_layers=6,
-                  target_layer_ids=[1, 3], mask_token_id=63, block_size=4)
+    values = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        target_hidden_size=32,
+        num_target_layers=6,
+        target_layer_ids=[1, 3],
+        mask_token_id=63,
+        block_size=4,
+    )
     values.update(overrides)
     return DraftConfig(**values)
 
@@ -27,42 +38,65 @@ def random_head(config: DraftConfig, seed: int = 0) -> TargetHead:
     return TargetHead(embed, head, norm, config.rms_norm_eps)
 
 
-def random_batch(doc_lengths: list[int], config: DraftConfig, seed: int = 0, supervised_fraction: float = 0.8,
-                 with_last_hidden: bool = False) -> PackedBatch:
+def random_batch(
+    doc_lengths: list[int],
+    config: DraftConfig,
+    seed: int = 0,
+    supervised_fraction: float = 0.8,
+    with_last_hidden: bool = False,
+) -> PackedBatch:
     gen = torch.Generator().manual_seed(seed)
     total = sum(doc_lengths)
     cu = torch.tensor([0] + list(torch.tensor(doc_lengths).cumsum(0)), dtype=torch.int32)
     loss_mask = (torch.rand(total, generator=gen) < supervised_fraction).to(torch.uint8)
     return PackedBatch(
         input_ids=torch.randint(0, config.vocab_size - 1, (total,), generator=gen, dtype=torch.int32),
-        loss_mask=loss_mask, cu_seqlens=cu, sample_ids=torch.arange(len(doc_lengths)),
+        loss_mask=loss_mask,
+        cu_seqlens=cu,
+        sample_ids=torch.arange(len(doc_lengths)),
         aux_hidden=torch.randn(total, config.fused_feature_size, generator=gen),
         last_hidden=torch.randn(total, config.target_hidden_size, generator=gen) if with_last_hidden else None,
     )
 
 
-def tiny_qwen3_target(directory: Path, vocab_size: int = 64, num_layers: int = 6, hidden: int = 32,
-                      tie_word_embeddings: bool = False, seed: int = 0):
+def tiny_qwen3_target(
+    directory: Path,
+    vocab_size: int = 64,
+    num_layers: int = 6,
+    hidden: int = 32,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+):
     """A random-weight Qwen3 saved with save_pretrained and loaded back from disk."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         max_position_embeddings=512, tie_word_embeddings=tie_word_embeddings,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     Qwen3ForCausalLM(config).save_pretrained(directory)
     return Qwen3ForCausalLM.from_pretrained(directory).eval()
 
 
 @torch.no_grad()
-def target_features(target, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                    layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def target_features(
+    target, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, layer_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(aux_hidden, last_hidden) one document at a time: concat of hidden_states[k + 1], and the last
     decoder layer's output before the final norm (HF's last hidden_states entry is after it)."""
     captured: list[torch.Tensor] = []
     hook = target.model.layers[-1].register_forward_hook(
-        lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out))
+        lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out)
+    )
     aux = []
     try:
         for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):

@@ -13,8 +13,13 @@ import torch
 
 from common import batch
 
-TOKEN_POSITIONS = batch.SlotTensor("token_positions", "position of each token in its document", "tokens", torch.int32,
-                                   derive=lambda loaded: batch.position_ids(loaded["cu_seqlens"]).to(torch.int32))
+TOKEN_POSITIONS = batch.SlotTensor(
+    "token_positions",
+    "position of each token in its document",
+    "tokens",
+    torch.int32,
+    derive=lambda loaded: batch.position_ids(loaded["cu_seqlens"]).to(torch.int32),
+)
 
 
 def extend() -> None:

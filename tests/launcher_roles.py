@@ -62,12 +62,21 @@ def run_producer(run_dir: Path, producer_id: int, device: str) -> int:
     try:
         while not stop_requested:
             now = time.time()
-            atomic_write_json(status_path, {
-                "id": producer_id, "pid": os.getpid(), "ready": now >= ready_at, "endpoint": f"ipc://{socket_file}",
-                "updated": now, "device": device,
-                "ring": {"slots": slots, "free": 1, "filling": 0, "ready": slots - 1, "leased": 0},
-                "tokens_per_s": 1000.0, "blocked_fraction": 0.5, "threads": _threads(),
-            })
+            atomic_write_json(
+                status_path,
+                {
+                    "id": producer_id,
+                    "pid": os.getpid(),
+                    "ready": now >= ready_at,
+                    "endpoint": f"ipc://{socket_file}",
+                    "updated": now,
+                    "device": device,
+                    "ring": {"slots": slots, "free": 1, "filling": 0, "ready": slots - 1, "leased": 0},
+                    "tokens_per_s": 1000.0,
+                    "blocked_fraction": 0.5,
+                    "threads": _threads(),
+                },
+            )
             time.sleep(0.2 if now >= ready_at else 0.02)
     finally:
         socket_file.unlink(missing_ok=True)
@@ -90,13 +99,21 @@ def run_trainer(run_dir: Path) -> int:
     atomic_write_json(checkpoint, {"step": step, "incarnation": incarnation})
     if incarnation <= int(os.environ.get("STANDIN_TRAINER_CHECKPOINT_THEN_CRASH", "0")):
         # A new checkpoint (latest.json further on), then a crash: progress between crashes.
-        atomic_write_json(run_dir / "checkpoints" / "latest.json", {"name": f"step-{incarnation:08d}", "step": incarnation})
+        atomic_write_json(
+            run_dir / "checkpoints" / "latest.json", {"name": f"step-{incarnation:08d}", "step": incarnation}
+        )
         print(f"stand-in trainer incarnation {incarnation}: checkpointed step {incarnation}, crashing as told")
         return 1
     step_s = float(os.environ.get("STANDIN_STEP_S", "0.02"))
-    common = {"pid": os.getpid(), "incarnation": incarnation, "max_steps": training["max_steps"], "lr": training["lr"],
-              "devices": os.environ.get("DFLASH_TRAINER_DEVICES"), "producers_ready_at_start": _producers_ready(run_dir),
-              "threads": _threads()}
+    common = {
+        "pid": os.getpid(),
+        "incarnation": incarnation,
+        "max_steps": training["max_steps"],
+        "lr": training["lr"],
+        "devices": os.environ.get("DFLASH_TRAINER_DEVICES"),
+        "producers_ready_at_start": _producers_ready(run_dir),
+        "threads": _threads(),
+    }
 
     def report(state: str) -> None:
         atomic_write_json(run_dir / "trainer.json", {**common, "step": step, "state": state, "updated": time.time()})

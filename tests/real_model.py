@@ -47,8 +47,17 @@ def write_chat(path: Path, count: int, broken_lines: tuple[int, ...] = ()) -> Pa
             if i in broken_lines:
                 f.write('{"messages": [{"role": "user", "content": "cut\n')
                 continue
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                                             {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"What is {i} plus {i}?"},
+                            {"role": "assistant", "content": f"{i} plus {i} is {2 * i}."},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 

@@ -26,8 +26,11 @@ def _checkpoint_state(run) -> dict:
     from trainer.checkpoint import read_train_state
 
     latest = run.latest_checkpoint()
-    state = {"latest": latest.name if latest else None, "pointer": read_json(run.checkpoints / "latest.json"),
-             "partial": sorted(p.name for p in run.checkpoints.iterdir() if p.name.startswith("."))}
+    state = {
+        "latest": latest.name if latest else None,
+        "pointer": read_json(run.checkpoints / "latest.json"),
+        "partial": sorted(p.name for p in run.checkpoints.iterdir() if p.name.startswith(".")),
+    }
     if latest is not None:
         state["step"] = read_json(latest / "trainer_state.json")["step"]
         state["loads"] = bool(read_train_state(latest)["optimizer"])

@@ -28,9 +28,7 @@ LOADED = [t for t in slot_tensors() if t.source == "documents" and t.derive is N
 """The slot tensors the data loader makes."""
 
 
-def make_plan(
-    data: DataConfig = DATA, num_shards: int = 1, shard_index: int = 0, **batching
-) -> BatchPlan:
+def make_plan(data: DataConfig = DATA, num_shards: int = 1, shard_index: int = 0, **batching) -> BatchPlan:
     source = build_data_source(data)
     order = ShardOrder(len(source), OrderConfig(seed=11, num_shards=num_shards, shard_index=shard_index))
     return BatchPlan(source, order, BatchingConfig(**{"token_budget": 2048, "window_docs": 64, **batching}))

@@ -130,16 +130,22 @@ def test_the_train_state_is_written_beside_the_weights_and_read_back_exactly(sho
         weights = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
         written: list[list[int]] = []
         original = tensor_files._write_run
-        monkeypatch.setattr(tensor_files, "_write_run",
-                            lambda fds, run: (written.append(sorted({p.file for p in run})), original(fds, run)))
+        monkeypatch.setattr(
+            tensor_files,
+            "_write_run",
+            lambda fds, run: (written.append(sorted({p.file for p in run})), original(fds, run)),
+        )
         trainer.save_checkpoint()
         assert len(written) == tensor_files.WRITE_THREADS and [0, 1] in written, "runs of both files, one crossing"
         folder = trainer.run_dir.latest_checkpoint()
         assert sorted(p.name for p in (folder / "train_state").iterdir()) == ["tensors.safetensors", "tree.pt"]
         state = read_train_state(folder)
         assert_same_tree(state, expected)
-        assert_same_tree(dict(sorted(load_file(str(folder / "drafter" / WEIGHTS_FILE)).items())), dict(sorted(weights.items())),
-                         "weights")
+        assert_same_tree(
+            dict(sorted(load_file(str(folder / "drafter" / WEIGHTS_FILE)).items())),
+            dict(sorted(weights.items())),
+            "weights",
+        )
         inline = torch.load(folder / "train_state" / "tree.pt", weights_only=True)
         assert isinstance(inline["optimizer"]["state"][0]["step"], torch.Tensor), "small tensors stay in the tree"
 
@@ -198,8 +204,11 @@ def test_latest_advances_where_the_filesystem_has_no_flock(tmp_path, monkeypatch
 @pytest.mark.gpu
 def test_host_staging_copies_cuda_tensors_into_reused_page_locked_buffers():
     staging = HostStaging()
-    tree = {"w": torch.randn(64, 32, device="cuda"), "state": {0: {"step": torch.tensor(3.0), "m": torch.randn(7, device="cuda")}},
-            "lr": 1e-3}
+    tree = {
+        "w": torch.randn(64, 32, device="cuda"),
+        "state": {0: {"step": torch.tensor(3.0), "m": torch.randn(7, device="cuda")}},
+        "lr": 1e-3,
+    }
     first = staging.copy(tree, "t")
     assert first["w"].is_pinned() and first["w"].device.type == "cpu" and first["lr"] == 1e-3
     torch.testing.assert_close(first["w"], tree["w"].cpu(), rtol=0, atol=0)

@@ -19,7 +19,10 @@ def test_trainer_json_says_training_right_after_a_checkpoint_while_its_write_goe
         trainer.state = "training"
         trainer.step = 3
         states, original_write, original_status = [], trainer.checkpoints._write, trainer.write_status
-        trainer.write_status = lambda: (original_status(), states.append(read_json(trainer.run_dir.trainer_status)["state"]))
+        trainer.write_status = lambda: (
+            original_status(),
+            states.append(read_json(trainer.run_dir.trainer_status)["state"]),
+        )
         trainer.checkpoints._write = lambda snapshot: (release.wait(60), original_write(snapshot))
         trainer.save_checkpoint()
         assert trainer.checkpoints.writing, "the write goes on in the background"
@@ -40,7 +43,9 @@ def test_the_status_never_waits_for_the_disk_and_the_checkpoint_still_does(short
     trainer = make_trainer(short_tmp / "run")
     synced: list[str] = []
     fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd)))
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))), fsync(fd))
+    )
     try:
         trainer.step = 3
         trainer.write_status()
@@ -57,7 +62,10 @@ def test_an_evaluation_out_rewrites_the_status_only_when_its_result_comes(short_
     trainer = make_trainer(short_tmp / "run")
     writes: list[list[int]] = []
     original = trainer.write_status
-    trainer.write_status = lambda: (original(), writes.append(read_json(trainer.run_dir.trainer_status)["evals_in_flight"]))
+    trainer.write_status = lambda: (
+        original(),
+        writes.append(read_json(trainer.run_dir.trainer_status)["evals_in_flight"]),
+    )
     try:
         trainer.evals.in_flight.add((8, trainer.incarnation))
         for _ in range(3):  # the loop asks every few steps

@@ -111,8 +111,15 @@ def test_no_layout_reaches_outside_its_slot():
     offsets = [0, 256, 3840, 4096, 8192, 1 << 30, (1 << 50) - 256]
     accepted = 0
     for _ in range(20_000):
-        wire = [[rng.choice(["a", "b", "c"]), rng.choice(list(DTYPES)), [rng.choice(sizes) for _ in range(rng.randrange(MAX_DIMS + 1))],
-                 rng.choice(offsets)] for _ in range(rng.randrange(1, 4))]
+        wire = [
+            [
+                rng.choice(["a", "b", "c"]),
+                rng.choice(list(DTYPES)),
+                [rng.choice(sizes) for _ in range(rng.randrange(MAX_DIMS + 1))],
+                rng.choice(offsets),
+            ]
+            for _ in range(rng.randrange(1, 4))
+        ]
         try:
             views = read_tensors(slot, [TensorSpec.from_wire(item) for item in wire])
         except LayoutError:

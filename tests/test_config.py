@@ -13,7 +13,15 @@ def _write(tmp_path, text):
 
 def test_defaults_file_and_overrides(tmp_path):
     path = _write(tmp_path, '[training]\nlr = 1e-3\n[data]\nformat = "synthetic"\nmean_len = 100\n')
-    cfg = load_config(path, ["training.lr=2e-4", "launch.num_producers=3", 'launch.producer_devices=["cuda:0", "cuda:1"]', "data.tokenizer=/some/path"])
+    cfg = load_config(
+        path,
+        [
+            "training.lr=2e-4",
+            "launch.num_producers=3",
+            'launch.producer_devices=["cuda:0", "cuda:1"]',
+            "data.tokenizer=/some/path",
+        ],
+    )
     assert cfg.training.lr == 2e-4
     assert cfg.data.mean_len == 100
     assert cfg.launch.num_producers == 3 and cfg.launch.producer_devices == ["cuda:0", "cuda:1"]
@@ -22,7 +30,15 @@ def test_defaults_file_and_overrides(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(None, ["target.config_overrides={num_hidden_layers = 3}", "drafter.layer_types=[\"sliding_attention\", \"full_attention\"]", "drafter.num_layers=2", "drafter.sliding_window=64"])
+    cfg = load_config(
+        None,
+        [
+            "target.config_overrides={num_hidden_layers = 3}",
+            "drafter.layer_types=[\"sliding_attention\", \"full_attention\"]",
+            "drafter.num_layers=2",
+            "drafter.sliding_window=64",
+        ],
+    )
     save_config(cfg, tmp_path / "config.toml")
     again = load_config(tmp_path / "config.toml")
     assert to_dict(again) == to_dict(cfg)
@@ -68,7 +84,9 @@ def test_an_sm_share_out_of_range_names_the_key():
 
 def test_a_key_typo_suggests_the_closest_key_and_names_the_file_it_is_in(tmp_path):
     path = _write(tmp_path, '[training]\nlr = 1e-3\n[batching]\ntoken_budgte = 4096\n')
-    with pytest.raises(ConfigError, match=rf"^{path}: unknown key batching.token_budgte \(did you mean batching.token_budget\?"):
+    with pytest.raises(
+        ConfigError, match=rf"^{path}: unknown key batching.token_budgte \(did you mean batching.token_budget\?"
+    ):
         load_config(path)
     with pytest.raises(ConfigError, match=r"^unknown key training.lrr \(did you mean training.lr\?"):
         load_config(None, ["training.lrr=1"])  # on the command line: no file to name

@@ -39,14 +39,24 @@ def add_target_field(source: str) -> str:
     read_by = "READ_BY: ClassVar[dict[str, str]] = {"
     before, _, after = body.partition(read_by)
     fields, post_init, rest = after.partition("    def __post_init__")
-    return (head + cls + before + read_by + '\n        "extra_knob": "trainer",' + fields
-            + '    extra_knob: int = 0\n    """A field added without rerunning the generator."""\n\n' + post_init + rest)
+    return (
+        head
+        + cls
+        + before
+        + read_by
+        + '\n        "extra_knob": "trainer",'
+        + fields
+        + '    extra_knob: int = 0\n    """A field added without rerunning the generator."""\n\n'
+        + post_init
+        + rest
+    )
 
 
 def test_the_committed_page_is_what_the_generator_writes():
     page = config_docs.render(common.config)
     assert config_docs.differences(page, (ROOT / "docs" / "configuration.md").read_text()) == [], (
-        f"docs/configuration.md is stale: run {config_docs.COMMAND}")
+        f"docs/configuration.md is stale: run {config_docs.COMMAND}"
+    )
 
 
 def test_every_field_has_a_docstring_and_a_reader():
@@ -84,8 +94,12 @@ def test_the_check_names_a_row_removed_or_changed_by_hand():
 
 
 def test_a_field_without_a_docstring_is_an_error_naming_it(tmp_path):
-    undocumented = config_copy(tmp_path, lambda source: re.sub(
-        r'(\n    seed: int = 0\n)    """Seed of the random weights[^\n]*\n', r"\1", source, count=1))
+    undocumented = config_copy(
+        tmp_path,
+        lambda source: re.sub(
+            r'(\n    seed: int = 0\n)    """Seed of the random weights[^\n]*\n', r"\1", source, count=1
+        ),
+    )
     with pytest.raises(config_docs.ConfigDocError, match=r"target\.seed: no docstring"):
         config_docs.sections(undocumented)
 
@@ -103,6 +117,7 @@ def test_the_command_checks_and_writes(tmp_path):
 
 def test_the_docs_anchors_into_benchmarks_and_docs_resolve():
     """Links such as BENCHMARKS.md#producer-27b land on an anchor that exists (an explicit id or a heading)."""
+
     def anchors(path: Path) -> set[str]:
         text = path.read_text()
         found = set(re.findall(r'<a id="([^"]+)"', text))

@@ -10,8 +10,16 @@ import pytest
 
 from common.contract import BatchMeta, ContractError, Expectation, Features, mismatch
 
-FEATURES = Features(producer_id=0, target_identity="qwen3-L6-H32-cfgabc-embdef", layer_ids=[1, 3], dtype="bfloat16",
-                    last_hidden=False, hidden_size=32, vocab_size=64, token_budget=128)
+FEATURES = Features(
+    producer_id=0,
+    target_identity="qwen3-L6-H32-cfgabc-embdef",
+    layer_ids=[1, 3],
+    dtype="bfloat16",
+    last_hidden=False,
+    hidden_size=32,
+    vocab_size=64,
+    token_budget=128,
+)
 
 
 def expectation(**changes) -> dict:
@@ -28,8 +36,15 @@ def test_a_producer_that_ships_what_the_trainer_expects_is_accepted_after_the_wi
     assert mismatch(msgpack.unpackb(msgpack.packb(expectation())), describe) is None
 
 
-@pytest.mark.parametrize("changes, key", [({"layer_ids": [1, 4]}, "layer_ids"), ({"dtype": "float32"}, "dtype"),
-                                          ({"last_hidden": True}, "last_hidden"), ({"target_identity": "other"}, "target_identity")])
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"layer_ids": [1, 4]}, "layer_ids"),
+        ({"dtype": "float32"}, "dtype"),
+        ({"last_hidden": True}, "last_hidden"),
+        ({"target_identity": "other"}, "target_identity"),
+    ],
+)
 def test_the_first_difference_is_named(changes, key):
     said = mismatch(expectation(**changes), FEATURES.to_wire())
     assert said is not None and said.startswith(f"{key} differs")
@@ -40,8 +55,19 @@ def test_batch_metadata_round_trips_through_msgpack():
     assert BatchMeta.from_wire(msgpack.unpackb(msgpack.packb(meta.to_wire()))) == meta
 
 
-@pytest.mark.parametrize("key, value", [("ordinal", -1), ("ordinal", "7"), ("ordinal", True), ("epoch", 1.5),
-                                        ("cursor", [0, 1]), ("cursor", [0, -1, 2]), ("tokens", None), ("replay", 1)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("ordinal", -1),
+        ("ordinal", "7"),
+        ("ordinal", True),
+        ("epoch", 1.5),
+        ("cursor", [0, 1]),
+        ("cursor", [0, -1, 2]),
+        ("tokens", None),
+        ("replay", 1),
+    ],
+)
 def test_a_hostile_field_is_refused_by_name(key, value):
     wire = BatchMeta(producer=0, ordinal=7, cursor=[0, 2, 3], epoch=0, tokens=100, docs=3, max_doc_len=60).to_wire()
     wire[key] = value
@@ -63,9 +89,13 @@ def test_a_batch_whose_metadata_lies_about_its_size_is_dropped():
 
     from common.batchcheck import BatchContractError, check_batch
 
-    tensors = {"input_ids": torch.tensor([1, 2, 3, 4], dtype=torch.int32), "loss_mask": torch.ones(4, dtype=torch.uint8),
-               "cu_seqlens": torch.tensor([0, 4], dtype=torch.int32), "sample_ids": torch.tensor([9]),
-               "aux_hidden": torch.zeros(4, 64, dtype=torch.bfloat16)}
+    tensors = {
+        "input_ids": torch.tensor([1, 2, 3, 4], dtype=torch.int32),
+        "loss_mask": torch.ones(4, dtype=torch.uint8),
+        "cu_seqlens": torch.tensor([0, 4], dtype=torch.int32),
+        "sample_ids": torch.tensor([9]),
+        "aux_hidden": torch.zeros(4, 64, dtype=torch.bfloat16),
+    }
     meta = BatchMeta(producer=0, ordinal=0, cursor=[0, 0, 0], epoch=0, tokens=4, docs=1, max_doc_len=4).to_wire()
     check_batch(meta, tensors, FEATURES.to_wire())  # as announced: kept
     with pytest.raises(BatchContractError, match="announces 5 tokens in 1 documents"):

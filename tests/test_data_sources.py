@@ -147,8 +147,11 @@ def test_qwen35_template_masks_reasoning_and_answer_never_an_empty_think_block(t
         last["reasoning_content"] = "2 and 2 make 4."
     conversation = [*CONVERSATION[:3], last]
     ids, mask = render_chat(tokenizer, conversation, enable_thinking=thinking)
-    history = [("<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", 0), ("Hello!<|im_end|>\n", 1),
-               ("<|im_start|>user\nadd 2+2<|im_end|>\n<|im_start|>assistant\n<think>\n", 0)]
+    history = [
+        ("<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Hello!<|im_end|>\n", 1),
+        ("<|im_start|>user\nadd 2+2<|im_end|>\n<|im_start|>assistant\n<think>\n", 0),
+    ]
     if with_reasoning:  # the reasoning and the answer are what the target generates
         final = [("2 and 2 make 4.\n</think>\n\n4<|im_end|>\n", 1)]
     else:  # the template's empty block, in the prompt or not, is never supervised
@@ -186,30 +189,46 @@ def test_openai_tool_calls_tool_results_and_content_parts():
     the calls and the final answer are supervised, the tool's result and the prompt are not."""
     from producer.data import validate_messages
 
-    record = {"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "weather "}, {"type": "text", "text": "in Oslo?"}]},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
-        {"role": "tool", "tool_call_id": "1", "content": "rain"},
-        {"role": "assistant", "content": [{"type": "text", "text": "It rains."}]},
-    ]}
+    record = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "weather "}, {"type": "text", "text": "in Oslo?"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "1", "content": "rain"},
+            {"role": "assistant", "content": [{"type": "text", "text": "It rains."}]},
+        ]
+    }
     tokenizer = tiny_tokenizer(TOOL_TEMPLATE)
     ids, mask = render_chat(tokenizer, validate_messages(record))
-    want_ids, want_mask = expected(tokenizer, [
-        ("<|im_start|>user\nweather in Oslo?<|im_end|>\n<|im_start|>assistant\n", 0),
-        ('<tool_call>weather({"city": "Oslo"})</tool_call><|im_end|>\n', 1),
-        ("<|im_start|>tool\n<tool_response>rain</tool_response><|im_end|>\n<|im_start|>assistant\n", 0),
-        ("It rains.<|im_end|>\n", 1),
-    ])
+    want_ids, want_mask = expected(
+        tokenizer,
+        [
+            ("<|im_start|>user\nweather in Oslo?<|im_end|>\n<|im_start|>assistant\n", 0),
+            ('<tool_call>weather({"city": "Oslo"})</tool_call><|im_end|>\n', 1),
+            ("<|im_start|>tool\n<tool_response>rain</tool_response><|im_end|>\n<|im_start|>assistant\n", 0),
+            ("It rains.<|im_end|>\n", 1),
+        ],
+    )
     assert ids.tolist() == want_ids and mask.tolist() == want_mask
 
 
 def test_sharegpt_records_are_rendered_like_openai_ones():
     from producer.data import validate_messages
 
-    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "hi there"},
-                                  {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "add 2+2"},
-                                  {"from": "gpt", "value": "4"}]}
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "hi there"},
+            {"from": "gpt", "value": "Hello!"},
+            {"from": "human", "value": "add 2+2"},
+            {"from": "gpt", "value": "4"},
+        ]
+    }
     openai = {"messages": [{"role": "system", "content": "Be brief."}, *CONVERSATION]}
     tokenizer = tiny_tokenizer(PLAIN_TEMPLATE)
     got = render_chat(tokenizer, validate_messages(sharegpt))
@@ -217,13 +236,23 @@ def test_sharegpt_records_are_rendered_like_openai_ones():
     assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist() and got[1].sum() > 0
 
 
-@pytest.mark.parametrize("record,reason", [
-    ({"prompt": "a", "completion": "b"}, "unknown_format"),
-    ({"conversations": [{"from": "robot", "value": "x"}]}, "wrong_type"),
-    ({"conversations": [{"from": "human"}]}, "missing_key"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
-                   {"role": "assistant", "content": "a cat"}]}, "unsupported_content"),
-])
+@pytest.mark.parametrize(
+    "record,reason",
+    [
+        ({"prompt": "a", "completion": "b"}, "unknown_format"),
+        ({"conversations": [{"from": "robot", "value": "x"}]}, "wrong_type"),
+        ({"conversations": [{"from": "human"}]}, "missing_key"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+                    {"role": "assistant", "content": "a cat"},
+                ]
+            },
+            "unsupported_content",
+        ),
+    ],
+)
 def test_records_that_fit_neither_form_get_a_clear_reason(record, reason):
     from producer.data import BadRecord, validate_messages
 
@@ -258,8 +287,16 @@ def test_chat_source_skips_and_reports_bad_lines(tmp_path, caplog):
     assert [d is not None for d in documents] == [True, False, False, False, False, False, True]
     assert documents[0].input_ids.tolist() == documents[6].input_ids.tolist()
     assert documents[6].sample_id == 6
-    assert source.stats.bad == {"invalid_json": 1, "unknown_format": 1, "wrong_type": 1, "empty": 1, "no_loss_tokens": 1}
-    assert "(OpenAI) or" in caplog.text and "(ShareGPT)" in caplog.text, "the message says what a record should look like"
+    assert source.stats.bad == {
+        "invalid_json": 1,
+        "unknown_format": 1,
+        "wrong_type": 1,
+        "empty": 1,
+        "no_loss_tokens": 1,
+    }
+    assert "(OpenAI) or" in caplog.text and "(ShareGPT)" in caplog.text, (
+        "the message says what a record should look like"
+    )
     assert source.stats.documents == 2
     for line_number in (2, 3, 4, 5, 6):
         assert f"chat.jsonl:{line_number} " in caplog.text
@@ -295,9 +332,7 @@ def test_tokenized_jsonl_across_files_with_length_policy(tmp_path):
     assert source.get(5) is None
     assert source.stats.bad == {"bad_value": 2, "wrong_type": 1, "no_loss_tokens": 1}
 
-    dropping = build_data_source(
-        DataConfig(format="tokenized", paths=[str(second)], max_seq_len=6, too_long="drop")
-    )
+    dropping = build_data_source(DataConfig(format="tokenized", paths=[str(second)], max_seq_len=6, too_long="drop"))
     assert dropping.get(0) is None and dropping.stats.bad == {"too_long": 1}
     keeping = build_data_source(DataConfig(format="tokenized", paths=[str(second)], max_seq_len=9))
     assert keeping.get(0).input_ids.tolist() == list(range(9)) and keeping.stats.truncated == 1
@@ -416,7 +451,9 @@ def test_later_epochs_read_no_record_again_and_get_the_same_documents(tmp_path):
     path = write_lines(tmp_path / "chat.jsonl", [good, "{not json", good, good])
     tokenizer = tiny_tokenizer(PLAIN_TEMPLATE)
     kept = build_data_source(DataConfig(format="chat", paths=[path], max_seq_len=4096), tokenizer=tokenizer)
-    uncached = build_data_source(DataConfig(format="chat", paths=[path], max_seq_len=4096, cache_mb=0), tokenizer=tokenizer)
+    uncached = build_data_source(
+        DataConfig(format="chat", paths=[path], max_seq_len=4096, cache_mb=0), tokenizer=tokenizer
+    )
     reads, reads_uncached = counting_reads(kept), counting_reads(uncached)
     for _epoch in range(3):
         for i in range(len(kept)):
@@ -429,7 +466,9 @@ def test_later_epochs_read_no_record_again_and_get_the_same_documents(tmp_path):
 
 
 def test_the_cache_keeps_the_first_documents_up_to_its_budget_and_reads_the_rest_each_time():
-    source = build_data_source(synthetic(length_mode="fixed", mean_len=1000, max_seq_len=1000, num_samples=600, cache_mb=1))
+    source = build_data_source(
+        synthetic(length_mode="fixed", mean_len=1000, max_seq_len=1000, num_samples=600, cache_mb=1)
+    )
     reads = counting_reads(source)
     per_document = 1000 * 5 + 200  # int32 ids, uint8 mask, the cache's reckoning of Python's overhead
     fits = 2**20 // per_document
@@ -443,14 +482,19 @@ def test_the_cache_keeps_the_first_documents_up_to_its_budget_and_reads_the_rest
 
 @pytest.mark.parametrize("template", [PLAIN_TEMPLATE, THINKING_TEMPLATE, QWEN35_TEMPLATE, GENERATION_TEMPLATE])
 def test_a_window_rendered_and_tokenized_together_gives_the_documents_of_one_at_a_time(tmp_path, template):
-    conversations = [CONVERSATION, CONVERSATION[:2], [{"role": "user", "content": "a b c"},
-                                                       {"role": "assistant", "content": "x " * 40}]]
+    conversations = [
+        CONVERSATION,
+        CONVERSATION[:2],
+        [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": "x " * 40}],
+    ]
     lines = [json.dumps({"messages": c}) for c in conversations]
     lines[1:1] = ["{not json", json.dumps({"messages": [{"role": "user", "content": "only a question"}]})]
     path = write_lines(tmp_path / "chat.jsonl", lines)
     tokenizer = tiny_tokenizer(template)
     together = build_data_source(DataConfig(format="chat", paths=[path], max_seq_len=4096), tokenizer=tokenizer)
-    alone = build_data_source(DataConfig(format="chat", paths=[path], max_seq_len=4096, cache_mb=0), tokenizer=tokenizer)
+    alone = build_data_source(
+        DataConfig(format="chat", paths=[path], max_seq_len=4096, cache_mb=0), tokenizer=tokenizer
+    )
     reads_alone = counting_reads(alone)
     together.prefetch(list(range(len(lines))))
     assert len(together._rendered) == (0 if template is GENERATION_TEMPLATE else len(lines))

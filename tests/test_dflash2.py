@@ -81,10 +81,14 @@ def test_a_fresh_dflash2_drafter_is_a_dflash_drafter_with_identity_convolutions(
     # Decoding: the no-op selector's greedy walk equals the DFlash argmax, block by block.
     contexts = [dflash.fuse_context(batch.aux_hidden[:20]), dflash.fuse_context(batch.aux_hidden[20:33])]
     tokens, positions = torch.tensor([5, 7]), torch.tensor([20, 13])
-    assert torch.equal(propose_rows(dflash2, contexts, tokens, positions), propose_rows(dflash, contexts, tokens, positions))
+    assert torch.equal(
+        propose_rows(dflash2, contexts, tokens, positions), propose_rows(dflash, contexts, tokens, positions)
+    )
     # And after training the backbone in the same way, the walk is no longer the argmax alone.
     trained_like(dflash2)
-    assert not torch.equal(propose_rows(dflash2, contexts, tokens, positions), propose_rows(dflash, contexts, tokens, positions))
+    assert not torch.equal(
+        propose_rows(dflash2, contexts, tokens, positions), propose_rows(dflash, contexts, tokens, positions)
+    )
 
 
 def test_warm_start_refuses_another_shape():
@@ -108,8 +112,13 @@ def test_the_selector_loss_trains_backbone_and_selector_and_its_metrics():
     drafter = trained_like(build_drafter(config, random_head(config)))
     loss, metrics = _objective(drafter)
     loss.backward()
-    for name in ("candidate_selector.successor_codebook", "candidate_selector.hidden_projection.weight",
-                 "layers.0.attention_conv.kernel_projection.weight", "layers.1.mlp_conv.base_kernel", "fc.weight"):
+    for name in (
+        "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+        "layers.0.attention_conv.kernel_projection.weight",
+        "layers.1.mlp_conv.base_kernel",
+        "fc.weight",
+    ):
         assert dict(drafter.named_parameters())[name].grad.abs().sum() > 0, name
     for key in drafter.logged_metrics:
         assert torch.isfinite(metrics[key]), key
@@ -176,12 +185,15 @@ def test_export_round_trip_keeps_the_kind_and_its_fields(tmp_path):
     drafter = trained_like(build_drafter(config, head))
     exported = zlab_config(config)
     assert exported["architectures"] == ["DFlash2DraftModel"]
-    assert {k: exported["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                      "selector_top_k")} == {"conv_kernel_size": 3, "conv_group_size": 8,
-                                                                             "selector_rank": 8, "selector_top_k": 3}
+    assert {
+        k: exported["dflash_config"][k]
+        for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    } == {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 3}
     assert config_from_export(exported) == config
-    for fmt, write in (("zlab", lambda d: export_zlab(drafter, d, dtype=None)),
-                       ("speculators", lambda d: export_speculators(drafter, d, "verifier", dtype=None))):
+    for fmt, write in (
+        ("zlab", lambda d: export_zlab(drafter, d, dtype=None)),
+        ("speculators", lambda d: export_speculators(drafter, d, "verifier", dtype=None)),
+    ):
         loaded = load_drafter(write(tmp_path / fmt), head)
         assert isinstance(loaded, DFlash2Drafter) and loaded.config == config, fmt
         for name, tensor in drafter.state_dict().items():
@@ -191,23 +203,29 @@ def test_export_round_trip_keeps_the_kind_and_its_fields(tmp_path):
 def test_a_speculators_dflash2_config_without_the_causality_flag_reads_as_speculators_defaults_it():
     """speculators' dflash2 config defaults sliding_window_non_causal to True (dflash: False): an export written
     elsewhere that leaves it out trained its sliding layers bidirectional inside the block."""
-    config = dflash2_config(layer_types=["sliding_attention", "sliding_attention"], sliding_window=8,
-                            in_block_causality="bidirectional")
+    config = dflash2_config(
+        layer_types=["sliding_attention", "sliding_attention"], sliding_window=8, in_block_causality="bidirectional"
+    )
     exported = speculators_config(config, "verifier")
     assert exported["architectures"] == ["DFlash2DraftModel"] and exported["sliding_window_non_causal"] is True
     for key in ("sliding_window_non_causal", "in_block_causality"):
         del exported[key]
     assert config_from_export(exported).causal_per_layer == [False, False]
-    dflash = speculators_config(tiny_config(layer_types=["sliding_attention", "sliding_attention"], sliding_window=8,
-                                            in_block_causality="causal"), "verifier")
+    dflash = speculators_config(
+        tiny_config(
+            layer_types=["sliding_attention", "sliding_attention"], sliding_window=8, in_block_causality="causal"
+        ),
+        "verifier",
+    )
     for key in ("sliding_window_non_causal", "in_block_causality"):
         del dflash[key]
     assert config_from_export(dflash).causal_per_layer == [True, True]
 
 
-reference = pytest.mark.skipif(importlib.util.find_spec("dflash") is None,
-                               reason="z-lab's reference package is missing: pip install --no-deps dflash==0.1.0 "
-                                      "(launch/setup.sh installs it)")
+reference = pytest.mark.skipif(
+    importlib.util.find_spec("dflash") is None,
+    reason="z-lab's reference package is missing: pip install --no-deps dflash==0.1.0 (launch/setup.sh installs it)",
+)
 
 
 @reference
@@ -232,8 +250,11 @@ def test_our_forward_and_proposals_equal_the_reference_model_loaded_from_our_exp
     block = torch.full((1, config.block_size), config.mask_token_id)
     block[0, 0] = anchor
     with torch.no_grad():
-        theirs = ref(position_ids=torch.arange(11 + config.block_size)[None], target_hidden=features,
-                     noise_embedding=head.embed(block))[:, 1:]
+        theirs = ref(
+            position_ids=torch.arange(11 + config.block_size)[None],
+            target_hidden=features,
+            noise_embedding=head.embed(block),
+        )[:, 1:]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     output_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     output_head.weight.data = head.lm_head_weight.clone()
@@ -249,8 +270,9 @@ def test_gpu_compiled_dflash2_step_equals_the_dense_eager_step():
     layers with the dense masks: the same loss, selector metrics and gradients."""
     from common.batch import PackedBatch
 
-    config = dflash2_config(layer_types=["sliding_attention", "full_attention"], sliding_window=6, block_size=8,
-                            head_dim=16)
+    config = dflash2_config(
+        layer_types=["sliding_attention", "full_attention"], sliding_window=6, block_size=8, head_dim=16
+    )
     torch.manual_seed(0)
     eager = trained_like(build_drafter(config, random_head(config))).cuda()
     compiled = build_drafter(config, random_head(config)).cuda()

@@ -32,8 +32,18 @@ def test_a_dflash2_run_trains_evaluates_exports_and_a_dflash_checkpoint_starts_o
     dflash_checkpoint = _checkpoints(dflash_run)[-1]
 
     run_dir = short_tmp / "run"
-    finish(start(run_dir, *DFLASH2, "training.max_steps=16", "eval.every_steps=16", "eval.num_prompts=2",
-                 "eval.max_new_tokens=8", f"drafter.init_from={json.dumps(str(dflash_checkpoint))}"), run_dir)
+    finish(
+        start(
+            run_dir,
+            *DFLASH2,
+            "training.max_steps=16",
+            "eval.every_steps=16",
+            "eval.num_prompts=2",
+            "eval.max_new_tokens=8",
+            f"drafter.init_from={json.dumps(str(dflash_checkpoint))}",
+        ),
+        run_dir,
+    )
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "starts from the dflash drafter" in trainer_log
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -49,11 +59,17 @@ def test_a_dflash2_run_trains_evaluates_exports_and_a_dflash_checkpoint_starts_o
     config = json.loads((checkpoint / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_rank"] == 16
     export = short_tmp / "export"
-    subprocess.run([sys.executable, "-m", "trainer.export", "--checkpoint", str(checkpoint), "--out", str(export)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "trainer.export", "--checkpoint", str(checkpoint), "--out", str(export)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     hidden = config["hidden_size"]
-    head = TargetHead(torch.zeros(config["vocab_size"], hidden), torch.zeros(config["vocab_size"], hidden),
-                      torch.ones(hidden), 1e-6)
+    head = TargetHead(
+        torch.zeros(config["vocab_size"], hidden), torch.zeros(config["vocab_size"], hidden), torch.ones(hidden), 1e-6
+    )
     assert isinstance(load_drafter(export, head), DFlash2Drafter)
 
     # The DFlash run's checkpoint resumed as DFlash 2: refused at once, naming the key.
@@ -78,15 +94,27 @@ def test_dflash2_on_a_cut_vocabulary_stops_the_run_naming_the_key(short_tmp):
     backend = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(80)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(target)
-    text, seconds = stops_with_2(short_tmp / "run", f"target.path={target}", "target.config_overrides={}",
-                                 'drafter.kind="dflash2"', "drafter.mask_token_id=63")
+    text, seconds = stops_with_2(
+        short_tmp / "run",
+        f"target.path={target}",
+        "target.config_overrides={}",
+        'drafter.kind="dflash2"',
+        "drafter.mask_token_id=63",
+    )
     assert "drafter.kind: dflash2 needs the target's full vocabulary: its tokenizer has 80 tokens, its head 64" in text
     assert seconds < 60
 
 
 def test_check_describes_the_dflash2_drafter_and_its_vocabulary(tmp_path):
-    done = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "check", *DFLASH2], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [str(ROOT / "launch" / "run_all.sh"), "check", *DFLASH2],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
-    assert ("DFlash 2: convolutions of 2 taps in groups of 16, a rank-16 selector over the top 8 of the full "
-            "vocabulary (64;") in done.stdout
+    assert (
+        "DFlash 2: convolutions of 2 taps in groups of 16, a rank-16 selector over the top 8 of the full "
+        "vocabulary (64;"
+    ) in done.stdout

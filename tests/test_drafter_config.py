@@ -11,9 +11,18 @@ from tests.drafter_fixtures import tiny_config
 
 
 def qwen3_8b_config(**overrides) -> Qwen3Config:
-    values = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                  rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    values = dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
     values.update(overrides)
     return Qwen3Config(**values)
 
@@ -39,8 +48,14 @@ def test_from_target_qwen3_8b():
     config = DraftConfig.from_target(qwen3_8b_config(), num_draft_layers=5, tokenizer=FakeTokenizer())
     assert config.target_layer_ids == [1, 9, 17, 25, 33]
     assert config.mask_token_id == 151669
-    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,
-            config.head_dim, config.vocab_size) == (4096, 12288, 32, 8, 128, 151936)
+    assert (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.vocab_size,
+    ) == (4096, 12288, 32, 8, 128, 151936)
     assert config.rope_theta == 1e6 and config.num_target_layers == 36
     assert config.layer_types == ["full_attention"] * 5
     assert config.fused_feature_size == 5 * 4096
@@ -49,36 +64,54 @@ def test_from_target_qwen3_8b():
 
 
 def test_from_target_overrides_and_explicit_mask():
-    config = DraftConfig.from_target(qwen3_8b_config(), num_draft_layers=5, mask_token_id=7, block_size=8,
-                                     layer_types=["sliding_attention"] * 4 + ["full_attention"], sliding_window=2048,
-                                     target_layer_ids=[2, 10, 18, 26, 34])
+    config = DraftConfig.from_target(
+        qwen3_8b_config(),
+        num_draft_layers=5,
+        mask_token_id=7,
+        block_size=8,
+        layer_types=["sliding_attention"] * 4 + ["full_attention"],
+        sliding_window=2048,
+        target_layer_ids=[2, 10, 18, 26, 34],
+    )
     assert config.mask_token_id == 7 and config.block_size == 8 and config.target_layer_ids[0] == 2
     with pytest.raises(ValueError, match="mask_token_id"):
         DraftConfig.from_target(qwen3_8b_config())
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (dict(num_key_value_heads=3), "num_key_value_heads"),
-    (dict(target_layer_ids=[1, 6]), "target_layer_ids"),
-    (dict(mask_token_id=64), "mask_token_id"),
-    (dict(block_size=1), "block_size"),
-    (dict(layer_types=["full_attention"]), "layer_types"),
-    (dict(layer_types=["sliding_attention", "full_attention"]), "sliding_window"),
-    (dict(hidden_size=0), "hidden_size"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(target_layer_ids=[1, 6]), "target_layer_ids"),
+        (dict(mask_token_id=64), "mask_token_id"),
+        (dict(block_size=1), "block_size"),
+        (dict(layer_types=["full_attention"]), "layer_types"),
+        (dict(layer_types=["sliding_attention", "full_attention"]), "sliding_window"),
+        (dict(hidden_size=0), "hidden_size"),
+    ],
+)
 def test_validation_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         tiny_config(**overrides)
 
 
-@pytest.mark.parametrize("rope_parameters", [
-    {"rope_type": "default", "rope_theta": 1e6},
-    {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0},
-    {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8192},
-])
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 1e6},
+        {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0},
+        {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8192},
+    ],
+)
 def test_rope_matches_the_target(rope_parameters):
-    target = qwen3_8b_config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64,
-                             rope_parameters=dict(rope_parameters), max_position_embeddings=32768)
+    target = qwen3_8b_config(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        hidden_size=64,
+        rope_parameters=dict(rope_parameters),
+        max_position_embeddings=32768,
+    )
     config = DraftConfig.from_target(target, num_draft_layers=2, mask_token_id=1)
     positions = torch.tensor([0, 5, 100, 20000])
     cos, sin = RotaryEmbedding(config)(positions, torch.float32)
@@ -93,4 +126,5 @@ def test_rope_theta_from_legacy_fields():
         rope_scaling = {"type": "linear", "factor": 2.0}
 
     from common.drafter.draft_config import target_rope_parameters
+
     assert target_rope_parameters(Legacy()) == {"rope_type": "linear", "factor": 2.0, "rope_theta": 123.0}

@@ -31,8 +31,13 @@ def target_dir(tmp_path_factory):
 
 def make_drafter(target_dir, dtype=torch.float32, in_block_causality="bidirectional"):
     # Bidirectional: the one causality of a mixed drafter that both formats can state.
-    config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=16,
-                         target_layer_ids=[1, 3], num_target_layers=6, in_block_causality=in_block_causality)
+    config = tiny_config(
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+        target_layer_ids=[1, 3],
+        num_target_layers=6,
+        in_block_causality=in_block_causality,
+    )
     torch.manual_seed(0)
     drafter = DFlashDrafter(config, load_target_head(target_dir))
     with torch.no_grad():  # non-trivial norms so that a swapped name would show
@@ -74,8 +79,13 @@ def test_zlab_config_fields(tmp_path, target_dir):
     assert config["num_target_layers"] == 6
     assert config["layer_types"] == ["sliding_attention", "full_attention"] and config["sliding_window"] == 16
     assert config["model_type"] == "qwen3" and config["num_hidden_layers"] == 2
-    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
-            config["head_dim"], config["vocab_size"]) == (32, 4, 2, 8, 64)
+    assert (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+        config["vocab_size"],
+    ) == (32, 4, 2, 8, 64)
     assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "bfloat16"
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
@@ -111,7 +121,9 @@ def test_target_head_is_bit_identical(tmp_path, tied):
     with torch.no_grad():
         out = target(ids, output_hidden_states=True)
         captured = []
-        hook = target.model.layers[-1].register_forward_hook(lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
+        hook = target.model.layers[-1].register_forward_hook(
+            lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o)
+        )
         target(ids)
         hook.remove()
     logits = head.final_norm(captured[0].reshape(9, -1)) @ head.lm_head_weight.T

@@ -27,8 +27,14 @@ def arithmetic_batch(target, layer_ids, gen: torch.Generator, num_docs: int = 6)
     input_ids = torch.cat(docs).to(torch.int32)
     cu = torch.tensor([0] + torch.tensor([len(d) for d in docs]).cumsum(0).tolist(), dtype=torch.int32)
     aux, last = target_features(target, input_ids, cu, layer_ids)
-    return PackedBatch(input_ids=input_ids, loss_mask=torch.cat(masks), cu_seqlens=cu,
-                       sample_ids=torch.arange(num_docs), aux_hidden=aux, last_hidden=last)
+    return PackedBatch(
+        input_ids=input_ids,
+        loss_mask=torch.cat(masks),
+        cu_seqlens=cu,
+        sample_ids=torch.arange(num_docs),
+        aux_hidden=aux,
+        last_hidden=last,
+    )
 
 
 def test_acceptance_length_rises(tmp_path):

@@ -27,7 +27,7 @@ def test_anchors_are_valid_sorted_unique_and_spread(seed):
     # Valid anchor: loss_mask[a + 1] == 1 and a + 1 in the same document.
     assert bool((batch.loss_mask[real + 1] == 1).all()) and bool((doc[real + 1] == doc[real]).all())
     assert torch.equal(real, torch.sort(real).values) and real.unique().numel() == real.numel()
-    assert not valid[valid.sum():].any(), "padding blocks come last"
+    assert not valid[valid.sum() :].any(), "padding blocks come last"
     candidates = valid_anchor_mask(batch.loss_mask, doc)
     num_candidates = int(candidates.sum())
     assert int(valid.sum()) == min(24, num_candidates)
@@ -79,8 +79,12 @@ def test_blocks_content_and_positions():
 def test_dense_mask_by_hand():
     """Two documents [0..5] and [6..9]; anchors 3 (doc 0) and 7 (doc 1), one padding block; B = 2."""
     config = tiny_config(block_size=2)
-    batch = PackedBatch(input_ids=torch.arange(10, dtype=torch.int32), loss_mask=torch.ones(10, dtype=torch.uint8),
-                        cu_seqlens=torch.tensor([0, 6, 10], dtype=torch.int32), sample_ids=torch.arange(2))
+    batch = PackedBatch(
+        input_ids=torch.arange(10, dtype=torch.int32),
+        loss_mask=torch.ones(10, dtype=torch.uint8),
+        cu_seqlens=torch.tensor([0, 6, 10], dtype=torch.int32),
+        sample_ids=torch.arange(2),
+    )
     blocks = build_blocks(batch, 3, 2, config.mask_token_id, generator(0))
     blocks.anchors = torch.tensor([3, 7, 0])
     blocks.valid = torch.tensor([True, True, False])
@@ -106,13 +110,20 @@ def flex_dense(blocks, window, causal=False):
 def test_in_block_part_by_hand():
     """B = 4, anchor 5 of one document: the block's own keys under each causality, and a window of 2 < B."""
     config = tiny_config(block_size=4)
-    batch = PackedBatch(input_ids=torch.arange(12, dtype=torch.int32), loss_mask=torch.ones(12, dtype=torch.uint8),
-                        cu_seqlens=torch.tensor([0, 12], dtype=torch.int32), sample_ids=torch.arange(1))
+    batch = PackedBatch(
+        input_ids=torch.arange(12, dtype=torch.int32),
+        loss_mask=torch.ones(12, dtype=torch.uint8),
+        cu_seqlens=torch.tensor([0, 12], dtype=torch.int32),
+        sample_ids=torch.arange(1),
+    )
     blocks = build_blocks(batch, 1, 4, config.mask_token_id, generator(0))
     blocks.anchors, blocks.valid, blocks.doc_start = torch.tensor([5]), torch.tensor([True]), torch.tensor([0])
     blocks.block_positions = torch.tensor([[5, 6, 7, 8]])
-    own = {(causal, window): dense_reference_mask(blocks, window, causal)[:, 12:].int().tolist()
-           for causal in (False, True) for window in (None, 2)}
+    own = {
+        (causal, window): dense_reference_mask(blocks, window, causal)[:, 12:].int().tolist()
+        for causal in (False, True)
+        for window in (None, 2)
+    }
     assert own[False, None] == [[1, 1, 1, 1]] * 4
     assert own[True, None] == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     assert own[False, 2] == [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]]
@@ -136,7 +147,7 @@ def test_flex_mask_equals_dense_mask(block_size, window, causal, seed):
     dense = dense_reference_mask(blocks, window, causal)
     assert torch.equal(flex_dense(blocks, window, causal), dense)
     assert dense.any(dim=1).all(), "every query row sees at least its own block"
-    assert dense[:, blocks.num_context:].diagonal().all(), "every slot sees itself"
+    assert dense[:, blocks.num_context :].diagonal().all(), "every slot sees itself"
 
     # The block-sparse structure must agree too: flex attention == SDPA with the dense mask.
     heads, head_dim = 2, 8
@@ -152,20 +163,28 @@ def test_flex_mask_equals_dense_mask(block_size, window, causal, seed):
 
 @pytest.mark.parametrize("causality", ["sliding_causal", "bidirectional", "causal"])
 def test_one_mask_per_layer_type_with_its_causality(causality):
-    config = tiny_config(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                         num_hidden_layers=3, sliding_window=6, in_block_causality=causality)
+    config = tiny_config(
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_hidden_layers=3,
+        sliding_window=6,
+        in_block_causality=causality,
+    )
     batch = random_batch([40, 30], config)
     blocks = build_blocks(batch, 16, 4, config.mask_token_id, generator(0))
     masks = build_masks(blocks, config, dense=True)
     assert set(masks) == {"sliding_attention", "full_attention"}
     assert masks["sliding_attention"].sum() < masks["full_attention"].sum()
-    expected_causal = {"sliding_causal": {"sliding_attention": True, "full_attention": False},
-                       "bidirectional": {"sliding_attention": False, "full_attention": False},
-                       "causal": {"sliding_attention": True, "full_attention": True}}[causality]
+    expected_causal = {
+        "sliding_causal": {"sliding_attention": True, "full_attention": False},
+        "bidirectional": {"sliding_attention": False, "full_attention": False},
+        "causal": {"sliding_attention": True, "full_attention": True},
+    }[causality]
     for layer_type, mask in masks.items():
-        assert torch.equal(mask, dense_reference_mask(blocks, config.window_of(layer_type), expected_causal[layer_type]))
+        assert torch.equal(
+            mask, dense_reference_mask(blocks, config.window_of(layer_type), expected_causal[layer_type])
+        )
         upper = torch.ones(4, 4, dtype=torch.bool).triu(1)
-        assert bool(mask[:4, blocks.num_context:blocks.num_context + 4][upper].any()) != expected_causal[layer_type]
+        assert bool(mask[:4, blocks.num_context : blocks.num_context + 4][upper].any()) != expected_causal[layer_type]
     flex = build_masks(blocks, config)
     for layer_type in masks:
         q_len, kv_len = flex[layer_type].seq_lengths
@@ -177,8 +196,12 @@ def test_one_mask_per_layer_type_with_its_causality(causality):
 def test_the_step_counts_attention_over_the_pairs_its_masks_let_attend(causality):
     """MFU's attention term: the pairs of the dense masks, layer by layer, not half the packed sequence per
     query (a batch of many short documents read 127% MFU on the H200 with that)."""
-    config = tiny_config(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                         num_hidden_layers=3, sliding_window=6, in_block_causality=causality)
+    config = tiny_config(
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_hidden_layers=3,
+        sliding_window=6,
+        in_block_causality=causality,
+    )
     batch = random_batch([40, 30, 7, 55], config)
     blocks = build_blocks(batch, 24, 4, config.mask_token_id, generator(0))
     masks = build_masks(blocks, config, dense=True)
@@ -221,8 +244,9 @@ def tiles_of(dense: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_the_flex_tiles_cover_every_visible_pair_and_skip_the_mask_only_where_all_are(block_size, tile, window,
-                                                                                      causal, seed):
+def test_the_flex_tiles_cover_every_visible_pair_and_skip_the_mask_only_where_all_are(
+    block_size, tile, window, causal, seed
+):
     """The tiles the block mask lists are what the GPU kernel computes (a CPU flex forward evaluates every pair, so
     the forward test above cannot see them): every tile holding a visible pair must be listed, a tile listed as
     full must be visible throughout, and none may be both. One document without a window lists no tile too many
@@ -231,8 +255,10 @@ def test_the_flex_tiles_cover_every_visible_pair_and_skip_the_mask_only_where_al
 
     config = tiny_config(block_size=block_size)
     lengths = [int(x) for x in torch.randint(1, 400, (6,), generator=generator(seed))]
-    for batch in (random_batch(lengths, config, seed=seed, supervised_fraction=0.7),
-                  random_batch([700], config, seed=seed, supervised_fraction=0.9)):
+    for batch in (
+        random_batch(lengths, config, seed=seed, supervised_fraction=0.7),
+        random_batch([700], config, seed=seed, supervised_fraction=0.9),
+    ):
         blocks = build_blocks(batch, 60, block_size, config.mask_token_id, generator(seed))
         dense = dense_reference_mask(blocks, window, causal)
         lo, hi = context_bounds(blocks, window)
@@ -251,8 +277,9 @@ def test_the_flex_tiles_cover_every_visible_pair_and_skip_the_mask_only_where_al
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seed", range(2))
-def test_the_block_mask_lists_what_create_block_mask_lists_and_at_most_a_few_tiles_more(block_size, window, causal,
-                                                                                         seed):
+def test_the_block_mask_lists_what_create_block_mask_lists_and_at_most_a_few_tiles_more(
+    block_size, window, causal, seed
+):
     """Against flex attention's own create_block_mask on the same mask function (small enough here to evaluate at
     every pair): every tile it lists, on the query side and on the key side that the backward reads, is listed;
     none it leaves partial is marked full."""
@@ -310,8 +337,13 @@ def test_gpu_compiled_flex_forward_equals_dense_forward(causality):
     from tests.drafter_fixtures import random_head
 
     # head_dim 16: compiled flex attention needs at least 16.
-    config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=3, block_size=8,
-                         head_dim=16, in_block_causality=causality)
+    config = tiny_config(
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=3,
+        block_size=8,
+        head_dim=16,
+        in_block_causality=causality,
+    )
     torch.manual_seed(0)
     drafter = DFlashDrafter(config, random_head(config)).cuda().eval()
     batch = random_batch([300, 90, 500], config, seed=2, supervised_fraction=0.9)

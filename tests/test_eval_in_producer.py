@@ -11,7 +11,13 @@ from common.faults import LOG_ENV, PLAN_ENV
 from common.rundir import RunDir, read_json
 from tests.test_pipeline import ROOT, SMALL, finish, lineage, start
 
-EVAL = ["eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8", "logging.log_every=4", "eval.producer_share=1.0"]
+EVAL = [
+    "eval.every_steps=8",
+    "eval.num_prompts=2",
+    "eval.max_new_tokens=8",
+    "logging.log_every=4",
+    "eval.producer_share=1.0",
+]
 
 
 def assert_nothing_trained_twice(run: RunDir) -> None:
@@ -32,7 +38,10 @@ def test_producer_zero_evaluates_and_the_trainer_logs_each_result_at_its_step(sh
     assert all(1.0 <= m["eval/tau"] <= 4.0 and m["eval/num_prompts"] == 2 for m in evaluations(run))
     producer_log = (run_dir / "logs" / "producer-0.log").read_text()
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
-    assert producer_log.count("evaluated step") == 3 and "evaluated step" not in (run_dir / "logs" / "producer-1.log").read_text()
+    assert (
+        producer_log.count("evaluated step") == 3
+        and "evaluated step" not in (run_dir / "logs" / "producer-1.log").read_text()
+    )
     assert producer_log.count("(loading the export ") == 3, "each evaluation's time split into its phases"
     assert "eval at step 8 (logged at" in trainer_log
     assert "evaluation failed" not in trainer_log + producer_log
@@ -45,7 +54,10 @@ def test_producer_zero_evaluates_and_the_trainer_logs_each_result_at_its_step(sh
     gaps = [abs(m["eval/tau_gap"]) > 1e-6 * (4 - 1) for m in evaluations(run)]
     assert trainer_log.count("differ by more than eval.gap_tolerance") == sum(gaps)
     # The exports were only for the evaluations: their weights are gone, the results stay.
-    assert not list((run_dir / "evals").glob("step-*/drafter")) and len(list((run_dir / "evals").glob("step-*/result.json"))) == 3
+    assert (
+        not list((run_dir / "evals").glob("step-*/drafter"))
+        and len(list((run_dir / "evals").glob("step-*/result.json"))) == 3
+    )
     assert read_json(run.trainer_status)["evals_in_flight"] == []
     assert_nothing_trained_twice(run)
 
@@ -78,7 +90,9 @@ def test_a_trainer_killed_during_its_export_loses_that_evaluation_and_leaves_no_
     [fired] = [json.loads(line) for line in fault_log.read_text().splitlines()]
     assert fired["point"] == "trainer.export"
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
-    assert "evaluation of step 8 lost: the trainer that asked for it stopped before its export was complete" in trainer_log
+    assert (
+        "evaluation of step 8 lost: the trainer that asked for it stopped before its export was complete" in trainer_log
+    )
     [abandoned] = [p for p in (run_dir / "evals").glob("step-00000008-*") if not (p / "request.json").exists()]
     assert read_json(abandoned / "result.json")["lost"].startswith("the trainer that asked for it stopped")
     assert not list((run_dir / "evals").glob("step-*/drafter")), "no export's weights are left"
@@ -92,8 +106,18 @@ def test_evaluations_asked_faster_than_they_run_never_stop_producer_zero(short_t
     from common import evals
 
     run_dir = short_tmp / "run"
-    finish(start(run_dir, "training.max_steps=96", "eval.every_steps=4", "logging.log_every=4", "eval.num_prompts=4",
-                 "eval.max_new_tokens=32", "eval.producer_share=0.25"), run_dir)
+    finish(
+        start(
+            run_dir,
+            "training.max_steps=96",
+            "eval.every_steps=4",
+            "logging.log_every=4",
+            "eval.num_prompts=4",
+            "eval.max_new_tokens=32",
+            "eval.producer_share=0.25",
+        ),
+        run_dir,
+    )
     run = RunDir(run_dir)
     results = [evals.EvalResult(**read_json(path)) for path in sorted((run_dir / "evals").glob("step-*/result.json"))]
     skipped = [r.step for r in results if r.lost and r.lost.startswith("skipped")]
@@ -134,7 +158,9 @@ def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_c
     blocked = evals.folder(run, 16, 1)
     blocked.mkdir(parents=True)
     (blocked / "drafter").write_text("a file where the export's folder goes")
-    writer.export(drafter, drafter.state_dict(), evals.EvalRequest(step=16, drafter=str(blocked / "drafter"), incarnation=1))
+    writer.export(
+        drafter, drafter.state_dict(), evals.EvalRequest(step=16, drafter=str(blocked / "drafter"), incarnation=1)
+    )
     writer.wait()
     assert evals.result(run, 16, 1).lost.startswith("the export could not be written")
     assert [r.step for r in evals.open_requests(run)] == [8]
@@ -146,8 +172,13 @@ def test_the_trainer_warns_when_a_result_shows_a_real_and_simulated_gap(tmp_path
     from common.rundir import RunDir
     from trainer.evaluations import EvalClient
 
-    client = EvalClient(RunDir(tmp_path), incarnation=1, block_size=4, gap_tolerance=load_config(None).eval.gap_tolerance,
-                        background_export=False)
+    client = EvalClient(
+        RunDir(tmp_path),
+        incarnation=1,
+        block_size=4,
+        gap_tolerance=load_config(None).eval.gap_tolerance,
+        background_export=False,
+    )
     metrics_file = open(tmp_path / "metrics.jsonl", "w")
 
     def record(step: int, metrics: dict) -> None:
@@ -160,8 +191,16 @@ def test_the_trainer_warns_when_a_result_shows_a_real_and_simulated_gap(tmp_path
         record(28, {"eval/tau": 2.5, "eval/sim_tau": 2.6, "eval/tau_gap": -0.1})
         assert "differ by more" not in caplog.text
         # With the gap's three steps measured, the warning says which step it is.
-        record(32, {"eval/tau": 1.2, "eval/sim_tau": 2.6, "eval/tau_gap": -1.4, "eval/sim_tau_greedy": 1.4,
-                    "eval/sim_tau_walk": 1.25})
+        record(
+            32,
+            {
+                "eval/tau": 1.2,
+                "eval/sim_tau": 2.6,
+                "eval/tau_gap": -1.4,
+                "eval/sim_tau_greedy": 1.4,
+                "eval/sim_tau_walk": 1.25,
+            },
+        )
         assert "-1.400 in all, of it -1.200 the documents against the target's own text" in caplog.text
         assert "-0.150 the anchors decoding starts its blocks at" in caplog.text and "-0.050 serving" in caplog.text
     metrics_file.close()
@@ -181,23 +220,38 @@ def test_a_new_trainer_adopts_the_evaluations_of_its_lineage_and_asks_again_past
     # Checkpoints and exports written before the step goes on: a background write of step 8's checkpoint can
     # still be in flight at step 10 (the kill then resumes the successor at 0, and no lineage asks at 12 twice).
     with open(run_dir.parent / "launcher.out", "w") as out:
-        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
-                                     "training.max_steps=24", *EVAL, "eval.every_steps=4",
-                                     "training.async_checkpoint=false"],
-                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(
+            [
+                str(ROOT / "launch" / "run_all.sh"),
+                "--run-dir",
+                str(run_dir),
+                *SMALL,
+                "training.max_steps=24",
+                *EVAL,
+                "eval.every_steps=4",
+                "training.async_checkpoint=false",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     finish(launcher, run_dir, timeout=300)
     run = RunDir(run_dir)
     assert len(fault_log.read_text().splitlines()) == 2, "both faults fired"
     folders = sorted((run_dir / "evals").glob("step-*"))
     assert not [f for f in folders if (f / "drafter").exists()], "no export left waiting for an evaluation"
-    assert all((f / "result.json").is_file() and (f / "logged").is_file() for f in folders), "every request answered and seen"
+    assert all((f / "result.json").is_file() and (f / "logged").is_file() for f in folders), (
+        "every request answered and seen"
+    )
     by_step = Counter(m["step"] for m in evaluations(run))
     assert by_step[4] == 1 and by_step[8] == 1, "the first successor's own lineage: each result logged once"
     asked_at_12 = [f for f in folders if f.name.startswith("step-00000012-")]
     assert len(asked_at_12) == 2, "asked at step 12 by both lineages, each its own request"
     results_12 = [read_json(f / "result.json") for f in asked_at_12]
-    assert sum(1 for r in results_12 if not r["lost"]) >= 1 and all(r["incarnation"] == int(f.name.rsplit("-", 1)[1])
-                                                                   for r, f in zip(results_12, asked_at_12))
+    assert sum(1 for r in results_12 if not r["lost"]) >= 1 and all(
+        r["incarnation"] == int(f.name.rsplit("-", 1)[1]) for r, f in zip(results_12, asked_at_12)
+    )
     assert 24 in by_step
     assert_nothing_trained_twice(run)
 

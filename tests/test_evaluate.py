@@ -36,8 +36,16 @@ from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
 
 LAYER_IDS = [1, 3]
 BLOCK = 4
-SMALL_DATA = ["data.num_samples=20", "data.mean_len=48", "data.min_len=24", "data.max_seq_len=96",
-              "batching.token_budget=128", "drafter.num_anchors=16", "eval.num_prompts=3", "eval.max_new_tokens=24"]
+SMALL_DATA = [
+    "data.num_samples=20",
+    "data.mean_len=48",
+    "data.min_len=24",
+    "data.max_seq_len=96",
+    "batching.token_budget=128",
+    "drafter.num_anchors=16",
+    "eval.num_prompts=3",
+    "eval.max_new_tokens=24",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +96,7 @@ class OracleContext:
 
     def propose(self, token: int, position: int) -> torch.Tensor:
         start = position + 1 - self.prompt_len  # index in the generated text of the token after the anchor
-        right = self.reference[start: start + self.block_size - 1]
+        right = self.reference[start : start + self.block_size - 1]
         return torch.tensor([(t + 1) % 64 if self.corrupt() else t for t in right])
 
 
@@ -112,8 +120,11 @@ def test_lossless_with_random_and_partially_right_drafters(target_model, target)
         random_run = speculative_decode(DraftContext(random_drafter(target_model)), target, ids, 40)
         assert random_run.tokens == plain
         # Every acceptance length 0..B-1, so the caches are cropped by every amount.
-        oracle = OracleContext(len(ids), greedy_decode(target, ids, 40 + BLOCK),
-                               corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.25))
+        oracle = OracleContext(
+            len(ids),
+            greedy_decode(target, ids, 40 + BLOCK),
+            corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.25),
+        )
         partial = speculative_decode(oracle, target, ids, 40)
         assert partial.tokens == plain
         seen.update(partial.accepted)
@@ -134,8 +145,9 @@ def test_drafter_context_is_the_kept_tokens_features(target):
     those a single forward over the final text gives."""
     ids = prompt(6)
     flips = torch.Generator().manual_seed(2)
-    oracle = OracleContext(len(ids), greedy_decode(target, ids, 40 + BLOCK),
-                           corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.3))
+    oracle = OracleContext(
+        len(ids), greedy_decode(target, ids, 40 + BLOCK), corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.3)
+    )
     decoded = speculative_decode(oracle, target, ids, 40)
     assert 0 < sum(decoded.accepted) < (BLOCK - 1) * len(decoded.accepted)  # some rejected, some accepted
     text = torch.cat([ids, torch.tensor(decoded.tokens)])
@@ -147,16 +159,19 @@ def test_drafter_context_is_the_kept_tokens_features(target):
 def test_oracle_drafter_reaches_tau_b(target):
     ids = prompt(4)
     new_tokens = 41
-    decoded = speculative_decode(OracleContext(len(ids), greedy_decode(target, ids, new_tokens + BLOCK)),
-                                 target, ids, new_tokens)
+    decoded = speculative_decode(
+        OracleContext(len(ids), greedy_decode(target, ids, new_tokens + BLOCK)), target, ids, new_tokens
+    )
     assert decoded.tokens == greedy_decode(target, ids, new_tokens)
     assert decoded.accepted == [BLOCK - 1] * 10  # the prefill gives 1 token, each verify forward B = 4
     assert 1 + sum(decoded.accepted) / len(decoded.accepted) == BLOCK
 
 
 def test_random_drafter_stays_near_one(target_model, target_dir):
-    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4",
-                             "eval.max_new_tokens=32"])
+    cfg = load_config(
+        None,
+        [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4", "eval.max_new_tokens=32"],
+    )
     drafter = random_drafter(target_model)
     report = build_evaluator(cfg, target_model, LAYER_IDS).evaluate(drafter)
     assert 1.0 <= report.tau < 1.15
@@ -172,8 +187,10 @@ def test_random_drafter_stays_near_one(target_model, target_dir):
 
 
 @pytest.mark.parametrize("in_block_causality", ["sliding_causal", "bidirectional", "causal"])
-@pytest.mark.parametrize("layer_types,window", [(None, None), (["sliding_attention", "full_attention"], 5),
-                                                (["sliding_attention", "sliding_attention"], 3)])
+@pytest.mark.parametrize(
+    "layer_types,window",
+    [(None, None), (["sliding_attention", "full_attention"], 5), (["sliding_attention", "sliding_attention"], 3)],
+)
 def test_decoding_drafter_sees_what_training_showed_it(target_model, target, layer_types, window, in_block_causality):
     """Proposals while decoding equal the training forward's argmax on the same anchors: same context
     (every token strictly before the anchor), same positions, same sliding window (3: smaller than the
@@ -187,9 +204,13 @@ def test_decoding_drafter_sees_what_training_showed_it(target_model, target, lay
     ids = prompt(5, length=24)
     target.reset()
     _, features = target.forward(ids, 0, logits=False)
-    batch = PackedBatch(input_ids=ids.int(), loss_mask=torch.ones(24, dtype=torch.uint8),
-                        cu_seqlens=torch.tensor([0, 24], dtype=torch.int32), sample_ids=torch.tensor([0]),
-                        aux_hidden=features)
+    batch = PackedBatch(
+        input_ids=ids.int(),
+        loss_mask=torch.ones(24, dtype=torch.uint8),
+        cu_seqlens=torch.tensor([0, 24], dtype=torch.int32),
+        sample_ids=torch.tensor([0]),
+        aux_hidden=features,
+    )
     config = drafter.config
     blocks = build_blocks(batch, 24, BLOCK, config.mask_token_id, torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -224,14 +245,24 @@ def test_eval_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"^eval\.every_steps: must be a multiple of logging\.log_every"):
         load_config(None, ["eval.every_steps=15", "logging.log_every=10"])
     # Tokenized or chat data without eval.paths is evaluated on records held out of it (producer/data.py run_sources).
-    assert load_config(None, ["eval.every_steps=10", "data.format=tokenized", "data.paths=['x.jsonl']"]).eval.paths == []
+    assert (
+        load_config(None, ["eval.every_steps=10", "data.format=tokenized", "data.paths=['x.jsonl']"]).eval.paths == []
+    )
     assert RunConfig().eval.every_steps == 0  # off unless asked for
     assert load_config("launch/tiny.toml").eval.every_steps > 0
 
 
 def test_training_evaluation_logs_when_due(tmp_path, target_dir, target_model):
-    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32",
-                             "eval.every_steps=4", "logging.log_every=2"])
+    cfg = load_config(
+        None,
+        [
+            *SMALL_DATA,
+            f"target.path={json.dumps(str(target_dir))}",
+            "target.dtype=float32",
+            "eval.every_steps=4",
+            "logging.log_every=2",
+        ],
+    )
     drafter = random_drafter(target_model).train()
     evaluation = TrainingEvaluation(cfg, target_model, LAYER_IDS)
     metrics = tmp_path / "metrics.jsonl"
@@ -245,8 +276,16 @@ def test_training_evaluation_logs_when_due(tmp_path, target_dir, target_model):
 
 
 def test_training_evaluation_refuses_another_target(tmp_path, target_dir, target_model):
-    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32",
-                             "eval.every_steps=2", "logging.log_every=2"])
+    cfg = load_config(
+        None,
+        [
+            *SMALL_DATA,
+            f"target.path={json.dumps(str(target_dir))}",
+            "target.dtype=float32",
+            "eval.every_steps=2",
+            "logging.log_every=2",
+        ],
+    )
     other = tiny_qwen3_target(tmp_path / "other", vocab_size=64, num_layers=6, hidden=32, seed=1)
     drafter = random_drafter(other)
     evaluation = TrainingEvaluation(cfg, target_model, LAYER_IDS)
@@ -259,8 +298,10 @@ def test_training_evaluation_refuses_another_target(tmp_path, target_dir, target
 def test_command_evaluates_a_run_checkpoint(tmp_path, target_dir, target_model, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    save_config(load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32"]),
-                run / "config.toml")
+    save_config(
+        load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32"]),
+        run / "config.toml",
+    )
     export_zlab(random_drafter(target_model), run / "checkpoints" / "step-00000010" / "drafter", dtype=None)
     out_json = tmp_path / "eval.json"
     assert main(["--checkpoint", str(run / "checkpoints" / "step-00000010"), "--json-out", str(out_json)]) == 0
@@ -305,7 +346,8 @@ def steered_drafts(reference: list[int], prompt_len: int, position: int, row: in
     """The target's own continuation after ``position``, wrong at the slots a fixed rule picks: acceptance
     lengths of every size, the same whether a prompt is decoded alone or with others."""
     start = position + 1 - prompt_len
-    right = reference[start: start + BLOCK - 1]
+    right = reference[start : start + BLOCK - 1]
+
     def wrong(slot: int) -> bool:  # about one slot in three, by a fixed draw per (position, slot, row)
         return float(torch.rand(1, generator=torch.Generator().manual_seed(1000 * position + 10 * slot + row))) < 0.35
 
@@ -329,8 +371,10 @@ class SteeredRows:
         self.block_size = BLOCK
 
     def propose(self, rows, tokens, positions):
-        return [steered_drafts(self.transcripts[r].continuation, self.transcripts[r].prompt_len, p, r)
-                for r, p in zip(rows, positions)]
+        return [
+            steered_drafts(self.transcripts[r].continuation, self.transcripts[r].prompt_len, p, r)
+            for r, p in zip(rows, positions)
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -339,10 +383,20 @@ def sliding_target(tmp_path_factory) -> GreedyTarget:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(3)
-    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=6, use_sliding_window=True,
-                         layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        sliding_window=6,
+        use_sliding_window=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     directory = tmp_path_factory.mktemp("sliding")
     Qwen3ForCausalLM(config).save_pretrained(directory)
     return GreedyTarget(Qwen3ForCausalLM.from_pretrained(directory).eval(), LAYER_IDS)
@@ -355,7 +409,7 @@ def test_transcripts_are_greedy_decoding_and_the_features_of_its_text(target, to
     prompts = [prompt(30, 5), prompt(31, 13), prompt(32, 9), prompt(33, 11)]
     transcripts = greedy_transcripts(target, prompts, 20, together)
     for p, transcript in zip(prompts, transcripts):
-        assert transcript.prompt_len == len(p) and transcript.tokens[:len(p)] == p.tolist()
+        assert transcript.prompt_len == len(p) and transcript.tokens[: len(p)] == p.tolist()
         assert transcript.continuation == greedy_decode(target, p, 20)
         target.reset()
         _, expected = target.forward(torch.tensor(transcript.tokens[:-1]), 0, logits=False)
@@ -385,8 +439,9 @@ def test_the_replay_keeps_exactly_what_live_decoding_keeps(target, sliding_targe
 def test_one_drafter_forward_for_all_rows_equals_each_row_alone(target_model, target):
     """The packed proposal (every block sees only its own row's context, windows and in-block causality as
     trained) gives each row the drafts it gets alone, over the prefix of its features that a position asks for."""
-    drafter = random_drafter(target_model, layer_types=["sliding_attention", "full_attention"], sliding_window=3,
-                             in_block_causality="causal")
+    drafter = random_drafter(
+        target_model, layer_types=["sliding_attention", "full_attention"], sliding_window=3, in_block_causality="causal"
+    )
     for name, weight in drafter.named_parameters():
         if name.endswith("proj.weight") or name == "fc.weight":
             torch.nn.init.normal_(weight, std=0.3)
@@ -401,7 +456,7 @@ def test_one_drafter_forward_for_all_rows_equals_each_row_alone(target_model, ta
         together = rows.propose([0, 1, 2], tokens, positions)
         for r in range(3):
             single = DraftContext(drafter)
-            single.extend(features[r][:positions[r]])
+            single.extend(features[r][: positions[r]])
             assert together[r] == single.propose(tokens[r], positions[r]).tolist(), f"row {r}"
         assert rows.propose([2, 0], [40, 3], [8, 5]) == [together[2], together[0]]
 
@@ -446,8 +501,13 @@ def live_and_replayed_drafts(evaluator: Evaluator, drafter: DFlashDrafter, monke
         for r, document in enumerate(evaluator.documents):
             context = DraftContext(drafter)
             context.row = r
-            speculative_decode(context, evaluator.target, prompt_of(document, evaluator.config.prompt_len),
-                               evaluator.config.max_new_tokens, evaluator.stop_token_ids)
+            speculative_decode(
+                context,
+                evaluator.target,
+                prompt_of(document, evaluator.config.prompt_len),
+                evaluator.config.max_new_tokens,
+                evaluator.stop_token_ids,
+            )
     evaluator.target.detach()
     report = evaluator.evaluate(drafter)
     return sorted(live), sorted(replayed), report
@@ -456,8 +516,9 @@ def live_and_replayed_drafts(evaluator: Evaluator, drafter: DFlashDrafter, monke
 def test_the_evaluator_drafts_what_live_decoding_drafts(target_model, target_dir, monkeypatch):
     """The real drafter, end to end: every block of the evaluator's replay (prompts in groups of 2) is the block
     live decoding drafts, at the same anchor, over the same context."""
-    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=5",
-                             "eval.batch_prompts=2"])
+    cfg = load_config(
+        None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=5", "eval.batch_prompts=2"]
+    )
     drafter = strong_drafter(target_model, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     evaluator = build_evaluator(cfg, target_model, LAYER_IDS)
     live, replayed, report = live_and_replayed_drafts(evaluator, drafter, monkeypatch)
@@ -482,9 +543,19 @@ def test_an_evaluation_after_the_first_runs_no_target_forward(target_model, targ
         for report in (first, second):
             assert 0 < report.decode_seconds < report.seconds - report.reference_seconds
             assert report.metrics()["eval/decode_seconds"] == report.decode_seconds
-        no_room = build_evaluator(load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}",
-                                                     "eval.num_prompts=4", "eval.reference_cache_gb=0"]),
-                                  target_model, LAYER_IDS)
+        no_room = build_evaluator(
+            load_config(
+                None,
+                [
+                    *SMALL_DATA,
+                    f"target.path={json.dumps(str(target_dir))}",
+                    "eval.num_prompts=4",
+                    "eval.reference_cache_gb=0",
+                ],
+            ),
+            target_model,
+            LAYER_IDS,
+        )
         assert no_room.evaluate(strong_drafter(target_model)).tau == second.tau
         forwards.clear()
         again = no_room.evaluate(strong_drafter(target_model))
@@ -504,12 +575,25 @@ def test_a_drafter_with_a_larger_block_gets_longer_continuations(target_model, t
 
 
 def test_evaluation_of_prompts_together_reports_what_one_at_a_time_reports(target_model, target_dir):
-    overrides = [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=5", "eval.max_new_tokens=24"]
+    overrides = [
+        *SMALL_DATA,
+        f"target.path={json.dumps(str(target_dir))}",
+        "eval.num_prompts=5",
+        "eval.max_new_tokens=24",
+    ]
     drafter = strong_drafter(target_model)
-    batched = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=4"]), target_model, LAYER_IDS).evaluate(drafter)
-    single = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=1"]), target_model, LAYER_IDS).evaluate(drafter)
-    assert (batched.tau, batched.accept_pos, batched.generated_tokens, batched.target_forwards) == \
-        (single.tau, single.accept_pos, single.generated_tokens, single.target_forwards)
+    batched = build_evaluator(
+        load_config(None, [*overrides, "eval.batch_prompts=4"]), target_model, LAYER_IDS
+    ).evaluate(drafter)
+    single = build_evaluator(load_config(None, [*overrides, "eval.batch_prompts=1"]), target_model, LAYER_IDS).evaluate(
+        drafter
+    )
+    assert (batched.tau, batched.accept_pos, batched.generated_tokens, batched.target_forwards) == (
+        single.tau,
+        single.accept_pos,
+        single.generated_tokens,
+        single.target_forwards,
+    )
 
 
 def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model, target_dir):
@@ -518,8 +602,9 @@ def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model,
     the rest of a longer answer."""
     from common.drafter.evaluate import decoded_span, document_features, simulated_acceptance
 
-    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4",
-                             "eval.max_new_tokens=8"])
+    cfg = load_config(
+        None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4", "eval.max_new_tokens=8"]
+    )
     evaluator = build_evaluator(cfg, target_model, LAYER_IDS)
     drafter = strong_drafter(target_model)
     report = evaluator.evaluate(drafter)
@@ -528,7 +613,7 @@ def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model,
     assert all(len(s) == n + 8 + BLOCK - 2 < len(d) for s, n, d in zip(spans, starts, evaluator.documents))
     assert all(a.tolist() == list(range(n, n + 7)) for a, n in zip(anchors, starts))
     # The answer's first token comes from the prefill, never from a block: it is no label, so no block ends the prompt.
-    assert all(s.loss_mask[:n + 1].sum() == 0 and s.loss_mask[n + 1:].all() for s, n in zip(spans, starts))
+    assert all(s.loss_mask[: n + 1].sum() == 0 and s.loss_mask[n + 1 :].all() for s, n in zip(spans, starts))
     with torch.no_grad():
         whole_features = [document_features(evaluator.target, d) for d in evaluator.documents]
         on_spans, _ = simulated_acceptance(drafter, spans, whole_features, cfg.drafter.num_anchors, anchors=anchors)
@@ -547,8 +632,12 @@ def test_the_last_blocks_of_the_decoded_span_are_scored_whole():
     document = Document(0, np.arange(105, dtype=np.int32), np.r_[np.zeros(5), np.ones(100)].astype(np.uint8))
     span, anchors = decoded_span(document, 0, max_new, block)
     assert anchors.tolist() == list(range(5, 5 + max_new - 1))
-    batch = PackedBatch(input_ids=torch.as_tensor(span.input_ids), loss_mask=torch.as_tensor(span.loss_mask),
-                        cu_seqlens=torch.tensor([0, len(span)], dtype=torch.int32), sample_ids=torch.tensor([0]))
+    batch = PackedBatch(
+        input_ids=torch.as_tensor(span.input_ids),
+        loss_mask=torch.as_tensor(span.loss_mask),
+        cu_seqlens=torch.tensor([0, len(span)], dtype=torch.int32),
+        sample_ids=torch.tensor([0]),
+    )
     blocks = build_blocks(batch, 0, block, 99, None, anchors)
     assert blocks.label_mask.all(), "every block of the span supervised in all its slots"
     short = Document(0, document.input_ids[:12], document.loss_mask[:12])  # an answer shorter than the blocks read
@@ -563,11 +652,18 @@ def test_the_simulated_tau_counts_each_blocks_own_streak():
     from common.drafter.loss import draft_metrics
 
     label_mask = torch.ones(2, 3, dtype=torch.bool)
-    blocks = DraftBlocks(anchors=torch.tensor([0, 5]), valid=torch.tensor([True, True]), doc_start=torch.zeros(2, dtype=torch.long),
-                         block_ids=torch.zeros(2, 4, dtype=torch.long), block_positions=torch.zeros(2, 4, dtype=torch.long),
-                         label_index=torch.zeros(2, 3, dtype=torch.long), label_ids=torch.zeros(2, 3, dtype=torch.long),
-                         label_mask=label_mask, context_doc_ids=torch.zeros(10, dtype=torch.int32),
-                         context_positions=torch.arange(10))
+    blocks = DraftBlocks(
+        anchors=torch.tensor([0, 5]),
+        valid=torch.tensor([True, True]),
+        doc_start=torch.zeros(2, dtype=torch.long),
+        block_ids=torch.zeros(2, 4, dtype=torch.long),
+        block_positions=torch.zeros(2, 4, dtype=torch.long),
+        label_index=torch.zeros(2, 3, dtype=torch.long),
+        label_ids=torch.zeros(2, 3, dtype=torch.long),
+        label_mask=label_mask,
+        context_doc_ids=torch.zeros(10, dtype=torch.int32),
+        context_positions=torch.arange(10),
+    )
     correct = torch.tensor([[True, True, False], [False, True, True]])
     metrics = draft_metrics(blocks, torch.zeros(2, 3), correct)
     assert metrics["tau"] == pytest.approx(2.0)
@@ -601,17 +697,23 @@ def test_the_simulation_at_the_decodings_anchors_is_real_tau_and_the_rest_is_spl
     """A drafter trained on the target's greedy text accepts whole blocks; the training forward at the anchors the
     decoding visited gives real tau exactly (serving runs what training trained); every anchor of the same text,
     and documents that are not the target's text, give figures of their own."""
-    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=6",
-                             "eval.max_new_tokens=40"])
+    cfg = load_config(
+        None,
+        [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=6", "eval.max_new_tokens=40"],
+    )
     evaluator = build_evaluator(cfg, target_model, LAYER_IDS)
     drafter = random_drafter(target_model)
     evaluator.evaluate(drafter)  # makes the target's reference: the greedy texts to train on
     transcripts = evaluator.reference.transcripts
     lengths = [len(t.tokens) - 1 for t in transcripts]
     loss_mask = torch.cat([torch.arange(n) > t.prompt_len for n, t in zip(lengths, transcripts)]).to(torch.uint8)
-    batch = PackedBatch(input_ids=torch.cat([torch.tensor(t.tokens[:-1]) for t in transcripts]).to(torch.int32),
-                        loss_mask=loss_mask, cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
-                        sample_ids=torch.arange(len(transcripts)), aux_hidden=torch.cat([t.features for t in transcripts]))
+    batch = PackedBatch(
+        input_ids=torch.cat([torch.tensor(t.tokens[:-1]) for t in transcripts]).to(torch.int32),
+        loss_mask=loss_mask,
+        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+        sample_ids=torch.arange(len(transcripts)),
+        aux_hidden=torch.cat([t.features for t in transcripts]),
+    )
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     drafter.train()
@@ -626,4 +728,7 @@ def test_the_simulation_at_the_decodings_anchors_is_real_tau_and_the_rest_is_spl
     assert report.sim_tau_greedy != pytest.approx(report.sim_tau_walk)
     assert report.sim_tau != pytest.approx(report.sim_tau_greedy)  # the held-out documents are random text
     metrics = report.metrics()
-    assert (metrics["eval/sim_tau_greedy"], metrics["eval/sim_tau_walk"]) == (report.sim_tau_greedy, report.sim_tau_walk)
+    assert (metrics["eval/sim_tau_greedy"], metrics["eval/sim_tau_walk"]) == (
+        report.sim_tau_greedy,
+        report.sim_tau_walk,
+    )

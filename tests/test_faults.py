@@ -43,8 +43,15 @@ from trainer.checkpoint import read_train_state
 # Points an ordinary run reaches. The handover points fire only on restart-trainer (tests/test_handover.py),
 # producer.evaluate and trainer.export only on an evaluation (tests/test_eval_in_producer.py): a plan drawn here
 # would wait forever.
-ONLY_ON_REQUEST = {"trainer.stage", "trainer.handover", "trainer.takeover", "trainer.resume", "trainer.taken",
-                   "producer.evaluate", "trainer.export"}
+ONLY_ON_REQUEST = {
+    "trainer.stage",
+    "trainer.handover",
+    "trainer.takeover",
+    "trainer.resume",
+    "trainer.taken",
+    "producer.evaluate",
+    "trainer.export",
+}
 TRAINER_POINTS = sorted(p for p in POINTS if p.startswith("trainer.") and p not in ONLY_ON_REQUEST)
 PRODUCER_POINTS = sorted(p for p in POINTS if p.startswith("producer.") and p not in ONLY_ON_REQUEST)
 COUNTS = {  # the count-th time the point is reached (range, both ends included)
@@ -58,23 +65,33 @@ COUNTS = {  # the count-th time the point is reached (range, both ends included)
     "producer.publish": (1, 15),
 }
 FAULT_RUN = [
-    "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=5", "logging.log_every=5",
+    "training.max_steps=0",
+    "training.epochs=1000",
+    "training.checkpoint_every=5",
+    "logging.log_every=5",
     # Every kill is a crash to the launcher: restart at once, and never give up on this run.
-    "launch.restart_backoff_s=0", "launch.max_restarts=100",
+    "launch.restart_backoff_s=0",
+    "launch.max_restarts=100",
     "logging.wandb_mode=disabled",  # each trainer start would also start wandb's service: seconds of CPU
 ]
-LAUNCHER_EVENT = re.compile(r"(?:re)?started (?P<started>trainer|producer-\d+) pid (?P<pid>\d+)|(?P<ready>producer-\d+) ready in")
+LAUNCHER_EVENT = re.compile(
+    r"(?:re)?started (?P<started>trainer|producer-\d+) pid (?P<pid>\d+)|(?P<ready>producer-\d+) ready in"
+)
 
 
 def make_plan(rng: random.Random, trainer_kills: int, producer_kills: int) -> list[Fault]:
     """Points drawn so that each is used about equally often, counts at random; shuffled together."""
+
     def draw(points: list[str], n: int) -> list[str]:
         picked = []
         while len(picked) < n:
             picked += rng.sample(points, min(len(points), n - len(picked)))
         return picked
 
-    plan = [Fault(p, rng.randint(*COUNTS[p])) for p in draw(TRAINER_POINTS, trainer_kills) + draw(PRODUCER_POINTS, producer_kills)]
+    plan = [
+        Fault(p, rng.randint(*COUNTS[p]))
+        for p in draw(TRAINER_POINTS, trainer_kills) + draw(PRODUCER_POINTS, producer_kills)
+    ]
     rng.shuffle(plan)
     return plan
 
@@ -97,20 +114,34 @@ def run_plan(run_dir: Path, plan: list[Fault], epochs_after: int, timeout_s: flo
     fault_log = run_dir.parent / "faults.jsonl"
     env = {**os.environ, PLAN_ENV: format_plan(plan), LOG_ENV: str(fault_log)}
     with open(run_dir.parent / "launcher.out", "w") as out:
-        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL, *FAULT_RUN],
-                                    cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(
+            [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL, *FAULT_RUN],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     run = RunDir(run_dir)
     try:
-        wait_for(lambda: len(read_log(fault_log)) == len(plan) or launcher.poll() is not None,
-                 f"all {len(plan)} faults to fire", timeout_s)
+        wait_for(
+            lambda: len(read_log(fault_log)) == len(plan) or launcher.poll() is not None,
+            f"all {len(plan)} faults to fire",
+            timeout_s,
+        )
         fired = read_log(fault_log)
         assert len(fired) == len(plan), f"the run ended after {len(fired)} of {len(plan)} faults: {_logs(run_dir)}"
         # Only lines written after the last fault are sure to stay in the lineage (a killed trainer's
         # unsaved steps are trained again), and the audit needs epoch 2 of every producer in it.
         last_fault = fired[-1]["time"]
         goal = {p: max(_epoch_reached(run, p) + epochs_after, 2) for p in (0, 1)}
-        wait_for(lambda: (all(_epoch_reached(run, p, after=last_fault) >= goal[p] for p in goal) and _all_serving(run))
-                 or launcher.poll() is not None, "training to go on from every producer after the last fault", timeout_s)
+        wait_for(
+            lambda: (
+                (all(_epoch_reached(run, p, after=last_fault) >= goal[p] for p in goal) and _all_serving(run))
+                or launcher.poll() is not None
+            ),
+            "training to go on from every producer after the last fault",
+            timeout_s,
+        )
         stopped = run_all("stop", "--run-dir", str(run_dir))
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         assert launcher.wait(timeout=120) == 0, _logs(run_dir)
@@ -121,8 +152,12 @@ def run_plan(run_dir: Path, plan: list[Fault], epochs_after: int, timeout_s: flo
     assert [(f["point"], f["count"]) for f in fired] == [(f.point, f.count) for f in plan]
     recovered = _recovered(run, fired)
     audited, lost, repeated, lines = _audit_ledger(run)
-    _audit_checkpoints(run, sum(f.point == "trainer.checkpoint" for f in plan), sum(f.point.startswith("trainer.") for f in plan))
-    return Outcome(len(fired), recovered, audited, lost, repeated, len(lines), len({line["incarnation"] for line in lines}))
+    _audit_checkpoints(
+        run, sum(f.point == "trainer.checkpoint" for f in plan), sum(f.point.startswith("trainer.") for f in plan)
+    )
+    return Outcome(
+        len(fired), recovered, audited, lost, repeated, len(lines), len({line["incarnation"] for line in lines})
+    )
 
 
 def _logs(run_dir: Path) -> str:
@@ -145,15 +180,18 @@ def _epoch_reached(run: RunDir, producer: int, after: float = 0.0) -> int:
 def _all_serving(run: RunDir) -> bool:
     """Every producer's current process is ready and the trainer has taken batches from it."""
     statuses = run.producer_statuses()
-    return len(statuses) == 2 and all(s.get("ready") and process_alive(s.get("pid")) and s.get("released", 0) > 0
-                                      for s in statuses)
+    return len(statuses) == 2 and all(
+        s.get("ready") and process_alive(s.get("pid")) and s.get("released", 0) > 0 for s in statuses
+    )
 
 
 def _recovered(run: RunDir, fired: list[dict]) -> int:
     """How many victims came back by themselves: the launcher restarted the process and the new
     one went back to work (a trainer trained a step; a producer loaded its target and said ready)."""
-    events = [(m["started"], int(m["pid"]), None) if m["started"] else (None, None, m["ready"])
-              for m in LAUNCHER_EVENT.finditer(run.log("launcher").read_text())]
+    events = [
+        (m["started"], int(m["pid"]), None) if m["started"] else (None, None, m["ready"])
+        for m in LAUNCHER_EVENT.finditer(run.log("launcher").read_text())
+    ]
     incarnations = {json.loads(line)["incarnation"] for line in run.ledger.read_text().splitlines()}
     recovered = 0
     for fault in fired:
@@ -161,14 +199,14 @@ def _recovered(run: RunDir, fired: list[dict]) -> int:
         assert killed_at is not None, f"fault {fault} killed pid {fault['pid']}, which the launcher did not start"
         role = events[killed_at][0]
         assert role.startswith(fault["point"].split(".")[0]), f"fault {fault} killed the {role}"
-        later = events[killed_at + 1:]
+        later = events[killed_at + 1 :]
         restarted = next((i for i, (started, _, _) in enumerate(later) if started == role), None)
         assert restarted is not None, f"the launcher never restarted the {role} after fault {fault}"
         if role == "trainer":
             # Incarnations are start times in microseconds: one that started after the kill trained.
             back = any(incarnation > fault["time"] * 1e6 for incarnation in incarnations)
         else:
-            back = any(ready == role for _, _, ready in later[restarted + 1:])
+            back = any(ready == role for _, _, ready in later[restarted + 1 :])
         assert back, f"the {role} restarted after fault {fault} never went back to work"
         recovered += 1
     return recovered
@@ -212,8 +250,9 @@ def _audit_checkpoints(run: RunDir, checkpoint_kills: int, trainer_kills: int) -
     # Each kill at the checkpoint point left a half-written folder for the next trainer to clean up. A kill
     # elsewhere may too: checkpoints are written in the background while training goes on.
     cleaned = run.log("trainer").read_text().count("left by a trainer killed while checkpointing")
-    assert checkpoint_kills <= cleaned <= trainer_kills, \
+    assert checkpoint_kills <= cleaned <= trainer_kills, (
         f"{checkpoint_kills} kills inside a checkpoint write, {trainer_kills} trainer kills, {cleaned} leftovers cleaned up"
+    )
 
 
 def _seed() -> int:
@@ -224,10 +263,19 @@ def _seed() -> int:
 
 def _report(outcome: Outcome, plan: list[Fault]) -> None:
     print(f"plan: {format_plan(plan)}")
-    print(json.dumps({"faults_injected": outcome.injected, "recovered": outcome.recovered,
-                      "samples_audited": outcome.audited, "samples_lost": outcome.lost,
-                      "samples_repeated": outcome.repeated, "steps": outcome.steps,
-                      "trainer_incarnations_in_lineage": outcome.trainer_incarnations}))
+    print(
+        json.dumps(
+            {
+                "faults_injected": outcome.injected,
+                "recovered": outcome.recovered,
+                "samples_audited": outcome.audited,
+                "samples_lost": outcome.lost,
+                "samples_repeated": outcome.repeated,
+                "steps": outcome.steps,
+                "trainer_incarnations_in_lineage": outcome.trainer_incarnations,
+            }
+        )
+    )
 
 
 REACH = "import sys\nfrom common import faults\nfor i in range(int(sys.argv[2])):\n    faults.point(sys.argv[1])\n    print(i + 1, flush=True)\n"
@@ -235,7 +283,9 @@ REACH = "import sys\nfrom common import faults\nfor i in range(int(sys.argv[2]))
 
 def _reach(point: str, times: int, env: dict[str, str]) -> tuple[int, int]:
     """(exit code, times reached before it) of a process that reaches ``point`` ``times`` times."""
-    out = subprocess.run([sys.executable, "-c", REACH, point, str(times)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", REACH, point, str(times)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     return out.returncode, len(out.stdout.split())
 
 
@@ -249,7 +299,10 @@ def test_a_plan_is_consumed_in_order_across_processes_each_fault_once(tmp_path):
     assert _reach("producer.publish", 5, env) == (-signal.SIGKILL, 0)
     assert _reach("producer.publish", 5, env) == (0, 5), "the plan is done"
     assert [(f["index"], f["point"], f["count"]) for f in read_log(log)] == [
-        (0, "producer.publish", 3), (1, "producer.fill", 2), (2, "producer.publish", 1)]
+        (0, "producer.publish", 3),
+        (1, "producer.fill", 2),
+        (2, "producer.publish", 1),
+    ]
     assert _reach("producer.publish", 5, {k: v for k, v in env.items() if k != PLAN_ENV}) == (0, 5)
 
 
@@ -257,23 +310,38 @@ def test_a_point_can_kill_a_peer_and_the_killer_goes_on(tmp_path):
     log = tmp_path / "faults.jsonl"
     peer = subprocess.Popen(["sleep", "60"])
     program = f"from common import faults\nfaults.point('trainer.handshake', victim={peer.pid})\nprint('alive')\n"
-    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, PLAN_ENV: "trainer.handshake:1", LOG_ENV: str(log)})
+    out = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, PLAN_ENV: "trainer.handshake:1", LOG_ENV: str(log)},
+    )
     assert out.stdout.strip() == "alive", out.stderr
     assert peer.wait(timeout=10) == -signal.SIGKILL
     [fired] = read_log(log)
     assert fired["pid"] == peer.pid and fired["by"] != peer.pid
 
 
-@pytest.mark.parametrize("plan, message", [("trainer.nowhere:1", "unknown fault point"), ("trainer.step:0", "count >= 1"),
-                                           ("trainer.step", "count >= 1")])
+@pytest.mark.parametrize(
+    "plan, message",
+    [("trainer.nowhere:1", "unknown fault point"), ("trainer.step:0", "count >= 1"), ("trainer.step", "count >= 1")],
+)
 def test_a_bad_plan_is_refused_naming_the_entry(plan, message):
     with pytest.raises(ValueError, match=message):
         parse_plan(plan)
 
 
-@pytest.mark.parametrize("delays, message", [("trainer.nowhere=1", "unknown fault point"), ("trainer.checkpoint=-1", "seconds >= 0"),
-                                             ("trainer.checkpoint", "seconds >= 0"), ("trainer.checkpoint=soon", "seconds >= 0")])
+@pytest.mark.parametrize(
+    "delays, message",
+    [
+        ("trainer.nowhere=1", "unknown fault point"),
+        ("trainer.checkpoint=-1", "seconds >= 0"),
+        ("trainer.checkpoint", "seconds >= 0"),
+        ("trainer.checkpoint=soon", "seconds >= 0"),
+    ],
+)
 def test_a_bad_delay_is_refused_naming_the_entry(delays, message):
     with pytest.raises(ValueError, match=message):
         parse_delays(delays)

@@ -20,14 +20,18 @@ def stops_with_2(run_dir: Path, *overrides: str) -> tuple[str, float]:
     code = launcher.wait(timeout=150)
     seconds = time.monotonic() - began
     text = (run_dir.parent / "launcher.out").read_text()
-    text += "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    text += (
+        "".join(p.read_text() for p in sorted((run_dir / "logs").glob("*.log"))) if (run_dir / "logs").exists() else ""
+    )
     assert code == 2, text[-3000:]
     assert "restarting" not in text.lower() and "restart in" not in text.lower(), text[-3000:]
     return text, seconds
 
 
 def test_a_missing_data_file_stops_the_run(short_tmp):
-    text, seconds = stops_with_2(short_tmp / "run", 'data.format="tokenized"', 'data.paths=["/nonexistent/train.jsonl"]')
+    text, seconds = stops_with_2(
+        short_tmp / "run", 'data.format="tokenized"', 'data.paths=["/nonexistent/train.jsonl"]'
+    )
     assert "data.paths: data file not found: '/nonexistent/train.jsonl'" in text
     assert seconds < 60
 
@@ -41,10 +45,19 @@ def test_an_empty_data_file_stops_the_run_naming_it(short_tmp):
 
 def test_a_file_without_a_usable_record_stops_the_run_naming_the_first_bad_lines(short_tmp):
     bad = short_tmp / "bad.jsonl"
-    bad.write_text("\n".join([json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}), "{not json",
-                              json.dumps({"text": "x"})]) + "\n")
-    text, seconds = stops_with_2(short_tmp / "run", 'data.format="tokenized"', f'data.paths=["{bad}"]',
-                                 "launch.num_producers=1", 'launch.producer_devices=["cpu"]')
+    bad.write_text(
+        "\n".join(
+            [json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}), "{not json", json.dumps({"text": "x"})]
+        )
+        + "\n"
+    )
+    text, seconds = stops_with_2(
+        short_tmp / "run",
+        'data.format="tokenized"',
+        f'data.paths=["{bad}"]',
+        "launch.num_producers=1",
+        'launch.producer_devices=["cpu"]',
+    )
     assert "no good document" in text and str(bad) in text and f"{bad}:2" in text
     assert seconds < 90
 
@@ -77,8 +90,15 @@ def test_a_tokenizer_without_a_spare_id_for_the_mask_stops_the_run_naming_the_ke
 def test_mask_token_as_released_drafts_pick_it():
     from transformers import Qwen3Config
 
-    config = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    config = Qwen3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
 
     class Tokenizer:
         def __init__(self, size, added=None, mask=None):
@@ -92,8 +112,9 @@ def test_mask_token_as_released_drafts_pick_it():
 
     assert DraftConfig.from_target(config, 2, Tokenizer(100, mask=7)).mask_token_id == 7
     assert DraftConfig.from_target(config, 2, Tokenizer(100)).mask_token_id == 100  # a spare row (Qwen)
-    llama = Tokenizer(128, {"<|begin_of_text|>": 120, "<|reserved_special_token_1|>": 123,
-                            "<|reserved_special_token_0|>": 122})
+    llama = Tokenizer(
+        128, {"<|begin_of_text|>": 120, "<|reserved_special_token_1|>": 123, "<|reserved_special_token_0|>": 122}
+    )
     assert DraftConfig.from_target(config, 2, llama).mask_token_id == 122
     with pytest.raises(ValueError, match="drafter.mask_token_id"):
         DraftConfig.from_target(config, 2, Tokenizer(128, {"<|eot|>": 127}))
@@ -119,8 +140,16 @@ def test_check_prints_what_training_would_see(tmp_path):
     data = tmp_path / "train.jsonl"
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"}]}
     data.write_text("\n".join([json.dumps(good), "{oops", json.dumps({"prompt": "x"}), json.dumps(good)]) + "\n")
-    command = [str(root / "launch" / "run_all.sh"), "check", f"target.path={target}", "target.config_overrides={}",
-               'data.format="chat"', f'data.paths=["{data}"]', "eval.every_steps=0", "--json"]
+    command = [
+        str(root / "launch" / "run_all.sh"),
+        "check",
+        f"target.path={target}",
+        "target.config_overrides={}",
+        'data.format="chat"',
+        f'data.paths=["{data}"]',
+        "eval.every_steps=0",
+        "--json",
+    ]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -132,8 +161,9 @@ def test_check_prints_what_training_would_see(tmp_path):
     assert f"mask token {len(tiny_tokenizer(PLAIN_TEMPLATE))}" in out, "the first id past the tokenizer"
     assert not (tmp_path / "runs").exists(), "check starts no run"
 
-    missing = subprocess.run([*command[:-1], 'data.paths=["/nope.jsonl"]'], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=120)
+    missing = subprocess.run(
+        [*command[:-1], 'data.paths=["/nope.jsonl"]'], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert missing.returncode == 2 and "data.paths: data file not found: '/nope.jsonl'" in missing.stderr
 
 
@@ -158,8 +188,17 @@ def test_check_reads_the_held_out_records_and_lists_every_bad_record_once(tmp_pa
         lines[i] = "{oops"
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(lines) + "\n")
-    command = [str(root / "launch" / "run_all.sh"), "check", f"target.path={target}", "target.config_overrides={}",
-               'data.format="chat"', f'data.paths=["{data}"]', "eval.every_steps=0", "eval.num_prompts=4", "--json"]
+    command = [
+        str(root / "launch" / "run_all.sh"),
+        "check",
+        f"target.path={target}",
+        "target.config_overrides={}",
+        'data.format="chat"',
+        f'data.paths=["{data}"]',
+        "eval.every_steps=0",
+        "eval.num_prompts=4",
+        "--json",
+    ]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out, figures_line = done.stdout.strip().rsplit("\n", 1)
@@ -188,12 +227,19 @@ def test_a_hub_id_in_the_local_cache_is_a_target_path(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     command = [str(root / "launch" / "run_all.sh"), "check", "--sample", "5", "target.config_overrides={}"]
-    found = subprocess.run([*command, "target.path=acme/tiny-qwen3"], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=120)
+    found = subprocess.run(
+        [*command, "target.path=acme/tiny-qwen3"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert found.returncode == 0, found.stderr
     assert "target qwen3: 6 layers, hidden 32, vocab 64" in found.stdout
-    absent = subprocess.run([*command, "target.path=acme/not-downloaded"], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=120)
+    absent = subprocess.run(
+        [*command, "target.path=acme/not-downloaded"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert absent.returncode == 2
     assert "target.path: 'acme/not-downloaded' is no folder and is not in the local Hugging Face cache" in absent.stderr
 
@@ -206,9 +252,21 @@ def test_progress_view_shows_only_the_current_trainers_figures(tmp_path):
 
     run = RunDir(tmp_path / "run")
     (run.root / "producers").mkdir(parents=True)
-    atomic_write_json(run.producer_status(0), {"id": 0, "ring": {"slots": 4, "free": 1, "filling": 0, "ready": 2, "leased": 1}})
-    old = {"step": 40, "max_steps": 100, "state": "training", "updated": 1000.0, "loss": 3.5, "tau": 1.7, "lr": 1e-3,
-           "samples_per_s": 6.0, "steps_per_s": 2.0, "eval": {"step": 40, "tau": 1.5, "sim_tau": 1.7}}
+    atomic_write_json(
+        run.producer_status(0), {"id": 0, "ring": {"slots": 4, "free": 1, "filling": 0, "ready": 2, "leased": 1}}
+    )
+    old = {
+        "step": 40,
+        "max_steps": 100,
+        "state": "training",
+        "updated": 1000.0,
+        "loss": 3.5,
+        "tau": 1.7,
+        "lr": 1e-3,
+        "samples_per_s": 6.0,
+        "steps_per_s": 2.0,
+        "eval": {"step": 40, "tau": 1.5, "sim_tau": 1.7},
+    }
     atomic_write_json(run.trainer_status, old)
     lines = []
     view = ProgressView(run, terminal=False)
@@ -219,8 +277,8 @@ def test_progress_view_shows_only_the_current_trainers_figures(tmp_path):
     real_print = builtins.print
     builtins.print = lambda *a, **k: printed.append(" ".join(map(str, a)))
     try:
-        view.update(trainer_started_wall=900.0, trainer_alive=True)    # the trainer that wrote it
-        view.update(trainer_started_wall=1100.0, trainer_alive=True)   # a new one, still loading
+        view.update(trainer_started_wall=900.0, trainer_alive=True)  # the trainer that wrote it
+        view.update(trainer_started_wall=1100.0, trainer_alive=True)  # a new one, still loading
     finally:
         builtins.print = real_print
     assert len(printed) == 1
@@ -243,22 +301,44 @@ def test_metrics_reach_wandb_by_section_and_the_status_is_a_table(short_tmp):
     # 40 steps, about a second of training here: the figures come with the producers' heartbeats (every 0.25 s),
     # and producer 0 may send none while it makes the evaluator's reference, at the start (12 steps, a third of a
     # second, once ended before its first figures came).
-    finish(start(run_dir, "training.max_steps=40", "eval.every_steps=40", "eval.num_prompts=2", "eval.max_new_tokens=8",
-                 'logging.wandb_mode="offline"'), run_dir)
+    finish(
+        start(
+            run_dir,
+            "training.max_steps=40",
+            "eval.every_steps=40",
+            "eval.num_prompts=2",
+            "eval.max_new_tokens=8",
+            'logging.wandb_mode="offline"',
+        ),
+        run_dir,
+    )
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if "loss" in m]
     for producer in (0, 1):
-        assert any(f"data/{producer}/mean_batch_docs" in m and f"data/{producer}/mean_batch_tokens" in m for m in trained)
+        assert any(
+            f"data/{producer}/mean_batch_docs" in m and f"data/{producer}/mean_batch_tokens" in m for m in trained
+        )
     rows = history(run_dir)
     keys = set().union(*(row.keys() for row in rows))
-    assert {"train/loss", "train/tau", "train/lr", "data/0/mean_batch_docs", "data/1/mean_batch_docs", "ring/0/ready",
-            "eval/tau"} <= keys
+    assert {
+        "train/loss",
+        "train/tau",
+        "train/lr",
+        "data/0/mean_batch_docs",
+        "data/1/mean_batch_docs",
+        "ring/0/ready",
+        "eval/tau",
+    } <= keys
     assert "loss" not in keys
     output = (run_dir.parent / "launcher.out").read_text()
     progress = [line for line in output.splitlines() if line.startswith("step ")]
     assert progress and all(k in progress[-1] for k in ("elapsed", "eta", "lr ", "tau ", "samples/s", "ring "))
-    status = subprocess.run([str(Path(__file__).resolve().parents[1] / "launch" / "run_all.sh"), "status", "--run-dir",
-                             str(run_dir)], capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [str(Path(__file__).resolve().parents[1] / "launch" / "run_all.sh"), "status", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "training  step 40/40 (100%)" in status.stdout and "real " in status.stdout and "{" not in status.stdout
 
 
@@ -274,7 +354,9 @@ def test_a_second_ctrl_c_still_stops_in_order(short_tmp):
 
     run_dir = short_tmp / "run"
     # wandb as by default (tests.test_pipeline.SMALL turns it off): its stop is part of the trainer's stop in order.
-    launcher = start(run_dir, "training.max_steps=100000", "eval.every_steps=0", "training.checkpoint_every=100000", WANDB)
+    launcher = start(
+        run_dir, "training.max_steps=100000", "eval.every_steps=0", "training.checkpoint_every=100000", WANDB
+    )
     run = RunDir(run_dir)
     wait_for(lambda: ((read_json(run.trainer_status) or {}).get("step") or 0) >= 6, "training", 120)
     pids = [p["pid"] for p in run.producer_statuses()]
@@ -288,7 +370,10 @@ def test_a_second_ctrl_c_still_stops_in_order(short_tmp):
     assert read_json(run.latest_checkpoint() / "trainer_state.json")["step"] == stopped_at, "the last step checkpointed"
     assert not [name for name in os.listdir("/dev/shm") if any(f".{pid}-" in name for pid in pids)], "rings freed"
 
-    finish(start(run_dir, f"training.max_steps={stopped_at + 4}", "eval.every_steps=0", "logging.log_every=1", WANDB), run_dir)
+    finish(
+        start(run_dir, f"training.max_steps={stopped_at + 4}", "eval.every_steps=0", "logging.log_every=1", WANDB),
+        run_dir,
+    )
     steps = [json.loads(line)["step"] for line in run.metrics.read_text().splitlines() if "loss" in json.loads(line)]
     assert len(steps) == len(set(steps)), "no step is logged twice"
 
@@ -317,9 +402,10 @@ def test_exports_are_readable_like_the_files_beside_them(tmp_path):
     config = tiny_config()
     drafter = DFlashDrafter(config, random_head(config))
     for out in (export_zlab(drafter, tmp_path / "z"), export_speculators(drafter, tmp_path / "s", "org/t")):
-        weights, config_json = (stat.S_IMODE((out / name).stat().st_mode) for name in ("model.safetensors", "config.json"))
+        weights, config_json = (
+            stat.S_IMODE((out / name).stat().st_mode) for name in ("model.safetensors", "config.json")
+        )
         assert weights == config_json and weights & 0o044 == 0o044, oct(weights)
-
 
 
 def test_run_all_help_lists_the_commands():
@@ -352,10 +438,12 @@ def test_a_finished_run_says_where_its_checkpoint_is_its_tau_and_commands_that_p
     from tests.test_pipeline import finish
 
     run_dir = short_tmp / "run with space"
-    finish(start(run_dir, "training.max_steps=8", "eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8"),
-           run_dir)
+    finish(
+        start(run_dir, "training.max_steps=8", "eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8"),
+        run_dir,
+    )
     output = (run_dir.parent / "launcher.out").read_text()
-    summary = output[output.index("run finished at step 8"):]
+    summary = output[output.index("run finished at step 8") :]
     assert "last checkpoint" in summary and "step-00000008" in summary
     assert "simulated tau" in summary and "real tau" in summary
     export = next(line for line in summary.splitlines() if "-m trainer.export" in line)

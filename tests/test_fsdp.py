@@ -54,11 +54,14 @@ NO_WANDB = "logging.wandb_mode=disabled"
 
 def _optimizer(drafter: DFlashDrafter) -> torch.optim.Optimizer:
     # The trainer's optimizer settings; a large rate so that any difference would show.
-    return torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1,
-                             betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [p for p in drafter.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95)
+    )
 
 
-def _step(model: nn.Module, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, step: int, rank: int) -> torch.Tensor:
+def _step(
+    model: nn.Module, drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, step: int, rank: int
+) -> torch.Tensor:
     """One trainer step (forward, backward, clip, AdamW) on this rank's batch of ``step``; the grad norm."""
     batch = random_batch([40, 25, 31], drafter.config, seed=100 * step + rank)
     loss, _ = model(batch, NUM_ANCHORS, torch.Generator().manual_seed(step), 0.0)
@@ -97,7 +100,9 @@ def _fsdp_matches_ddp(rank: int, store: str, checkpoint: str) -> None:
         held = [0] * WORLD_SIZE
         dist.all_gather_object(held, local_parameter_count(sharded))
         assert sum(held) == total and all(abs(n - total / WORLD_SIZE) <= 0.05 * total for n in held), (held, total)
-        assert not any(isinstance(b, DTensor) for b in sharded.target_head.buffers()), "the frozen target head stays whole"
+        assert not any(isinstance(b, DTensor) for b in sharded.target_head.buffers()), (
+            "the frozen target head stays whole"
+        )
 
         ddp_optimizer, fsdp_optimizer = _optimizer(replicated), _optimizer(sharded)
         for step in range(STEPS):
@@ -163,9 +168,18 @@ def _assert_sharded_status(run: RunDir) -> None:
 
 def _run_fsdp_pipeline(run_dir: Path, placement: list[str], timeout_s: float) -> None:
     """A 2-rank FSDP trainer: kill -9 after its first checkpoint; the restart resumes from it."""
-    launcher = start(run_dir, NO_WANDB, "training.max_steps=0", "training.epochs=3", "training.checkpoint_every=4",
-                     'training.parallelism="fsdp"', "eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8",
-                     *placement)
+    launcher = start(
+        run_dir,
+        NO_WANDB,
+        "training.max_steps=0",
+        "training.epochs=3",
+        "training.checkpoint_every=4",
+        'training.parallelism="fsdp"',
+        "eval.every_steps=8",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=8",
+        *placement,
+    )
     run = RunDir(run_dir)
     wait_for(lambda: run.latest_checkpoint() is not None and trainer_step(run) >= 6, "an FSDP checkpoint", timeout_s)
     _assert_sharded_status(run)
@@ -200,12 +214,24 @@ def test_restart_trainer_switches_one_rank_to_two_fsdp_ranks(run_dir):
     """The checkpoint of a single-rank trainer resumes under FSDP on two ranks (same format)."""
     # The single rank pauses at step 6 (a stall, as for an evaluation), so restart-trainer stops it
     # there whatever the machine's speed; the FSDP trainer trains on without pauses.
-    launcher = start(run_dir, NO_WANDB, "training.max_steps=0", "training.epochs=3", "training.stall_every_steps=6",
-                     "training.stall_s=120")
+    launcher = start(
+        run_dir,
+        NO_WANDB,
+        "training.max_steps=0",
+        "training.epochs=3",
+        "training.stall_every_steps=6",
+        "training.stall_s=120",
+    )
     run = RunDir(run_dir)
     wait_for(lambda: (read_json(run.trainer_status) or {}).get("state") == "stalled", "the single rank's pause", 180)
-    answer = run_all("restart-trainer", "--run-dir", str(run_dir), 'training.parallelism="fsdp"',
-                     'launch.trainer_devices=["cpu", "cpu"]', "training.stall_every_steps=0")
+    answer = run_all(
+        "restart-trainer",
+        "--run-dir",
+        str(run_dir),
+        'training.parallelism="fsdp"',
+        'launch.trainer_devices=["cpu", "cpu"]',
+        "training.stall_every_steps=0",
+    )
     assert answer.returncode == 0, answer.stdout + answer.stderr
     finish(launcher, run_dir)
 
@@ -215,8 +241,9 @@ def test_restart_trainer_switches_one_rank_to_two_fsdp_ranks(run_dir):
     single, sharded = sorted(incarnations)
     lines = lineage(run)
     assert [line["step"] for line in lines if line["incarnation"] == single] == list(range(1, 7))
-    assert min(line["step"] for line in lines if line["incarnation"] == sharded) == 7, \
+    assert min(line["step"] for line in lines if line["incarnation"] == sharded) == 7, (
         "the FSDP trainer resumed from the checkpoint the single rank wrote when it stopped"
+    )
     assert {len(line["batches"]) for line in lines} == {1, WORLD_SIZE}
 
 
@@ -225,8 +252,15 @@ def test_restart_trainer_switches_one_rank_to_two_fsdp_ranks(run_dir):
 def test_fsdp_pipeline_on_two_gpus(run_dir):
     """NCCL, bf16 mixed precision and compiled layers. The producers share the trainer's GPUs: the
     evaluation's target is then drawn on the same device type as theirs (the same random weights)."""
-    _run_fsdp_pipeline(run_dir, ['launch.producer_devices=["cuda:0", "cuda:1"]', 'launch.trainer_devices=["cuda:0", "cuda:1"]',
-                                 'target.dtype="bfloat16"'], timeout_s=300)
+    _run_fsdp_pipeline(
+        run_dir,
+        [
+            'launch.producer_devices=["cuda:0", "cuda:1"]',
+            'launch.trainer_devices=["cuda:0", "cuda:1"]',
+            'target.dtype="bfloat16"',
+        ],
+        timeout_s=300,
+    )
 
 
 def test_an_unsharded_trainer_does_not_import_fsdp():
@@ -235,9 +269,17 @@ def test_an_unsharded_trainer_does_not_import_fsdp():
     import subprocess
     import sys
 
-    code = ("import sys, trainer.train; "
-            "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor', 'torch.distributed.checkpoint') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                         text=True, timeout=120, check=True)
+    code = (
+        "import sys, trainer.train; "
+        "print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor', 'torch.distributed.checkpoint') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert out.stdout.strip() == "[]", out.stdout

@@ -21,10 +21,20 @@ from producer.generate import (
 )
 
 VOCAB = 160
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-            # no EOS of the model's own: the reference generate stops only where a test says
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    # no EOS of the model's own: the reference generate stops only where a test says
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
 def tiny_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -39,13 +49,20 @@ def prompts_of(lengths: list[int], seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
 
 
-def plain_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, stop: tuple[int, ...] = ()) -> list[int]:
+def plain_greedy(
+    model: torch.nn.Module, prompt: list[int], max_new_tokens: int, stop: tuple[int, ...] = ()
+) -> list[int]:
     """The reference: plain generate of one prompt alone (no padding)."""
     ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                         do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(stop) or None,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(stop) or None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def run(generator: Generator, requests, on_finish=None) -> dict:
@@ -159,11 +176,24 @@ def test_top_p_keeps_the_nucleus_only():
     assert abs(share - 0.5) < 0.05  # temperature 1 keeps the model's own distribution
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_new_tokens", 0), ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
-    ("seed", -1), ("stop_token_ids", (3, -1)), ("rows", 0), ("max_prompt_tokens", 0), ("max_len", 8),
-    ("prefill_tokens", 8), ("refill_rows", 65), ("cuda_graph", "yes"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_new_tokens", 0),
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("seed", -1),
+        ("stop_token_ids", (3, -1)),
+        ("rows", 0),
+        ("max_prompt_tokens", 0),
+        ("max_len", 8),
+        ("prefill_tokens", 8),
+        ("refill_rows", 65),
+        ("cuda_graph", "yes"),
+    ],
+)
 def test_bad_config_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"GenerationConfig.{field} "):
         GenerationConfig(**{"max_prompt_tokens": 16, field: value})
@@ -179,14 +209,19 @@ def test_a_cache_larger_than_the_available_memory_is_refused_before_it_is_alloca
     allocated = []
     real_zeros = torch.zeros
     monkeypatch.setattr(torch, "zeros", lambda *a, **k: allocated.append(a) or real_zeros(*a, **k))
-    with pytest.raises(generate.GenerationMemoryError,
-                       match=r"a static KV cache of 4096 rows x 64 positions needs 0\.12 GiB, and cpu has 0\.10 GiB "
-                             r"available: at most 2880 rows of 64 positions fit"):
+    with pytest.raises(
+        generate.GenerationMemoryError,
+        match=r"a static KV cache of 4096 rows x 64 positions needs 0\.12 GiB, and cpu has 0\.10 GiB "
+        r"available: at most 2880 rows of 64 positions fit",
+    ):
         Generator(model, GenerationConfig(max_new_tokens=32, max_prompt_tokens=32, rows=4096))
     assert not allocated, "nothing is allocated before the refusal"
     monkeypatch.undo()
     monkeypatch.setattr(generate, "available_memory", lambda device: 100 * 2**20)
-    assert Generator(model, GenerationConfig(max_new_tokens=32, max_prompt_tokens=32, rows=2880)).engine == STATIC_CACHE_ENGINE
+    assert (
+        Generator(model, GenerationConfig(max_new_tokens=32, max_prompt_tokens=32, rows=2880)).engine
+        == STATIC_CACHE_ENGINE
+    )
 
 
 def test_bad_requests_are_refused():
@@ -203,8 +238,9 @@ def test_model_outside_the_family_falls_back_to_plain_generate(caplog):
     first = plain_greedy(model, prompts[1], 8)
     stop = (first[next(i for i in range(2, 8) if first[i] not in first[:i])],)
     with caplog.at_level(logging.WARNING, logger="producer.generate"):
-        generator = Generator(model, GenerationConfig(rows=2, max_new_tokens=8, max_prompt_tokens=12,
-                                                      stop_token_ids=stop))
+        generator = Generator(
+            model, GenerationConfig(rows=2, max_new_tokens=8, max_prompt_tokens=12, stop_token_ids=stop)
+        )
     assert generator.engine == TRANSFORMERS_ENGINE
     assert "sliding_attention" in generator.refusal and "falls back" in caplog.text
     results = run(generator, (Request(i, p) for i, p in enumerate(prompts)))
@@ -214,8 +250,9 @@ def test_model_outside_the_family_falls_back_to_plain_generate(caplog):
     assert generator.stats.new_tokens == sum(len(r.new_ids) for r in results.values())
 
     def sampled(generator: Generator) -> list[list[int]]:
-        return [f.new_ids for f in sorted(generator.generate(Request(i, prompts[0]) for i in range(3)),
-                                          key=lambda f: f.key)]
+        return [
+            f.new_ids for f in sorted(generator.generate(Request(i, prompts[0]) for i in range(3)), key=lambda f: f.key)
+        ]
 
     config = GenerationConfig(rows=2, max_new_tokens=8, max_prompt_tokens=12, temperature=1.0, seed=3)
     first_call, second_call = sampled(generator := Generator(model, config)), sampled(generator)

@@ -35,16 +35,30 @@ def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_t
     run_dir = short_tmp / "run"
     fault_log = short_tmp / "faults.jsonl"
     env = {**os.environ, PLAN_ENV: ",".join(f"{point}:1" for point in PLAN), LOG_ENV: str(fault_log)}
-    launcher = start(run_dir, "training.max_steps=100000", "training.checkpoint_every=4", "eval.every_steps=0",
-                     # trainer.json every step: each round below waits for steps read from it.
-                     "logging.log_every=1", "launch.standby_trainer_after_s=0", env=env)
+    launcher = start(
+        run_dir,
+        "training.max_steps=100000",
+        "training.checkpoint_every=4",
+        "eval.every_steps=0",
+        # trainer.json every step: each round below waits for steps read from it.
+        "logging.log_every=1",
+        "launch.standby_trainer_after_s=0",
+        env=env,
+    )
     run = RunDir(run_dir)
     fired = lambda: len(fault_log.read_text().splitlines()) if fault_log.exists() else 0  # noqa: E731
     taken_over = 0
     for index, points in enumerate(ROUNDS):
         # Each round: a trainer that trains, with a standby beside it, is replaced; the round's faults fire.
-        wait_for(lambda: standby(run) is not None and trainer_step(run) > 0 and
-                 (read_json(run.trainer_status) or {}).get("state") == "training", f"a standby (round {index})", 120)
+        wait_for(
+            lambda: (
+                standby(run) is not None
+                and trainer_step(run) > 0
+                and (read_json(run.trainer_status) or {}).get("state") == "training"
+            ),
+            f"a standby (round {index})",
+            120,
+        )
         step_before = trainer_step(run)
         answer = run_all("restart-trainer", "--run-dir", str(run_dir), f"training.lr={1e-3 / (index + 2)}")
         assert answer.returncode == 0, answer.stdout + answer.stderr
@@ -65,10 +79,21 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     """The standby takes over; the producers stay; the new trainer resumes from the old one's last step."""
     run_dir = short_tmp / "run"
     with open(run_dir.parent / "launcher.out", "w") as out:
-        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL,
-                                     "training.max_steps=100000", "eval.every_steps=0", "logging.log_every=1",
-                                     "launch.standby_trainer_after_s=0"],
-                                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(
+            [
+                str(ROOT / "launch" / "run_all.sh"),
+                "--run-dir",
+                str(run_dir),
+                *SMALL,
+                "training.max_steps=100000",
+                "eval.every_steps=0",
+                "logging.log_every=1",
+                "launch.standby_trainer_after_s=0",
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     run = RunDir(run_dir)
     wait_for(lambda: standby(run) is not None and trainer_step(run) > 2, "a standby trainer", 120)
     spare = standby(run)["pid"]
@@ -76,15 +101,24 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     # The standby builds its warm start (trainer/warm.py) while the trainer trains: head, drafter, a step.
     wait_for(lambda: "warm start: head, drafter" in trainer_log.read_text(), "the standby's warm start", 60)
     producers = [s["pid"] for s in run.producer_statuses()]
-    staging = lambda: {p.name.rsplit(".", 2)[1]: p for p in Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")}  # noqa: E731
-    wait_for(lambda: {"trainer-drafter", "trainer-optimizer"} <= staging().keys(), "the old trainer's staging (a checkpoint)", 60)
+    staging = lambda: {
+        p.name.rsplit(".", 2)[1]: p for p in Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")
+    }  # noqa: E731
+    wait_for(
+        lambda: {"trainer-drafter", "trainer-optimizer"} <= staging().keys(),
+        "the old trainer's staging (a checkpoint)",
+        60,
+    )
     inodes_before = {role: path.stat().st_ino for role, path in staging().items()}
     began = time.monotonic()
     answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4")
     assert answer.returncode == 0, answer.stderr
     old_step = read_json(run.trainer_handover)["step"]
-    wait_for(lambda: (read_json(run.trainer_status) or {}).get("pid") == spare and trainer_step(run) > old_step,
-             "the standby's first step", 60)
+    wait_for(
+        lambda: (read_json(run.trainer_status) or {}).get("pid") == spare and trainer_step(run) > old_step,
+        "the standby's first step",
+        60,
+    )
     seconds = time.monotonic() - began
     assert f"trainer pid {spare}, started ahead, takes over" in (run_dir / "logs" / "launcher.log").read_text()
     assert [s["pid"] for s in run.producer_statuses()] == producers
@@ -96,8 +130,11 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     took_over = next(line for line in text.splitlines() if "took over the state handed over" in line)
     assert "(warm start:" in took_over, took_over  # it loaded the state into the drafter it built ahead
     written = f"checkpoint step-{old_step:08d} written"  # (later ones may have pruned it already)
-    wait_for(lambda: written in (run_dir / "logs" / "trainer.log").read_text().split("it handed its state over")[-1],
-             "the successor's checkpoint of the step handed over", 30)
+    wait_for(
+        lambda: written in (run_dir / "logs" / "trainer.log").read_text().split("it handed its state over")[-1],
+        "the successor's checkpoint of the step handed over",
+        30,
+    )
     owners = lambda: {p.name.rsplit(".", 1)[1] for p in Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")}  # noqa: E731
     successor = f"{spare}-{process_start_ticks(spare)}"
     wait_for(lambda: owners() == {successor}, "the successor's own staging, and no other", 30)
@@ -110,7 +147,9 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
         assert inodes_after["trainer-drafter"] == inodes_before["trainer-drafter"]
         assert inodes_after["trainer-optimizer"] == inodes_before["trainer-optimizer"]
     stop_and_finish(launcher, run_dir)
-    assert not list(Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")), "a trainer that stops removes its segments"
+    assert not list(Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")), (
+        "a trainer that stops removes its segments"
+    )
 
 
 WRITE_S = 6.0  # every checkpoint write held open this long (DFLASH_FAULT_DELAY), so that a restart comes during one
@@ -123,9 +162,21 @@ def test_a_restart_during_a_checkpoint_write_does_not_wait_for_it_and_loses_noth
     back, the ledger audit holds, and nothing is left in checkpoints/ or /dev/shm."""
     run_dir = short_tmp / "run"
     fault_log = short_tmp / "faults.jsonl"
-    env = {**os.environ, DELAY_ENV: f"trainer.checkpoint={WRITE_S}", PLAN_ENV: "trainer.taken:1", LOG_ENV: str(fault_log)}
-    launcher = start(run_dir, "training.max_steps=100000", "training.checkpoint_every=200", "eval.every_steps=0",
-                     "logging.log_every=1", "launch.standby_trainer_after_s=0", env=env)
+    env = {
+        **os.environ,
+        DELAY_ENV: f"trainer.checkpoint={WRITE_S}",
+        PLAN_ENV: "trainer.taken:1",
+        LOG_ENV: str(fault_log),
+    }
+    launcher = start(
+        run_dir,
+        "training.max_steps=100000",
+        "training.checkpoint_every=200",
+        "eval.every_steps=0",
+        "logging.log_every=1",
+        "launch.standby_trainer_after_s=0",
+        env=env,
+    )
     run = RunDir(run_dir)
     latest_steps, watching = [], threading.Event()
 
@@ -141,17 +192,32 @@ def test_a_restart_during_a_checkpoint_write_does_not_wait_for_it_and_loses_noth
     trainer_log = run_dir / "logs" / "trainer.log"
     handed = []
     for index in range(2):
-        wait_for(lambda: standby(run) is not None and "warm start: head, drafter" in trainer_log.read_text().split(
-            "takes over" if index else "\0")[-1] and (read_json(run.trainer_status) or {}).get("state") == "training",
-                 f"a warm standby (round {index})", 120)
+        wait_for(
+            lambda: (
+                standby(run) is not None
+                and "warm start: head, drafter" in trainer_log.read_text().split("takes over" if index else "\0")[-1]
+                and (read_json(run.trainer_status) or {}).get("state") == "training"
+            ),
+            f"a warm standby (round {index})",
+            120,
+        )
         writing = (read_json(run.trainer_status) or {}).get("checkpoint_writing")
         # Right after a new write began: it has about WRITE_S to go when the restart arrives.
-        new_write = wait_for(lambda: ((read_json(run.trainer_status) or {}).get("checkpoint_writing") or writing) != writing
-                             and read_json(run.trainer_status)["checkpoint_writing"], f"a new checkpoint write (round {index})", 120)
+        new_write = wait_for(
+            lambda: (
+                ((read_json(run.trainer_status) or {}).get("checkpoint_writing") or writing) != writing
+                and read_json(run.trainer_status)["checkpoint_writing"]
+            ),
+            f"a new checkpoint write (round {index})",
+            120,
+        )
         answer = run_all("restart-trainer", "--run-dir", str(run_dir))
         assert answer.returncode == 0, answer.stdout + answer.stderr
-        line = wait_for(lambda: [x for x in trainer_log.read_text().splitlines() if "handed over in shared memory" in x][index:],
-                        f"the handover (round {index})", 60)[0]
+        line = wait_for(
+            lambda: [x for x in trainer_log.read_text().splitlines() if "handed over in shared memory" in x][index:],
+            f"the handover (round {index})",
+            60,
+        )[0]
         assert f"checkpoint {new_write} was still being written, and is superseded" in line, line
         seconds = float(re.search(r"in ([0-9.]+) s", line).group(1))
         assert seconds < WRITE_S / 3, line  # it did not wait for the write
@@ -160,7 +226,9 @@ def test_a_restart_during_a_checkpoint_write_does_not_wait_for_it_and_loses_noth
     # The first successor was killed before its write of the state handed over: the run went back to the last
     # disk checkpoint, earlier than the superseded write. The second one's write of its state lands.
     assert [json.loads(x)["point"] for x in fault_log.read_text().splitlines()] == ["trainer.taken"]
-    wait_for(lambda: latest_steps and latest_steps[-1] >= handed[1], "the checkpoint of the second state handed over", 60)
+    wait_for(
+        lambda: latest_steps and latest_steps[-1] >= handed[1], "the checkpoint of the second state handed over", 60
+    )
     stop_and_finish(launcher, run_dir)
     watching.set()
     watcher.join()
@@ -182,11 +250,22 @@ def test_the_progress_line_names_a_handover_and_an_evaluation_in_flight(tmp_path
     (run.root / "producers").mkdir(parents=True)
     view = ProgressView(run, terminal=False)
     for step, state in [(40, "handing over"), (41, "taking over"), (42, "training")]:
-        atomic_write_json(run.trainer_status, {"step": step, "max_steps": 100, "state": state, "updated": 1000.0 + step,
-                                               "loss": 2.0 + step, "evals_in_flight": [40],
-                                               "checkpoint_writing": "step-00000040" if step == 40 else None})
+        atomic_write_json(
+            run.trainer_status,
+            {
+                "step": step,
+                "max_steps": 100,
+                "state": state,
+                "updated": 1000.0 + step,
+                "loss": 2.0 + step,
+                "evals_in_flight": [40],
+                "checkpoint_writing": "step-00000040" if step == 40 else None,
+            },
+        )
         view.update(trainer_started_wall=900.0, trainer_alive=True)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and "handing over" in lines[0] and "taking over" in lines[1], lines
-    assert lines[1].count("taking over") == 1 and "over" not in lines[2] and all("evaluating 40" in line for line in lines)
+    assert (
+        lines[1].count("taking over") == 1 and "over" not in lines[2] and all("evaluating 40" in line for line in lines)
+    )
     assert "writing step-00000040" in lines[0] and "writing" not in lines[1] + lines[2]

@@ -28,8 +28,12 @@ def packed(lengths: list[int], vocab: int = 128, seed: int = 0) -> PackedBatch:
     gen = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return PackedBatch(input_ids=torch.randint(0, vocab, (total,), generator=gen, dtype=torch.int32),
-                       loss_mask=torch.ones(total, dtype=torch.uint8), cu_seqlens=cu, sample_ids=torch.arange(len(lengths)))
+    return PackedBatch(
+        input_ids=torch.randint(0, vocab, (total,), generator=gen, dtype=torch.int32),
+        loss_mask=torch.ones(total, dtype=torch.uint8),
+        cu_seqlens=cu,
+        sample_ids=torch.arange(len(lengths)),
+    )
 
 
 def test_loads_the_language_model_only_with_fields_from_the_text_config(saved):
@@ -66,15 +70,18 @@ def test_packed_capture_equals_each_documents_own_forward(saved, lengths):
             torch.testing.assert_close(features.aux_hidden[start:end], expected, rtol=1e-4, atol=1e-4)
             # last_hidden is before the final norm; the trainer's head applies Qwen3.5's zero-centred norm.
             head = load_target_head(path)
-            torch.testing.assert_close(head.final_norm(features.last_hidden[start:end]), out.hidden_states[-1][0],
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                head.final_norm(features.last_hidden[start:end]), out.hidden_states[-1][0], rtol=1e-4, atol=1e-4
+            )
     # Sanity: run as one sequence, the packed row's later documents differ well beyond the tolerance
     # (so the comparison above would see a state or convolution leaking across a boundary).
     if len(lengths) > 1:
         with torch.no_grad():
-            leaked = reference(batch.input_ids[None].long(), output_hidden_states=True).hidden_states[LAYER_IDS[-1] + 1][0]
+            leaked = reference(batch.input_ids[None].long(), output_hidden_states=True).hidden_states[
+                LAYER_IDS[-1] + 1
+            ][0]
         deepest = features.aux_hidden[:, -64:]
-        assert (leaked[bounds[1]:] - deepest[bounds[1]:]).abs().max() > 1e-2
+        assert (leaked[bounds[1] :] - deepest[bounds[1] :]).abs().max() > 1e-2
 
 
 def test_drafter_preset_is_the_released_drafts_shape():
@@ -82,10 +89,22 @@ def test_drafter_preset_is_the_released_drafts_shape():
     z-lab's Qwen3.6-27B-DFlash."""
     from transformers import Qwen3_5Config
 
-    text = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    text = dict(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+    )
     config = DraftConfig.from_target(Qwen3_5Config(text_config=text), mask_token_id=248070)
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (5, 5120, 17408)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 128)
@@ -100,9 +119,18 @@ def test_drafter_preset_is_the_released_drafts_shape():
 def test_other_targets_keep_todays_rule():
     from transformers import Qwen3Config
 
-    config = DraftConfig.from_target(Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                                                 num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                                                 vocab_size=151936), mask_token_id=151669)
+    config = DraftConfig.from_target(
+        Qwen3Config(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+        ),
+        mask_token_id=151669,
+    )
     assert config.layer_types == ["full_attention"] * 5 and config.target_layer_ids == [1, 9, 17, 25, 33]
     assert (config.num_attention_heads, config.intermediate_size) == (32, 12288)
 
@@ -112,9 +140,16 @@ def test_a_target_without_a_known_token_mixer_is_refused(tmp_path):
     from transformers import AutoConfig as Auto
     from transformers import AutoModelForCausalLM
 
-    config = Auto.for_model("lfm2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2,
-                            layer_types=["conv", "full_attention", "conv", "full_attention"])
+    config = Auto.for_model(
+        "lfm2",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedTarget, match=r"'lfm2': layer 0 .*neither self_attn nor a Gated-DeltaNet"):
         Target.load(TargetConfig(path=str(tmp_path), dtype="float32"), [1])
@@ -191,8 +226,9 @@ def test_speculative_decoding_against_a_hybrid_target_is_lossless(tmp_path):
 
         def oracle():
             flips = torch.Generator().manual_seed(seed)
-            return OracleContext(len(ids), greedy_decode(target, ids, 44),
-                                 corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.3))
+            return OracleContext(
+                len(ids), greedy_decode(target, ids, 44), corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.3)
+            )
 
         decoded = speculative_decode(oracle(), target, ids, 40)
         assert decoded.tokens == plain
@@ -226,8 +262,14 @@ def test_the_evaluator_on_a_hybrid_target_drafts_what_live_decoding_drafts(tmp_p
     for name, weight in drafter.named_parameters():  # drafts that depend on the context
         if name.endswith("proj.weight") or name == "fc.weight":
             torch.nn.init.normal_(weight, std=0.3)
-    documents = [Document(sample_id=i, input_ids=np.random.default_rng(i).integers(0, 127, 40).astype(np.int32),
-                          loss_mask=np.r_[np.zeros(12, np.uint8), np.ones(28, np.uint8)]) for i in range(3)]
+    documents = [
+        Document(
+            sample_id=i,
+            input_ids=np.random.default_rng(i).integers(0, 127, 40).astype(np.int32),
+            loss_mask=np.r_[np.zeros(12, np.uint8), np.ones(28, np.uint8)],
+        )
+        for i in range(3)
+    ]
     evaluator = Evaluator(model, documents, EvalConfig(max_new_tokens=24), config.target_layer_ids, num_anchors=8)
     assert evaluator.target.recurrent and not evaluator.target.batchable
     live, replayed, report = live_and_replayed_drafts(evaluator, drafter, monkeypatch)
@@ -244,8 +286,19 @@ def test_pipeline_trains_and_evaluates_a_drafter_for_a_saved_qwen35(short_tmp):
 
     path = tiny_qwen35(short_tmp / "qwen35", "multimodal")
     run_dir = short_tmp / "run"
-    finish(start(run_dir, f"target.path={path}", "target.config_overrides={}", "training.max_steps=12",
-                 "eval.every_steps=12", "eval.num_prompts=2", "eval.max_new_tokens=16"), run_dir, timeout=300)
+    finish(
+        start(
+            run_dir,
+            f"target.path={path}",
+            "target.config_overrides={}",
+            "training.max_steps=12",
+            "eval.every_steps=12",
+            "eval.num_prompts=2",
+            "eval.max_new_tokens=16",
+        ),
+        run_dir,
+        timeout=300,
+    )
     run = RunDir(run_dir)
     drafter = json.loads((run.latest_checkpoint() / "drafter" / "config.json").read_text())
     assert drafter["layer_types"] == ["sliding_attention", "full_attention"] and drafter["sliding_window"] == 2048
@@ -269,8 +322,16 @@ def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):
 
     from tests.test_pipeline import start
 
-    config = Auto.for_model("lfm2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
-                            num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"] * 4)
+    config = Auto.for_model(
+        "lfm2",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"] * 4,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(short_tmp / "lfm2")
     run_dir = short_tmp / "run"
     began = time.monotonic()
@@ -284,8 +345,16 @@ def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):
     assert "restarting" not in output.lower(), output[-2000:]
 
 
-@pytest.mark.parametrize("name", ["qwen3.6-27b-1gpu.toml", "qwen3.6-27b-8gpu.toml", "qwen3-8b-1gpu.toml",
-                                  "qwen3-8b-8gpu.toml", "llama-3.1-8b-instruct.toml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3.6-27b-1gpu.toml",
+        "qwen3.6-27b-8gpu.toml",
+        "qwen3-8b-1gpu.toml",
+        "qwen3-8b-8gpu.toml",
+        "llama-3.1-8b-instruct.toml",
+    ],
+)
 def test_example_configs_load(tmp_path, name):
     from pathlib import Path
 
@@ -294,8 +363,12 @@ def test_example_configs_load(tmp_path, name):
     root = Path(__file__).resolve().parents[1]
     target = tiny_qwen35(tmp_path / "target", "multimodal")
     data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
-    cfg = load_config(root / "launch" / name, [f"target.path={target}", f'data.paths=["{data}"]', f'eval.paths=["{data}"]'])
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n"
+    )
+    cfg = load_config(
+        root / "launch" / name, [f"target.path={target}", f'data.paths=["{data}"]', f'eval.paths=["{data}"]']
+    )
     assert cfg.data.format == "chat" and cfg.target.dtype == "bfloat16" and cfg.drafter.block_size == 16
     devices = len(cfg.launch.producer_devices) + len(cfg.launch.trainer_devices)
     assert devices == (8 if "8gpu" in name else 2)

@@ -60,13 +60,19 @@ class Pipeline:
 
     def start(self, *overrides: str, config: bool = True, **env: str) -> Pipeline:
         args = [RUN_ALL, "--run-dir", str(self.run.root)] + (["--config", str(self.config_file)] if config else [])
-        self.proc = subprocess.Popen([*args, *overrides], env=launcher_env(**env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [*args, *overrides], env=launcher_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         return self
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([RUN_ALL, *args, "--run-dir", str(self.run.root)], env=launcher_env(),
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [RUN_ALL, *args, "--run-dir", str(self.run.root)],
+            env=launcher_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     def finish(self, timeout_s: float = 30.0) -> tuple[int, str]:
         output, _ = self.proc.communicate(timeout=timeout_s)
@@ -74,7 +80,9 @@ class Pipeline:
 
     def launcher(self) -> dict:
         record = read_json(self.run.launcher) or {}
-        self.seen_pids.update(c["pid"] for c in record.get("producers", []) + [record.get("trainer") or {}] if c.get("pid"))
+        self.seen_pids.update(
+            c["pid"] for c in record.get("producers", []) + [record.get("trainer") or {}] if c.get("pid")
+        )
         return record
 
     def producer_pids(self) -> list[int | None]:
@@ -207,12 +215,15 @@ def test_restart_trainer_applies_training_change_and_keeps_producers(pipeline):
     assert f"trainer pid {old_trainer} exited (exit 0)" in pipeline.run.log("launcher").read_text()
 
 
-@pytest.mark.parametrize("override,key", [
-    ("target.dtype=float32", "target.dtype"),
-    ("data.num_samples=5", "data.num_samples"),
-    ("training.label_mode=target_soft", "training.label_mode"),
-    ("launch.num_producers=3", "launch.num_producers"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("target.dtype=float32", "target.dtype"),
+        ("data.num_samples=5", "data.num_samples"),
+        ("training.label_mode=target_soft", "training.label_mode"),
+        ("launch.num_producers=3", "launch.num_producers"),
+    ],
+)
 def test_restart_trainer_refuses_keys_the_producers_depend_on(short_tmp, override, key):
     # One pipeline for all cases would be faster, but then a failure in one would hide the others.
     pipe = Pipeline(short_tmp).start()
@@ -278,8 +289,9 @@ def test_status_json_second_launcher_refused_and_stop_leaves_nothing(pipeline):
     human = pipeline.cli("status")
     assert human.returncode == 0 and "producer" in human.stdout and "trainer" in human.stdout
 
-    second = subprocess.run([RUN_ALL, "--run-dir", str(pipeline.run.root)], env=launcher_env(),
-                            capture_output=True, text=True, timeout=30)
+    second = subprocess.run(
+        [RUN_ALL, "--run-dir", str(pipeline.run.root)], env=launcher_env(), capture_output=True, text=True, timeout=30
+    )
     assert second.returncode == 2 and "already runs" in second.stderr
 
     pids = pipeline.producer_pids() + [pipeline.trainer_pid()]
@@ -357,10 +369,21 @@ def test_a_configuration_error_of_a_two_rank_trainer_stops_the_run_with_exit_2(s
     """Under torchrun too: plain torchrun says exit 1 for a rank's exit 2, which the launcher would
     retry as a crash. A real trainer error (no step count with a remote producer) on 2 gloo ranks."""
     out = subprocess.run(
-        [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(short_tmp / "run"), "launch.max_restarts=1",
-         'launch.remote_producers=["tcp://127.0.0.1:5999"]', 'launch.trainer_devices=["cpu", "cpu"]',
-         "training.max_steps=0", "logging.wandb_mode=disabled"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240)
+        [
+            str(ROOT / "launch" / "run_all.sh"),
+            "--run-dir",
+            str(short_tmp / "run"),
+            "launch.max_restarts=1",
+            'launch.remote_producers=["tcp://127.0.0.1:5999"]',
+            'launch.trainer_devices=["cpu", "cpu"]',
+            "training.max_steps=0",
+            "logging.wandb_mode=disabled",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     output = out.stdout + out.stderr
     assert out.returncode == 2, output[-3000:]
     assert "trainer: configuration error (exit 2)" in output and "training.max_steps" in output
@@ -368,7 +391,9 @@ def test_a_configuration_error_of_a_two_rank_trainer_stops_the_run_with_exit_2(s
 
 
 def test_crash_loop_gives_up_after_max_restarts(pipeline):
-    rc, output = pipeline.start("launch.max_restarts=2", "launch.restart_backoff_s=0.05", STANDIN_TRAINER_EXIT="1").finish()
+    rc, output = pipeline.start(
+        "launch.max_restarts=2", "launch.restart_backoff_s=0.05", STANDIN_TRAINER_EXIT="1"
+    ).finish()
     assert rc == 1, output
     assert "restarting in 0.1 s (crash 2 in a row)" in output
     assert "crashed (exit 1) 3 times in a row, more than launch.max_restarts=2: giving up" in output
@@ -378,8 +403,12 @@ def test_crash_loop_gives_up_after_max_restarts(pipeline):
 def test_crashes_with_checkpoints_in_between_are_no_crash_loop(pipeline):
     """Five trainer crashes in a row against max_restarts=2, each after a new checkpoint: restarted
     every time (the crash count starts again after progress), and the run finishes."""
-    rc, output = pipeline.start("launch.max_restarts=2", "launch.restart_backoff_s=0.05", "training.max_steps=5",
-                                STANDIN_TRAINER_CHECKPOINT_THEN_CRASH="5").finish()
+    rc, output = pipeline.start(
+        "launch.max_restarts=2",
+        "launch.restart_backoff_s=0.05",
+        "training.max_steps=5",
+        STANDIN_TRAINER_CHECKPOINT_THEN_CRASH="5",
+    ).finish()
     assert rc == 0, output
     assert output.count("trainer crashed (exit 1), restarting") == 5 and "giving up" not in output
     assert "(crash 1 in a row)" in output and "(crash 2 in a row)" not in output
@@ -401,8 +430,13 @@ def test_resume_keeps_the_run_config(pipeline):
 
     other = pipeline.tmp / "other.toml"
     other.write_text(BASE_CONFIG)
-    result = subprocess.run([RUN_ALL, "--run-dir", str(pipeline.run.root), "--config", str(other)],
-                            env=launcher_env(), capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [RUN_ALL, "--run-dir", str(pipeline.run.root), "--config", str(other)],
+        env=launcher_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 2 and "differs from the config of the existing run" in result.stderr
 
 
@@ -413,15 +447,34 @@ def test_devices_and_commands(monkeypatch):
     assert supervisor.producer_devices(cfg, lambda: False) == ["cpu"] * 3
     assert supervisor.producer_devices(cfg, lambda: True) == ["cuda:0"] * 3
     assert supervisor.trainer_devices(cfg, lambda: True) == ["cuda:0"]
-    cfg = load_config(None, ['launch.producer_devices=["cuda:0", "cuda:1"]', 'launch.trainer_devices=["cuda:2", "cuda:3"]'])
+    cfg = load_config(
+        None, ['launch.producer_devices=["cuda:0", "cuda:1"]', 'launch.trainer_devices=["cuda:2", "cuda:3"]']
+    )
     never = lambda: pytest.fail("CUDA detection is not needed when devices are listed")  # noqa: E731
     assert supervisor.producer_devices(cfg, never) == ["cuda:0", "cuda:1"]
     run_dir = Path("/tmp/r")
     assert supervisor.producer_command(run_dir, 1, "cuda:1")[1:] == [
-        "-m", "producer.server", "--run-dir", "/tmp/r", "--producer-id", "1", "--device", "cuda:1"]
+        "-m",
+        "producer.server",
+        "--run-dir",
+        "/tmp/r",
+        "--producer-id",
+        "1",
+        "--device",
+        "cuda:1",
+    ]
     assert supervisor.trainer_command(run_dir, ["cpu"])[1:] == ["-m", "trainer.train", "--run-dir", "/tmp/r"]
     assert supervisor.trainer_command(run_dir, supervisor.trainer_devices(cfg, never))[1:] == [
-        "-m", "launch.torchrun", "--standalone", "--nproc-per-node", "2", "-m", "trainer.train", "--run-dir", "/tmp/r"]
+        "-m",
+        "launch.torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "trainer.train",
+        "--run-dir",
+        "/tmp/r",
+    ]
 
 
 def test_only_trainer_keys_may_change_on_restart():
@@ -429,9 +482,20 @@ def test_only_trainer_keys_may_change_on_restart():
     refused, one only the trainer or the launcher reads is not. eval.num_prompts used to be accepted although
     producer 0 evaluates with the value it started with."""
     old = load_config(None)
-    new = load_config(None, ["training.lr=1e-5", "logging.log_every=1", 'launch.trainer_devices=["cpu"]', "ring.credits=3",
-                             "drafter.num_layers=2", "drafter.block_size=8", "ring.num_slots=9", "eval.num_prompts=3",
-                             "eval.every_steps=20"])
+    new = load_config(
+        None,
+        [
+            "training.lr=1e-5",
+            "logging.log_every=1",
+            'launch.trainer_devices=["cpu"]',
+            "ring.credits=3",
+            "drafter.num_layers=2",
+            "drafter.block_size=8",
+            "ring.num_slots=9",
+            "eval.num_prompts=3",
+            "eval.every_steps=20",
+        ],
+    )
     changed = supervisor.changed_keys(old, new)
     refused = " ".join(supervisor.refused_trainer_changes(changed))
     for key in ("drafter.num_layers", "drafter.block_size", "ring.num_slots", "eval.num_prompts"):
@@ -452,15 +516,20 @@ def test_every_config_field_says_who_reads_it():
         declared = section_type.READ_BY
         assert set(declared) == names, f"{section.name}: READ_BY lists {sorted(set(declared) ^ names)} wrongly"
         for name in names:
-            assert readers(f"{section.name}.{name}") and readers(f"{section.name}.{name}") <= set(READERS), f"{section.name}.{name}"
+            assert readers(f"{section.name}.{name}") and readers(f"{section.name}.{name}") <= set(READERS), (
+                f"{section.name}.{name}"
+            )
 
 
 @pytest.mark.skipif(not supervisor.DEFAULT_CONFIG.is_file(), reason="launch/tiny.toml not written yet")
 def test_no_arguments_runs_the_tiny_default_in_a_fresh_run_dir(short_tmp):
-    proc = subprocess.Popen([RUN_ALL], cwd=short_tmp, env=launcher_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [RUN_ALL], cwd=short_tmp, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
-        run_dir = wait_for(lambda: next((short_tmp / "runs").glob("*/trainer.json"), None), "the trainer of runs/<timestamp>", 60).parent
+        run_dir = wait_for(
+            lambda: next((short_tmp / "runs").glob("*/trainer.json"), None), "the trainer of runs/<timestamp>", 60
+        ).parent
         assert RunDir(run_dir).config.is_file()
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -515,15 +584,26 @@ def test_the_stop_command_a_refused_launcher_prints_works_when_pasted(short_tmp)
     leftover = subprocess.Popen(["sleep", "120"], start_new_session=True)
     threading.Thread(target=leftover.wait, daemon=True).start()  # reaped at once: a zombie would still look alive
     try:
-        atomic_write_json(run.launcher, {"pid": gone.pid, "start_ticks": 1, "producers": [], "trainer": {
-            "pid": leftover.pid, "start_ticks": process_start_ticks(leftover.pid)}})
-        refused = subprocess.run([RUN_ALL, "--run-dir", str(run.root)], env=launcher_env(), capture_output=True,
-                                 text=True, timeout=60)
-        assert refused.returncode == 2 and "processes of the previous launcher still run" in refused.stderr, refused.stderr
+        atomic_write_json(
+            run.launcher,
+            {
+                "pid": gone.pid,
+                "start_ticks": 1,
+                "producers": [],
+                "trainer": {"pid": leftover.pid, "start_ticks": process_start_ticks(leftover.pid)},
+            },
+        )
+        refused = subprocess.run(
+            [RUN_ALL, "--run-dir", str(run.root)], env=launcher_env(), capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 2 and "processes of the previous launcher still run" in refused.stderr, (
+            refused.stderr
+        )
         command = refused.stderr.split("run: ", 1)[1].strip()
         assert shlex.split(command) == ["launch/run_all.sh", "stop", "--run-dir", str(run.root)], command
-        pasted = subprocess.run(["bash", "-c", command], cwd=ROOT, env=launcher_env(), capture_output=True, text=True,
-                                timeout=90)
+        pasted = subprocess.run(
+            ["bash", "-c", command], cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=90
+        )
         assert pasted.returncode == 0 and "stopped" in pasted.stdout, pasted.stdout + pasted.stderr
         wait_for(lambda: leftover.poll() is not None, "the leftover process to stop", 10)
     finally:

@@ -26,7 +26,7 @@ def imported_modules(path: Path, package: tuple[str, ...] | None = None) -> set[
         if not isinstance(node, ast.ImportFrom):
             continue
         if node.level:
-            base = package[:len(package) - node.level + 1]
+            base = package[: len(package) - node.level + 1]
             module = ".".join([*base, *([node.module] if node.module else [])])
         else:
             module = node.module
@@ -41,7 +41,11 @@ def imported_packages(path: Path) -> set[str]:
 
 
 def imported_instruments(path: Path, package: tuple[str, ...] | None = None) -> set[str]:
-    return {name for name in imported_modules(path, package) if any(name == i or name.startswith(i + ".") for i in INSTRUMENTS)}
+    return {
+        name
+        for name in imported_modules(path, package)
+        if any(name == i or name.startswith(i + ".") for i in INSTRUMENTS)
+    }
 
 
 def user_commands() -> list[Path]:
@@ -50,20 +54,30 @@ def user_commands() -> list[Path]:
 
 
 def test_benchmarks_and_demo_programs_are_outside_the_library_packages():
-    misplaced = [str(p.relative_to(ROOT)) for package in LIBRARY for p in (ROOT / package).glob("*.py")
-                 if p.stem.startswith(PROGRAMS)]
+    misplaced = [
+        str(p.relative_to(ROOT))
+        for package in LIBRARY
+        for p in (ROOT / package).glob("*.py")
+        if p.stem.startswith(PROGRAMS)
+    ]
     assert not misplaced, f"programs in a library package (move them to launch/bench/ or launch/tools/): {misplaced}"
 
 
 def test_no_instrument_lies_beside_the_users_commands():
     misplaced = [str(p.relative_to(ROOT)) for p in user_commands() if p.stem.startswith(PROGRAMS)]
     assert not misplaced, f"instruments directly in launch/ (move them to launch/bench/ or launch/tools/): {misplaced}"
-    assert (ROOT / "launch" / "bench" / "__init__.py").is_file() and (ROOT / "launch" / "tools" / "__init__.py").is_file()
+    assert (ROOT / "launch" / "bench" / "__init__.py").is_file() and (
+        ROOT / "launch" / "tools" / "__init__.py"
+    ).is_file()
 
 
 def test_library_packages_do_not_import_launch():
-    offenders = [str(p.relative_to(ROOT)) for package in LIBRARY for p in (ROOT / package).rglob("*.py")
-                 if "launch" in imported_packages(p)]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for package in LIBRARY
+        for p in (ROOT / package).rglob("*.py")
+        if "launch" in imported_packages(p)
+    ]
     assert not offenders, offenders
 
 
@@ -74,13 +88,20 @@ def test_neither_the_library_nor_the_users_commands_import_an_instrument():
 
 
 # What each library package may not import: producer and trainer share only common/, which stands alone.
-FORBIDDEN = {"common": {"producer", "trainer", "launch"}, "producer": {"trainer", "launch"}, "trainer": {"producer", "launch"}}
+FORBIDDEN = {
+    "common": {"producer", "trainer", "launch"},
+    "producer": {"trainer", "launch"},
+    "trainer": {"producer", "launch"},
+}
 
 
 def test_producer_and_trainer_meet_only_in_common():
-    offenders = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & forbidden)
-                 for package, forbidden in FORBIDDEN.items() for p in (ROOT / package).rglob("*.py")
-                 if imported_packages(p) & forbidden}
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(imported_packages(p) & forbidden)
+        for package, forbidden in FORBIDDEN.items()
+        for p in (ROOT / package).rglob("*.py")
+        if imported_packages(p) & forbidden
+    }
     assert not offenders, offenders
 
 

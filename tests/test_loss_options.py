@@ -31,8 +31,9 @@ def head_inputs(label_mode: str, rows: int = 37, width: int = 16, vocab: int = 5
     return hidden, weight, dict(target_hidden=target_hidden, soft=label_mode == "target_soft"), target_probs
 
 
-def dense_rows(logits: torch.Tensor, target_probs: torch.Tensor, objective: str,
-               lk_eta: float = 3.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dense_rows(
+    logits: torch.Tensor, target_probs: torch.Tensor, objective: str, lk_eta: float = 3.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row loss, CE, acceptance) from full logits: the textbook formulas, autograd for the gradient."""
     draft_p = torch.softmax(logits, -1)
     ce = (torch.special.xlogy(target_probs, target_probs) - target_probs * torch.log_softmax(logits, -1)).sum(-1)
@@ -183,8 +184,7 @@ def dense_target_probs(blocks, weight, target_hidden, label_mode: str) -> torch.
 @pytest.mark.parametrize("label_mode", LABEL_MODES)
 def test_draft_loss_with_lk_hybrid_and_dpace_equals_dense_reference(label_mode):
     blocks, weight, target_hidden = draft_setup(seed=1)
-    config = LossConfig(label_mode=label_mode, objective="lk_hybrid", weighting="dpace", dpace_alpha=0.4,
-                        chunk_rows=7)
+    config = LossConfig(label_mode=label_mode, objective="lk_hybrid", weighting="dpace", dpace_alpha=0.4, chunk_rows=7)
     gen = torch.Generator().manual_seed(2)
     hidden = torch.randn(blocks.num_blocks, 5, weight.shape[1], generator=gen, dtype=torch.float64)
     h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
@@ -192,8 +192,9 @@ def test_draft_loss_with_lk_hybrid_and_dpace_equals_dense_reference(label_mode):
     loss.backward()
 
     target_probs = dense_target_probs(blocks, weight, target_hidden, label_mode)
-    row_loss, row_ce, acceptance = dense_rows(h2[:, 1:].reshape(-1, weight.shape[1]) @ weight.T, target_probs,
-                                              "lk_hybrid")
+    row_loss, row_ce, acceptance = dense_rows(
+        h2[:, 1:].reshape(-1, weight.shape[1]) @ weight.T, target_probs, "lk_hybrid"
+    )
     mask = blocks.label_mask.double()
     confidence = torch.where(blocks.label_mask, 0.6 * acceptance.detach().view_as(mask) + 0.4, 1.0)
     reach = torch.cumprod(confidence, 1) * mask
@@ -207,8 +208,9 @@ def test_draft_loss_with_lk_hybrid_and_dpace_equals_dense_reference(label_mode):
     torch.testing.assert_close(metrics["ce"].double(), expected_ce, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("label_mode,objective", [("target_soft", "lk"), ("target_soft", "lk_hybrid"),
-                                                  ("target_hard", "lk_hybrid")])
+@pytest.mark.parametrize(
+    "label_mode,objective", [("target_soft", "lk"), ("target_soft", "lk_hybrid"), ("target_hard", "lk_hybrid")]
+)
 def test_lk_objective_trains_the_acceptance_rate(label_mode, objective):
     """A linear drafter h = x A, where the target's states are x A_true, learns to be accepted."""
     blocks, weight, _ = draft_setup(seed=3)
@@ -217,8 +219,9 @@ def test_lk_objective_trains_the_acceptance_rate(label_mode, objective):
     features = torch.randn(num_positions, feature_width, generator=gen, dtype=torch.float64)
     true_map = torch.randn(feature_width, width, generator=gen, dtype=torch.float64)
     target_hidden = features @ true_map
-    slot_features = torch.cat([torch.zeros(blocks.num_blocks, 1, feature_width, dtype=torch.float64),
-                               features[blocks.label_index - 1]], dim=1)  # slot 0 is the given token
+    slot_features = torch.cat(
+        [torch.zeros(blocks.num_blocks, 1, feature_width, dtype=torch.float64), features[blocks.label_index - 1]], dim=1
+    )  # slot 0 is the given token
     draft_map = (0.1 * torch.randn(feature_width, width, generator=gen, dtype=torch.float64)).requires_grad_()
     config = LossConfig(label_mode=label_mode, objective=objective, chunk_rows=16)
     target_probs = dense_target_probs(blocks, weight, target_hidden, label_mode)
@@ -240,9 +243,18 @@ def test_lk_objective_trains_the_acceptance_rate(label_mode, objective):
     assert before < 0.1 and after > 0.6, f"acceptance {before:.3f} -> {after:.3f}"
 
 
-@pytest.mark.parametrize("field,value", [("weighting", "pace"), ("objective", "tv"), ("dpace_alpha", 0.0),
-                                         ("dpace_alpha", 1.5), ("lk_eta", -1.0), ("lk_eta", math.nan),
-                                         ("lk_eta", math.inf)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("weighting", "pace"),
+        ("objective", "tv"),
+        ("dpace_alpha", 0.0),
+        ("dpace_alpha", 1.5),
+        ("lk_eta", -1.0),
+        ("lk_eta", math.nan),
+        ("lk_eta", math.inf),
+    ],
+)
 def test_invalid_options_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         LossConfig(**{field: value})

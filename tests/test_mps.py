@@ -42,8 +42,14 @@ def _environ(pid: int) -> dict[str, str]:
 
 def test_without_the_mps_program_the_run_stops_naming_the_key(short_tmp):
     path = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / MPS_CONTROL).exists())
-    out = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(short_tmp / "run"), *SMALL, "launch.mps=true"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path})
+    out = subprocess.run(
+        [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(short_tmp / "run"), *SMALL, "launch.mps=true"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PATH": path},
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"launch.mps: {MPS_CONTROL} is not on PATH" in out.stderr
 
@@ -61,14 +67,20 @@ def test_the_run_has_its_own_mps_daemon_around_its_processes(short_tmp, monkeypa
     daemon.pipe.mkdir(parents=True, exist_ok=True)
     (daemon.pipe / "control").touch()  # the daemon of an earlier launcher of this run, killed with -9
     try:
-        launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "launch.mps=true",
-                         "logging.wandb_mode=disabled")
+        launcher = start(
+            run_dir, "training.max_steps=0", "training.epochs=1000", "launch.mps=true", "logging.wandb_mode=disabled"
+        )
         run = RunDir(run_dir)
         wait_for(lambda: trainer_step(run) >= 2, "step 2", 180)
         children = [read_json(run.trainer_status)["pid"], *producer_pids(run).values()]
         for pid in children:
-            assert _environ(pid).get("CUDA_MPS_PIPE_DIRECTORY") == str(daemon.pipe), f"pid {pid} is a client of the run's daemon"
-        assert calls.read_text().splitlines() == [f"quit pipe={daemon.pipe}", f"start pipe={daemon.pipe} log={run_dir / 'logs' / 'mps'}"]
+            assert _environ(pid).get("CUDA_MPS_PIPE_DIRECTORY") == str(daemon.pipe), (
+                f"pid {pid} is a client of the run's daemon"
+            )
+        assert calls.read_text().splitlines() == [
+            f"quit pipe={daemon.pipe}",
+            f"start pipe={daemon.pipe} log={run_dir / 'logs' / 'mps'}",
+        ]
         stop_and_finish(launcher, run_dir)
         assert calls.read_text().splitlines()[2:] == [f"quit pipe={daemon.pipe}"], "the run's daemon quits with the run"
     finally:
@@ -83,9 +95,15 @@ def test_only_producers_that_share_a_gpu_with_a_trainer_rank_get_the_sm_share(sh
     (bin_dir / MPS_CONTROL).write_text(STAND_IN)
     (bin_dir / MPS_CONTROL).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    cfg = load_config(None, ["launch.mps=true", "launch.mps_producer_sm_percent=45",
-                             'launch.producer_devices=["cuda:0", "cuda:1", "cuda:2,cuda:3"]',
-                             'launch.trainer_devices=["cuda:1", "cuda:3"]'])
+    cfg = load_config(
+        None,
+        [
+            "launch.mps=true",
+            "launch.mps_producer_sm_percent=45",
+            'launch.producer_devices=["cuda:0", "cuda:1", "cuda:2,cuda:3"]',
+            'launch.trainer_devices=["cuda:1", "cuda:3"]',
+        ],
+    )
     supervisor = Supervisor(LaunchRunDir(short_tmp / "run"), cfg, has_cuda=lambda: True)
     shares = [p.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") for p in supervisor.producers]
     assert shares == [None, "45", "45"]
@@ -103,8 +121,15 @@ def test_a_trainer_that_shares_a_gpu_with_a_producer_gets_the_sm_cap(short_tmp, 
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     caps = []
     for trainer in ('["cuda:3"]', '["cuda:1"]', '["cuda:4", "cuda:5"]'):
-        cfg = load_config(None, ["launch.mps=true", "launch.mps_trainer_sm_percent=80",
-                                 'launch.producer_devices=["cuda:0", "cuda:2,cuda:3"]', f"launch.trainer_devices={trainer}"])
+        cfg = load_config(
+            None,
+            [
+                "launch.mps=true",
+                "launch.mps_trainer_sm_percent=80",
+                'launch.producer_devices=["cuda:0", "cuda:2,cuda:3"]',
+                f"launch.trainer_devices={trainer}",
+            ],
+        )
         supervisor = Supervisor(LaunchRunDir(short_tmp / "run"), cfg, has_cuda=lambda: True)
         caps.append(supervisor.trainer.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
         assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env for p in supervisor.producers)

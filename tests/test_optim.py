@@ -14,8 +14,15 @@ from common.drafter.model import DFlashDrafter
 from tests.drafter_fixtures import random_head, tiny_config
 from trainer.optim import RULE_KEY, MuonAdamW, build_optimizer, muon_param_groups, newton_schulz
 
-MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+MATRICES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def drafter(**overrides) -> DFlashDrafter:
@@ -123,8 +130,9 @@ def test_adamw_is_torchs_adamw(fused):
     twin = copy.deepcopy(model)
     optimizer = build_optimizer(model, "adamw", lr=1e-2, weight_decay=0.1, fused=fused)
     assert type(optimizer) is torch.optim.AdamW and optimizer.param_groups[0]["betas"] == (0.9, 0.95)
-    reference = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1,
-                                  betas=(0.9, 0.95), fused=fused)
+    reference = torch.optim.AdamW(
+        [p for p in twin.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), fused=fused
+    )
     # The AdamW groups of "muon" follow the same step, bit for bit, on the parameters they hold.
     mixed_model = copy.deepcopy(model)
     mixed = build_optimizer(mixed_model, "muon", lr=1e-2, weight_decay=0.1, fused=fused)
@@ -162,8 +170,9 @@ def test_state_dict_round_trip_resumes_exactly():
     resumed_model = copy.deepcopy(model)
     resumed = build_optimizer(resumed_model, "muon", lr=1e-3, weight_decay=0.0, fused=False)
     resumed.load_state_dict(state)
-    assert [{k: v for k, v in g.items() if k != "params"} for g in resumed.param_groups] == \
-        [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in resumed.param_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+    ]
     fresh_model = copy.deepcopy(model)
     fresh = build_optimizer(fresh_model, "muon", lr=1e-2, weight_decay=0.1, fused=False)  # no state: differs
     for m, opt in ((model, optimizer), (resumed_model, resumed), (fresh_model, fresh)):
@@ -249,8 +258,9 @@ def test_a_trainer_resumes_muon_exactly_and_starts_a_new_optimizer_state_when_th
     from trainer.checkpoint import read_train_state
     from trainer.train import Trainer
 
-    trainer = make_trainer(short_tmp / "run", 'training.optimizer="muon"', "training.async_checkpoint=false",
-                           "training.max_steps=100")
+    trainer = make_trainer(
+        short_tmp / "run", 'training.optimizer="muon"', "training.async_checkpoint=false", "training.max_steps=100"
+    )
     try:
         optimizer_step(trainer, seed=1)
         trainer.scheduler.step()
@@ -292,8 +302,13 @@ def test_a_restart_that_changes_the_weight_decay_steps_with_the_new_one(short_tm
     from tests.test_checkpoint import make_trainer, optimizer_step
     from trainer.train import Trainer
 
-    trainer = make_trainer(short_tmp / "run", f'training.optimizer="{optimizer}"', "training.weight_decay=0.1",
-                           "training.async_checkpoint=false", "training.max_steps=100")
+    trainer = make_trainer(
+        short_tmp / "run",
+        f'training.optimizer="{optimizer}"',
+        "training.weight_decay=0.1",
+        "training.async_checkpoint=false",
+        "training.max_steps=100",
+    )
     try:
         optimizer_step(trainer, seed=1)
         trainer.scheduler.step()
@@ -337,8 +352,9 @@ def test_the_adamw_groups_of_muon_step_as_torchs_adamw_with_weight_decay():
     ours, theirs = nn.Parameter(torch.randn(7)), nn.Parameter(torch.zeros(7))
     theirs.data.copy_(ours.data)
     mixed = MuonAdamW([{"params": [ours], RULE_KEY: "adamw"}], lr=1e-2, weight_decay=0.1)
-    plain = torch.optim.AdamW([theirs], lr=1e-2, weight_decay=0.1, betas=mixed.param_groups[0]["betas"],
-                              eps=mixed.param_groups[0]["eps"])
+    plain = torch.optim.AdamW(
+        [theirs], lr=1e-2, weight_decay=0.1, betas=mixed.param_groups[0]["betas"], eps=mixed.param_groups[0]["eps"]
+    )
     for _ in range(5):
         grad = torch.randn(7)
         ours.grad, theirs.grad = grad.clone(), grad.clone()

@@ -25,10 +25,18 @@ from producer.order import OrderConfig, ShardOrder
 ROOT = Path(__file__).resolve().parents[1]
 NUM_SAMPLES = 160
 SMALL = [
-    f"data.num_samples={NUM_SAMPLES}", "data.mean_len=48", "data.min_len=16", "data.max_seq_len=256",
-    "batching.token_budget=512", "batching.window_docs=32", "drafter.num_anchors=32",
-    "training.checkpoint_every=8", "logging.log_every=4", "ring.heartbeat_interval_s=0.25",
-    "ring.heartbeat_timeout_s=2.0", "launch.restart_backoff_s=0.5",
+    f"data.num_samples={NUM_SAMPLES}",
+    "data.mean_len=48",
+    "data.min_len=16",
+    "data.max_seq_len=256",
+    "batching.token_budget=512",
+    "batching.window_docs=32",
+    "drafter.num_anchors=32",
+    "training.checkpoint_every=8",
+    "logging.log_every=4",
+    "ring.heartbeat_interval_s=0.25",
+    "ring.heartbeat_timeout_s=2.0",
+    "launch.restart_backoff_s=0.5",
     "launch.standby_trainer_after_s=600",  # no standby trainer's imports on these 2 cores, but where a test asks
     # No wandb service beside each trainer (seconds of CPU at its start and stop), but where a test asks.
     "logging.wandb_mode=disabled",
@@ -39,15 +47,23 @@ WANDB = "logging.wandb_mode=offline"
 
 
 def run_all(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(ROOT / "launch" / "run_all.sh"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(ROOT / "launch" / "run_all.sh"), *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def start(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """The launcher on the small config, its output in launcher.out beside the run; ``env``: its environment
     (a fault plan), else this one's."""
     log = open(run_dir.parent / "launcher.out", "w")
-    return subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL, *overrides],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *SMALL, *overrides],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def trainer_step(run: RunDir) -> int:
@@ -83,8 +99,14 @@ def kill_producer_until_back(run: RunDir, producer: int) -> dict[int, int]:
     """kill -9 of ``producer``; returns once the launcher's replacement says ready. The pids before."""
     before = producer_pids(run)
     os.kill(before[producer], signal.SIGKILL)
-    wait_for(lambda: producer_pids(run).get(producer) not in (None, before[producer])
-             and (read_json(run.producer_status(producer)) or {}).get("ready"), f"producer {producer} restarted", 120)
+    wait_for(
+        lambda: (
+            producer_pids(run).get(producer) not in (None, before[producer])
+            and (read_json(run.producer_status(producer)) or {}).get("ready")
+        ),
+        f"producer {producer} restarted",
+        120,
+    )
     return before
 
 
@@ -160,7 +182,10 @@ def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
     assert (run.checkpoints / "step-00000060" / "drafter" / "model.safetensors").is_file()
     # No tokenizer next to a random target: the mask is the last id, which the data never holds.
     exported = json.loads((run.checkpoints / "step-00000060" / "drafter" / "config.json").read_text())
-    assert exported["dflash_config"]["mask_token_id"] == json.loads((run.target_head / "config.json").read_text())["vocab_size"] - 1
+    assert (
+        exported["dflash_config"]["mask_token_id"]
+        == json.loads((run.target_head / "config.json").read_text())["vocab_size"] - 1
+    )
     assert len(list(run.checkpoints.glob("step-*"))) == 2  # keep_last = 2 in tiny.toml
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     assert metrics[-1]["step"] == 60 and all(f"ring/{p}/free" in metrics[-1] for p in (0, 1))
@@ -172,7 +197,13 @@ def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
     assert all(m["checkpoint_fraction"] < 1 for m in windows)
     rows = history(run_dir)
     assert rows and all("ring/0/ready" in row and "ring/1/leased" in row for row in rows), "wandb holds the ring series"
-    assert {"train/loss", "train/tau", "producer/0/tokens_per_s", "train/starved_fraction", "train/checkpoint_fraction"} <= set(rows[-1])
+    assert {
+        "train/loss",
+        "train/tau",
+        "producer/0/tokens_per_s",
+        "train/starved_fraction",
+        "train/checkpoint_fraction",
+    } <= set(rows[-1])
     lines = lineage(run)
     assert len(lines) == 60 and {p for line in lines for p, _, _ in line["samples"]} == {0, 1}
 
@@ -195,10 +226,23 @@ def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
 def test_restart_trainer_with_a_new_learning_rate(run_dir):
     # The first trainer pauses at step 10 (a stall, as for an evaluation), so that restart-trainer replaces it
     # there whatever the machine's speed: waiting for step 10 and restarting raced the end of the 48 steps.
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", "training.lr=1e-3", "training.warmup_ratio=0.0",
-                     "training.min_lr_ratio=1.0", "training.stall_every_steps=10", "training.stall_s=120", WANDB)
+    launcher = start(
+        run_dir,
+        "training.max_steps=0",
+        "training.epochs=3",
+        "training.lr=1e-3",
+        "training.warmup_ratio=0.0",
+        "training.min_lr_ratio=1.0",
+        "training.stall_every_steps=10",
+        "training.stall_s=120",
+        WANDB,
+    )
     run = RunDir(run_dir)
-    wait_for(lambda: (read_json(run.trainer_status) or {}).get("state") == "stalled", "the first trainer's pause at step 10", 120)
+    wait_for(
+        lambda: (read_json(run.trainer_status) or {}).get("state") == "stalled",
+        "the first trainer's pause at step 10",
+        120,
+    )
     producers = producer_pids(run)
     answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4", "training.stall_every_steps=0")
     assert answer.returncode == 0, answer.stdout + answer.stderr
@@ -217,8 +261,9 @@ def test_kill9_producer_trainer_keeps_going_and_shard_resumes(run_dir):
     # No step limit: the run is stopped once the restarted producer 0 has delivered epoch 2 (a fixed
     # length could end while its replacement still loads its target). Metrics every 2 steps, so the
     # seconds producer 0 is down show in them even when steps are slow.
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=50",
-                     "logging.log_every=2")
+    launcher = start(
+        run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=50", "logging.log_every=2"
+    )
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 8, "step 8", 120)
     killed_at_step = trainer_step(run)
@@ -241,8 +286,13 @@ def test_two_ranks_two_producers_kill9_of_each_exactly_once(run_dir):
 
     The run has no step limit and is stopped once the restarted trainer trained epoch 2 of both
     producers: a fixed length raced the restarted producer's load on a fast machine."""
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=10",
-                     'launch.trainer_devices=["cpu", "cpu"]')
+    launcher = start(
+        run_dir,
+        "training.max_steps=0",
+        "training.epochs=1000",
+        "training.checkpoint_every=10",
+        'launch.trainer_devices=["cpu", "cpu"]',
+    )
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 8, "step 8", 180)
     kill_producer_until_back(run, 1)
@@ -251,9 +301,14 @@ def test_two_ranks_two_producers_kill9_of_each_exactly_once(run_dir):
     trainer_pid = read_json(run.trainer_status)["pid"]
     killed_at_us = time.time() * 1e6
     os.kill(trainer_pid, signal.SIGKILL)  # rank 0; torchrun takes rank 1 down, the supervisor restarts both
-    wait_for(lambda: min(epochs_trained(run, since_incarnation=killed_at_us).values(), default=-1) >= 2
-             and len(epochs_trained(run, since_incarnation=killed_at_us)) == 2,
-             "the restarted trainer to train epoch 2 of both producers", 240)
+    wait_for(
+        lambda: (
+            min(epochs_trained(run, since_incarnation=killed_at_us).values(), default=-1) >= 2
+            and len(epochs_trained(run, since_incarnation=killed_at_us)) == 2
+        ),
+        "the restarted trainer to train epoch 2 of both producers",
+        240,
+    )
     stop_and_finish(launcher, run_dir)
     lines = lineage(run)
     assert all(len({tuple(b) for b in line["batches"]}) == 2 for line in lines), "each step trains two distinct batches"
@@ -284,12 +339,20 @@ def test_a_hung_producer_does_not_slow_training_on_the_other(run_dir):
     assert max(gaps) < 6.0, f"training paused {max(gaps):.1f}s while a producer was hung"
 
     def trained_from_hung_after_resume() -> bool:
-        return any(p == 0 for line in run.ledger.read_text().splitlines() if line.endswith("}")
-                   for p, _ in json.loads(line)["batches"] if json.loads(line)["time"] > resumed_at)
+        return any(
+            p == 0
+            for line in run.ledger.read_text().splitlines()
+            if line.endswith("}")
+            for p, _ in json.loads(line)["batches"]
+            if json.loads(line)["time"] > resumed_at
+        )
 
     wait_for(trained_from_hung_after_resume, "a batch of the resumed producer trained", 90)
-    wait_for(lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
-             "both producers at epoch 2", 180)
+    wait_for(
+        lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
+        "both producers at epoch 2",
+        180,
+    )
     stop_and_finish(launcher, run_dir)
     # It failed twice in full suites on 2 loaded cores (a producer 0 replaced), never alone: say why if again.
     why = (run.logs / "launcher.log").read_text()[-3000:] + (run.logs / "producer-0.log").read_text()[-4000:]
@@ -309,14 +372,22 @@ def test_a_hung_trainer_goes_on_exactly_once_after_sigcont(run_dir):
     stopped_at = time.monotonic()
     try:
         # Hung for 3 heartbeat timeouts (2 s each) at least, and until the producers took its leases back.
-        wait_for(lambda: time.monotonic() > stopped_at + 6.0 and sum(s.get("reclaimed", 0) for s in run.producer_statuses()) > 0,
-                 "the producers to take the hung trainer's leases back", 60)
+        wait_for(
+            lambda: (
+                time.monotonic() > stopped_at + 6.0 and sum(s.get("reclaimed", 0) for s in run.producer_statuses()) > 0
+            ),
+            "the producers to take the hung trainer's leases back",
+            60,
+        )
     finally:
         os.kill(trainer, signal.SIGCONT)
     step = trainer_step(run)
     wait_for(lambda: trainer_step(run) >= step + 20, "training after SIGCONT", 120)
-    wait_for(lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
-             "both producers at epoch 2", 180)
+    wait_for(
+        lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
+        "both producers at epoch 2",
+        180,
+    )
     stop_and_finish(launcher, run_dir)
     incarnations = assert_exactly_once(run, must_reach={0, 1})
     assert len(incarnations) == 1, "the hung trainer went on itself; the launcher did not replace it"

@@ -13,9 +13,15 @@ from common.rundir import RunDir, read_json
 @pytest.mark.gpu
 def test_gpu_pipeline_with_cuda_rings(short_tmp):
     run_dir = short_tmp / "run"
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", "target.dtype=\"bfloat16\"",
-                     "ring.backend=\"cuda\"", "launch.producer_devices=[\"cuda:0\", \"cuda:0\"]",
-                     "launch.trainer_devices=[\"cuda:0\"]")
+    launcher = start(
+        run_dir,
+        "training.max_steps=0",
+        "training.epochs=3",
+        "target.dtype=\"bfloat16\"",
+        "ring.backend=\"cuda\"",
+        "launch.producer_devices=[\"cuda:0\", \"cuda:0\"]",
+        "launch.trainer_devices=[\"cuda:0\"]",
+    )
     finish(launcher, run_dir, timeout=600)
     run = RunDir(run_dir)
     assert all(s["ring"]["backend"] == "cuda" and s["device"] == "cuda:0" for s in run.producer_statuses())
@@ -34,9 +40,19 @@ def test_gpu_pipeline_with_a_hybrid_qwen35_target(short_tmp):
 
     path = tiny_qwen35(short_tmp / "qwen35", "multimodal")
     run_dir = short_tmp / "run"
-    launcher = start(run_dir, f"target.path={path}", "target.config_overrides={}", "target.dtype=\"bfloat16\"",
-                     "ring.backend=\"cuda\"", "launch.producer_devices=[\"cuda:0\"]", "launch.trainer_devices=[\"cuda:0\"]",
-                     "training.max_steps=40", "eval.every_steps=40", "eval.num_prompts=2", "eval.max_new_tokens=16")
+    launcher = start(
+        run_dir,
+        f"target.path={path}",
+        "target.config_overrides={}",
+        "target.dtype=\"bfloat16\"",
+        "ring.backend=\"cuda\"",
+        "launch.producer_devices=[\"cuda:0\"]",
+        "launch.trainer_devices=[\"cuda:0\"]",
+        "training.max_steps=40",
+        "eval.every_steps=40",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=16",
+    )
     finish(launcher, run_dir, timeout=600)
     run = RunDir(run_dir)
     kernels = [s["kernels"] for s in run.producer_statuses()]

@@ -16,16 +16,32 @@ from common.transport import HandshakeRefused, RingClient
 from producer.target import load_target_model
 
 ROOT = Path(__file__).resolve().parents[1]
-OVERRIDES = ["data.num_samples=60", "data.mean_len=48", "data.min_len=8", "data.max_seq_len=128",
-             "batching.token_budget=256", "batching.window_docs=16", "launch.num_producers=1",
-             "ring.num_slots=3", "ring.heartbeat_interval_s=0.2", "ring.heartbeat_timeout_s=2.0",
-             "training.label_mode=\"target_hard\""]
+OVERRIDES = [
+    "data.num_samples=60",
+    "data.mean_len=48",
+    "data.min_len=8",
+    "data.max_seq_len=128",
+    "batching.token_budget=256",
+    "batching.window_docs=16",
+    "launch.num_producers=1",
+    "ring.num_slots=3",
+    "ring.heartbeat_interval_s=0.2",
+    "ring.heartbeat_timeout_s=2.0",
+    "training.label_mode=\"target_hard\"",
+]
 
 
-def start_producer(run_dir: RunDir, producer_id: int = 0, module: tuple[str, ...] = ("producer.server",)) -> subprocess.Popen:
+def start_producer(
+    run_dir: RunDir, producer_id: int = 0, module: tuple[str, ...] = ("producer.server",)
+) -> subprocess.Popen:
     """A producer process, ready; ``module``: what ``python -m`` runs (a wrapper may come before producer.server)."""
-    proc = subprocess.Popen([sys.executable, "-m", *module, "--run-dir", str(run_dir.root), "--producer-id", str(producer_id)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *module, "--run-dir", str(run_dir.root), "--producer-id", str(producer_id)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         status = read_json(run_dir.producer_status(producer_id))
@@ -85,7 +101,9 @@ def test_features_match_a_plain_forward_and_shutdown_is_clean(run_dir):
             want = torch.cat([out.hidden_states[k + 1][0] for k in layer_ids], dim=-1)
             torch.testing.assert_close(t["aux_hidden"][start:end], want, rtol=1e-4, atol=1e-4)
             last = model.model.norm  # hidden_states[-1] is after the final norm; the ring ships it before
-            torch.testing.assert_close(last(t["last_hidden"][start:end]), out.hidden_states[-1][0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                last(t["last_hidden"][start:end]), out.hidden_states[-1][0], rtol=1e-4, atol=1e-4
+            )
     assert (run_dir.target_head / "model.safetensors").is_file()
 
     proc.send_signal(signal.SIGTERM)
@@ -98,8 +116,12 @@ def test_mismatched_trainer_is_refused_with_the_reason(run_dir):
     proc = start_producer(run_dir)
     status = read_json(run_dir.producer_status(0))
     try:
-        for expect, word in [({"target_identity": "qwen3-other"}, "target_identity"), ({"layer_ids": [0, 1]}, "layer_ids"),
-                             ({"dtype": "bfloat16"}, "dtype"), ({"last_hidden": False}, "last_hidden")]:
+        for expect, word in [
+            ({"target_identity": "qwen3-other"}, "target_identity"),
+            ({"layer_ids": [0, 1]}, "layer_ids"),
+            ({"dtype": "bfloat16"}, "dtype"),
+            ({"last_hidden": False}, "last_hidden"),
+        ]:
             client = RingClient(status["endpoint"], "trainer/r0", 1, expect=expect)
             with pytest.raises(HandshakeRefused, match=word):
                 client.connect(10)
@@ -144,8 +166,18 @@ def test_feeder_with_a_full_queue_loses_no_batch(run_dir):
     from trainer.feeder import Commits, Feeder
 
     proc = start_producer(run_dir)
-    feeder = Feeder(run_dir, consumer_id="trainer/r0", incarnation=1, expect={}, commits=Commits(),
-                    device=torch.device("cpu"), credits=2, heartbeat_interval_s=0.2, handshake_timeout_s=10, depth=1)
+    feeder = Feeder(
+        run_dir,
+        consumer_id="trainer/r0",
+        incarnation=1,
+        expect={},
+        commits=Commits(),
+        device=torch.device("cpu"),
+        credits=2,
+        heartbeat_interval_s=0.2,
+        handshake_timeout_s=10,
+        depth=1,
+    )
     try:
         feeder.start()
         ordinals = []
@@ -162,7 +194,10 @@ def test_feeder_with_a_full_queue_loses_no_batch(run_dir):
 
 
 def test_headroom_stays_free_while_the_consumer_takes_and_fills_when_it_pauses(short_tmp):
-    cfg = load_config(ROOT / "launch" / "tiny.toml", OVERRIDES + ["ring.num_slots=6", "ring.headroom_slots=3", "ring.pause_detect_s=1.0"])
+    cfg = load_config(
+        ROOT / "launch" / "tiny.toml",
+        OVERRIDES + ["ring.num_slots=6", "ring.headroom_slots=3", "ring.pause_detect_s=1.0"],
+    )
     run = RunDir(short_tmp / "run")
     run.root.mkdir()
     save_config(cfg, run.config)

@@ -20,8 +20,17 @@ from common.protocol import (
 )
 
 MESSAGES = [
-    Hello(consumer_id="trainer/r0", incarnation=3, pid=123, credits=4, expect={"layers": [1, 9]}, committed={"next": 5}),
-    Welcome(producer_id=1, pid=9, ring={"backend": "host", "path": "/dev/shm/dflash.t.p0.1-2", "num_slots": 4, "slot_bytes": 4096}, describe={"target": "x"}, heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0),
+    Hello(
+        consumer_id="trainer/r0", incarnation=3, pid=123, credits=4, expect={"layers": [1, 9]}, committed={"next": 5}
+    ),
+    Welcome(
+        producer_id=1,
+        pid=9,
+        ring={"backend": "host", "path": "/dev/shm/dflash.t.p0.1-2", "num_slots": 4, "slot_bytes": 4096},
+        describe={"target": "x"},
+        heartbeat_interval_s=1.0,
+        heartbeat_timeout_s=10.0,
+    ),
     Refuse(reason="other target"),
     Batch(slot=2, generation=7, seq=11, layout=(TensorSpec("x", "bfloat16", (3, 4), 0),), meta={"samples": [1, 2, 3]}),
     Ack(slot=2, generation=7),
@@ -59,11 +68,21 @@ def _frame(**body):
         _frame(t="heartbeat", stats={1: 2}),
         _frame(t="batch", slot=0, generation=0, seq=0, layout=[["x", "evil", [1], 0]], meta={}),
         _frame(t="batch", slot=0, generation=0, seq=0, layout="x", meta={}),
-        _frame(t="welcome", producer_id=0, pid=1, ring={}, describe={}, heartbeat_interval_s=float("nan"), heartbeat_timeout_s=1.0),
+        _frame(
+            t="welcome",
+            producer_id=0,
+            pid=1,
+            ring={},
+            describe={},
+            heartbeat_interval_s=float("nan"),
+            heartbeat_timeout_s=1.0,
+        ),
         b"\x00" * ((1 << 20) + 1),
         # Each of these raised something other than ProtocolError once (found by the fuzzer):
         _frame(t="batch", slot=0, generation=0, seq=0, layout=[["x", ["uint8"], [1], 0]], meta={}),  # unhashable dtype
-        msgpack.packb({b"": 1, "x": 2, "v": PROTOCOL_VERSION, "t": "ack", "slot": 1, "generation": 1}, use_bin_type=True),
+        msgpack.packb(
+            {b"": 1, "x": 2, "v": PROTOCOL_VERSION, "t": "ack", "slot": 1, "generation": 1}, use_bin_type=True
+        ),
         _frame(t="hello", consumer_id="x", incarnation=0, pid=1, credits=1, committed={"extra": [float("inf")]}),
         # Bins, exts and timestamps never reach a field check: the unpacker refuses them.
         _frame(t="bye", reason=b"x"),
@@ -121,7 +140,17 @@ CUDA_RING = {"backend": "cuda", "handle": "ab" * 64, "gpu_uuid": "GPU-x", "num_s
 )
 def test_welcome_ring_description_is_checked_before_anyone_opens_it(ring):
     with pytest.raises(ProtocolError, match="ring"):
-        decode(_frame(t="welcome", producer_id=0, pid=1, ring=ring, describe={}, heartbeat_interval_s=1.0, heartbeat_timeout_s=1.0))
+        decode(
+            _frame(
+                t="welcome",
+                producer_id=0,
+                pid=1,
+                ring=ring,
+                describe={},
+                heartbeat_interval_s=1.0,
+                heartbeat_timeout_s=1.0,
+            )
+        )
     good = Welcome(producer_id=0, pid=1, ring=CUDA_RING, describe={}, heartbeat_interval_s=1.0, heartbeat_timeout_s=1.0)
     assert decode(good.encode()) == good
 

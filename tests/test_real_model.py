@@ -40,8 +40,12 @@ def test_a_gguf_file_is_a_target_dequantized_once_into_a_folder():
     folder = Path(TargetConfig(path=str(path), dtype="float32", device="cpu").path)
     assert folder == smollm2_folder() and (folder / "config.json").is_file()
     config = json.loads((folder / "config.json").read_text())
-    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == \
-        ("llama", 30, 576, 49152)
+    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
+        "llama",
+        30,
+        576,
+        49152,
+    )
     assert "quantization_config" not in config
     # The weights are the file's own, dequantized exactly (Q4_1 blocks decoded by the gguf package itself).
     reader = gguf.GGUFReader(path)
@@ -60,7 +64,9 @@ def test_the_gguf_tokenizer_and_chat_template_come_with_the_folder():
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
     assert tokenizer.is_fast and len(tokenizer) == 49152
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     from_file = AutoTokenizer.from_pretrained(smollm2_gguf().parent, gguf_file=smollm2_gguf().name)
     for sample in ("def add(a, b):\n    return a + b", "Paris, 1889 — ünïcode ✓", text):
@@ -80,9 +86,18 @@ def test_a_gguf_of_an_unsupported_architecture_stops_check_with_exit_2_naming_th
     writer.close()
     cache = tmp_path / "cache"
     started = time.monotonic()
-    done = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "check", f"target.path={json.dumps(str(bogus))}",
-                           "target.config_overrides={}"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "DFLASH_CACHE": str(cache)})
+    done = subprocess.run(
+        [
+            str(ROOT / "launch" / "run_all.sh"),
+            "check",
+            f"target.path={json.dumps(str(bogus))}",
+            "target.config_overrides={}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DFLASH_CACHE": str(cache)},
+    )
     assert done.returncode == 2, done.stderr
     assert str(bogus) in done.stderr and "target.path" in done.stderr and "Traceback" not in done.stderr
     assert time.monotonic() - started < 60
@@ -108,8 +123,12 @@ def test_the_mask_token_of_a_full_vocabulary_is_a_special_token_no_conversation_
     # A template that writes that token rules it out; the explicit setting still wins.
     tokenizer.chat_template = tokenizer.chat_template.replace("<|im_end|>", "<|im_end|><empty_output>")
     assert unused_special_token(tokenizer) == 15
-    assert DraftConfig.from_target(AutoConfig.from_pretrained(folder), num_draft_layers=1, tokenizer=tokenizer,
-                                   mask_token_id=7).mask_token_id == 7
+    assert (
+        DraftConfig.from_target(
+            AutoConfig.from_pretrained(folder), num_draft_layers=1, tokenizer=tokenizer, mask_token_id=7
+        ).mask_token_id
+        == 7
+    )
     # The ids the template writes are never picked (bos/eos/pad and the turn markers).
     assert unused_special_token(tokenizer) not in (0, 1, 2)
 
@@ -118,8 +137,14 @@ def test_chat_data_without_eval_paths_holds_out_records_never_trained_on(tmp_pat
     from producer.data import run_sources
 
     data = write_chat(tmp_path / "chat.jsonl", 70)
-    overrides = [f"target.path={json.dumps(str(smollm2_gguf()))}", "target.config_overrides={}", "data.format=chat",
-                 f"data.paths={json.dumps([str(data)])}", "eval.every_steps=50", "eval.num_prompts=6"]
+    overrides = [
+        f"target.path={json.dumps(str(smollm2_gguf()))}",
+        "target.config_overrides={}",
+        "data.format=chat",
+        f"data.paths={json.dumps([str(data)])}",
+        "eval.every_steps=50",
+        "eval.num_prompts=6",
+    ]
     cfg = load_config(None, overrides)  # evaluating chat data no longer needs eval.paths
     training, held_out = run_sources(cfg, 49152)
     assert (len(training), len(held_out)) == (64, 6)
@@ -138,10 +163,21 @@ def test_chat_data_without_eval_paths_holds_out_records_never_trained_on(tmp_pat
 
 def test_check_names_the_mask_token_and_the_held_out_count(tmp_path):
     data = write_chat(tmp_path / "chat.jsonl", 60, broken_lines=(4,))
-    done = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "check", "--json",
-                           f"target.path={json.dumps(str(smollm2_gguf()))}", "target.config_overrides={}",
-                           "data.format=chat", f"data.paths={json.dumps([str(data)])}", "eval.num_prompts=5"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            str(ROOT / "launch" / "run_all.sh"),
+            "check",
+            "--json",
+            f"target.path={json.dumps(str(smollm2_gguf()))}",
+            "target.config_overrides={}",
+            "data.format=chat",
+            f"data.paths={json.dumps([str(data)])}",
+            "eval.num_prompts=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "mask token 16 ('<empty_output>')" in done.stdout
     assert "held out for evaluation: 5 records" in done.stdout
@@ -159,24 +195,34 @@ def test_the_real_models_packed_capture_equals_each_documents_own_forward():
     folder = smollm2_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     layer_ids = [1, 14, 27]
-    target = Target.load(TargetConfig(path=str(folder), dtype="float32", device="cpu"), layer_ids,
-                         capture_last_hidden=True)
+    target = Target.load(
+        TargetConfig(path=str(folder), dtype="float32", device="cpu"), layer_ids, capture_last_hidden=True
+    )
     texts = ["def add(a, b):\n    return a + b", "The capital of France is Paris.", "1, 2, 3, 4, 5, 6, 7, 8"]
-    documents = [torch.tensor(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
-                                                            add_generation_prompt=True, return_dict=True)["input_ids"])
-                 for t in texts]
+    documents = [
+        torch.tensor(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
+        for t in texts
+    ]
     lengths = [len(d) for d in documents]
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths).cumsum(0)
-    batch = PackedBatch(input_ids=torch.cat(documents).int(), loss_mask=torch.ones(sum(lengths), dtype=torch.uint8),
-                        cu_seqlens=cu, sample_ids=torch.arange(len(lengths)))
+    batch = PackedBatch(
+        input_ids=torch.cat(documents).int(),
+        loss_mask=torch.ones(sum(lengths), dtype=torch.uint8),
+        cu_seqlens=cu,
+        sample_ids=torch.arange(len(lengths)),
+    )
     features = target.capture(batch)
     hidden = target.hidden_size
     for start, ids in zip(cu[:-1].tolist(), documents):
         with torch.no_grad():
             states = target.model(ids[None], output_hidden_states=True).hidden_states
         for slot, layer in enumerate(layer_ids):
-            got = features.aux_hidden[start:start + len(ids), slot * hidden:(slot + 1) * hidden]
+            got = features.aux_hidden[start : start + len(ids), slot * hidden : (slot + 1) * hidden]
             torch.testing.assert_close(got, states[layer + 1][0], atol=2e-4, rtol=2e-4)
 
 
@@ -198,8 +244,9 @@ def test_the_real_models_windows_of_chat_records_tokenize_as_one_record_at_a_tim
         source = build_data_source(DataConfig(format="chat", paths=[str(path)], cache_mb=cache_mb), tokenizer=tokenizer)
         if name == "alone":
             source.prefetch = lambda sample_ids: None
-        plans[name] = BatchPlan(source, ShardOrder(len(source), OrderConfig(seed=0)),
-                                BatchingConfig(token_budget=4096, window_docs=16))
+        plans[name] = BatchPlan(
+            source, ShardOrder(len(source), OrderConfig(seed=0)), BatchingConfig(token_budget=4096, window_docs=16)
+        )
     for epoch in range(2):
         for window in range(plans["alone"].num_windows()):
             batches = {name: plan.window_batches(epoch, window) for name, plan in plans.items()}
@@ -219,8 +266,13 @@ def test_the_held_out_records_are_fixed_by_the_runs_first_start_whatever_num_pro
     from producer.data import held_out_ids, run_sources
 
     data = write_chat(tmp_path / "chat.jsonl", 400)
-    base = [f"target.path={json.dumps(str(smollm2_gguf()))}", "target.config_overrides={}", "data.format=chat",
-            f"data.paths={json.dumps([str(data)])}", "eval.every_steps=50"]
+    base = [
+        f"target.path={json.dumps(str(smollm2_gguf()))}",
+        "target.config_overrides={}",
+        "data.format=chat",
+        f"data.paths={json.dumps([str(data)])}",
+        "eval.every_steps=50",
+    ]
     stored = tmp_path / "run" / "held_out.json"
     stored.parent.mkdir()
     first_training, first = run_sources(load_config(None, base + ["eval.num_prompts=8"]), 49152, held_out_file=stored)
@@ -231,5 +283,8 @@ def test_the_held_out_records_are_fixed_by_the_runs_first_start_whatever_num_pro
     assert set(held_out_ids(400, 32, 0)) - set(held_out_ids(400, 8, 0)), "drawn afresh, the split would move"
     other = write_chat(tmp_path / "other.jsonl", 300)
     with pytest.raises(ValueError, match="held out records of a data set of 400 records, data.paths now holds 300"):
-        run_sources(load_config(None, base[:3] + [f"data.paths={json.dumps([str(other)])}", "eval.every_steps=50"]),
-                    49152, held_out_file=stored)
+        run_sources(
+            load_config(None, base[:3] + [f"data.paths={json.dumps([str(other)])}", "eval.every_steps=50"]),
+            49152,
+            held_out_file=stored,
+        )

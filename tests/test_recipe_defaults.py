@@ -48,8 +48,12 @@ def test_every_recipe_of_the_recipe_table_is_a_valid_config_on_the_preset():
     assert load_config("launch/smollm2-135m.toml", overrides_of("layers3")[1]).drafter.num_layers == 3
     assert load_config("launch/smollm2-135m.toml", overrides_of("lr_double")[1]).training.lr == 2.4e-3
     former_step = load_config("launch/smollm2-135m.toml", overrides_of("step16k+layers5")[1])
-    assert (former_step.batching.token_budget, former_step.drafter.num_anchors, former_step.drafter.num_layers,
-            former_step.training.lr) == (16384, 512, 5, 6e-4)
+    assert (
+        former_step.batching.token_budget,
+        former_step.drafter.num_anchors,
+        former_step.drafter.num_layers,
+        former_step.training.lr,
+    ) == (16384, 512, 5, 6e-4)
 
 
 def test_a_recipe_may_name_its_own_steps_over_the_common_ones():

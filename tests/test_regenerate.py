@@ -18,15 +18,36 @@ def test_the_stream_trains_on_the_targets_own_answers_exactly_once_through_a_pro
     smollm2_folder()
     data = write_chat(short_tmp / "chat.jsonl", 40)
     run_dir = short_tmp / "run"
-    command = [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), "--config",
-               str(ROOT / "launch" / "smollm2-135m.toml"), f"target.path={json.dumps(str(smollm2_gguf()))}",
-               "target.dtype=float32", f"data.paths={json.dumps([str(data)])}", "data.regenerate=true",
-               "data.max_seq_len=256", "batching.token_budget=512", "batching.window_docs=8",
-               "synthesize.max_new_tokens=8", "synthesize.rows=4", "drafter.num_layers=1", "drafter.num_anchors=16",
-               "training.max_steps=0", "training.epochs=1", "training.checkpoint_every=2", "eval.every_steps=0",
-               "eval.num_prompts=4", "logging.log_every=1", 'launch.producer_devices=["cpu"]',
-               'launch.trainer_devices=["cpu"]', "launch.mps=false", "launch.restart_backoff_s=0.2",
-               "ring.backend=\"host\"", "ring.num_slots=2"]
+    command = [
+        str(ROOT / "launch" / "run_all.sh"),
+        "--run-dir",
+        str(run_dir),
+        "--config",
+        str(ROOT / "launch" / "smollm2-135m.toml"),
+        f"target.path={json.dumps(str(smollm2_gguf()))}",
+        "target.dtype=float32",
+        f"data.paths={json.dumps([str(data)])}",
+        "data.regenerate=true",
+        "data.max_seq_len=256",
+        "batching.token_budget=512",
+        "batching.window_docs=8",
+        "synthesize.max_new_tokens=8",
+        "synthesize.rows=4",
+        "drafter.num_layers=1",
+        "drafter.num_anchors=16",
+        "training.max_steps=0",
+        "training.epochs=1",
+        "training.checkpoint_every=2",
+        "eval.every_steps=0",
+        "eval.num_prompts=4",
+        "logging.log_every=1",
+        'launch.producer_devices=["cpu"]',
+        'launch.trainer_devices=["cpu"]',
+        "launch.mps=false",
+        "launch.restart_backoff_s=0.2",
+        "ring.backend=\"host\"",
+        "ring.num_slots=2",
+    ]
     folder = run_dir / "regenerated"
     out = run_killing_once(command, folder, f"producer.server --run-dir {run_dir}")
     answers = Counter()
@@ -37,8 +58,9 @@ def test_the_stream_trains_on_the_targets_own_answers_exactly_once_through_a_pro
             answers[record["id"]] += 1
             records[record["id"]] = record
     assert len(answers) == 36 and max(answers.values()) == 1, answers  # 40 records less 4 held out, each once
-    assert all(r["messages"][-1]["role"] == "assistant" and r["generation"]["max_new_tokens"] == 8
-               for r in records.values())
+    assert all(
+        r["messages"][-1]["role"] == "assistant" and r["generation"]["max_new_tokens"] == 8 for r in records.values()
+    )
     for key, record in records.items():  # the target's words, not the record's own answer
         line = int(key.rsplit(":", 1)[1])
         assert record["messages"][-1]["content"] != f"{line} plus {line} is {2 * line}."
@@ -61,12 +83,33 @@ def test_rows_whose_cache_cannot_fit_stop_the_run_with_exit_2_naming_the_key(sho
     run_dir = short_tmp / "run"
     started = time.monotonic()
     done = subprocess.run(
-        [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), "--config", str(ROOT / "launch" / "smollm2-135m.toml"),
-         f"target.path={json.dumps(str(smollm2_gguf()))}", "target.dtype=float32", f"data.paths={json.dumps([str(data)])}",
-         "data.regenerate=true", "data.max_seq_len=256", "batching.token_budget=512", "synthesize.rows=100000",
-         "drafter.num_layers=1", "training.max_steps=4", "eval.every_steps=0", "eval.num_prompts=2",
-         'launch.producer_devices=["cpu"]', 'launch.trainer_devices=["cpu"]', "launch.mps=false",
-         "launch.restart_backoff_s=0.2", "ring.backend=\"host\""], capture_output=True, text=True, timeout=300)
+        [
+            str(ROOT / "launch" / "run_all.sh"),
+            "--run-dir",
+            str(run_dir),
+            "--config",
+            str(ROOT / "launch" / "smollm2-135m.toml"),
+            f"target.path={json.dumps(str(smollm2_gguf()))}",
+            "target.dtype=float32",
+            f"data.paths={json.dumps([str(data)])}",
+            "data.regenerate=true",
+            "data.max_seq_len=256",
+            "batching.token_budget=512",
+            "synthesize.rows=100000",
+            "drafter.num_layers=1",
+            "training.max_steps=4",
+            "eval.every_steps=0",
+            "eval.num_prompts=2",
+            'launch.producer_devices=["cpu"]',
+            'launch.trainer_devices=["cpu"]',
+            "launch.mps=false",
+            "launch.restart_backoff_s=0.2",
+            "ring.backend=\"host\"",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = next((run_dir / "logs").glob("producer*0*.log")).read_text()
     assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
     assert "synthesize.rows: a static KV cache of 100000 rows x" in log, log[-3000:]

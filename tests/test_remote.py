@@ -55,7 +55,9 @@ def serve(endpoint: str, keys_path: str) -> None:
     """Publish batch i = make_batch(SEED, i) with its CRC, for i = 0, 1, ... until SIGTERM."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
     ring = HostRing.create("remote-test", "p0", num_slots=3, slot_bytes=SLOT_BYTES)
-    server = RingServer(endpoint, ring, heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0, curve=CurveKeys.load(Path(keys_path)))
+    server = RingServer(
+        endpoint, ring, heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0, curve=CurveKeys.load(Path(keys_path))
+    )
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     server.start()
@@ -67,7 +69,9 @@ def serve(endpoint: str, keys_path: str) -> None:
             if slot is None:
                 continue
             tensors = make_batch(SEED, index, SLOT_BYTES // 2)
-            server.publish(slot, write_tensors(server.slot_view(slot), tensors), {"index": index, "crc": checksum(tensors)})
+            server.publish(
+                slot, write_tensors(server.slot_view(slot), tensors), {"index": index, "crc": checksum(tensors)}
+            )
             index += 1
     finally:
         server.close()
@@ -81,8 +85,13 @@ def tcp_producer(short_tmp):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     log_path = short_tmp / "producer.log"
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, __file__, "serve", endpoint, str(short_tmp / "secrets" / "curve.json")],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "serve", endpoint, str(short_tmp / "secrets" / "curve.json")],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+        )
     assert json.loads(proc.stdout.readline())["event"] == "ready", log_path.read_text()
     yield endpoint, keys, proc, log_path
     proc.send_signal(signal.SIGTERM)
@@ -98,7 +107,9 @@ def _take(client: RingClient, count: int, timeout_s: float = 30.0) -> list[int]:
         for delivery in client.poll(timeout_s=0.05):
             index = delivery.meta["index"]
             got = checksum(delivery.tensors)
-            assert got == delivery.meta["crc"] == checksum(make_batch(SEED, index, SLOT_BYTES // 2)), f"batch {index} differs"
+            assert got == delivery.meta["crc"] == checksum(make_batch(SEED, index, SLOT_BYTES // 2)), (
+                f"batch {index} differs"
+            )
             indices.append(index)
             client.ack(delivery, grant=1)
     return indices
@@ -108,7 +119,9 @@ def test_frames_over_tcp_carry_every_batch_bit_for_bit(tcp_producer):
     endpoint, keys, _, _ = tcp_producer
     remote = RingClient(endpoint, "remote/r0", 1, credits=2, curve=keys, payload="frames")
     welcome = remote.connect(timeout_s=20)
-    assert welcome.ring == {"backend": "frames", "num_slots": 3, "slot_bytes": SLOT_BYTES}, "no segment named to a remote host"
+    assert welcome.ring == {"backend": "frames", "num_slots": 3, "slot_bytes": SLOT_BYTES}, (
+        "no segment named to a remote host"
+    )
     assert remote.ring is None, "a frames consumer maps no ring"
     first = _take(remote, 60)
     remote.close()
@@ -130,8 +143,13 @@ def test_only_the_run_keys_get_in_and_the_producer_keeps_serving(tcp_producer):
     before = _take(good, 5)
     assert before == list(range(len(before)))
     stranger = CurveKeys.generate()
-    wrong_client = RingClient(endpoint, "intruder", 2, curve=CurveKeys(keys.server_public, b"", stranger.client_public,
-                                                                          stranger.client_secret), payload="frames")
+    wrong_client = RingClient(
+        endpoint,
+        "intruder",
+        2,
+        curve=CurveKeys(keys.server_public, b"", stranger.client_public, stranger.client_secret),
+        payload="frames",
+    )
     with pytest.raises(HandshakeTimeout):
         wrong_client.connect(timeout_s=1.5)
     wrong_client.close()
@@ -163,7 +181,11 @@ class _FakeProducer:
             hello = decode(frame)
             if isinstance(hello, Hello):
                 break
-        self.send(Welcome(producer_id=0, pid=1, ring=ring, describe={}, heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0).encode())
+        self.send(
+            Welcome(
+                producer_id=0, pid=1, ring=ring, describe={}, heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0
+            ).encode()
+        )
         return hello
 
     def send(self, *frames: bytes) -> None:
@@ -184,7 +206,9 @@ class _FakeProducer:
 
 
 def _batch(slot: int, generation: int, layout: list[TensorSpec]) -> bytes:
-    return Batch(slot=slot, generation=generation, seq=generation, layout=tuple(layout), meta={"n": generation}).encode()
+    return Batch(
+        slot=slot, generation=generation, seq=generation, layout=tuple(layout), meta={"n": generation}
+    ).encode()
 
 
 def _poll_until(client: RingClient, dropped: int) -> list:
@@ -208,14 +232,14 @@ def test_malformed_multipart_messages_are_dropped_never_read(short_tmp):
         layout = [TensorSpec("x", "int64", (300,), 0)]
         body = x.view(torch.uint8).numpy().tobytes() + bytes(2560 - 2400)
         assert payload_bytes(layout, 4096) == len(body) == 2560
-        fake.send(_batch(0, 1, layout))                                   # no payload
-        fake.send(_batch(1, 2, layout), body[:-1])                        # one byte short
-        fake.send(_batch(2, 3, layout), body + b"\0")                     # one byte long
-        fake.send(_batch(3, 4, layout), body, b"extra")                   # a third frame
+        fake.send(_batch(0, 1, layout))  # no payload
+        fake.send(_batch(1, 2, layout), body[:-1])  # one byte short
+        fake.send(_batch(2, 3, layout), body + b"\0")  # one byte long
+        fake.send(_batch(3, 4, layout), body, b"extra")  # a third frame
         fake.send(_batch(0, 5, [TensorSpec("x", "int64", (600,), 0)]), bytes(4096))  # past the slot
-        fake.send(Heartbeat().encode(), b"x")                             # payload on a message that has none
-        fake.send(body)                                                   # a payload without its batch
-        fake.send(_batch(1, 6, layout), body)                             # the one good batch
+        fake.send(Heartbeat().encode(), b"x")  # payload on a message that has none
+        fake.send(body)  # a payload without its batch
+        fake.send(_batch(1, 6, layout), body)  # the one good batch
         delivered = _poll_until(client, dropped=7)
         assert client.dropped_malformed == 7
         assert len(delivered) == 1 and torch.equal(delivered[0].tensors["x"], x) and delivered[0].meta == {"n": 6}
@@ -317,7 +341,9 @@ def test_remote_settings_are_checked_naming_the_key(short_tmp):
     os.chmod(run.curve_keys, 0o644)
     with pytest.raises(ConfigError, match="chmod 600"):
         remote_keys(cfg, run, 1, "tcp://0.0.0.0:5555")
-    gpu = load_config(None, ['launch.producer_devices=["cpu"]', 'launch.remote_producers=["tcp://a:1"]', 'ring.backend="cuda"'])
+    gpu = load_config(
+        None, ['launch.producer_devices=["cpu"]', 'launch.remote_producers=["tcp://a:1"]', 'ring.backend="cuda"']
+    )
     with pytest.raises(ConfigError, match="ring.backend: .* not cuda"):
         remote_keys(gpu, run, 1, "tcp://0.0.0.0:5555")
     # Epoch sizing counts each shard where its producer runs: with remote ones the steps must be given.
@@ -329,17 +355,41 @@ def test_remote_settings_are_checked_naming_the_key(short_tmp):
 
 NUM_SAMPLES = 96
 RUN = [
-    f"data.num_samples={NUM_SAMPLES}", "data.mean_len=48", "data.min_len=16", "data.max_seq_len=256",
-    "batching.token_budget=512", "batching.window_docs=32", "drafter.num_anchors=32",
-    "training.max_steps=10000", "training.checkpoint_every=8", "logging.log_every=2", 'logging.wandb_mode="disabled"',
-    "ring.heartbeat_interval_s=0.25", "ring.heartbeat_timeout_s=2.0", 'launch.producer_devices=["cpu"]',
+    f"data.num_samples={NUM_SAMPLES}",
+    "data.mean_len=48",
+    "data.min_len=16",
+    "data.max_seq_len=256",
+    "batching.token_budget=512",
+    "batching.window_docs=32",
+    "drafter.num_anchors=32",
+    "training.max_steps=10000",
+    "training.checkpoint_every=8",
+    "logging.log_every=2",
+    'logging.wandb_mode="disabled"',
+    "ring.heartbeat_interval_s=0.25",
+    "ring.heartbeat_timeout_s=2.0",
+    'launch.producer_devices=["cpu"]',
 ]
 
 
 def _start_remote(remote: RunDir, endpoint: str) -> subprocess.Popen:
     with open(remote.root / "producer.log", "a") as log:
-        return subprocess.Popen([sys.executable, "-m", "producer.server", "--run-dir", str(remote.root), "--producer-id", "1",
-                                 "--listen", endpoint], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "producer.server",
+                "--run-dir",
+                str(remote.root),
+                "--producer-id",
+                "1",
+                "--listen",
+                endpoint,
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _step(run: RunDir) -> int:
@@ -360,7 +410,9 @@ def test_training_from_a_local_and_a_remote_producer_exactly_once(short_tmp):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     run = LauncherRunDir(short_tmp / "run")
     run.create()  # as run_all.sh does: the folders and the run's CURVE keys
-    save_config(load_config(ROOT / "launch" / "tiny.toml", RUN + [f'launch.remote_producers=["{endpoint}"]']), run.config)
+    save_config(
+        load_config(ROOT / "launch" / "tiny.toml", RUN + [f'launch.remote_producers=["{endpoint}"]']), run.config
+    )
     # The other "host": a folder of its own holding copies of config.toml and secrets/curve.json only.
     remote = RunDir(short_tmp / "remote")
     (remote.root / "secrets").mkdir(parents=True, mode=0o700)
@@ -368,8 +420,12 @@ def test_training_from_a_local_and_a_remote_producer_exactly_once(short_tmp):
     shutil.copy2(run.curve_keys, remote.curve_keys)
     producer = _start_remote(remote, endpoint)
     with open(short_tmp / "launcher.out", "w") as out:
-        launcher = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run.root)], cwd=ROOT, stdout=out,
-                                    stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(
+            [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run.root)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     trainer_log = run.logs / "trainer.log"
 
     def reconnected() -> bool:
@@ -383,23 +439,34 @@ def test_training_from_a_local_and_a_remote_producer_exactly_once(short_tmp):
         producer = _start_remote(remote, endpoint)
         _wait(reconnected, "the trainer back on the restarted remote producer")
         back_at = _step(run)
+
         def trained_from_restarted_remote() -> bool:
             lines = [json.loads(line) for line in run.ledger.read_text().splitlines() if line.endswith("}")]
             return any(p == 1 for line in lines if line["step"] > back_at for p, _ in line["batches"])
 
         # Steps on, and at least one of them from the restarted remote producer (a loaded machine may
         # train several steps from the local one before the remote's first batch arrives).
-        _wait(lambda: _step(run) >= back_at + 8 and trained_from_restarted_remote(), "training after the remote producer came back")
-        stopped = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run.root)], cwd=ROOT,
-                                 capture_output=True, text=True, timeout=120)
+        _wait(
+            lambda: _step(run) >= back_at + 8 and trained_from_restarted_remote(),
+            "training after the remote producer came back",
+        )
+        stopped = subprocess.run(
+            [str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run.root)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         code = launcher.wait(timeout=120)
     finally:
         for proc in (launcher, producer):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(timeout=60)
-    logs = "".join(f"\n--- {p}\n" + p.read_text()[-2500:] for p in [short_tmp / "launcher.out", remote.root / "producer.log",
-                                                                     *sorted(run.logs.glob("*.log"))])
+    logs = "".join(
+        f"\n--- {p}\n" + p.read_text()[-2500:]
+        for p in [short_tmp / "launcher.out", remote.root / "producer.log", *sorted(run.logs.glob("*.log"))]
+    )
     assert stopped.returncode == 0 and code == 0, stopped.stderr + logs
     assert not run.producer_status(1).exists(), "the launcher started only the local producer"
     assert "connected to producer 1 (pid" in trainer_log.read_text() and "ring frames" in trainer_log.read_text(), logs

@@ -21,8 +21,15 @@ from common.rundir import RUN_DIR_FORMAT, RunDir, read_json
 from common.rundir import RunDir as LaunchRunDir
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCER_OVERRIDES = ["data.num_samples=60", "data.mean_len=48", "data.min_len=8", "data.max_seq_len=128",
-                      "batching.window_docs=16", "launch.num_producers=1", "ring.num_slots=64"]
+PRODUCER_OVERRIDES = [
+    "data.num_samples=60",
+    "data.mean_len=48",
+    "data.min_len=8",
+    "data.max_seq_len=128",
+    "batching.window_docs=16",
+    "launch.num_producers=1",
+    "ring.num_slots=64",
+]
 
 
 def _namespaces_work() -> bool:
@@ -34,11 +41,18 @@ def _namespaces_work() -> bool:
 NAMESPACES = _namespaces_work()
 
 
-def _with_small_tmpfs(mountpoint: Path, size: str, argv: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:
+def _with_small_tmpfs(
+    mountpoint: Path, size: str, argv: list[str], timeout_s: float = 300
+) -> subprocess.CompletedProcess:
     """Run ``argv`` with a ``size`` tmpfs mounted on ``mountpoint``, seen by it alone."""
     script = 'mount -t tmpfs -o "size=$1" tmpfs "$2" && shift 2 && exec "$@"'
-    return subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", size, str(mountpoint), *argv],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, "sh", size, str(mountpoint), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 @pytest.mark.skipif(not NAMESPACES, reason="needs a private mount namespace (unshare -rm)")
@@ -47,7 +61,11 @@ def test_a_producer_refuses_to_start_on_a_small_dev_shm_naming_the_bytes(short_t
     run.root.mkdir()
     cfg = load_config(ROOT / "launch" / "tiny.toml", PRODUCER_OVERRIDES)
     save_config(cfg, run.config)
-    out = _with_small_tmpfs(Path("/dev/shm"), "1m", [sys.executable, "-m", "producer.server", "--run-dir", str(run.root), "--producer-id", "0"])
+    out = _with_small_tmpfs(
+        Path("/dev/shm"),
+        "1m",
+        [sys.executable, "-m", "producer.server", "--run-dir", str(run.root), "--producer-id", "0"],
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert "cannot start producer 0: /dev/shm has 1.0 MiB free but the ring needs" in out.stderr
     assert "64 slots x" in out.stderr and "Enlarge /dev/shm" in out.stderr
@@ -79,7 +97,11 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(short_tmp
     run = RunDir(short_tmp / "run")
     run.checkpoints.mkdir(parents=True)
     argv = [sys.executable, "-m", "tests.resource_roles", "checkpoint", "--run-dir", str(run.root), "--limit", limit]
-    out = _with_small_tmpfs(run.checkpoints, "24m", argv) if limit == "tmpfs" else subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = (
+        _with_small_tmpfs(run.checkpoints, "24m", argv)
+        if limit == "tmpfs"
+        else subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     first, failed, later = report["first"], report["after_failure"], report["after_room"]
@@ -93,7 +115,11 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(short_tmp
 
 
 def _tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_a_run_directory_of_another_format_is_refused_untouched(short_tmp):
@@ -104,17 +130,30 @@ def test_a_run_directory_of_another_format_is_refused_untouched(short_tmp):
     (run.checkpoints / "latest.json").write_text('{"name": "step-00000100", "step": 100}')
     run.format_file.write_text(json.dumps({"format": RUN_DIR_FORMAT + 1, "software": "dflash-stream 9.0"}))
     before = _tree_digest(run.root)
-    out = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run.root), "training.lr=1e-4"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run.root), "training.lr=1e-4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert f"run directory of format {RUN_DIR_FORMAT + 1} (written by dflash-stream 9.0)" in out.stderr
     assert f"this version reads format {RUN_DIR_FORMAT}" in out.stderr
     assert _tree_digest(run.root) == before, "nothing in the refused run directory changed"
     # Started by hand (e.g. a producer on another host), each process checks the folder itself.
     for role in (["producer.server", "--producer-id", "0", "--device", "cpu"], ["trainer.train"]):
-        out = subprocess.run([sys.executable, "-m", role[0], "--run-dir", str(run.root), *role[1:]],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2 and f"run directory of format {RUN_DIR_FORMAT + 1}" in out.stderr, (role, out.stderr[-2000:])
+        out = subprocess.run(
+            [sys.executable, "-m", role[0], "--run-dir", str(run.root), *role[1:]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2 and f"run directory of format {RUN_DIR_FORMAT + 1}" in out.stderr, (
+            role,
+            out.stderr[-2000:],
+        )
     assert _tree_digest(run.root) == before, "nothing in the refused run directory changed"
 
     run.format_file.write_text("not json")

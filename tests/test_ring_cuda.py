@@ -15,7 +15,10 @@ from common.sockets import ipc_endpoint
 def _start(role, env, *args):
     return subprocess.Popen(
         [sys.executable, "-m", "launch.tools.demo", role, *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, **env},
     )
 
@@ -47,7 +50,9 @@ def test_cuda_ipc_same_gpu_between_unrelated_processes(short_tmp):
 def test_cuda_ipc_across_gpus_with_different_visible_devices(short_tmp):
     # The producer's GPU 0 is the consumer's cuda:1; the consumer finds it by UUID and copies
     # every batch to its own cuda:0 (physical GPU 1) over the peer link before checking it.
-    connected, summary, consumer = _pair(short_tmp, {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1,0"}, "cuda:0")
+    connected, summary, consumer = _pair(
+        short_tmp, {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1,0"}, "cuda:0"
+    )
     assert consumer.returncode == 0
     assert connected["slot_device"] == "cuda:1"
     assert summary["bad"] == 0 and sorted(summary["indices"]) == list(range(300))
@@ -56,9 +61,13 @@ def test_cuda_ipc_across_gpus_with_different_visible_devices(short_tmp):
 @pytest.mark.multigpu
 def test_cuda_ring_on_an_invisible_gpu_is_a_clear_error(short_tmp):
     endpoint = ipc_endpoint(short_tmp / "p.ipc")
-    producer = _start("producer", {"CUDA_VISIBLE_DEVICES": "0"}, "--endpoint", endpoint, "--count", "0", "--backend", "cuda")
+    producer = _start(
+        "producer", {"CUDA_VISIBLE_DEVICES": "0"}, "--endpoint", endpoint, "--count", "0", "--backend", "cuda"
+    )
     read_event(producer, "ready")
-    consumer = _start("consumer", {"CUDA_VISIBLE_DEVICES": "1"}, "--endpoint", endpoint, "--count", "1", "--timeout", "20")
+    consumer = _start(
+        "consumer", {"CUDA_VISIBLE_DEVICES": "1"}, "--endpoint", endpoint, "--count", "1", "--timeout", "20"
+    )
     _, err = consumer.communicate(timeout=60)
     producer.terminate()
     producer.wait(timeout=30)

@@ -63,7 +63,12 @@ def test_attach_checks_size_against_spec():
 
 
 def test_stale_sweep_removes_dead_owners_only():
-    dead = subprocess.run([sys.executable, "-c", "from common.naming import owner_identity; print(owner_identity())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "from common.naming import owner_identity; print(owner_identity())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dead_identity = dead.stdout.strip()
     dead_path = naming.SHM_DIR / f"dflash.sweeptest.p0.{dead_identity}"
     live_path = naming.SHM_DIR / f"dflash.sweeptest.p1.{naming.owner_identity()}"

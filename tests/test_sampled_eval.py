@@ -78,8 +78,15 @@ def target_model(target_dir):
 def drafter_of(kind: str, target_model, block_size: int = BLOCK):
     """A random drafter whose proposals differ from the target's distribution (larger weights than at init)."""
     extra = dict(kind="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=TOP_K) if kind == "dflash2" else {}
-    config = tiny_config(vocab_size=VOCAB, mask_token_id=VOCAB - 1, target_layer_ids=LAYER_IDS, num_target_layers=4,
-                         num_hidden_layers=1, block_size=block_size, **extra)
+    config = tiny_config(
+        vocab_size=VOCAB,
+        mask_token_id=VOCAB - 1,
+        target_layer_ids=LAYER_IDS,
+        num_target_layers=4,
+        num_hidden_layers=1,
+        block_size=block_size,
+        **extra,
+    )
     torch.manual_seed(0)
     drafter = build_drafter(config, target_head_of(target_model)).eval()
     with torch.no_grad():
@@ -98,8 +105,9 @@ def exact_conditionals(model, prompt: torch.Tensor, sampling: Sampling, length: 
     for _ in range(length):
         ids = torch.cat([prompt.expand(prefixes.shape[0], -1), prefixes], dim=1)
         conditionals.append(sampling_probs(model(input_ids=ids).logits[:, -1], sampling).double())
-        prefixes = torch.cat([prefixes.repeat_interleave(VOCAB, 0),
-                              torch.arange(VOCAB).repeat(prefixes.shape[0])[:, None]], dim=1)
+        prefixes = torch.cat(
+            [prefixes.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(prefixes.shape[0])[:, None]], dim=1
+        )
     return conditionals
 
 
@@ -188,14 +196,21 @@ def test_sampled_speculative_decoding_samples_the_target(target_model, kind):
     generator = torch.Generator().manual_seed(1)
     tokens, accepted = [], []
     for _ in range(SAMPLES):
-        decoded = speculative_decode(DraftContext(drafter), target, PROMPT, NEW_TOKENS, frozenset(), SAMPLING, generator)
+        decoded = speculative_decode(
+            DraftContext(drafter), target, PROMPT, NEW_TOKENS, frozenset(), SAMPLING, generator
+        )
         tokens.append(decoded.tokens)
         accepted += decoded.accepted
     tokens = torch.tensor(tokens)
     conditionals = exact_conditionals(target_model, PROMPT, SAMPLING, NEW_TOKENS)
     results = [conditional_chi_square(tokens, conditionals, k) for k in range(NEW_TOKENS)]
-    print(kind, "chi-square (statistic, threshold) of tokens 1..3:", results,
-          "mean accepted:", sum(accepted) / len(accepted))
+    print(
+        kind,
+        "chi-square (statistic, threshold) of tokens 1..3:",
+        results,
+        "mean accepted:",
+        sum(accepted) / len(accepted),
+    )
     for k, (statistic, threshold) in enumerate(results, start=1):
         assert statistic < threshold, f"{kind}: generated token {k}: chi-square {statistic:.1f} >= {threshold:.1f}"
     # Drafts are kept and rejected alike: both ways of making a token are exercised.
@@ -227,13 +242,30 @@ def test_zlab_acceptance_lengths_cut_the_last_step():
     assert zlab_tau([decoded, stopped, Decoded(tokens=[9], accepted=[])]) == pytest.approx((2.0 + 2.0) / 2)
 
 
-SMALL_DATA = ["data.num_samples=20", "data.mean_len=48", "data.min_len=24", "data.max_seq_len=96",
-              "batching.token_budget=128", "drafter.num_anchors=16", "eval.num_prompts=3", "eval.max_new_tokens=12"]
+SMALL_DATA = [
+    "data.num_samples=20",
+    "data.mean_len=48",
+    "data.min_len=24",
+    "data.max_seq_len=96",
+    "batching.token_budget=128",
+    "drafter.num_anchors=16",
+    "eval.num_prompts=3",
+    "eval.max_new_tokens=12",
+]
 
 
 def test_a_sampled_evaluation_reports_both_taus_and_repeats_itself(target_dir, target_model):
-    cfg = load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}",
-                             "eval.temperature=0.8", "eval.top_p=0.9", "eval.top_k=8", "eval.seed=5"])
+    cfg = load_config(
+        None,
+        [
+            *SMALL_DATA,
+            f"target.path={json.dumps(str(target_dir))}",
+            "eval.temperature=0.8",
+            "eval.top_p=0.9",
+            "eval.top_k=8",
+            "eval.seed=5",
+        ],
+    )
     drafter = drafter_of("dflash", target_model)
     evaluator = build_evaluator(cfg, target_model, LAYER_IDS)
     first, again = evaluator.evaluate(drafter), evaluator.evaluate(drafter)
@@ -243,5 +275,7 @@ def test_a_sampled_evaluation_reports_both_taus_and_repeats_itself(target_dir, t
     assert "eval/sim_tau_walk" not in metrics and metrics["eval/temperature"] == 0.8 and metrics["eval/seed"] == 5
     assert 1.0 <= first.zlab_tau <= BLOCK and 1.0 <= first.tau <= BLOCK
     assert "sampled at temperature 0.8" in first.table() and "tau (z-lab)" in first.table()
-    other = build_evaluator(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, seed=6)), target_model, LAYER_IDS)
+    other = build_evaluator(
+        dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, seed=6)), target_model, LAYER_IDS
+    )
     assert other.evaluate(drafter).accept_pos != first.accept_pos  # another seed, other draws

@@ -46,7 +46,11 @@ def _answered(endpoint: str, curve: CurveKeys | None, timeout_s: float = 1.5) ->
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if curve is not None:
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve.server_public, curve.client_public, curve.client_secret
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+            curve.server_public,
+            curve.client_public,
+            curve.client_secret,
+        )
     sock.connect(endpoint)
     sock.send(Hello(consumer_id="intruder", incarnation=1, pid=1, credits=4).encode())
     answered = bool(sock.poll(timeout_s * 1000))
@@ -75,8 +79,10 @@ def test_run_sockets_folder_and_socket_files_are_owner_only(short_tmp):
             try:
                 os.setgid(NOBODY)
                 os.setuid(NOBODY)
-                for attempt in (lambda: socket.socket(socket.AF_UNIX).connect(str(run.sockets / "p0.ipc")),
-                                lambda: os.open(ring.path, os.O_RDONLY)):
+                for attempt in (
+                    lambda: socket.socket(socket.AF_UNIX).connect(str(run.sockets / "p0.ipc")),
+                    lambda: os.open(ring.path, os.O_RDONLY),
+                ):
                     try:
                         attempt()
                         results.append("open")
@@ -104,8 +110,9 @@ def test_tcp_endpoints_admit_only_holders_of_the_run_keys(short_tmp):
             RingClient(endpoint, "plain", 1)  # tcp without keys is refused at once
         stranger = CurveKeys.generate()
         assert not _answered(endpoint, None), "a plain-text peer got an answer"
-        assert not _answered(endpoint, CurveKeys(keys.server_public, b"", stranger.client_public, stranger.client_secret)), \
-            "a client key that is not the run's got an answer"
+        assert not _answered(
+            endpoint, CurveKeys(keys.server_public, b"", stranger.client_public, stranger.client_secret)
+        ), "a client key that is not the run's got an answer"
         assert server.counters.messages == 0, "nothing from a peer without the keys reached the protocol"
 
         client = RingClient(endpoint, "trainer/r0", 1, curve=keys)
@@ -162,22 +169,31 @@ def test_nothing_received_is_unpickled_or_evaluated():
     """No module that runs in a producer or trainer imports a pickle-like codec or evaluates code,
     torch.load only loads tensors, and msgpack is decoded in exactly one place, with no hooks."""
     problems = []
-    for path in sorted(p for folder in ("common", "producer", "trainer", "launch") for p in (ROOT / folder).rglob("*.py")):
+    for path in sorted(
+        p for folder in ("common", "producer", "trainer", "launch") for p in (ROOT / folder).rglob("*.py")
+    ):
         tree = ast.parse(path.read_text(), str(path))
         where = path.relative_to(ROOT)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                problems += [f"{where}: import {a.name}" for a in node.names if a.name.split(".")[0] in FORBIDDEN_MODULES]
+                problems += [
+                    f"{where}: import {a.name}" for a in node.names if a.name.split(".")[0] in FORBIDDEN_MODULES
+                ]
             elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in FORBIDDEN_MODULES:
                 problems.append(f"{where}: from {node.module} import")
             elif isinstance(node, ast.Call):
                 func = node.func
                 name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
                 keywords = {k.arg: k.value for k in node.keywords}
-                if (isinstance(func, ast.Name) and name in FORBIDDEN_BUILTINS) or (isinstance(func, ast.Attribute) and name in FORBIDDEN_METHODS):
+                if (isinstance(func, ast.Name) and name in FORBIDDEN_BUILTINS) or (
+                    isinstance(func, ast.Attribute) and name in FORBIDDEN_METHODS
+                ):
                     problems.append(f"{where}:{node.lineno}: {name}()")
                 if name == "load" and isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "torch":
-                    if not (isinstance(keywords.get("weights_only"), ast.Constant) and keywords["weights_only"].value is True):
+                    if not (
+                        isinstance(keywords.get("weights_only"), ast.Constant)
+                        and keywords["weights_only"].value is True
+                    ):
                         problems.append(f"{where}:{node.lineno}: torch.load without weights_only=True")
                 if name in ("unpackb", "Unpacker", "unpack"):
                     if where != Path("common/protocol.py"):

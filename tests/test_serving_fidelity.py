@@ -89,8 +89,13 @@ def served(rule, config: dict, num_layers: int) -> list[bool]:
 
 def draft_config(layout: str, mode: str, window: int = 6, block_size: int = 4):
     layer_types = LAYOUTS[layout]
-    return tiny_config(layer_types=layer_types, num_hidden_layers=len(layer_types), block_size=block_size,
-                       sliding_window=window if S in layer_types else None, in_block_causality=mode)
+    return tiny_config(
+        layer_types=layer_types,
+        num_hidden_layers=len(layer_types),
+        block_size=block_size,
+        sliding_window=window if S in layer_types else None,
+        in_block_causality=mode,
+    )
 
 
 # -- what the export states -----------------------------------------------------------------------
@@ -140,8 +145,9 @@ def test_refused_speculators_export_writes_nothing(tmp_path):
 # -- the served forward equals the training forward -----------------------------------------------
 
 
-def served_forward(drafter: DFlashDrafter, exported: dict, rule, aux: torch.Tensor, anchor: int,
-                   doc_start: int, doc_end: int) -> torch.Tensor:
+def served_forward(
+    drafter: DFlashDrafter, exported: dict, rule, aux: torch.Tensor, anchor: int, doc_start: int, doc_end: int
+) -> torch.Tensor:
     """One block at ``anchor`` as a server runs it: the document's features before the anchor as context,
     per layer the causality ``rule`` reads from config.json and the window of ``exported``, every slot of
     the block seeing keys less than the window away (flash attention's symmetric window)."""
@@ -187,8 +193,15 @@ def test_served_forward_equals_training_forward(layout, window, fmt):
     batch = random_batch(lengths, config, seed=1, supervised_fraction=1.0)
     blocks = build_blocks(batch, 12, config.block_size, config.mask_token_id, torch.Generator().manual_seed(0))
     exported = zlab_config(config) if fmt == "zlab" else speculators_config(config, "org/target")
-    flat = exported if fmt == "zlab" else {**exported["transformer_layer_config"], "block_size": exported["block_size"],
-                                           "dflash_config": {"mask_token_id": exported["mask_token_id"]}}
+    flat = (
+        exported
+        if fmt == "zlab"
+        else {
+            **exported["transformer_layer_config"],
+            "block_size": exported["block_size"],
+            "dflash_config": {"mask_token_id": exported["mask_token_id"]},
+        }
+    )
     servers = ZLAB_SERVERS if fmt == "zlab" else SPECULATORS_SERVERS
     served_forward.input_ids = batch.input_ids
     cu = batch.cu_seqlens.tolist()
@@ -201,7 +214,7 @@ def test_served_forward_equals_training_forward(layout, window, fmt):
             anchor, start = int(blocks.anchors[j]), int(blocks.doc_start[j])
             end = next(e for e in cu[1:] if e > anchor)
             for name, rule in servers.items():
-                layer_rule = (lambda cfg, i, r=rule: r(exported, i))  # rules read the whole exported config
+                layer_rule = lambda cfg, i, r=rule: r(exported, i)  # rules read the whole exported config
                 out = served_forward(drafter, flat, layer_rule, batch.aux_hidden, anchor, start, end)
                 assert relative(out, trained[j]) < 1e-4, (name, j)
             checked += 1
@@ -210,11 +223,19 @@ def test_served_forward_equals_training_forward(layout, window, fmt):
             # What a pre-change export got: trained bidirectional, served with the layer-type default.
             bidirectional = draft_config(layout, "bidirectional", window=window, block_size=8)
             drafter.config = bidirectional
-            trained_bidirectional = drafter(batch.aux_hidden, blocks, drafter.prepare(
-                batch, 12, torch.Generator().manual_seed(0))[1])
+            trained_bidirectional = drafter(
+                batch.aux_hidden, blocks, drafter.prepare(batch, 12, torch.Generator().manual_seed(0))[1]
+            )
             drafter.config = config
-            out = served_forward(drafter, flat, lambda cfg, i: vllm_zlab({"layer_types": LAYOUTS[layout]}, i),
-                                 batch.aux_hidden, anchor, start, end)
+            out = served_forward(
+                drafter,
+                flat,
+                lambda cfg, i: vllm_zlab({"layer_types": LAYOUTS[layout]}, i),
+                batch.aux_hidden,
+                anchor,
+                start,
+                end,
+            )
             assert relative(out, trained_bidirectional[j]) > 1e-2, "the test must see a wrong mask"
 
 
@@ -242,8 +263,9 @@ def test_legacy_checkpoint_loads_bidirectional_and_exports_so(tmp_path):
     step, drafter = legacy_checkpoint(tmp_path)
     head = drafter.target_head
     assert load_drafter(step / "drafter", head, own_checkpoint=True).config.in_block_causality == "bidirectional"
-    assert load_drafter(step / "drafter", head).config.in_block_causality == "sliding_causal", \
+    assert load_drafter(step / "drafter", head).config.in_block_causality == "sliding_causal", (
         "a foreign export with the same config is read by the servers' rule"
+    )
     out = export_checkpoint(step, tmp_path / "zlab")
     exported = json.loads((out / "config.json").read_text())
     assert exported["is_causal"] is False and exported["dflash_config"]["causal"] is False
@@ -258,8 +280,13 @@ def test_legacy_checkpoint_loads_bidirectional_and_exports_so(tmp_path):
 def test_export_command(tmp_path):
     step, _ = legacy_checkpoint(tmp_path)
     command = [sys.executable, "-m", "trainer.export", "--checkpoint", str(step)]
-    done = subprocess.run([*command, "--out", str(tmp_path / "a"), "--format", "speculators"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*command, "--out", str(tmp_path / "a"), "--format", "speculators"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     spec = json.loads((tmp_path / "a" / "config.json").read_text())
     assert spec["speculators_config"]["verifier"]["name_or_path"] == "/models/tiny-target", "the run's target.path"
@@ -267,9 +294,25 @@ def test_export_command(tmp_path):
     fresh = tmp_path / "fresh" / "checkpoints" / "step-00000001"
     config = draft_config("mixed", "sliding_causal")
     export_zlab(DFlashDrafter(config, random_head(config)), fresh / "drafter", dtype=None)
-    done = subprocess.run([sys.executable, "-m", "trainer.export", "--checkpoint", str(fresh), "--out",
-                           str(tmp_path / "b"), "--format", "speculators", "--verifier", "org/t"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.export",
+            "--checkpoint",
+            str(fresh),
+            "--out",
+            str(tmp_path / "b"),
+            "--format",
+            "speculators",
+            "--verifier",
+            "org/t",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "speculators format cannot describe" in done.stderr
     assert not (tmp_path / "b").exists()
 
@@ -280,9 +323,25 @@ def test_the_speculators_export_names_a_local_verifiers_architectures(tmp_path):
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
-    done = subprocess.run([sys.executable, "-m", "trainer.export", "--checkpoint", str(step), "--out", str(tmp_path / "a"),
-                           "--format", "speculators", "--verifier", str(target)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.export",
+            "--checkpoint",
+            str(step),
+            "--out",
+            str(tmp_path / "a"),
+            "--format",
+            "speculators",
+            "--verifier",
+            str(target),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     verifier = json.loads((tmp_path / "a" / "config.json").read_text())["speculators_config"]["verifier"]
     assert verifier == {"name_or_path": str(target), "architectures": ["Qwen3ForCausalLM"]}

@@ -34,7 +34,9 @@ os._exit(0)
 
 
 def dead_owner(tag: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", DEAD_OWNER, tag], capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", DEAD_OWNER, tag], capture_output=True, text=True, check=True, timeout=60
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -49,8 +51,13 @@ def test_a_ring_creation_sweeps_a_dead_producers_ring_but_not_a_state_handed_ove
         assert not Path(left["ring"]).exists(), "a dead producer's ring is swept"
         assert all(p.exists() for p in segments), "a state handed over is not swept by a producer's start"
         # The successor still takes it over (and removes the names).
-        taken = handover.take({"trees": {"weights": left["weights"], "train_state": left["train_state"]},
-                               "meta": {"step": 7}, "drafter_config": {}})
+        taken = handover.take(
+            {
+                "trees": {"weights": left["weights"], "train_state": left["train_state"]},
+                "meta": {"step": 7},
+                "drafter_config": {},
+            }
+        )
         assert taken is not None and torch.equal(taken.weights["w"], torch.arange(1000, dtype=torch.float32))
         assert int(taken.train_state["step"]) == 7 and not any(p.exists() for p in segments)
     finally:

@@ -51,8 +51,12 @@ def test_a_tensor_added_to_the_schema_travels_through_a_real_ring(short_tmp, ext
         assert proc.wait(timeout=30) == 0
 
     describe = welcome.describe
-    dims = SlotDims(tokens=cfg.batching.token_budget, docs=cfg.batching.token_budget,
-                    aux_width=len(describe["layer_ids"]) * describe["hidden_size"], hidden_size=describe["hidden_size"])
+    dims = SlotDims(
+        tokens=cfg.batching.token_budget,
+        docs=cfg.batching.token_budget,
+        aux_width=len(describe["layer_ids"]) * describe["hidden_size"],
+        hidden_size=describe["hidden_size"],
+    )
     shapes = slot_shapes(dims, torch.float32, {"last_hidden": True})
     assert status["ring"]["slot_bytes"] == bytes_needed(shapes)  # the slot was sized with the added tensor
     assert shapes["token_positions"] == ((cfg.batching.token_budget,), torch.int32)
@@ -62,7 +66,7 @@ def test_a_tensor_added_to_the_schema_travels_through_a_real_ring(short_tmp, ext
         assert torch.equal(tensors["token_positions"], position_ids(cu).to(torch.int32))  # the producer wrote it
         padded = PackedBatch.from_tensors(pad_packed(tensors, cfg.batching.token_budget), meta=meta)
         kept = padded.tensors()["token_positions"]
-        assert kept.shape == (cfg.batching.token_budget,) and not kept[cu[-1]:].any()  # padded with its pad value
+        assert kept.shape == (cfg.batching.token_budget,) and not kept[cu[-1] :].any()  # padded with its pad value
         assert list(padded.tensors()) == [t.name for t in batch.SLOT_TENSORS]
 
     # A consumer whose schema lacks the tensor refuses these batches by name, and one whose producer
@@ -86,4 +90,6 @@ def test_the_warm_start_batch_follows_the_schema(extended):
     made = synthetic_batch(cfg, tiny_config(), torch.device("cpu")).tensors()
     tokens = cfg.batching.token_budget
     assert torch.equal(made["token_positions"], torch.arange(tokens, dtype=torch.int32))
-    assert list(made) == [t.name for t in batch.SLOT_TENSORS if t.present({"last_hidden": cfg.training.label_mode != "data"})]
+    assert list(made) == [
+        t.name for t in batch.SLOT_TENSORS if t.present({"last_hidden": cfg.training.label_mode != "data"})
+    ]

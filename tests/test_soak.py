@@ -17,16 +17,35 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.soak
 @pytest.mark.timeout(1200)
 def test_a_short_soak_leaks_no_segments_sockets_processes_or_descriptors(short_tmp):
-    out = subprocess.run([sys.executable, "-m", "launch.tools.soak", "--run-dir", str(short_tmp / "run"), "--minutes", "3",
-                          "--sample-s", "2", "--trainer-restart-s", "60", "training.checkpoint_every=20"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.tools.soak",
+            "--run-dir",
+            str(short_tmp / "run"),
+            "--minutes",
+            "3",
+            "--sample-s",
+            "2",
+            "--trainer-restart-s",
+            "60",
+            "training.checkpoint_every=20",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     events = [e["event"] for e in report["events"]]
     assert {"restart-trainer", "trainer kill -9", "producer-1 kill -9"} <= set(events), events
     # Two producers: two segments and two sockets at any time (a dead one's are swept by its successor).
     for gauge in ("segments", "sockets"):
-        assert report[gauge]["max"] == 2 and report[gauge]["end"] == 2 and report[gauge]["after_stop"] == 0, report[gauge]
+        assert report[gauge]["max"] == 2 and report[gauge]["end"] == 2 and report[gauge]["after_stop"] == 0, report[
+            gauge
+        ]
     # The trainer stages its checkpoints in /dev/shm (2 segments): at most an old trainer's and its successor's
     # during a handover; a killed trainer's are swept by the next, so restarts and kills never add up.
     staging = report["staging_segments"]

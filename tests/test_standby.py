@@ -18,8 +18,13 @@ def test_a_waiting_standby_stops_cleanly_on_sigterm(short_tmp):
     run = RunDir(short_tmp / "run")
     run.root.mkdir()
     save_config(load_config(ROOT / "launch" / "tiny.toml"), run.config)
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.train", "--run-dir", str(run.root), "--standby"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.train", "--run-dir", str(run.root), "--standby"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()

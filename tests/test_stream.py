@@ -40,7 +40,9 @@ def test_a_restarted_producer_starts_at_the_committed_prefix_and_skips_extras():
     batches = _produce(first, ring, 6)
     resumed = _stream({"ordinal": 3, "last_cursor": list(batches[2].cursor), "extra": [4]})
     assert [(b.ordinal, b.sample_ids) for b in (resumed.take(), resumed.take())] == [
-        (3, batches[3].sample_ids), (5, batches[5].sample_ids)]
+        (3, batches[3].sample_ids),
+        (5, batches[5].sample_ids),
+    ]
 
 
 def test_reconcile_waits_for_a_publish_in_progress():
@@ -76,4 +78,8 @@ def test_a_checkpoint_prunes_the_record_of_handed_out_batches_and_replays_still_
     assert stream.forget_committed(committed) == 4
     assert stream.position()["history"] == 4
     assert stream.reconcile(committed, lambda: set(ring)) == 2  # it died: 4 and 5 come again
-    assert [(b.ordinal, b.replay) for b in (stream.take(), stream.take(), stream.take())] == [(4, True), (5, True), (8, False)]
+    assert [(b.ordinal, b.replay) for b in (stream.take(), stream.take(), stream.take())] == [
+        (4, True),
+        (5, True),
+        (8, False),
+    ]

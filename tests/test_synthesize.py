@@ -20,12 +20,29 @@ RUN_ALL = str(ROOT / "launch" / "run_all.sh")
 
 def synthesize_args(run_dir: Path, data: Path, *extra: str) -> list[str]:
     """A fast synthesis on the CPU: both kinds of prompt, short answers, a shard every two records."""
-    return [RUN_ALL, "synthesize", "--run-dir", str(run_dir), "--config", str(ROOT / "launch" / "smollm2-135m.toml"),
-            f"target.path={json.dumps(str(smollm2_gguf()))}", "target.dtype=float32", 'synthesize.prompts="both"',
-            f"data.paths={json.dumps([str(data)])}", "synthesize.num_magpie=4", "synthesize.rows=4",
-            "synthesize.max_new_tokens=6", "synthesize.magpie_max_tokens=8", "synthesize.records_per_shard=2",
-            "synthesize.flush_every_s=0.5", 'launch.producer_devices=["cpu"]', 'launch.trainer_devices=["cpu"]',
-            "launch.mps=false", "launch.restart_backoff_s=0.2", *extra]
+    return [
+        RUN_ALL,
+        "synthesize",
+        "--run-dir",
+        str(run_dir),
+        "--config",
+        str(ROOT / "launch" / "smollm2-135m.toml"),
+        f"target.path={json.dumps(str(smollm2_gguf()))}",
+        "target.dtype=float32",
+        'synthesize.prompts="both"',
+        f"data.paths={json.dumps([str(data)])}",
+        "synthesize.num_magpie=4",
+        "synthesize.rows=4",
+        "synthesize.max_new_tokens=6",
+        "synthesize.magpie_max_tokens=8",
+        "synthesize.records_per_shard=2",
+        "synthesize.flush_every_s=0.5",
+        'launch.producer_devices=["cpu"]',
+        'launch.trainer_devices=["cpu"]',
+        "launch.mps=false",
+        "launch.restart_backoff_s=0.2",
+        *extra,
+    ]
 
 
 def shard_ids(folder: Path) -> Counter:
@@ -63,14 +80,23 @@ def test_every_prompt_is_answered_exactly_once_through_a_kill_9_of_the_producer(
     record = json.loads(next(folder.glob("p0-*.jsonl")).read_text().splitlines()[0])
     assert record["generation"]["temperature"] == 0.0 and record["generation"]["max_new_tokens"] == 6
     assert record["messages"][-1]["role"] == "assistant" and record["messages"][0]["role"] == "user"
-    data_record = next(json.loads(line) for p in folder.glob("*.jsonl") for line in p.read_text().splitlines()
-                       if json.loads(line)["id"] == "data:2")
+    data_record = next(
+        json.loads(line)
+        for p in folder.glob("*.jsonl")
+        for line in p.read_text().splitlines()
+        if json.loads(line)["id"] == "data:2"
+    )
     assert data_record["messages"][0]["content"] == "What is 3 plus 3?" and data_record["source"] == f"{data}:3"
     # The self-written prompts take the system prompts in turn; each record says which steered it.
-    steered = {record["id"]: record["generation"].get("magpie_system_prompt") for path in folder.glob("*.jsonl")
-               for record in map(json.loads, path.read_text().splitlines()) if record["id"].startswith("magpie:")}
-    assert {k: v for k, v in steered.items() if v} == {k: "You help people write Python code." for k in steered
-                                                       if int(k.split(":")[1]) % 2 == 1}, steered
+    steered = {
+        record["id"]: record["generation"].get("magpie_system_prompt")
+        for path in folder.glob("*.jsonl")
+        for record in map(json.loads, path.read_text().splitlines())
+        if record["id"].startswith("magpie:")
+    }
+    assert {k: v for k, v in steered.items() if v} == {
+        k: "You help people write Python code." for k in steered if int(k.split(":")[1]) % 2 == 1
+    }, steered
     assert not list(folder.glob(".*.tmp"))
 
 
@@ -91,8 +117,9 @@ def test_rows_whose_cache_cannot_fit_stop_synthesis_with_exit_2_naming_the_key(s
     data = write_chat(short_tmp / "prompts.jsonl", 6)
     run_dir = short_tmp / "run"
     started = time.monotonic()
-    done = subprocess.run(synthesize_args(run_dir, data, "synthesize.rows=100000"), capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run(
+        synthesize_args(run_dir, data, "synthesize.rows=100000"), capture_output=True, text=True, timeout=240
+    )
     log = (run_dir / "logs" / "synth0.log").read_text()
     assert done.returncode == 2, done.stdout + done.stderr
     assert "synthesize.rows: a static KV cache of 100000 rows x" in log and "positions fit" in log, log[-2000:]
@@ -111,7 +138,9 @@ def test_magpie_needs_a_template_with_a_user_turn():
     assert prefix.endswith("<|im_start|>user\n") and prefix.startswith("<|im_start|>system\n")
     steered = magpie_prefix(tokenizer, {}, "You help people write Python code.")
     assert steered == "<|im_start|>system\nYou help people write Python code.<|im_end|>\n<|im_start|>user\n"
-    tokenizer.chat_template = "{% for m in messages %}{% if m['role'] != 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
     with pytest.raises(ConfigError, match="writes no user message"):
         magpie_prefix(tokenizer, {})
 
@@ -134,23 +163,34 @@ def test_the_command_reports_how_far_the_producers_are(tmp_path):
     from common.rundir import atomic_write_json
     from launch.synthesize import progress
 
-    atomic_write_json(tmp_path / "status-p0.json", {"written": 300, "pending_at_start": 500, "total": 800,
-                                                    "tokens_per_s": 1234.4, "seconds": 60.0})
-    atomic_write_json(tmp_path / "status-p1.json", {"written": 20, "pending_at_start": 480, "total": 480,
-                                                    "tokens_per_s": 0.27, "seconds": 900.0})
-    atomic_write_json(tmp_path / "status-p2.json", {"written": 999, "pending_at_start": 999, "total": 999,
-                                                    "tokens_per_s": 50.0, "seconds": 10.0})
+    atomic_write_json(
+        tmp_path / "status-p0.json",
+        {"written": 300, "pending_at_start": 500, "total": 800, "tokens_per_s": 1234.4, "seconds": 60.0},
+    )
+    atomic_write_json(
+        tmp_path / "status-p1.json",
+        {"written": 20, "pending_at_start": 480, "total": 480, "tokens_per_s": 0.27, "seconds": 900.0},
+    )
+    atomic_write_json(
+        tmp_path / "status-p2.json",
+        {"written": 999, "pending_at_start": 999, "total": 999, "tokens_per_s": 50.0, "seconds": 10.0},
+    )
     os.utime(tmp_path / "status-p2.json", (1000.0, 1000.0))  # written by the previous start of producer 2
     started = [1500.0, 1500.0, 2000.0]
     # p0: 300 done before and 300 now, 200 left at 5 a second; p1: 460 left at 20 in 900 s (the slower one).
-    assert progress(tmp_path, started[:2]) == ("620/1280 prompts done (48%); new tokens/s per producer: 1234, 0.270; "
-                                               "eta 5:45:00")
-    assert progress(tmp_path, started) == ("620/? prompts done; new tokens/s per producer: 1234, 0.270, starting; "
-                                           "eta -")
-    atomic_write_json(tmp_path / "status-p1.json", {"written": 0, "pending_at_start": 480, "total": 480,
-                                                    "tokens_per_s": 0.0, "seconds": 5.0})
-    assert progress(tmp_path, started[:2]) == ("600/1280 prompts done (47%); new tokens/s per producer: 1234, "
-                                               "no answer yet; eta -")
+    assert progress(tmp_path, started[:2]) == (
+        "620/1280 prompts done (48%); new tokens/s per producer: 1234, 0.270; eta 5:45:00"
+    )
+    assert progress(tmp_path, started) == (
+        "620/? prompts done; new tokens/s per producer: 1234, 0.270, starting; eta -"
+    )
+    atomic_write_json(
+        tmp_path / "status-p1.json",
+        {"written": 0, "pending_at_start": 480, "total": 480, "tokens_per_s": 0.0, "seconds": 5.0},
+    )
+    assert progress(tmp_path, started[:2]) == (
+        "600/1280 prompts done (47%); new tokens/s per producer: 1234, no answer yet; eta -"
+    )
 
 
 def test_synthesis_on_the_cpu_fits_its_threads_and_prints_a_training_command_that_pastes(short_tmp, monkeypatch):
@@ -167,8 +207,12 @@ def test_synthesis_on_the_cpu_fits_its_threads_and_prints_a_training_command_tha
     data = write_chat(short_tmp / "prompts.jsonl", 3)
     run_dir = short_tmp / "my run"
     threads = str(os.cpu_count() or 1)  # one producer on the CPU
-    launcher = subprocess.Popen(synthesize_args(run_dir, data, 'synthesize.prompts="data"'), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        synthesize_args(run_dir, data, 'synthesize.prompts="data"'),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         environ = None
         deadline = time.monotonic() + 120
@@ -180,7 +224,9 @@ def test_synthesis_on_the_cpu_fits_its_threads_and_prints_a_training_command_tha
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 0, out
-    assert environ is not None and environ.get("OMP_NUM_THREADS") == threads and environ.get("MKL_NUM_THREADS") == threads
+    assert (
+        environ is not None and environ.get("OMP_NUM_THREADS") == threads and environ.get("MKL_NUM_THREADS") == threads
+    )
     assert f"1 CPU processes on {os.cpu_count()} cores: {threads} threads each" in out, out
     command = out.split("train on them: ", 1)[1].splitlines()[0]
     pasted = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, text=True, cwd=short_tmp)

@@ -30,8 +30,14 @@ def tiny_qwen3_config(**overrides):
     from transformers import Qwen3Config
 
     fields = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
         tie_word_embeddings=False,
     )
     fields.update(overrides)
@@ -291,14 +297,18 @@ def test_random_target_from_config_json_at_given_shapes(tmp_path):
 
 
 def test_config_overrides_apply_to_a_loaded_target(saved_target_dir):
-    cfg = TargetConfig(path=str(saved_target_dir), dtype="float32", device="cpu", config_overrides={"num_hidden_layers": 4})
+    cfg = TargetConfig(
+        path=str(saved_target_dir), dtype="float32", device="cpu", config_overrides={"num_hidden_layers": 4}
+    )
     target = Target.load(cfg, [1, 2])
     assert len(target.base.layers) == 4 and target.model.config.num_hidden_layers == 4
 
 
 def test_an_override_that_changes_stored_weight_shapes_is_refused_naming_the_key(saved_target_dir):
     cfg = TargetConfig(path=str(saved_target_dir), dtype="float32", device="cpu", config_overrides={"vocab_size": 64})
-    with pytest.raises(ValueError, match=r"target.config_overrides.vocab_size=64 contradicts the stored target's vocab_size=512"):
+    with pytest.raises(
+        ValueError, match=r"target.config_overrides.vocab_size=64 contradicts the stored target's vocab_size=512"
+    ):
         load_target_model(cfg)
 
 
@@ -306,19 +316,37 @@ def test_a_run_with_target_path_and_the_tiny_defaults_override_stops_with_exit_2
     """launch/tiny.toml sets vocab_size=64 for its random target. Before the check, a stored target with
     another vocabulary failed inside transformers, and the launcher restarted the producers for minutes."""
     run_dir = short_tmp / "run"
-    result = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), f'target.path="{saved_target_dir}"',
-                             "logging.wandb_mode=disabled"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            str(ROOT / "launch" / "run_all.sh"),
+            "--run-dir",
+            str(run_dir),
+            f'target.path="{saved_target_dir}"',
+            "logging.wandb_mode=disabled",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     # The first producer to fail stops the run: the other may be stopped before it gets to its own error.
     logs = [(run_dir / "logs" / f"producer-{i}.log").read_text() for i in (0, 1)]
     assert any("target.config_overrides.vocab_size=64" in log and "target.config_overrides={}" in log for log in logs)
-    assert [log.count(f"==== producer-{i} start") for i, log in enumerate(logs)] == [1, 1], "a configuration error is not restarted"
+    assert [log.count(f"==== producer-{i} start") for i, log in enumerate(logs)] == [1, 1], (
+        "a configuration error is not restarted"
+    )
 
 
 def test_flop_count_of_qwen3_8b_shape():
     config = tiny_qwen3_config(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
     )
     per_token_params = (4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 12288) * 34
     assert flops_per_document(config, 34, 1) == 2.0 * per_token_params + 34 * 2 * 1 * 2 * 32 * 128
@@ -331,7 +359,9 @@ def test_flop_count_of_qwen3_8b_shape():
 def test_cuda_packed_kernels_match_reference(saved_target_dir, attention, compiled):
     if attention == "sdpa" and compiled:
         pytest.skip("sdpa is never compiled")
-    cfg = TargetConfig(path=str(saved_target_dir), dtype="bfloat16", device="cuda", attention=attention, compile=compiled)
+    cfg = TargetConfig(
+        path=str(saved_target_dir), dtype="bfloat16", device="cuda", attention=attention, compile=compiled
+    )
     target = Target.load(cfg, LAYER_IDS, capture_last_hidden=True)
     assert next(target.model.parameters()).is_cuda
     reference = Target(target.model, LAYER_IDS, capture_last_hidden=True, attention="sdpa", compile=False)

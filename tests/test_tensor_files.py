@@ -19,8 +19,10 @@ from trainer.tensor_files import SAFETENSORS_DTYPES, TensorFile, write_tensor_fi
 def mixed_tensors(seed: int) -> dict[str, torch.Tensor]:
     """Every dtype safetensors stores, a scalar and an empty tensor, large enough to span several pieces."""
     generator = torch.Generator().manual_seed(seed)
-    tensors = {f"t{i}.{str(dtype).split('.')[-1]}": (torch.randn(300 + i, generator=generator) * 50).to(dtype)
-               for i, dtype in enumerate(SAFETENSORS_DTYPES)}
+    tensors = {
+        f"t{i}.{str(dtype).split('.')[-1]}": (torch.randn(300 + i, generator=generator) * 50).to(dtype)
+        for i, dtype in enumerate(SAFETENSORS_DTYPES)
+    }
     tensors["scalar"] = torch.tensor(3.5)
     tensors["empty"] = torch.empty(0, 4)
     tensors["matrix"] = torch.randn(64, 33, generator=generator, dtype=torch.float64)
@@ -32,9 +34,11 @@ def test_files_written_by_several_threads_at_once_read_back_bit_for_bit(tmp_path
     thread writes while the others do (a barrier on each one's first write would break were they one after
     another). safetensors itself reads the files back: the same tensors, dtypes, shapes and metadata."""
     monkeypatch.setattr(tensor_files, "PIECE_BYTES", 256)
-    files = [TensorFile(tmp_path / "a.safetensors", mixed_tensors(1), {"format": "pt"}),
-             TensorFile(tmp_path / "b.safetensors", mixed_tensors(2)),
-             TensorFile(tmp_path / "none.safetensors", {})]
+    files = [
+        TensorFile(tmp_path / "a.safetensors", mixed_tensors(1), {"format": "pt"}),
+        TensorFile(tmp_path / "b.safetensors", mixed_tensors(2)),
+        TensorFile(tmp_path / "none.safetensors", {}),
+    ]
     threads = 4
     all_writing = threading.Barrier(threads, timeout=30)
     first_write: set[int] = set()
@@ -67,24 +71,28 @@ def test_each_tensor_starts_at_a_multiple_of_its_element_size(tmp_path):
     raw = path.read_bytes()
     (header_len,) = struct.unpack("<Q", raw[:8])
     assert (8 + header_len) % 8 == 0
-    header = json.loads(raw[8:8 + header_len])
+    header = json.loads(raw[8 : 8 + header_len])
     for name, tensor in tensors.items():
         begin, end = header[name]["data_offsets"]
         assert begin % tensor.element_size() == 0 and end - begin == tensor.numel() * tensor.element_size(), name
     assert len(raw) == 8 + header_len + max(end for _, end in (h["data_offsets"] for h in header.values()))
 
 
-@pytest.mark.parametrize("tensor, message", [(torch.randn(4, 6).t(), "contiguous"),
-                                             (torch.zeros(3, dtype=torch.complex64), "dtype")])
+@pytest.mark.parametrize(
+    "tensor, message", [(torch.randn(4, 6).t(), "contiguous"), (torch.zeros(3, dtype=torch.complex64), "dtype")]
+)
 def test_a_tensor_it_cannot_write_is_refused_by_name_before_anything_is_written(tmp_path, tensor, message):
     first, bad = tmp_path / "first.safetensors", tmp_path / "bad.safetensors"
     with pytest.raises(ValueError, match=message) as error:
-        write_tensor_files([TensorFile(first, {"fine": torch.ones(2)}), TensorFile(bad, {"fine": torch.ones(2), "odd.one": tensor})])
+        write_tensor_files(
+            [TensorFile(first, {"fine": torch.ones(2)}), TensorFile(bad, {"fine": torch.ones(2), "odd.one": tensor})]
+        )
     assert "odd.one" in str(error.value) and not first.exists() and not bad.exists()
 
 
 def test_a_failing_write_raises(tmp_path, monkeypatch):
     """A full disk reaches the caller (the checkpoint writer removes the folder and keeps the last checkpoint)."""
+
     def full(fd: int, data, offset: int) -> int:
         raise OSError(28, "No space left on device")
 

@@ -54,8 +54,9 @@ NO_WANDB = "logging.wandb_mode=disabled"
 # -- the rank program ---------------------------------------------------------------------------------
 
 
-def capture_ranks(out: Path, devices: str, target_path: str | None, seed: int, dtype: str, attention: str,
-                  evaluate: bool = False) -> None:
+def capture_ranks(
+    out: Path, devices: str, target_path: str | None, seed: int, dtype: str, attention: str, evaluate: bool = False
+) -> None:
     """One rank of a tensor-parallel target: rank 0 captures BATCHES (its followers run each forward
     with it, and get IDLE keepalives between them), saves identity and features to ``out``, says STOP.
     With ``evaluate`` rank 0 then evaluates a seeded drafter as producer 0 does (``eval_reports``)."""
@@ -90,28 +91,68 @@ def eval_reports(model, head: dict[str, torch.Tensor], make_target=GreedyTarget)
     from common.drafter.target_head import TargetHead
 
     vocab = int(model.config.vocab_size)
-    config = DraftConfig.from_target(model.config, num_draft_layers=2, mask_token_id=vocab - 1, block_size=4,
-                                     target_layer_ids=LAYER_IDS)
+    config = DraftConfig.from_target(
+        model.config, num_draft_layers=2, mask_token_id=vocab - 1, block_size=4, target_layer_ids=LAYER_IDS
+    )
     torch.manual_seed(11)
-    drafter = DFlashDrafter(config, TargetHead(head["model.embed_tokens.weight"], head["lm_head.weight"],
-                                               head["model.norm.weight"], float(model.config.rms_norm_eps)))
+    drafter = DFlashDrafter(
+        config,
+        TargetHead(
+            head["model.embed_tokens.weight"],
+            head["lm_head.weight"],
+            head["model.norm.weight"],
+            float(model.config.rms_norm_eps),
+        ),
+    )
     generator = torch.Generator().manual_seed(5)
-    documents = [Document(i, torch.randint(0, vocab - 1, (40,), generator=generator).int().numpy(),
-                          np.r_[np.zeros(6 + i, np.uint8), np.ones(34 - i, np.uint8)]) for i in range(3)]
+    documents = [
+        Document(
+            i,
+            torch.randint(0, vocab - 1, (40,), generator=generator).int().numpy(),
+            np.r_[np.zeros(6 + i, np.uint8), np.ones(34 - i, np.uint8)],
+        )
+        for i in range(3)
+    ]
     reports = []
     for together in (3, 1):
         eval_config = EvalConfig(num_prompts=3, max_new_tokens=12, batch_prompts=together)
-        evaluator = Evaluator(model, documents, eval_config, LAYER_IDS, num_anchors=8, capture_last=True, make_target=make_target)
+        evaluator = Evaluator(
+            model, documents, eval_config, LAYER_IDS, num_anchors=8, capture_last=True, make_target=make_target
+        )
         reports.append(evaluator.evaluate(drafter).metrics())
     return reports
 
 
-def start_capture(out: Path, devices: str, target_path: Path | None, seed: int = 0, dtype: str = "float32",
-                  attention: str = "auto", evaluate: bool = False) -> subprocess.Popen:
+def start_capture(
+    out: Path,
+    devices: str,
+    target_path: Path | None,
+    seed: int = 0,
+    dtype: str = "float32",
+    attention: str = "auto",
+    evaluate: bool = False,
+) -> subprocess.Popen:
     ranks = len(devices.split(","))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               str(Path(__file__).resolve()), "--out", str(out), "--devices", devices, "--seed", str(seed),
-               "--dtype", dtype, "--attention", attention, *(["--evaluate"] if evaluate else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        str(Path(__file__).resolve()),
+        "--out",
+        str(out),
+        "--devices",
+        devices,
+        "--seed",
+        str(seed),
+        "--dtype",
+        dtype,
+        "--attention",
+        attention,
+        *(["--evaluate"] if evaluate else []),
+    ]
     if target_path is not None:
         command += ["--target-path", str(target_path)]
     return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -144,14 +185,17 @@ def saved_target_dir(tmp_path_factory) -> Path:
 # -- configuration and commands -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("devices, message", [
-    ('["cpu,cuda:0"]', "launch.producer_devices[0]: mixes cpu and GPUs"),
-    ('["cuda:0,cuda:0"]', "launch.producer_devices[0]: names a GPU twice"),
-    ('["cuda:0,cuda:1", "cuda:1"]', "launch.producer_devices[1]: cuda:1 is also in launch.producer_devices[0]"),
-    ('["cuda", "cuda:0,cuda:2"]', "launch.producer_devices[0]: cuda:0 is also in launch.producer_devices[1]"),
-    ('["cuda,cuda:1"]', "launch.producer_devices[0]: names 'cuda'"),
-    ('["cpu", "tpu:0"]', "launch.producer_devices[1]: must be auto, cpu, cuda or cuda:N"),
-])
+@pytest.mark.parametrize(
+    "devices, message",
+    [
+        ('["cpu,cuda:0"]', "launch.producer_devices[0]: mixes cpu and GPUs"),
+        ('["cuda:0,cuda:0"]', "launch.producer_devices[0]: names a GPU twice"),
+        ('["cuda:0,cuda:1", "cuda:1"]', "launch.producer_devices[1]: cuda:1 is also in launch.producer_devices[0]"),
+        ('["cuda", "cuda:0,cuda:2"]', "launch.producer_devices[0]: cuda:0 is also in launch.producer_devices[1]"),
+        ('["cuda,cuda:1"]', "launch.producer_devices[0]: names 'cuda'"),
+        ('["cpu", "tpu:0"]', "launch.producer_devices[1]: must be auto, cpu, cuda or cuda:N"),
+    ],
+)
 def test_device_entries_are_checked_naming_the_entry(devices, message):
     with pytest.raises(ConfigError) as raised:
         load_config(None, [f"launch.producer_devices={devices}"])
@@ -161,8 +205,11 @@ def test_device_entries_are_checked_naming_the_entry(devices, message):
 def test_a_target_must_have_a_plan_and_heads_the_degree_divides():
     config = tiny_qwen3_config()  # 4 attention heads, 2 key/value heads
     check_tensor_parallel(config, 2)
-    with pytest.raises(ValueError, match=r"must divide the target's attention heads \(4\) and key/value heads \(2\), "
-                                         r"and does not divide the key/value heads$"):
+    with pytest.raises(
+        ValueError,
+        match=r"must divide the target's attention heads \(4\) and key/value heads \(2\), "
+        r"and does not divide the key/value heads$",
+    ):
         check_tensor_parallel(config, 4)
     config.base_model_tp_plan = {}
     with pytest.raises(ValueError, match="target model type 'qwen3' has no tensor-parallel plan"):
@@ -180,8 +227,21 @@ def test_a_multi_device_entry_runs_under_torchrun(monkeypatch):
     monkeypatch.delenv(supervisor.PRODUCER_CMD_ENV, raising=False)
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     command = supervisor.producer_command(Path("/tmp/r"), 0, "cuda:2,cuda:3")
-    assert command[1:] == ["-m", "launch.torchrun", "--standalone", "--nproc-per-node", "2", "-m", "producer.server",
-                           "--run-dir", "/tmp/r", "--producer-id", "0", "--device", "cuda:2,cuda:3"]
+    assert command[1:] == [
+        "-m",
+        "launch.torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "producer.server",
+        "--run-dir",
+        "/tmp/r",
+        "--producer-id",
+        "0",
+        "--device",
+        "cuda:2,cuda:3",
+    ]
     # torchrun must stop its ranks within the launcher's own wait for a producer.
     shutdown = int(supervisor.producer_environment("cuda:2,cuda:3")["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
     assert 0 < shutdown < supervisor.PRODUCER_STOP_TIMEOUT_S
@@ -198,8 +258,10 @@ def test_tp2_capture_equals_one_device_for_stored_and_random_targets(saved_targe
     stored, random = tmp_path / "stored.pt", tmp_path / "random.pt"
     procs = [start_capture(stored, "cpu,cpu", saved_target_dir), start_capture(random, "cpu,cpu", None, seed=7)]
     results = [wait_capture(proc, out) for proc, out in zip(procs, (stored, random))]
-    configs = [TargetConfig(path=str(saved_target_dir), dtype="float32", device="cpu"),
-               TargetConfig(dtype="float32", device="cpu", seed=7)]
+    configs = [
+        TargetConfig(path=str(saved_target_dir), dtype="float32", device="cpu"),
+        TargetConfig(dtype="float32", device="cpu", seed=7),
+    ]
     for result, cfg in zip(results, configs):
         identity, expected = one_device_features(cfg)
         assert result["identity"] == identity
@@ -232,14 +294,26 @@ def producer_ranks(run: RunDir, producer_id: int) -> list[int]:
 
 def test_pipeline_with_a_tensor_parallel_producer_exactly_once_and_kill9_of_the_trainer(short_tmp):
     run_dir = short_tmp / "run"
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=10", NO_WANDB,
-                     'launch.producer_devices=["cpu,cpu", "cpu"]', "eval.every_steps=10", "logging.log_every=10",
-                     "eval.num_prompts=2", "eval.max_new_tokens=8")
+    launcher = start(
+        run_dir,
+        "training.max_steps=0",
+        "training.epochs=1000",
+        "training.checkpoint_every=10",
+        NO_WANDB,
+        'launch.producer_devices=["cpu,cpu", "cpu"]',
+        "eval.every_steps=10",
+        "logging.log_every=10",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=8",
+    )
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 10, "step 10", 180)
     # The tensor-parallel producer 0 serves the trainer's evaluations, with its follower.
-    wait_for(lambda: any("eval/tau" in json.loads(line) for line in run.metrics.read_text().splitlines()),
-             "an evaluation result from producer 0", 120)
+    wait_for(
+        lambda: any("eval/tau" in json.loads(line) for line in run.metrics.read_text().splitlines()),
+        "an evaluation result from producer 0",
+        120,
+    )
     producers, ranks = producer_pids(run), producer_ranks(run, 0)
     assert len(ranks) == 2 and ranks[0] == producers[0]
     status = json.loads(run_all("status", "--run-dir", str(run_dir), "--json").stdout)
@@ -250,9 +324,14 @@ def test_pipeline_with_a_tensor_parallel_producer_exactly_once_and_kill9_of_the_
     victim = read_json(run.trainer_status)["pid"]
     killed_at_us = time.time() * 1e6
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: len(epochs_trained(run, since_incarnation=killed_at_us)) == 2
-             and min(epochs_trained(run, since_incarnation=killed_at_us).values()) >= 2,
-             "the new trainer to train epoch 2 of both producers", 240)
+    wait_for(
+        lambda: (
+            len(epochs_trained(run, since_incarnation=killed_at_us)) == 2
+            and min(epochs_trained(run, since_incarnation=killed_at_us).values()) >= 2
+        ),
+        "the new trainer to train epoch 2 of both producers",
+        240,
+    )
     assert producer_pids(run) == producers and producer_ranks(run, 0) == ranks, "no producer was restarted"
     stop_and_finish(launcher, run_dir)
     assert len(assert_exactly_once(run, must_reach={0, 1})) == 2
@@ -267,16 +346,28 @@ def test_kill9_of_either_rank_restarts_the_whole_producer_exactly_once(short_tmp
     more than its ring, the trainer's credits and staging ahead (less than an epoch), so epoch 2 of its
     shard in the ledger is the restarted producers' work."""
     run_dir = short_tmp / "run"
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=10", NO_WANDB,
-                     'launch.producer_devices=["cpu,cpu", "cpu"]')
+    launcher = start(
+        run_dir,
+        "training.max_steps=0",
+        "training.epochs=1000",
+        "training.checkpoint_every=10",
+        NO_WANDB,
+        'launch.producer_devices=["cpu,cpu", "cpu"]',
+    )
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 8, "step 8", 180)
     other, trainer = producer_pids(run)[1], read_json(run.trainer_status)["pid"]
 
     def restarted(old_ranks: list[int]) -> list[int]:
         """Wait until producer 0 is back, with ranks all new; their pids."""
-        wait_for(lambda: producer_pids(run).get(0) not in (None, old_ranks[0]) and (read_json(run.producer_status(0)) or {}).get("ready"),
-                 "producer 0 restarted", 180)
+        wait_for(
+            lambda: (
+                producer_pids(run).get(0) not in (None, old_ranks[0])
+                and (read_json(run.producer_status(0)) or {}).get("ready")
+            ),
+            "producer 0 restarted",
+            180,
+        )
         ranks = producer_ranks(run, 0)
         assert len(ranks) == 2 and not set(ranks) & set(old_ranks), "both ranks are new"
         return ranks
@@ -300,8 +391,19 @@ def test_a_degree_that_does_not_divide_the_heads_stops_the_run(short_tmp):
     """3 ranks for 4 heads: each rank exits 2 naming the entry and the numbers, torchrun passes it on
     (launch.torchrun), and the launcher stops the run instead of restarting the producer."""
     run_dir = short_tmp / "run"
-    result = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), NO_WANDB,
-                             'launch.producer_devices=["cpu,cpu,cpu"]'], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [
+            str(ROOT / "launch" / "run_all.sh"),
+            "--run-dir",
+            str(run_dir),
+            NO_WANDB,
+            'launch.producer_devices=["cpu,cpu,cpu"]',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     log = (run_dir / "logs" / "producer-0.log").read_text()
     assert "launch.producer_devices[0]: tensor parallelism over 3 devices" in log
@@ -316,9 +418,12 @@ def test_a_degree_that_does_not_divide_the_heads_stops_the_run(short_tmp):
 @pytest.mark.multigpu
 def test_gpu_tp2_capture_matches_one_gpu(saved_target_dir, tmp_path):
     out = tmp_path / "stored.pt"
-    result = wait_capture(start_capture(out, "cuda:0,cuda:1", saved_target_dir, dtype="bfloat16", attention="varlen"), out)
-    identity, expected = one_device_features(TargetConfig(path=str(saved_target_dir), dtype="bfloat16", device="cuda:0",
-                                                          attention="varlen"))
+    result = wait_capture(
+        start_capture(out, "cuda:0,cuda:1", saved_target_dir, dtype="bfloat16", attention="varlen"), out
+    )
+    identity, expected = one_device_features(
+        TargetConfig(path=str(saved_target_dir), dtype="bfloat16", device="cuda:0", attention="varlen")
+    )
     assert result["identity"] == identity
     for (aux, last), (want_aux, want_last) in zip(result["features"], expected):
         # bf16, and the all-reduce sums the heads' partial products in another order than one matmul.
@@ -326,13 +431,23 @@ def test_gpu_tp2_capture_matches_one_gpu(saved_target_dir, tmp_path):
         torch.testing.assert_close(last, want_last, atol=3e-2, rtol=3e-2)
 
 
-def run_stored_target_pipeline(run_dir: Path, target_dir: Path, producer_devices: str, trainer_device: str,
-                               *overrides: str) -> RunDir:
+def run_stored_target_pipeline(
+    run_dir: Path, target_dir: Path, producer_devices: str, trainer_device: str, *overrides: str
+) -> RunDir:
     """3 epochs from a stored fp32 target run in bf16 by a tensor-parallel producer and a one-device one
     (same weights); exactly once, and the trainer agrees with both on the bf16 embedding."""
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=3", f'target.path="{target_dir}"',
-                     "target.config_overrides={}", 'target.dtype="bfloat16"', NO_WANDB,
-                     f"launch.producer_devices={producer_devices}", f'launch.trainer_devices=["{trainer_device}"]', *overrides)
+    launcher = start(
+        run_dir,
+        "training.max_steps=0",
+        "training.epochs=3",
+        f'target.path="{target_dir}"',
+        "target.config_overrides={}",
+        'target.dtype="bfloat16"',
+        NO_WANDB,
+        f"launch.producer_devices={producer_devices}",
+        f'launch.trainer_devices=["{trainer_device}"]',
+        *overrides,
+    )
     finish(launcher, run_dir, timeout=300)
     run = RunDir(run_dir)
     assert read_json(run.trainer_status)["state"] == "finished"
@@ -353,8 +468,9 @@ def test_pipeline_with_a_stored_bf16_target_on_a_tensor_parallel_producer(saved_
 def test_gpu_pipeline_with_a_tensor_parallel_producer(saved_target_dir, short_tmp):
     """A producer over both GPUs (NCCL, its ring on GPU 0 by CUDA IPC) beside one on the CPU (its GPUs are
     taken), the trainer on GPU 0. ``auto`` rings (tiny.toml's are host): each producer picks by its device."""
-    run = run_stored_target_pipeline(short_tmp / "run", saved_target_dir, '["cuda:0,cuda:1", "cpu"]', "cuda:0",
-                                     'ring.backend="auto"')
+    run = run_stored_target_pipeline(
+        short_tmp / "run", saved_target_dir, '["cuda:0,cuda:1", "cpu"]', "cuda:0", 'ring.backend="auto"'
+    )
     statuses = run.producer_statuses()
     assert [s["device"] for s in statuses] == ["cuda:0,cuda:1", "cpu"]
     assert [s["ring"]["backend"] for s in statuses] == ["cuda", "host"]

@@ -22,7 +22,20 @@ def _segments_of(pid: int) -> list:
 def test_stress_10k_batches_with_random_delays_verified_by_checksum(short_tmp):
     endpoint = ipc_endpoint(short_tmp / "p.ipc")
     count = 10_000
-    common = ["--endpoint", endpoint, "--count", str(count), "--slots", "3", "--slot-bytes", "8192", "--max-delay-us", "300", "--seed", "7"]
+    common = [
+        "--endpoint",
+        endpoint,
+        "--count",
+        str(count),
+        "--slots",
+        "3",
+        "--slot-bytes",
+        "8192",
+        "--max-delay-us",
+        "300",
+        "--seed",
+        "7",
+    ]
     producer = start("producer", *common)
     read_event(producer, "ready")
     consumer = start("consumer", *common, "--credits", "2")
@@ -41,7 +54,19 @@ def test_stress_10k_batches_with_random_delays_verified_by_checksum(short_tmp):
 def test_kill9_consumer_leases_reclaimed_and_redelivered(short_tmp):
     endpoint = ipc_endpoint(short_tmp / "p.ipc")
     timeout_s = 1.0
-    producer = start("producer", "--endpoint", endpoint, "--count", "6", "--slots", "8", "--heartbeat-interval", "0.2", "--heartbeat-timeout", str(timeout_s))
+    producer = start(
+        "producer",
+        "--endpoint",
+        endpoint,
+        "--count",
+        "6",
+        "--slots",
+        "8",
+        "--heartbeat-interval",
+        "0.2",
+        "--heartbeat-timeout",
+        str(timeout_s),
+    )
     read_event(producer, "ready")
     holder = start("consumer", "--endpoint", endpoint, "--count", "4", "--credits", "4", "--hold", "--consumer-id", "a")
     held = read_event(holder, "holding")["indices"]
@@ -49,12 +74,16 @@ def test_kill9_consumer_leases_reclaimed_and_redelivered(short_tmp):
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     killed_at = time.monotonic()
-    successor = start("consumer", "--endpoint", endpoint, "--count", "6", "--credits", "8", "--consumer-id", "b", "--timeout", "20")
+    successor = start(
+        "consumer", "--endpoint", endpoint, "--count", "6", "--credits", "8", "--consumer-id", "b", "--timeout", "20"
+    )
     summary = read_event(successor, "done")
     waited = time.monotonic() - killed_at
     assert successor.wait(timeout=30) == 0
     assert summary["bad"] == 0
-    assert sorted(summary["indices"]) == list(range(6)), "the new consumer gets every batch, the reclaimed ones included"
+    assert sorted(summary["indices"]) == list(range(6)), (
+        "the new consumer gets every batch, the reclaimed ones included"
+    )
     assert set(held) <= set(summary["indices"])
     assert waited < 30
     stats = summary["producer"]
@@ -67,7 +96,9 @@ def test_kill9_consumer_leases_reclaimed_and_redelivered(short_tmp):
     log = producer.stderr.read()
     match = re.search(r"consumer a silent for ([0-9.]+)s; 4 leases back", log)
     assert match, log[-2000:]
-    assert float(match.group(1)) <= timeout_s + 0.2 + 0.05, "reclaimed within the heartbeat timeout (+ one check interval)"
+    assert float(match.group(1)) <= timeout_s + 0.2 + 0.05, (
+        "reclaimed within the heartbeat timeout (+ one check interval)"
+    )
 
 
 def _fuzz_frames(rng: random.Random, n: int):
@@ -81,17 +112,37 @@ def _fuzz_frames(rng: random.Random, n: int):
         elif kind == 2:
             yield msgpack.packb({"v": PROTOCOL_VERSION + rng.randint(1, 9), "t": "hello"})
         elif kind == 3:
-            yield msgpack.packb({"v": PROTOCOL_VERSION, "t": "ack", "slot": rng.choice([-1, 2**40, "x", None]), "generation": 1})
+            yield msgpack.packb(
+                {"v": PROTOCOL_VERSION, "t": "ack", "slot": rng.choice([-1, 2**40, "x", None]), "generation": 1}
+            )
         elif kind == 4:
             yield Ack(slot=rng.randint(0, 100), generation=rng.randint(0, 10**6)).encode()
         elif kind == 5:
-            yield msgpack.packb({"v": PROTOCOL_VERSION, "t": "batch", "slot": 0, "generation": 0, "seq": 0, "layout": [["x", "uint8", [2**39], 0]], "meta": {}})
+            yield msgpack.packb(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "t": "batch",
+                    "slot": 0,
+                    "generation": 0,
+                    "seq": 0,
+                    "layout": [["x", "uint8", [2**39], 0]],
+                    "meta": {},
+                }
+            )
         elif kind == 6:
-            yield msgpack.packb({"v": PROTOCOL_VERSION, "t": rng.choice(["welcome", "heartbeat", "credit", "bye"]), "junk": list(range(rng.randint(0, 50)))})
+            yield msgpack.packb(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "t": rng.choice(["welcome", "heartbeat", "credit", "bye"]),
+                    "junk": list(range(rng.randint(0, 50))),
+                }
+            )
         elif kind == 7:
             yield Credit(n=rng.randint(1, 5)).encode()  # from a peer that never said hello
         elif kind == 8:
-            yield msgpack.packb({"v": PROTOCOL_VERSION, "t": "heartbeat", "stats": {"x": "y" * rng.randint(4000, 5000)}})
+            yield msgpack.packb(
+                {"v": PROTOCOL_VERSION, "t": "heartbeat", "stats": {"x": "y" * rng.randint(4000, 5000)}}
+            )
         else:
             yield msgpack.packb(rng.choice([[1] * 5000, {"a": 1}, "str", 3.5, None, True]))
 

@@ -58,7 +58,9 @@ def test_the_warm_drafter_refuses_another_architecture_or_dtype():
     weights = trained_weights(warm.draft_config, warm.head)
     other = tiny_config(block_size=8)
     assert warm.drafter_for(other, weights, LossConfig()) is None
-    assert warm.drafter_for(warm.draft_config, {k: v.to(torch.bfloat16) for k, v in weights.items()}, LossConfig()) is None
+    assert (
+        warm.drafter_for(warm.draft_config, {k: v.to(torch.bfloat16) for k, v in weights.items()}, LossConfig()) is None
+    )
 
 
 def test_a_warm_start_fits_only_the_configuration_that_would_build_it():
@@ -72,7 +74,16 @@ def test_a_warm_start_fits_only_the_configuration_that_would_build_it():
 
 
 def test_the_synthetic_batch_has_the_shapes_a_compiled_trainer_is_fed():
-    cfg = load_config(None, ["data.max_seq_len=96", "data.mean_len=48", "batching.token_budget=96", 'training.label_mode="target_soft"', 'target.dtype="bfloat16"'])
+    cfg = load_config(
+        None,
+        [
+            "data.max_seq_len=96",
+            "data.mean_len=48",
+            "batching.token_budget=96",
+            'training.label_mode="target_soft"',
+            'target.dtype="bfloat16"',
+        ],
+    )
     config = tiny_config()
     batch = synthetic_batch(cfg, config, torch.device("cpu"))
     assert batch.num_tokens == 96 and batch.aux_hidden.shape == (96, config.fused_feature_size)

@@ -31,9 +31,10 @@ from common.drafter.export import export_zlab
 from common.drafter.kinds import build_drafter
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("dflash") is None,
-                                reason="z-lab's reference package is missing: pip install --no-deps dflash==0.1.0 "
-                                       "(launch/setup.sh installs it)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("dflash") is None,
+    reason="z-lab's reference package is missing: pip install --no-deps dflash==0.1.0 (launch/setup.sh installs it)",
+)
 
 LAYER_IDS = [1, 3]
 BLOCK = 4
@@ -80,10 +81,13 @@ def trained_drafter(kind: str, target, prompt_list: list[torch.Tensor], config):
     target.detach()
     lengths = [len(t.tokens) - 1 for t in transcripts]
     loss_mask = torch.cat([torch.arange(n) > t.prompt_len for n, t in zip(lengths, transcripts)]).to(torch.uint8)
-    batch = PackedBatch(input_ids=torch.cat([torch.tensor(t.tokens[:-1]) for t in transcripts]).to(torch.int32),
-                        loss_mask=loss_mask,
-                        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
-                        sample_ids=torch.arange(len(transcripts)), aux_hidden=torch.cat([t.features for t in transcripts]))
+    batch = PackedBatch(
+        input_ids=torch.cat([torch.tensor(t.tokens[:-1]) for t in transcripts]).to(torch.int32),
+        loss_mask=loss_mask,
+        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+        sample_ids=torch.arange(len(transcripts)),
+        aux_hidden=torch.cat([t.features for t in transcripts]),
+    )
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     drafter.train()
@@ -108,9 +112,10 @@ def zlab_run(reference, target_model, prompt: torch.Tensor, max_new_tokens: int,
     from dflash.model import dflash_generate
 
     with torch.no_grad():
-        out = dflash_generate(reference, target_model, prompt[None], max_new_tokens, sorted(stop) or None,
-                              return_stats=True)
-    return out.output_ids[0, prompt.numel():].tolist(), [int(n) for n in out.acceptance_lengths]
+        out = dflash_generate(
+            reference, target_model, prompt[None], max_new_tokens, sorted(stop) or None, return_stats=True
+        )
+    return out.output_ids[0, prompt.numel() :].tolist(), [int(n) for n in out.acceptance_lengths]
 
 
 def stop_token_for(tokens: list[int], max_new_tokens: int) -> int | None:
@@ -133,8 +138,8 @@ def compare(kind: str, target_model, drafter, reference, prompt_list) -> list[in
         # No stop token: dflash_generate runs B - 1 tokens further, so none of our steps is a shortened block there.
         # Its steps are ours, each adding our accepted drafts + the target's token; its text begins with ours.
         tokens, lengths = zlab_run(reference, target_model, prompt, NEW_TOKENS + BLOCK - 1, frozenset())
-        assert tokens[:len(ours.tokens)] == ours.tokens, (kind, r)
-        assert lengths[:len(ours.accepted)] == [a + 1 for a in ours.accepted], (kind, r)
+        assert tokens[: len(ours.tokens)] == ours.tokens, (kind, r)
+        assert lengths[: len(ours.accepted)] == [a + 1 for a in ours.accepted], (kind, r)
         # A stop token early enough that no block is shortened: both end after it; the steps are the same, the last
         # cut at the stop token on both sides (ours counts that block whole in ``accepted``).
         stop_token = stop_token_for(ours.tokens, NEW_TOKENS)
@@ -171,17 +176,27 @@ def test_dflash_generate_on_smollm2_decodes_as_we_do(tmp_path, kind):
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_folder(), torch_dtype=torch.float32).eval()
     text = model.config
-    config = tiny_config(hidden_size=text.hidden_size, intermediate_size=1024, num_hidden_layers=1,
-                         num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
-                         head_dim=text.hidden_size // text.num_attention_heads, vocab_size=text.vocab_size,
-                         target_hidden_size=text.hidden_size, num_target_layers=text.num_hidden_layers,
-                         target_layer_ids=[1, text.num_hidden_layers // 2, text.num_hidden_layers - 3],
-                         mask_token_id=text.vocab_size - 1, block_size=BLOCK,
-                         **({**KIND_FIELDS[kind], "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 8}
-                            if kind == "dflash2" else {}))
+    config = tiny_config(
+        hidden_size=text.hidden_size,
+        intermediate_size=1024,
+        num_hidden_layers=1,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads,
+        head_dim=text.hidden_size // text.num_attention_heads,
+        vocab_size=text.vocab_size,
+        target_hidden_size=text.hidden_size,
+        num_target_layers=text.num_hidden_layers,
+        target_layer_ids=[1, text.num_hidden_layers // 2, text.num_hidden_layers - 3],
+        mask_token_id=text.vocab_size - 1,
+        block_size=BLOCK,
+        **(
+            {**KIND_FIELDS[kind], "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 8}
+            if kind == "dflash2"
+            else {}
+        ),
+    )
     torch.manual_seed(0)
     drafter = build_drafter(config, target_head_of(model)).eval()
     reference = zlab_model(kind, drafter, tmp_path / "export")
-    prompt_list = [torch.tensor([1, 9690, 198, 2683, 314, 253, 5356, 11173, 30, 2]),
-                   prompts(1, 2000, length=12)[0]]
+    prompt_list = [torch.tensor([1, 9690, 198, 2683, 314, 253, 5356, 11173, 30, 2]), prompts(1, 2000, length=12)[0]]
     compare(kind, model, drafter, reference, prompt_list)

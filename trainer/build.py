@@ -52,9 +52,15 @@ def load_head(cfg: RunConfig, head_dir: Path, device: torch.device) -> tuple[Any
 def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> DraftConfig:
     """The drafter the run's ``drafter`` section asks for, on this target."""
     d = cfg.drafter
-    overrides = {"block_size": d.block_size, "in_block_causality": d.in_block_causality, "kind": d.kind,
-                 "conv_kernel_size": d.conv_kernel_size, "conv_group_size": d.conv_group_size,
-                 "selector_rank": d.selector_rank, "selector_top_k": d.selector_top_k}
+    overrides = {
+        "block_size": d.block_size,
+        "in_block_causality": d.in_block_causality,
+        "kind": d.kind,
+        "conv_kernel_size": d.conv_kernel_size,
+        "conv_group_size": d.conv_group_size,
+        "selector_rank": d.selector_rank,
+        "selector_top_k": d.selector_top_k,
+    }
 
     if d.target_layer_ids:
         overrides["target_layer_ids"] = list(d.target_layer_ids)
@@ -67,7 +73,9 @@ def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> Draf
             overrides[name] = getattr(d, name)
     tokenizer = None
     mask = d.mask_token_id
-    has_tokenizer = any((head_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    has_tokenizer = any(
+        (head_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
     if has_tokenizer and (mask is None or d.kind == "dflash2"):
         from transformers import AutoTokenizer
 
@@ -75,22 +83,28 @@ def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> Draf
         if d.kind == "dflash2" and len(tokenizer) > int(target_config.vocab_size):
             # The selector's codebooks, and the candidates servers compute, span the target's head; a head cut
             # below its tokenizer (a pruned draft vocabulary) has no DFlash 2 form.
-            raise ConfigError(f"drafter.kind: dflash2 needs the target's full vocabulary: its tokenizer has "
-                              f"{len(tokenizer)} tokens, its head {target_config.vocab_size}")
+            raise ConfigError(
+                f"drafter.kind: dflash2 needs the target's full vocabulary: its tokenizer has "
+                f"{len(tokenizer)} tokens, its head {target_config.vocab_size}"
+            )
     elif mask is None:
         # No tokenizer (a random target's exported head): the last id, which synthetic data never
         # uses. (transformers would return an empty tokenizer here, whose ids collide with data.)
         mask = int(target_config.vocab_size) - 1
     try:
-        config = DraftConfig.from_target(target_config, num_draft_layers=d.num_layers, tokenizer=tokenizer,
-                                         mask_token_id=mask, **overrides)
+        config = DraftConfig.from_target(
+            target_config, num_draft_layers=d.num_layers, tokenizer=tokenizer, mask_token_id=mask, **overrides
+        )
     except ValueError as exc:  # the drafter cannot be built as configured: the same on every try
         message = str(exc)
         raise ConfigError(message if message.startswith("drafter.") else f"drafter.{message}") from None
     if d.mask_token_id is None:
         name = f" {tokenizer.convert_ids_to_tokens(config.mask_token_id)!r}" if tokenizer is not None else ""
-        log.info("drafter.mask_token_id unset: the mask token is %d%s (set drafter.mask_token_id to choose another)",
-                 config.mask_token_id, name)
+        log.info(
+            "drafter.mask_token_id unset: the mask token is %d%s (set drafter.mask_token_id to choose another)",
+            config.mask_token_id,
+            name,
+        )
     return config
 
 
@@ -108,8 +122,9 @@ def loss_config_of(cfg: RunConfig) -> LossConfig:
     )
 
 
-def fresh_drafter(cfg: RunConfig, config: DraftConfig, head: TargetHead, loss_config: LossConfig,
-                  device: torch.device | None = None) -> DFlashDrafter:
+def fresh_drafter(
+    cfg: RunConfig, config: DraftConfig, head: TargetHead, loss_config: LossConfig, device: torch.device | None = None
+) -> DFlashDrafter:
     """The drafter a new run starts from: initialised, or ``drafter.init_from``'s weights (a DFlash 2 drafter from
     a DFlash one gets identity convolutions and a no-op selector). ConfigError, naming the key, when they cannot be."""
     drafter = build_drafter(config, head, loss_config, device=device)
@@ -117,20 +132,26 @@ def fresh_drafter(cfg: RunConfig, config: DraftConfig, head: TargetHead, loss_co
         return drafter
     folder, own = drafter_folder(Path(cfg.drafter.init_from))
     if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
-        raise ConfigError(f"drafter.init_from: {cfg.drafter.init_from} is neither a checkpoint (step-N) nor an export "
-                          f"(no {CONFIG_FILE} and {WEIGHTS_FILE} in it)")
+        raise ConfigError(
+            f"drafter.init_from: {cfg.drafter.init_from} is neither a checkpoint (step-N) nor an export "
+            f"(no {CONFIG_FILE} and {WEIGHTS_FILE} in it)"
+        )
     source = config_from_export(json.loads((folder / CONFIG_FILE).read_text()), own)
     for name in ("target_layer_ids", "mask_token_id", "hidden_size", "num_hidden_layers", "vocab_size"):
         if getattr(source, name) != getattr(config, name):
-            raise ConfigError(f"drafter.init_from: {cfg.drafter.init_from} has {name} {getattr(source, name)}, this "
-                              f"run's drafter {getattr(config, name)}")
+            raise ConfigError(
+                f"drafter.init_from: {cfg.drafter.init_from} has {name} {getattr(source, name)}, this "
+                f"run's drafter {getattr(config, name)}"
+            )
     param = next(drafter.parameters())
     state = {k: v.to(param.dtype) for k, v in load_file(str(folder / WEIGHTS_FILE), device=str(param.device)).items()}
     try:
         drafter.warm_start(state)
     except (ValueError, RuntimeError) as exc:  # another kind or shape: the same on every try
-        raise ConfigError(f"drafter.init_from: a {source.kind} drafter cannot start this run's {config.kind} "
-                          f"drafter: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(
+            f"drafter.init_from: a {source.kind} drafter cannot start this run's {config.kind} "
+            f"drafter: {str(exc).splitlines()[0]}"
+        ) from None
     log.info("drafter.init_from: the %s drafter starts from the %s drafter in %s", config.kind, source.kind, folder)
     return drafter
 

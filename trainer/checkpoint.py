@@ -82,7 +82,9 @@ class HostStaging:
             torch.cuda.synchronize(device)
         return copied if keep else None
 
-    def _copy_tensor(self, key: str, value: torch.Tensor, devices: set[torch.device], keep: bool) -> torch.Tensor | None:
+    def _copy_tensor(
+        self, key: str, value: torch.Tensor, devices: set[torch.device], keep: bool
+    ) -> torch.Tensor | None:
         if is_sharded(value):
             value = value.full_tensor()  # an all-gather: every rank walks the tree in the same order
         if not keep:
@@ -126,10 +128,12 @@ class TrainerState:
 def load_checkpoint(path: Path) -> TrainerState:
     """Read checkpoint folder ``path`` (``checkpoints/step-N``) to host memory."""
     drafter = path / "drafter"
-    return TrainerState(weights=load_file(str(drafter / WEIGHTS_FILE)),
-                        train_state=read_train_state(path),
-                        meta=read_json(path / "trainer_state.json"),
-                        drafter_config=json.loads((drafter / CONFIG_FILE).read_text()))
+    return TrainerState(
+        weights=load_file(str(drafter / WEIGHTS_FILE)),
+        train_state=read_train_state(path),
+        meta=read_json(path / "trainer_state.json"),
+        drafter_config=json.loads((drafter / CONFIG_FILE).read_text()),
+    )
 
 
 def read_train_state(path: Path) -> dict[str, Any]:
@@ -146,11 +150,13 @@ def read_train_state(path: Path) -> dict[str, Any]:
 
 def _split_tensors(tree: Any, out: dict[str, torch.Tensor]) -> Any:
     """``tree`` with each tensor of INLINE_BYTES or more moved into ``out`` (under its path) and replaced by a reference."""
+
     def split(key: str, value: torch.Tensor) -> Any:
         if value.numel() * value.element_size() < INLINE_BYTES:
             return value
         out[key] = value
         return {_TENSOR_REF: key}
+
     return map_tensors(tree, split)
 
 
@@ -210,7 +216,9 @@ class CheckpointWriter:
             self._write(snapshot)
             self.raise_failure()
             return
-        self._thread = threading.Thread(target=self._write, args=(snapshot,), name=f"checkpoint-{snapshot.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._write, args=(snapshot,), name=f"checkpoint-{snapshot.name}", daemon=True
+        )
         self._writing_name = snapshot.name
         self._thread.start()
 
@@ -256,8 +264,13 @@ class CheckpointWriter:
             state_dir.mkdir()
             tensors: dict[str, torch.Tensor] = {}
             tree = _split_tensors(snapshot.train_state, tensors)
-            write_tensor_files([TensorFile(drafter_dir / WEIGHTS_FILE, snapshot.weights, WEIGHTS_METADATA),
-                                TensorFile(state_dir / TENSORS_FILE, tensors)], self.write_threads)
+            write_tensor_files(
+                [
+                    TensorFile(drafter_dir / WEIGHTS_FILE, snapshot.weights, WEIGHTS_METADATA),
+                    TensorFile(state_dir / TENSORS_FILE, tensors),
+                ],
+                self.write_threads,
+            )
             write_config(zlab_config(snapshot.drafter.config, snapshot.drafter.fc.weight.dtype), drafter_dir)
             torch.save(tree, state_dir / TREE_FILE)
             for small in (drafter_dir / CONFIG_FILE, state_dir / TREE_FILE):
@@ -268,13 +281,18 @@ class CheckpointWriter:
             replace_dir(tmp, self.root / name)
             faults.point("trainer.latest")
             if not self.run_dir.advance_latest(name, snapshot.meta["step"]):
-                log.warning("checkpoint %s written, but latest.json already names a later step (a successor's); left as it is", name)
+                log.warning(
+                    "checkpoint %s written, but latest.json already names a later step (a successor's); left as it is",
+                    name,
+                )
         except Exception as exc:  # torch and safetensors report a full disk as RuntimeError, not OSError
             shutil.rmtree(tmp, ignore_errors=True)
             latest = self.run_dir.latest_checkpoint()
-            message = (f"cannot write checkpoint {name} into {self.root}: {exc} "
-                       f"({shutil.disk_usage(self.root).free} bytes free there). Nothing was lost: "
-                       f"{latest.name if latest else 'no checkpoint'} stays the latest and a restart resumes from it.")
+            message = (
+                f"cannot write checkpoint {name} into {self.root}: {exc} "
+                f"({shutil.disk_usage(self.root).free} bytes free there). Nothing was lost: "
+                f"{latest.name if latest else 'no checkpoint'} stays the latest and a restart resumes from it."
+            )
             log.error("%s", message)
             self._error = CheckpointError(message)
             return
@@ -284,8 +302,12 @@ class CheckpointWriter:
         for leftover in self.run_dir.sweep_partial_checkpoints():  # a superseded write's, its process gone by now
             log.info("cleaned up %s, left by a trainer that exited while checkpointing", leftover.name)
         self.last = CheckpointRecord(name, snapshot.meta["step"], snapshot.stall_s, time.perf_counter() - started)
-        log.info("checkpoint %s written in %.1f s; training stood still %.2f s for it", name, self.last.write_s, snapshot.stall_s)
-
+        log.info(
+            "checkpoint %s written in %.1f s; training stood still %.2f s for it",
+            name,
+            self.last.write_s,
+            snapshot.stall_s,
+        )
 
 
 class EvalExportWriter:
@@ -303,8 +325,13 @@ class EvalExportWriter:
         self.staging = HostStaging()
         self._thread: threading.Thread | None = None
 
-    def export(self, drafter: DFlashDrafter, weights: dict[str, torch.Tensor], request: evals.EvalRequest,
-               background: bool = True) -> float:
+    def export(
+        self,
+        drafter: DFlashDrafter,
+        weights: dict[str, torch.Tensor],
+        request: evals.EvalRequest,
+        background: bool = True,
+    ) -> float:
         """Copy ``weights`` to the host and write them with ``request`` (at once without ``background``).
         The seconds training stood still for it."""
         started = time.perf_counter()
@@ -312,8 +339,9 @@ class EvalExportWriter:
         host = self.staging.copy(weights, "drafter")
         stall_s = time.perf_counter() - started
         if background:
-            self._thread = threading.Thread(target=self._write, args=(drafter, host, request),
-                                            name=f"eval-export-{request.step}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._write, args=(drafter, host, request), name=f"eval-export-{request.step}", daemon=True
+            )
             self._thread.start()
         else:
             self._write(drafter, host, request)
@@ -332,5 +360,9 @@ class EvalExportWriter:
             evals.request(self.run_dir, request)
         except Exception as exc:  # auxiliary: a full disk costs this evaluation, never the run
             log.error("cannot export the drafter for the evaluation of step %d: %s", request.step, exc)
-            evals.finish(self.run_dir, evals.EvalResult(step=request.step, lost=f"the export could not be written: {exc}",
-                                                        incarnation=request.incarnation))
+            evals.finish(
+                self.run_dir,
+                evals.EvalResult(
+                    step=request.step, lost=f"the export could not be written: {exc}", incarnation=request.incarnation
+                ),
+            )

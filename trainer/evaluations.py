@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 class EvalClient:
     """The evaluations one trainer (rank 0) asked for or adopted, and the last result logged."""
 
-    def __init__(self, run_dir: RunDir, incarnation: int, block_size: int, gap_tolerance: float,
-                 background_export: bool) -> None:
+    def __init__(
+        self, run_dir: RunDir, incarnation: int, block_size: int, gap_tolerance: float, background_export: bool
+    ) -> None:
         self.run_dir = run_dir
         self.incarnation = incarnation
         self.block_size = block_size
@@ -42,16 +43,27 @@ class EvalClient:
         """Take over the evaluations the trainers before asked for, up to the step this one resumed at: their results
         are logged here when they come. Those past it measured weights this lineage never had: written as lost."""
         for step in evals.mark_abandoned_exports_lost(self.run_dir, self.incarnation):
-            log.warning("evaluation of step %d lost: the trainer that asked for it stopped before its export was complete", step)
+            log.warning(
+                "evaluation of step %d lost: the trainer that asked for it stopped before its export was complete", step
+            )
         adopted, superseded = evals.adoptable(self.run_dir, resumed_step, self.incarnation)
         self.in_flight.update(adopted)
         for step, incarnation in superseded:
             if evals.result(self.run_dir, step, incarnation) is None:
-                evals.finish(self.run_dir, evals.EvalResult(step=step, incarnation=incarnation,
-                                                            lost=f"superseded: the trainer resumed at step {resumed_step}"))
+                evals.finish(
+                    self.run_dir,
+                    evals.EvalResult(
+                        step=step,
+                        incarnation=incarnation,
+                        lost=f"superseded: the trainer resumed at step {resumed_step}",
+                    ),
+                )
             evals.mark_logged(self.run_dir, step, incarnation)
         if adopted:
-            log.info("adopted the evaluations of steps %s asked for before this trainer started", [step for step, _ in adopted])
+            log.info(
+                "adopted the evaluations of steps %s asked for before this trainer started",
+                [step for step, _ in adopted],
+            )
 
     def ask(self, step: int, drafter: DFlashDrafter, weights: dict[str, torch.Tensor]) -> None:
         """Export the drafter's ``weights`` for producer 0 to evaluate; training stands still only for their copy to
@@ -62,8 +74,12 @@ class EvalClient:
         log.info("evaluation of step %d asked for; training stood still %.2f s for its export", step, stall_s)
         self.in_flight.add((step, self.incarnation))
 
-    def collect(self, log_result: Callable[[int, dict[str, float]], None], wait_s: float = 0.0,
-                stop: Callable[[], bool] = lambda: False) -> bool:
+    def collect(
+        self,
+        log_result: Callable[[int, dict[str, float]], None],
+        wait_s: float = 0.0,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> bool:
         """Hand each result that has come back to ``log_result(step, metrics)`` (waiting up to ``wait_s`` for all,
         unless ``stop()``); whether any came."""
         deadline = time.monotonic() + wait_s
@@ -85,7 +101,9 @@ class EvalClient:
             time.sleep(0.2)
         return came
 
-    def record(self, step: int, metrics: dict[str, float], now_step: int, metrics_file: IO[str], wandb_run: Any) -> None:
+    def record(
+        self, step: int, metrics: dict[str, float], now_step: int, metrics_file: IO[str], wandb_run: Any
+    ) -> None:
         """Log one result in metrics.jsonl at its own step, in wandb (whose steps only grow: against eval/step) and
         in the trainer's log, warning when real and simulated tau drift apart."""
         metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
@@ -93,9 +111,14 @@ class EvalClient:
         if wandb_run is not None:
             wandb_run.log({**metrics, "eval/step": step}, step=now_step)
         self.last = {"step": step, "tau": metrics.get("eval/tau"), "sim_tau": metrics.get("eval/sim_tau")}
-        log.info("eval at step %d (logged at %d): tau %.3f real, %.3f simulated, %.1f%% target forwards saved",
-                 step, now_step, metrics.get("eval/tau", 0.0), metrics.get("eval/sim_tau", 0.0),
-                 100 * metrics.get("eval/forwards_saved", 0.0))
+        log.info(
+            "eval at step %d (logged at %d): tau %.3f real, %.3f simulated, %.1f%% target forwards saved",
+            step,
+            now_step,
+            metrics.get("eval/tau", 0.0),
+            metrics.get("eval/sim_tau", 0.0),
+            100 * metrics.get("eval/forwards_saved", 0.0),
+        )
         warn_if_gap(metrics, self.block_size, self.gap_tolerance)
 
     def status(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Export a checkpoint's drafter for serving, without a target (the formats: common/drafter/export.py).
 
-    python -m trainer.export --checkpoint RUN/checkpoints/step-N --out DIR [--format zlab|speculators]
+python -m trainer.export --checkpoint RUN/checkpoints/step-N --out DIR [--format zlab|speculators]
 """
 
 from __future__ import annotations
@@ -30,9 +30,14 @@ from common.lifecycle import EXIT_CONFIG_ERROR
 log = logging.getLogger(__name__)
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, fmt: str = "zlab",
-                      verifier_name_or_path: str | None = None, verifier_architectures: list[str] | None = None,
-                      dtype: torch.dtype | None = torch.bfloat16) -> Path:
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    fmt: str = "zlab",
+    verifier_name_or_path: str | None = None,
+    verifier_architectures: list[str] | None = None,
+    dtype: torch.dtype | None = torch.bfloat16,
+) -> Path:
     """Export the drafter of a checkpoint folder (``checkpoints/step-N``) for serving, without a target.
 
     The checkpoint's own config is read with ``own_checkpoint=True``, so a checkpoint trained before the
@@ -84,8 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     verifier = args.verifier or (_verifier_of_run(args.checkpoint) if args.format == "speculators" else None)
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.format, verifier, _architectures_of(verifier),
-                                dtype=getattr(torch, args.dtype))
+        out = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            args.format,
+            verifier,
+            _architectures_of(verifier),
+            dtype=getattr(torch, args.dtype),
+        )
     except (ExportError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -120,9 +120,21 @@ class _Link:
 class Feeder:
     """Background thread that keeps ``depth`` batches staged from every producer."""
 
-    def __init__(self, run_dir: RunDir, *, consumer_id: str, incarnation: int, expect: dict, commits: Commits,
-                 device: torch.device, credits: int, heartbeat_interval_s: float, handshake_timeout_s: float,
-                 depth: int = 4, pad_to: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: RunDir,
+        *,
+        consumer_id: str,
+        incarnation: int,
+        expect: dict,
+        commits: Commits,
+        device: torch.device,
+        credits: int,
+        heartbeat_interval_s: float,
+        handshake_timeout_s: float,
+        depth: int = 4,
+        pad_to: int | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.consumer_id = consumer_id
         self.incarnation = incarnation
@@ -210,7 +222,9 @@ class Feeder:
 
     def _up(self, link: _Link, client: RingClient, welcome: Welcome) -> None:
         if link.down_since is not None:
-            log.warning("producer %d back after %.1fs (pid %s)", link.producer, time.monotonic() - link.down_since, welcome.pid)
+            log.warning(
+                "producer %d back after %.1fs (pid %s)", link.producer, time.monotonic() - link.down_since, welcome.pid
+            )
         link.client, link.pid, link.down_since = client, welcome.pid, None
         log.info("connected to producer %d (pid %d, ring %s)", link.producer, welcome.pid, welcome.ring.get("backend"))
 
@@ -225,10 +239,18 @@ class Feeder:
             link.pending.close("no answer")
             link.pending = None
             if link.pending_endpoint == endpoint:
-                why = ("down, unreachable, or it and this trainer do not share the run's secrets/curve.json"
-                       if link.endpoint is not None else "hung, or busy loading")
-                log.warning("producer %d at %s not answering after %.0fs (%s)", link.producer, endpoint,
-                            self.handshake_timeout_s, why)
+                why = (
+                    "down, unreachable, or it and this trainer do not share the run's secrets/curve.json"
+                    if link.endpoint is not None
+                    else "hung, or busy loading"
+                )
+                log.warning(
+                    "producer %d at %s not answering after %.0fs (%s)",
+                    link.producer,
+                    endpoint,
+                    self.handshake_timeout_s,
+                    why,
+                )
         curve = None
         if link.endpoint is not None:
             if self._curve is None:
@@ -240,9 +262,13 @@ class Feeder:
                     return
             curve = self._curve
         link.pending = RingClient(
-            endpoint, self.consumer_id, self.incarnation,
-            expect=self.expect, committed=self.commits.received_state(link.producer),
-            credits=self.credits, heartbeat_interval_s=self.heartbeat_interval_s,
+            endpoint,
+            self.consumer_id,
+            self.incarnation,
+            expect=self.expect,
+            committed=self.commits.received_state(link.producer),
+            credits=self.credits,
+            heartbeat_interval_s=self.heartbeat_interval_s,
             accept=check_delivery,  # a batch that breaks the contract is dropped, never trained
             **({"curve": curve, "payload": PAYLOAD_FRAMES} if curve is not None else {}),
         )
@@ -257,8 +283,11 @@ class Feeder:
             if welcome is not None and welcome.producer_id != link.producer:
                 raise HandshakeRefused(
                     f"the producer at {client.endpoint} is producer {welcome.producer_id}, but "
-                    + (f"launch.remote_producers makes it producer {link.producer}: start it with --producer-id {link.producer}"
-                       if link.endpoint is not None else f"its status file says producer {link.producer}")
+                    + (
+                        f"launch.remote_producers makes it producer {link.producer}: start it with --producer-id {link.producer}"
+                        if link.endpoint is not None
+                        else f"its status file says producer {link.producer}"
+                    )
                 )
         except HandshakeRefused as exc:
             client.close("refused")
@@ -271,7 +300,9 @@ class Feeder:
             link.pending = None
             if client.welcome is not None and process_start_ticks(client.welcome.pid) is None:
                 # It died between its WELCOME and our attach: the launcher restarts it; try again then.
-                log.warning("producer %d (pid %d) died while its ring was being opened", link.producer, client.welcome.pid)
+                log.warning(
+                    "producer %d (pid %d) died while its ring was being opened", link.producer, client.welcome.pid
+                )
                 return
             self.refusal = f"cannot open producer {link.producer}'s ring: {exc}"
             log.error("%s", self.refusal)
@@ -291,8 +322,11 @@ class Feeder:
         with self._lock:
             link.stats = client.producer_stats
         if client.producer_silent_s() > timeout:
-            log.warning("producer %d silent for %.1fs: training on the others until it is back",
-                        link.producer, client.producer_silent_s())
+            log.warning(
+                "producer %d silent for %.1fs: training on the others until it is back",
+                link.producer,
+                client.producer_silent_s(),
+            )
             client.close("producer silent")
             link.client, link.down_since = None, time.monotonic()
             return False

@@ -63,7 +63,9 @@ class SharedStaging(HostStaging):
         layout, offset = {}, 0
         for key, t in tensors:
             layout[key] = [offset, DTYPE_NAMES[t.dtype], list(t.shape)]
-            offset += max(1, -(-t.numel() * t.element_size() // ALIGN)) * ALIGN  # an empty tensor too: no shared address
+            offset += (
+                max(1, -(-t.numel() * t.element_size() // ALIGN)) * ALIGN
+            )  # an empty tensor too: no shared address
         segment = self.segments.get(prefix)
         if self.shared and (segment is None or segment["layout"] != layout):
             segment = self._make_segment(prefix, layout, max(offset, ALIGN), any(t.is_cuda for _, t in tensors))
@@ -77,8 +79,12 @@ class SharedStaging(HostStaging):
         self.release(prefix)
         free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
         if size + SHM_RESERVE > free:
-            log.warning("/dev/shm has %.1f GB free, the checkpoint staging needs %.1f GB: staging in private memory, "
-                        "and restart-trainer writes the state to disk", free / 1e9, size / 1e9)
+            log.warning(
+                "/dev/shm has %.1f GB free, the checkpoint staging needs %.1f GB: staging in private memory, "
+                "and restart-trainer writes the state to disk",
+                free / 1e9,
+                size / 1e9,
+            )
             self.shared = False
             self.release()
             return None
@@ -92,7 +98,11 @@ class SharedStaging(HostStaging):
         if pin and torch.cuda.is_available():
             error = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), size, 0)
             if int(error) != 0:  # copies still work, at pageable speed
-                log.warning("cudaHostRegister of %.1f GB in /dev/shm failed (%s): checkpoint copies are pageable", size / 1e9, error)
+                log.warning(
+                    "cudaHostRegister of %.1f GB in /dev/shm failed (%s): checkpoint copies are pageable",
+                    size / 1e9,
+                    error,
+                )
                 pin = False
         segment = {"path": str(path), "size": size, "map": mapped, "flat": flat, "layout": layout, "pinned": pin}
         self.segments[prefix] = segment
@@ -131,8 +141,10 @@ class SharedStaging(HostStaging):
 
     def layouts(self) -> dict[str, dict[str, Any]]:
         """The segments as JSON (prefix -> path, size, layout), for a successor that adopts them (``adopt``)."""
-        return {prefix: {"path": segment["path"], "size": segment["size"], "layout": segment["layout"]}
-                for prefix, segment in self.segments.items()}
+        return {
+            prefix: {"path": segment["path"], "size": segment["size"], "layout": segment["layout"]}
+            for prefix, segment in self.segments.items()
+        }
 
     def adopt(self, prefix: str, path: str, size: int, layout: dict, mapped: mmap.mmap, pin: bool) -> None:
         """Make a predecessor's segment (mapped shared, renamed as this process's at ``path``) this staging's own
@@ -143,9 +155,11 @@ class SharedStaging(HostStaging):
         segment = {"path": path, "size": size, "map": mapped, "flat": flat, "layout": layout, "pinned": False}
         self.segments[prefix] = segment
         if pin and torch.cuda.is_available():
+
             def register() -> None:
                 if int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), size, 0)) == 0:
                     segment["pinned"] = True
+
             segment["pinning"] = threading.Thread(target=register, name=f"pin-{prefix}", daemon=True)
             segment["pinning"].start()
 
@@ -154,8 +168,12 @@ class SharedStaging(HostStaging):
         where = {}
         for prefix, segment in self.segments.items():
             for key, (offset, dtype, shape) in segment["layout"].items():
-                where[self._buffers[key].data_ptr()] = {"segment": segment["path"], "offset": offset, "dtype": dtype,
-                                                        "shape": shape}
+                where[self._buffers[key].data_ptr()] = {
+                    "segment": segment["path"],
+                    "offset": offset,
+                    "dtype": dtype,
+                    "shape": shape,
+                }
         return _encode(tree, where)
 
 
@@ -237,7 +255,9 @@ def _role_of(path: str) -> str:
 def _map_private(path: str) -> mmap.mmap:
     """The segment's pages, copy-on-write: this process may change its copy, never the owner's."""
     with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), os.path.getsize(path), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(
+            f.fileno(), os.path.getsize(path), flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
 
 
 def _segment_paths(tree: Any):

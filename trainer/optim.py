@@ -75,8 +75,13 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
 def is_muon_parameter(module_name: str, module: nn.Module, param: torch.Tensor) -> bool:
     """Whether ``param`` (owned by ``module``, named ``module_name`` in the model) follows Muon: a trainable
     2-D ``nn.Linear`` weight that is no output head. Embeddings are ``nn.Embedding`` and so never are."""
-    return (param.requires_grad and param.ndim == 2 and isinstance(module, nn.Linear) and param is module.weight
-            and module_name.rsplit(".", 1)[-1] != "lm_head")
+    return (
+        param.requires_grad
+        and param.ndim == 2
+        and isinstance(module, nn.Linear)
+        and param is module.weight
+        and module_name.rsplit(".", 1)[-1] != "lm_head"
+    )
 
 
 def muon_param_groups(model: nn.Module) -> list[dict[str, Any]]:
@@ -99,8 +104,9 @@ def muon_param_groups(model: nn.Module) -> list[dict[str, Any]]:
     return groups
 
 
-def newton_schulz(matrix: torch.Tensor, steps: int = NS_STEPS, eps: float = NS_EPS,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
+def newton_schulz(
+    matrix: torch.Tensor, steps: int = NS_STEPS, eps: float = NS_EPS, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """An approximate orthogonalisation of 2-D ``matrix`` (its U V^T, singular values pushed to about 1) by
     ``steps`` quintic Newton-Schulz iterations, computed in ``dtype`` (bf16 on CUDA, fp32 elsewhere by
     default); returned in that dtype."""
@@ -132,9 +138,18 @@ class MuonAdamW(torch.optim.Optimizer):
     optimizer with one state (see the module's doc). Every group shares ``lr`` and ``weight_decay`` unless a
     group sets its own."""
 
-    def __init__(self, param_groups: Iterable[dict[str, Any]], lr: float, weight_decay: float = 0.0,
-                 fused: bool = False, momentum: float = MUON_MOMENTUM, nesterov: bool = True,
-                 ns_steps: int = NS_STEPS, betas: tuple[float, float] = ADAMW_BETAS, eps: float = ADAMW_EPS) -> None:
+    def __init__(
+        self,
+        param_groups: Iterable[dict[str, Any]],
+        lr: float,
+        weight_decay: float = 0.0,
+        fused: bool = False,
+        momentum: float = MUON_MOMENTUM,
+        nesterov: bool = True,
+        ns_steps: int = NS_STEPS,
+        betas: tuple[float, float] = ADAMW_BETAS,
+        eps: float = ADAMW_EPS,
+    ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not weight_decay >= 0:
@@ -156,8 +171,10 @@ class MuonAdamW(torch.optim.Optimizer):
             if rule == "muon" and p.ndim != 2:
                 raise ValueError(f"Muon takes matrices only, got a parameter of shape {tuple(p.shape)}")
             if rule == "muon" and is_sharded(p):
-                raise ValueError("Muon cannot orthogonalise an FSDP-sharded (DTensor) matrix shard by shard; "
-                                 "train with optimizer adamw under FSDP, or with parallelism ddp")
+                raise ValueError(
+                    "Muon cannot orthogonalise an FSDP-sharded (DTensor) matrix shard by shard; "
+                    "train with optimizer adamw under FSDP, or with parallelism ddp"
+                )
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -166,8 +183,10 @@ class MuonAdamW(torch.optim.Optimizer):
         saved = [group.get(RULE_KEY) for group in state_dict["param_groups"]]
         ours = [group[RULE_KEY] for group in self.param_groups]
         if saved != ours:
-            raise ValueError(f"the optimizer state to load is not of this optimizer: its param groups follow "
-                             f"rules {saved}, this one's {ours} (was the optimizer, or the model, changed?)")
+            raise ValueError(
+                f"the optimizer state to load is not of this optimizer: its param groups follow "
+                f"rules {saved}, this one's {ours} (was the optimizer, or the model, changed?)"
+            )
         super().load_state_dict(state_dict)
 
     @torch.no_grad()
@@ -209,8 +228,11 @@ class MuonAdamW(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 # As torch's Adam: the step count on the device for the fused kernel, on the host otherwise.
-                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if group["fused"]
-                                 else torch.tensor(0.0, dtype=torch.float32))
+                state["step"] = (
+                    torch.zeros((), dtype=torch.float32, device=p.device)
+                    if group["fused"]
+                    else torch.tensor(0.0, dtype=torch.float32)
+                )
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
@@ -221,7 +243,21 @@ class MuonAdamW(torch.optim.Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        adamw_functional(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
-                         fused=group["fused"], has_complex=any(torch.is_complex(p) for p in params),
-                         amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw_functional(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=None,
+            fused=group["fused"],
+            has_complex=any(torch.is_complex(p) for p in params),
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )

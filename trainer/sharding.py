@@ -100,8 +100,7 @@ def full_model_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
     return get_model_state_dict(drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_optimizer_state(drafter: DFlashDrafter, optimizer: torch.optim.Optimizer,
-                              state: dict[str, Any]) -> None:
+def load_full_optimizer_state(drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load an ``Optimizer.state_dict()`` of the whole drafter (every rank passes it) into the
     optimizer of the sharded drafter: each rank keeps the slices of its own shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -109,7 +108,8 @@ def load_full_optimizer_state(drafter: DFlashDrafter, optimizer: torch.optim.Opt
     names = _trainable_names(drafter)
     by_name = {
         "state": {names[index]: value for index, value in state["state"].items()},
-        "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
-                         for group in state["param_groups"]],
+        "param_groups": [
+            {**group, "params": [names[index] for index in group["params"]]} for group in state["param_groups"]
+        ],
     }
     set_optimizer_state_dict(drafter, optimizer, by_name, options=StateDictOptions(full_state_dict=True))

@@ -27,9 +27,18 @@ PIECE_BYTES = 64 << 20
 """The bytes of one pwrite call at most: runs are balanced to within this."""
 
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -66,13 +75,17 @@ def _layout(file: TensorFile) -> tuple[int, list[tuple[int, memoryview]]]:
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{file.path}: tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
         size = tensor.numel() * tensor.element_size()
-        entries[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                         "data_offsets": [offset, offset + size]}
+        entries[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         if size:
             data.append((offset, memoryview(tensor.reshape(-1).view(torch.uint8).numpy())))
         offset += size
-    header = json.dumps({"__metadata__": file.metadata, **entries} if file.metadata else entries,
-                        separators=(",", ":")).encode()
+    header = json.dumps(
+        {"__metadata__": file.metadata, **entries} if file.metadata else entries, separators=(",", ":")
+    ).encode()
     header += b" " * (-len(header) % 8)
     prefix = struct.pack("<Q", len(header)) + header
     return len(prefix) + offset, [(0, memoryview(prefix))] + [(len(prefix) + o, view) for o, view in data]
@@ -119,8 +132,11 @@ def write_tensor_files(files: list[TensorFile], threads: int = WRITE_THREADS) ->
         for index, (file, (size, parts)) in enumerate(zip(files, layouts)):
             fds.append(os.open(file.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
             os.ftruncate(fds[-1], size)  # sized up front: the runs fill it in any order
-            pieces += [_Piece(index, offset + start, view[start:start + PIECE_BYTES])
-                       for offset, view in parts for start in range(0, len(view), PIECE_BYTES)]
+            pieces += [
+                _Piece(index, offset + start, view[start : start + PIECE_BYTES])
+                for offset, view in parts
+                for start in range(0, len(view), PIECE_BYTES)
+            ]
         runs = _runs(pieces, threads)
         if len(runs) == 1:
             _write_run(fds, runs[0])

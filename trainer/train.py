@@ -113,8 +113,14 @@ class _StartClock:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: RunDir, source_factory: SourceFactory | None = None,
-                 handed_over: dict | None = None, warm: WarmStart | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: RunDir,
+        source_factory: SourceFactory | None = None,
+        handed_over: dict | None = None,
+        warm: WarmStart | None = None,
+    ) -> None:
         """``source_factory``: builds the batch source in this process instead of the feeder (the coupled
         baseline, launch/bench/coupled.py), as ``factory(cfg, run_dir, rank, world_size, device)``; it evaluates in
         the loop too. ``handed_over``: the ``state`` of the predecessor's handover mark (trainer/handover.py),
@@ -157,22 +163,38 @@ class Trainer:
             target_config, self.head, self.draft_config = warm.target_config, warm.head, warm.draft_config
             identity = warm.target_identity
         else:
-            self._wait_for(lambda: build.head_is_ready(head_dir), f"the target head in {head_dir} (written by the first producer)")
+            self._wait_for(
+                lambda: build.head_is_ready(head_dir), f"the target head in {head_dir} (written by the first producer)"
+            )
             target_config, self.head = build.load_head(cfg, head_dir, self.device)
             self.draft_config = build.draft_config_for(cfg, target_config, head_dir)
             identity = target_identity(target_config, self.head.embed_weight)
         clock.lap("head")
         self.loss_config = build.loss_config_of(cfg)
-        self.expect = Expectation(target_identity=identity, layer_ids=list(self.draft_config.target_layer_ids),
-                                  dtype=cfg.target.dtype, last_hidden=cfg.training.label_mode != "data").to_wire()
+        self.expect = Expectation(
+            target_identity=identity,
+            layer_ids=list(self.draft_config.target_layer_ids),
+            dtype=cfg.target.dtype,
+            last_hidden=cfg.training.label_mode != "data",
+        ).to_wire()
 
         latest = run_dir.latest_checkpoint()
         # A single process stages its checkpoints in /dev/shm, so that restart-trainer can hand them over; a
         # successor adopts the segments handed to it as its own staging.
         staging = handover.SharedStaging(run_tag(run_dir.root)) if self.world_size == 1 else None
-        handed = handover.take(handed_over, staging, pin=self.device.type == "cuda") if handed_over and staging else None
-        if handed is not None and latest is not None and handed.meta["step"] < read_json(latest / "trainer_state.json")["step"]:
-            log.warning("the state handed over (step %d) is older than %s; resuming from the checkpoint", handed.meta["step"], latest.name)
+        handed = (
+            handover.take(handed_over, staging, pin=self.device.type == "cuda") if handed_over and staging else None
+        )
+        if (
+            handed is not None
+            and latest is not None
+            and handed.meta["step"] < read_json(latest / "trainer_state.json")["step"]
+        ):
+            log.warning(
+                "the state handed over (step %d) is older than %s; resuming from the checkpoint",
+                handed.meta["step"],
+                latest.name,
+            )
             handed = None
         resumed = handed or (load_checkpoint(latest) if latest is not None else None)
         if self.rank == 0:
@@ -190,13 +212,20 @@ class Trainer:
         if resumed is not None:
             config = config_from_export(resumed.drafter_config, own_checkpoint=True)
             if config.kind != cfg.drafter.kind:
-                raise ConfigError(f"drafter.kind: the run's checkpoint holds a {config.kind} drafter, the configuration "
-                                  f"asks for {cfg.drafter.kind}; start a new run (drafter.init_from can start it from "
-                                  "this checkpoint)")
+                raise ConfigError(
+                    f"drafter.kind: the run's checkpoint holds a {config.kind} drafter, the configuration "
+                    f"asks for {cfg.drafter.kind}; start a new run (drafter.init_from can start it from "
+                    "this checkpoint)"
+                )
             self.drafter = warm.drafter_for(config, resumed.weights, self.loss_config) if warm is not None else None
             if self.drafter is None:
-                self.drafter = drafter_from_state(resumed.drafter_config, resumed.weights, self.head, self.loss_config,
-                                                  device=None if self.world_size > 1 else self.device)
+                self.drafter = drafter_from_state(
+                    resumed.drafter_config,
+                    resumed.weights,
+                    self.head,
+                    self.loss_config,
+                    device=None if self.world_size > 1 else self.device,
+                )
         else:
             self.drafter = build.fresh_drafter(cfg, self.draft_config, self.head, self.loss_config)
         warmed = warm is not None and self.drafter is warm.drafter
@@ -209,22 +238,39 @@ class Trainer:
         # How much of the drafter each rank holds, for the status file (shows the sharding).
         self.drafter_params_total = self.drafter.num_trainable_parameters()
         self.drafter_params_per_rank = self._gather(local_parameter_count(self.drafter))
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.device.type == "cuda"
+            else torch.autocast("cpu", enabled=False)
+        )
 
         self.max_steps = cfg.training.max_steps or self._steps_from_epochs()
-        self.optimizer = build_optimizer(self.drafter, cfg.training.resolved_optimizer, cfg.training.lr,
-                                         cfg.training.weight_decay, fused=self.device.type == "cuda")
+        self.optimizer = build_optimizer(
+            self.drafter,
+            cfg.training.resolved_optimizer,
+            cfg.training.lr,
+            cfg.training.weight_decay,
+            fused=self.device.type == "cuda",
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps))
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + self.rank)
         self.commits = Commits()
-        self.evals = EvalClient(run_dir, self.incarnation, self.draft_config.block_size, cfg.eval.gap_tolerance,
-                                background_export=cfg.training.async_checkpoint)
+        self.evals = EvalClient(
+            run_dir,
+            self.incarnation,
+            self.draft_config.block_size,
+            cfg.eval.gap_tolerance,
+            background_export=cfg.training.async_checkpoint,
+        )
         self.wandb_id = None
         if resumed is not None:
             # On a GPU the optimizer copies its state to the device; on the CPU it would keep a handed-over
             # state's shared pages as its own and change them under the background write of their checkpoint.
-            train_state = resumed.train_state if self.device.type == "cuda" or resumed is not handed else tree_map(
-                lambda v: v.clone() if isinstance(v, torch.Tensor) else v, resumed.train_state)
+            train_state = (
+                resumed.train_state
+                if self.device.type == "cuda" or resumed is not handed
+                else tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, resumed.train_state)
+            )
             self._restore(train_state, resumed.meta)
         self.start_step = self.step
         if self.rank == 0:
@@ -234,29 +280,50 @@ class Trainer:
         clock.lap("wandb")
 
         pad_to = cfg.batching.token_budget if self.compiled else None
-        self.feeder = self.coupled.bind(self.commits, pad_to) if self.coupled else Feeder(
-            run_dir, consumer_id=f"trainer/r{self.rank}", incarnation=self.incarnation, expect=self.expect,
-            commits=self.commits, device=self.device, credits=cfg.ring.credits,
-            heartbeat_interval_s=cfg.ring.heartbeat_interval_s, handshake_timeout_s=cfg.ring.handshake_timeout_s,
-            pad_to=pad_to,
+        self.feeder = (
+            self.coupled.bind(self.commits, pad_to)
+            if self.coupled
+            else Feeder(
+                run_dir,
+                consumer_id=f"trainer/r{self.rank}",
+                incarnation=self.incarnation,
+                expect=self.expect,
+                commits=self.commits,
+                device=self.device,
+                credits=cfg.ring.credits,
+                heartbeat_interval_s=cfg.ring.heartbeat_interval_s,
+                handshake_timeout_s=cfg.ring.handshake_timeout_s,
+                pad_to=pad_to,
+            )
         )
         self.checkpoints = CheckpointWriter(run_dir, cfg.training.keep_last, staging)
         if handed is not None:  # the disk checkpoint of the step handed over, from its pages, while training goes on
-            self.checkpoints.write(Snapshot(f"step-{self.step:08d}", self.drafter, handed.weights, handed.train_state,
-                                            handed.meta), background=True)
+            self.checkpoints.write(
+                Snapshot(f"step-{self.step:08d}", self.drafter, handed.weights, handed.train_state, handed.meta),
+                background=True,
+            )
         self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
         self.flops_cache: dict[int, float] = {}
         self.flops_per_attention_pair = train_flops(self.draft_config, 0, 0, 1.0)["attention"]
         self._upcoming: Received | None = None
         clock.lap("the rest")
-        log.info("trainer rank %d/%d (%s) on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters, "
-                 "%.0f%% of them on this rank; built in %s%s",
-                 self.rank, self.world_size, self.parallelism, self.device, self.incarnation,
-                 "took over the state handed over" if handed else f"resumed from {latest.name}" if latest else "fresh start",
-                 self.step, self.max_steps,
-                 self.drafter_params_total / 1e6, 100 * self.drafter_params_per_rank[self.rank] / self.drafter_params_total,
-                 clock, f" (warm start: {warm.seconds:.1f} s ahead)" if warmed else "")
+        log.info(
+            "trainer rank %d/%d (%s) on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters, "
+            "%.0f%% of them on this rank; built in %s%s",
+            self.rank,
+            self.world_size,
+            self.parallelism,
+            self.device,
+            self.incarnation,
+            "took over the state handed over" if handed else f"resumed from {latest.name}" if latest else "fresh start",
+            self.step,
+            self.max_steps,
+            self.drafter_params_total / 1e6,
+            100 * self.drafter_params_per_rank[self.rank] / self.drafter_params_total,
+            clock,
+            f" (warm start: {warm.seconds:.1f} s ahead)" if warmed else "",
+        )
 
     @property
     def parallelism(self) -> str:
@@ -271,11 +338,15 @@ class Trainer:
         if self.cfg.launch.remote_producers:
             # Each producer counts its shard's batches into its status file, and those of remote
             # producers are on their hosts.
-            raise ConfigError("training.max_steps: must be > 0 with launch.remote_producers (the epoch size of a "
-                              "remote producer's shard is not known here); set the number of optimizer steps")
+            raise ConfigError(
+                "training.max_steps: must be > 0 with launch.remote_producers (the epoch size of a "
+                "remote producer's shard is not known here); set the number of optimizer steps"
+            )
         expected = self.cfg.launch.local_producers
-        self._wait_for(lambda: len([s for s in self.run_dir.producer_statuses() if "epoch_batches" in s]) >= expected,
-                       "the producers' epoch sizes")
+        self._wait_for(
+            lambda: len([s for s in self.run_dir.producer_statuses() if "epoch_batches" in s]) >= expected,
+            "the producers' epoch sizes",
+        )
         per_epoch = sum(s["epoch_batches"] for s in self.run_dir.producer_statuses())
         return max(1, math.ceil(self.cfg.training.epochs * per_epoch / self.world_size))
 
@@ -313,11 +384,24 @@ class Trainer:
         if self.wandb_id is None:
             self.wandb_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(self.wandb_id)
-        project, run_id, mode, config = self.cfg.logging.wandb_project, self.wandb_id, self.cfg.logging.wandb_mode, to_dict(self.cfg)
+        project, run_id, mode, config = (
+            self.cfg.logging.wandb_project,
+            self.wandb_id,
+            self.cfg.logging.wandb_mode,
+            to_dict(self.cfg),
+        )
 
         def start():
-            run = wandb.init(project=project, id=run_id, resume="allow", dir=str(self.run_dir.root), mode=mode,
-                             name=self.run_dir.root.name, config=config, settings=wandb.Settings(silent=True))  # with system metrics
+            run = wandb.init(
+                project=project,
+                id=run_id,
+                resume="allow",
+                dir=str(self.run_dir.root),
+                mode=mode,
+                name=self.run_dir.root.name,
+                config=config,
+                settings=wandb.Settings(silent=True),
+            )  # with system metrics
             # An evaluation comes back a few steps after the step it belongs to: its charts use eval/step.
             run.define_metric("eval/step")
             run.define_metric("eval/*", step_metric="eval/step")
@@ -345,8 +429,12 @@ class Trainer:
         # (a restart may change training.weight_decay) and this device's (fused AdamW on a GPU).
         configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         if trained_with != self.cfg.training.resolved_optimizer:
-            log.warning("training.optimizer is %s, the checkpoint's was %s: the weights and the schedule carry on, "
-                        "the optimizer state starts anew", self.cfg.training.resolved_optimizer, trained_with)
+            log.warning(
+                "training.optimizer is %s, the checkpoint's was %s: the weights and the schedule carry on, "
+                "the optimizer state starts anew",
+                self.cfg.training.resolved_optimizer,
+                trained_with,
+            )
         elif self.sharded:
             load_full_optimizer_state(self.drafter, self.optimizer, state["optimizer"])
         else:
@@ -393,8 +481,14 @@ class Trainer:
             weights = staging.copy(self.drafter.state_dict(), "drafter", keep)
             optimizer_state = staging.copy(self.optimizer.state_dict(), "optimizer", keep)
         if self.rank == 0:
-            snapshot = Snapshot(f"step-{self.step:08d}", self.drafter, weights, self.state_dict(optimizer_state),
-                                self._checkpoint_meta(), stall_s=time.perf_counter() - started)
+            snapshot = Snapshot(
+                f"step-{self.step:08d}",
+                self.drafter,
+                weights,
+                self.state_dict(optimizer_state),
+                self._checkpoint_meta(),
+                stall_s=time.perf_counter() - started,
+            )
             self.checkpoints.write(snapshot, background=self.cfg.training.async_checkpoint and not blocking)
             # Written now, not at the next log_every: the launcher starts a standby only on "training".
             self.state = "training"
@@ -405,8 +499,14 @@ class Trainer:
 
     def _checkpoint_meta(self) -> dict:
         """trainer_state.json: the step and the batches it committed."""
-        return {"step": self.step, "max_steps": self.max_steps, "incarnation": self.incarnation,
-                "committed": self.commits.trained_state(), "wandb_id": self.wandb_id, "lr": self.cfg.training.lr}
+        return {
+            "step": self.step,
+            "max_steps": self.max_steps,
+            "incarnation": self.incarnation,
+            "committed": self.commits.trained_state(),
+            "wandb_id": self.wandb_id,
+            "lr": self.cfg.training.lr,
+        }
 
     def hand_over(self) -> None:
         """restart-trainer of a single process: the final state into the shared staging segments instead of a
@@ -428,11 +528,20 @@ class Trainer:
         weights = staging.copy(self.drafter.state_dict(), "drafter")
         train_state = self.state_dict(staging.copy(self.optimizer.state_dict(), "optimizer"))
         train_state.update(staging.copy({k: v for k, v in train_state.items() if k != "optimizer"}, "extras"))
-        self.handover_state = {"trees": {"weights": staging.describe(weights), "train_state": staging.describe(train_state)},
-                               "segments": staging.layouts(),
-                               "meta": self._checkpoint_meta(), "drafter_config": zlab_config(self.draft_config, self.drafter.fc.weight.dtype)}
-        log.info("state of step %d handed over in shared memory in %.2f s%s", self.step, time.perf_counter() - started,
-                 f" (new segments: checkpoint {superseded} was still being written, and is superseded)" if superseded else "")
+        self.handover_state = {
+            "trees": {"weights": staging.describe(weights), "train_state": staging.describe(train_state)},
+            "segments": staging.layouts(),
+            "meta": self._checkpoint_meta(),
+            "drafter_config": zlab_config(self.draft_config, self.drafter.fc.weight.dtype),
+        }
+        log.info(
+            "state of step %d handed over in shared memory in %.2f s%s",
+            self.step,
+            time.perf_counter() - started,
+            f" (new segments: checkpoint {superseded} was still being written, and is superseded)"
+            if superseded
+            else "",
+        )
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -456,8 +565,13 @@ class Trainer:
         """Forward, backward, clip, optimizer and scheduler step; metrics stay on the device."""
         self.model.train()
         with self.autocast:
-            loss, metrics = self.model(received.batch, self.cfg.drafter.num_anchors, self.generator,
-                                       self.step / max(1, self.max_steps), received.prepared)
+            loss, metrics = self.model(
+                received.batch,
+                self.cfg.drafter.num_anchors,
+                self.generator,
+                self.step / max(1, self.max_steps),
+                received.prepared,
+            )
         loss.backward()
         faults.point("trainer.step")
         self._prepare_upcoming()
@@ -475,7 +589,9 @@ class Trainer:
         if self._upcoming is None:
             self._upcoming = self.feeder.get(timeout=0)
         if self._upcoming is not None and self._upcoming.prepared is None:
-            self._upcoming.prepared = self.drafter.prepare(self._upcoming.batch, self.cfg.drafter.num_anchors, self.generator)
+            self._upcoming.prepared = self.drafter.prepare(
+                self._upcoming.batch, self.cfg.drafter.num_anchors, self.generator
+            )
 
     def claim(self) -> tuple[Received | None, float, list]:
         """This step's batch, agreed with the other ranks; (None, ...) when any rank stops.
@@ -491,8 +607,11 @@ class Trainer:
             if received is None and not self.stop_requested:
                 received, starved = self.next_batch()
                 waited += starved
-            mine = None if received is None else (received.producer, received.ordinal, received.cursor,
-                                                  received.batch.epoch, received.sample_ids)
+            mine = (
+                None
+                if received is None
+                else (received.producer, received.ordinal, received.cursor, received.batch.epoch, received.sample_ids)
+            )
             everyone = [mine]
             if self.world_size > 1:
                 everyone = [None] * self.world_size
@@ -508,7 +627,11 @@ class Trainer:
             if not losers:
                 return received, waited, everyone
             if self.rank in losers:
-                log.error("batch %d of producer %d was trained or taken by another rank; dropped", received.ordinal, received.producer)
+                log.error(
+                    "batch %d of producer %d was trained or taken by another rank; dropped",
+                    received.ordinal,
+                    received.producer,
+                )
                 received = None
 
     def record(self, everyone: list) -> None:
@@ -521,8 +644,18 @@ class Trainer:
         if self.ledger is not None:
             samples = [[p, epoch, s] for p, _, _, epoch, ids in everyone for s in ids]
             batches = [[p, o] for p, o, _, _, _ in everyone]
-            self.ledger.write(json.dumps({"step": self.step, "incarnation": self.incarnation,
-                                          "samples": samples, "batches": batches, "time": time.time()}) + "\n")
+            self.ledger.write(
+                json.dumps(
+                    {
+                        "step": self.step,
+                        "incarnation": self.incarnation,
+                        "samples": samples,
+                        "batches": batches,
+                        "time": time.time(),
+                    }
+                )
+                + "\n"
+            )
             self.ledger.flush()
 
     def run(self) -> str:
@@ -615,7 +748,9 @@ class Trainer:
         """Model FLOPs of this batch's step (forward + backward), for MFU; a device scalar, read when logged."""
         tokens = received.num_tokens  # useful work only: padding is not counted
         if tokens not in self.flops_cache:  # all but attention depends on the shapes alone
-            self.flops_cache[tokens] = train_flops(self.draft_config, tokens, self.cfg.drafter.num_anchors, 0.0)["total"]
+            self.flops_cache[tokens] = train_flops(self.draft_config, tokens, self.cfg.drafter.num_anchors, 0.0)[
+                "total"
+            ]
         return self.flops_cache[tokens] + self.flops_per_attention_pair * metrics["attention_pairs"]
 
     def log_metrics(self, window: _Window) -> None:
@@ -636,7 +771,12 @@ class Trainer:
             record[f"{prefix}/tokens_per_s"] = stats.get("tokens_per_s", 0.0)
             record[f"{prefix}/blocked_fraction"] = stats.get("blocked_fraction", 0.0)
             batching = stats.get("batching", {})
-            for key in ("padding_efficiency", "mean_seq_len", "mean_batch_docs", "mean_batch_tokens"):  # as the producers send them
+            for key in (
+                "padding_efficiency",
+                "mean_seq_len",
+                "mean_batch_docs",
+                "mean_batch_tokens",
+            ):  # as the producers send them
                 if key in batching:
                     record[f"data/{producer}/{key}"] = batching[key]
         self.metrics_file.write(json.dumps(record) + "\n")
@@ -646,28 +786,48 @@ class Trainer:
         self.last_record = record
         self.write_status()
         # One line per metrics update in trainer.log; the launcher draws the live view from trainer.json.
-        print(f"step {self.step}/{self.max_steps}  loss {record['loss']:.3f}  tau {record['tau']:.2f}  "
-              f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s  starved {record['starved_fraction']:.0%}"
-              + "".join(f"  {key} {record[key]:.3f}" for key in self.drafter.logged_metrics), flush=True)
+        print(
+            f"step {self.step}/{self.max_steps}  loss {record['loss']:.3f}  tau {record['tau']:.2f}  "
+            f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s  starved {record['starved_fraction']:.0%}"
+            + "".join(f"  {key} {record[key]:.3f}" for key in self.drafter.logged_metrics),
+            flush=True,
+        )
 
     def write_status(self) -> None:
         if self.rank != 0:
             return
         last = getattr(self, "last_record", {})
-        atomic_write_json(self.run_dir.trainer_status, {
-            "pid": os.getpid(), "incarnation": self.incarnation, "step": self.step,
-            "start_step": getattr(self, "start_step", None),
-            "max_steps": getattr(self, "max_steps", None), "state": self.state, "updated": time.time(),
-            "loss": last.get("loss"), "tau": last.get("tau"), "tokens_per_s": last.get("tokens_per_s"),
-            "kind": self.cfg.drafter.kind,
-            "kind_metrics": {key: last[key] for key in kind_of(self.cfg.drafter.kind).model.logged_metrics if key in last},
-            "lr": last.get("lr"), "samples_per_s": last.get("samples_per_s"), "steps_per_s": last.get("steps_per_s"),
-            **(self.evals.status() if hasattr(self, "evals") else {"eval": None, "evals_in_flight": []}),
-            "parallelism": self.parallelism, "drafter_params_total": getattr(self, "drafter_params_total", None),
-            "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
-            "last_checkpoint": vars(self.checkpoints.last) if getattr(self, "checkpoints", None) and self.checkpoints.last else None,
-            "checkpoint_writing": self.checkpoints.writing_name if getattr(self, "checkpoints", None) else None,
-        }, durable=False)  # every step while an evaluation is out: it must not wait behind a checkpoint's write
+        atomic_write_json(
+            self.run_dir.trainer_status,
+            {
+                "pid": os.getpid(),
+                "incarnation": self.incarnation,
+                "step": self.step,
+                "start_step": getattr(self, "start_step", None),
+                "max_steps": getattr(self, "max_steps", None),
+                "state": self.state,
+                "updated": time.time(),
+                "loss": last.get("loss"),
+                "tau": last.get("tau"),
+                "tokens_per_s": last.get("tokens_per_s"),
+                "kind": self.cfg.drafter.kind,
+                "kind_metrics": {
+                    key: last[key] for key in kind_of(self.cfg.drafter.kind).model.logged_metrics if key in last
+                },
+                "lr": last.get("lr"),
+                "samples_per_s": last.get("samples_per_s"),
+                "steps_per_s": last.get("steps_per_s"),
+                **(self.evals.status() if hasattr(self, "evals") else {"eval": None, "evals_in_flight": []}),
+                "parallelism": self.parallelism,
+                "drafter_params_total": getattr(self, "drafter_params_total", None),
+                "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
+                "last_checkpoint": vars(self.checkpoints.last)
+                if getattr(self, "checkpoints", None) and self.checkpoints.last
+                else None,
+                "checkpoint_writing": self.checkpoints.writing_name if getattr(self, "checkpoints", None) else None,
+            },
+            durable=False,
+        )  # every step while an evaluation is out: it must not wait behind a checkpoint's write
 
     def close(self) -> None:
         self.evals.close()
@@ -688,8 +848,16 @@ class Trainer:
             if self.handover_state is None:
                 self.checkpoints.staging.release()  # nobody takes them over
             faults.point("trainer.handover")
-            atomic_write_json(self.run_dir.trainer_handover, {"pid": os.getpid(), "start_ticks": process_start_ticks(os.getpid()),
-                                                              "step": self.step, "time": time.time(), "state": self.handover_state})
+            atomic_write_json(
+                self.run_dir.trainer_handover,
+                {
+                    "pid": os.getpid(),
+                    "start_ticks": process_start_ticks(os.getpid()),
+                    "step": self.step,
+                    "time": time.time(),
+                    "state": self.handover_state,
+                },
+            )
 
 
 def wandb_key(key: str) -> str:
@@ -716,8 +884,14 @@ class _Window:
         self.flops = 0.0
         self.sums: dict[str, torch.Tensor] = {}
 
-    def add(self, received: Received, metrics: dict[str, torch.Tensor], starved: float, step_time: float,
-            flops: torch.Tensor) -> None:
+    def add(
+        self,
+        received: Received,
+        metrics: dict[str, torch.Tensor],
+        starved: float,
+        step_time: float,
+        flops: torch.Tensor,
+    ) -> None:
         self.steps += 1
         self.tokens += received.num_tokens
         self.docs += len(received.sample_ids)
@@ -734,15 +908,17 @@ class _Window:
         acc = out.pop("acc")
         for k, a in enumerate(acc, start=1):
             out[f"acc/{k}"] = a
-        out.update({
-            "tokens_per_s": self.tokens / wall,
-            "samples_per_s": self.docs / wall,
-            "step_time_s": self.step_time / self.steps,
-            "steps_per_s": self.steps / wall,
-            "starved_fraction": self.starved / wall,
-            "checkpoint_fraction": self.checkpoint_s / wall,
-            "tflops": float(self.flops) / wall / 1e12,
-        })
+        out.update(
+            {
+                "tokens_per_s": self.tokens / wall,
+                "samples_per_s": self.docs / wall,
+                "step_time_s": self.step_time / self.steps,
+                "steps_per_s": self.steps / wall,
+                "starved_fraction": self.starved / wall,
+                "checkpoint_fraction": self.checkpoint_s / wall,
+                "tflops": float(self.flops) / wall / 1e12,
+            }
+        )
         return out
 
 
@@ -795,13 +971,19 @@ def wait_for_predecessor(run_dir: RunDir, warm_start: WarmStart | None = None) -
             mark = {}
             break
         time.sleep(0.01)
-    log.info("the trainer this one replaces (pid %d) is done; waited %.1f s for it%s", pid, time.monotonic() - began,
-             ", it handed its state over" if mark.get("state") else "")
+    log.info(
+        "the trainer this one replaces (pid %d) is done; waited %.1f s for it%s",
+        pid,
+        time.monotonic() - began,
+        ", it handed its state over" if mark.get("state") else "",
+    )
     faults.point("trainer.resume")
     return mark, warm_start
 
 
-def run_trainer(run_dir: str | Path, source_factory: SourceFactory | None = None, warm_start: WarmStart | None = None) -> int:
+def run_trainer(
+    run_dir: str | Path, source_factory: SourceFactory | None = None, warm_start: WarmStart | None = None
+) -> int:
     root = RunDir(run_dir)
     die_with_parent()
     try:
@@ -845,13 +1027,18 @@ def run_trainer(run_dir: str | Path, source_factory: SourceFactory | None = None
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="DFlash trainer: trains the drafter from the producers' rings.")
     parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--standby", action="store_true",
-                        help="started ahead by the launcher: import, then wait until told to take over (restart-trainer)")
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="started ahead by the launcher: import, then wait until told to take over (restart-trainer)",
+    )
     args = parser.parse_args(argv)
     role = f"trainer-r{os.environ.get('RANK', 0)}"
     # A standby writes into trainer.log beside the running trainer until it takes over: its lines say so.
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {'standby-' + role if args.standby else role} "
-                        "%(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {'standby-' + role if args.standby else role} %(levelname)s %(message)s",
+    )
     warm_start = None
     if args.standby:
         die_with_parent()

@@ -55,10 +55,16 @@ class WarmStart:
 
     def fits(self, cfg: RunConfig, device: torch.device) -> bool:
         """Whether a trainer with ``cfg`` on ``device`` would have built this head and drafter."""
-        return (device == self.device and cfg.target == self.cfg.target and cfg.drafter == self.cfg.drafter
-                and build.compiles(cfg, device) == self.compiled)
+        return (
+            device == self.device
+            and cfg.target == self.cfg.target
+            and cfg.drafter == self.cfg.drafter
+            and build.compiles(cfg, device) == self.compiled
+        )
 
-    def drafter_for(self, config: DraftConfig, weights: dict[str, torch.Tensor], loss_config: LossConfig) -> DFlashDrafter | None:
+    def drafter_for(
+        self, config: DraftConfig, weights: dict[str, torch.Tensor], loss_config: LossConfig
+    ) -> DFlashDrafter | None:
         """The warm drafter holding ``weights``, if it has their architecture and dtype (else None)."""
         dtypes = {t.dtype for t in weights.values()}
         if config != self.drafter.config or dtypes != {self.drafter.fc.weight.dtype}:
@@ -74,10 +80,14 @@ def synthetic_batch(cfg: RunConfig, config: DraftConfig, device: torch.device) -
     tokens = cfg.batching.token_budget
     loss_mask = torch.ones(tokens, dtype=torch.uint8)
     loss_mask[0] = 0
-    tensors = document_tensors({
-        "input_ids": torch.randint(0, config.vocab_size - 1, (tokens,), dtype=torch.int32), "loss_mask": loss_mask,
-        "cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32), "sample_ids": torch.zeros(1, dtype=torch.int64),
-    })
+    tensors = document_tensors(
+        {
+            "input_ids": torch.randint(0, config.vocab_size - 1, (tokens,), dtype=torch.int32),
+            "loss_mask": loss_mask,
+            "cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32),
+            "sample_ids": torch.zeros(1, dtype=torch.int64),
+        }
+    )
     dims = SlotDims(tokens=tokens, docs=1, aux_width=config.fused_feature_size, hidden_size=config.target_hidden_size)
     shapes = slot_shapes(dims, DTYPES[cfg.target.dtype], {"last_hidden": cfg.training.label_mode != "data"})
     for name, (shape, dtype) in shapes.items():
@@ -109,7 +119,11 @@ def prepare(cfg: RunConfig, run_dir: RunDir, device: torch.device) -> WarmStart 
             build.compile_layers(drafter)
         # One forward and backward of a step's shapes: the kernels are compiled (and autotuned) now.
         step = parallelize(drafter, device, 1, False)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if device.type == "cuda"
+            else torch.autocast("cpu", enabled=False)
+        )
         generator = torch.Generator(device=device).manual_seed(0)
         with autocast:
             loss, _ = step(synthetic_batch(cfg, draft_config, device), cfg.drafter.num_anchors, generator, 0.0)
@@ -120,8 +134,16 @@ def prepare(cfg: RunConfig, run_dir: RunDir, device: torch.device) -> WarmStart 
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()  # the step's activations go back to the GPU the running trainer uses
     except Exception as exc:  # noqa: BLE001 - a warm start is an optimisation: the trainer builds on its own
-        log.warning("warm start failed (%s: %s); the trainer builds its drafter when it takes over", type(exc).__name__, exc)
+        log.warning(
+            "warm start failed (%s: %s); the trainer builds its drafter when it takes over", type(exc).__name__, exc
+        )
         return None
-    warm = WarmStart(cfg, device, target_config, head, identity, draft_config, drafter, compiled, time.perf_counter() - started)
-    log.info("warm start: head, drafter%s and a step's kernels ready in %.1f s", " (compiled)" if compiled else "", warm.seconds)
+    warm = WarmStart(
+        cfg, device, target_config, head, identity, draft_config, drafter, compiled, time.perf_counter() - started
+    )
+    log.info(
+        "warm start: head, drafter%s and a step's kernels ready in %.1f s",
+        " (compiled)" if compiled else "",
+        warm.seconds,
+    )
     return warm

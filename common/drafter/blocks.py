@@ -66,8 +66,9 @@ def label_coverage(blocks: DraftBlocks, loss_mask: torch.Tensor) -> torch.Tensor
     return covered.sum() / loss_mask.float().sum().clamp_min(1.0)
 
 
-def sample_anchors(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(
+    loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_anchors: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to ``num_anchors`` valid anchors of the whole packed batch without replacement, spread over documents.
 
     The number is per packed batch (not per document, not per sequence of a batch): its density, anchors per
@@ -110,8 +111,14 @@ def sample_anchors(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_anchor
     return anchors, valid
 
 
-def build_blocks(batch: PackedBatch, num_anchors: int, block_size: int, mask_token_id: int,
-                 generator: torch.Generator | None, anchors: torch.Tensor | None = None) -> DraftBlocks:
+def build_blocks(
+    batch: PackedBatch,
+    num_anchors: int,
+    block_size: int,
+    mask_token_id: int,
+    generator: torch.Generator | None,
+    anchors: torch.Tensor | None = None,
+) -> DraftBlocks:
     """Anchors and draft blocks of one packed batch: ``num_anchors`` drawn by ``sample_anchors`` with ``generator``,
     or the given sorted ``anchors`` (all valid; the evaluation scores the positions a decoding started blocks at)."""
     input_ids = batch.input_ids.long()
@@ -140,7 +147,14 @@ def build_blocks(batch: PackedBatch, num_anchors: int, block_size: int, mask_tok
     block_ids[:, 0] = input_ids[anchors]
     block_positions = positions[anchors][:, None] + torch.arange(block_size, device=device)[None, :]
     return DraftBlocks(
-        anchors=anchors, valid=valid, doc_start=doc_start, block_ids=block_ids,
-        block_positions=block_positions, label_index=label_index, label_ids=input_ids[label_index],
-        label_mask=label_mask, context_doc_ids=doc_ids, context_positions=positions,
+        anchors=anchors,
+        valid=valid,
+        doc_start=doc_start,
+        block_ids=block_ids,
+        block_positions=block_positions,
+        label_index=label_index,
+        label_ids=input_ids[label_index],
+        label_mask=label_mask,
+        context_doc_ids=doc_ids,
+        context_positions=positions,
     )

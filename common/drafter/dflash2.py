@@ -68,7 +68,7 @@ class GroupedDynamicCausalConv(nn.Module):
         out = None
         for offset in range(taps):
             start = taps - 1 - offset  # tap ``offset`` reads the slot ``offset`` back: zeros before the block's first
-            term = (base[offset] + deltas[:, :, side, offset, :, None].to(x.dtype)) * padded[:, start:start + length]
+            term = (base[offset] + deltas[:, :, side, offset, :, None].to(x.dtype)) * padded[:, start : start + length]
             out = term if out is None else out + term
         return out.reshape(blocks, length, width)
 
@@ -79,11 +79,19 @@ class DFlash2DecoderLayer(DraftDecoderLayer):
     def __init__(self, config: DraftConfig, layer_type: str) -> None:
         super().__init__(config, layer_type)
         self.block_size = config.block_size
-        self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+        self.attention_conv = GroupedDynamicCausalConv(
+            config.hidden_size, config.conv_kernel_size, config.conv_group_size
+        )
         self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_rope: tuple[torch.Tensor, torch.Tensor],
-                context_rope: tuple[torch.Tensor, torch.Tensor], mask: BlockMask | torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context_rope: tuple[torch.Tensor, torch.Tensor],
+        mask: BlockMask | torch.Tensor,
+    ) -> torch.Tensor:
         """x: [N * B, H], the blocks' slots in order."""
         shape = (-1, self.block_size, x.shape[-1])
         normed = self.input_layernorm(x).view(shape)
@@ -118,7 +126,9 @@ class CandidateSelector(nn.Module):
 
     def pairwise(self, hidden: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """The bilinear term [M, K] fp32 of rows ``hidden`` [M, H], previous tokens [M] and candidates [M, K]."""
-        gate = self.predecessor_codebook[previous] * self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
+        gate = self.predecessor_codebook[previous] * self.hidden_projection(
+            hidden.to(self.hidden_projection.weight.dtype)
+        )
         return torch.einsum("mr,mkr->mk", gate, self.successor_codebook[candidates]).float()
 
 
@@ -129,8 +139,13 @@ class DFlash2Drafter(DFlashDrafter):
     kind = "dflash2"
     logged_metrics = ("unary_tau", "selector/recall", "selector/accuracy", "selector/loss")
 
-    def __init__(self, config: DraftConfig, target_head, loss_config: LossConfig | None = None,
-                 attention_backend: str | None = None) -> None:
+    def __init__(
+        self,
+        config: DraftConfig,
+        target_head,
+        loss_config: LossConfig | None = None,
+        attention_backend: str | None = None,
+    ) -> None:
         super().__init__(config, target_head, loss_config, attention_backend)
         self.candidate_selector = CandidateSelector(config)
         self.reset_parameters()
@@ -161,18 +176,26 @@ class DFlash2Drafter(DFlashDrafter):
         missing, unexpected = self.load_state_dict(state, strict=False)
         added = ("attention_conv.", "mlp_conv.", "candidate_selector.")
         if unexpected or any(not any(part in name for part in added) for name in missing):
-            raise ValueError(f"not a DFlash or DFlash 2 drafter of this shape: unexpected {sorted(unexpected)[:3]}, "
-                             f"missing {sorted(n for n in missing if not any(p in n for p in added))[:3]}")
+            raise ValueError(
+                f"not a DFlash or DFlash 2 drafter of this shape: unexpected {sorted(unexpected)[:3]}, "
+                f"missing {sorted(n for n in missing if not any(p in n for p in added))[:3]}"
+            )
         self.reset_additions()
 
     # -- training -------------------------------------------------------------------------------
 
-    def objective(self, hidden: torch.Tensor, blocks: DraftBlocks, target_hidden: torch.Tensor | None = None,
-                  loss_config: LossConfig | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def objective(
+        self,
+        hidden: torch.Tensor,
+        blocks: DraftBlocks,
+        target_hidden: torch.Tensor | None = None,
+        loss_config: LossConfig | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         config = loss_config or self.loss_config
         selector = self.candidate_selector
-        unary_loss, metrics, head, weights = draft_loss_parts(hidden, blocks, self.target_head.lm_head_weight, config,
-                                                              target_hidden, top_k=selector.top_k)
+        unary_loss, metrics, head, weights = draft_loss_parts(
+            hidden, blocks, self.target_head.lm_head_weight, config, target_hidden, top_k=selector.top_k
+        )
         num_blocks, block_size, width = hidden.shape
         rows = hidden[:, 1:].reshape(-1, width)
         if config.selector_stop_gradient:
@@ -207,18 +230,29 @@ class DFlash2Drafter(DFlashDrafter):
         supervised = mask.float().sum().clamp_min(1.0)
         out = dict(metrics)
         out.update(
-            loss=loss.detach(), tau=path["tau"], acc=path["acc"], block_streaks=path["block_streaks"],
+            loss=loss.detach(),
+            tau=path["tau"],
+            acc=path["acc"],
+            block_streaks=path["block_streaks"],
             unary_tau=metrics["tau"],
-            **{"selector/recall": (recalled & mask).float().sum() / supervised,
-               "selector/accuracy": (correct & mask).float().sum() / supervised,
-               "selector/loss": selector_loss.detach()})
+            **{
+                "selector/recall": (recalled & mask).float().sum() / supervised,
+                "selector/accuracy": (correct & mask).float().sum() / supervised,
+                "selector/loss": selector_loss.detach(),
+            },
+        )
         return loss, out
 
     # -- decoding -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, sampling: Sampling | None = None,
-                generator: torch.Generator | None = None) -> Proposal:
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        sampling: Sampling | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
         """The selector's walk over slots 1..B-1 from each block's given token: the argmax of the rescored top-K
         (greedy), or a draw from their softmax at the temperature (kept in the proposal, over the candidates)."""
         rows, slots, width = hidden.shape
@@ -238,5 +272,8 @@ class DFlash2Drafter(DFlashDrafter):
                 index = scores.argmax(-1)
             previous = candidates[:, slot].gather(-1, index[:, None]).squeeze(-1)
             tokens.append(previous)
-        return Proposal(tokens=torch.stack(tokens, 1), probs=torch.stack(probs, 1) if sampled else None,
-                        candidates=candidates if sampled else None)
+        return Proposal(
+            tokens=torch.stack(tokens, 1),
+            probs=torch.stack(probs, 1) if sampled else None,
+            candidates=candidates if sampled else None,
+        )

@@ -49,7 +49,8 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
             f"drafter.target_layer_ids: the default rule spreads {num_draft_layers} layers from layer 1 to layer "
             f"L - 3 = {num_target_layers - 3} of this {num_target_layers}-layer target, which gives {ids}; name "
             f"{num_draft_layers} distinct layers in [0, {num_target_layers - 1}) with drafter.target_layer_ids, or "
-            "use fewer drafter.num_layers")
+            "use fewer drafter.num_layers"
+        )
     return ids
 
 
@@ -124,15 +125,25 @@ class DraftConfig:
     """DFlash 2: candidates K the selector rescores, the draft's top-K per slot (<= vocab_size)."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "vocab_size", "target_hidden_size", "num_target_layers"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "target_hidden_size",
+            "num_target_layers",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})")
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
@@ -140,7 +151,8 @@ class DraftConfig:
         if any(not 0 <= k < self.num_target_layers for k in self.target_layer_ids):
             raise ValueError(
                 f"target_layer_ids {self.target_layer_ids} must lie in [0, {self.num_target_layers}) "
-                "(0-based decoder layers; the last layer's output is after the final norm in HF)")
+                "(0-based decoder layers; the last layer's output is after the final norm in HF)"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} must lie in [0, vocab_size={self.vocab_size})")
         if self.block_size < 2:
@@ -149,7 +161,8 @@ class DraftConfig:
             self.layer_types = [FULL_ATTENTION] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}")
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers is {self.num_hidden_layers}"
+            )
         if any(t not in LAYER_TYPES for t in self.layer_types):
             raise ValueError(f"layer_types entries must be in {LAYER_TYPES}, got {self.layer_types}")
         if SLIDING_ATTENTION in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
@@ -173,8 +186,10 @@ class DraftConfig:
             if self.hidden_size % self.conv_group_size:
                 raise ValueError(f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}")
             if self.conv_kernel_size > self.block_size:
-                raise ValueError(f"conv_kernel_size {self.conv_kernel_size} must be <= block_size {self.block_size} "
-                                 "(the taps look back inside the block only)")
+                raise ValueError(
+                    f"conv_kernel_size {self.conv_kernel_size} must be <= block_size {self.block_size} "
+                    "(the taps look back inside the block only)"
+                )
             if self.selector_top_k > self.vocab_size:
                 raise ValueError(f"selector_top_k {self.selector_top_k} must be <= vocab_size {self.vocab_size}")
 
@@ -209,8 +224,14 @@ class DraftConfig:
         return cls(**{k: v for k, v in values.items() if k in known})
 
     @classmethod
-    def from_target(cls, target_config: Any, num_draft_layers: int = 5, tokenizer: Any = None,
-                    mask_token_id: int | None = None, **overrides: Any) -> DraftConfig:
+    def from_target(
+        cls,
+        target_config: Any,
+        num_draft_layers: int = 5,
+        tokenizer: Any = None,
+        mask_token_id: int | None = None,
+        **overrides: Any,
+    ) -> DraftConfig:
         """Derive a draft config from a target ``PretrainedConfig`` (Qwen3-like).
 
         Sizes come from the target; the mask token from ``mask_token_id`` if given, else from the
@@ -246,8 +267,9 @@ class DraftConfig:
         return cls(**values)
 
     @classmethod
-    def _from_hybrid_qwen(cls, text: Any, num_draft_layers: int, tokenizer: Any, mask_token_id: int | None,
-                          **overrides: Any) -> DraftConfig:
+    def _from_hybrid_qwen(
+        cls, text: Any, num_draft_layers: int, tokenizer: Any, mask_token_id: int | None, **overrides: Any
+    ) -> DraftConfig:
         """The released draft's shape for a Qwen3.5 / Qwen3.6 target (z-lab Qwen3.6-27B-DFlash): plain Qwen3
         layers of the target's width, 32 heads / 8 key-value heads of 128 (not the target's gated 256-wide
         heads), the last layer full and the others sliding over 2048 tokens, full rotary at the target's
@@ -304,7 +326,8 @@ class DraftConfig:
         raise ValueError(
             f"drafter.mask_token_id: the tokenizer has no mask token, its {len(tokenizer)} tokens fill the target's "
             f"vocabulary of {vocab_size}, and it has no reserved or unused special token to use; set "
-            "drafter.mask_token_id to an id the data never contains")
+            "drafter.mask_token_id to an id the data never contains"
+        )
 
 
 def unused_special_token(tokenizer: Any) -> int | None:
@@ -315,12 +338,17 @@ def unused_special_token(tokenizer: Any) -> int | None:
     special = {int(i) for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
     special -= {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
     if getattr(tokenizer, "chat_template", None):
-        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+        probe = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "v"},
+        ]
         for thinking in (True, False):
             try:
-                text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True,
-                                                     enable_thinking=thinking)
+                text = tokenizer.apply_chat_template(
+                    probe, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+                )
             except Exception:  # a template that rejects the probe (e.g. no system role): its tokens stay excluded below
                 continue
             special -= set(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -125,8 +125,9 @@ class GreedyTarget:
                 layer.activate_past_recording()
 
     @torch.no_grad()
-    def forward(self, token_ids: torch.Tensor, start: int,
-                logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def forward(
+        self, token_ids: torch.Tensor, start: int, logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Tokens ``[L]`` at positions ``start ..`` through the cache: (the target's greedy next token after
         each ``[L]``, or None without ``logits``; the drafter's features ``[L, n * H]``)."""
         self.attach()
@@ -134,8 +135,13 @@ class GreedyTarget:
         # In its own dtype as the producers run it, whatever autocast the drafter runs under; logits_to_keep=1
         # skips the vocabulary-wide head where no token is needed (a long prefill).
         with torch.autocast(self.device.type, enabled=False):
-            out = self.model(input_ids=token_ids[None].to(self.device), position_ids=positions, use_cache=True,
-                             logits_to_keep=0 if logits else 1, **{self._cache_arg: self.cache})
+            out = self.model(
+                input_ids=token_ids[None].to(self.device),
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=0 if logits else 1,
+                **{self._cache_arg: self.cache},
+            )
         features = torch.cat([self._outputs[k][0] for k in self.layer_ids], dim=-1)
         if self._keep_logits:
             self._logits = out.logits[0]
@@ -159,13 +165,16 @@ class GreedyTarget:
         slots, which padding would push out of the window): those decode one prompt at a time."""
         types = getattr(self.model.config, "layer_types", None) or []
         sliding = any(t != "full_attention" for t in types) or (
-            not types and getattr(self.model.config, "sliding_window", None) is not None
-            and getattr(self.model.config, "use_sliding_window", True))
+            not types
+            and getattr(self.model.config, "sliding_window", None) is not None
+            and getattr(self.model.config, "use_sliding_window", True)
+        )
         return not self.recurrent and not sliding
 
     @torch.no_grad()
-    def forward_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_valid: torch.Tensor,
-                     last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_rows(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, kv_valid: torch.Tensor, last_logits_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of tokens ``[R, L]`` at their own ``positions`` ``[R, L]`` through one cache of ``R`` rows:
         (each row's greedy next tokens ``[R, L]``, or ``[R, 1]`` with ``last_logits_only``; features ``[R, L, n * H]``).
 
@@ -176,9 +185,14 @@ class GreedyTarget:
         """
         self.attach()
         with torch.autocast(self.device.type, enabled=False):
-            out = self.model(input_ids=token_ids.to(self.device), position_ids=positions, use_cache=True,
-                             attention_mask=self._row_masks(positions.shape[1], kv_valid), logits_to_keep=1 if last_logits_only else 0,
-                             **{self._cache_arg: self.cache})
+            out = self.model(
+                input_ids=token_ids.to(self.device),
+                position_ids=positions,
+                use_cache=True,
+                attention_mask=self._row_masks(positions.shape[1], kv_valid),
+                logits_to_keep=1 if last_logits_only else 0,
+                **{self._cache_arg: self.cache},
+            )
         features = torch.cat([self._outputs[k] for k in self.layer_ids], dim=-1)
         return out.logits.argmax(-1), features
 
@@ -213,10 +227,14 @@ class GreedyTarget:
         if not self.recurrent:
             return
         self._saved_states = [
-            (layer, {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
-             {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
-             _seen_length(layer).clone() if _seen_length(layer) is not None else None)
-            for layer in self.cache.layers if _is_state_layer(layer)
+            (
+                layer,
+                {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+                {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
+                _seen_length(layer).clone() if _seen_length(layer) is not None else None,
+            )
+            for layer in self.cache.layers
+            if _is_state_layer(layer)
         ]
 
     def restore_state(self) -> None:
@@ -265,17 +283,21 @@ class Transcript:
 
     @property
     def continuation(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
 
 @torch.no_grad()
-def greedy_transcripts(target: GreedyTarget, prompts: Sequence[torch.Tensor], length: int,
-                       rows_at_once: int) -> list[Transcript]:
+def greedy_transcripts(
+    target: GreedyTarget, prompts: Sequence[torch.Tensor], length: int, rows_at_once: int
+) -> list[Transcript]:
     """Each prompt's greedy continuation of ``length`` tokens with the features of every token: ``rows_at_once``
     prompts per forward where the target allows (``target.batchable``), else one at a time."""
     if target.batchable and rows_at_once > 1:
-        return [t for i in range(0, len(prompts), rows_at_once)
-                for t in _greedy_rows(target, prompts[i:i + rows_at_once], length)]
+        return [
+            t
+            for i in range(0, len(prompts), rows_at_once)
+            for t in _greedy_rows(target, prompts[i : i + rows_at_once], length)
+        ]
     return [_greedy_one(target, prompt, length) for prompt in prompts]
 
 
@@ -299,9 +321,9 @@ def _greedy_rows(target: GreedyTarget, prompts: Sequence[torch.Tensor], length: 
     positions = torch.zeros_like(ids)
     kv_valid = torch.zeros_like(ids, dtype=torch.bool)
     for r, prompt in enumerate(prompts):
-        ids[r, width - lengths[r]:] = prompt.to(device)
-        positions[r, width - lengths[r]:] = torch.arange(lengths[r], device=device)
-        kv_valid[r, width - lengths[r]:] = True
+        ids[r, width - lengths[r] :] = prompt.to(device)
+        positions[r, width - lengths[r] :] = torch.arange(lengths[r], device=device)
+        kv_valid[r, width - lengths[r] :] = True
     target.reset()
     greedy, prefill = target.forward_rows(ids, positions, kv_valid, last_logits_only=True)
     tokens, fed = [greedy[:, -1:]], []
@@ -313,9 +335,12 @@ def _greedy_rows(target: GreedyTarget, prompts: Sequence[torch.Tensor], length: 
         fed.append(features)
     continuation = torch.cat(tokens, dim=1).tolist()
     fed_features = torch.cat(fed, dim=1) if fed else prefill[:, :0]
-    return [Transcript(n, prompt.tolist() + continuation[r],
-                       _kept_on_host(torch.cat([prefill[r, width - n:], fed_features[r]])))
-            for r, (prompt, n) in enumerate(zip(prompts, lengths))]
+    return [
+        Transcript(
+            n, prompt.tolist() + continuation[r], _kept_on_host(torch.cat([prefill[r, width - n :], fed_features[r]]))
+        )
+        for r, (prompt, n) in enumerate(zip(prompts, lengths))
+    ]
 
 
 @dataclass
@@ -380,11 +405,13 @@ class DraftContext:
         """Greedy draft tokens ``[B - 1]`` for slots 1.. of the block anchored at ``token``, at ``position``
         (equal to the number of context tokens: the anchor's own features are never context)."""
         device = self.ctx.device
-        return propose_rows(self.drafter, [self.ctx], torch.tensor([token], device=device),
-                            torch.tensor([position], device=device))[0]
+        return propose_rows(
+            self.drafter, [self.ctx], torch.tensor([token], device=device), torch.tensor([position], device=device)
+        )[0]
 
-    def proposal(self, token: int, position: int, sampling: Sampling,
-                 generator: torch.Generator | None = None) -> Proposal:
+    def proposal(
+        self, token: int, position: int, sampling: Sampling, generator: torch.Generator | None = None
+    ) -> Proposal:
         """The drafter kind's proposal of the same block under ``sampling`` (one row): the drawn tokens and the
         distribution they were drawn from (DFlash 2: over its candidates)."""
         device = self.ctx.device
@@ -410,22 +437,28 @@ class DraftRows:
         drafts over the features of its first ``positions[i]`` tokens (the anchor's own are never context)."""
         device = self.contexts[0].device
         contexts = [self.contexts[r][:p] for r, p in zip(rows, positions)]
-        drafts = propose_rows(self.drafter, contexts, torch.tensor(list(tokens), device=device),
-                              torch.tensor(list(positions), device=device))
+        drafts = propose_rows(
+            self.drafter,
+            contexts,
+            torch.tensor(list(tokens), device=device),
+            torch.tensor(list(positions), device=device),
+        )
         return drafts.tolist()  # one copy to the host per round for all rows
 
 
 @torch.no_grad()
-def propose_rows(drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
+def propose_rows(
+    drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """Greedy draft tokens ``[R, B - 1]`` of one block per row in one drafter forward (see :func:`draft_rows`); the
     drafter's kind turns the slots' hidden states into tokens (DFlash: the argmax; DFlash 2: the selector's walk)."""
     return drafter.propose(draft_rows(drafter, contexts, tokens, positions), tokens).tokens
 
 
 @torch.no_grad()
-def draft_rows(drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+def draft_rows(
+    drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """Draft hidden states ``[R, B - 1, H]`` (after the final norm) of slots 1.. of one block per row, in one drafter
     forward: row r's block is anchored at ``tokens[r]``, at ``positions[r]``, over its fused context ``contexts[r]``
     ``[C_r, H]``. The rows are packed as in training (every block sees only its own row's context), with the
@@ -436,7 +469,9 @@ def draft_rows(drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: tor
     ctx = torch.cat(contexts)
     lengths = torch.tensor([c.shape[0] for c in contexts], device=device)
     context_rows = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
-    context_positions = torch.arange(ctx.shape[0], device=device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    context_positions = torch.arange(ctx.shape[0], device=device) - torch.repeat_interleave(
+        lengths.cumsum(0) - lengths, lengths
+    )
     block_ids = torch.full((num_rows, block_size), config.mask_token_id, dtype=torch.long, device=device)
     block_ids[:, 0] = tokens
     block_positions = (positions[:, None] + torch.arange(block_size, device=device)).reshape(-1)
@@ -453,7 +488,9 @@ def draft_rows(drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: tor
         context = block_rows[:, None] == context_rows[None, :]
         if window is not None:
             context &= (block_positions[:, None] - context_positions[None, :]) < window
-        own = in_block_mask(block_size, config.causal_in_block(layer_type), window, device)[slot[:, None], slot[None, :]]
+        own = in_block_mask(block_size, config.causal_in_block(layer_type), window, device)[
+            slot[:, None], slot[None, :]
+        ]
         masks[layer_type] = torch.cat([context, own & (block_rows[:, None] == block_rows[None, :])], dim=1)
     for layer in drafter.layers:
         x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
@@ -489,8 +526,12 @@ def _finished(generated: Sequence[int], max_new_tokens: int, stop_token_ids: fro
 
 
 @torch.no_grad()
-def replay_rows(drafts: DraftRows, transcripts: Sequence[Transcript], max_new_tokens: int,
-                stop_token_ids: frozenset[int] = frozenset()) -> list[Decoded]:
+def replay_rows(
+    drafts: DraftRows,
+    transcripts: Sequence[Transcript],
+    max_new_tokens: int,
+    stop_token_ids: frozenset[int] = frozenset(),
+) -> list[Decoded]:
     """Speculative decoding of every transcript's prompt with the drafter alone: what live decoding keeps, round by
     round, from one drafter forward per round for all unfinished rows (``drafts`` holds the transcripts' features).
 
@@ -503,7 +544,11 @@ def replay_rows(drafts: DraftRows, transcripts: Sequence[Transcript], max_new_to
     kept = [1] * len(transcripts)  # the prefill's greedy token is the first kept token
     accepted: list[list[int]] = [[] for _ in transcripts]
     while True:
-        rows = [r for r, t in enumerate(transcripts) if not _finished(t.continuation[:kept[r]], max_new_tokens, stop_token_ids)]
+        rows = [
+            r
+            for r, t in enumerate(transcripts)
+            if not _finished(t.continuation[: kept[r]], max_new_tokens, stop_token_ids)
+        ]
         if not rows:
             break
         anchors = [transcripts[r].prompt_len + kept[r] - 1 for r in rows]
@@ -511,18 +556,26 @@ def replay_rows(drafts: DraftRows, transcripts: Sequence[Transcript], max_new_to
             raise ValueError(f"a transcript is shorter than {max_new_tokens} + B - 1 greedy tokens")
         proposed = drafts.propose(rows, [transcripts[r].tokens[a] for r, a in zip(rows, anchors)], anchors)
         for r, anchor, draft in zip(rows, anchors, proposed):
-            truth = transcripts[r].tokens[anchor + 1: anchor + block_size]
+            truth = transcripts[r].tokens[anchor + 1 : anchor + block_size]
             num_accepted = next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t), block_size - 1)
             accepted[r].append(num_accepted)
             kept[r] += num_accepted + 1  # the accepted drafts and the target's token after them
-    return [Decoded(_cut(t.continuation[:kept[r]], max_new_tokens, stop_token_ids), accepted[r])
-            for r, t in enumerate(transcripts)]
+    return [
+        Decoded(_cut(t.continuation[: kept[r]], max_new_tokens, stop_token_ids), accepted[r])
+        for r, t in enumerate(transcripts)
+    ]
 
 
 @torch.no_grad()
-def speculative_decode(context: DraftContext, target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: int,
-                       stop_token_ids: frozenset[int] = frozenset(), sampling: Sampling | None = None,
-                       generator: torch.Generator | None = None) -> Decoded:
+def speculative_decode(
+    context: DraftContext,
+    target: GreedyTarget,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    stop_token_ids: frozenset[int] = frozenset(),
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
+) -> Decoded:
     """Live greedy speculative decoding of ``prompt`` ``[P]`` with a fresh drafter ``context``, as a server runs it
     (one prompt; the reference ``replay_rows`` must equal): the target's greedy text, and what was accepted.
     With ``sampling`` at a temperature above 0, sampled speculative decoding instead (``generator`` draws every
@@ -585,8 +638,9 @@ def speculative_decode(context: DraftContext, target: GreedyTarget, prompt: torc
 
 
 @torch.no_grad()
-def greedy_decode(target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: int,
-                  stop_token_ids: frozenset[int] = frozenset()) -> list[int]:
+def greedy_decode(
+    target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: int, stop_token_ids: frozenset[int] = frozenset()
+) -> list[int]:
     """Plain greedy decoding, one target forward per token: the reference speculative decoding must equal."""
     target.reset()
     greedy, _ = target.forward(prompt, 0)
@@ -629,9 +683,14 @@ def sampling_seed(seed: int, index: int) -> int:
 
 
 @torch.no_grad()
-def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], features: Iterable[DocumentFeatures],
-                         num_anchors: int, seed: int = 0,
-                         anchors: Sequence[torch.Tensor] | None = None) -> tuple[float, list[float]]:
+def simulated_acceptance(
+    drafter: DFlashDrafter,
+    documents: Sequence[Document],
+    features: Iterable[DocumentFeatures],
+    num_anchors: int,
+    seed: int = 0,
+    anchors: Sequence[torch.Tensor] | None = None,
+) -> tuple[float, list[float]]:
     """The training metric on ``documents`` with their target ``features`` (taken one document at a time, so they
     may be made as they are needed, and may be those of a longer text that begins with the document): (tau, acc_k)
     of teacher-forced blocks at up to ``num_anchors`` anchors per document, sampled as in training or drawn from
@@ -661,28 +720,42 @@ def simulated_acceptance(drafter: DFlashDrafter, documents: Sequence[Document], 
     return 1.0 + streaks / max(blocks_seen, 1.0), (correct / supervised.clamp_min(1.0)).tolist()
 
 
-def teacher_forced(drafter: DFlashDrafter, loss_config: LossConfig, document: Document, kept: DocumentFeatures,
-                   num_anchors: int, generator: torch.Generator | None,
-                   anchors: torch.Tensor | None = None) -> tuple[DraftBlocks, dict[str, torch.Tensor]]:
+def teacher_forced(
+    drafter: DFlashDrafter,
+    loss_config: LossConfig,
+    document: Document,
+    kept: DocumentFeatures,
+    num_anchors: int,
+    generator: torch.Generator | None,
+    anchors: torch.Tensor | None = None,
+) -> tuple[DraftBlocks, dict[str, torch.Tensor]]:
     """One document's teacher-forced blocks, at up to ``num_anchors`` sampled anchors or at the given sorted
     ``anchors``, labelled as ``loss_config`` says (dense masks), and their ``draft_metrics``."""
     config = drafter.config
     device = drafter.fc.weight.device
     input_ids = torch.as_tensor(document.input_ids, device=device)
     # Features of a longer text (the whole document of a decoded span) are cut to this one: they are causal.
-    aux_hidden = kept.aux_hidden[:len(document)].to(device, non_blocking=True)
-    batch = PackedBatch(input_ids=input_ids, loss_mask=torch.as_tensor(document.loss_mask, device=device),
-                        cu_seqlens=torch.tensor([0, len(document)], dtype=torch.int32, device=device),
-                        sample_ids=torch.tensor([document.sample_id], device=device), aux_hidden=aux_hidden)
+    aux_hidden = kept.aux_hidden[: len(document)].to(device, non_blocking=True)
+    batch = PackedBatch(
+        input_ids=input_ids,
+        loss_mask=torch.as_tensor(document.loss_mask, device=device),
+        cu_seqlens=torch.tensor([0, len(document)], dtype=torch.int32, device=device),
+        sample_ids=torch.tensor([document.sample_id], device=device),
+        aux_hidden=aux_hidden,
+    )
     blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator, anchors)
     hidden = drafter(aux_hidden, blocks, build_masks(blocks, config, dense=True))
     target_hidden = None
     if loss_config.label_mode != "data":
         if kept.last_hidden is None:
-            raise ValueError(f"label_mode {loss_config.label_mode!r}: this evaluator does not capture the "
-                             "target's last layer (capture_last)")
+            raise ValueError(
+                f"label_mode {loss_config.label_mode!r}: this evaluator does not capture the "
+                "target's last layer (capture_last)"
+            )
         head = drafter.target_head
-        target_hidden = head.final_norm(kept.last_hidden[:len(document)].to(device, head.norm_weight.dtype, non_blocking=True))
+        target_hidden = head.final_norm(
+            kept.last_hidden[: len(document)].to(device, head.norm_weight.dtype, non_blocking=True)
+        )
     _, metrics = drafter.objective(hidden, blocks, target_hidden, loss_config)
     return blocks, metrics
 
@@ -754,24 +827,42 @@ class AcceptanceReport:
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """The figures by name; a sampled evaluation's adds its sampling settings and has no ``sim_tau_greedy`` nor
         ``sim_tau_walk``."""
-        out = {"tau": self.tau, "zlab_tau": self.zlab_tau, "sim_tau": self.sim_tau, "tau_gap": self.tau_gap,
-               "sim_tau_greedy": self.sim_tau_greedy, "sim_tau_walk": self.sim_tau_walk,
-               "forwards_saved": self.forwards_saved,
-               "target_forwards": self.target_forwards, "greedy_forwards": self.greedy_forwards,
-               "generated_tokens": self.generated_tokens, "num_prompts": self.num_prompts, "seconds": self.seconds,
-               "reference_seconds": self.reference_seconds, "decode_seconds": self.decode_seconds}
+        out = {
+            "tau": self.tau,
+            "zlab_tau": self.zlab_tau,
+            "sim_tau": self.sim_tau,
+            "tau_gap": self.tau_gap,
+            "sim_tau_greedy": self.sim_tau_greedy,
+            "sim_tau_walk": self.sim_tau_walk,
+            "forwards_saved": self.forwards_saved,
+            "target_forwards": self.target_forwards,
+            "greedy_forwards": self.greedy_forwards,
+            "generated_tokens": self.generated_tokens,
+            "num_prompts": self.num_prompts,
+            "seconds": self.seconds,
+            "reference_seconds": self.reference_seconds,
+            "decode_seconds": self.decode_seconds,
+        }
         out = {key: value for key, value in out.items() if value is not None}
         if not self.sampling.greedy:
-            out.update(temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k,
-                       seed=self.seed)
+            out.update(
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
+                top_k=self.sampling.top_k,
+                seed=self.seed,
+            )
         out.update({f"accept_pos_{k}": p for k, p in enumerate(self.accept_pos, start=1)})
         out.update({f"sim_acc_{k}": a for k, a in enumerate(self.sim_acc, start=1)})
         return {prefix + key: value for key, value in out.items()}
 
     def table(self) -> str:
         sampling = self.sampling
-        how = ("greedy" if sampling.greedy else f"sampled at temperature {sampling.temperature:g}, top_p "
-               f"{sampling.top_p:g}, top_k {sampling.top_k}, seed {self.seed}")
+        how = (
+            "greedy"
+            if sampling.greedy
+            else f"sampled at temperature {sampling.temperature:g}, top_p "
+            f"{sampling.top_p:g}, top_k {sampling.top_k}, seed {self.seed}"
+        )
         lines = [
             f"{self.num_prompts} prompts, {self.generated_tokens} tokens generated, block size {self.block_size}, {how}",
             f"tau (real)       {self.tau:6.3f}   mean tokens per target verify forward (max {self.block_size}), "
@@ -792,13 +883,16 @@ class AcceptanceReport:
             f"{'greedy' if sampling.greedy else 'sampled'} decoding: {self.forwards_saved:.1%} saved",
         ]
         lines += ["slot k    accepted (real, streak reaches k)    acc_k (simulated)"]
-        lines += [f"{k:6d}    {p:10.3f}                           {a:10.3f}"
-                  for k, (p, a) in enumerate(zip(self.accept_pos, self.sim_acc), start=1)]
+        lines += [
+            f"{k:6d}    {p:10.3f}                           {a:10.3f}"
+            for k, (p, a) in enumerate(zip(self.accept_pos, self.sim_acc), start=1)
+        ]
         return "\n".join(lines)
 
 
-def decoded_span(document: Document, prompt_len: int, max_new_tokens: int,
-                 block_size: int) -> tuple[Document, torch.Tensor]:
+def decoded_span(
+    document: Document, prompt_len: int, max_new_tokens: int, block_size: int
+) -> tuple[Document, torch.Tensor]:
     """The part of the document that real decoding of its prompt produces, and the anchors decoding can start blocks
     at in it, for its simulated acceptance: (the document as far as those blocks read, the sorted anchors).
 
@@ -810,7 +904,7 @@ def decoded_span(document: Document, prompt_len: int, max_new_tokens: int,
     start = prompt_of(document, prompt_len).numel()
     end = min(len(document), start + max_new_tokens + block_size - 2)
     loss_mask = document.loss_mask[:end].copy()
-    loss_mask[:start + 1] = 0
+    loss_mask[: start + 1] = 0
     span = Document(document.sample_id, document.input_ids[:end], loss_mask)
     mask = torch.as_tensor(loss_mask)
     candidates = valid_anchor_mask(mask, torch.zeros_like(mask, dtype=torch.int32)).nonzero()[:, 0]
@@ -823,7 +917,7 @@ def greedy_text(transcript: Transcript, sample_id: int) -> Document:
     prefill)."""
     end = len(transcript.tokens) - 1
     loss_mask = np.zeros(end, dtype=np.uint8)
-    loss_mask[transcript.prompt_len + 1:] = 1
+    loss_mask[transcript.prompt_len + 1 :] = 1
     return Document(sample_id, np.asarray(transcript.tokens[:end], dtype=np.int32), loss_mask)
 
 
@@ -852,16 +946,25 @@ class Evaluator:
     only, until a drafter with a larger block needs longer continuations.
     """
 
-    def __init__(self, target_model: nn.Module, documents: list[Document], config: EvalConfig,
-                 layer_ids: list[int], num_anchors: int, capture_last: bool = False,
-                 stop_token_ids: frozenset[int] = frozenset(), make_target: Callable[..., GreedyTarget] = GreedyTarget) -> None:
+    def __init__(
+        self,
+        target_model: nn.Module,
+        documents: list[Document],
+        config: EvalConfig,
+        layer_ids: list[int],
+        num_anchors: int,
+        capture_last: bool = False,
+        stop_token_ids: frozenset[int] = frozenset(),
+        make_target: Callable[..., GreedyTarget] = GreedyTarget,
+    ) -> None:
         """``make_target(model, layer_ids, capture_last)`` makes the greedy target (a tensor-parallel producer's
         mirrors its calls to the other ranks)."""
         self.target = make_target(target_model, layer_ids, capture_last)
         self.documents = [d for d in documents if prompt_of(d, config.prompt_len).numel()]
         if not self.documents:
-            raise ValueError("no held-out document has a prompt (tokens before its first supervised token); "
-                             "set eval.prompt_len")
+            raise ValueError(
+                "no held-out document has a prompt (tokens before its first supervised token); set eval.prompt_len"
+            )
         self.config = config
         self.sampling = Sampling(config.temperature, config.top_p, config.top_k)
         self.num_anchors = num_anchors
@@ -891,8 +994,10 @@ class Evaluator:
 
     def evaluate(self, drafter: DFlashDrafter) -> AcceptanceReport:
         if list(drafter.config.target_layer_ids) != self.target.layer_ids:
-            raise ValueError(f"drafter reads target layers {drafter.config.target_layer_ids}, "
-                             f"this evaluator captures {self.target.layer_ids}")
+            raise ValueError(
+                f"drafter reads target layers {drafter.config.target_layer_ids}, "
+                f"this evaluator captures {self.target.layer_ids}"
+            )
         started = time.perf_counter()
         was_training = drafter.training
         drafter.eval()
@@ -907,31 +1012,51 @@ class Evaluator:
                 decode_seconds = time.perf_counter() - decode_started
                 # A document whose features were not kept runs through the target when its turn comes: only one
                 # document's features are on the device at a time.
-                features = (kept if kept is not None else document_features(self.target, document)
-                            for document, kept in zip(self.documents, reference.documents))
-                spans, anchors = zip(*(decoded_span(d, self.config.prompt_len, self.config.max_new_tokens,
-                                                    drafter.config.block_size) for d in self.documents))
+                features = (
+                    kept if kept is not None else document_features(self.target, document)
+                    for document, kept in zip(self.documents, reference.documents)
+                )
+                spans, anchors = zip(
+                    *(
+                        decoded_span(d, self.config.prompt_len, self.config.max_new_tokens, drafter.config.block_size)
+                        for d in self.documents
+                    )
+                )
                 sim_tau, sim_acc = simulated_acceptance(drafter, spans, features, self.num_anchors, anchors=anchors)
-                sim_tau_greedy, sim_tau_walk = (self.on_greedy_text(drafter, reference.transcripts, decoded)
-                                                if self.sampling.greedy else (None, None))
+                sim_tau_greedy, sim_tau_walk = (
+                    self.on_greedy_text(drafter, reference.transcripts, decoded)
+                    if self.sampling.greedy
+                    else (None, None)
+                )
         finally:
             drafter.train(was_training)
         accepted = torch.tensor([n for d in decoded for n in d.accepted], dtype=torch.float64)
         slots = torch.arange(1, drafter.config.block_size, dtype=torch.float64)
-        accept_pos = ((accepted[:, None] >= slots[None, :]).double().mean(0) if accepted.numel()
-                      else torch.zeros_like(slots))
+        accept_pos = (
+            (accepted[:, None] >= slots[None, :]).double().mean(0) if accepted.numel() else torch.zeros_like(slots)
+        )
         return AcceptanceReport(
-            block_size=drafter.config.block_size, num_prompts=len(decoded),
-            tau=1.0 + (float(accepted.mean()) if accepted.numel() else 0.0), accept_pos=accept_pos.tolist(),
-            sim_tau=sim_tau, sim_acc=sim_acc, sim_tau_greedy=sim_tau_greedy, sim_tau_walk=sim_tau_walk,
+            block_size=drafter.config.block_size,
+            num_prompts=len(decoded),
+            tau=1.0 + (float(accepted.mean()) if accepted.numel() else 0.0),
+            accept_pos=accept_pos.tolist(),
+            sim_tau=sim_tau,
+            sim_acc=sim_acc,
+            sim_tau_greedy=sim_tau_greedy,
+            sim_tau_walk=sim_tau_walk,
             generated_tokens=sum(len(d.tokens) for d in decoded),
-            target_forwards=len(decoded) + int(accepted.numel()), seconds=time.perf_counter() - started,
-            reference_seconds=reference.seconds if made else 0.0, decode_seconds=decode_seconds,
-            zlab_tau=zlab_tau(decoded), sampling=self.sampling, seed=self.config.seed,
+            target_forwards=len(decoded) + int(accepted.numel()),
+            seconds=time.perf_counter() - started,
+            reference_seconds=reference.seconds if made else 0.0,
+            decode_seconds=decode_seconds,
+            zlab_tau=zlab_tau(decoded),
+            sampling=self.sampling,
+            seed=self.config.seed,
         )
 
-    def on_greedy_text(self, drafter: DFlashDrafter, transcripts: Sequence[Transcript],
-                       decoded: Sequence[Decoded]) -> tuple[float, float]:
+    def on_greedy_text(
+        self, drafter: DFlashDrafter, transcripts: Sequence[Transcript], decoded: Sequence[Decoded]
+    ) -> tuple[float, float]:
         """The training metric on the text the decoding produced: at every anchor, and at the decoding's own anchors
         (``AcceptanceReport.sim_tau_greedy`` and ``sim_tau_walk``). Data labels: that text is the target's argmax.
         One forward per prompt serves both: the decoding's anchors are some of every anchor, and a block's result
@@ -946,8 +1071,9 @@ class Evaluator:
             every = torch.arange(first, first + len(one.tokens) - 1)
             if not every.numel():
                 continue  # a decoding that ended at its prefill started no block
-            _, metrics = teacher_forced(drafter, data_labels, greedy_text(transcript, r),
-                                        DocumentFeatures(transcript.features), 0, None, every)
+            _, metrics = teacher_forced(
+                drafter, data_labels, greedy_text(transcript, r), DocumentFeatures(transcript.features), 0, None, every
+            )
             streaks = metrics["block_streaks"]
             walk = torch.as_tensor(decoding_anchors(transcript, one), device=streaks.device) - first
             every_streaks += float(streaks.sum())
@@ -976,13 +1102,24 @@ class Evaluator:
                 documents.append(None)
                 continue
             features = document_features(self.target, document)
-            documents.append(DocumentFeatures(_kept_on_host(features.aux_hidden), None if features.last_hidden is None
-                                              else _kept_on_host(features.last_hidden)))
+            documents.append(
+                DocumentFeatures(
+                    _kept_on_host(features.aux_hidden),
+                    None if features.last_hidden is None else _kept_on_host(features.last_hidden),
+                )
+            )
             budget -= needed
         self.reference = TargetReference(transcripts, documents, time.perf_counter() - started)
         kept = sum(d is not None for d in documents)
-        log.info("evaluation reference: %d greedy continuations of %d tokens and %d of %d documents' features kept, "
-                 "made in %.1f s", len(transcripts), length, kept, len(documents), self.reference.seconds)
+        log.info(
+            "evaluation reference: %d greedy continuations of %d tokens and %d of %d documents' features kept, "
+            "made in %.1f s",
+            len(transcripts),
+            length,
+            kept,
+            len(documents),
+            self.reference.seconds,
+        )
         return self.reference, True
 
     def target_feature_bytes(self) -> int:
@@ -997,9 +1134,10 @@ class Evaluator:
         size, transcripts = self.config.batch_prompts, reference.transcripts
         decoded = []
         for i in range(0, len(transcripts), size):
-            group = transcripts[i:i + size]
-            decoded += replay_rows(DraftRows(drafter, [t.features for t in group]), group, self.config.max_new_tokens,
-                                   self.stop_token_ids)
+            group = transcripts[i : i + size]
+            decoded += replay_rows(
+                DraftRows(drafter, [t.features for t in group]), group, self.config.max_new_tokens, self.stop_token_ids
+            )
         return decoded
 
     def decode_sampled(self, drafter: DFlashDrafter) -> list[Decoded]:
@@ -1008,8 +1146,17 @@ class Evaluator:
         decoded = []
         for index, document in enumerate(self.documents):
             generator = torch.Generator(device=self.target.device).manual_seed(sampling_seed(self.config.seed, index))
-            decoded.append(speculative_decode(DraftContext(drafter), self.target, prompt_of(document, self.config.prompt_len),
-                                              self.config.max_new_tokens, self.stop_token_ids, self.sampling, generator))
+            decoded.append(
+                speculative_decode(
+                    DraftContext(drafter),
+                    self.target,
+                    prompt_of(document, self.config.prompt_len),
+                    self.config.max_new_tokens,
+                    self.stop_token_ids,
+                    self.sampling,
+                    generator,
+                )
+            )
         return decoded
 
 
@@ -1030,8 +1177,12 @@ def stop_tokens_of(model: nn.Module) -> frozenset[int]:
 def target_head_of(model: nn.Module) -> TargetHead:
     """The loaded target's own embedding, final norm and lm_head (bit-identical by construction)."""
     base = model.get_decoder()
-    return TargetHead(base.embed_tokens.weight, model.get_output_embeddings().weight, base.norm.weight,
-                      float(getattr(model.config, "rms_norm_eps", 1e-6)))
+    return TargetHead(
+        base.embed_tokens.weight,
+        model.get_output_embeddings().weight,
+        base.norm.weight,
+        float(getattr(model.config, "rms_norm_eps", 1e-6)),
+    )
 
 
 def warn_if_gap(metrics: Mapping[str, float], block_size: int, tolerance: float) -> None:
@@ -1041,13 +1192,22 @@ def warn_if_gap(metrics: Mapping[str, float], block_size: int, tolerance: float)
     if abs(gap) <= tolerance * (block_size - 1):
         return
     if "eval/sim_tau_walk" not in metrics:
-        log.warning("real and simulated tau differ by more than eval.gap_tolerance (%.2f of B - 1): check the "
-                    "target layer ids, the rope settings, the loss mask and whether the data is the target's "
-                    "own text", tolerance)
+        log.warning(
+            "real and simulated tau differ by more than eval.gap_tolerance (%.2f of B - 1): check the "
+            "target layer ids, the rope settings, the loss mask and whether the data is the target's "
+            "own text",
+            tolerance,
+        )
         return
     greedy, walk = metrics["eval/sim_tau_greedy"], metrics["eval/sim_tau_walk"]
-    log.warning("real and simulated tau differ by more than eval.gap_tolerance (%.2f of B - 1): %+.3f in all, of it "
-                "%+.3f the documents against the target's own text (data it did not write), %+.3f the anchors decoding "
-                "starts its blocks at (after each rejection), %+.3f serving against training (not about 0: check the "
-                "target layer ids, the rope settings and the masks)", tolerance, gap, greedy - metrics["eval/sim_tau"],
-                walk - greedy, metrics["eval/tau"] - walk)
+    log.warning(
+        "real and simulated tau differ by more than eval.gap_tolerance (%.2f of B - 1): %+.3f in all, of it "
+        "%+.3f the documents against the target's own text (data it did not write), %+.3f the anchors decoding "
+        "starts its blocks at (after each rejection), %+.3f serving against training (not about 0: check the "
+        "target layer ids, the rope settings and the masks)",
+        tolerance,
+        gap,
+        greedy - metrics["eval/sim_tau"],
+        walk - greedy,
+        metrics["eval/tau"] - walk,
+    )

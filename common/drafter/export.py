@@ -71,8 +71,10 @@ def zlab_causality_fields(config: DraftConfig) -> dict[str, Any]:
     if causal == [_default_causal(t) for t in config.layer_types]:
         return {}  # layer_types alone says it
     if len(set(causal)) != 1:
-        raise ExportError(f"in_block_causality {config.in_block_causality!r} over layer_types {config.layer_types}: "
-                          "the z-lab format states either the layer-type default or one causality for every layer")
+        raise ExportError(
+            f"in_block_causality {config.in_block_causality!r} over layer_types {config.layer_types}: "
+            "the z-lab format states either the layer-type default or one causality for every layer"
+        )
     return {"is_causal": causal[0], "dflash_config": {"causal": causal[0]}}
 
 
@@ -92,7 +94,8 @@ def speculators_causality_fields(config: DraftConfig) -> dict[str, Any]:
         f"the speculators format cannot describe this drafter (layer_types {config.layer_types}, in_block_causality "
         f"{config.in_block_causality!r}): its one flag sliding_window_non_causal becomes vLLM's dflash_config.causal "
         "for every layer, and speculators keeps full layers bidirectional. Export the z-lab format "
-        "(--format zlab; vLLM method 'dflash', SGLang), or train with drafter.in_block_causality = bidirectional")
+        "(--format zlab; vLLM method 'dflash', SGLang), or train with drafter.in_block_causality = bidirectional"
+    )
 
 
 def resolve_in_block_causality(layer_types: list[str], causal: list[bool]) -> str:
@@ -144,18 +147,24 @@ def zlab_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         **{k: v for k, v in causality.items() if k != "dflash_config"},
         "architectures": [kind.zlab_architecture],
         "block_size": config.block_size,
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
-                          **{name: getattr(config, name) for name in kind.config_fields},
-                          **causality.get("dflash_config", {})},
+        "dflash_config": {
+            "mask_token_id": config.mask_token_id,
+            "target_layer_ids": list(config.target_layer_ids),
+            **{name: getattr(config, name) for name in kind.config_fields},
+            **causality.get("dflash_config", {}),
+        },
         "num_target_layers": config.num_target_layers,
         "target_hidden_size": config.target_hidden_size,
         CAUSALITY_KEY: config.in_block_causality,
     }
 
 
-def speculators_config(config: DraftConfig, verifier_name_or_path: str,
-                       verifier_architectures: list[str] | None = None,
-                       dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+def speculators_config(
+    config: DraftConfig,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, Any]:
     """config.json of the speculators format (``vllm serve DIR``)."""
     kind = kind_of(config.kind)
     return {
@@ -164,8 +173,14 @@ def speculators_config(config: DraftConfig, verifier_name_or_path: str,
         **{name: getattr(config, name) for name in kind.config_fields},
         "speculators_config": {
             "algorithm": kind.speculators_type,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": config.block_size - 1,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures or [])},
         },
@@ -182,8 +197,9 @@ def speculators_config(config: DraftConfig, verifier_name_or_path: str,
     }
 
 
-def write_export(config_json: dict[str, Any], weights: dict[str, torch.Tensor], out_dir: str | Path,
-          dtype: torch.dtype | None) -> Path:
+def write_export(
+    config_json: dict[str, Any], weights: dict[str, torch.Tensor], out_dir: str | Path, dtype: torch.dtype | None
+) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in weights.items()}
@@ -199,8 +215,12 @@ def write_config(config_json: dict[str, Any], out_dir: Path) -> None:
     (out_dir / CONFIG_FILE).write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
 
 
-def export_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16,
-                weights: dict[str, torch.Tensor] | None = None) -> Path:
+def export_zlab(
+    drafter: DFlashDrafter,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = torch.bfloat16,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write the z-lab native format; ``dtype=None`` keeps the parameters' dtype. ``weights``: the
     drafter's whole state dict when the drafter itself holds only a shard of it (FSDP)."""
     param_dtype = dtype or drafter.fc.weight.dtype
@@ -208,9 +228,13 @@ def export_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype 
     return write_export(zlab_config(drafter.config, param_dtype), weights, out_dir, dtype)
 
 
-def export_speculators(drafter: DFlashDrafter, out_dir: str | Path, verifier_name_or_path: str,
-                       verifier_architectures: list[str] | None = None,
-                       dtype: torch.dtype | None = torch.bfloat16) -> Path:
+def export_speculators(
+    drafter: DFlashDrafter,
+    out_dir: str | Path,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str] | None = None,
+    dtype: torch.dtype | None = torch.bfloat16,
+) -> Path:
     """Write the speculators format; ``dtype=None`` keeps the parameters' dtype. ExportError (before
     anything is written) when the format cannot state the drafter's in-block causality."""
     param_dtype = dtype or drafter.fc.weight.dtype
@@ -220,12 +244,16 @@ def export_speculators(drafter: DFlashDrafter, out_dir: str | Path, verifier_nam
 
 def _draft_fields(qwen3: dict[str, Any]) -> dict[str, Any]:
     return dict(
-        hidden_size=qwen3["hidden_size"], intermediate_size=qwen3["intermediate_size"],
-        num_hidden_layers=qwen3["num_hidden_layers"], num_attention_heads=qwen3["num_attention_heads"],
+        hidden_size=qwen3["hidden_size"],
+        intermediate_size=qwen3["intermediate_size"],
+        num_hidden_layers=qwen3["num_hidden_layers"],
+        num_attention_heads=qwen3["num_attention_heads"],
         num_key_value_heads=qwen3["num_key_value_heads"],
         head_dim=qwen3.get("head_dim") or qwen3["hidden_size"] // qwen3["num_attention_heads"],
-        vocab_size=qwen3["vocab_size"], rms_norm_eps=qwen3.get("rms_norm_eps", 1e-6),
-        layer_types=list(qwen3.get("layer_types") or []), sliding_window=qwen3.get("sliding_window"),
+        vocab_size=qwen3["vocab_size"],
+        rms_norm_eps=qwen3.get("rms_norm_eps", 1e-6),
+        layer_types=list(qwen3.get("layer_types") or []),
+        sliding_window=qwen3.get("sliding_window"),
         rope_parameters=target_rope_parameters(SimpleNamespace(**qwen3)),
         max_position_embeddings=qwen3.get("max_position_embeddings", 40960),
         attention_bias=qwen3.get("attention_bias", False),
@@ -263,11 +291,16 @@ def config_from_export(config_json: dict[str, Any], own_checkpoint: bool = False
         fields = _draft_fields(config_json)
         layer_ids = list(config_json["dflash_config"]["target_layer_ids"])
         mask_token_id = config_json["dflash_config"]["mask_token_id"]
-        kind_fields = {name: config_json["dflash_config"][name] for name in kind.config_fields
-                       if name in config_json["dflash_config"]}
+        kind_fields = {
+            name: config_json["dflash_config"][name]
+            for name in kind.config_fields
+            if name in config_json["dflash_config"]
+        }
     else:
-        raise ValueError("config.json is neither a speculators dflash/dflash2 config nor a z-lab DFlashDraftModel or "
-                         "DFlash2DraftModel config")
+        raise ValueError(
+            "config.json is neither a speculators dflash/dflash2 config nor a z-lab DFlashDraftModel or "
+            "DFlash2DraftModel config"
+        )
     layer_types = fields["layer_types"] or [FULL_ATTENTION] * fields["num_hidden_layers"]
     if CAUSALITY_KEY in config_json:
         causality = config_json[CAUSALITY_KEY]
@@ -288,22 +321,40 @@ def config_from_export(config_json: dict[str, Any], own_checkpoint: bool = False
     )
 
 
-def load_drafter(path: str | Path, target_head: TargetHead, loss_config: LossConfig | None = None,
-                 attention_backend: str | None = None, own_checkpoint: bool = False,
-                 device: torch.device | str | None = None) -> DFlashDrafter:
+def load_drafter(
+    path: str | Path,
+    target_head: TargetHead,
+    loss_config: LossConfig | None = None,
+    attention_backend: str | None = None,
+    own_checkpoint: bool = False,
+    device: torch.device | str | None = None,
+) -> DFlashDrafter:
     """Rebuild a drafter from an export of either format (weights keep their stored dtype).
     ``own_checkpoint``: see :func:`config_from_export`. ``device``: built and read straight onto it (a drafter
     built on the host first spends its random initialisation there: 21 s for the Qwen3-8B draft on 2 cores)."""
     path = Path(path)
     device = torch.device(device) if device is not None else None
     state = load_file(str(path / WEIGHTS_FILE), device=str(device) if device is not None else "cpu")
-    return drafter_from_state(json.loads((path / CONFIG_FILE).read_text()), state, target_head, loss_config,
-                              attention_backend, own_checkpoint, device=device)
+    return drafter_from_state(
+        json.loads((path / CONFIG_FILE).read_text()),
+        state,
+        target_head,
+        loss_config,
+        attention_backend,
+        own_checkpoint,
+        device=device,
+    )
 
 
-def drafter_from_state(config_json: dict[str, Any], state: dict[str, torch.Tensor], target_head: TargetHead,
-                       loss_config: LossConfig | None = None, attention_backend: str | None = None,
-                       own_checkpoint: bool = True, device: torch.device | None = None) -> DFlashDrafter:
+def drafter_from_state(
+    config_json: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    target_head: TargetHead,
+    loss_config: LossConfig | None = None,
+    attention_backend: str | None = None,
+    own_checkpoint: bool = True,
+    device: torch.device | None = None,
+) -> DFlashDrafter:
     """A drafter from an export's config.json contents and its weights (copied: ``state`` stays the caller's).
     ``device``: built there (the weights are copied straight onto it); else on the default device."""
     config = config_from_export(config_json, own_checkpoint)

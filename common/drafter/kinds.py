@@ -41,10 +41,18 @@ class DrafterKind:
 
 
 KINDS: dict[str, DrafterKind] = {
-    kind.name: kind for kind in (
+    kind.name: kind
+    for kind in (
         DrafterKind("dflash", DFlashDrafter, "DFlashDraftModel", "dflash", "DFlashSpeculator", False),
-        DrafterKind("dflash2", DFlash2Drafter, "DFlash2DraftModel", "dflash2", "DFlash2DraftModel", True,
-                    ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
+        DrafterKind(
+            "dflash2",
+            DFlash2Drafter,
+            "DFlash2DraftModel",
+            "dflash2",
+            "DFlash2DraftModel",
+            True,
+            ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+        ),
     )
 }
 
@@ -60,13 +68,20 @@ def kind_of_export(config_json: dict) -> DrafterKind | None:
     speculators_type = config_json.get("speculators_model_type")
     architectures = config_json.get("architectures") or []
     for kind in KINDS.values():
-        if speculators_type == kind.speculators_type or (speculators_type is None and kind.zlab_architecture in architectures):
+        if speculators_type == kind.speculators_type or (
+            speculators_type is None and kind.zlab_architecture in architectures
+        ):
             return kind
     return None
 
 
-def build_drafter(config: DraftConfig, target_head: TargetHead, loss_config: LossConfig | None = None,
-                  attention_backend: str | None = None, device: torch.device | None = None) -> DFlashDrafter:
+def build_drafter(
+    config: DraftConfig,
+    target_head: TargetHead,
+    loss_config: LossConfig | None = None,
+    attention_backend: str | None = None,
+    device: torch.device | None = None,
+) -> DFlashDrafter:
     """A fresh drafter of ``config.kind`` (built on ``device`` when given)."""
     with torch.device(device) if device is not None else contextlib.nullcontext():
         return kind_of(config.kind).model(config, target_head, loss_config, attention_backend)

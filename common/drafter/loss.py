@@ -92,7 +92,9 @@ class LossConfig:
         if self.selector_loss_alpha < 0:
             raise ValueError(f"selector_loss_alpha must be >= 0, got {self.selector_loss_alpha}")
         if self.selector_missing_gold not in MISSING_GOLD_RULES:
-            raise ValueError(f"selector_missing_gold must be one of {MISSING_GOLD_RULES}, got {self.selector_missing_gold!r}")
+            raise ValueError(
+                f"selector_missing_gold must be one of {MISSING_GOLD_RULES}, got {self.selector_missing_gold!r}"
+            )
 
     def noise_scale(self, step_fraction: float) -> float:
         """Cosine-annealed feature noise at this point of training."""
@@ -118,8 +120,9 @@ class HeadRows(NamedTuple):
     """[M, K] int64, most likely first: the draft's top-K tokens, when asked for (a DFlash 2 selector's candidates)."""
 
 
-def _lk_rows(objective: str, ce: torch.Tensor, acceptance: torch.Tensor,
-             lk_eta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _lk_rows(
+    objective: str, ce: torch.Tensor, acceptance: torch.Tensor, lk_eta: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An LK row loss from the row's CE and acceptance a, with the coefficients of its differential
     ``d loss = ce_coef d CE - overlap_coef d a`` (constants: lam is not differentiated)."""
     if objective == "lk":
@@ -131,8 +134,13 @@ def _lk_rows(objective: str, ce: torch.Tensor, acceptance: torch.Tensor,
     return ce_share * ce + (1.0 - ce_share) * (1.0 - acceptance), ce_share, 1.0 - ce_share
 
 
-def _soft_lk_grad(draft_p: torch.Tensor, target_p: torch.Tensor, draft_below_target: torch.Tensor,
-                  ce_coef: torch.Tensor, overlap_coef: torch.Tensor) -> torch.Tensor:
+def _soft_lk_grad(
+    draft_p: torch.Tensor,
+    target_p: torch.Tensor,
+    draft_below_target: torch.Tensor,
+    ce_coef: torch.Tensor,
+    overlap_coef: torch.Tensor,
+) -> torch.Tensor:
     """d loss / d logits of ``ce_coef KL(p || q) - overlap_coef sum_v min(p_v, q_v)``, written over draft_p.
 
     d KL / d z = q - p. d min(p_v, q_v) = [q_v < p_v] d q_v and d q_v / d z_j = q_v (delta_vj - q_j), so
@@ -158,9 +166,9 @@ def top_k_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
     full = width // TOP_K_GROUP
     if full < 2 * k:
         return logits.topk(k, dim=-1).indices
-    maxima = logits[:, :full * TOP_K_GROUP].view(rows, full, TOP_K_GROUP).amax(-1)
+    maxima = logits[:, : full * TOP_K_GROUP].view(rows, full, TOP_K_GROUP).amax(-1)
     if width > full * TOP_K_GROUP:  # the columns past the last whole group form one more group
-        maxima = torch.cat([maxima, logits[:, full * TOP_K_GROUP:].amax(-1, keepdim=True)], dim=1)
+        maxima = torch.cat([maxima, logits[:, full * TOP_K_GROUP :].amax(-1, keepdim=True)], dim=1)
     groups = maxima.topk(k, dim=-1).indices  # [rows, k]
     columns = (groups[:, :, None] * TOP_K_GROUP + torch.arange(TOP_K_GROUP, device=logits.device)).view(rows, -1)
     inside = columns < width  # the short last group's missing columns
@@ -178,9 +186,19 @@ class ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor | None,
-                target_hidden: torch.Tensor | None, soft: bool, chunk_rows: int, objective: str, lk_eta: float,
-                with_acceptance: bool, top_k: int = 0):
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        head_weight: torch.Tensor,
+        labels: torch.Tensor | None,
+        target_hidden: torch.Tensor | None,
+        soft: bool,
+        chunk_rows: int,
+        objective: str,
+        lk_eta: float,
+        with_acceptance: bool,
+        top_k: int = 0,
+    ):
         rows = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
         with_acceptance = with_acceptance or objective != "ce"
@@ -242,8 +260,9 @@ class ChunkedHeadLoss(torch.autograd.Function):
                         grad_logits.mul_((ce_coef + overlap_coef * accept)[:, None])
                 unit_grad[chunk] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
         ctx.save_for_backward(unit_grad)
-        ctx.mark_non_differentiable(draft_argmax, label_used,
-                                    *(side for side in (row_ce, acceptance, top_ids) if side is not None))
+        ctx.mark_non_differentiable(
+            draft_argmax, label_used, *(side for side in (row_ce, acceptance, top_ids) if side is not None)
+        )
         return row_loss, draft_argmax, label_used, row_ce, acceptance, top_ids
 
     @staticmethod
@@ -253,10 +272,18 @@ class ChunkedHeadLoss(torch.autograd.Function):
         return grad_hidden, None, None, None, None, None, None, None, None, None
 
 
-def chunked_head_rows(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor | None = None,
-                      target_hidden: torch.Tensor | None = None, soft: bool = False, objective: str = "ce",
-                      lk_eta: float = 3.0, with_acceptance: bool = False, chunk_rows: int = 1024,
-                      top_k: int = 0) -> HeadRows:
+def chunked_head_rows(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    target_hidden: torch.Tensor | None = None,
+    soft: bool = False,
+    objective: str = "ce",
+    lk_eta: float = 3.0,
+    with_acceptance: bool = False,
+    chunk_rows: int = 1024,
+    top_k: int = 0,
+) -> HeadRows:
     """Per-row loss of ``objective`` (see LossConfig), CE, acceptance, draft argmax and label used.
 
     Give ``labels`` (hard labels) or ``target_hidden`` (already final-normed target states: their argmax,
@@ -270,9 +297,16 @@ def chunked_head_rows(hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     row_loss, draft_argmax, label_used, row_ce, acceptance, top_ids = ChunkedHeadLoss.apply(
-        hidden, head_weight, labels, target_hidden, soft, chunk_rows, objective, lk_eta, with_acceptance, top_k)
-    return HeadRows(loss=row_loss, ce=row_loss.detach() if row_ce is None else row_ce, acceptance=acceptance,
-                    draft_argmax=draft_argmax, label_used=label_used, top_ids=top_ids)
+        hidden, head_weight, labels, target_hidden, soft, chunk_rows, objective, lk_eta, with_acceptance, top_k
+    )
+    return HeadRows(
+        loss=row_loss,
+        ce=row_loss.detach() if row_ce is None else row_ce,
+        acceptance=acceptance,
+        draft_argmax=draft_argmax,
+        label_used=label_used,
+        top_ids=top_ids,
+    )
 
 
 class CandidateLogits(torch.autograd.Function):
@@ -293,23 +327,28 @@ class CandidateLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         head_weight, candidates = ctx.saved_tensors
-        grad_hidden = torch.empty(candidates.shape[0], head_weight.shape[1], dtype=ctx.hidden_dtype,
-                                  device=grad_out.device)
+        grad_hidden = torch.empty(
+            candidates.shape[0], head_weight.shape[1], dtype=ctx.hidden_dtype, device=grad_out.device
+        )
         for start in range(0, candidates.shape[0], ctx.chunk_rows):
             chunk = slice(start, start + ctx.chunk_rows)
             rows = head_weight[candidates[chunk]]
-            grad_hidden[chunk] = torch.einsum("mk,mkh->mh", grad_out[chunk].to(head_weight.dtype), rows).to(ctx.hidden_dtype)
+            grad_hidden[chunk] = torch.einsum("mk,mkh->mh", grad_out[chunk].to(head_weight.dtype), rows).to(
+                ctx.hidden_dtype
+            )
         return grad_hidden, None, None, None
 
 
-def candidate_logits(hidden: torch.Tensor, head_weight: torch.Tensor, candidates: torch.Tensor,
-                     chunk_rows: int = 1024) -> torch.Tensor:
+def candidate_logits(
+    hidden: torch.Tensor, head_weight: torch.Tensor, candidates: torch.Tensor, chunk_rows: int = 1024
+) -> torch.Tensor:
     """[M, K] fp32 logits of ``candidates`` [M, K] for the rows ``hidden`` [M, H] (see CandidateLogits)."""
     return CandidateLogits.apply(hidden, head_weight, candidates, chunk_rows)
 
 
-def slot_weights(blocks: DraftBlocks, config: LossConfig, row_ce: torch.Tensor,
-                 acceptance: torch.Tensor | None = None) -> torch.Tensor:
+def slot_weights(
+    blocks: DraftBlocks, config: LossConfig, row_ce: torch.Tensor, acceptance: torch.Tensor | None = None
+) -> torch.Tensor:
     """[N, B-1] loss weights of the supervised slots (detached).
 
     row_ce: [M] per-row CE (KL for target_soft), read by "streak"; acceptance: [M] per-row acceptance
@@ -337,8 +376,13 @@ def slot_weights(blocks: DraftBlocks, config: LossConfig, row_ce: torch.Tensor,
     return weights * mask
 
 
-def draft_loss(hidden: torch.Tensor, blocks: DraftBlocks, head_weight: torch.Tensor, config: LossConfig,
-               target_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def draft_loss(
+    hidden: torch.Tensor,
+    blocks: DraftBlocks,
+    head_weight: torch.Tensor,
+    config: LossConfig,
+    target_hidden: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss and metrics of the draft slots.
 
     hidden: [N, B, H] draft output after its final norm. target_hidden: [T, H] target last hidden
@@ -348,15 +392,25 @@ def draft_loss(hidden: torch.Tensor, blocks: DraftBlocks, head_weight: torch.Ten
     return loss, metrics
 
 
-def draft_loss_parts(hidden: torch.Tensor, blocks: DraftBlocks, head_weight: torch.Tensor, config: LossConfig,
-                     target_hidden: torch.Tensor | None = None, top_k: int = 0,
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], HeadRows, torch.Tensor]:
+def draft_loss_parts(
+    hidden: torch.Tensor,
+    blocks: DraftBlocks,
+    head_weight: torch.Tensor,
+    config: LossConfig,
+    target_hidden: torch.Tensor | None = None,
+    top_k: int = 0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], HeadRows, torch.Tensor]:
     """:func:`draft_loss`, with the head's rows (the draft's ``top_k`` tokens among them when > 0) and the slot
     weights [N, B-1], for a kind whose objective builds on the DFlash loss."""
     num_blocks, block_size, width = hidden.shape
     rows = hidden[:, 1:].reshape(-1, width)  # slot 0 is the given token
-    options = dict(objective=config.objective, lk_eta=config.lk_eta, with_acceptance=config.weighting == "dpace",
-                   chunk_rows=config.chunk_rows, top_k=top_k)
+    options = dict(
+        objective=config.objective,
+        lk_eta=config.lk_eta,
+        with_acceptance=config.weighting == "dpace",
+        chunk_rows=config.chunk_rows,
+        top_k=top_k,
+    )
     if config.label_mode == "data":
         head = chunked_head_rows(rows, head_weight, labels=blocks.label_ids.reshape(-1), **options)
     else:
@@ -364,12 +418,14 @@ def draft_loss_parts(hidden: torch.Tensor, blocks: DraftBlocks, head_weight: tor
             raise ValueError(f"label_mode {config.label_mode!r} needs the target's last hidden state")
         # The target predicts x_{a+k} from position a + k - 1.
         source = (blocks.label_index - 1).reshape(-1)
-        head = chunked_head_rows(rows, head_weight, target_hidden=target_hidden[source],
-                                 soft=config.label_mode == "target_soft", **options)
+        head = chunked_head_rows(
+            rows, head_weight, target_hidden=target_hidden[source], soft=config.label_mode == "target_soft", **options
+        )
     weights = slot_weights(blocks, config, head.ce, head.acceptance)
     loss = (weights.reshape(-1) * head.loss).sum() / weights.sum().clamp_min(1e-6)
-    metrics = draft_metrics(blocks, head.ce.view(num_blocks, -1),
-                            (head.draft_argmax == head.label_used).view(num_blocks, -1))
+    metrics = draft_metrics(
+        blocks, head.ce.view(num_blocks, -1), (head.draft_argmax == head.label_used).view(num_blocks, -1)
+    )
     metrics["loss"] = loss.detach()
     return loss, metrics, head, weights
 

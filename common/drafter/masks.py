@@ -25,7 +25,9 @@ from common.drafter.draft_config import DraftConfig
 FLEX_BLOCK = 128
 
 
-def in_block_mask(block_size: int, causal: bool, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor:
+def in_block_mask(
+    block_size: int, causal: bool, window: int | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """``[B, B]`` bool: which slots t of its own block slot s sees."""
     slot = torch.arange(block_size, device=device)
     offset = slot[:, None] - slot[None, :]  # s - t
@@ -46,8 +48,9 @@ def context_bounds(blocks: DraftBlocks, window: int | None) -> tuple[torch.Tenso
     return lo.reshape(-1).contiguous(), hi.reshape(-1).contiguous()
 
 
-def flex_block_mask(blocks: DraftBlocks, window: int | None = None, causal: bool = False,
-                    tile: int = FLEX_BLOCK) -> BlockMask:
+def flex_block_mask(
+    blocks: DraftBlocks, window: int | None = None, causal: bool = False, tile: int = FLEX_BLOCK
+) -> BlockMask:
     """Flex-attention block mask for one layer type (shared by all layers of that type).
 
     Its tiles (``tile`` queries by ``tile`` keys) come from the anchors' context ranges and the blocks' own keys
@@ -75,8 +78,9 @@ def flex_block_mask(blocks: DraftBlocks, window: int | None = None, causal: bool
     return block_mask_of_tiles(partial, full, tile, mask_mod, (q_len, num_context + q_len))
 
 
-def tile_layout(lo: torch.Tensor, hi: torch.Tensor, num_context: int, q_len: int, block_size: int,
-                tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_layout(
+    lo: torch.Tensor, hi: torch.Tensor, num_context: int, q_len: int, block_size: int, tile: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[query tiles, key tiles]`` bool pair (partial, full): the tiles where some query may see some key (the mask
     is applied there), and those where every query sees every key (no mask needed). Each query slot sees the
     context keys ``lo <= kv < hi`` and keys of its own block; a tile's queries are taken to see the union of their
@@ -92,8 +96,11 @@ def tile_layout(lo: torch.Tensor, hi: torch.Tensor, num_context: int, q_len: int
     all_hi = F.pad(hi, (0, pad), value=never).view(q_tiles, tile).amin(1)
     start = torch.arange(kv_tiles, device=device) * tile
     end = start + tile
-    context_some = ((start < num_context)[None] & (start[None] < some_hi[:, None])
-                    & (end.clamp(max=num_context)[None] > some_lo[:, None]))
+    context_some = (
+        (start < num_context)[None]
+        & (start[None] < some_hi[:, None])
+        & (end.clamp(max=num_context)[None] > some_lo[:, None])
+    )
     context_all = (end <= num_context)[None] & (all_lo[:, None] <= start[None]) & (end[None] <= all_hi[:, None])
     if pad:  # a last query tile cut short by q_len stays partial, as flex attention's own masks keep it
         context_all[-1] = False
@@ -106,18 +113,21 @@ def tile_layout(lo: torch.Tensor, hi: torch.Tensor, num_context: int, q_len: int
     return (context_some | own) & ~context_all, context_all
 
 
-def block_mask_of_tiles(partial: torch.Tensor, full: torch.Tensor, tile: int, mask_mod: Callable,
-                        seq_lengths: tuple[int, int]) -> BlockMask:
+def block_mask_of_tiles(
+    partial: torch.Tensor, full: torch.Tensor, tile: int, mask_mod: Callable, seq_lengths: tuple[int, int]
+) -> BlockMask:
     """A flex-attention BlockMask from ``[query tiles, key tiles]`` bools: ``mask_mod`` is applied in the partial
     tiles, the full ones are computed whole, the others skipped. Building it costs memory in tiles, where
     ``create_block_mask`` evaluates ``mask_mod`` at every query-key pair to find them."""
+
     def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # counts, and the listed tiles first
         counts = tiles.sum(dim=-1, dtype=torch.int32)
         indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
         return counts[None, None], indices[None, None]
 
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=tile, mask_mod=mask_mod,
-                                    seq_lengths=seq_lengths)
+    return BlockMask.from_kv_blocks(
+        *ordered(partial), *ordered(full), BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=seq_lengths
+    )
 
 
 def dense_reference_mask(blocks: DraftBlocks, window: int | None = None, causal: bool = False) -> torch.Tensor:
@@ -167,6 +177,7 @@ def build_masks(blocks: DraftBlocks, config: DraftConfig, dense: bool = False) -
     masks: dict[str, BlockMask | torch.Tensor] = {}
     for layer_type in dict.fromkeys(config.layer_types):
         window, causal = config.window_of(layer_type), config.causal_in_block(layer_type)
-        masks[layer_type] = (dense_reference_mask(blocks, window, causal) if dense
-                             else flex_block_mask(blocks, window, causal))
+        masks[layer_type] = (
+            dense_reference_mask(blocks, window, causal) if dense else flex_block_mask(blocks, window, causal)
+        )
     return masks

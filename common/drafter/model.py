@@ -63,9 +63,13 @@ class RotaryEmbedding(nn.Module):
             from transformers import Qwen3Config
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            hf_config = Qwen3Config(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                                    head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
-                                    rope_parameters=dict(config.rope_parameters))
+            hf_config = Qwen3Config(
+                hidden_size=config.hidden_size,
+                num_attention_heads=config.num_attention_heads,
+                head_dim=config.head_dim,
+                max_position_embeddings=config.max_position_embeddings,
+                rope_parameters=dict(config.rope_parameters),
+            )
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
         # Not a buffer: a dtype cast of the module (drafter.to(bfloat16)) must not round the frequencies.
         self.inv_freq = inv_freq.float()
@@ -103,8 +107,14 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_rope: tuple[torch.Tensor, torch.Tensor],
-                context_rope: tuple[torch.Tensor, torch.Tensor], mask: BlockMask | torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context_rope: tuple[torch.Tensor, torch.Tensor],
+        mask: BlockMask | torch.Tensor,
+    ) -> torch.Tensor:
         """x: [Q, H] normed block slots; ctx: [T, H] fused context (shared by all layers)."""
         num_queries, num_context = x.shape[0], ctx.shape[0]
         q = self.q_norm(self.q_proj(x).view(num_queries, self.num_heads, self.head_dim)).transpose(0, 1)
@@ -145,8 +155,14 @@ class DraftDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, block_rope: tuple[torch.Tensor, torch.Tensor],
-                context_rope: tuple[torch.Tensor, torch.Tensor], mask: BlockMask | torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        context_rope: tuple[torch.Tensor, torch.Tensor],
+        mask: BlockMask | torch.Tensor,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, context_rope, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -167,12 +183,19 @@ class DFlashDrafter(nn.Module):
     logged_metrics: ClassVar[tuple[str, ...]] = ()
     """Scalar metrics of ``objective`` beyond the common ones (loss, tau, acc), logged by the trainer."""
 
-    def __init__(self, config: DraftConfig, target_head: TargetHead, loss_config: LossConfig | None = None,
-                 attention_backend: str | None = None) -> None:
+    def __init__(
+        self,
+        config: DraftConfig,
+        target_head: TargetHead,
+        loss_config: LossConfig | None = None,
+        attention_backend: str | None = None,
+    ) -> None:
         super().__init__()
         if target_head.hidden_size != config.hidden_size or target_head.vocab_size != config.vocab_size:
-            raise ValueError(f"target head {target_head.vocab_size}x{target_head.hidden_size} does not match "
-                             f"config vocab_size {config.vocab_size}, hidden_size {config.hidden_size}")
+            raise ValueError(
+                f"target head {target_head.vocab_size}x{target_head.hidden_size} does not match "
+                f"config vocab_size {config.vocab_size}, hidden_size {config.hidden_size}"
+            )
         if attention_backend not in (None, "flex", "sdpa"):
             raise ValueError(f"attention_backend must be None, 'flex' or 'sdpa', got {attention_backend!r}")
         self.config = config
@@ -203,12 +226,18 @@ class DFlashDrafter(nn.Module):
         """One draft decoder layer of this kind."""
         return DraftDecoderLayer(config, layer_type)
 
-    def objective(self, hidden: torch.Tensor, blocks: DraftBlocks, target_hidden: torch.Tensor | None = None,
-                  loss_config: LossConfig | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def objective(
+        self,
+        hidden: torch.Tensor,
+        blocks: DraftBlocks,
+        target_hidden: torch.Tensor | None = None,
+        loss_config: LossConfig | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss and metrics of the draft slots: ``hidden`` [N, B, H] after the final norm. ``tau``, ``acc`` and
         ``block_streaks`` describe the tokens ``propose`` would draft, teacher-forced."""
-        return draft_loss(hidden, blocks, self.target_head.lm_head_weight, loss_config or self.loss_config,
-                          target_hidden)
+        return draft_loss(
+            hidden, blocks, self.target_head.lm_head_weight, loss_config or self.loss_config, target_hidden
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of draft hidden states through the target's head."""
@@ -216,8 +245,13 @@ class DFlashDrafter(nn.Module):
         return (hidden.to(head.dtype) @ head.T).float()
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, sampling: Sampling | None = None,
-                generator: torch.Generator | None = None) -> Proposal:
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        sampling: Sampling | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
         """Draft tokens of slots 1..B-1 from their hidden states ``[R, B-1, H]`` (after the final norm); ``anchor_ids``
         [R] are the blocks' given tokens. Greedy: the argmax; sampled: drawn from the sampling distribution, which
         the proposal keeps for rejection sampling."""
@@ -238,8 +272,9 @@ class DFlashDrafter(nn.Module):
         """flex on CUDA; SDPA with dense masks on CPU (flex has no CPU backward)."""
         return self.attention_backend or ("flex" if device.type == "cuda" else "sdpa")
 
-    def prepare(self, batch: PackedBatch, num_anchors: int,
-                generator: torch.Generator) -> tuple[DraftBlocks, dict[str, BlockMask | torch.Tensor]]:
+    def prepare(
+        self, batch: PackedBatch, num_anchors: int, generator: torch.Generator
+    ) -> tuple[DraftBlocks, dict[str, BlockMask | torch.Tensor]]:
         """Anchors, blocks and per-layer-type masks of a batch; no host sync, can run ahead of the step."""
         blocks = build_blocks(batch, num_anchors, self.config.block_size, self.config.mask_token_id, generator)
         dense = self.backend_for(batch.input_ids.device) == "sdpa"
@@ -249,8 +284,9 @@ class DFlashDrafter(nn.Module):
         """[T, n * H_target] target features -> [T, H] injected context."""
         return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
 
-    def forward(self, aux_hidden: torch.Tensor, blocks: DraftBlocks,
-                masks: dict[str, BlockMask | torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, aux_hidden: torch.Tensor, blocks: DraftBlocks, masks: dict[str, BlockMask | torch.Tensor]
+    ) -> torch.Tensor:
         """Draft hidden states [N, B, H] after the final norm."""
         num_blocks, block_size = blocks.block_ids.shape
         ctx = self.fuse_context(aux_hidden)
@@ -263,8 +299,9 @@ class DFlashDrafter(nn.Module):
         # by a sharded module would be lost to an in-place op on it.
         return self.norm(x.view(num_blocks, block_size, -1))
 
-    def noisy_features(self, aux_hidden: torch.Tensor, generator: torch.Generator,
-                       step_fraction: float) -> torch.Tensor:
+    def noisy_features(
+        self, aux_hidden: torch.Tensor, generator: torch.Generator, step_fraction: float
+    ) -> torch.Tensor:
         """Target features plus Gaussian noise relative to each layer's per-token RMS (cosine-annealed)."""
         scale = self.loss_config.noise_scale(step_fraction)
         if scale == 0.0 or not self.training:
@@ -274,10 +311,14 @@ class DFlashDrafter(nn.Module):
         noise = torch.randn(per_layer.shape, generator=generator, device=generator.device).to(aux_hidden.device)
         return (per_layer + scale * rms * noise).view_as(aux_hidden).to(aux_hidden.dtype)
 
-    def forward_train(self, batch: PackedBatch, num_anchors: int, generator: torch.Generator,
-                      step_fraction: float = 0.0,
-                      prepared: tuple[DraftBlocks, dict[str, BlockMask | torch.Tensor]] | None = None,
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward_train(
+        self,
+        batch: PackedBatch,
+        num_anchors: int,
+        generator: torch.Generator,
+        step_fraction: float = 0.0,
+        prepared: tuple[DraftBlocks, dict[str, BlockMask | torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss (scalar, differentiable) and metrics (device tensors, no host sync) of one packed batch.
 
         ``generator`` drives anchor sampling and feature noise; keep it on the batch's device.
@@ -303,8 +344,9 @@ class DFlashDrafter(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
 
-def train_flops(config: DraftConfig, num_context: int, num_anchors: int,
-                attention_pairs: float | torch.Tensor) -> dict[str, float | torch.Tensor]:
+def train_flops(
+    config: DraftConfig, num_context: int, num_anchors: int, attention_pairs: float | torch.Tensor
+) -> dict[str, float | torch.Tensor]:
     """Matmul FLOPs of one training step on one packed sequence (forward + backward).
 
     Backward of a trainable matmul costs 2x its forward (input and weight gradients); attention
@@ -313,9 +355,13 @@ def train_flops(config: DraftConfig, num_context: int, num_anchors: int,
     summed over the layers (``masks.visible_pairs``: the step's metric ``attention_pairs``), as a
     block-sparse kernel skips the rest; a device tensor there keeps the count free of host syncs.
     """
-    hidden, inter, heads, kv_heads, head_dim = (config.hidden_size, config.intermediate_size,
-                                                config.num_attention_heads, config.num_key_value_heads,
-                                                config.head_dim)
+    hidden, inter, heads, kv_heads, head_dim = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     queries = num_anchors * config.block_size
     kv_width = kv_heads * head_dim
     per_layer = (
@@ -327,5 +373,9 @@ def train_flops(config: DraftConfig, num_context: int, num_anchors: int,
     fc = 2 * num_context * config.fused_feature_size * hidden
     head = 2 * num_anchors * (config.block_size - 1) * hidden * config.vocab_size
     gemm = float(config.num_hidden_layers * 3 * per_layer + 3 * fc)
-    return {"total": gemm + 2 * head + 3.5 * attention, "head": float(2 * head), "attention": 3.5 * attention,
-            "gemm": gemm}
+    return {
+        "total": gemm + 2 * head + 3.5 * attention,
+        "head": float(2 * head),
+        "attention": 3.5 * attention,
+        "gemm": gemm,
+    }

@@ -73,8 +73,12 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
     return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
 
 
-def rejection_sample(drafted: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rejection_sample(
+    drafted: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless verification of R sampled blocks: (accepted drafts ``[R]`` in 0..n, the target's token after them
     ``[R]``), whose text is distributed exactly as sampling the target token by token.
 

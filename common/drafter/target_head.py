@@ -24,13 +24,21 @@ LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_he
 class TargetHead(nn.Module):
     """Frozen embedding, final RMSNorm and output projection of the target."""
 
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, norm_weight: torch.Tensor,
-                 rms_norm_eps: float, zero_centered_norm: bool = False) -> None:
+    def __init__(
+        self,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        norm_weight: torch.Tensor,
+        rms_norm_eps: float,
+        zero_centered_norm: bool = False,
+    ) -> None:
         super().__init__()
         self.zero_centered_norm = zero_centered_norm
         if embed_weight.shape[1] != lm_head_weight.shape[1] or norm_weight.shape[0] != lm_head_weight.shape[1]:
-            raise ValueError(f"inconsistent target head shapes: embed {tuple(embed_weight.shape)}, "
-                             f"lm_head {tuple(lm_head_weight.shape)}, norm {tuple(norm_weight.shape)}")
+            raise ValueError(
+                f"inconsistent target head shapes: embed {tuple(embed_weight.shape)}, "
+                f"lm_head {tuple(lm_head_weight.shape)}, norm {tuple(norm_weight.shape)}"
+            )
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
         self.register_buffer("norm_weight", norm_weight.detach(), persistent=False)
@@ -66,8 +74,15 @@ class TargetHead(nn.Module):
         return self.norm_weight * normed.to(hidden.dtype)
 
     @classmethod
-    def random(cls, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | str = "cpu", rms_norm_eps: float = 1e-6, seed: int = 0) -> TargetHead:
+    def random(
+        cls,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        rms_norm_eps: float = 1e-6,
+        seed: int = 0,
+    ) -> TargetHead:
         """Random stand-in for benchmarks and tests."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         embed = (torch.randn(vocab_size, hidden_size, generator=gen) * 0.02).to(device=device, dtype=dtype)
@@ -99,8 +114,9 @@ def _read(files: dict[str, Path], candidates: tuple[str, ...]) -> torch.Tensor |
     return None
 
 
-def load_target_head(model_dir: str | Path, device: torch.device | str = "cpu",
-                     dtype: torch.dtype | None = None) -> TargetHead:
+def load_target_head(
+    model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> TargetHead:
     """Read embed_tokens, the final norm and lm_head of a HF checkpoint dir without loading the model.
 
     ``dtype=None`` keeps the checkpoint's dtype, so the tensors are bit-identical to the target's.

@@ -38,8 +38,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def build_trainer(run: RunDir, args: argparse.Namespace, async_checkpoint: bool) -> Trainer:
     heads = max(1, args.hidden // 128)
     overrides = [
-        'logging.wandb_mode="disabled"', f'training.device="{args.device}"', 'target.dtype="bfloat16"',
-        f"training.async_checkpoint={str(async_checkpoint).lower()}", f"drafter.num_layers={args.layers}",
+        'logging.wandb_mode="disabled"',
+        f'training.device="{args.device}"',
+        'target.dtype="bfloat16"',
+        f"training.async_checkpoint={str(async_checkpoint).lower()}",
+        f"drafter.num_layers={args.layers}",
         f'training.parallelism="{args.parallelism}"',
         f"target.config_overrides={{hidden_size={args.hidden}, intermediate_size={args.intermediate}, num_hidden_layers=8, "
         f"num_attention_heads={heads}, num_key_value_heads={max(1, heads // 4)}, head_dim=128, vocab_size={args.vocab}}}",
@@ -48,7 +51,9 @@ def build_trainer(run: RunDir, args: argparse.Namespace, async_checkpoint: bool)
     run.checkpoints.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.config)
     if int(os.environ.get("RANK", 0)) == 0:
-        load_target(cfg, run, producer_id=0, device=None, group=None)  # exports the random target's head, as a producer does
+        load_target(
+            cfg, run, producer_id=0, device=None, group=None
+        )  # exports the random target's head, as a producer does
     return Trainer(cfg, run)  # under torchrun the other ranks wait for that head
 
 
@@ -99,9 +104,13 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
             size = sum(f.stat().st_size for f in trainer.run_dir.latest_checkpoint().rglob("*") if f.is_file())
         finally:
             trainer.close()
-    return {"mode": mode, "stall_s": statistics.median(stalls),
-            "write_s": statistics.median(writes), "checkpoint_bytes": size,
-            "trainable_params": sum(p.numel() for p in params)}
+    return {
+        "mode": mode,
+        "stall_s": statistics.median(stalls),
+        "write_s": statistics.median(writes),
+        "checkpoint_bytes": size,
+        "trainable_params": sum(p.numel() for p in params),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,8 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="draft layers")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where the checkpoints are written (default: the system's temp dir)")
-    parser.add_argument("--parallelism", choices=("ddp", "fsdp"), default="ddp", help="under torchrun with several ranks")
+    parser.add_argument(
+        "--dir", default=None, help="where the checkpoints are written (default: the system's temp dir)"
+    )
+    parser.add_argument(
+        "--parallelism", choices=("ddp", "fsdp"), default="ddp", help="under torchrun with several ranks"
+    )
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}; one per torchrun launch")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -122,24 +135,40 @@ def main(argv: list[str] | None = None) -> int:
     if len(modes) > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Each Trainer joins and leaves the process group; joining it again in the same process under
         # torchrun's rendezvous hangs, so a distributed run measures one mode per launch.
-        parser.error("--modes: under torchrun measure one mode per launch (--modes synchronous, then --modes background)")
+        parser.error(
+            "--modes: under torchrun measure one mode per launch (--modes synchronous, then --modes background)"
+        )
     rows = [measure(args, mode) for mode in modes]
     if os.environ.get("RANK", "0") != "0":
         return 0
     print(f"{'mode':<20}{'params':>14}{'checkpoint MB':>15}{'stall s':>10}{'write s':>10}{'GB/s':>7}")
     for r in rows:
-        print(f"{r['mode']:<20}{r['trainable_params']:>14,}{r['checkpoint_bytes'] / 1e6:>15.1f}{r['stall_s']:>10.3f}"
-              f"{r['write_s']:>10.3f}{r['checkpoint_bytes'] / 1e9 / r['write_s']:>7.2f}")
+        print(
+            f"{r['mode']:<20}{r['trainable_params']:>14,}{r['checkpoint_bytes'] / 1e6:>15.1f}{r['stall_s']:>10.3f}"
+            f"{r['write_s']:>10.3f}{r['checkpoint_bytes'] / 1e9 / r['write_s']:>7.2f}"
+        )
     by_mode = {r["mode"]: r for r in rows}
     ratios = {}
     if {"synchronous", "background"} <= set(by_mode):
-        ratios["stall_background_over_synchronous"] = by_mode["background"]["stall_s"] / by_mode["synchronous"]["stall_s"]
+        ratios["stall_background_over_synchronous"] = (
+            by_mode["background"]["stall_s"] / by_mode["synchronous"]["stall_s"]
+        )
     if {"background", "one-thread"} <= set(by_mode):
         ratios["write_threads_over_one_thread"] = by_mode["background"]["write_s"] / by_mode["one-thread"]["write_s"]
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.3f}")
-    print(json.dumps({"bench": "checkpoint", "device": args.device, "parallelism": args.parallelism,
-                      "world_size": int(os.environ.get("WORLD_SIZE", "1")), "rows": rows, **ratios}))
+    print(
+        json.dumps(
+            {
+                "bench": "checkpoint",
+                "device": args.device,
+                "parallelism": args.parallelism,
+                "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+                "rows": rows,
+                **ratios,
+            }
+        )
+    )
     return 0
 
 

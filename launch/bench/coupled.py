@@ -81,7 +81,9 @@ class CoupledSource:
         batch = self.plan.materialize(cursor, sample_ids)
         # Outputs made here, outside capture's inference mode, so that autograd may use them.
         target = self.target
-        dims = SlotDims(tokens=batch.num_tokens, docs=batch.num_docs, aux_width=target.aux_width, hidden_size=target.hidden_size)
+        dims = SlotDims(
+            tokens=batch.num_tokens, docs=batch.num_docs, aux_width=target.aux_width, hidden_size=target.hidden_size
+        )
         shapes = slot_shapes(dims, target.dtype, {"last_hidden": target.capture_last_hidden})
         tensors = {name: torch.empty(shape, dtype=dtype, device=self.device) for name, (shape, dtype) in shapes.items()}
         for name, tensor in document_tensors(batch.tensors()).items():
@@ -90,13 +92,29 @@ class CoupledSource:
         if self.pad_to:
             tensors = pad_packed(tensors, self.pad_to)
         stats = batch_stats(batch)
-        meta = BatchMeta(producer=self.rank, ordinal=ordinal, cursor=list(cursor), epoch=cursor.epoch,
-                         tokens=batch.num_tokens, docs=batch.num_docs, max_doc_len=stats.max_doc_len).to_wire()
+        meta = BatchMeta(
+            producer=self.rank,
+            ordinal=ordinal,
+            cursor=list(cursor),
+            epoch=cursor.epoch,
+            tokens=batch.num_tokens,
+            docs=batch.num_docs,
+            max_doc_len=stats.max_doc_len,
+        ).to_wire()
         self.commits.mark_received(self.rank, ordinal, list(cursor))
-        return Received(PackedBatch.from_tensors(tensors, epoch=cursor.epoch, meta=meta), self.rank, ordinal,
-                        list(cursor), meta, batch.sample_ids.tolist(), batch.num_tokens)
+        return Received(
+            PackedBatch.from_tensors(tensors, epoch=cursor.epoch, meta=meta),
+            self.rank,
+            ordinal,
+            list(cursor),
+            meta,
+            batch.sample_ids.tolist(),
+            batch.num_tokens,
+        )
 
-    def evaluate(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str], wandb_run: Any) -> AcceptanceReport | None:
+    def evaluate(
+        self, step: int, drafter: DFlashDrafter, metrics_file: IO[str], wandb_run: Any
+    ) -> AcceptanceReport | None:
         """The in-loop evaluation of ``step`` (rank 0): see ``TrainingEvaluation.maybe_log``."""
         return self.evaluation.maybe_log(step, drafter, metrics_file, wandb_run) if self.evaluation else None
 
@@ -132,13 +150,16 @@ class TrainingEvaluation:
 
     def _check(self, drafter: DFlashDrafter) -> None:
         loaded, shared = target_head_of(self.target_model), drafter.target_head
-        if not (torch.equal(loaded.embed_weight, shared.embed_weight)
-                and torch.equal(loaded.lm_head_weight, shared.lm_head_weight)):
+        if not (
+            torch.equal(loaded.embed_weight, shared.embed_weight)
+            and torch.equal(loaded.lm_head_weight, shared.lm_head_weight)
+        ):
             raise ValueError("the target of this evaluation is not the producers' (embedding or lm_head differ)")
         self.checked = True
 
-    def maybe_log(self, step: int, drafter: DFlashDrafter, metrics_file: IO[str],
-                  wandb_run: Any) -> AcceptanceReport | None:
+    def maybe_log(
+        self, step: int, drafter: DFlashDrafter, metrics_file: IO[str], wandb_run: Any
+    ) -> AcceptanceReport | None:
         """Evaluate when due and write ``eval/*`` at ``step``: a line of its own in metrics.jsonl, and into
         wandb's row of that step (next to the training tau). The report, or None when none was made."""
         if self.disabled or self.evaluator is None or step % self.cfg.eval.every_steps:
@@ -156,17 +177,28 @@ class TrainingEvaluation:
         metrics_file.flush()
         if wandb_run is not None:
             wandb_run.log(metrics, step=step)
-        log.info("eval at step %d: tau %.3f real, %.3f simulated (gap %+.3f), %.1f%% target forwards saved, %.1fs",
-                 step, report.tau, report.sim_tau, report.tau_gap, 100 * report.forwards_saved, report.seconds)
+        log.info(
+            "eval at step %d: tau %.3f real, %.3f simulated (gap %+.3f), %.1f%% target forwards saved, %.1fs",
+            step,
+            report.tau,
+            report.sim_tau,
+            report.tau_gap,
+            100 * report.forwards_saved,
+            report.seconds,
+        )
         warn_if_gap(metrics, report.block_size, self.cfg.eval.gap_tolerance)
         return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="The coupled baseline: target forward and drafter step in one process.")
+    parser = argparse.ArgumentParser(
+        description="The coupled baseline: target forward and drafter step in one process."
+    )
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s trainer-r{os.environ.get('RANK', 0)} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s trainer-r{os.environ.get('RANK', 0)} %(levelname)s %(message)s"
+    )
     return run_trainer(args.run_dir, source_factory=CoupledSource)
 
 

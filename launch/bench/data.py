@@ -27,8 +27,10 @@ from producer.batching import BatchCursor, BatchPlan
 from producer.data import build_data_source
 from producer.order import OrderConfig, ShardOrder
 
-WORDS = ("the of and to in is that for it as with was on be by this are from at or an which function returns value "
-         "list string number python code example first second because however therefore").split()
+WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an which function returns value "
+    "list string number python code example first second because however therefore"
+).split()
 
 
 def write_records(path: Path, count: int, answer_words: int, seed: int = 0) -> None:
@@ -38,15 +40,20 @@ def write_records(path: Path, count: int, answer_words: int, seed: int = 0) -> N
         for _ in range(count):
             question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 60)))
             answer = " ".join(rng.choice(WORDS) for _ in range(max(8, int(rng.lognormvariate(0, 0.5) * answer_words))))
-            f.write(json.dumps({"messages": [{"role": "user", "content": question},
-                                             {"role": "assistant", "content": answer}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+                )
+                + "\n"
+            )
 
 
 def run(records: Path, tokenizer: str, cache_mb: int, epochs: int, token_budget: int, together: bool) -> list[dict]:
     """Tokens/s of each epoch of one shard's batch plan, every batch materialized (packed) as the producer does;
     ``together=False``: each record rendered and tokenized alone, as the source did before windows were."""
-    config = DataConfig(format="chat", paths=[str(records)], tokenizer=tokenizer, max_seq_len=token_budget,
-                        cache_mb=cache_mb)
+    config = DataConfig(
+        format="chat", paths=[str(records)], tokenizer=tokenizer, max_seq_len=token_budget, cache_mb=cache_mb
+    )
     source = build_data_source(config)
     if not together:
         source.prefetch = lambda sample_ids: None
@@ -59,8 +66,9 @@ def run(records: Path, tokenizer: str, cache_mb: int, epochs: int, token_budget:
                 tokens += plan.materialize(BatchCursor(epoch, window, index), sample_ids).num_tokens
                 count += 1
         seconds = time.perf_counter() - started
-        per_epoch.append({"epoch": epoch, "tokens": tokens, "batches": count, "seconds": seconds,
-                          "tokens_per_s": tokens / seconds})
+        per_epoch.append(
+            {"epoch": epoch, "tokens": tokens, "batches": count, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        )
     per_epoch[-1]["cache"] = source.cache.as_dict()
     return per_epoch
 
@@ -85,22 +93,41 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         records = Path(folder) / "records.jsonl"
         write_records(records, args.records, args.answer_words)
-        results = {name: run(records, tokenizer, mb, args.epochs, args.token_budget, together)
-                   for name, mb, together in (("one at a time", 0, False), ("windows", 0, True),
-                                              ("windows, kept", args.cache_mb, True))}
+        results = {
+            name: run(records, tokenizer, mb, args.epochs, args.token_budget, together)
+            for name, mb, together in (
+                ("one at a time", 0, False),
+                ("windows", 0, True),
+                ("windows, kept", args.cache_mb, True),
+            )
+        }
     print(f"{'run':16} {'epoch':>5} {'batches':>7} {'tokens':>9} {'seconds':>8} {'tokens/s':>12}")
     for name, epochs in results.items():
         for row in epochs:
-            print(f"{name:16} {row['epoch']:5d} {row['batches']:7d} {row['tokens']:9d} {row['seconds']:8.2f} "
-                  f"{row['tokens_per_s']:12,.0f}")
+            print(
+                f"{name:16} {row['epoch']:5d} {row['batches']:7d} {row['tokens']:9d} {row['seconds']:8.2f} "
+                f"{row['tokens_per_s']:12,.0f}"
+            )
     seconds = {name: sum(r["seconds"] for r in epochs) for name, epochs in results.items()}
     first = {name: epochs[0]["seconds"] for name, epochs in results.items()}
     base = "one at a time"
-    print(f"cores {os.cpu_count()}; first epoch: windows {first['windows'] / first[base]:.2f}x the time of one at a time; "
-          f"all {args.epochs} epochs: windows, kept {seconds['windows, kept'] / seconds[base]:.2f}x")
-    print(json.dumps({"bench": "data", "records": args.records, "epochs": args.epochs, "cores": os.cpu_count(),
-                      "runs": results, "first_epoch_ratio": first["windows"] / first[base],
-                      "all_epochs_ratio": seconds["windows, kept"] / seconds[base]}))
+    print(
+        f"cores {os.cpu_count()}; first epoch: windows {first['windows'] / first[base]:.2f}x the time of one at a time; "
+        f"all {args.epochs} epochs: windows, kept {seconds['windows, kept'] / seconds[base]:.2f}x"
+    )
+    print(
+        json.dumps(
+            {
+                "bench": "data",
+                "records": args.records,
+                "epochs": args.epochs,
+                "cores": os.cpu_count(),
+                "runs": results,
+                "first_epoch_ratio": first["windows"] / first[base],
+                "all_epochs_ratio": seconds["windows, kept"] / seconds[base],
+            }
+        )
+    )
     return 0
 
 

@@ -51,7 +51,7 @@ def raw(folder: Path, gb: float, threads: int) -> float:
     def write(index: int) -> None:
         with open(folder / f"raw-{index}", "wb", buffering=0) as f:
             for offset in range(0, per_file, CHUNK):
-                f.write(view[offset:offset + CHUNK])
+                f.write(view[offset : offset + CHUNK])
             os.fsync(f.fileno())
 
     started = time.perf_counter()
@@ -103,8 +103,12 @@ def status_writes(folder: Path, gb: float) -> dict[bool, list[float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default="/tmp", help="a folder on the disk to measure (a scratch folder is made in it)")
-    parser.add_argument("--gb", type=float, default=8.0, help="gigabytes of each raw measurement (half for the serializers)")
+    parser.add_argument(
+        "--dir", default="/tmp", help="a folder on the disk to measure (a scratch folder is made in it)"
+    )
+    parser.add_argument(
+        "--gb", type=float, default=8.0, help="gigabytes of each raw measurement (half for the serializers)"
+    )
     parser.add_argument("--threads", default="1,2,4,8", help="comma list of raw writer counts")
     args = parser.parse_args(argv)
     folder = Path(args.dir) / f"df-bench-disk-{os.getpid()}"
@@ -113,21 +117,42 @@ def main(argv: list[str] | None = None) -> int:
         for threads in [int(t) for t in args.threads.split(",")]:
             folder.mkdir(parents=True)
             seconds = raw(folder, args.gb, threads)
-            rows.append({"writer": f"raw, {threads} thread{'s' * (threads > 1)}", "gb": args.gb, "s": seconds,
-                         "gb_per_s": args.gb / seconds})
+            rows.append(
+                {
+                    "writer": f"raw, {threads} thread{'s' * (threads > 1)}",
+                    "gb": args.gb,
+                    "s": seconds,
+                    "gb_per_s": args.gb / seconds,
+                }
+            )
             shutil.rmtree(folder)
         for how in ("torch.save", "safetensors", "tensor files"):
             folder.mkdir(parents=True)
             written, seconds = serialized(folder, args.gb / 2, how)
-            rows.append({"writer": how, "gb": args.gb / 2, "s": seconds, "written_s": written, "gb_per_s": args.gb / 2 / seconds})
+            rows.append(
+                {
+                    "writer": how,
+                    "gb": args.gb / 2,
+                    "s": seconds,
+                    "written_s": written,
+                    "gb_per_s": args.gb / 2 / seconds,
+                }
+            )
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         status = []
         for durable, seconds in status_writes(folder, args.gb / 2).items():
             seconds.sort()
-            status.append({"status write": "fsync" if durable else "no fsync", "writes": len(seconds),
-                           "median_ms": 1000 * seconds[len(seconds) // 2], "p90_ms": 1000 * seconds[int(0.9 * (len(seconds) - 1))],
-                           "max_ms": 1000 * seconds[-1], "total_s": sum(seconds)})
+            status.append(
+                {
+                    "status write": "fsync" if durable else "no fsync",
+                    "writes": len(seconds),
+                    "median_ms": 1000 * seconds[len(seconds) // 2],
+                    "p90_ms": 1000 * seconds[int(0.9 * (len(seconds) - 1))],
+                    "max_ms": 1000 * seconds[-1],
+                    "total_s": sum(seconds),
+                }
+            )
         shutil.rmtree(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -137,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nstatus writes beside a {args.gb / 2:g} GB checkpoint write (taking turns):")
     print(f"{'status write':<14}{'writes':>8}{'median ms':>11}{'p90 ms':>9}{'max ms':>9}{'total s':>9}")
     for row in status:
-        print(f"{row['status write']:<14}{row['writes']:>8}{row['median_ms']:>11.2f}{row['p90_ms']:>9.2f}"
-              f"{row['max_ms']:>9.1f}{row['total_s']:>9.2f}")
+        print(
+            f"{row['status write']:<14}{row['writes']:>8}{row['median_ms']:>11.2f}{row['p90_ms']:>9.2f}"
+            f"{row['max_ms']:>9.1f}{row['total_s']:>9.2f}"
+        )
     print(json.dumps({"bench": "disk", "dir": args.dir, "rows": rows, "status_writes": status}))
     return 0
 

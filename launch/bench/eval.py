@@ -29,8 +29,16 @@ from launch.bench.target import QWEN3_8B_SHAPE
 from launch.bench.util import synchronize
 from producer.target import load_target_model
 
-TINY_TARGET = {"model_type": "qwen3", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000}
+TINY_TARGET = {
+    "model_type": "qwen3",
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 1000,
+}
 
 
 def documents(count: int, length: int, prompt_len: int, vocab: int, seed: int) -> list[Document]:
@@ -45,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--doc-len", type=int, default=1024, help="tokens of each held-out document (simulated acceptance)")
+    parser.add_argument(
+        "--doc-len", type=int, default=1024, help="tokens of each held-out document (simulated acceptance)"
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
@@ -56,15 +66,19 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)  # as evaluate runs on a CPU
     shape = TINY_TARGET if args.tiny else QWEN3_8B_SHAPE
-    model = load_target_model(TargetConfig(config_overrides=dict(shape), dtype="float32" if args.tiny else "bfloat16",
-                                           device=str(device), seed=0))
+    model = load_target_model(
+        TargetConfig(
+            config_overrides=dict(shape), dtype="float32" if args.tiny else "bfloat16", device=str(device), seed=0
+        )
+    )
     config = tiny_draft(16) if args.tiny else qwen3_8b_draft(16)
     drafter = DFlashDrafter(config, target_head_of(model)).to(device)
     if not args.tiny:
         drafter.to(torch.bfloat16)
     docs = documents(args.prompts, args.doc_len, args.prompt_len, config.vocab_size, seed=0)
-    eval_config = EvalConfig(num_prompts=args.prompts, max_new_tokens=args.new_tokens, batch_prompts=args.prompts,
-                             prompt_len=args.prompt_len)
+    eval_config = EvalConfig(
+        num_prompts=args.prompts, max_new_tokens=args.new_tokens, batch_prompts=args.prompts, prompt_len=args.prompt_len
+    )
     evaluator = Evaluator(model, docs, eval_config, list(config.target_layer_ids), num_anchors=64)
 
     rows = []
@@ -83,12 +97,22 @@ def main(argv: list[str] | None = None) -> None:
             decode = time.perf_counter() - started
         rounds = max(len(d.accepted) for d in decoded)  # drafter forwards of the batch
         simulated = total - decode - report.reference_seconds
-        row = {"repeat": repeat, "seconds": total, "reference_s": report.reference_seconds, "decode_s": decode,
-               "simulated_s": simulated, "rounds": rounds, "tau": report.tau, "ms_per_round": 1000 * decode / rounds}
+        row = {
+            "repeat": repeat,
+            "seconds": total,
+            "reference_s": report.reference_seconds,
+            "decode_s": decode,
+            "simulated_s": simulated,
+            "rounds": rounds,
+            "tau": report.tau,
+            "ms_per_round": 1000 * decode / rounds,
+        }
         rows.append(row)
-        print(f"{'first' if repeat == 0 else 'run ' + str(repeat):8s} evaluation {total:6.2f} s = reference "
-              f"{report.reference_seconds:6.2f} s + decode {decode:5.2f} s + simulated and the rest {simulated:5.2f} s; "
-              f"{rounds} rounds of {len(decoded)} prompts (tau {report.tau:.2f}), {row['ms_per_round']:.1f} ms per round")
+        print(
+            f"{'first' if repeat == 0 else 'run ' + str(repeat):8s} evaluation {total:6.2f} s = reference "
+            f"{report.reference_seconds:6.2f} s + decode {decode:5.2f} s + simulated and the rest {simulated:5.2f} s; "
+            f"{rounds} rounds of {len(decoded)} prompts (tau {report.tau:.2f}), {row['ms_per_round']:.1f} ms per round"
+        )
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -34,19 +34,44 @@ from producer.generate import GenerationConfig, Generator, Request
 # Random weights at the named real shapes.
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2": {  # SmolLM2-135M
-        "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-        "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
     },
     "qwen3-8b": {
-        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
     },
     "tiny": {
-        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "max_position_embeddings": 4096, "tie_word_embeddings": True,
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
     },
 }
 AGREEMENT_TOKENS = 16
@@ -59,8 +84,11 @@ def build_model(name: str, path: str | None, dtype: torch.dtype, device: torch.d
 
     if path is not None:
         where = Path(path)
-        source = {"pretrained_model_name_or_path": where.parent, "gguf_file": where.name} if where.suffix == ".gguf" \
+        source = (
+            {"pretrained_model_name_or_path": where.parent, "gguf_file": where.name}
+            if where.suffix == ".gguf"
             else {"pretrained_model_name_or_path": where}
+        )
         model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype, attn_implementation="sdpa").to(device)
     else:
         fields = dict(SHAPES[name])
@@ -78,8 +106,9 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
 
 
 @torch.no_grad()
-def plain_generate(model: nn.Module, prompts: list[list[int]], rows: int, new_tokens: int,
-                   device: torch.device) -> tuple[list[list[int]], dict[str, Any]]:
+def plain_generate(
+    model: nn.Module, prompts: list[list[int]], rows: int, new_tokens: int, device: torch.device
+) -> tuple[list[list[int]], dict[str, Any]]:
     """``model.generate`` on batches of ``rows`` prompts (all of one length, so no padding).
 
     Under a blank generation config: the model's own EOS would end rows early, and suppressing it (what
@@ -98,7 +127,7 @@ def plain_generate(model: nn.Module, prompts: list[list[int]], rows: int, new_to
             out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=settings)
         finally:
             model.generation_config = saved
-        return out[:, ids.shape[1]:].tolist()
+        return out[:, ids.shape[1] :].tolist()
 
     started = time.perf_counter()
     run(prompts[:rows], 2)
@@ -107,42 +136,60 @@ def plain_generate(model: nn.Module, prompts: list[list[int]], rows: int, new_to
     outputs: list[list[int]] = []
     started = time.perf_counter()
     for first in range(0, len(prompts), rows):
-        outputs += run(prompts[first: first + rows], new_tokens)
+        outputs += run(prompts[first : first + rows], new_tokens)
     synchronize(device)
     seconds = time.perf_counter() - started
     batches = -(-len(prompts) // rows)
     return outputs, {
-        "engine": "transformers-generate", "new_tokens": sum(map(len, outputs)), "seconds": seconds,
-        "steps": batches * new_tokens, "occupancy": len(prompts) / (batches * rows), "warmup_seconds": warmup,
+        "engine": "transformers-generate",
+        "new_tokens": sum(map(len, outputs)),
+        "seconds": seconds,
+        "steps": batches * new_tokens,
+        "occupancy": len(prompts) / (batches * rows),
+        "warmup_seconds": warmup,
     }
 
 
-def engine_generate(model: nn.Module, prompts: list[list[int]], rows: int, new_tokens: int, device: torch.device,
-                    cuda_graph: bool) -> tuple[list[list[int]], dict[str, Any]]:
+def engine_generate(
+    model: nn.Module, prompts: list[list[int]], rows: int, new_tokens: int, device: torch.device, cuda_graph: bool
+) -> tuple[list[list[int]], dict[str, Any]]:
     """The static-cache engine on the same prompts, greedy, no stop ids."""
-    config = GenerationConfig(max_new_tokens=new_tokens, rows=rows, max_prompt_tokens=max(map(len, prompts)),
-                              cuda_graph=cuda_graph)
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, rows=rows, max_prompt_tokens=max(map(len, prompts)), cuda_graph=cuda_graph
+    )
     generator = Generator(model, config)
     warmup = generator.warm_up()
     synchronize(device)
     started = time.perf_counter()
-    results = {finished.key: finished.new_ids for finished in generator.generate(
-        Request(i, prompt) for i, prompt in enumerate(prompts))}
+    results = {
+        finished.key: finished.new_ids
+        for finished in generator.generate(Request(i, prompt) for i, prompt in enumerate(prompts))
+    }
     synchronize(device)
     seconds = time.perf_counter() - started
     stats = generator.stats
-    label = generator.engine + (" (CUDA graphs)" if generator.uses_cuda_graphs else " (eager)"
-                                if generator.engine == "static-cache" else "")
+    label = generator.engine + (
+        " (CUDA graphs)" if generator.uses_cuda_graphs else " (eager)" if generator.engine == "static-cache" else ""
+    )
     return [results[i] for i in range(len(prompts))], {
-        "engine": label, "new_tokens": stats.new_tokens, "seconds": seconds, "steps": stats.decode_steps,
-        "occupancy": stats.occupancy, "warmup_seconds": warmup, "prefill_forwards": stats.prefill_forwards,
+        "engine": label,
+        "new_tokens": stats.new_tokens,
+        "seconds": seconds,
+        "steps": stats.decode_steps,
+        "occupancy": stats.occupancy,
+        "warmup_seconds": warmup,
+        "prefill_forwards": stats.prefill_forwards,
     }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="smollm2",
-                        help="shape of the random weights (a label only with --path)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(SHAPES),
+        default="smollm2",
+        help="shape of the random weights (a label only with --path)",
+    )
     parser.add_argument("--path", help="a Hugging Face model folder or a .gguf file instead of random weights")
     parser.add_argument("--rows", type=int, default=256, help="batch of plain generate = the engine's static rows")
     parser.add_argument("--prompts", type=int, help="prompts to continue (default 2 x rows)")
@@ -163,21 +210,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine_ids, engine = engine_generate(model, prompts, args.rows, args.max_new_tokens, device, not args.eager)
     agree = sum(a[:AGREEMENT_TOKENS] == b[:AGREEMENT_TOKENS] for a, b in zip(plain_ids, engine_ids)) / prompt_count
 
-    print(f"{args.model}{' from ' + args.path if args.path else ' (random weights)'} on {device} in {args.dtype}: "
-          f"{prompt_count} prompts of {args.prompt_len} tokens, {args.max_new_tokens} new tokens each, rows {args.rows}")
+    print(
+        f"{args.model}{' from ' + args.path if args.path else ' (random weights)'} on {device} in {args.dtype}: "
+        f"{prompt_count} prompts of {args.prompt_len} tokens, {args.max_new_tokens} new tokens each, rows {args.rows}"
+    )
     print(f"{'engine':36s} {'new tok/s':>10s} {'seconds':>8s} {'steps':>6s} {'occupancy':>9s} {'warm-up s':>9s}")
     for run in (plain, engine):
         rate = run["new_tokens"] / run["seconds"]
-        print(f"{run['engine']:36s} {rate:10.0f} {run['seconds']:8.2f} {run['steps']:6d} {run['occupancy']:9.3f} "
-              f"{run['warmup_seconds']:9.2f}")
+        print(
+            f"{run['engine']:36s} {rate:10.0f} {run['seconds']:8.2f} {run['steps']:6d} {run['occupancy']:9.3f} "
+            f"{run['warmup_seconds']:9.2f}"
+        )
     for run in (plain, engine):
         run["tokens_per_s"] = run["new_tokens"] / run["seconds"]
     result = {
-        "model": args.model, "path": args.path, "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "dtype": args.dtype,
-        "rows": args.rows, "prompts": prompt_count, "prompt_len": args.prompt_len,
-        "max_new_tokens": args.max_new_tokens, "plain": plain, "engine": engine,
-        "ratio": engine["tokens_per_s"] / plain["tokens_per_s"], f"agree_first_{AGREEMENT_TOKENS}": agree,
+        "model": args.model,
+        "path": args.path,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": args.dtype,
+        "rows": args.rows,
+        "prompts": prompt_count,
+        "prompt_len": args.prompt_len,
+        "max_new_tokens": args.max_new_tokens,
+        "plain": plain,
+        "engine": engine,
+        "ratio": engine["tokens_per_s"] / plain["tokens_per_s"],
+        f"agree_first_{AGREEMENT_TOKENS}": agree,
     }
     print(json.dumps(result))
     if args.json is not None:

@@ -31,8 +31,13 @@ def packed_batch(tokens: int, device: torch.device) -> PackedBatch:
     cu_seqlens = torch.arange(0, tokens + 1, 1024, dtype=torch.int32)
     loss_mask = torch.ones(tokens, dtype=torch.uint8)
     loss_mask[cu_seqlens[:-1].long()] = 0
-    return PackedBatch(input_ids=torch.ones(tokens, dtype=torch.int32), loss_mask=loss_mask, cu_seqlens=cu_seqlens,
-                       sample_ids=torch.arange(len(cu_seqlens) - 1), aux_hidden=torch.zeros(tokens, 1)).to(device)
+    return PackedBatch(
+        input_ids=torch.ones(tokens, dtype=torch.int32),
+        loss_mask=loss_mask,
+        cu_seqlens=cu_seqlens,
+        sample_ids=torch.arange(len(cu_seqlens) - 1),
+        aux_hidden=torch.zeros(tokens, 1),
+    ).to(device)
 
 
 def timed(build, device: torch.device, repeats: int) -> dict:
@@ -62,15 +67,26 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in args.sizes.split(","):
         anchors, tokens = (int(x) for x in size.split("x"))
-        blocks = build_blocks(packed_batch(tokens, device), anchors, 16, MASK_TOKEN,
-                              torch.Generator(device=device).manual_seed(0))
+        blocks = build_blocks(
+            packed_batch(tokens, device), anchors, 16, MASK_TOKEN, torch.Generator(device=device).manual_seed(0)
+        )
         mask = flex_block_mask(blocks)
         q_len, kv_len = mask.seq_lengths
-        row = {"anchors": anchors, "tokens": tokens, "queries": q_len, "keys": kv_len,
-               "tiles": timed(lambda: flex_block_mask(blocks), device, args.repeats)}
+        row = {
+            "anchors": anchors,
+            "tokens": tokens,
+            "queries": q_len,
+            "keys": kv_len,
+            "tiles": timed(lambda: flex_block_mask(blocks), device, args.repeats),
+        }
         try:
-            row["pairs"] = timed(lambda: create_block_mask(mask.mask_mod, None, None, q_len, kv_len, device=device,
-                                                           BLOCK_SIZE=FLEX_BLOCK), device, args.repeats)
+            row["pairs"] = timed(
+                lambda: create_block_mask(
+                    mask.mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=FLEX_BLOCK
+                ),
+                device,
+                args.repeats,
+            )
             exact = create_block_mask(mask.mask_mod, None, None, q_len, kv_len, device=device, BLOCK_SIZE=FLEX_BLOCK)
             row["tiles_listed"], row["tiles_needed"] = int(mask.to_dense().sum()), int(exact.to_dense().sum())
         except (torch.OutOfMemoryError, RuntimeError) as exc:  # RuntimeError: the host allocator's "can't allocate"
@@ -79,18 +95,24 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    print(f"{'anchors':>7} {'tokens':>7} {'queries x keys':>16} {'tiles s':>9} {'GiB':>6} {'pairs s':>9} {'GiB':>6} "
-          f"{'ratio':>7} tiles listed / needed")
+    print(
+        f"{'anchors':>7} {'tokens':>7} {'queries x keys':>16} {'tiles s':>9} {'GiB':>6} {'pairs s':>9} {'GiB':>6} "
+        f"{'ratio':>7} tiles listed / needed"
+    )
     for row in rows:
         tiles, pairs = row["tiles"], row["pairs"]
         gib = lambda r: f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
         if "error" in pairs:
             tail = f"{'-':>9} {'-':>6} {'-':>7} baseline failed: {pairs['error']}"
         else:
-            tail = (f"{pairs['seconds']:9.4f} {gib(pairs):>6} {tiles['seconds'] / pairs['seconds']:7.3f} "
-                    f"{row['tiles_listed']} / {row['tiles_needed']}")
-        print(f"{row['anchors']:7d} {row['tokens']:7d} {row['queries']:>7}x{row['keys']:<8} {tiles['seconds']:9.4f} "
-              f"{gib(tiles):>6} {tail}")
+            tail = (
+                f"{pairs['seconds']:9.4f} {gib(pairs):>6} {tiles['seconds'] / pairs['seconds']:7.3f} "
+                f"{row['tiles_listed']} / {row['tiles_needed']}"
+            )
+        print(
+            f"{row['anchors']:7d} {row['tokens']:7d} {row['queries']:>7}x{row['keys']:<8} {tiles['seconds']:9.4f} "
+            f"{gib(tiles):>6} {tail}"
+        )
     print(json.dumps({"bench": "masks", "device": str(device), "rows": rows}))
     return 0
 

@@ -74,7 +74,17 @@ def probe(seconds: float) -> dict:
 
 
 def run_role(role: str, seconds: float, env: dict[str, str], delay_s: float = 0.0) -> subprocess.Popen:
-    command = [sys.executable, "-m", "launch.bench.mps", "--role", role, "--seconds", str(seconds), "--delay-s", str(delay_s)]
+    command = [
+        sys.executable,
+        "-m",
+        "launch.bench.mps",
+        "--role",
+        role,
+        "--seconds",
+        str(seconds),
+        "--delay-s",
+        str(delay_s),
+    ]
     return subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
 
 
@@ -108,10 +118,14 @@ def main(argv: list[str] | None = None) -> int:
             # The hog starts first and outlasts the probe, which starts once the hog's matmuls run.
             for percent in [100, *(int(p) for p in args.hog_percents.split(","))]:
                 hog_env = {**daemon.env, **({SM_PERCENT_ENV: str(percent)} if percent < 100 else {})}
-                rows.append({"run": f"hog alone, {percent}% of the SMs", **result_of(run_role("hog", args.seconds, hog_env))})
+                rows.append(
+                    {"run": f"hog alone, {percent}% of the SMs", **result_of(run_role("hog", args.seconds, hog_env))}
+                )
                 hog_proc = run_role("hog", args.seconds + 4, hog_env)
                 probe_proc = run_role("probe", args.seconds, daemon.env, delay_s=2.0)
-                rows.append({"run": f"probe beside a hog of {percent}%", **result_of(probe_proc), **result_of(hog_proc)})
+                rows.append(
+                    {"run": f"probe beside a hog of {percent}%", **result_of(probe_proc), **result_of(hog_proc)}
+                )
         finally:
             daemon.quit()
     print(f"{'run':<42} {'probe ms/round':>15} {'hog TFLOP/s':>12}")

@@ -80,19 +80,37 @@ TINY_PLACEMENTS = {name: (["cpu"] * len(p), ["cpu"] * min(1, len(t)), c) for nam
 
 
 def base_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
-    common = ["training.max_steps=1000000", "training.checkpoint_every=1000000", "logging.log_every=10", "eval.every_steps=0",
-              "logging.progress=false", 'logging.wandb_mode="disabled"', "launch.restart_backoff_s=0.5",
-              'data.length_mode="fixed"']
+    common = [
+        "training.max_steps=1000000",
+        "training.checkpoint_every=1000000",
+        "logging.log_every=10",
+        "eval.every_steps=0",
+        "logging.progress=false",
+        'logging.wandb_mode="disabled"',
+        "launch.restart_backoff_s=0.5",
+        'data.length_mode="fixed"',
+    ]
     if args.tiny:
         return common + ["data.mean_len=48", "data.max_seq_len=64", "batching.token_budget=64", "ring.num_slots=8"]
     config_json = run_dir.parent / "qwen3-8b.json"
     config_json.write_text(json.dumps(QWEN3_8B))
     return common + [
-        f'target.config_json="{config_json}"', 'target.dtype="bfloat16"', "target.config_overrides={}",
-        "data.num_samples=1000000", f"data.mean_len={args.length}", f"data.max_seq_len={args.length}", "data.max_step=63",
-        f"batching.token_budget={args.length}", "batching.window_docs=256",
-        "drafter.num_layers=5", "drafter.block_size=16", f"drafter.num_anchors={args.anchors}",
-        'ring.backend="cuda"', f"ring.num_slots={args.slots}", "ring.heartbeat_interval_s=1.0", "ring.heartbeat_timeout_s=60.0",
+        f'target.config_json="{config_json}"',
+        'target.dtype="bfloat16"',
+        "target.config_overrides={}",
+        "data.num_samples=1000000",
+        f"data.mean_len={args.length}",
+        f"data.max_seq_len={args.length}",
+        "data.max_step=63",
+        f"batching.token_budget={args.length}",
+        "batching.window_docs=256",
+        "drafter.num_layers=5",
+        "drafter.block_size=16",
+        f"drafter.num_anchors={args.anchors}",
+        'ring.backend="cuda"',
+        f"ring.num_slots={args.slots}",
+        "ring.heartbeat_interval_s=1.0",
+        "ring.heartbeat_timeout_s=60.0",
     ]
 
 
@@ -101,19 +119,33 @@ def run_overrides(name: str, args: argparse.Namespace) -> list[str]:
     if name == "stall":
         return [f"drafter.num_anchors={args.stall_anchors}", f"ring.num_slots={args.stall_slots}"]
     if name.endswith("-stalls"):
-        stalls = [f"training.checkpoint_every={args.stall_every}", f"training.stall_every_steps={args.stall_every}",
-                  f"training.stall_s={args.pause_s}"]
+        stalls = [
+            f"training.checkpoint_every={args.stall_every}",
+            f"training.stall_every_steps={args.stall_every}",
+            f"training.stall_s={args.pause_s}",
+        ]
         if not name.startswith("coupled"):
             stalls += [f"ring.num_slots={args.stall_slots}", f"ring.headroom_slots={args.stall_slots - args.slots}"]
         return stalls
     if name.endswith("-evals"):
-        cadence = [f"training.checkpoint_every={args.eval_every}", f"eval.every_steps={args.eval_every}",
-                   f"eval.num_prompts={args.eval_prompts}", f"logging.log_every={EVAL_LOG_EVERY}"]
-        return cadence + ([] if name.startswith("coupled") else [f"ring.num_slots={args.eval_slots}",
-                                                                   f"eval.producer_share={args.producer_share}"])
+        cadence = [
+            f"training.checkpoint_every={args.eval_every}",
+            f"eval.every_steps={args.eval_every}",
+            f"eval.num_prompts={args.eval_prompts}",
+            f"logging.log_every={EVAL_LOG_EVERY}",
+        ]
+        return cadence + (
+            []
+            if name.startswith("coupled")
+            else [f"ring.num_slots={args.eval_slots}", f"eval.producer_share={args.producer_share}"]
+        )
     if name.endswith("-pauses"):
-        return [f"training.checkpoint_every={args.eval_every}", f"training.stall_every_steps={args.eval_every}",
-                f"training.stall_s={args.pause_s}", f"logging.log_every={EVAL_LOG_EVERY}"]
+        return [
+            f"training.checkpoint_every={args.eval_every}",
+            f"training.stall_every_steps={args.eval_every}",
+            f"training.stall_s={args.pause_s}",
+            f"logging.log_every={EVAL_LOG_EVERY}",
+        ]
     return []
 
 
@@ -132,8 +164,12 @@ class Sampler(threading.Thread):
             for status in self.rundir.producer_statuses():
                 ring = status.get("ring", {})
                 p = int(status["id"])
-                row[f"p{p}"] = {"published": status.get("published", 0), "blocked_s": status.get("blocked_s", 0.0),
-                                "updated": status.get("updated"), **{k: ring.get(k, 0) for k in ("slots", "free", "filling", "ready", "leased")}}
+                row[f"p{p}"] = {
+                    "published": status.get("published", 0),
+                    "blocked_s": status.get("blocked_s", 0.0),
+                    "updated": status.get("updated"),
+                    **{k: ring.get(k, 0) for k in ("slots", "free", "filling", "ready", "leased")},
+                }
             self.rows.append(row)
 
 
@@ -175,8 +211,11 @@ def kill_run(run: RunDir) -> None:
             pass
     needle = str(run.root).encode()
     for _ in range(50):
-        pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and int(p.name) != os.getpid()
-                and needle in _cmdline(p)]
+        pids = [
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and int(p.name) != os.getpid() and needle in _cmdline(p)
+        ]
         if not pids:
             sweep_stale_trainer_staging(run_tag(run.root))
             sweep_stale_segments()  # its rings (those of any dead owner, as a ring's creation sweeps them)
@@ -213,14 +252,32 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
         trainer = ["-m", "launch.bench.coupled", "--run-dir", str(run.root)]
         if len(trainer_devices) > 1:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in trainer_devices)
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(trainer_devices)}", *trainer]
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={len(trainer_devices)}",
+                *trainer,
+            ]
         else:
             command = [sys.executable, *trainer]
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     else:
-        devices = [f"launch.producer_devices={json.dumps(producer_devices)}", f"launch.trainer_devices={json.dumps(trainer_devices)}"]
-        proc = subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run.root), *overrides, *devices],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        devices = [
+            f"launch.producer_devices={json.dumps(producer_devices)}",
+            f"launch.trainer_devices={json.dumps(trainer_devices)}",
+        ]
+        proc = subprocess.Popen(
+            [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run.root), *overrides, *devices],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     sampler = Sampler(run)
     started = time.time()
     result: dict = {"run": name, "producers": producer_devices, "trainer": trainer_devices, "coupled": coupled}
@@ -282,7 +339,9 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
 
         def caught_up() -> float | None:
             """When the pause's backlog was drained: the first sample after the resume with an empty ring."""
-            return next((r["t"] for r in sampler.rows if "p0" in r and r["t"] > resumed and r["p0"]["ready"] <= 2), None)
+            return next(
+                (r["t"] for r in sampler.rows if "p0" in r and r["t"] > resumed and r["p0"]["ready"] <= 2), None
+            )
 
         try:  # the catch-up can take longer than the window after the pause
             wait_for(lambda: caught_up() is not None, args.timeout / 2, "the pause's backlog drained")
@@ -290,9 +349,13 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
             print("stall: the backlog of the pause was not drained in time", flush=True)
         rows = ledger_rows(run)
         before, after = (paused - args.seconds, paused), (resumed, resumed + args.seconds)
-        peak = max((r for r in sampler.rows if "p0" in r and paused <= r["t"] <= resumed + 1), key=lambda r: r["p0"]["ready"])
+        peak = max(
+            (r for r in sampler.rows if "p0" in r and paused <= r["t"] <= resumed + 1), key=lambda r: r["p0"]["ready"]
+        )
         return {
-            "stall_s": resumed - paused, "paused_at": paused, "resumed_at": resumed,
+            "stall_s": resumed - paused,
+            "paused_at": paused,
+            "resumed_at": resumed,
             "drained_before": drained_before,
             "trainer_before_samples_per_s": samples_between(rows, *before) / args.seconds,
             "trainer_after_samples_per_s": samples_between(rows, *after) / args.seconds,
@@ -302,6 +365,7 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
             "ready_at_resume": peak["p0"]["ready"],
             "catch_up_s": caught_up() - resumed if caught_up() else None,
         }
+
     # Whole cycles only: from the end of one checkpoint to the end of the --cycles-th after it.
     def checkpoint_step() -> int:
         return (read_json(run.checkpoints / "latest.json") or {}).get("step", 0)
@@ -316,9 +380,13 @@ def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sa
     wait_for(lambda: checkpoint_step() >= first + args.cycles * cycle, args.timeout * args.cycles, "whole cycles")
     t1 = time.time()
     rows = ledger_rows(run)
-    measured = {"samples_per_s": samples_between(rows, t0, t1) / (t1 - t0), "window_s": t1 - t0,
-                "producer_samples_per_s": published_rate(sampler.rows, t0, t1),
-                "net_samples_per_s": net_rate(rows, sampler.rows, t0, t1), **backlog_span(sampler.rows, t0, t1)}
+    measured = {
+        "samples_per_s": samples_between(rows, t0, t1) / (t1 - t0),
+        "window_s": t1 - t0,
+        "producer_samples_per_s": published_rate(sampler.rows, t0, t1),
+        "net_samples_per_s": net_rate(rows, sampler.rows, t0, t1),
+        **backlog_span(sampler.rows, t0, t1),
+    }
     if name.endswith("-evals"):
         measured.update(evaluation_rates(run, t0, t1, cycle))
     return measured
@@ -352,16 +420,21 @@ def evaluation_phases(run: RunDir) -> dict[str, list[tuple[float, float]]]:
         metrics, finished = result["metrics"], result["finished"]
         started = finished - metrics["eval/seconds"]
         decoding = started + metrics["eval/reference_seconds"]
-        bounds = {"loading": (claim["claimed"], started), "reference": (started, decoding),
-                  "decoding": (decoding, decoding + metrics["eval/decode_seconds"]),
-                  "simulated acceptance": (decoding + metrics["eval/decode_seconds"], finished),
-                  f"{AFTER_EVAL_S:g} s after": (finished, finished + AFTER_EVAL_S)}
+        bounds = {
+            "loading": (claim["claimed"], started),
+            "reference": (started, decoding),
+            "decoding": (decoding, decoding + metrics["eval/decode_seconds"]),
+            "simulated acceptance": (decoding + metrics["eval/decode_seconds"], finished),
+            f"{AFTER_EVAL_S:g} s after": (finished, finished + AFTER_EVAL_S),
+        }
         for phase, span in bounds.items():
             phases.setdefault(phase, []).append(span)
     return phases
 
 
-def _steps_inside(steps: list[tuple[float, float]], spans: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+def _steps_inside(
+    steps: list[tuple[float, float]], spans: list[tuple[float, float]]
+) -> tuple[list[float], list[float]]:
     """The durations of the steps (intervals) that lie mostly inside ``spans``, and of those that touch none."""
     inside, outside = [], []
     for a, b in steps:
@@ -387,14 +460,31 @@ def evaluation_rates(run: RunDir, t0: float, t1: float, checkpoint_every: int) -
         w = json.loads(line)
         if "steps_per_s" not in w or not t0 <= w["time"] <= t1:
             continue
-        windows.append({key: w.get(key) for key in ("step", "time", "steps_per_s", "step_time_s", "starved_fraction",
-                                                   "checkpoint_fraction", "alloc_retries")})
+        windows.append(
+            {
+                key: w.get(key)
+                for key in (
+                    "step",
+                    "time",
+                    "steps_per_s",
+                    "step_time_s",
+                    "starved_fraction",
+                    "checkpoint_fraction",
+                    "alloc_retries",
+                )
+            }
+        )
         if w["starved_fraction"] > 0:
             starved_steps.update(range(w["step"] - EVAL_LOG_EVERY + 1, w["step"] + 1))
     rows = ledger_rows(run)
-    steps = [(before["time"], row["time"]) for before, row in zip(rows, rows[1:])
-             if t0 <= before["time"] and row["time"] <= t1 and before["step"] % checkpoint_every
-             and row["step"] not in starved_steps]
+    steps = [
+        (before["time"], row["time"])
+        for before, row in zip(rows, rows[1:])
+        if t0 <= before["time"]
+        and row["time"] <= t1
+        and before["step"] % checkpoint_every
+        and row["step"] not in starved_steps
+    ]
     rate = lambda xs: len(xs) / sum(xs) if xs else None  # noqa: E731
     during, between = _steps_inside(steps, spans)
     by_phase = {}
@@ -403,12 +493,18 @@ def evaluation_rates(run: RunDir, t0: float, t1: float, checkpoint_every: int) -
         by_phase[phase] = {"steps_per_s": rate(inside), "steps": len(inside)}
     durations = [b - a for a, b in spans if t0 <= a <= t1]
     asked = [read_json(here / "request.json") or {} for here in (run.root / "evals").glob("step-*")]
-    return {"evaluations": len(durations), "evaluation_s": sum(durations) / len(durations) if durations else None,
-            "evaluations_asked": sum(1 for r in asked if t0 <= r.get("requested", 0) <= t1) if asked else None,
-            "own_steps_per_s_during_evals": rate(during), "own_steps_per_s_between_evals": rate(between),
-            "steps_during_evals": len(during), "steps_between_evals": len(between),
-            "own_steps_per_s_by_phase": by_phase, "windows": windows,
-            "evaluation_spans": spans}
+    return {
+        "evaluations": len(durations),
+        "evaluation_s": sum(durations) / len(durations) if durations else None,
+        "evaluations_asked": sum(1 for r in asked if t0 <= r.get("requested", 0) <= t1) if asked else None,
+        "own_steps_per_s_during_evals": rate(during),
+        "own_steps_per_s_between_evals": rate(between),
+        "steps_during_evals": len(during),
+        "steps_between_evals": len(between),
+        "own_steps_per_s_by_phase": by_phase,
+        "windows": windows,
+        "evaluation_spans": spans,
+    }
 
 
 def _is_ring(key: str) -> bool:
@@ -438,8 +534,11 @@ def backlog_span(timeline: list[dict], t0: float, t1: float) -> dict:
     the ends, so it says something only where the window starts and ends in the same phase of the cycle; a
     backlog that never ran dry means the trainer set the pace, and the samples trained are the sustained rate."""
     inside = [_row_backlog(r) for r in timeline if t0 <= r["t"] <= t1 and any(_is_ring(k) for k in r)]
-    return {"backlog_start": backlog_at(timeline, t0), "backlog_end": backlog_at(timeline, t1),
-            "backlog_min": min(inside) if inside else None}
+    return {
+        "backlog_start": backlog_at(timeline, t0),
+        "backlog_end": backlog_at(timeline, t1),
+        "backlog_min": min(inside) if inside else None,
+    }
 
 
 def run_stage(name: str, args: argparse.Namespace) -> dict:
@@ -448,18 +547,39 @@ def run_stage(name: str, args: argparse.Namespace) -> dict:
         command = ["-m", "launch.bench.producer", "--warmup", str(args.warmup_s), "--seconds", str(args.seconds)]
         command += ["--tiny"] if args.tiny else ["--fixed-len", str(args.length), "--budget", str(args.length)]
     else:
-        command = ["-m", "launch.bench.step", "--variants", "compile-layers" if not args.tiny else "eager",
-                   "--master-fp32", "--num-docs", "1", "--steps", "20", "--warmup", "3"]
+        command = [
+            "-m",
+            "launch.bench.step",
+            "--variants",
+            "compile-layers" if not args.tiny else "eager",
+            "--master-fp32",
+            "--num-docs",
+            "1",
+            "--steps",
+            "20",
+            "--warmup",
+            "3",
+        ]
         command += ["--tiny"] if args.tiny else ["--seq-len", str(args.length), "--num-anchors", str(args.anchors)]
     out = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0:
         raise RuntimeError(f"{name}: {out.stdout[-2000:]}{out.stderr[-3000:]}")
     data = json.loads(out.stdout.strip().splitlines()[-1])
     if name == "producer":
-        return {"run": name, "samples_per_s": data["samples_per_s"], "tokens_per_s": data["tokens_per_s"], "mfu": data.get("mfu")}
+        return {
+            "run": name,
+            "samples_per_s": data["samples_per_s"],
+            "tokens_per_s": data["tokens_per_s"],
+            "mfu": data.get("mfu"),
+        }
     step = data["results"][0]
-    return {"run": name, "samples_per_s": step["samples_per_s"], "tokens_per_s": step["tokens_per_s"], "mfu": step["mfu"],
-            "step_ms": step["step_ms"]}
+    return {
+        "run": name,
+        "samples_per_s": step["samples_per_s"],
+        "tokens_per_s": step["tokens_per_s"],
+        "mfu": step["mfu"],
+        "step_ms": step["step_ms"],
+    }
 
 
 def ideal(name: str, stages: dict) -> float | None:
@@ -494,45 +614,65 @@ def parse_stage_rates(text: str, parser: argparse.ArgumentParser) -> dict:
 
 def decoupled_over_coupled(results: list[dict]) -> dict[str, float]:
     """Samples/s of each decoupled run over each coupled run of the same invocation (side by side, one machine)."""
-    return {f"{d['run']} / {c['run']}": d["samples_per_s"] / c["samples_per_s"]
-            for d in results if d.get("coupled") is False and d.get("samples_per_s")  # the stages alone have no "coupled"
-            for c in results if c.get("coupled") is True and c.get("samples_per_s")}
+    return {
+        f"{d['run']} / {c['run']}": d["samples_per_s"] / c["samples_per_s"]
+        for d in results
+        if d.get("coupled") is False and d.get("samples_per_s")  # the stages alone have no "coupled"
+        for c in results
+        if c.get("coupled") is True and c.get("samples_per_s")
+    }
 
 
 def print_table(results: list[dict], stages: dict) -> None:
-    header = (f"{'run':<18}{'producers':>14}{'trainer':>18}{'samples/s':>11}{'net':>8}{'ideal':>8}{'of ideal':>10}"
-              f"{'producer/s':>12}")
+    header = (
+        f"{'run':<18}{'producers':>14}{'trainer':>18}{'samples/s':>11}{'net':>8}{'ideal':>8}{'of ideal':>10}"
+        f"{'producer/s':>12}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         best = ideal(r["run"], stages)
         rate = r.get("samples_per_s", float("nan"))
         net = r.get("net_samples_per_s", rate)
-        print(f"{r['run']:<18}{','.join(r.get('producers', [])) or '-':>14}{','.join(r.get('trainer', [])) or '-':>18}"
-              f"{rate:>11.2f}{net:>8.2f}{(best or float('nan')):>8.2f}{(net / best if best else float('nan')):>10.1%}"
-              f"{r.get('producer_samples_per_s', float('nan')):>12.2f}")
+        print(
+            f"{r['run']:<18}{','.join(r.get('producers', [])) or '-':>14}{','.join(r.get('trainer', [])) or '-':>18}"
+            f"{rate:>11.2f}{net:>8.2f}{(best or float('nan')):>8.2f}{(net / best if best else float('nan')):>10.1%}"
+            f"{r.get('producer_samples_per_s', float('nan')):>12.2f}"
+        )
     for r in results:
         if r["run"].endswith("-evals"):
             during, between = r.get("own_steps_per_s_during_evals"), r.get("own_steps_per_s_between_evals")
             asked = "" if r.get("evaluations_asked") is None else f" ({r['evaluations_asked']} asked)"
-            print(f"{r['run']}: {r.get('evaluations')} evaluations of {r.get('evaluation_s') or 0:.1f} s in the window{asked}; "
-                  f"trainer's own steps/s during them {during if during is None else round(during, 3)}, "
-                  f"between them {between if between is None else round(between, 3)}"
-                  + (f" ({during / between - 1:+.1%}; {r['steps_during_evals']} and {r['steps_between_evals']} steps)"
-                     if during and between else ""))
-        phases = [f"{phase} {v['steps_per_s']:.2f} ({v['steps']})" for phase, v in r.get("own_steps_per_s_by_phase", {}).items()
-                  if v["steps_per_s"] is not None]
+            print(
+                f"{r['run']}: {r.get('evaluations')} evaluations of {r.get('evaluation_s') or 0:.1f} s in the window{asked}; "
+                f"trainer's own steps/s during them {during if during is None else round(during, 3)}, "
+                f"between them {between if between is None else round(between, 3)}"
+                + (
+                    f" ({during / between - 1:+.1%}; {r['steps_during_evals']} and {r['steps_between_evals']} steps)"
+                    if during and between
+                    else ""
+                )
+            )
+        phases = [
+            f"{phase} {v['steps_per_s']:.2f} ({v['steps']})"
+            for phase, v in r.get("own_steps_per_s_by_phase", {}).items()
+            if v["steps_per_s"] is not None
+        ]
         if phases:
             print(f"{r['run']}: trainer's own steps/s by evaluation phase (steps): " + ", ".join(phases))
         if r.get("backlog_min") is not None and r.get("producers"):
-            print(f"{r['run']}: rings' backlog {r['backlog_start']} -> {r['backlog_end']} slots over the window, "
-                  f"never below {r['backlog_min']}" + (" (the trainer set the pace: samples/s is the sustained rate)"
-                                                       if r["backlog_min"] > 2 else ""))
+            print(
+                f"{r['run']}: rings' backlog {r['backlog_start']} -> {r['backlog_end']} slots over the window, "
+                f"never below {r['backlog_min']}"
+                + (" (the trainer set the pace: samples/s is the sustained rate)" if r["backlog_min"] > 2 else "")
+            )
         if r["run"] == "stall":
-            print(f"stall test: trainer paused {r['stall_s']:.1f} s; producer {r['producer_before_samples_per_s']:.2f} samples/s "
-                  f"before, {r['producer_during_samples_per_s']:.2f} during, {r['producer_after_samples_per_s']:.2f} after; "
-                  f"trainer {r['trainer_before_samples_per_s']:.2f} before, {r['trainer_after_samples_per_s']:.2f} after; "
-                  f"{r['ready_at_resume']} slots ready at resume, drained {r['catch_up_s']} s later")
+            print(
+                f"stall test: trainer paused {r['stall_s']:.1f} s; producer {r['producer_before_samples_per_s']:.2f} samples/s "
+                f"before, {r['producer_during_samples_per_s']:.2f} during, {r['producer_after_samples_per_s']:.2f} after; "
+                f"trainer {r['trainer_before_samples_per_s']:.2f} before, {r['trainer_after_samples_per_s']:.2f} after; "
+                f"{r['ready_at_resume']} slots ready at resume, drained {r['catch_up_s']} s later"
+            )
 
 
 def plot(results_path: Path, png: Path) -> None:
@@ -551,13 +691,20 @@ def plot(results_path: Path, png: Path) -> None:
     for key, colour in (("ready", "tab:green"), ("leased", "tab:orange"), ("free", "tab:grey")):
         ax.plot(t, [r["p0"][key] / max(1, r["p0"]["slots"]) for r in rows], label=key, color=colour)
     for axis in (ax, ax2):
-        axis.axvspan(stall["paused_at"] - t0, stall["resumed_at"] - t0, color="tab:red", alpha=0.12,
-                     label="trainer paused" if axis is ax else None)
+        axis.axvspan(
+            stall["paused_at"] - t0,
+            stall["resumed_at"] - t0,
+            color="tab:red",
+            alpha=0.12,
+            label="trainer paused" if axis is ax else None,
+        )
     ax.set_ylabel("fraction of ring slots")
     ax.set_title(f"ring of producer 0 while the trainer pauses {stall['stall_s']:.0f} s")
     ax.legend(loc="upper left")
     ledger = stall["ledger"]
-    ax2.plot([x - t0 for x, _ in ledger], [sum(n for _, n in ledger[: i + 1]) for i in range(len(ledger))], label="trained")
+    ax2.plot(
+        [x - t0 for x, _ in ledger], [sum(n for _, n in ledger[: i + 1]) for i in range(len(ledger))], label="trained"
+    )
     ax2.plot(t, [r["p0"]["published"] - rows[0]["p0"]["published"] for r in rows], label="published by the producer")
     ax2.set_xlabel("seconds")
     ax2.set_ylabel("samples")
@@ -592,21 +739,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-every", type=int, default=60, help="*-stalls: checkpoint and pause every N steps")
     parser.add_argument("--pause-s", type=float, default=10.0, help="*-stalls, *-pauses: the evaluation stand-in")
     parser.add_argument("--cycles", type=int, default=2, help="*-stalls, *-evals, *-pauses: checkpoint cycles measured")
-    parser.add_argument("--skip-cycles", type=int, default=0,
-                        help="*-stalls, *-evals, *-pauses: whole cycles after the first checkpoint left out of the window")
-    parser.add_argument("--eval-every", type=int, default=40,
-                        help="*-evals, *-pauses: checkpoint and evaluate (or pause) every N steps")
+    parser.add_argument(
+        "--skip-cycles",
+        type=int,
+        default=0,
+        help="*-stalls, *-evals, *-pauses: whole cycles after the first checkpoint left out of the window",
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=40, help="*-evals, *-pauses: checkpoint and evaluate (or pause) every N steps"
+    )
     parser.add_argument("--eval-prompts", type=int, default=16, help="*-evals: prompts per evaluation")
-    parser.add_argument("--eval-slots", type=int, default=128,
-                        help="*-evals: ring slots of the decoupled run (its backlog feeds the trainer while producer 0 evaluates)")
-    parser.add_argument("--producer-share", type=float, default=1.0,
-                        help="*-evals: eval.producer_share of the decoupled run; 1 serves every request, the coupled cadence")
+    parser.add_argument(
+        "--eval-slots",
+        type=int,
+        default=128,
+        help="*-evals: ring slots of the decoupled run (its backlog feeds the trainer while producer 0 evaluates)",
+    )
+    parser.add_argument(
+        "--producer-share",
+        type=float,
+        default=1.0,
+        help="*-evals: eval.producer_share of the decoupled run; 1 serves every request, the coupled cadence",
+    )
     parser.add_argument("--timeout", type=float, default=400.0)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every run, e.g. launch.mps=true (repeatable)")
-    parser.add_argument("--stage-rates", default=None, metavar="producer=P,trainer=T",
-                        help="samples/s of the stages alone, measured earlier, for the ideal column of runs "
-                             "that leave out the producer and trainer runs")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run, e.g. launch.mps=true (repeatable)",
+    )
+    parser.add_argument(
+        "--stage-rates",
+        default=None,
+        metavar="producer=P,trainer=T",
+        help="samples/s of the stages alone, measured earlier, for the ideal column of runs "
+        "that leave out the producer and trainer runs",
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     placements = TINY_PLACEMENTS if args.tiny else PLACEMENTS
@@ -617,8 +786,12 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         gpus = torch.cuda.device_count()
-    names = args.runs.split(",") if args.runs else ["producer", "trainer"] + [
-        n for n, (p, t, _) in PLACEMENTS.items() if args.tiny or max(int(d.split(":")[1]) for d in p + t) < gpus]
+    names = (
+        args.runs.split(",")
+        if args.runs
+        else ["producer", "trainer"]
+        + [n for n, (p, t, _) in PLACEMENTS.items() if args.tiny or max(int(d.split(":")[1]) for d in p + t) < gpus]
+    )
     stages = parse_stage_rates(args.stage_rates, parser) if args.stage_rates else {}
     results: list[dict] = []
     for name in names:
@@ -644,8 +817,14 @@ def main(argv: list[str] | None = None) -> int:
     ratios = decoupled_over_coupled(measured)
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x in samples trained")
-    record = {"bench": "pipeline", "tiny": args.tiny, "length": args.length, "anchors": args.anchors, "runs": results,
-              "decoupled_over_coupled": ratios}
+    record = {
+        "bench": "pipeline",
+        "tiny": args.tiny,
+        "length": args.length,
+        "anchors": args.anchors,
+        "runs": results,
+        "decoupled_over_coupled": ratios,
+    }
     if args.json:
         args.json.write_text(json.dumps(record))
     print(json.dumps({**record, "runs": [{k: v for k, v in r.items() if k not in JSON_ONLY} for r in results]}))

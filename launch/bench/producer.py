@@ -35,9 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=16384, help="tokens per batch (one ring slot)")
     parser.add_argument("--warmup", type=float, default=20.0, help="seconds before measuring")
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--fixed-len", type=int, default=0,
-                        help="every document this many tokens (default: the chat length mix, mean 1,000)")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 matmul rate for MFU (measured if omitted)")
+    parser.add_argument(
+        "--fixed-len",
+        type=int,
+        default=0,
+        help="every document this many tokens (default: the chat length mix, mean 1,000)",
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="bf16 matmul rate for MFU (measured if omitted)"
+    )
     args = parser.parse_args(argv)
 
     run = RunDir(Path(tempfile.mkdtemp(prefix="df-prod-", dir="/tmp")) / "run")
@@ -47,18 +53,31 @@ def main(argv: list[str] | None = None) -> int:
         config_json = run.root / "qwen3-8b.json"
         config_json.write_text(json.dumps(QWEN3_8B))
         overrides += [
-            f'target.config_json="{config_json}"', 'target.dtype="bfloat16"', "target.config_overrides={}",
-            "data.num_samples=100000", f"data.mean_len={args.fixed_len or 1000}", "data.min_len=32",
+            f'target.config_json="{config_json}"',
+            'target.dtype="bfloat16"',
+            "target.config_overrides={}",
+            "data.num_samples=100000",
+            f"data.mean_len={args.fixed_len or 1000}",
+            "data.min_len=32",
             f"data.max_seq_len={max(3072, args.fixed_len)}",
             *(['data.length_mode="fixed"'] if args.fixed_len else []),
-            "data.max_step=63", f"batching.token_budget={args.budget}", "batching.window_docs=512",
-            "drafter.num_layers=5", f'ring.backend="{args.ring}"', "ring.num_slots=4", "ring.heartbeat_timeout_s=30.0",
+            "data.max_step=63",
+            f"batching.token_budget={args.budget}",
+            "batching.window_docs=512",
+            "drafter.num_layers=5",
+            f'ring.backend="{args.ring}"',
+            "ring.num_slots=4",
+            "ring.heartbeat_timeout_s=30.0",
         ]
     cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
     save_config(cfg, run.config)
     device = "cpu" if args.tiny else "cuda:0"
-    producer = subprocess.Popen([sys.executable, "-m", "producer.server", "--run-dir", str(run.root), "--producer-id", "0",
-                                 "--device", device], cwd=ROOT, stdout=open(run.root / "producer.log", "w"), stderr=subprocess.STDOUT)
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "producer.server", "--run-dir", str(run.root), "--producer-id", "0", "--device", device],
+        cwd=ROOT,
+        stdout=open(run.root / "producer.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     try:
         started = time.monotonic()
         while not (read_json(run.producer_status(0)) or {}).get("ready"):
@@ -89,10 +108,20 @@ def main(argv: list[str] | None = None) -> int:
         producer.wait(timeout=60)
     tokens_per_s = tokens / args.seconds
     ring = status["ring"]["backend"]
-    result = {"bench": "producer", "tiny": args.tiny, "ring": ring, "budget": cfg.batching.token_budget, "ready_s": ready_s,
-              "tokens_per_s": tokens_per_s, "samples_per_s": docs / args.seconds, "batches": batches, "docs_per_batch": docs / max(1, batches),
-              "mean_doc_len": sum(lengths) / max(1, len(lengths)), "producer_blocked_fraction": stats.get("blocked_fraction"),
-              "padding_efficiency": stats.get("batching", {}).get("padding_efficiency")}
+    result = {
+        "bench": "producer",
+        "tiny": args.tiny,
+        "ring": ring,
+        "budget": cfg.batching.token_budget,
+        "ready_s": ready_s,
+        "tokens_per_s": tokens_per_s,
+        "samples_per_s": docs / args.seconds,
+        "batches": batches,
+        "docs_per_batch": docs / max(1, batches),
+        "mean_doc_len": sum(lengths) / max(1, len(lengths)),
+        "producer_blocked_fraction": stats.get("blocked_fraction"),
+        "padding_efficiency": stats.get("batching", {}).get("padding_efficiency"),
+    }
     if not args.tiny:
         from transformers import AutoConfig
 
@@ -108,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         config = AutoConfig.for_model(**QWEN3_8B)
         flops = sum(flops_per_document(config, 34, n) for n in lengths)  # layers 0..33 run
         result.update({"peak_tflops": peak, "mfu": flops / args.seconds / 1e12 / peak})
-    print(f"\nproducer process ({ring} ring): {tokens_per_s:,.0f} tokens/s over {args.seconds:.0f} s, "
-          f"{batches} batches of {result['docs_per_batch']:.1f} docs (mean {result['mean_doc_len']:.0f} tokens)"
-          + (f", MFU {result['mfu']:.1%}" if "mfu" in result else "") + f"; ready after {ready_s:.1f} s")
+    print(
+        f"\nproducer process ({ring} ring): {tokens_per_s:,.0f} tokens/s over {args.seconds:.0f} s, "
+        f"{batches} batches of {result['docs_per_batch']:.1f} docs (mean {result['mean_doc_len']:.0f} tokens)"
+        + (f", MFU {result['mfu']:.1%}" if "mfu" in result else "")
+        + f"; ready after {ready_s:.1f} s"
+    )
     print(json.dumps(result))
     return 0
 

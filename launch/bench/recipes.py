@@ -76,23 +76,36 @@ def table(out: Path) -> list[dict]:
         run = json.loads(path.read_text())
         if "held_out" not in run:
             continue  # still training, or cut short
-        rows.append({"recipe": path.stem.removeprefix("quality-"), "overrides": run["overrides"],
-                     "tau_held_out": run["held_out"]["tau"], "sim_tau_held_out": run["held_out"]["sim_tau"],
-                     "tau_humaneval": run["humaneval"]["tau"], "sim_tau_humaneval": run["humaneval"]["sim_tau"],
-                     "samples": run["trained_samples"], "train_s": run["train_s"],
-                     "samples_per_s": run["trained_samples"] / run["train_s"], "steps": run["steps"]})
+        rows.append(
+            {
+                "recipe": path.stem.removeprefix("quality-"),
+                "overrides": run["overrides"],
+                "tau_held_out": run["held_out"]["tau"],
+                "sim_tau_held_out": run["held_out"]["sim_tau"],
+                "tau_humaneval": run["humaneval"]["tau"],
+                "sim_tau_humaneval": run["humaneval"]["sim_tau"],
+                "samples": run["trained_samples"],
+                "train_s": run["train_s"],
+                "samples_per_s": run["trained_samples"] / run["train_s"],
+                "steps": run["steps"],
+            }
+        )
     return sorted(rows, key=lambda row: -row["tau_held_out"])
 
 
 def print_table(rows: list[dict]) -> None:
     baseline = next((row["tau_held_out"] for row in rows if row["recipe"] == "default-s0"), None)
-    print(f"{'recipe':28} {'tau held-out':>12} {'vs default':>10} {'tau HumanEval':>13} {'sim tau':>8} "
-          f"{'steps':>6} {'samples':>8} {'samples/s':>9} {'train min':>9}")
+    print(
+        f"{'recipe':28} {'tau held-out':>12} {'vs default':>10} {'tau HumanEval':>13} {'sim tau':>8} "
+        f"{'steps':>6} {'samples':>8} {'samples/s':>9} {'train min':>9}"
+    )
     for row in rows:
         gain = f"{row['tau_held_out'] / baseline - 1:+.1%}" if baseline else "-"
-        print(f"{row['recipe']:28} {row['tau_held_out']:12.3f} {gain:>10} {row['tau_humaneval']:13.3f} "
-              f"{row['sim_tau_held_out']:8.3f} {row['steps']:6d} {row['samples']:8d} {row['samples_per_s']:9.1f} "
-              f"{row['train_s'] / 60:9.1f}")
+        print(
+            f"{row['recipe']:28} {row['tau_held_out']:12.3f} {gain:>10} {row['tau_humaneval']:13.3f} "
+            f"{row['sim_tau_held_out']:8.3f} {row['steps']:6d} {row['samples']:8d} {row['samples_per_s']:9.1f} "
+            f"{row['train_s'] / 60:9.1f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=0, help="evaluations during training (0: at the end only)")
     parser.add_argument("--smoke", action="store_true", help="on the CPU, a few prompts and steps: the pipeline only")
     parser.add_argument("--table", action="store_true", help="print the table of the runs in --out and stop")
-    parser.add_argument("--rows", type=int, help="rows the synthesis decodes at once (synthesize.rows; the preset's "
-                        "when left out)")
-    parser.add_argument("recipes", nargs="*", metavar="RECIPE", help="name[+name...][:steps][@seed], e.g. dense+wsd@1, "
-                        "step16k:2000")
+    parser.add_argument(
+        "--rows", type=int, help="rows the synthesis decodes at once (synthesize.rows; the preset's when left out)"
+    )
+    parser.add_argument(
+        "recipes", nargs="*", metavar="RECIPE", help="name[+name...][:steps][@seed], e.g. dense+wsd@1, step16k:2000"
+    )
     args = parser.parse_args(argv)
     out = args.out.resolve()
     if not args.table:
@@ -125,9 +140,23 @@ def main(argv: list[str] | None = None) -> int:
 def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, list[str]]) -> None:
     """Synthesize the data (once per --out), then run every recipe's training and evaluation at the same time."""
     out.mkdir(parents=True, exist_ok=True)
-    quality = [sys.executable, "-m", "launch.bench.quality", "--gguf", str(args.gguf.resolve()), "--out", str(out),
-               "--magpie", str(args.magpie), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-               *(["--rows", str(args.rows)] if args.rows else []), *(["--smoke"] if args.smoke else [])]
+    quality = [
+        sys.executable,
+        "-m",
+        "launch.bench.quality",
+        "--gguf",
+        str(args.gguf.resolve()),
+        "--out",
+        str(out),
+        "--magpie",
+        str(args.magpie),
+        "--steps",
+        str(args.steps),
+        "--eval-every",
+        str(args.eval_every),
+        *(["--rows", str(args.rows)] if args.rows else []),
+        *(["--smoke"] if args.smoke else []),
+    ]
     if not (out / "quality-data.json").exists():
         started = time.monotonic()
         subprocess.run([*quality, "--synthesize-only"], check=True, stdout=subprocess.DEVNULL)
@@ -141,14 +170,22 @@ def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, list
         env.update(daemon.env)
     try:
         started = time.monotonic()
-        children = {name: subprocess.Popen([*quality, "--reuse-data", "--name", name, *overrides,
-                                            *([] if args.smoke else ["launch.mps=false"])],
-                                           env=env, stdout=open(out / f"recipe-{name}.log", "w"), stderr=subprocess.STDOUT)
-                    for name, overrides in runs.items()}
+        children = {
+            name: subprocess.Popen(
+                [*quality, "--reuse-data", "--name", name, *overrides, *([] if args.smoke else ["launch.mps=false"])],
+                env=env,
+                stdout=open(out / f"recipe-{name}.log", "w"),
+                stderr=subprocess.STDOUT,
+            )
+            for name, overrides in runs.items()
+        }
         for name, child in children.items():
             code = child.wait()
-            print(f"{name}: {'done' if code == 0 else f'failed (exit {code}), see recipe-{name}.log'} after "
-                  f"{time.monotonic() - started:.0f} s", flush=True)
+            print(
+                f"{name}: {'done' if code == 0 else f'failed (exit {code}), see recipe-{name}.log'} after "
+                f"{time.monotonic() - started:.0f} s",
+                flush=True,
+            )
     finally:
         if daemon is not None:
             daemon.quit()

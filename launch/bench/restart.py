@@ -41,26 +41,55 @@ CHECKPOINT_EVERY = {True: 8, False: 100}
 TINY_WRITE_S = 5.0
 WARM_LINE = "warm start: head, drafter"  # the standby's log line once its warm start is built
 QWEN3_8B = {
-    "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
 }
 
 
 def overrides_for(tiny: bool, run_dir: Path) -> list[str]:
-    common = ["training.max_steps=1000000", f"training.checkpoint_every={CHECKPOINT_EVERY[tiny]}", "logging.log_every=1",
-              "logging.progress=false", "launch.restart_backoff_s=0.5", "launch.standby_trainer_after_s=0"]
+    common = [
+        "training.max_steps=1000000",
+        f"training.checkpoint_every={CHECKPOINT_EVERY[tiny]}",
+        "logging.log_every=1",
+        "logging.progress=false",
+        "launch.restart_backoff_s=0.5",
+        "launch.standby_trainer_after_s=0",
+    ]
     if tiny:
         return common
     config_json = run_dir.parent / "qwen3-8b.json"
     config_json.write_text(json.dumps(QWEN3_8B))
     return common + [
-        f'target.config_json="{config_json}"', 'target.dtype="bfloat16"', "target.config_overrides={}",
-        "data.num_samples=100000", "data.mean_len=1000", "data.min_len=32", "data.max_seq_len=3072", "data.max_step=63",
-        "batching.token_budget=3072", "batching.window_docs=256",
-        "drafter.num_layers=5", "drafter.block_size=16", "drafter.num_anchors=512",
-        'ring.backend="cuda"', "ring.num_slots=4", "ring.heartbeat_interval_s=1.0", "ring.heartbeat_timeout_s=30.0",
-        'launch.producer_devices=["cuda:0"]', 'launch.trainer_devices=["cuda:0"]', "training.lr=6e-4",
+        f'target.config_json="{config_json}"',
+        'target.dtype="bfloat16"',
+        "target.config_overrides={}",
+        "data.num_samples=100000",
+        "data.mean_len=1000",
+        "data.min_len=32",
+        "data.max_seq_len=3072",
+        "data.max_step=63",
+        "batching.token_budget=3072",
+        "batching.window_docs=256",
+        "drafter.num_layers=5",
+        "drafter.block_size=16",
+        "drafter.num_anchors=512",
+        'ring.backend="cuda"',
+        "ring.num_slots=4",
+        "ring.heartbeat_interval_s=1.0",
+        "ring.heartbeat_timeout_s=30.0",
+        'launch.producer_devices=["cuda:0"]',
+        'launch.trainer_devices=["cuda:0"]',
+        "training.lr=6e-4",
     ]
 
 
@@ -79,8 +108,13 @@ def trainer(run: RunDir) -> dict:
 
 
 def launch(run_dir: Path, overrides: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *overrides],
-                            cwd=ROOT, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run_dir), *overrides],
+        cwd=ROOT,
+        stdout=open(log_path, "a"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 def first_step_after(run: RunDir, known: set[int], timeout: float) -> tuple[float, int]:
@@ -113,8 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--warm-steps", type=int, default=5, help="steps before the restart (compilation done)")
-    parser.add_argument("--standby-s", type=float, default=8.0,
-                        help="seconds given to the standby trainer's imports before the restart (a run that trained a while)")
+    parser.add_argument(
+        "--standby-s",
+        type=float,
+        default=8.0,
+        help="seconds given to the standby trainer's imports before the restart (a run that trained a while)",
+    )
     parser.add_argument("--during-write", action="store_true", help="restart right after a checkpoint write began")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="df-restart-", dir="/tmp"))
@@ -128,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, DELAY_ENV: f"trainer.checkpoint={TINY_WRITE_S}"} if args.during_write and args.tiny else None
     launcher = launch(run_dir, overrides, log_path, env)
     try:
-        wait_for(lambda: len([s for s in run.producer_statuses() if s.get("ready")]) >= 1, args.timeout, "producers ready")
+        wait_for(
+            lambda: len([s for s in run.producer_statuses() if s.get("ready")]) >= 1, args.timeout, "producers ready"
+        )
         results["cold_producers_ready_s"] = time.time() - started
         t, inc = first_step_after(run, set(), args.timeout)
         results["cold_first_step_s"] = t - started
@@ -136,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         producer_pids = {s["id"]: s["pid"] for s in run.producer_statuses()}
         # Steady state: the launcher keeps a standby trainer (imported, waiting) once a trainer trains. Give
         # it its imports' time, as a run that has trained a while has (a single-process trainer only).
-        standby = wait_for(lambda: (read_json(run_dir / "launcher.json") or {}).get("standby_trainer"), args.timeout,
-                           "the standby trainer")
+        standby = wait_for(
+            lambda: (read_json(run_dir / "launcher.json") or {}).get("standby_trainer"),
+            args.timeout,
+            "the standby trainer",
+        )
         standby_seen = time.monotonic()
         results["standby_trainer"] = bool(standby)
         # A run that trained a while has checkpointed: its staging buffers (in /dev/shm) exist. Restart soon
@@ -150,16 +193,32 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(max(0.0, args.standby_s - (time.monotonic() - standby_seen)))
         if args.during_write:
             before = trainer(run).get("checkpoint_writing")
-            in_flight = wait_for(lambda: trainer(run).get("checkpoint_writing") not in (None, before)
-                                 and trainer(run)["checkpoint_writing"], args.timeout, "a checkpoint write to begin")
+            in_flight = wait_for(
+                lambda: (
+                    trainer(run).get("checkpoint_writing") not in (None, before) and trainer(run)["checkpoint_writing"]
+                ),
+                args.timeout,
+                "a checkpoint write to begin",
+            )
             results["write_before_restart_s"] = float((trainer(run).get("last_checkpoint") or {}).get("write_s") or 0.0)
             print(f"restarting while {in_flight} is being written", flush=True)
 
         # 1. restart-trainer: producers and their rings stay; only the trainer is replaced.
         t0 = time.time()
-        answer = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "restart-trainer", "--run-dir", str(run_dir),
-                                 "training.lr=3e-4", "training.checkpoint_every=1000000"],
-                                cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        answer = subprocess.run(
+            [
+                str(ROOT / "launch" / "run_all.sh"),
+                "restart-trainer",
+                "--run-dir",
+                str(run_dir),
+                "training.lr=3e-4",
+                "training.checkpoint_every=1000000",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
         if answer.returncode != 0:
             raise RuntimeError(answer.stdout + answer.stderr)
         t1, inc2 = first_step_after(run, {inc}, args.timeout)
@@ -167,13 +226,20 @@ def main(argv: list[str] | None = None) -> int:
         handed = [line for line in trainer_log.read_text().splitlines() if "handed over in shared memory" in line]
         print("handover:", handed[-1].split(" INFO ", 1)[-1] if handed else "none")
         took_over = [line for line in trainer_log.read_text().splitlines() if "took over the state handed over" in line]
-        print("takeover:", took_over[-1].split("; ", 1)[-1] if took_over else "no handover (resumed from the checkpoint)")
+        print(
+            "takeover:", took_over[-1].split("; ", 1)[-1] if took_over else "no handover (resumed from the checkpoint)"
+        )
         assert {s["id"]: s["pid"] for s in run.producer_statuses()} == producer_pids, "producers were not touched"
 
         # 2. the whole pipeline: stop everything, start again on the same run directory (resume).
         t2 = time.time()
-        stopped = subprocess.run([str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)],
-                                 cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+        stopped = subprocess.run(
+            [str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
         launcher.wait(timeout=args.timeout)
         results["full_stop_s"] = time.time() - t2
         if stopped.returncode != 0:
@@ -184,8 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         results["full_start_to_first_step_s"] = t4 - t3
         results["full_restart_to_first_step_s"] = t4 - t2
     finally:
-        subprocess.run([str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)], cwd=ROOT,
-                       capture_output=True, timeout=300)
+        subprocess.run(
+            [str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)],
+            cwd=ROOT,
+            capture_output=True,
+            timeout=300,
+        )
         if os.environ.get("OUT"):  # the run directory dies with a GPU machine that starts bare: keep the logs in $OUT
             for path in [log_path, *sorted((run_dir / "logs").glob("*.log"))][:5]:
                 Path(os.environ["OUT"], f"restart_{path.name}").write_text(path.read_text()[-200_000:])
@@ -193,8 +263,18 @@ def main(argv: list[str] | None = None) -> int:
             launcher.kill()
     speedup = results["full_restart_to_first_step_s"] / results["restart_trainer_to_first_step_s"]
     print(f"{'full restart / restart-trainer':40s} {speedup:9.1f}x")
-    print(json.dumps({"bench": "restart", "tiny": args.tiny, "during_write": args.during_write, **results, "speedup": speedup,
-                      "log": str(log_path)}))
+    print(
+        json.dumps(
+            {
+                "bench": "restart",
+                "tiny": args.tiny,
+                "during_write": args.during_write,
+                **results,
+                "speedup": speedup,
+                "log": str(log_path),
+            }
+        )
+    )
     return 0
 
 

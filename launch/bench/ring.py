@@ -43,7 +43,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def serve(args: argparse.Namespace) -> int:
     """Publish the ring's slots over and over (their bytes written once) until SIGTERM."""
-    ring = create_ring(args.backend, num_slots=args.slots, slot_bytes=args.slot_bytes, run_tag="bench", role="p0", device=0)
+    ring = create_ring(
+        args.backend, num_slots=args.slots, slot_bytes=args.slot_bytes, run_tag="bench", role="p0", device=0
+    )
     for index in range(ring.num_slots):
         slot = ring.slot(index)
         slot.copy_(torch.randint(0, 256, (slot.numel(),), dtype=torch.uint8, device=slot.device))
@@ -141,8 +143,19 @@ def _finish(client: RingClient, delivery, copied) -> None:
     client.ack(delivery, grant=1)
 
 
-def _run_pair(name: str, backend: str, dest: str, slot_bytes: int, count: int, copy: bool, credits: int,
-              producer_env: dict, consumer_env: dict, slots: int, tree: Path = ROOT) -> dict:
+def _run_pair(
+    name: str,
+    backend: str,
+    dest: str,
+    slot_bytes: int,
+    count: int,
+    copy: bool,
+    credits: int,
+    producer_env: dict,
+    consumer_env: dict,
+    slots: int,
+    tree: Path = ROOT,
+) -> dict:
     """One producer and one consumer process, both running ``launch.bench.ring`` of ``tree``."""
     with tempfile.TemporaryDirectory(prefix="df-bench-", dir="/tmp") as tmp:
         endpoint = ipc_endpoint(Path(tmp) / "p.ipc")
@@ -152,15 +165,32 @@ def _run_pair(name: str, backend: str, dest: str, slot_bytes: int, count: int, c
         producer_env, consumer_env = {**producer_env, **tree_env}, {**consumer_env, **tree_env}
         producer = subprocess.Popen(
             [*base, "serve", *shared, "--backend", backend, "--slots", str(slots)],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, **producer_env}, cwd=tree,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **producer_env},
+            cwd=tree,
         )
         try:
             json.loads(producer.stdout.readline())
             warmup = max(3, count // 10)
-            cmd = [*base, "consume", *shared, "--dest", dest, "--count", str(count), "--warmup", str(warmup), "--credits", str(credits)]
+            cmd = [
+                *base,
+                "consume",
+                *shared,
+                "--dest",
+                dest,
+                "--count",
+                str(count),
+                "--warmup",
+                str(warmup),
+                "--credits",
+                str(credits),
+            ]
             if copy:
                 cmd.append("--copy")
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **consumer_env}, timeout=600, cwd=tree)
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, **consumer_env}, timeout=600, cwd=tree
+            )
             if out.returncode != 0:
                 raise RuntimeError(f"{name}: consumer failed:\n{out.stderr[-3000:]}")
             result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -186,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--latency-only", action="store_true", help="only the 4 KiB one-credit round trip")
     parser.add_argument("--repeat", type=int, default=1, help="latency runs per version (the median is reported)")
-    parser.add_argument("--baseline", type=Path, default=None, help="a tree with another version's common/ to compare with")
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="a tree with another version's common/ to compare with"
+    )
     args = parser.parse_args(argv)
     if args.role == "serve":
         return serve(args)
@@ -203,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if gpus >= 2:
         # The producer sees only GPU 0; the consumer sees both and finds the ring's GPU by UUID.
-        cases.append(("cuda ipc, GPU0 -> GPU1", "cuda", "cuda:1", {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0,1"}))
+        cases.append(
+            ("cuda ipc, GPU0 -> GPU1", "cuda", "cuda:1", {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0,1"})
+        )
     rows = []
     for name, backend, dest, penv, cenv in [] if args.latency_only else cases:
         count = args.count if dest != "cpu" else max(20, args.count // 4)
@@ -213,8 +247,21 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
     for _ in range(args.repeat):
         for label, tree in trees:  # alternating, so that both versions see the same machine load
-            runs[label].append(_run_pair(f"latency{label} ({latency_backend}, 4 KiB, 1 credit)", latency_backend, "cpu", 4096,
-                                         5000, False, 1, latency_env, latency_env, 2, tree=tree))
+            runs[label].append(
+                _run_pair(
+                    f"latency{label} ({latency_backend}, 4 KiB, 1 credit)",
+                    latency_backend,
+                    "cpu",
+                    4096,
+                    5000,
+                    False,
+                    1,
+                    latency_env,
+                    latency_env,
+                    2,
+                    tree=tree,
+                )
+            )
     for label, results in runs.items():
         row = dict(results[0])
         for key in ("slots_per_s", "gap_us_p50", "gap_us_p99"):
@@ -222,12 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         row["runs_p50"] = [round(r["gap_us_p50"], 1) for r in results]
         rows.append(row)
 
-    print(f"\n{'placement':36s} {'slot MiB':>8s} {'slots/s':>9s} {'hand-off GB/s':>14s} {'raw GB/s':>9s} {'ratio':>6s} {'p50 us':>8s} {'p99 us':>8s}")
+    print(
+        f"\n{'placement':36s} {'slot MiB':>8s} {'slots/s':>9s} {'hand-off GB/s':>14s} {'raw GB/s':>9s} {'ratio':>6s} {'p50 us':>8s} {'p99 us':>8s}"
+    )
     for r in rows:
         ratio = r["handoff_GBps"] / r["raw_copy_GBps"] if r["raw_copy_GBps"] else None
         r["ratio"] = ratio
-        print(f"{r['placement']:36s} {r['slot_MiB']:8.3f} {r['slots_per_s']:9.1f} {r['handoff_GBps']:14.2f} "
-              f"{(r['raw_copy_GBps'] or 0):9.2f} {(ratio or 0):6.2f} {r['gap_us_p50']:8.0f} {r['gap_us_p99']:8.0f}")
+        print(
+            f"{r['placement']:36s} {r['slot_MiB']:8.3f} {r['slots_per_s']:9.1f} {r['handoff_GBps']:14.2f} "
+            f"{(r['raw_copy_GBps'] or 0):9.2f} {(ratio or 0):6.2f} {r['gap_us_p50']:8.0f} {r['gap_us_p99']:8.0f}"
+        )
     payload = {"bench": "ring", "gpus": gpus, "device": torch.cuda.get_device_name(0) if gpus else "cpu", "rows": rows}
     if args.baseline:
         this, base = (rows[-2]["gap_us_p50"], rows[-1]["gap_us_p50"])

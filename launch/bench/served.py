@@ -54,8 +54,11 @@ def vllm_worker(request_file: Path, result_file: Path) -> None:
 
     llm = LLM(
         model=request["target"],
-        speculative_config={"method": "dflash", "model": request["draft"],
-                            "num_speculative_tokens": request["num_speculative_tokens"]},
+        speculative_config={
+            "method": "dflash",
+            "model": request["draft"],
+            "num_speculative_tokens": request["num_speculative_tokens"],
+        },
         enforce_eager=True,
         dtype=request["dtype"],
         # Token ids in, token ids out: a target folder without a tokenizer serves too.
@@ -67,8 +70,13 @@ def vllm_worker(request_file: Path, result_file: Path) -> None:
     loaded = time.perf_counter()
     # ignore_eos: the stop tokens are exactly those given (vLLM would add the generation config's otherwise), the
     # same set our side stops at.
-    params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"], ignore_eos=True,
-                            stop_token_ids=list(request["stop_token_ids"]), detokenize=False)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=request["max_new_tokens"],
+        ignore_eos=True,
+        stop_token_ids=list(request["stop_token_ids"]),
+        detokenize=False,
+    )
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]], params, use_tqdm=False)
     generated = time.perf_counter()
     drafts = draft_tokens = 0
@@ -80,8 +88,9 @@ def vllm_worker(request_file: Path, result_file: Path) -> None:
             draft_tokens += int(metric.value)
         elif metric.name == ACCEPTED_PER_POS:
             values = [int(v) for v in metric.values]
-            accepted_per_pos = [a + b for a, b in zip(accepted_per_pos + [0] * len(values), values)] \
-                if accepted_per_pos else values
+            accepted_per_pos = (
+                [a + b for a, b in zip(accepted_per_pos + [0] * len(values), values)] if accepted_per_pos else values
+            )
     result = {
         "vllm_version": vllm.__version__,
         "drafts": drafts,
@@ -99,18 +108,28 @@ def run_vllm(python: Path, request: dict, timeout_s: float, log_file: Path | Non
     with tempfile.TemporaryDirectory(prefix="served-vllm-") as tmp:
         request_file, result_file = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_file.write_text(json.dumps(request))
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               # nothing may be looked up on a hub: the target and the draft are local folders
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            # nothing may be looked up on a hub: the target and the draft are local folders
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
         env.pop("PYTHONPATH", None)  # this project's venv must not leak into vLLM's
         started = time.perf_counter()
         log_path = log_file or Path(tmp) / "vllm.log"
         with open(log_path, "w") as log:
-            done = subprocess.run([str(python), str(Path(__file__).resolve()), "--vllm-worker", str(request_file),
-                                   str(result_file)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                  timeout=timeout_s, cwd=tmp)
+            done = subprocess.run(
+                [str(python), str(Path(__file__).resolve()), "--vllm-worker", str(request_file), str(result_file)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout_s,
+                cwd=tmp,
+            )
         if done.returncode != 0 or not result_file.is_file():
             raise RuntimeError(f"vLLM exited with {done.returncode}:\n{log_path.read_text()[-6000:]}")
         result = json.loads(result_file.read_text())
@@ -196,8 +215,15 @@ def tau_of(side: dict) -> float:
     return 1.0 + sum(side["accepted_per_pos"]) / max(side["drafts"], 1)
 
 
-def run_ours(target_dir: Path, draft: Path, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool,
-             dtype: str, live: bool) -> tuple[dict, dict | None, list[int], int]:
+def run_ours(
+    target_dir: Path,
+    draft: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    ignore_eos: bool,
+    dtype: str,
+    live: bool,
+) -> tuple[dict, dict | None, list[int], int]:
     """(the evaluator's counts, the live decoder's or None, the stop tokens, the block size)."""
     import numpy as np
     import torch
@@ -223,28 +249,40 @@ def run_ours(target_dir: Path, draft: Path, prompts: list[list[int]], max_new_to
 
     # The evaluator of launch.evaluate on these prompts: each prompt is a document whose one supervised token
     # follows it (prompt_len 0 reads the prompt back as the tokens before it).
-    documents = [Document(i, np.asarray(ids + [ids[-1]], dtype=np.int32),
-                          np.asarray([0] * len(ids) + [1], dtype=np.uint8)) for i, ids in enumerate(prompts)]
+    documents = [
+        Document(i, np.asarray(ids + [ids[-1]], dtype=np.int32), np.asarray([0] * len(ids) + [1], dtype=np.uint8))
+        for i, ids in enumerate(prompts)
+    ]
     config = EvalConfig(num_prompts=len(prompts), max_new_tokens=max_new_tokens, prompt_len=0)
-    evaluator = Evaluator(model, documents, config, list(drafter.config.target_layer_ids), num_anchors=0,
-                          stop_token_ids=frozenset(stops))
+    evaluator = Evaluator(
+        model, documents, config, list(drafter.config.target_layer_ids), num_anchors=0, stop_token_ids=frozenset(stops)
+    )
     with evaluator.evaluation_context():
         reference, _ = evaluator.reference_for(block_size)
         decoded = evaluator.decode(drafter, reference)
-    ours = {**counts_of([n for d in decoded for n in d.accepted], block_size), "tokens": [d.tokens for d in decoded],
-            "load_seconds": loaded - started, "reference_seconds": reference.seconds,
-            "seconds": time.perf_counter() - loaded}
+    ours = {
+        **counts_of([n for d in decoded for n in d.accepted], block_size),
+        "tokens": [d.tokens for d in decoded],
+        "load_seconds": loaded - started,
+        "reference_seconds": reference.seconds,
+        "seconds": time.perf_counter() - loaded,
+    }
 
     live_side = None
     if live:
         started = time.perf_counter()
         target = GreedyTarget(model, list(drafter.config.target_layer_ids))
         with evaluator.evaluation_context():
-            runs = [speculative_decode(DraftContext(drafter), target, torch.tensor(ids), max_new_tokens,
-                                       frozenset(stops)) for ids in prompts]
+            runs = [
+                speculative_decode(DraftContext(drafter), target, torch.tensor(ids), max_new_tokens, frozenset(stops))
+                for ids in prompts
+            ]
         target.detach()
-        live_side = {**counts_of([n for d in runs for n in d.accepted], block_size), "tokens": [d.tokens for d in runs],
-                     "seconds": time.perf_counter() - started}
+        live_side = {
+            **counts_of([n for d in runs for n in d.accepted], block_size),
+            "tokens": [d.tokens for d in runs],
+            "seconds": time.perf_counter() - started,
+        }
     return ours, live_side, stops, block_size
 
 
@@ -265,8 +303,10 @@ def differences(served: dict, ours: dict, name: str) -> list[str]:
 
 def summary_of(side: dict) -> dict:
     """One side's figures for the JSON: the counters, tau and how many tokens it generated (not the tokens)."""
-    return {key: side[key] for key in side if key != "tokens"} | {"tau": tau_of(side),
-                                                                  "generated_tokens": sum(map(len, side["tokens"]))}
+    return {key: side[key] for key in side if key != "tokens"} | {
+        "tau": tau_of(side),
+        "generated_tokens": sum(map(len, side["tokens"])),
+    }
 
 
 def table(sides: dict[str, dict], block_size: int) -> str:
@@ -284,31 +324,48 @@ def table(sides: dict[str, dict], block_size: int) -> str:
     first = next(iter(sides.values()))
     row("generated tokens", [sum(len(t) for t in s["tokens"]) for s in sides.values()])
     if "vLLM" in sides:
-        row("same tokens as vLLM", ["-" if s is first else str(s["tokens"] == first["tokens"]).lower()
-                                    for s in sides.values()])
+        row(
+            "same tokens as vLLM",
+            ["-" if s is first else str(s["tokens"] == first["tokens"]).lower() for s in sides.values()],
+        )
     for k in range(1, block_size):
-        row(f"accepted at pos {k}", [s["accepted_per_pos"][k - 1] if k - 1 < len(s["accepted_per_pos"]) else "-"
-                                     for s in sides.values()])
+        row(
+            f"accepted at pos {k}",
+            [s["accepted_per_pos"][k - 1] if k - 1 < len(s["accepted_per_pos"]) else "-" for s in sides.values()],
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Serve an exported DFlash drafter with vLLM's CPU build and compare its speculative-decoding "
-                    "counters with this project's evaluator on the same prompts (exit 1 when they differ).")
-    parser.add_argument("--target", required=True, help="Hugging Face target folder, or a GGUF file (dequantized "
-                        "once into a cached folder that vLLM then loads)")
-    parser.add_argument("--draft", required=True, type=Path,
-                        help="exported drafter (python -m trainer.export, z-lab format; any kind), or a checkpoint")
+        "counters with this project's evaluator on the same prompts (exit 1 when they differ)."
+    )
+    parser.add_argument(
+        "--target",
+        required=True,
+        help="Hugging Face target folder, or a GGUF file (dequantized once into a cached folder that vLLM then loads)",
+    )
+    parser.add_argument(
+        "--draft",
+        required=True,
+        type=Path,
+        help="exported drafter (python -m trainer.export, z-lab format; any kind), or a checkpoint",
+    )
     parser.add_argument("--prompts", required=True, type=Path, help="JSON lines of prompts (see the module doc)")
     parser.add_argument("--num-prompts", type=int, help="only the file's first N prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ignore-eos", action="store_true", help="no stop token: every prompt runs max_new_tokens")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="both sides' dtype, target and drafter")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="both sides' dtype, target and drafter"
+    )
     parser.add_argument("--no-live", action="store_true", help="leave out the live decoder (speculative_decode)")
-    parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON,
-                        help="the python of the vLLM venv (launch/setup_vllm.sh makes .venv-vllm)")
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=VLLM_PYTHON,
+        help="the python of the vLLM venv (launch/setup_vllm.sh makes .venv-vllm)",
+    )
     parser.add_argument("--vllm-timeout", type=float, default=900.0, help="seconds vLLM may take, loading included")
     parser.add_argument("--vllm-log", type=Path, help="keep vLLM's output in this file")
     parser.add_argument("--json-out", type=Path, help="also write the JSON here")
@@ -333,14 +390,21 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     # Ours reads a checkpoint as its own (its drafter/ folder with the checkpoint's rules); vLLM gets the folder.
-    ours, live, stops, block_size = run_ours(target_dir, args.draft, prompts, args.max_new_tokens, args.ignore_eos,
-                                             args.dtype, not args.no_live)
+    ours, live, stops, block_size = run_ours(
+        target_dir, args.draft, prompts, args.max_new_tokens, args.ignore_eos, args.dtype, not args.no_live
+    )
     ours["wall_seconds"] = time.perf_counter() - started
-    request = {"target": str(target_dir), "draft": str(draft_dir), "num_speculative_tokens": block_size - 1,
-               "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stops,
-               "prompts": prompts,
-               # a short context keeps vLLM's KV cache small: the longest prompt, its new tokens and two blocks of slack
-               "max_model_len": max(map(len, prompts)) + args.max_new_tokens + 2 * block_size}
+    request = {
+        "target": str(target_dir),
+        "draft": str(draft_dir),
+        "num_speculative_tokens": block_size - 1,
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "stop_token_ids": stops,
+        "prompts": prompts,
+        # a short context keeps vLLM's KV cache small: the longest prompt, its new tokens and two blocks of slack
+        "max_model_len": max(map(len, prompts)) + args.max_new_tokens + 2 * block_size,
+    }
     try:
         served = run_vllm(args.vllm_python, request, args.vllm_timeout, args.vllm_log)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
@@ -349,23 +413,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"served: vLLM did not serve the drafter: {reason}\n{exc}", file=sys.stderr)
         sides = {"evaluator": ours, **({"live": live} if live is not None else {})}
         print(table(sides, block_size))
-        print(json.dumps({"target": str(target_dir), "draft": str(draft_dir), "block_size": block_size,
-                          "equal": False, "vllm_error": reason,
-                          **{name: summary_of(side) for name, side in sides.items()}}))
+        print(
+            json.dumps(
+                {
+                    "target": str(target_dir),
+                    "draft": str(draft_dir),
+                    "block_size": block_size,
+                    "equal": False,
+                    "vllm_error": reason,
+                    **{name: summary_of(side) for name, side in sides.items()},
+                }
+            )
+        )
         print(f"vLLM did not serve the drafter: {reason}")
         return 2
 
     sides = {"vLLM": served, "evaluator": ours, **({"live": live} if live is not None else {})}
     found = differences(served, ours, "evaluator") + (differences(served, live, "live") if live is not None else [])
-    print(f"target {target_dir}\ndraft  {draft_dir} (block size {block_size}, num_speculative_tokens "
-          f"{block_size - 1})\n{len(prompts)} prompts, greedy, max_new_tokens {args.max_new_tokens}, stop tokens "
-          f"{stops or 'none'}; vLLM {served.get('vllm_version')} {served['wall_seconds']:.1f} s (load "
-          f"{served['load_seconds']:.1f}, generate {served['generate_seconds']:.1f}), ours {ours['wall_seconds']:.1f} s")
+    print(
+        f"target {target_dir}\ndraft  {draft_dir} (block size {block_size}, num_speculative_tokens "
+        f"{block_size - 1})\n{len(prompts)} prompts, greedy, max_new_tokens {args.max_new_tokens}, stop tokens "
+        f"{stops or 'none'}; vLLM {served.get('vllm_version')} {served['wall_seconds']:.1f} s (load "
+        f"{served['load_seconds']:.1f}, generate {served['generate_seconds']:.1f}), ours {ours['wall_seconds']:.1f} s"
+    )
     print(table(sides, block_size))
     print("the same" if not found else "DIFFERENT:\n  " + "\n  ".join(found))
     summary = {
-        "target": str(target_dir), "draft": str(draft_dir), "block_size": block_size, "num_prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens, "stop_token_ids": stops, "equal": not found, "differences": found,
+        "target": str(target_dir),
+        "draft": str(draft_dir),
+        "block_size": block_size,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "stop_token_ids": stops,
+        "equal": not found,
+        "differences": found,
         **{name: summary_of(side) for name, side in sides.items()},
     }
     print(json.dumps(summary))

@@ -56,7 +56,11 @@ def run_mode(mode: str, sources: list[torch.Tensor]) -> dict[str, float]:
             flat.view(source.dtype).view(source.shape).copy_(source, non_blocking=True)
         torch.cuda.synchronize()
         done = time.perf_counter()
-        timings = {"make_s": made - started if mode != "reused" else 0.0, "copy_s": done - made, "total_s": done - started}
+        timings = {
+            "make_s": made - started if mode != "reused" else 0.0,
+            "copy_s": done - made,
+            "total_s": done - started,
+        }
     finally:
         for (mapped, flat), path in zip(segments, paths):
             if mode != "pageable":
@@ -68,7 +72,9 @@ def run_mode(mode: str, sources: list[torch.Tensor]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gb", type=float, nargs="+", default=[4.2, 8.4], help="segment sizes (GB), one per state tree")
+    parser.add_argument(
+        "--gb", type=float, nargs="+", default=[4.2, 8.4], help="segment sizes (GB), one per state tree"
+    )
     parser.add_argument("--modes", nargs="+", default=["reused", "fill+pin", "pin", "pageable"])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -81,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes:
         rows[mode] = run_mode(mode, sources)
         r = rows[mode]
-        print(f"{mode:10s} {r['make_s']:8.2f} {r['copy_s']:8.2f} {r['total_s']:8.2f} {total_gb / r['total_s']:7.1f}", flush=True)
+        print(
+            f"{mode:10s} {r['make_s']:8.2f} {r['copy_s']:8.2f} {r['total_s']:8.2f} {total_gb / r['total_s']:7.1f}",
+            flush=True,
+        )
     print(json.dumps({"bench": "staging", "gb": args.gb, "device": torch.cuda.get_device_name(), **rows}))
     return 0
 

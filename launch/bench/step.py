@@ -42,10 +42,21 @@ VARIANTS = ("eager", "compile-layers", "compile-model")
 
 
 def qwen3_8b_draft(block_size: int) -> DraftConfig:
-    return DraftConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, target_hidden_size=4096,
-                       num_target_layers=36, target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669,
-                       block_size=block_size, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    return DraftConfig(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=5,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        target_hidden_size=4096,
+        num_target_layers=36,
+        target_layer_ids=[1, 9, 17, 25, 33],
+        mask_token_id=151669,
+        block_size=block_size,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
 
 
 def qwen36_27b_draft(block_size: int) -> DraftConfig:
@@ -62,8 +73,16 @@ def smollm2_draft(block_size: int) -> DraftConfig:
     """The SmolLM2-135M preset's draft (8 layers over the 30-layer target, launch/smollm2-135m.toml)."""
     from transformers import LlamaConfig
 
-    target = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True)
+    target = LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
     return DraftConfig.from_target(target, num_draft_layers=8, mask_token_id=16, block_size=block_size)
 
 
@@ -71,9 +90,20 @@ DRAFTS = {"qwen3-8b": qwen3_8b_draft, "qwen3.6-27b": qwen36_27b_draft, "smollm2-
 
 
 def tiny_draft(block_size: int) -> DraftConfig:
-    return DraftConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=32, vocab_size=1000, target_hidden_size=128,
-                       num_target_layers=8, target_layer_ids=[1, 5], mask_token_id=999, block_size=block_size)
+    return DraftConfig(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=1000,
+        target_hidden_size=128,
+        num_target_layers=8,
+        target_layer_ids=[1, 5],
+        mask_token_id=999,
+        block_size=block_size,
+    )
 
 
 def random_batch(config: DraftConfig, seq_len: int, num_docs: int, device: torch.device) -> PackedBatch:
@@ -84,14 +114,22 @@ def random_batch(config: DraftConfig, seq_len: int, num_docs: int, device: torch
     loss_mask[cu[:-1].long()] = 0  # a token of "prompt" per document
     batch = PackedBatch(
         input_ids=torch.randint(0, config.vocab_size, (seq_len,), generator=gen, dtype=torch.int32),
-        loss_mask=loss_mask, cu_seqlens=cu, sample_ids=torch.arange(num_docs),
+        loss_mask=loss_mask,
+        cu_seqlens=cu,
+        sample_ids=torch.arange(num_docs),
         aux_hidden=torch.randn(seq_len, config.fused_feature_size, generator=gen).to(torch.bfloat16),
     )
     return batch.to(device)
 
 
-def drafter_of_variant(config: DraftConfig, variant: str, device: torch.device, chunk_rows: int,
-                       master_fp32: bool = False, parallelism: str = "single") -> DFlashDrafter:
+def drafter_of_variant(
+    config: DraftConfig,
+    variant: str,
+    device: torch.device,
+    chunk_rows: int,
+    master_fp32: bool = False,
+    parallelism: str = "single",
+) -> DFlashDrafter:
     """The drafter on ``device`` (on the host under FSDP, which moves each rank's shards itself), its
     layers or whole forward compiled as ``variant`` says."""
     head = TargetHead.random(config.vocab_size, config.hidden_size, torch.bfloat16, device)
@@ -107,8 +145,9 @@ def drafter_of_variant(config: DraftConfig, variant: str, device: torch.device, 
     return drafter
 
 
-def bench_variant(config: DraftConfig, variant: str, args: argparse.Namespace, device: torch.device,
-                  peak_tflops: float) -> dict:
+def bench_variant(
+    config: DraftConfig, variant: str, args: argparse.Namespace, device: torch.device, peak_tflops: float
+) -> dict:
     torch.manual_seed(0)
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     drafter = drafter_of_variant(config, variant, device, args.chunk_rows, args.master_fp32, args.parallelism)
@@ -176,11 +215,18 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-docs", type=int, default=4, help="documents packed in the sequence")
     parser.add_argument("--chunk-rows", type=int, default=2048, help="head/loss rows per chunk")
-    parser.add_argument("--master-fp32", action="store_true",
-                        help="fp32 parameters and optimizer under bf16 autocast (what trainer.train does)")
+    parser.add_argument(
+        "--master-fp32",
+        action="store_true",
+        help="fp32 parameters and optimizer under bf16 autocast (what trainer.train does)",
+    )
     parser.add_argument("--matmul-size", type=int, default=None, help="size of the reference matmul (8192)")
-    parser.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp",
-                        help="under torchrun: how the ranks share the drafter (as training.parallelism)")
+    parser.add_argument(
+        "--parallelism",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="under torchrun: how the ranks share the drafter (as training.parallelism)",
+    )
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,8 +252,9 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_tflops(device, args.matmul_size or (1024 if device.type == "cpu" else 8192))
 
-    results = [bench_variant(dataclasses.replace(config, kind=kind), v, args, device, peak)
-               for kind in kinds for v in variants]
+    results = [
+        bench_variant(dataclasses.replace(config, kind=kind), v, args, device, peak) for kind in kinds for v in variants
+    ]
     baseline = {r["variant"]: r["step_ms"] for r in results if r["kind"] == kinds[0]}
     for r in results:
         r["step_vs_first_kind"] = r["step_ms"] / baseline[r["variant"]]
@@ -215,20 +262,36 @@ def main() -> None:
         dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
             return
-    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
-          f"measured bf16 matmul {peak:.1f} TFLOP/s, seq {args.seq_len}, anchors {args.num_anchors}, "
-          f"B {args.block_size}, docs {args.num_docs}")
-    header = (f"{'kind':<9}{'variant':<16}{'step ms':>10}{'x first':>9}{'samples/s':>11}{'tokens/s':>11}{'TFLOP/s':>9}"
-              f"{'MFU':>7}{'peak GiB':>10}{'params M':>10}")
+    print(
+        f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
+        f"measured bf16 matmul {peak:.1f} TFLOP/s, seq {args.seq_len}, anchors {args.num_anchors}, "
+        f"B {args.block_size}, docs {args.num_docs}"
+    )
+    header = (
+        f"{'kind':<9}{'variant':<16}{'step ms':>10}{'x first':>9}{'samples/s':>11}{'tokens/s':>11}{'TFLOP/s':>9}"
+        f"{'MFU':>7}{'peak GiB':>10}{'params M':>10}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r['kind']:<9}{r['variant']:<16}{r['step_ms']:>10.1f}{r['step_vs_first_kind']:>9.3f}"
-              f"{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>11.0f}{r['achieved_tflops']:>9.1f}{r['mfu']:>7.1%}"
-              f"{r['peak_mem_gib']:>10.1f}{r['trainable_params'] / 1e6:>10.1f}")
-    print(json.dumps({"bench": "dflash_train_step", "matmul_tflops": peak, "seq_len": args.seq_len,
-                      "num_anchors": args.num_anchors, "block_size": args.block_size, "draft": "tiny" if args.tiny
-                      else args.draft, "results": results}))
+        print(
+            f"{r['kind']:<9}{r['variant']:<16}{r['step_ms']:>10.1f}{r['step_vs_first_kind']:>9.3f}"
+            f"{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>11.0f}{r['achieved_tflops']:>9.1f}{r['mfu']:>7.1%}"
+            f"{r['peak_mem_gib']:>10.1f}{r['trainable_params'] / 1e6:>10.1f}"
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "dflash_train_step",
+                "matmul_tflops": peak,
+                "seq_len": args.seq_len,
+                "num_anchors": args.num_anchors,
+                "block_size": args.block_size,
+                "draft": "tiny" if args.tiny else args.draft,
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

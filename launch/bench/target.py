@@ -74,8 +74,13 @@ QWEN36_27B_SHAPE = {
     "linear_num_key_heads": 16,
     "linear_num_value_heads": 48,
     "max_position_embeddings": 262144,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
@@ -155,14 +160,20 @@ def bench_hf(model: nn.Module, cut_after: int | None, rows: int, length: int, co
     forward = model if cut_after is None else base
     try:
         with torch.inference_mode():
-            seconds, warm = timed(lambda _: forward(input_ids=ids, use_cache=False, output_hidden_states=True), count,
-                                  warmup, device)
+            seconds, warm = timed(
+                lambda _: forward(input_ids=ids, use_cache=False, output_hidden_states=True), count, warmup, device
+            )
     finally:
         base.layers, config._attn_implementation = all_layers, saved_attention
     layers = config.num_hidden_layers if cut_after is None else cut_after + 1
     flops = rows * flops_per_document(config, layers, length, with_lm_head=cut_after is None) * count
-    return {"seconds": seconds, "warmup_s": warm, "tokens": rows * length * count, "flops": flops,
-            "peak_gib": peak_gib(device)}
+    return {
+        "seconds": seconds,
+        "warmup_s": warm,
+        "tokens": rows * length * count,
+        "flops": flops,
+        "peak_gib": peak_gib(device),
+    }
 
 
 def bench_packed(target: Target, batches: list[PackedBatch], budget: int, count: int, warmup: int) -> dict:
@@ -184,8 +195,13 @@ def bench_packed(target: Target, batches: list[PackedBatch], budget: int, count:
         for batch in used
         for length in (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
     )
-    return {"seconds": seconds, "warmup_s": warm, "tokens": sum(b.num_tokens for b in used), "flops": flops,
-            "peak_gib": peak_gib(target.device)}
+    return {
+        "seconds": seconds,
+        "warmup_s": warm,
+        "tokens": sum(b.num_tokens for b in used),
+        "flops": flops,
+        "peak_gib": peak_gib(target.device),
+    }
 
 
 def relative_errors(got: torch.Tensor, want: torch.Tensor, hidden_size: int) -> list[float]:
@@ -203,10 +219,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape (random weights)")
     parser.add_argument("--rows", type=int, default=None, help="baseline rows per padded batch (16)")
     parser.add_argument("--length", type=int, default=None, help="baseline tokens per row (1024)")
-    parser.add_argument("--attn", default=None, help="packed kernels, comma list of varlen,flex,sdpa (default: varlen,flex on CUDA)")
-    parser.add_argument("--compile", choices=("on", "off", "both"), default=None, help="torch.compile the layers (default: on for CUDA)")
+    parser.add_argument(
+        "--attn", default=None, help="packed kernels, comma list of varlen,flex,sdpa (default: varlen,flex on CUDA)"
+    )
+    parser.add_argument(
+        "--compile", choices=("on", "off", "both"), default=None, help="torch.compile the layers (default: on for CUDA)"
+    )
     parser.add_argument("--no-baselines", action="store_true", help="skip the plain HF forwards")
-    parser.add_argument("--last-hidden", action="store_true", help="also capture the last hidden state (runs every layer)")
+    parser.add_argument(
+        "--last-hidden", action="store_true", help="also capture the last hidden state (runs every layer)"
+    )
     parser.add_argument("--budget", type=int, default=None, help="tokens per packed batch (default 16384)")
     parser.add_argument("--batches", type=int, default=None, help="timed batches per variant (default 16)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches per variant (compilation happens here)")
@@ -220,8 +242,15 @@ def main(argv: list[str] | None = None) -> None:
         count = args.batches or 4
     else:
         cfg = TargetConfig(config_overrides=dict(SHAPES[args.shape]), dtype="bfloat16", seed=args.seed)
-        budget, rows, length, mean, low, high, draft_layers = (args.budget or 16384, args.rows or 16, args.length or 1024,
-                                                               1000, 32, 3072, 5)
+        budget, rows, length, mean, low, high, draft_layers = (
+            args.budget or 16384,
+            args.rows or 16,
+            args.length or 1024,
+            1000,
+            32,
+            3072,
+            5,
+        )
         count = args.batches or 16
     device = resolve_device(cfg)
     attentions = (args.attn or ("varlen,flex" if device.type == "cuda" else "sdpa")).split(",")
@@ -259,18 +288,26 @@ def main(argv: list[str] | None = None) -> None:
                 continue  # the per-document loop is never compiled
             name = f"packed-{attention}" + ("+compile" if compiled else "")
             try:
-                target = Target(model, layer_ids, capture_last_hidden=args.last_hidden, attention=attention, compile=compiled)
+                target = Target(
+                    model, layer_ids, capture_last_hidden=args.last_hidden, attention=attention, compile=compiled
+                )
                 results[name] = bench_packed(target, batches, budget, count, args.warmup)
                 features = target.capture(batches[0])
                 if reference is None:
-                    reference = Target(model, layer_ids, capture_last_hidden=False, attention="sdpa", compile=False).capture(batches[0])
-                results[name]["rel_err_vs_sdpa"] = relative_errors(features.aux_hidden, reference.aux_hidden, target.hidden_size)
+                    reference = Target(
+                        model, layer_ids, capture_last_hidden=False, attention="sdpa", compile=False
+                    ).capture(batches[0])
+                results[name]["rel_err_vs_sdpa"] = relative_errors(
+                    features.aux_hidden, reference.aux_hidden, target.hidden_size
+                )
             except Exception as error:  # one broken variant must not hide the others' numbers
                 results[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
             print(f"  done {name}", flush=True)
 
-    print(f"\n{'variant':<24}{'tokens/s':>12}{'MFU':>8}{'TFLOP/s':>10}{'warmup s':>10}{'peak GiB':>10}"
-          "  rel err per layer vs sdpa")
+    print(
+        f"\n{'variant':<24}{'tokens/s':>12}{'MFU':>8}{'TFLOP/s':>10}{'warmup s':>10}{'peak GiB':>10}"
+        "  rel err per layer vs sdpa"
+    )
     for name, result in results.items():
         if "error" in result:
             print(f"{name:<24}  ERROR {result['error']}")

@@ -82,9 +82,13 @@ def docstrings(source: str, class_name: str) -> tuple[str | None, dict[str, str]
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             docs = {}
             for statement, following in zip(node.body, node.body[1:]):
-                if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
-                        and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                        and isinstance(following.value.value, str)):
+                if (
+                    isinstance(statement, ast.AnnAssign)
+                    and isinstance(statement.target, ast.Name)
+                    and isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)
+                ):
                     docs[statement.target.id] = following.value.value
             return ast.get_docstring(node), docs
     raise ConfigDocError(f"no class {class_name} in the source")
@@ -155,8 +159,16 @@ def sections(module: types.ModuleType) -> list[Section]:
             if f.name not in docs or f.name not in read_by:
                 continue
             restart = "refused" if module.fixed_while_producers_run(key) else "may change"
-            fields.append(Field(key, type_words(section_hints[f.name]), _default(f), read_by[f.name].split(), restart,
-                                _one_line(docs[f.name])))
+            fields.append(
+                Field(
+                    key,
+                    type_words(section_hints[f.name]),
+                    _default(f),
+                    read_by[f.name].split(),
+                    restart,
+                    _one_line(docs[f.name]),
+                )
+            )
         out.append(Section(section_field.name, cls.__name__, _one_line(class_doc or ""), fields))
     if missing:
         raise ConfigDocError("; ".join(missing))
@@ -194,8 +206,10 @@ def render(module: types.ModuleType) -> str:
             "| key | type | default | read by | restart-trainer | what |",
             "|---|---|---|---|---|---|",
         ]
-        lines += [f"| `{f.key}` | {f.type} | {f.default} | {', '.join(f.readers)} | {f.restart} | {f.doc} |"
-                  for f in section.fields]
+        lines += [
+            f"| `{f.key}` | {f.type} | {f.default} | {', '.join(f.readers)} | {f.restart} | {f.doc} |"
+            for f in section.fields
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -212,10 +226,16 @@ def differences(expected: str, actual: str) -> list[str]:
     found = [f"missing: {key}" for key in want if key not in have]
     found += [f"not in common/config.py: {key}" for key in have if key not in want]
     found += [f"differs: {key}" for key in want if key in have and want[key] != have[key]]
-    rest = [line for line in difflib.unified_diff(
-        [line for line in actual.splitlines() if not re.match(r"\| `[\w.]+` \|", line)],
-        [line for line in expected.splitlines() if not re.match(r"\| `[\w.]+` \|", line)], lineterm="", n=0)
-        if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    rest = [
+        line
+        for line in difflib.unified_diff(
+            [line for line in actual.splitlines() if not re.match(r"\| `[\w.]+` \|", line)],
+            [line for line in expected.splitlines() if not re.match(r"\| `[\w.]+` \|", line)],
+            lineterm="",
+            n=0,
+        )
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
     found += [f"other text: {line}" for line in rest[:10]]
     found += [f"other text: {len(rest) - 10} more lines"] if len(rest) > 10 else []
     return found or ["the page differs (whitespace or order)"]

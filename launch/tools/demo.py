@@ -59,7 +59,9 @@ def _sleep_us(rng: random.Random, max_delay_us: int) -> None:
 
 def run_producer(args: argparse.Namespace) -> int:
     """Publish ``count`` batches (forever if 0), then wait until every slot is acked."""
-    ring = create_ring(args.backend, num_slots=args.slots, slot_bytes=args.slot_bytes, run_tag="demo", role="p0", device=args.device)
+    ring = create_ring(
+        args.backend, num_slots=args.slots, slot_bytes=args.slot_bytes, run_tag="demo", role="p0", device=args.device
+    )
     server = RingServer(
         args.endpoint,
         ring,
@@ -98,7 +100,10 @@ def run_consumer(args: argparse.Namespace) -> int:
     """Receive ``count`` batches, verify each checksum, ack them (or hold them with --hold)."""
     client = RingClient(args.endpoint, args.consumer_id, args.incarnation, credits=args.credits)
     client.connect(timeout_s=30)
-    print(json.dumps({"event": "connected", "ring": client.ring.spec(), "slot_device": str(client.ring.slot(0).device)}), flush=True)
+    print(
+        json.dumps({"event": "connected", "ring": client.ring.spec(), "slot_device": str(client.ring.slot(0).device)}),
+        flush=True,
+    )
     rng = random.Random(args.seed + 1)
     received: list[int] = []
     bad = 0
@@ -121,7 +126,13 @@ def run_consumer(args: argparse.Namespace) -> int:
     while not client.producer_stats and time.monotonic() < beat_deadline:
         for extra in client.poll(timeout_s=0.05):
             received.append(extra.meta["index"])
-    summary = {"event": "done", "received": len(received), "indices": received, "bad": bad, "producer": client.producer_stats}
+    summary = {
+        "event": "done",
+        "received": len(received),
+        "indices": received,
+        "bad": bad,
+        "producer": client.producer_stats,
+    }
     print(json.dumps(summary), flush=True)
     if args.hold:
         print(json.dumps({"event": "holding", "indices": received}), flush=True)
@@ -136,15 +147,21 @@ def run_both(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="dflash-demo-") as tmp:
         endpoint = ipc_endpoint(Path(tmp) / "p0.ipc")
         common = ["--endpoint", endpoint, "--count", str(args.count), "--max-delay-us", "0"]
-        producer = subprocess.Popen([sys.executable, "-m", "launch.tools.demo", "producer", *common], stdout=subprocess.PIPE, text=True)
+        producer = subprocess.Popen(
+            [sys.executable, "-m", "launch.tools.demo", "producer", *common], stdout=subprocess.PIPE, text=True
+        )
         json.loads(producer.stdout.readline())
         started = time.perf_counter()
-        consumer = subprocess.run([sys.executable, "-m", "launch.tools.demo", "consumer", *common], capture_output=True, text=True)
+        consumer = subprocess.run(
+            [sys.executable, "-m", "launch.tools.demo", "consumer", *common], capture_output=True, text=True
+        )
         elapsed = time.perf_counter() - started
         producer.wait(timeout=30)
         summary = json.loads(consumer.stdout.strip().splitlines()[-1])
-        print(f"{summary['received']} batches through a host ring in {elapsed:.2f}s "
-              f"({summary['received'] / elapsed:.0f} batches/s), {summary['bad']} checksum errors")
+        print(
+            f"{summary['received']} batches through a host ring in {elapsed:.2f}s "
+            f"({summary['received'] / elapsed:.0f} batches/s), {summary['bad']} checksum errors"
+        )
         return consumer.returncode or producer.returncode
 
 

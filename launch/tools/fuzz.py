@@ -94,7 +94,9 @@ class Hostile:
 
     # values that no field of their kind accepts (so a mutated message is always malformed)
     def bad_int(self) -> object:
-        return self.rng.choice([-1, -(2**63), 2**64 - 1, 2**63, "7", 7.5, True, None, [1], {"a": 1}, float("nan"), b"\x07"])
+        return self.rng.choice(
+            [-1, -(2**63), 2**64 - 1, 2**63, "7", 7.5, True, None, [1], {"a": 1}, float("nan"), b"\x07"]
+        )
 
     def bad_num(self) -> object:
         return self.rng.choice(["1", None, True, [1.0], float("nan"), float("inf"), -1.0, 1e12, b"\x01"])
@@ -150,7 +152,9 @@ class Hostile:
         body = dict(body)
         choice = rng.randrange(7)
         if choice == 0:
-            body["v"] = rng.choice([PROTOCOL_VERSION + rng.randrange(1, 1000), 0, -1, "1", True, 1.0, None, [1], list(range(300))])
+            body["v"] = rng.choice(
+                [PROTOCOL_VERSION + rng.randrange(1, 1000), 0, -1, "1", True, 1.0, None, [1], list(range(300))]
+            )
         elif choice == 1:
             body.pop("v")
         elif choice == 2:
@@ -182,7 +186,10 @@ class Hostile:
             # Past every field's range (a valid huge HELLO incarnation would legitimately take over).
             value = rng.choice([2**63, 2**64 - 1])
         else:
-            value = {f"k{i}": rng.choice([1, "x" * 200, [0] * 50]) for i in range(rng.choice([MAX_COLLECTION, MAX_COLLECTION + 1, 3000]))}
+            value = {
+                f"k{i}": rng.choice([1, "x" * 200, [0] * 50])
+                for i in range(rng.choice([MAX_COLLECTION, MAX_COLLECTION + 1, 3000]))
+            }
         return _pack({**body, name: value})
 
     def remember(self, frame: bytes) -> bytes:
@@ -201,14 +208,28 @@ def _header(kind: str, **fields: object) -> dict:
 
 
 CONSUMER_MESSAGE_KINDS = {
-    "hello": {"consumer_id": "str", "incarnation": "int", "pid": "int", "credits": "int", "expect": "map", "committed": "map"},
+    "hello": {
+        "consumer_id": "str",
+        "incarnation": "int",
+        "pid": "int",
+        "credits": "int",
+        "expect": "map",
+        "committed": "map",
+    },
     "ack": {"slot": "int", "generation": "int", "credit": "int"},
     "credit": {"n": "int"},
     "heartbeat": {"stats": "map"},
     "bye": {"reason": "str"},
 }
 PRODUCER_MESSAGE_KINDS = {
-    "welcome": {"producer_id": "int", "pid": "int", "ring": "map", "describe": "map", "heartbeat_interval_s": "num", "heartbeat_timeout_s": "num"},
+    "welcome": {
+        "producer_id": "int",
+        "pid": "int",
+        "ring": "map",
+        "describe": "map",
+        "heartbeat_interval_s": "num",
+        "heartbeat_timeout_s": "num",
+    },
     "batch": {"slot": "int", "generation": "int", "seq": "int", "layout": "map", "meta": "map"},
     "heartbeat": {"stats": "map"},
     "refuse": {"reason": "str"},
@@ -218,8 +239,15 @@ PRODUCER_MESSAGE_KINDS = {
 def _consumer_body(rng: random.Random, kind: str, num_slots: int) -> dict:
     """A well-formed body of a consumer's message, for mutation (HELLOs with superseded incarnations)."""
     if kind == "hello":
-        return _header(kind, consumer_id=f"fuzz-{rng.randrange(1000)}", incarnation=rng.randrange(GOOD_INCARNATION),
-                       pid=rng.randrange(1, 2**31), credits=rng.randrange(0, 8), expect={}, committed={})
+        return _header(
+            kind,
+            consumer_id=f"fuzz-{rng.randrange(1000)}",
+            incarnation=rng.randrange(GOOD_INCARNATION),
+            pid=rng.randrange(1, 2**31),
+            credits=rng.randrange(0, 8),
+            expect={},
+            committed={},
+        )
     if kind == "ack":
         return _header(kind, slot=rng.randrange(num_slots), generation=rng.randrange(1, 10**6), credit=rng.randrange(2))
     if kind == "credit":
@@ -253,12 +281,18 @@ def to_producer(h: Hostile, generation_hint: int) -> tuple[str, list[bytes]]:
         slot = rng.choice([-1, -(2**40), h.num_slots + (1 << 20), 2**63])  # outside any ring and the field's range
         return "negative-or-huge-slot", [_pack(_header("ack", slot=slot, generation=1, credit=0))]
     if roll < 80:
-        return "superseded-hello", [h.remember(_pack(body if kind == "hello" else _consumer_body(rng, "hello", h.num_slots)))]
+        return "superseded-hello", [
+            h.remember(_pack(body if kind == "hello" else _consumer_body(rng, "hello", h.num_slots)))
+        ]
     if roll < 88:
         frame = h.replay()
         return ("replay", [frame]) if frame else ("garbage", [h.garbage(b"")])
     if roll < 94:
-        return "unknown-peer", [h.remember(rng.choice([Credit(n=rng.randrange(1, 9)), Heartbeat(), Ack(slot=0, generation=1, credit=3)]).encode())]
+        return "unknown-peer", [
+            h.remember(
+                rng.choice([Credit(n=rng.randrange(1, 9)), Heartbeat(), Ack(slot=0, generation=1, credit=3)]).encode()
+            )
+        ]
     if roll < 99:
         frames = [_pack(body)] * rng.randrange(2, 4) if rng.random() < 0.7 else [b""]
         return "framing", frames
@@ -275,7 +309,9 @@ def for_accepted_peer(h: Hostile, generation_hint: int) -> tuple[str, list[bytes
     rng = h.rng
     roll = rng.randrange(100)
     if roll < 30:
-        return "never-leased", [Ack(slot=rng.randrange(h.num_slots), generation=rng.randrange(1, 10**6), credit=0).encode()]
+        return "never-leased", [
+            Ack(slot=rng.randrange(h.num_slots), generation=rng.randrange(1, 10**6), credit=0).encode()
+        ]
     if roll < 50:
         generation = max(1, generation_hint + rng.randrange(-8, 3))  # around the live generations
         return "stale-generation", [Ack(slot=rng.randrange(h.num_slots), generation=generation, credit=0).encode()]
@@ -295,14 +331,17 @@ def _spawn(module: str, *args: str, log: Path) -> subprocess.Popen:
     """``python -m module args``: JSON lines on stdout, its log (a file: it may be long) in ``log``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as err:
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=err, text=True, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=env
+        )
 
 
 def _log_tail(path: Path, lines: int = 15) -> list[str]:
     """The last lines of a log, without the (expected, numerous) drop reports."""
     noise = ("dropped a malformed", "not said hello", "refused a consumer", "dropped batch", "sent batch")
-    kept = [line.rstrip() for line in path.read_text(errors="replace").splitlines() if not any(n in line for n in noise)]
+    kept = [
+        line.rstrip() for line in path.read_text(errors="replace").splitlines() if not any(n in line for n in noise)
+    ]
     return kept[-lines:]
 
 
@@ -370,8 +409,20 @@ def good_consumer(args: argparse.Namespace) -> int:
             replays += 1
     in_order = indices == list(range(indices[0], indices[0] + len(indices))) if indices else False
     repeated = [i for i, n in Counter(indices).items() if n > 1]
-    print(json.dumps({"event": "done", "received": len(indices), "bad": bad, "in_order": in_order, "repeated": repeated[:20],
-                      "replayed_acks": replays, "dropped": client.dropped_malformed}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "done",
+                "received": len(indices),
+                "bad": bad,
+                "in_order": in_order,
+                "repeated": repeated[:20],
+                "replayed_acks": replays,
+                "dropped": client.dropped_malformed,
+            }
+        ),
+        flush=True,
+    )
     client.close()
     return 0
 
@@ -382,16 +433,34 @@ def fuzz_producer(messages: int, seed: int) -> dict:
     num_slots = 4
     tmp = Path(tempfile.mkdtemp(prefix="df-fz-", dir="/tmp"))
     endpoint = ipc_endpoint(tmp / "p.ipc")
-    producer = _spawn("launch.tools.demo", "producer", "--endpoint", endpoint, "--count", "0", "--slots", str(num_slots),
-                      "--slot-bytes", "16384", "--heartbeat-interval", "0.2", "--heartbeat-timeout", "5", "--linger", "0.5",
-                      log=tmp / "producer.log")
+    producer = _spawn(
+        "launch.tools.demo",
+        "producer",
+        "--endpoint",
+        endpoint,
+        "--count",
+        "0",
+        "--slots",
+        str(num_slots),
+        "--slot-bytes",
+        "16384",
+        "--heartbeat-interval",
+        "0.2",
+        "--heartbeat-timeout",
+        "5",
+        "--linger",
+        "0.5",
+        log=tmp / "producer.log",
+    )
     producer_lines = _Lines(producer)
     consumer = None
     report: dict = {"side": "producer", "messages": 0, "kinds": {}}
     try:
         if producer_lines.wait(lambda r: r.get("event") == "ready", 60) is None:
             raise RuntimeError(f"producer did not start: {_log_tail(tmp / 'producer.log')}")
-        consumer = _spawn("launch.tools.fuzz", "_good-consumer", "--endpoint", endpoint, "--seed", str(seed), log=tmp / "consumer.log")
+        consumer = _spawn(
+            "launch.tools.fuzz", "_good-consumer", "--endpoint", endpoint, "--seed", str(seed), log=tmp / "consumer.log"
+        )
         consumer_lines = _Lines(consumer)
         if consumer_lines.wait(lambda r: r.get("event") == "connected", 60) is None:
             raise RuntimeError(f"good consumer did not connect: {_log_tail(tmp / 'consumer.log')}")
@@ -415,7 +484,9 @@ def fuzz_producer(messages: int, seed: int) -> dict:
                     if isinstance(message, Heartbeat):
                         generation_hint = int(message.stats.get("published", generation_hint))
                 if i % 5000 == 0:  # stay accepted: a peer silent past the timeout is dropped
-                    accepted.send(Hello(consumer_id="fuzz-accepted", incarnation=GOOD_INCARNATION, pid=1, credits=0).encode())
+                    accepted.send(
+                        Hello(consumer_id="fuzz-accepted", incarnation=GOOD_INCARNATION, pid=1, credits=0).encode()
+                    )
             if rng.random() < 0.2:
                 kind, frames = for_accepted_peer(hostile, generation_hint)
                 sock = accepted
@@ -448,7 +519,9 @@ def fuzz_producer(messages: int, seed: int) -> dict:
                     received = int(message.stats.get("messages", 0))
         accepted.close()
         ctx.term()
-        report.update(messages=sum(kinds.values()), kinds=dict(kinds), fuzz_s=round(fuzz_s, 1), producer_received=received)
+        report.update(
+            messages=sum(kinds.values()), kinds=dict(kinds), fuzz_s=round(fuzz_s, 1), producer_received=received
+        )
         accepted_acks = sum(kinds[k] for k in ACCEPTED_ACK_KINDS)
 
         # The well-formed consumer must keep receiving after the storm.
@@ -466,8 +539,20 @@ def fuzz_producer(messages: int, seed: int) -> dict:
         report.update(
             consumer=summary,
             producer_exit=producer.returncode,
-            producer_stats={k: stats.get(k) for k in ("dropped_malformed", "dropped_unknown_peer", "refused", "stale_acks",
-                                                       "released", "reclaimed", "internal_errors", "socket_blocked", "ring")},
+            producer_stats={
+                k: stats.get(k)
+                for k in (
+                    "dropped_malformed",
+                    "dropped_unknown_peer",
+                    "refused",
+                    "stale_acks",
+                    "released",
+                    "reclaimed",
+                    "internal_errors",
+                    "socket_blocked",
+                    "ring",
+                )
+            },
         )
         ring = stats.get("ring", {})
         checks = {
@@ -475,9 +560,11 @@ def fuzz_producer(messages: int, seed: int) -> dict:
             "well-formed consumer kept working": report["received_after_fuzz"] >= 300,
             "no checksum errors (ring never corrupted)": summary.get("bad") == 0 and summary.get("received", 0) > 0,
             "every batch once, in order": summary.get("in_order") is True,
-            "no lease left behind": ring.get("leased") == 0 and sum(ring.get(k, 0) for k in ("free", "filling", "ready", "leased")) == num_slots,
+            "no lease left behind": ring.get("leased") == 0
+            and sum(ring.get(k, 0) for k in ("free", "filling", "ready", "leased")) == num_slots,
             "malformed dropped and counted": (stats.get("dropped_malformed") or 0) > 0,
-            "every foreign, stale or unleased ack ignored": stats.get("stale_acks") == accepted_acks + summary.get("replayed_acks", -1),
+            "every foreign, stale or unleased ack ignored": stats.get("stale_acks")
+            == accepted_acks + summary.get("replayed_acks", -1),
             "no handler errors": stats.get("internal_errors") == 0,
             # (zmq itself drops the oversized frames; the count includes the well-formed consumer's few)
             "every hostile message reached the producer": received >= messages - kinds["oversized"],
@@ -497,8 +584,16 @@ def fuzz_producer(messages: int, seed: int) -> dict:
 
 # -- attacking a consumer (the trainer's intake, or the whole trainer) ---------------------------
 
-INTAKE_DESCRIBE = {"producer_id": 0, "target_identity": "fuzz", "layer_ids": [1, 3], "dtype": "bfloat16", "last_hidden": False,
-                   "hidden_size": 16, "vocab_size": 100, "token_budget": 256}
+INTAKE_DESCRIBE = {
+    "producer_id": 0,
+    "target_identity": "fuzz",
+    "layer_ids": [1, 3],
+    "dtype": "bfloat16",
+    "last_hidden": False,
+    "hidden_size": 16,
+    "vocab_size": 100,
+    "token_budget": 256,
+}
 
 
 def _widths(describe: dict) -> tuple[int, torch.dtype]:
@@ -523,8 +618,9 @@ def good_batch(rng: random.Random, ordinal: int, describe: dict) -> tuple[dict[s
     }
     if describe["last_hidden"]:
         tensors["last_hidden"] = torch.randn(tokens, describe["hidden_size"], generator=gen).to(dtype)
-    meta = BatchMeta(producer=0, ordinal=ordinal, cursor=[0, 0, ordinal], epoch=0, tokens=tokens, docs=docs,
-                     max_doc_len=max(lengths)).to_wire()
+    meta = BatchMeta(
+        producer=0, ordinal=ordinal, cursor=[0, 0, ordinal], epoch=0, tokens=tokens, docs=docs, max_doc_len=max(lengths)
+    ).to_wire()
     return tensors, meta
 
 
@@ -538,9 +634,14 @@ def tensors_crc(tensors: dict[str, torch.Tensor]) -> int:
 def slot_bytes_for(describe: dict) -> int:
     budget = describe["token_budget"]
     width, dtype = _widths(describe)
-    shapes = {"input_ids": ((budget,), torch.int32), "loss_mask": ((budget,), torch.uint8),
-              "cu_seqlens": ((budget + 1,), torch.int32), "sample_ids": ((budget,), torch.int64),
-              "aux_hidden": ((budget, width), dtype), "last_hidden": ((budget, describe["hidden_size"]), dtype)}
+    shapes = {
+        "input_ids": ((budget,), torch.int32),
+        "loss_mask": ((budget,), torch.uint8),
+        "cu_seqlens": ((budget + 1,), torch.int32),
+        "sample_ids": ((budget,), torch.int64),
+        "aux_hidden": ((budget, width), dtype),
+        "last_hidden": ((budget, describe["hidden_size"]), dtype),
+    }
     return bytes_needed(shapes)
 
 
@@ -594,13 +695,24 @@ class HostileProducer:
             raise RuntimeError("the consumer never said hello")
         self.identity, frame = self.sock.recv_multipart()
         self.credits = decode(frame).credits
-        welcome = _header("welcome", producer_id=0, pid=os.getpid(), ring=self.ring.spec(), describe=self.describe,
-                          heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0)
+        welcome = _header(
+            "welcome",
+            producer_id=0,
+            pid=os.getpid(),
+            ring=self.ring.spec(),
+            describe=self.describe,
+            heartbeat_interval_s=0.2,
+            heartbeat_timeout_s=5.0,
+        )
         for _ in range(50):
             # (Not bit flips of the real WELCOME: one in the ring's path is well-formed, and a ring
             # that cannot be opened ends the trainer on purpose, see trainer/feeder.py.)
             h = self.hostile
-            self._send(self.rng.choice([h.mutate(welcome, PRODUCER_MESSAGE_KINDS["welcome"]), h.header(welcome), h.garbage(b"")]))
+            self._send(
+                self.rng.choice(
+                    [h.mutate(welcome, PRODUCER_MESSAGE_KINDS["welcome"]), h.header(welcome), h.garbage(b"")]
+                )
+            )
             self.kinds["bad-welcome"] += 1
         self._send(_pack(welcome))
 
@@ -642,7 +754,11 @@ class HostileProducer:
             slot = self.rng.choice(free)
             tensors, meta = good_batch(self.rng, self.ordinal, self.describe)
             layout = write_tensors(self.ring.slot(slot), tensors)
-            if self._send(Batch(slot=slot, generation=self.next_generation, seq=self.ordinal, layout=tuple(layout), meta=meta).encode()):
+            if self._send(
+                Batch(
+                    slot=slot, generation=self.next_generation, seq=self.ordinal, layout=tuple(layout), meta=meta
+                ).encode()
+            ):
                 self.leases[slot] = self.next_generation
                 self.good.append((slot, self.next_generation, [spec.to_wire() for spec in layout], meta))
                 self.sent_good[self.ordinal] = tensors_crc(tensors)
@@ -702,7 +818,9 @@ def to_consumer(p: HostileProducer, good: list[tuple[int, int, list, dict]]) -> 
     slot_bytes = ring.slot_bytes
     if roll < 46:
         slot = rng.choice([ring.num_slots, ring.num_slots + rng.randrange(100), (1 << 20)])
-        return "foreign-slot", _pack(_header("batch", slot=slot, generation=generation, seq=0, layout=[["input_ids", "int32", [4], 0]], meta={}))
+        return "foreign-slot", _pack(
+            _header("batch", slot=slot, generation=generation, seq=0, layout=[["input_ids", "int32", [4], 0]], meta={})
+        )
     if roll < 60:
         # Layouts that point past the slot, overlap, repeat names, or are malformed.
         choice = rng.randrange(8)
@@ -722,7 +840,9 @@ def to_consumer(p: HostileProducer, good: list[tuple[int, int, list, dict]]) -> 
             wire = [[f"t{i}", "uint8", [1], 256 * i] for i in range(17)]
         else:
             wire = [["x", rng.choice(["complex64", "object", "float8", "<f4"]), [1], 0]]
-        return "layout-outside", _pack(_header("batch", slot=rng.randrange(ring.num_slots), generation=generation, seq=0, layout=wire, meta={}))
+        return "layout-outside", _pack(
+            _header("batch", slot=rng.randrange(ring.num_slots), generation=generation, seq=0, layout=wire, meta={})
+        )
     if roll < 78 and good:
         # A layout inside the slot that breaks the batch contract in one way.
         slot, _, wire, meta = rng.choice(good)
@@ -736,7 +856,11 @@ def to_consumer(p: HostileProducer, good: list[tuple[int, int, list, dict]]) -> 
         elif choice == 2:
             meta["cursor"] = rng.choice([[0, 0], "x", [0, 0, -1], [0, 0, "1"]])
         elif choice == 3:
-            wire = [item for item in wire if item[0] != rng.choice(["input_ids", "cu_seqlens", "sample_ids", "aux_hidden", "loss_mask"])]
+            wire = [
+                item
+                for item in wire
+                if item[0] != rng.choice(["input_ids", "cu_seqlens", "sample_ids", "aux_hidden", "loss_mask"])
+            ]
         elif choice == 4:
             item = rng.choice(wire)
             item[1] = rng.choice(["float64", "int64", "uint8", "int16"]) if item[1] != "int16" else "int32"
@@ -744,20 +868,42 @@ def to_consumer(p: HostileProducer, good: list[tuple[int, int, list, dict]]) -> 
             aux = next(item for item in wire if item[0] == "aux_hidden")
             aux[2] = [aux[2][0], aux[2][1] // 2]
         elif choice == 6:
-            wire = [item for item in wire if item[0] != "last_hidden"] + [["last_hidden", "int8", [1, 1], slot_bytes - ALIGN]]
+            wire = [item for item in wire if item[0] != "last_hidden"] + [
+                ["last_hidden", "int8", [1, 1], slot_bytes - ALIGN]
+            ]
         else:
             # Right names, dtypes and shapes; wrong values (token ids past the vocabulary, falling boundaries).
-            return "contract", Batch(slot=p.hostile_slot, generation=generation, seq=0, layout=p.hostile_layout, meta=meta).encode()
+            return "contract", Batch(
+                slot=p.hostile_slot, generation=generation, seq=0, layout=p.hostile_layout, meta=meta
+            ).encode()
         return "contract", _pack(_header("batch", slot=slot, generation=generation, seq=0, layout=wire, meta=meta))
     if roll < 86 and good:
         slot, gen, wire, meta = rng.choice(good)
         return "replay", _pack(_header("batch", slot=slot, generation=gen, seq=0, layout=wire, meta=meta))
     if roll < 96:
-        stats = rng.choice([{"ring": "x"}, {"ring": {"slots": -1}}, {"tokens_per_s": "fast"}, {"batching": [1]},
-                            {"ring": {"free": float("nan")}}, h.bad_map()])
+        stats = rng.choice(
+            [
+                {"ring": "x"},
+                {"ring": {"slots": -1}},
+                {"tokens_per_s": "fast"},
+                {"batching": [1]},
+                {"ring": {"free": float("nan")}},
+                h.bad_map(),
+            ]
+        )
         return "bad-stats", _pack(_header("heartbeat", stats=stats))
-    welcome = _header("welcome", producer_id=0, pid=1, ring=ring.spec(), describe=p.describe, heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0)
-    return "welcome-again", _pack(welcome) if rng.random() < 0.3 else h.mutate(welcome, PRODUCER_MESSAGE_KINDS["welcome"])
+    welcome = _header(
+        "welcome",
+        producer_id=0,
+        pid=1,
+        ring=ring.spec(),
+        describe=p.describe,
+        heartbeat_interval_s=0.2,
+        heartbeat_timeout_s=5.0,
+    )
+    return "welcome-again", _pack(welcome) if rng.random() < 0.3 else h.mutate(
+        welcome, PRODUCER_MESSAGE_KINDS["welcome"]
+    )
 
 
 def feeder_role(args: argparse.Namespace) -> int:
@@ -767,21 +913,38 @@ def feeder_role(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    feeder = Feeder(RunDir(args.run_dir), consumer_id="trainer/r0", incarnation=1, expect={"target_identity": "fuzz"},
-                    commits=Commits(), device=torch.device("cpu"), credits=4, heartbeat_interval_s=0.2,
-                    handshake_timeout_s=10.0, depth=4)
+    feeder = Feeder(
+        RunDir(args.run_dir),
+        consumer_id="trainer/r0",
+        incarnation=1,
+        expect={"target_identity": "fuzz"},
+        commits=Commits(),
+        device=torch.device("cpu"),
+        credits=4,
+        heartbeat_interval_s=0.2,
+        handshake_timeout_s=10.0,
+        depth=4,
+    )
     feeder.start()
     received = 0
     while not stop.is_set() and feeder.error is None:
         item = feeder.get(timeout=0.05)
         if item is not None:
             received += 1
-            print(json.dumps({"event": "batch", "ordinal": item.ordinal, "crc": tensors_crc(item.batch.tensors())}), flush=True)
+            print(
+                json.dumps({"event": "batch", "ordinal": item.ordinal, "crc": tensors_crc(item.batch.tensors())}),
+                flush=True,
+            )
     link = feeder.links.get(0)
     dropped = link.client.dropped_malformed if link is not None and link.client is not None else None
     error = repr(feeder.error) if feeder.error is not None else None
     feeder.close()
-    print(json.dumps({"event": "done", "received": received, "dropped": dropped, "error": error, "refusal": feeder.refusal}), flush=True)
+    print(
+        json.dumps(
+            {"event": "done", "received": received, "dropped": dropped, "error": error, "refusal": feeder.refusal}
+        ),
+        flush=True,
+    )
     return 0
 
 
@@ -801,7 +964,11 @@ def fuzz_consumer(messages: int, seed: int) -> dict:
         producer.handshake()
         started = time.monotonic()
         producer.attack(messages)
-        report.update(messages=sum(producer.kinds.values()), kinds=dict(producer.kinds), fuzz_s=round(time.monotonic() - started, 1))
+        report.update(
+            messages=sum(producer.kinds.values()),
+            kinds=dict(producer.kinds),
+            fuzz_s=round(time.monotonic() - started, 1),
+        )
         producer.calm(50)
         last = producer.ordinal - 1
         lines.wait(lambda r: r.get("event") == "batch" and r["ordinal"] == last, 30)
@@ -812,9 +979,12 @@ def fuzz_consumer(messages: int, seed: int) -> dict:
         got = [r for r in lines.records if r.get("event") == "batch"]
         report.update(consumer=summary, well_formed_batches=len(producer.sent_good))
         checks = {
-            "consumer never crashed": report["consumer_alive"] and consumer.returncode == 0 and summary.get("error") is None,
+            "consumer never crashed": report["consumer_alive"]
+            and consumer.returncode == 0
+            and summary.get("error") is None,
             "never refused or gave up": summary.get("refusal") is None,
-            "every well-formed batch taken once, bit-exact": sorted((r["ordinal"], r["crc"]) for r in got) == sorted(producer.sent_good.items()),
+            "every well-formed batch taken once, bit-exact": sorted((r["ordinal"], r["crc"]) for r in got)
+            == sorted(producer.sent_good.items()),
             "nothing else taken": len(got) == len(producer.sent_good),
             "malformed dropped and counted": (summary.get("dropped") or 0) > 0,
         }
@@ -844,16 +1014,33 @@ def fuzz_trainer(messages: int, seed: int) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="df-fz-", dir="/tmp"))
     run = RunDir(tmp / "run")
     run.root.mkdir()
-    cfg = load_config(ROOT / "launch" / "tiny.toml", ['logging.wandb_mode="disabled"', "logging.progress=false", "logging.log_every=5",
-                                                        "training.max_steps=1000000", "training.checkpoint_every=1000000",
-                                                        "batching.token_budget=256", "data.max_seq_len=256", "eval.every_steps=0"])
+    cfg = load_config(
+        ROOT / "launch" / "tiny.toml",
+        [
+            'logging.wandb_mode="disabled"',
+            "logging.progress=false",
+            "logging.log_every=5",
+            "training.max_steps=1000000",
+            "training.checkpoint_every=1000000",
+            "batching.token_budget=256",
+            "data.max_seq_len=256",
+            "eval.every_steps=0",
+        ],
+    )
     save_config(cfg, run.config)
     layer_ids = feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers)
     target = Target.load(cfg.target, layer_ids, capture_last_hidden=cfg.training.label_mode != "data")
     export_target_head(target, run.target_head)
-    describe = {"producer_id": 0, "target_identity": target.identity, "layer_ids": layer_ids, "dtype": cfg.target.dtype,
-                "last_hidden": cfg.training.label_mode != "data", "hidden_size": target.hidden_size,
-                "vocab_size": int(target.model.config.vocab_size), "token_budget": cfg.batching.token_budget}
+    describe = {
+        "producer_id": 0,
+        "target_identity": target.identity,
+        "layer_ids": layer_ids,
+        "dtype": cfg.target.dtype,
+        "last_hidden": cfg.training.label_mode != "data",
+        "hidden_size": target.hidden_size,
+        "vocab_size": int(target.model.config.vocab_size),
+        "token_budget": cfg.batching.token_budget,
+    }
     del target
     endpoint = ipc_endpoint(tmp / "p0.ipc")
     producer = HostileProducer(random.Random(seed), endpoint, describe)
@@ -874,7 +1061,11 @@ def fuzz_trainer(messages: int, seed: int) -> dict:
         producer.handshake()
         started = time.monotonic()
         producer.attack(messages, good_every=max(1, messages // 40))
-        report.update(messages=sum(producer.kinds.values()), kinds=dict(producer.kinds), fuzz_s=round(time.monotonic() - started, 1))
+        report.update(
+            messages=sum(producer.kinds.values()),
+            kinds=dict(producer.kinds),
+            fuzz_s=round(time.monotonic() - started, 1),
+        )
         # Its last well-formed batch trained means it has read every hostile message sent before it.
         train_until_all_sent_are_trained(600)
         step_after_fuzz = (read_json(run.trainer_status) or {}).get("step", 0)
@@ -890,12 +1081,22 @@ def fuzz_trainer(messages: int, seed: int) -> dict:
         batches = [ordinal for line in ledger for _, ordinal in line["batches"]]
         samples = [s for line in ledger for _, _, s in line["samples"]]
         expected_samples = {o * 10 + k for o in batches for k in range(10)}
-        counted = re.findall(r"dropped (\d+) malformed messages or batches", (tmp / "trainer.log").read_text(errors="replace"))
+        counted = re.findall(
+            r"dropped (\d+) malformed messages or batches", (tmp / "trainer.log").read_text(errors="replace")
+        )
         dropped = sum(int(n) for n in counted)
-        report.update(trainer_exit=trainer.returncode, steps=status.get("step"), step_after_fuzz=step_after_fuzz, dropped=dropped,
-                      well_formed_batches=len(producer.sent_good), trained_batches=len(batches))
+        report.update(
+            trainer_exit=trainer.returncode,
+            steps=status.get("step"),
+            step_after_fuzz=step_after_fuzz,
+            dropped=dropped,
+            well_formed_batches=len(producer.sent_good),
+            trained_batches=len(batches),
+        )
         checks = {
-            "trainer never crashed, stopped cleanly": report["trainer_alive"] and trainer.returncode == 0 and status.get("state") == "stopped",
+            "trainer never crashed, stopped cleanly": report["trainer_alive"]
+            and trainer.returncode == 0
+            and status.get("state") == "stopped",
             "kept training after the storm": (status.get("step") or 0) > step_after_fuzz,
             "trained every well-formed batch once, in order, and nothing else": batches == sorted(producer.sent_good),
             "trained their samples only": set(samples) <= expected_samples and len(samples) == len(set(samples)),
@@ -916,7 +1117,12 @@ def fuzz_trainer(messages: int, seed: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("side", nargs="?", choices=["all", "producer", "consumer", "trainer", "_good-consumer", "_feeder"], default="all")
+    parser.add_argument(
+        "side",
+        nargs="?",
+        choices=["all", "producer", "consumer", "trainer", "_good-consumer", "_feeder"],
+        default="all",
+    )
     parser.add_argument("--messages", type=int, default=100_000, help="hostile messages per side")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="", help="also write the reports here")
@@ -936,8 +1142,10 @@ def main(argv: list[str] | None = None) -> int:
         reports.append(fuzz_trainer(args.messages, args.seed))
     for report in reports:
         failed = [name for name, held in report.get("checks", {}).items() if not held]
-        print(f"{report['side']:9s} {report.get('messages', 0):>8d} hostile messages in {report.get('fuzz_s', 0)}s: "
-              f"{'all guarantees held' if report.get('ok') else 'FAILED: ' + ', '.join(failed)}")
+        print(
+            f"{report['side']:9s} {report.get('messages', 0):>8d} hostile messages in {report.get('fuzz_s', 0)}s: "
+            f"{'all guarantees held' if report.get('ok') else 'FAILED: ' + ', '.join(failed)}"
+        )
     print(json.dumps({"fuzz": reports}))
     if args.json:
         Path(args.json).write_text(json.dumps(reports, indent=1))

@@ -64,7 +64,10 @@ class Series:
         warm = next(i for i, t in enumerate(times) if t >= times[0] + min(life, max(WARM_UP_S, life / 4)))
         measured = times[-1] - times[warm] >= WARM_UP_S
         out = {
-            "role": self.role, "pid": self.pid, "seconds": round(life, 1), "samples": len(rss),
+            "role": self.role,
+            "pid": self.pid,
+            "seconds": round(life, 1),
+            "samples": len(rss),
             "rss_mib": {"start": _mib(rss[0]), "warm": _mib(rss[warm]), "end": _mib(rss[-1]), "max": _mib(max(rss))},
             "rss_growth_mib_per_h": _mib(_slope(times[warm:], rss[warm:]) * 3600) if measured else None,
             "fds": {"start": fds[0], "warm": fds[warm], "end": fds[-1], "max": max(fds)},
@@ -144,8 +147,13 @@ def run_segments(run: RunDir, owners: set[tuple[int, int]], trainer: bool = Fals
     one of ``owners`` (the tag tells runs with folders of the same name apart). The producers' rings, or with
     ``trainer`` the trainers' checkpoint staging (trainer/handover.py), whose role starts with ``trainer``."""
     prefix = segment_name(run_tag(run.root), "role").rsplit(".", 2)[0] + "."
-    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix) and parse_owner(p.name) in owners
-                  and p.name[len(prefix):].startswith("trainer") == trainer)
+    return sorted(
+        p.name
+        for p in SHM_DIR.iterdir()
+        if p.name.startswith(prefix)
+        and parse_owner(p.name) in owners
+        and p.name[len(prefix) :].startswith("trainer") == trainer
+    )
 
 
 def run_sockets(run: RunDir) -> list[str]:
@@ -155,7 +163,9 @@ def run_sockets(run: RunDir) -> list[str]:
 class Soak:
     """One soak: the run, its schedule of restarts, and what was sampled."""
 
-    def __init__(self, run: RunDir, overrides: list[str], minutes: float, sample_s: float, trainer_restart_s: float) -> None:
+    def __init__(
+        self, run: RunDir, overrides: list[str], minutes: float, sample_s: float, trainer_restart_s: float
+    ) -> None:
         self.run = run
         self.overrides = overrides
         self.duration_s = minutes * 60
@@ -172,14 +182,23 @@ class Soak:
 
     def command(self, *args: str) -> subprocess.CompletedProcess:
         """``launch/run_all.sh ARGS --run-dir DIR`` (restart-trainer, stop)."""
-        return subprocess.run([str(REPO_ROOT / "launch" / "run_all.sh"), *args, "--run-dir", str(self.run.root)],
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [str(REPO_ROOT / "launch" / "run_all.sh"), *args, "--run-dir", str(self.run.root)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     def run_soak(self) -> int:
         """Run it, print the report; 0 when the run stopped cleanly and left nothing behind."""
         env = {**os.environ, TAG_ENV: self.tag}
-        launcher = subprocess.Popen([str(REPO_ROOT / "launch" / "run_all.sh"), "--run-dir", str(self.run.root), *ENDLESS, *self.overrides],
-                                    env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        launcher = subprocess.Popen(
+            [str(REPO_ROOT / "launch" / "run_all.sh"), "--run-dir", str(self.run.root), *ENDLESS, *self.overrides],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             self._wait_training(launcher)
             self.started = time.monotonic()
@@ -207,8 +226,9 @@ class Soak:
         self.staging.after_stop = len(run_segments(self.run, self.owners, trainer=True))
         self.sockets.after_stop = len(run_sockets(self.run))
         self.processes.after_stop = len(tagged_processes(self.tag))
-        clean = stopped and not (self.segments.after_stop or self.staging.after_stop or self.sockets.after_stop
-                                 or self.processes.after_stop)
+        clean = stopped and not (
+            self.segments.after_stop or self.staging.after_stop or self.sockets.after_stop or self.processes.after_stop
+        )
         self.report(stopped, clean)
         return 0 if clean else 1
 
@@ -248,10 +268,22 @@ class Soak:
         self.sockets.values.append(len(run_sockets(self.run)))
         self.processes.values.append(len(tagged))
         with self.samples_path.open("a") as f:
-            f.write(json.dumps({"t": round(now, 1), "segments": self.segments.values[-1], "staging_segments": self.staging.values[-1],
-                                "sockets": self.sockets.values[-1],
-                                "processes": {pid: [s.role, *s.samples[-1][1:]] for pid, s in self.series.items()
-                                              if s.samples[-1][0] == now}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "t": round(now, 1),
+                        "segments": self.segments.values[-1],
+                        "staging_segments": self.staging.values[-1],
+                        "sockets": self.sockets.values[-1],
+                        "processes": {
+                            pid: [s.role, *s.samples[-1][1:]]
+                            for pid, s in self.series.items()
+                            if s.samples[-1][0] == now
+                        },
+                    }
+                )
+                + "\n"
+            )
 
     def restart_trainer(self, kill: bool) -> None:
         pid = self.pids().get("trainer")
@@ -261,13 +293,21 @@ class Soak:
             answer = self.command("restart-trainer")
             if answer.returncode != 0:
                 raise RuntimeError(f"restart-trainer failed: {answer.stdout}{answer.stderr}")
-        self.events.append({"t": round(time.monotonic() - self.started, 1), "event": "trainer kill -9" if kill else "restart-trainer", "pid": pid})
+        self.events.append(
+            {
+                "t": round(time.monotonic() - self.started, 1),
+                "event": "trainer kill -9" if kill else "restart-trainer",
+                "pid": pid,
+            }
+        )
 
     def kill_producer(self, producer_id: int) -> None:
         pid = self.pids().get(f"producer-{producer_id}")
         if pid:
             os.kill(pid, signal.SIGKILL)
-        self.events.append({"t": round(time.monotonic() - self.started, 1), "event": f"producer-{producer_id} kill -9", "pid": pid})
+        self.events.append(
+            {"t": round(time.monotonic() - self.started, 1), "event": f"producer-{producer_id} kill -9", "pid": pid}
+        )
 
     def report(self, stopped: bool, clean: bool) -> None:
         processes = [s.summary() for s in self.series.values() if len(s.samples) >= 2]
@@ -279,30 +319,53 @@ class Soak:
         for p in processes:
             history = p.get("stream_history")
             growth = p["rss_growth_mib_per_h"]
-            print(f"{p['role']:<11} {p['pid']:>7} {p['seconds']:>6.0f}  {p['rss_mib']['start']:>13.1f} {p['rss_mib']['warm']:>6.1f} "
-                  f"{p['rss_mib']['end']:>6.1f} {p['rss_mib']['max']:>6.1f} {growth if growth is not None else '-':>6}  "
-                  f"{p['fds']['start']:>9} {p['fds']['end']:>4} {p['fds']['max']:>4}  "
-                  f"{(str(history['end']) + '/' + str(history['max'])) if history else '-':>15}")
-        for name, gauge in (("segments", self.segments), ("staging", self.staging), ("sockets", self.sockets),
-                            ("processes", self.processes)):
+            print(
+                f"{p['role']:<11} {p['pid']:>7} {p['seconds']:>6.0f}  {p['rss_mib']['start']:>13.1f} {p['rss_mib']['warm']:>6.1f} "
+                f"{p['rss_mib']['end']:>6.1f} {p['rss_mib']['max']:>6.1f} {growth if growth is not None else '-':>6}  "
+                f"{p['fds']['start']:>9} {p['fds']['end']:>4} {p['fds']['max']:>4}  "
+                f"{(str(history['end']) + '/' + str(history['max'])) if history else '-':>15}"
+            )
+        for name, gauge in (
+            ("segments", self.segments),
+            ("staging", self.staging),
+            ("sockets", self.sockets),
+            ("processes", self.processes),
+        ):
             s = gauge.summary()
             print(f"{name:<10} start {s['start']}  end {s['end']}  max {s['max']}  after stop {s['after_stop']}")
         print("stopped cleanly, nothing left behind" if clean else "NOT CLEAN: see the figures above")
-        print(json.dumps({
-            "run_dir": str(self.run.root), "minutes": round(self.duration_s / 60, 2), "sample_s": self.sample_s,
-            "stopped": stopped, "clean": clean, "events": self.events, "processes": processes,
-            "segments": self.segments.summary(), "staging_segments": self.staging.summary(), "sockets": self.sockets.summary(),
-            "tagged_processes": self.processes.summary(),
-        }))
+        print(
+            json.dumps(
+                {
+                    "run_dir": str(self.run.root),
+                    "minutes": round(self.duration_s / 60, 2),
+                    "sample_s": self.sample_s,
+                    "stopped": stopped,
+                    "clean": clean,
+                    "events": self.events,
+                    "processes": processes,
+                    "segments": self.segments.summary(),
+                    "staging_segments": self.staging.summary(),
+                    "sockets": self.sockets.summary(),
+                    "tagged_processes": self.processes.summary(),
+                }
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Soak the pipeline: long run, trainer restarts, a producer kill; watch for leaks.")
+    parser = argparse.ArgumentParser(
+        description="Soak the pipeline: long run, trainer restarts, a producer kill; watch for leaks."
+    )
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--run-dir", type=Path, help="default: runs/soak-<timestamp>")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
-    parser.add_argument("--trainer-restart-s", type=float, default=150.0,
-                        help="seconds between trainer replacements (restart-trainer and kill -9 alternately)")
+    parser.add_argument(
+        "--trainer-restart-s",
+        type=float,
+        default=150.0,
+        help="seconds between trainer replacements (restart-trainer and kill -9 alternately)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for the run")
     args = parser.parse_args(argv)
     run_dir = args.run_dir or Path("runs") / datetime.now().strftime("soak-%Y%m%d-%H%M%S")
