@@ -26,8 +26,8 @@ from torch import nn
 
 from common.config import RunConfig
 from producer.data import BadRecord, DataSource, render_chat, validate_messages
-from producer.generate import STATIC_CACHE_ENGINE, GenerationConfig, Request
-from producer.synthesize import ShardWriter, generator_for, read_shards, stop_token_ids
+from producer.generate import STATIC_CACHE_ENGINE, Request
+from producer.synthesize import ShardWriter, generation_config_of, generator_for, read_shards, stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class RegeneratedSource(DataSource):
             self.template_kwargs["enable_thinking"] = cfg.synthesize.enable_thinking
         self.answers = read_shards(folder) if folder.is_dir() else {}
         self.writer = ShardWriter(folder, producer_id, cfg.synthesize.records_per_shard, float("inf"))
+        self.producer_id = producer_id
         self._generator = None
         log.info(
             "regenerating the data's answers as the stream goes; %d answers kept in %s from before",
@@ -126,19 +127,9 @@ class RegeneratedSource(DataSource):
 
     def _generator_of_target(self) -> Any:
         if self._generator is None:
-            s = self.cfg.synthesize
-            self._generator = generator_for(
-                self.model,
-                GenerationConfig(
-                    max_new_tokens=s.max_new_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    seed=s.seed,
-                    stop_token_ids=stop_token_ids(self.model, self.tokenizer),
-                    rows=s.rows,
-                    max_prompt_tokens=s.max_prompt_tokens,
-                ),
-            )
+            stop_ids = stop_token_ids(self.model, self.tokenizer)
+            config = generation_config_of(self.cfg.synthesize, self.producer_id, stop_ids)
+            self._generator = generator_for(self.model, config)
         return self._generator
 
     @contextlib.contextmanager

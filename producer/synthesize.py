@@ -252,31 +252,13 @@ class Synthesis:
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
         self.stop = False
         # Both static caches are made now, before anything is written: one that cannot fit stops at once (exit 2).
-        s = self.synth
-        self.answers = generator_for(
-            self.model,
-            GenerationConfig(
-                max_new_tokens=s.max_new_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                seed=s.seed + producer_id,
-                stop_token_ids=self.stop_ids,
-                rows=s.rows,
-                max_prompt_tokens=s.max_prompt_tokens,
-            ),
-        )
+        self.answers = generator_for(self.model, generation_config_of(self.synth, producer_id, self.stop_ids))
         self.questions = None
         if any(p.messages is None for p in self.pending):
             self.questions = generator_for(
                 self.model,
-                GenerationConfig(
-                    max_new_tokens=s.magpie_max_tokens,
-                    temperature=s.magpie_temperature,
-                    top_p=s.magpie_top_p,
-                    seed=s.seed + 7919 * (producer_id + 1),
-                    stop_token_ids=self.stop_ids,
-                    rows=s.rows,
-                    max_prompt_tokens=max(map(len, self.prefix_ids)),
+                generation_config_of(
+                    self.synth, producer_id, self.stop_ids, magpie_prompt_tokens=max(map(len, self.prefix_ids))
                 ),
             )
 
@@ -406,6 +388,33 @@ class Synthesis:
             100 * stats.occupancy,
             generator.engine,
         )
+
+
+def generation_config_of(
+    synth: SynthesizeConfig, producer_id: int, stop_ids: tuple[int, ...], magpie_prompt_tokens: int | None = None
+) -> GenerationConfig:
+    """How producer ``producer_id`` generates for ``synthesize.*``: the answers (synthesis and regeneration alike), or
+    with ``magpie_prompt_tokens`` (the longest Magpie prefix) the self-written user turns. Each producer samples from
+    its own seed, so producers that sample never draw the same stream."""
+    if magpie_prompt_tokens is not None:
+        return GenerationConfig(
+            max_new_tokens=synth.magpie_max_tokens,
+            temperature=synth.magpie_temperature,
+            top_p=synth.magpie_top_p,
+            seed=synth.seed + 7919 * (producer_id + 1),
+            stop_token_ids=stop_ids,
+            rows=synth.rows,
+            max_prompt_tokens=magpie_prompt_tokens,
+        )
+    return GenerationConfig(
+        max_new_tokens=synth.max_new_tokens,
+        temperature=synth.temperature,
+        top_p=synth.top_p,
+        seed=synth.seed + producer_id,
+        stop_token_ids=stop_ids,
+        rows=synth.rows,
+        max_prompt_tokens=synth.max_prompt_tokens,
+    )
 
 
 def generator_for(model: Any, config: GenerationConfig) -> Generator:

@@ -257,3 +257,22 @@ def child_environ(pid: int) -> dict[str, str] | None:
     except OSError:
         return None
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_one_generation_config_for_synthesis_and_regeneration_each_producer_its_own_seeds():
+    """Synthesis and regeneration take their settings from one function: regeneration once gave every producer the
+    same seed (so producers that sample drew the same stream), synthesis seed + producer id."""
+    from common.config import load_config
+    from producer.synthesize import generation_config_of
+
+    synth = load_config(None, ["synthesize.temperature=0.8", "synthesize.seed=5"]).synthesize
+    answers = [generation_config_of(synth, p, (2,)) for p in range(3)]
+    questions = [generation_config_of(synth, p, (2,), magpie_prompt_tokens=40) for p in range(3)]
+    seeds = [c.seed for c in answers + questions]
+    assert len(set(seeds)) == 6 and answers[0].seed == 5
+    assert answers[1].temperature == 0.8 and answers[1].max_new_tokens == synth.max_new_tokens
+    assert questions[0].max_prompt_tokens == 40 and questions[0].max_new_tokens == synth.magpie_max_tokens
+    assert (
+        "generation_config_of(self.cfg.synthesize, self.producer_id"
+        in (Path(__file__).resolve().parents[1] / "producer" / "regenerate.py").read_text()
+    )
