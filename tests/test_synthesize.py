@@ -272,7 +272,3 @@ def test_one_generation_config_for_synthesis_and_regeneration_each_producer_its_
     assert len(set(seeds)) == 6 and answers[0].seed == 5
     assert answers[1].temperature == 0.8 and answers[1].max_new_tokens == synth.max_new_tokens
     assert questions[0].max_prompt_tokens == 40 and questions[0].max_new_tokens == synth.magpie_max_tokens
-    assert (
-        "generation_config_of(self.cfg.synthesize, self.producer_id"
-        in (Path(__file__).resolve().parents[1] / "producer" / "regenerate.py").read_text()
-    )
