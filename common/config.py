@@ -404,6 +404,29 @@ class DrafterConfig:
                 "must be set (>= 1) for sliding layers",
             )
 
+    def draft_overrides(self) -> dict[str, Any]:
+        """The DraftConfig fields this section sets (``DraftConfig.from_target`` derives the rest from the target):
+        the one mapping of the trainer's drafter and of what ``check`` describes."""
+        overrides: dict[str, Any] = {
+            name: getattr(self, name)
+            for name in (
+                "block_size",
+                "in_block_causality",
+                "kind",
+                "conv_kernel_size",
+                "conv_group_size",
+                "selector_rank",
+                "selector_top_k",
+            )
+        }
+        for name in ("target_layer_ids", "layer_types"):
+            if getattr(self, name):
+                overrides[name] = list(getattr(self, name))
+        for name in ("sliding_window", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
+            if getattr(self, name) is not None:
+                overrides[name] = getattr(self, name)
+        return overrides
+
 
 @dataclass
 class RingConfig:

@@ -45,26 +45,7 @@ def _drafter_summary(cfg: RunConfig, tokenizer: Any) -> str:
 
     target = build_target_config(cfg.target)
     d = cfg.drafter
-    overrides: dict[str, Any] = {
-        "block_size": d.block_size,
-        "in_block_causality": d.in_block_causality,
-        "kind": d.kind,
-        "conv_kernel_size": d.conv_kernel_size,
-        "conv_group_size": d.conv_group_size,
-        "selector_rank": d.selector_rank,
-        "selector_top_k": d.selector_top_k,
-    }
-    for name in (
-        "target_layer_ids",
-        "layer_types",
-        "sliding_window",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-    ):
-        value = getattr(d, name)
-        if value:
-            overrides[name] = list(value) if isinstance(value, list) else value
+    overrides = d.draft_overrides()
     mask = d.mask_token_id if d.mask_token_id is not None or tokenizer is not None else int(target.vocab_size) - 1
     try:
         draft = DraftConfig.from_target(

@@ -52,25 +52,7 @@ def load_head(cfg: RunConfig, head_dir: Path, device: torch.device) -> tuple[Any
 def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> DraftConfig:
     """The drafter the run's ``drafter`` section asks for, on this target."""
     d = cfg.drafter
-    overrides = {
-        "block_size": d.block_size,
-        "in_block_causality": d.in_block_causality,
-        "kind": d.kind,
-        "conv_kernel_size": d.conv_kernel_size,
-        "conv_group_size": d.conv_group_size,
-        "selector_rank": d.selector_rank,
-        "selector_top_k": d.selector_top_k,
-    }
-
-    if d.target_layer_ids:
-        overrides["target_layer_ids"] = list(d.target_layer_ids)
-    if d.layer_types:
-        overrides["layer_types"] = list(d.layer_types)
-    if d.sliding_window is not None:
-        overrides["sliding_window"] = d.sliding_window
-    for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads"):
-        if getattr(d, name) is not None:
-            overrides[name] = getattr(d, name)
+    overrides = d.draft_overrides()
     tokenizer = None
     mask = d.mask_token_id
     has_tokenizer = any(
