@@ -94,6 +94,8 @@ def collect_status(run_dir: Path) -> dict:
             "eval",
             "evals_in_flight",
             "checkpoint_writing",
+            "kind",
+            "kind_metrics",
         )
     }
     trainer = {
@@ -173,6 +175,11 @@ def format_status(status: dict) -> str:
             f"eta {format_duration(eta)}",
             f"{'':<9} " + "  ".join(trainer_figures(t) + [f"{_cell(t['tokens_per_s'], '{:.0f}')} tok/s"]),
         ]
+        if t.get("kind_metrics"):  # the drafter kind's own figures (DFlash 2: the selector's)
+            lines.append(
+                f"{_cell(t.get('kind')):<9} "
+                + "  ".join(f"{key} {value:.3f}" for key, value in t["kind_metrics"].items())
+            )
     if status["producers"]:
         lines.append(f"{'':<9} {ring_occupancy([p for p in status['producers']])}  (full slots per producer ring)")
     return "\n".join(lines)

@@ -54,6 +54,13 @@ def test_a_dflash2_run_trains_evaluates_exports_and_a_dflash_checkpoint_starts_o
     assert any("eval/tau" in m for m in metrics)  # producer 0 decoded with the selector's walk
     status = json.loads((run_dir / "trainer.json").read_text())
     assert status["kind"] == "dflash2" and set(status["kind_metrics"]) == set(DFlash2Drafter.logged_metrics)
+    shown = subprocess.run(
+        [str(ROOT / "launch" / "run_all.sh"), "status", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert "dflash2   unary_tau " in shown and "selector/recall " in shown, shown
 
     checkpoint = _checkpoints(run_dir)[-1]
     config = json.loads((checkpoint / "drafter" / "config.json").read_text())
