@@ -172,17 +172,19 @@ def test_the_trainer_warns_when_a_result_shows_a_real_and_simulated_gap(tmp_path
     from common.rundir import RunDir
     from trainer.evaluations import EvalClient
 
+    metrics_file = open(tmp_path / "metrics.jsonl", "w")
     client = EvalClient(
         RunDir(tmp_path),
         incarnation=1,
         block_size=4,
         gap_tolerance=load_config(None).eval.gap_tolerance,
         background_export=False,
+        metrics_file=metrics_file,
+        wandb_run=None,
     )
-    metrics_file = open(tmp_path / "metrics.jsonl", "w")
 
     def record(step: int, metrics: dict) -> None:
-        client.record(step, metrics, now_step=30, metrics_file=metrics_file, wandb_run=None)
+        client.record(step, metrics, now_step=30)
 
     with caplog.at_level("WARNING"):
         record(24, {"eval/tau": 1.2, "eval/sim_tau": 2.6, "eval/tau_gap": -1.4})

@@ -22,12 +22,24 @@ log = logging.getLogger(__name__)
 
 
 class EvalClient:
-    """The evaluations one trainer (rank 0) asked for or adopted, and the last result logged."""
+    """The evaluations one trainer (rank 0) asked for or adopted, and the last result logged.
+
+    The trainer's evaluation interface: ``adopt``, ``ask``, ``collect``, ``status``, ``close`` and ``in_flight``
+    (the coupled baseline's in-loop evaluation, launch/bench/coupled.py, has the same)."""
 
     def __init__(
-        self, run_dir: RunDir, incarnation: int, block_size: int, gap_tolerance: float, background_export: bool
+        self,
+        run_dir: RunDir,
+        incarnation: int,
+        block_size: int,
+        gap_tolerance: float,
+        background_export: bool,
+        metrics_file: IO[str] | None,
+        wandb_run: Any,
     ) -> None:
         self.run_dir = run_dir
+        self.metrics_file = metrics_file
+        self.wandb_run = wandb_run
         self.incarnation = incarnation
         self.block_size = block_size
         self.gap_tolerance = gap_tolerance
@@ -65,23 +77,20 @@ class EvalClient:
                 [step for step, _ in adopted],
             )
 
-    def ask(self, step: int, drafter: DFlashDrafter, weights: dict[str, torch.Tensor]) -> None:
-        """Export the drafter's ``weights`` for producer 0 to evaluate; training stands still only for their copy to
-        host memory, the export is written in the background."""
+    def ask(self, step: int, drafter: DFlashDrafter, full_weights: dict[str, torch.Tensor] | None) -> None:
+        """Export the drafter (``full_weights``: its whole state where the drafter holds a shard of it) for producer 0
+        to evaluate; training stands still only for the copy to host memory, the export is written in the
+        background."""
         export = evals.folder(self.run_dir, step, self.incarnation) / "drafter"
         request = evals.EvalRequest(step=step, drafter=str(export), incarnation=self.incarnation)
+        weights = full_weights if full_weights is not None else drafter.state_dict()
         stall_s = self.exports.export(drafter, weights, request, background=self.background_export)
         log.info("evaluation of step %d asked for; training stood still %.2f s for its export", step, stall_s)
         self.in_flight.add((step, self.incarnation))
 
-    def collect(
-        self,
-        log_result: Callable[[int, dict[str, float]], None],
-        wait_s: float = 0.0,
-        stop: Callable[[], bool] = lambda: False,
-    ) -> bool:
-        """Hand each result that has come back to ``log_result(step, metrics)`` (waiting up to ``wait_s`` for all,
-        unless ``stop()``); whether any came."""
+    def collect(self, now_step: int, wait_s: float = 0.0, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Log each result that has come back (``record``, at training step ``now_step``), waiting up to ``wait_s``
+        for all unless ``stop()``; whether any came."""
         deadline = time.monotonic() + wait_s
         came = False
         while self.in_flight:
@@ -94,22 +103,20 @@ class EvalClient:
                 if result.lost:
                     log.warning("evaluation of step %d lost: %s", step, result.lost)
                 else:
-                    log_result(step, result.metrics)
+                    self.record(step, result.metrics, now_step)
                 evals.mark_logged(self.run_dir, step, incarnation)
             if not self.in_flight or time.monotonic() >= deadline or stop():
                 break
             time.sleep(0.2)
         return came
 
-    def record(
-        self, step: int, metrics: dict[str, float], now_step: int, metrics_file: IO[str], wandb_run: Any
-    ) -> None:
+    def record(self, step: int, metrics: dict[str, float], now_step: int) -> None:
         """Log one result in metrics.jsonl at its own step, in wandb (whose steps only grow: against eval/step) and
         in the trainer's log, warning when real and simulated tau drift apart."""
-        metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
-        metrics_file.flush()
-        if wandb_run is not None:
-            wandb_run.log({**metrics, "eval/step": step}, step=now_step)
+        self.metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
+        self.metrics_file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({**metrics, "eval/step": step}, step=now_step)
         self.last = {"step": step, "tau": metrics.get("eval/tau"), "sim_tau": metrics.get("eval/sim_tau")}
         log.info(
             "eval at step %d (logged at %d): tau %.3f real, %.3f simulated, %.1f%% target forwards saved",

@@ -33,7 +33,7 @@ from common import faults
 from common.config import ConfigError, RunConfig, load_config, to_dict
 from common.contract import Expectation
 from common.drafter.export import config_from_export, drafter_from_state, zlab_config
-from common.drafter.kinds import build_drafter, kind_of
+from common.drafter.kinds import kind_of
 from common.drafter.model import train_flops
 from common.hf import target_identity
 from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, end_now, exit_process
@@ -255,13 +255,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps))
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + self.rank)
         self.commits = Commits()
-        self.evals = EvalClient(
-            run_dir,
-            self.incarnation,
-            self.draft_config.block_size,
-            cfg.eval.gap_tolerance,
-            background_export=cfg.training.async_checkpoint,
-        )
         self.wandb_id = None
         if resumed is not None:
             # On a GPU the optimizer copies its state to the device; on the CPU it would keep a handed-over
@@ -273,8 +266,6 @@ class Trainer:
             )
             self._restore(train_state, resumed.meta)
         self.start_step = self.step
-        if self.rank == 0:
-            self.evals.adopt(self.step)
         clock.lap("optimizer")
         self.wandb = self._init_wandb()
         clock.lap("wandb")
@@ -304,6 +295,22 @@ class Trainer:
             )
         self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
         self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
+        # Producer 0 evaluates what this trainer asks for; the coupled baseline evaluates in its own loop.
+        self.evals = (
+            self.coupled.evaluations(self.metrics_file, self.wandb)
+            if self.coupled
+            else EvalClient(
+                run_dir,
+                self.incarnation,
+                self.draft_config.block_size,
+                cfg.eval.gap_tolerance,
+                background_export=cfg.training.async_checkpoint,
+                metrics_file=self.metrics_file,
+                wandb_run=self.wandb,
+            )
+        )
+        if self.rank == 0:
+            self.evals.adopt(self.step)
         self.flops_cache: dict[int, float] = {}
         self.flops_per_attention_pair = train_flops(self.draft_config, 0, 0, 1.0)["attention"]
         self._upcoming: Received | None = None
@@ -700,39 +707,20 @@ class Trainer:
         return self.state
 
     def evaluate(self) -> None:
-        """Ask for an acceptance evaluation of this step's weights and go on training: producer 0, which holds the
-        target, evaluates the exported drafter between two of its batches (trainer/evaluations.py). Under FSDP every
-        rank helps gather the weights. The coupled baseline evaluates in its own loop instead."""
+        """Ask for an acceptance evaluation of this step's weights and go on training (trainer/evaluations.py: producer
+        0 evaluates them between two of its batches). Under FSDP every rank helps gather the weights."""
         weights = full_model_state(self.drafter) if self.sharded else None
         if self.rank != 0:
             return
-        if self.coupled:
-            self._evaluate_in_loop(weights)
-            return
-        self.evals.ask(self.step, self.drafter, weights if weights is not None else self.drafter.state_dict())
+        self.evals.ask(self.step, self.drafter, weights)
         self.write_status()
 
     def collect_evaluations(self, wait_s: float = 0.0) -> None:
         """Log the results of the evaluations asked for that have come back (waiting up to ``wait_s`` for all)."""
         if self.rank != 0:
             return
-        if self.evals.collect(self._log_evaluation, wait_s, stop=lambda: self.stop_requested):
+        if self.evals.collect(self.step, wait_s, stop=lambda: self.stop_requested):
             self.write_status()  # called every few steps while one is out: the status changes only when a result comes
-
-    def _log_evaluation(self, step: int, metrics: dict[str, float]) -> None:
-        self.evals.record(step, metrics, self.step, self.metrics_file, self.wandb)
-
-    def _evaluate_in_loop(self, weights: dict | None) -> None:
-        """The coupled baseline's evaluation, as today's online trainers do it: in the loop, on its own target."""
-        drafter = self.drafter
-        if weights is not None:
-            drafter = build_drafter(self.draft_config, self.head, self.loss_config)
-            drafter.load_state_dict(weights)
-            drafter.to(self.device)
-        report = self.coupled.evaluate(self.step, drafter, self.metrics_file, self.wandb)
-        if report is not None:
-            self.evals.last = {"step": self.step, "tau": report.tau, "sim_tau": report.sim_tau}
-            self.write_status()
 
     def _stall(self) -> None:
         """Pause the loop for training.stall_s (a benchmark's stand-in for an evaluation)."""

@@ -30,6 +30,7 @@ from common.batch import PackedBatch, SlotDims, document_tensors, pad_packed, sl
 from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta
 from common.drafter.evaluate import AcceptanceReport, Evaluator, target_head_of, warn_if_gap
+from common.drafter.kinds import build_drafter
 from common.drafter.model import DFlashDrafter
 from common.lifecycle import exit_process
 from common.rundir import RunDir
@@ -112,11 +113,9 @@ class CoupledSource:
             batch.num_tokens,
         )
 
-    def evaluate(
-        self, step: int, drafter: DFlashDrafter, metrics_file: IO[str], wandb_run: Any
-    ) -> AcceptanceReport | None:
-        """The in-loop evaluation of ``step`` (rank 0): see ``TrainingEvaluation.maybe_log``."""
-        return self.evaluation.maybe_log(step, drafter, metrics_file, wandb_run) if self.evaluation else None
+    def evaluations(self, metrics_file: IO[str] | None, wandb_run: Any) -> InLoopEvaluations:
+        """The trainer's evaluation client for this baseline: in its loop, on this process's target."""
+        return InLoopEvaluations(self.evaluation, metrics_file, wandb_run)
 
     def producer_stats(self) -> dict[int, dict]:
         return {}
@@ -188,6 +187,44 @@ class TrainingEvaluation:
         )
         warn_if_gap(metrics, report.block_size, self.cfg.eval.gap_tolerance)
         return report
+
+
+class InLoopEvaluations:
+    """The trainer's evaluation interface (trainer/evaluations.py ``EvalClient``: ``adopt``, ``ask``, ``collect``,
+    ``status``, ``close``, ``in_flight``) for the coupled baseline: ``ask`` evaluates at once, in the loop, so
+    nothing is ever in flight and nothing is adopted."""
+
+    in_flight: frozenset = frozenset()
+
+    def __init__(self, evaluation: TrainingEvaluation | None, metrics_file: IO[str] | None, wandb_run: Any) -> None:
+        self.evaluation = evaluation
+        self.metrics_file = metrics_file
+        self.wandb_run = wandb_run
+        self.last: dict[str, Any] | None = None
+
+    def adopt(self, resumed_step: int) -> None:
+        pass  # a baseline's run never survives its process: nothing was asked before it
+
+    def ask(self, step: int, drafter: DFlashDrafter, full_weights: dict[str, torch.Tensor] | None) -> None:
+        """Evaluate ``step`` now (a drafter holding a shard of itself is rebuilt whole from ``full_weights``)."""
+        if self.evaluation is None:
+            return
+        if full_weights is not None:
+            whole = build_drafter(drafter.config, drafter.target_head, drafter.loss_config)
+            whole.load_state_dict(full_weights)
+            drafter = whole.to(drafter.target_head.embed_weight.device)
+        report = self.evaluation.maybe_log(step, drafter, self.metrics_file, self.wandb_run)
+        if report is not None:
+            self.last = {"step": step, "tau": report.tau, "sim_tau": report.sim_tau}
+
+    def collect(self, now_step: int, wait_s: float = 0.0, stop: Any = None) -> bool:
+        return False  # every result was logged when it was asked for
+
+    def status(self) -> dict[str, Any]:
+        return {"eval": self.last, "evals_in_flight": []}
+
+    def close(self) -> None:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
