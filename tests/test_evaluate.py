@@ -32,7 +32,7 @@ from launch.bench.coupled import TrainingEvaluation
 from launch.evaluate import main
 from producer.data import build_data_source
 from producer.evaluation import build_evaluator, held_out_documents
-from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
+from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
 LAYER_IDS = [1, 3]
 BLOCK = 4
@@ -705,24 +705,7 @@ def test_the_simulation_at_the_decodings_anchors_is_real_tau_and_the_rest_is_spl
     drafter = random_drafter(target_model)
     evaluator.evaluate(drafter)  # makes the target's reference: the greedy texts to train on
     transcripts = evaluator.reference.transcripts
-    lengths = [len(t.tokens) - 1 for t in transcripts]
-    loss_mask = torch.cat([torch.arange(n) > t.prompt_len for n, t in zip(lengths, transcripts)]).to(torch.uint8)
-    batch = PackedBatch(
-        input_ids=torch.cat([torch.tensor(t.tokens[:-1]) for t in transcripts]).to(torch.int32),
-        loss_mask=loss_mask,
-        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
-        sample_ids=torch.arange(len(transcripts)),
-        aux_hidden=torch.cat([t.features for t in transcripts]),
-    )
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    drafter.train()
-    for step in range(150):
-        loss, _ = drafter.forward_train(batch, 96, generator, step / 150)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    report = evaluator.evaluate(drafter.eval())
+    report = evaluator.evaluate(train_on_transcripts(drafter, transcripts, steps=150))
     assert report.tau > 1.5, "the drafter accepts whole blocks: the comparison is not all zeros"
     assert report.sim_tau_walk == pytest.approx(report.tau, abs=1e-6)
     assert report.sim_tau_greedy != pytest.approx(report.sim_tau_walk)

@@ -18,7 +18,6 @@ import importlib.util
 import pytest
 import torch
 
-from common.batch import PackedBatch
 from common.drafter.evaluate import (
     DraftContext,
     GreedyTarget,
@@ -29,7 +28,7 @@ from common.drafter.evaluate import (
 )
 from common.drafter.export import export_zlab
 from common.drafter.kinds import build_drafter
-from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
+from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("dflash") is None,
@@ -79,24 +78,7 @@ def trained_drafter(kind: str, target, prompt_list: list[torch.Tensor], config):
     drafter = build_drafter(config, target_head_of(target.model))
     transcripts = greedy_transcripts(target, prompt_list, NEW_TOKENS + BLOCK, 1)
     target.detach()
-    lengths = [len(t.tokens) - 1 for t in transcripts]
-    loss_mask = torch.cat([torch.arange(n) > t.prompt_len for n, t in zip(lengths, transcripts)]).to(torch.uint8)
-    batch = PackedBatch(
-        input_ids=torch.cat([torch.tensor(t.tokens[:-1]) for t in transcripts]).to(torch.int32),
-        loss_mask=loss_mask,
-        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
-        sample_ids=torch.arange(len(transcripts)),
-        aux_hidden=torch.cat([t.features for t in transcripts]),
-    )
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    drafter.train()
-    for step in range(120):
-        loss, _ = drafter.forward_train(batch, 96, generator, step / 120)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return drafter.eval()
+    return train_on_transcripts(drafter, transcripts, steps=120)
 
 
 def zlab_model(kind: str, drafter, directory):
