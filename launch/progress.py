@@ -10,8 +10,10 @@ On a terminal (tqdm, as the ecosystem's trainers draw it)::
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import shlex
 import sys
 import time
 from typing import Any
@@ -169,9 +171,6 @@ class ViewHandler(logging.Handler):
 def run_summary(run: RunDir, block_size: int, target: str | None) -> str:
     """What a finished run leaves and what to do next: the last checkpoint, the final simulated (training) and real
     tau, and the commands that evaluate, export and serve it, each ready to paste."""
-    import json
-    import shlex
-
     status = read_json(run.trainer_status) or {}
     checkpoint = run.latest_checkpoint()
     lines = [f"run finished at step {status.get('step')}: {run.root}"]

@@ -43,8 +43,8 @@ LAYER_IDS = [1, 2]
 PROMPT = torch.tensor([3, 9, 1, 4, 12, 7])
 NEW_TOKENS = 3
 ALPHA = 1e-4
-SAMPLES = 400
-MIN_GROUP = 40  # samples of a prefix for its own group in the conditional test  # continuations per drafter kind through the whole decoder
+SAMPLES = 400  # continuations per drafter kind through the whole decoder
+MIN_GROUP = 40  # samples of a prefix for its own group in the conditional test
 SAMPLING = Sampling(temperature=1.0)
 TOP_K = 8  # DFlash 2 candidates: half the vocabulary
 HEAD_SCALE = 40.0

@@ -31,7 +31,7 @@ from common.drafter.blocks import DraftBlocks
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig, candidate_logits, draft_loss_parts, draft_metrics
 from common.drafter.model import DFlashDrafter, DraftDecoderLayer
-from common.drafter.sampling import Proposal, Sampling
+from common.drafter.sampling import Proposal, Sampling, sample_from
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -266,7 +266,7 @@ class DFlash2Drafter(DFlashDrafter):
             scores = unary[:, slot] + selector.pairwise(hidden[:, slot], previous, candidates[:, slot])
             if sampled:
                 q = torch.softmax(scores / sampling.temperature, dim=-1)
-                index = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+                index = sample_from(q, generator)
                 probs.append(q)
             else:
                 index = scores.argmax(-1)

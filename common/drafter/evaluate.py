@@ -404,16 +404,13 @@ class DraftContext:
     def propose(self, token: int, position: int) -> torch.Tensor:
         """Greedy draft tokens ``[B - 1]`` for slots 1.. of the block anchored at ``token``, at ``position``
         (equal to the number of context tokens: the anchor's own features are never context)."""
-        device = self.ctx.device
-        return propose_rows(
-            self.drafter, [self.ctx], torch.tensor([token], device=device), torch.tensor([position], device=device)
-        )[0]
+        return self.proposal(token, position).tokens[0]
 
     def proposal(
-        self, token: int, position: int, sampling: Sampling, generator: torch.Generator | None = None
+        self, token: int, position: int, sampling: Sampling | None = None, generator: torch.Generator | None = None
     ) -> Proposal:
-        """The drafter kind's proposal of the same block under ``sampling`` (one row): the drawn tokens and the
-        distribution they were drawn from (DFlash 2: over its candidates)."""
+        """The drafter kind's proposal of the same block (one row), greedy or under ``sampling``: the tokens and, when
+        sampled, the distribution they were drawn from (DFlash 2: over its candidates)."""
         device = self.ctx.device
         anchor = torch.tensor([token], device=device)
         hidden = draft_rows(self.drafter, [self.ctx], anchor, torch.tensor([position], device=device))

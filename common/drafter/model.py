@@ -20,7 +20,7 @@ from common.drafter.blocks import DraftBlocks, build_blocks, label_coverage
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig, draft_loss
 from common.drafter.masks import build_masks, visible_pairs
-from common.drafter.sampling import Proposal, Sampling, sampling_probs
+from common.drafter.sampling import Proposal, Sampling, sample_from, sampling_probs
 from common.drafter.target_head import TargetHead
 
 _compiled_flex_attention = None
@@ -261,8 +261,7 @@ class DFlashDrafter(nn.Module):
         if sampling is None or sampling.greedy:
             return Proposal(tokens=logits.argmax(-1))
         probs = sampling_probs(logits, sampling)
-        tokens = torch.multinomial(probs.view(rows * slots, -1), 1, generator=generator).view(rows, slots)
-        return Proposal(tokens=tokens, probs=probs)
+        return Proposal(tokens=sample_from(probs, generator), probs=probs)
 
     def warm_start(self, state: dict[str, torch.Tensor]) -> None:
         """Load a drafter's weights of this kind, or of a kind this one extends (see the subclasses)."""
