@@ -493,6 +493,7 @@ class TrainingConfig:
         "grad_clip": "trainer",
         "max_steps": "trainer",
         "epochs": "trainer",
+        "max_minutes": "trainer",
         "gamma": "trainer",
         "weighting": "trainer",
         "objective": "trainer",
@@ -537,6 +538,13 @@ class TrainingConfig:
     """Optimizer steps of the run; 0: as many as ``epochs`` of data take (estimated from the data size)."""
     epochs: int = 6
     """Epochs of data when max_steps is 0."""
+    max_minutes: float = 0.0
+    """Training time budget in minutes (0: none): the run ends when it is spent or at the last step, whichever comes
+    first, and the learning-rate schedule is as far along as the larger of the steps and the clock, so a run the
+    clock ends still warms up and decays. The clock runs from the end of each trainer's first step (compilation is
+    not training) and checkpoints carry it over restarts; waits for data, checkpoints and evaluations count. Runs
+    of different step costs trained to one budget compare at equal GPU time; since the schedule reads the clock,
+    two such runs are not equal step for step."""
     label_mode: LabelMode = "data"
     """data: the data tokens; target_hard (argmax CE) / target_soft (KL): the target's distribution (needs its last hidden state)."""
     objective: Literal["ce", "lk", "lk_hybrid"] = "ce"
@@ -602,6 +610,7 @@ class TrainingConfig:
         _check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
         _check(self.max_steps >= 0, "max_steps", "must be >= 0")
         _check(self.epochs >= 1, "epochs", "must be >= 1")
+        _check(self.max_minutes >= 0 and math.isfinite(self.max_minutes), "max_minutes", "must be >= 0")
         _check(
             self.label_mode in ("data", "target_hard", "target_soft"),
             "label_mode",

@@ -51,10 +51,15 @@ def ring_occupancy(producers: list[dict[str, Any]]) -> str:
     return "ring " + " ".join(cells) if cells else ""
 
 
-def eta_s(step: int, max_steps: int | None, steps_per_s: float | None) -> float | None:
-    if not max_steps or not steps_per_s:
-        return None
-    return max(0, max_steps - step) / steps_per_s
+def eta_s(status: dict) -> float | None:
+    """Seconds to the run's end from a trainer status: its steps left at its pace, or its time budget's rest
+    (training.max_minutes), whichever ends first."""
+    left = []
+    if status.get("max_steps") and status.get("steps_per_s"):
+        left.append(max(0, status["max_steps"] - (status.get("step") or 0)) / status["steps_per_s"])
+    if status.get("max_minutes") and status.get("trained_s") is not None:
+        left.append(max(0.0, 60 * status["max_minutes"] - status["trained_s"]))
+    return min(left, default=None)
 
 
 def significant(value: float | None, digits: int = 3) -> str:
@@ -113,7 +118,7 @@ class ProgressView:
         key = (step, status.get("loss"), current)
         if current and status.get("loss") is not None and key != self._last_shown:
             self._last_shown = key
-            eta = eta_s(step, max_steps, status.get("steps_per_s"))
+            eta = eta_s(status)
             print(
                 f"step {step}/{max_steps}  elapsed {format_duration(time.monotonic() - self.started)}  "
                 f"eta {format_duration(eta)}  {postfix}",

@@ -105,6 +105,8 @@ def collect_status(run_dir: Path) -> dict:
         **figures,
         "step": trainer_file.get("step"),
         "max_steps": trainer_file.get("max_steps"),
+        "trained_s": trainer_file.get("trained_s"),
+        "max_minutes": trainer_file.get("max_minutes"),
         "state": trainer_file.get("state"),
         "incarnation": trainer_file.get("incarnation"),
         "devices": trainer_record.get("devices"),
@@ -168,7 +170,7 @@ def format_status(status: dict) -> str:
     elif t["loss"] is not None:
         step, max_steps = t["step"] or 0, t["max_steps"]
         done = f" ({step / max_steps:.0%})" if max_steps else ""
-        eta = eta_s(step, max_steps, t["steps_per_s"]) if t["alive"] else None
+        eta = eta_s(t) if t["alive"] else None
         lines += [
             "",
             f"{'training':<9} step {step}/{_cell(max_steps)}{done}  elapsed {format_duration(uptime)}  "

@@ -40,6 +40,7 @@ from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, end_now, exit_p
 from common.naming import process_start_ticks, run_tag, sweep_stale_trainer_staging
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from trainer import build, handover
+from trainer.budget import TimeBudget
 from trainer.checkpoint import CheckpointWriter, Snapshot, load_checkpoint
 from trainer.evaluations import EvalClient
 from trainer.feeder import Commits, Feeder, Received
@@ -72,9 +73,10 @@ def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def lr_lambda(cfg: RunConfig, max_steps: int):
+def lr_lambda(cfg: RunConfig, max_steps: int, budget: TimeBudget | None = None):
     """Linear warmup, then a cosine decay to ``min_lr_ratio`` of the peak, or with ``schedule = "wsd"`` the peak held
-    until the last ``decay_ratio`` of the steps and a linear decay to the floor over them."""
+    until the last ``decay_ratio`` of the steps and a linear decay to the floor over them. Under a time budget the
+    schedule is as far along as the larger of the steps and the clock, so a run the clock ends still decays."""
     warmup = max(1, int(cfg.training.warmup_ratio * max_steps))
     floor = cfg.training.min_lr_ratio
     decay_start = max(warmup, max_steps - int(round(cfg.training.decay_ratio * max_steps)))
@@ -90,6 +92,8 @@ def lr_lambda(cfg: RunConfig, max_steps: int):
     after_warmup = warmup_stable_decay if cfg.training.schedule == "wsd" else cosine
 
     def factor(step: int) -> float:
+        if budget is not None:
+            step = max(step, int(budget.fraction * max_steps))
         return (step + 1) / warmup if step < warmup else after_warmup(step)
 
     return factor
@@ -245,6 +249,7 @@ class Trainer:
         )
 
         self.max_steps = cfg.training.max_steps or self._steps_from_epochs()
+        self.budget = TimeBudget(cfg.training.max_minutes, resumed.meta.get("trained_s", 0.0) if resumed else 0.0)
         self.optimizer = build_optimizer(
             self.drafter,
             cfg.training.resolved_optimizer,
@@ -252,7 +257,7 @@ class Trainer:
             cfg.training.weight_decay,
             fused=self.device.type == "cuda",
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps, self.budget))
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + self.rank)
         self.commits = Commits()
         self.wandb_id = None
@@ -366,6 +371,15 @@ class Trainer:
                 raise KeyboardInterrupt
             time.sleep(0.2)
 
+    @property
+    def done(self) -> bool:
+        """The run's last step is trained: ``max_steps`` of them, or the time budget spent."""
+        return self.step >= self.max_steps or self.budget.spent
+
+    def _agree(self, seconds: float) -> float:
+        """Rank 0's clock reading on every rank (only a budget reads it, so only then a collective)."""
+        return self._broadcast(seconds) if self.budget.minutes else seconds
+
     def _broadcast(self, value: int) -> int:
         if self.world_size == 1:
             return value
@@ -453,7 +467,7 @@ class Trainer:
         # groups): the schedule keeps its step, the peak and the shape are the new ones.
         groups = self.optimizer.param_groups
         self.scheduler.base_lrs = [self.cfg.training.lr] * len(groups)
-        self.scheduler.lr_lambdas = [lr_lambda(self.cfg, self.max_steps)] * len(groups)
+        self.scheduler.lr_lambdas = [lr_lambda(self.cfg, self.max_steps, self.budget)] * len(groups)
         for group in groups:
             group["initial_lr"] = self.cfg.training.lr
             group["lr"] = self.cfg.training.lr * self.scheduler.lr_lambdas[0](meta["step"])
@@ -509,6 +523,7 @@ class Trainer:
         return {
             "step": self.step,
             "max_steps": self.max_steps,
+            "trained_s": self.budget.seconds,
             "incarnation": self.incarnation,
             "committed": self.commits.trained_state(),
             "wandb_id": self.wandb_id,
@@ -576,7 +591,7 @@ class Trainer:
                 received.batch,
                 self.cfg.drafter.num_anchors,
                 self.generator,
-                self.step / max(1, self.max_steps),
+                max(self.step / max(1, self.max_steps), self.budget.fraction),
                 received.prepared,
             )
         loss.backward()
@@ -670,7 +685,7 @@ class Trainer:
         self.state = "training"
         self.write_status()
         window = _Window(self.drafter.logged_metrics)
-        while self.step < self.max_steps and not self.stop_requested:
+        while not self.done and not self.stop_requested:
             received, starved, everyone = self.claim()
             if received is None:
                 break
@@ -678,11 +693,12 @@ class Trainer:
             started = time.perf_counter()
             metrics = self.train_step(received)
             self.step += 1
+            self.budget.tick(self._agree)
             self.record(everyone)
             window.add(received, metrics, starved, time.perf_counter() - started, self._flops(received, metrics))
             if self.evals.in_flight and self.step % max(1, self.cfg.logging.log_every // 4) == 0:
                 self.collect_evaluations()
-            if self.step % self.cfg.logging.log_every == 0 or self.step == self.max_steps:
+            if self.step % self.cfg.logging.log_every == 0 or self.done:
                 self.log_metrics(window)
                 if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
                     # Before the window restarts, so the evaluation stays out of tokens/s.
@@ -690,11 +706,11 @@ class Trainer:
                 window = _Window(self.drafter.logged_metrics)
             if self.rank == 0:
                 self.checkpoints.raise_failure()  # a background write that failed stops the run now
-            if self.step % self.cfg.training.checkpoint_every == 0 and self.step < self.max_steps:
+            if self.step % self.cfg.training.checkpoint_every == 0 and not self.done:
                 window.checkpoint_s += self.save_checkpoint()
             if self.cfg.training.stall_every_steps and self.step % self.cfg.training.stall_every_steps == 0:
                 self._stall()
-        finished = self.step >= self.max_steps
+        finished = self.done
         handover_request = self.run_dir.handover_request(os.getpid())  # restart-trainer: a successor waits
         if handover_request.is_file() and not finished and self.world_size == 1 and self.checkpoints.staging.shared:
             handover_request.unlink()
@@ -775,7 +791,9 @@ class Trainer:
         self.write_status()
         # One line per metrics update in trainer.log; the launcher draws the live view from trainer.json.
         print(
-            f"step {self.step}/{self.max_steps}  loss {record['loss']:.3f}  tau {record['tau']:.2f}  "
+            f"step {self.step}/{self.max_steps}"
+            + (f"  {self.budget.seconds / 60:.1f}/{self.budget.minutes:g} min" if self.budget.minutes else "")
+            + f"  loss {record['loss']:.3f}  tau {record['tau']:.2f}  "
             f"lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} tok/s  starved {record['starved_fraction']:.0%}"
             + "".join(f"  {key} {record[key]:.3f}" for key in self.drafter.logged_metrics),
             flush=True,
@@ -793,6 +811,8 @@ class Trainer:
                 "step": self.step,
                 "start_step": getattr(self, "start_step", None),
                 "max_steps": getattr(self, "max_steps", None),
+                "trained_s": self.budget.seconds if hasattr(self, "budget") else None,
+                "max_minutes": self.cfg.training.max_minutes,
                 "state": self.state,
                 "updated": time.time(),
                 "loss": last.get("loss"),
