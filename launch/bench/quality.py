@@ -12,8 +12,16 @@ Every step is the user's own command, in order, on one GPU (producer and trainer
    ``--eval-every`` steps: the learning curve, against samples and GPU-minutes.
 3. ``launch.evaluate`` on the last checkpoint: real tau (lossless greedy speculative decoding against the target,
    block 16, the trained block size) and the simulated tau, on the held-out synthesized records and on HumanEval.
+   With ``--sampled-prompts N``: the same at temperature 1 and top-p 0.95 (lossless rejection sampling) on the
+   first N prompts of each set. Every tau in both conventions (ours, the last block whole; z-lab's, cut at the
+   stop token, mean per prompt).
 4. With ``--online-steps``: the same prompts trained with ``data.regenerate`` (answered as the stream goes), for
    the online form's throughput beside the offline one (synthesis, then training).
+
+``--minutes M`` trains to a wall-clock budget (training.max_minutes) instead of ``--steps``: runs of different step
+costs then compare at equal GPU time. The trainer's busy share (the training phase's time in steps rather than
+waiting for data) and, for DFlash 2, the selector's recall@K and accuracy on the last training batches are in the
+JSON.
 Prints a table and one JSON line (also written to DIR/quality-NAME.json after every step, so that a run cut
 short still leaves what it measured).
 """
@@ -147,9 +155,23 @@ def synthesize(args: argparse.Namespace, common: list[str], result: dict, synth:
         )
 
 
-SIZES = {"magpie": 49152, "max_new_tokens": 384, "steps": 1400, "eval_every": 300, "held_out": 128}
+SIZES = {
+    "magpie": 49152,
+    "max_new_tokens": 384,
+    "steps": 1400,
+    "eval_every": 300,
+    "held_out": 128,
+    "humaneval_prompts": 164,
+}
 """The benchmark's sizes on the GPU, where the command line leaves them out."""
-SMOKE_SIZES = {"magpie": 48, "max_new_tokens": 32, "steps": 20, "eval_every": 10, "held_out": 4}
+SMOKE_SIZES = {
+    "magpie": 48,
+    "max_new_tokens": 32,
+    "steps": 20,
+    "eval_every": 10,
+    "held_out": 4,
+    "humaneval_prompts": 4,
+}
 """With --smoke: what the CPU runs in minutes."""
 
 
@@ -169,6 +191,18 @@ def main(argv: list[str] | None = None) -> int:
         help="rows the synthesis decodes at once (synthesize.rows; the preset's when left out; --smoke 8)",
     )
     parser.add_argument("--held-out", type=int, help="synthesized records held out for evaluation (128; --smoke 4)")
+    parser.add_argument("--humaneval-prompts", type=int, help="HumanEval prompts evaluated (164; --smoke 4)")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        help="train to this wall-clock budget (training.max_minutes) instead of --steps: equal GPU time",
+    )
+    parser.add_argument(
+        "--sampled-prompts",
+        type=int,
+        default=0,
+        help="also evaluate sampled decoding (temperature 1, top-p 0.95) on this many prompts of each set",
+    )
     parser.add_argument("--smoke", action="store_true", help="a few prompts and steps on the CPU: the pipeline only")
     parser.add_argument(
         "--name",
@@ -272,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
             str(PRESET),
             *common,
             f"data.paths={data_paths}",
-            f"training.max_steps={args.steps}",
-            f"training.checkpoint_every={args.steps}",
+            # A time budget ends the run on the clock: the steps are a bound it never reaches.
+            f"training.max_steps={10**6 if args.minutes else args.steps}",
+            f"training.max_minutes={args.minutes or 0}",
+            f"training.checkpoint_every={10**6 if args.minutes else args.steps}",
             f"eval.every_steps={0 if args.throughput_only else args.eval_every}",
             f"eval.num_prompts={args.held_out}",
             f"logging.log_every={math.gcd(50, args.eval_every)}",
@@ -284,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     result["train_s"] = time.monotonic() - started
     result["trained_samples"], result["steps"] = ledger_samples(train), ledger_steps(train)  # a recipe may set its own
     result["curve"] = learning_curve(train)
+    result.update(trainer_figures(train))
     save()
     if args.online_steps:
         answers_like_synthesis = [f"synthesize.max_new_tokens={args.max_new_tokens}", *args.overrides]
@@ -308,31 +345,30 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
 
-    # 3. Real tau of the last checkpoint on the held-out synthesized records and on HumanEval.
+    # 3. Real tau of the last checkpoint on the held-out synthesized records and on HumanEval (and sampled).
     checkpoint = max((train / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    humaneval_paths = f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}"
+    evaluations = {
+        "held_out": [f"eval.num_prompts={args.held_out}"],
+        "humaneval": [humaneval_paths, f"eval.num_prompts={args.humaneval_prompts}"],
+    }
+    if args.sampled_prompts:
+        sampled = ["--temperature", "1.0", "--top-p", "0.95", "--seed", str(0)]
+        evaluations["held_out_sampled"] = [*sampled, f"eval.num_prompts={min(args.held_out, args.sampled_prompts)}"]
+        evaluations["humaneval_sampled"] = [*sampled, humaneval_paths, f"eval.num_prompts={args.sampled_prompts}"]
     started = time.monotonic()
-    with ThreadPoolExecutor(2) as both:  # side by side: each is a few prompts at a time, far from filling the GPU
-        held = both.submit(evaluate, checkpoint, train, out / f"eval-held-out-{args.name}.log")
-        code = both.submit(
-            evaluate,
-            checkpoint,
-            train,
-            out / f"eval-humaneval-{args.name}.log",
-            f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}",
-            "eval.num_prompts=164",
-        )
-        held, code = held.result(), code.result()
-    result["evaluate_s"] = time.monotonic() - started
-    result["held_out"], result["humaneval"] = (
-        {
-            "tau": e["tau"],
-            "sim_tau": e["sim_tau"],
-            "sim_tau_greedy": e["sim_tau_greedy"],
-            "sim_tau_walk": e["sim_tau_walk"],
-            "prompts": e["num_prompts"],
+    with ThreadPoolExecutor(2) as pool:  # two at a time: each is a few prompts at a time, far from filling the GPU
+        running = {
+            name: pool.submit(evaluate, checkpoint, train, out / f"eval-{name}-{args.name}.log", *overrides)
+            for name, overrides in evaluations.items()
         }
-        for e in (held, code)
-    )
+        reports = {name: future.result() for name, future in running.items()}
+    result["evaluate_s"] = time.monotonic() - started
+    for name, e in reports.items():
+        result[name] = {
+            key: e[key] for key in ("tau", "zlab_tau", "sim_tau", "sim_tau_greedy", "sim_tau_walk") if key in e
+        } | {"prompts": e["num_prompts"]}
+    held, code = reports["held_out"], reports["humaneval"]
     result["total_s"] = (
         result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"] + result["evaluate_s"]
     )
@@ -390,6 +426,34 @@ def online_throughput(run_dir: Path, common: list[str], data_paths: str, steps: 
         "answers": len(answers),
         "answers_per_s": len(answers) / seconds,
         "new_tokens_per_s": tokens / seconds,
+    }
+
+
+def trainer_figures(run_dir: Path) -> dict:
+    """The trainer's own figures: seconds of training (the clock of training.max_minutes, from the end of the first
+    step), samples per second of that clock, its busy share (the time in steps rather than waiting for data, over
+    the logged windows after the first, which holds the compilation), and the last window's kind metrics."""
+    status = json.loads((run_dir / "trainer.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    windows = [r for r in records if "steps_per_s" in r]
+    walls, starved, before = [], [], 0
+    for record in windows:
+        wall = (record["step"] - before) / record["steps_per_s"]
+        walls.append(wall)
+        starved.append(record["starved_fraction"] * wall)
+        before = record["step"]
+    if len(walls) > 1:
+        walls, starved = walls[1:], starved[1:]
+    steps = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+    after_first = sum(len(entry["samples"]) for entry in steps[1:])
+    trained_s = status.get("trained_s") or 0.0
+    last = windows[-1] if windows else {}
+    return {
+        "trained_s": trained_s,
+        "samples_per_s": after_first / trained_s if trained_s > 1 else None,
+        "busy_share": 1 - sum(starved) / sum(walls) if walls else None,
+        "train_tau": last.get("tau"),
+        "kind_metrics": status.get("kind_metrics") or {},
     }
 
 

@@ -6,7 +6,8 @@
 # Steps: tests (CUDA ring, target capture, pipeline, tensor parallel, FSDP), ring, producer, step (the draft step,
 # eager and compiled), restart, evals, pauses, hybrid (Qwen3.6-27B shapes), scaling (DDP / FSDP over 2 GPUs),
 # pipeline, mps, mps_share, shared_fsdp, stalls, checkpoint, checkpoint_fsdp, generate, data, masks, dflash2 (the
-# DFlash 2 step against the eager one, and both kinds' step cost), quality, collect_quality, recipes, collect_recipes.
+# DFlash 2 step against the eager one, and both kinds' step cost), quality, collect_quality, recipes, collect_recipes,
+# kinds, collect_kinds (DFlash against DFlash 2 at equal GPU time), busy (the trainer's busy share by producers).
 # The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
 # the background with setsid (it writes its JSON after every run) and collect the results later.
 # The machine may start bare and keep nothing between runs: install what the image lacks from wheels carried in
@@ -116,6 +117,23 @@ for step in $steps; do
           tail -n 40 /tmp/recipes.log; $PY -m launch.bench.recipes --out /tmp/recipes --table > "$OUT/recipes-table.txt" 2>&1
           cp /tmp/recipes.log /tmp/recipes/*.json "$OUT/" 2>/dev/null
           tar czf "$OUT/recipes-runs.tgz" --exclude="*.safetensors" --exclude="*.pt" /tmp/recipes/*.log /tmp/recipes/*-s*/logs /tmp/recipes/*-s*/metrics.jsonl /tmp/recipes/data/synthesized/status-*.json 2>/dev/null ;;
+    kinds)  # issue 47: DFlash against DFlash 2 at equal data and GPU time (needs GGUF; KINDS_ROWS, the rows;
+            # KINDS_ARGS, e.g. --minutes 4 --warm); in the background, its JSON rewritten as rows finish (/tmp/kinds)
+          setsid nohup $PY -m launch.bench.kinds --gguf "$GGUF" --out /tmp/kinds ${KINDS_ARGS:-} ${KINDS_ROWS:-dflash dflash2} > /tmp/kinds.log 2>&1 &
+          echo "kinds started (pid $!)" ;;
+    collect_kinds)  # wait up to KINDS_WAIT_S for the background kinds benchmark, then keep the table and the runs' records
+          waited=0
+          while pgrep -f launch.bench.kinds > /dev/null && [ $waited -lt "${KINDS_WAIT_S:-500}" ]; do sleep 10; waited=$((waited + 10)); done
+          tail -n 30 /tmp/kinds.log; $PY -m launch.bench.kinds --out /tmp/kinds --table > "$OUT/kinds-table.txt" 2>&1
+          cp /tmp/kinds.log /tmp/kinds/*.json "$OUT/" 2>/dev/null
+          tar czf "$OUT/kinds-runs.tgz" --exclude="*.safetensors" --exclude="*.pt" /tmp/kinds/*.log /tmp/kinds/*-s*/logs /tmp/kinds/*-s*/metrics.jsonl /tmp/kinds/*-s*/trainer.json /tmp/kinds/data/synthesized/status-*.json 2>/dev/null ;;
+    busy)  # issue 47: the trainer's busy share of the SmolLM2 preset alone on the GPU, 1 producer against BUSY_PRODUCERS
+           # (default 3) under MPS, evaluating every 150 steps on producer 0 (needs the data of the 'kinds' step)
+          for n in 1 ${BUSY_PRODUCERS:-3}; do
+            devices=$($PY -c "import json; print(json.dumps(['cuda:0'] * $n))")
+            run busy_p$n 400 $PY -m launch.bench.quality --gguf "$GGUF" --out /tmp/kinds --reuse-data --throughput-only --name busy-p$n --minutes ${BUSY_MINUTES:-1.5} "launch.producer_devices=$devices" eval.every_steps=150 eval.num_prompts=48
+            cp /tmp/kinds/quality-busy-p$n.json "$OUT/" 2>/dev/null
+          done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

