@@ -26,6 +26,14 @@ CACHE_ENV = "DFLASH_CACHE"
 """Environment variable naming the cache folder (default ``~/.cache/dflash-stream``)."""
 
 
+SOURCE_FILE = "SOURCE"
+"""In a dequantized folder: the path of the GGUF file it was made from (an export names that file, not the cache)."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf")
+
+
 class GGUFError(ValueError):
     """A GGUF file that cannot become a target (unsupported architecture, damaged file): fails on every try."""
 
@@ -73,7 +81,7 @@ def _convert(source: Path, folder: Path) -> None:
     tmp.mkdir(parents=True)
     _save_dequantized(model, tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "SOURCE").write_text(f"{source}\n")
+    (tmp / SOURCE_FILE).write_text(f"{source}\n")
     os.replace(tmp, folder)
 
 
@@ -86,6 +94,7 @@ def _save_dequantized(model, folder: Path) -> None:
 
     config = model.config.to_dict()
     config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]  # a GGUF-loaded config has none; servers and exports read them
     tensors = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)  # the same storage as the embedding: safetensors stores it once

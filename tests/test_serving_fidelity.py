@@ -347,6 +347,29 @@ def test_the_speculators_export_names_a_local_verifiers_architectures(tmp_path):
     assert verifier == {"name_or_path": str(target), "architectures": ["Qwen3ForCausalLM"]}
 
 
+def test_the_speculators_export_of_a_gguf_run_names_the_file_not_the_cache(tmp_path):
+    """A GGUF target's run holds this machine's dequantized copy as target.path: the export names the GGUF file it
+    came from, and the architectures of its model type (a GGUF-loaded config has none)."""
+    step, _ = legacy_checkpoint(tmp_path)
+    cache = tmp_path / "cache" / "gguf" / "SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f"
+    cache.mkdir(parents=True)
+    (cache / "config.json").write_text(json.dumps({"architectures": None, "model_type": "llama"}))
+    (cache / "SOURCE").write_text("/models/SmolLM2-135M-Instruct.Q4_1.gguf\n")
+    (tmp_path / "run" / "config.toml").write_text(f'[target]\npath = "{cache}"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.export", "--checkpoint", str(step), "--out", str(tmp_path / "a")]
+        + ["--format", "speculators"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    verifier = json.loads((tmp_path / "a" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert verifier["architectures"] == ["LlamaForCausalLM"], verifier
+
+
 def test_legacy_checkpoint_resumes_and_its_next_checkpoint_says_bidirectional(short_tmp):
     """A run with sliding layers, its checkpoint turned into a pre-change one, resumed by a new trainer."""
     from common.rundir import RunDir

@@ -25,6 +25,8 @@ from common.drafter.export import (
     write_export,
     zlab_config,
 )
+from common.gguf import SOURCE_FILE as GGUF_SOURCE_FILE
+from common.gguf import dequantized_folder, is_gguf
 from common.lifecycle import EXIT_CONFIG_ERROR
 
 log = logging.getLogger(__name__)
@@ -60,8 +62,8 @@ def export_checkpoint(
     return write_export(config_json, weights, out_dir, dtype)
 
 
-def _verifier_of_run(checkpoint: Path) -> str | None:
-    """The run's ``target.path`` (RUN/config.toml beside RUN/checkpoints/step-N), if there is one."""
+def _target_of_run(checkpoint: Path) -> str | None:
+    """The run's ``target.path`` (RUN/config.toml beside RUN/checkpoints/step-N), if it names one."""
     import tomllib
 
     config = checkpoint.resolve().parent.parent / "config.toml"
@@ -70,12 +72,29 @@ def _verifier_of_run(checkpoint: Path) -> str | None:
     return tomllib.loads(config.read_text()).get("target", {}).get("path") or None
 
 
+def _verifier_name(target: str | None) -> str | None:
+    """The target as the export names it: for a GGUF target the file the user gave, not this machine's dequantized
+    copy of it (common/gguf.py)."""
+    source = Path(target) / GGUF_SOURCE_FILE if target else None
+    return source.read_text().strip() if source is not None and source.is_file() else target
+
+
 def _architectures_of(verifier: str | None) -> list[str] | None:
-    """The target's ``architectures`` from its config.json, when the verifier is a local model folder."""
-    config = Path(verifier) / "config.json" if verifier else None
-    if config is None or not config.is_file():
+    """The target's ``architectures`` when the verifier is on this machine: a model folder's config.json, or a GGUF
+    file's dequantized folder's; a config without them is named by its model_type's causal-LM class."""
+    if not verifier or not Path(verifier).exists():
         return None
-    return list(json.loads(config.read_text()).get("architectures") or []) or None
+    folder = dequantized_folder(verifier) if is_gguf(verifier) else Path(verifier)
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    settings = json.loads(config.read_text())
+    if settings.get("architectures"):
+        return list(settings["architectures"])
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(settings.get("model_type"))
+    return [causal_lm] if causal_lm else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    verifier = args.verifier or (_verifier_of_run(args.checkpoint) if args.format == "speculators" else None)
+    target = args.verifier or (_target_of_run(args.checkpoint) if args.format == "speculators" else None)
     try:
         out = export_checkpoint(
             args.checkpoint,
             args.out,
             args.format,
-            verifier,
-            _architectures_of(verifier),
+            _verifier_name(target),
+            _architectures_of(target),
             dtype=getattr(torch, args.dtype),
         )
     except (ExportError, FileNotFoundError) as error:
