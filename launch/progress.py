@@ -18,7 +18,8 @@ import sys
 import time
 from typing import Any
 
-from common.rundir import RunDir, read_json
+from common.rundir import RunDir
+from common.status import TrainerStatus
 
 
 def trainer_figures(status: dict[str, Any]) -> list[str]:
@@ -98,16 +99,17 @@ class ProgressView:
         ``trainer_started_wall``, 0 before the first) are not shown."""
         if not self.enabled:
             return
-        status = read_json(self.run.trainer_status) or {}
+        record = TrainerStatus.read(self.run.trainer_status)
+        status = record.figures()
         # The current trainer's own file (a finished or crashed trainer's last figures are still its own).
-        current = trainer_started_wall > 0 and float(status.get("updated") or 0) >= trainer_started_wall
-        step, max_steps = status.get("step"), status.get("max_steps")
+        current = trainer_started_wall > 0 and record.updated >= trainer_started_wall
+        step, max_steps = record.step, record.max_steps
         if current:
             parts = trainer_figures(status)
         else:
             parts = ["trainer starting" if trainer_alive else "waiting for the producers"]
-        if current and status.get("state") not in (None, "training", "finished"):
-            parts.insert(0, str(status["state"]))
+        if current and record.state not in (None, "training", "finished"):
+            parts.insert(0, record.state)
         ring = ring_occupancy(self.run.producer_statuses())
         if ring:
             parts.append(ring)
@@ -115,8 +117,8 @@ class ProgressView:
         if self.terminal:
             self._draw(step if current else None, max_steps, postfix)
             return
-        key = (step, status.get("loss"), current)
-        if current and status.get("loss") is not None and key != self._last_shown:
+        key = (step, record.loss, current)
+        if current and record.loss is not None and key != self._last_shown:
             self._last_shown = key
             eta = eta_s(status)
             print(
@@ -176,13 +178,13 @@ class ViewHandler(logging.Handler):
 def run_summary(run: RunDir, block_size: int, target: str | None) -> str:
     """What a finished run leaves and what to do next: the last checkpoint, the final simulated (training) and real
     tau, and the commands that evaluate, export and serve it, each ready to paste."""
-    status = read_json(run.trainer_status) or {}
+    status = TrainerStatus.read(run.trainer_status)
     checkpoint = run.latest_checkpoint()
-    lines = [f"run finished at step {status.get('step')}: {run.root}"]
+    lines = [f"run finished at step {status.step}: {run.root}"]
     lines.append(f"  last checkpoint  {checkpoint}" if checkpoint else "  no checkpoint was written")
-    if status.get("tau") is not None:
-        lines.append(f"  simulated tau    {status['tau']:.3f} (training, the last metrics window)")
-    evaluation = status.get("eval") or {}
+    if status.tau is not None:
+        lines.append(f"  simulated tau    {status.tau:.3f} (training, the last metrics window)")
+    evaluation = status.eval or {}
     if evaluation.get("tau") is not None:
         simulated = f", simulated {evaluation['sim_tau']:.3f}" if evaluation.get("sim_tau") is not None else ""
         lines.append(f"  real tau         {evaluation['tau']:.3f} at step {evaluation['step']}{simulated} (held out)")

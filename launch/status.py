@@ -18,6 +18,7 @@ from pathlib import Path
 
 from common.naming import process_alive
 from common.rundir import RunDir, last_json_line, read_json
+from common.status import TrainerStatus
 from launch.progress import eta_s, format_duration, ring_occupancy, trainer_figures
 
 STALE_AFTER_S = 10.0
@@ -72,18 +73,19 @@ def collect_status(run_dir: Path) -> dict:
     producers = [_producer_status(i, records.get(i), files.get(i), now) for i in sorted(set(records) | set(files))]
 
     trainer_record = launcher.get("trainer") if isinstance(launcher.get("trainer"), dict) else {}
-    trainer_file = read_json(run.trainer_status) or {}
+    trainer_file = TrainerStatus.read(run.trainer_status)
     if trainer_record.get("pid"):
         trainer_pid = trainer_record["pid"]  # under torchrun: torchrun's pid; trainer.json has rank 0's
         trainer_alive = process_alive(trainer_pid, trainer_record.get("start_ticks"))
     else:
-        trainer_pid = trainer_file.get("pid")
-        trainer_alive = process_alive(trainer_pid) and (_age(trainer_file.get("updated"), now) or 0) <= STALE_AFTER_S
+        trainer_pid = trainer_file.pid
+        trainer_alive = process_alive(trainer_pid) and (_age(trainer_file.updated, now) or 0) <= STALE_AFTER_S
     # trainer.json of an earlier trainer (a new one still loading) is not this trainer's state.
     started = trainer_record.get("status_since") or trainer_record.get("started")
-    current = not started or float(trainer_file.get("updated") or 0) >= float(started)
+    current = not started or trainer_file.updated >= float(started)
+    written = trainer_file.figures()
     figures = {
-        key: trainer_file.get(key) if current else None
+        key: written[key] if current else None
         for key in (
             "loss",
             "tau",
@@ -103,15 +105,10 @@ def collect_status(run_dir: Path) -> dict:
         "alive": trainer_alive,
         "current": current,
         **figures,
-        "step": trainer_file.get("step"),
-        "max_steps": trainer_file.get("max_steps"),
-        "trained_s": trainer_file.get("trained_s"),
-        "max_minutes": trainer_file.get("max_minutes"),
-        "state": trainer_file.get("state"),
-        "incarnation": trainer_file.get("incarnation"),
+        **{key: written[key] for key in ("step", "max_steps", "trained_s", "max_minutes", "state", "incarnation")},
         "devices": trainer_record.get("devices"),
         "restarts": trainer_record.get("restarts", 0),
-        "updated_age_s": _age(trainer_file.get("updated"), now),
+        "updated_age_s": _age(trainer_file.updated or None, now),
     }
     return {
         "run_dir": str(run.root),

@@ -56,6 +56,7 @@ from common.config import ConfigError, RunConfig, fixed_while_producers_run, loa
 from common.lifecycle import EXIT_CONFIG_ERROR
 from common.naming import process_alive, process_start_ticks, run_tag, sweep_stale, sweep_stale_trainer_staging
 from common.rundir import RunDir, atomic_write_json, read_json
+from common.status import TrainerStatus
 from launch import status as status_cmd
 from launch.mps import MpsDaemon
 from launch.progress import ProgressView, ViewHandler, run_summary
@@ -95,7 +96,7 @@ def _has_trained(run: RunDir) -> bool:
     """Whether the run dir holds training progress: a checkpoint, a ledger line, or a trainer that took a step."""
     if run.latest_checkpoint() is not None or (run.ledger.is_file() and run.ledger.stat().st_size > 0):
         return True
-    return bool((read_json(run.trainer_status) or {}).get("step"))
+    return bool(TrainerStatus.read(run.trainer_status).step)
 
 
 def resolve_run(run_dir: Path | None, config_file: Path | None, overrides: list[str]) -> tuple[RunDir, RunConfig, bool]:
@@ -763,7 +764,7 @@ class Supervisor:
         ):
             return
         status = self._trainer_final_state()  # this trainer's own status: it has trained, so its start is over
-        if not status.get("step") or status.get("state") != "training":
+        if not status.step or status.state != "training":
             return
         spare = self._make_trainer()
         spare.name = "standby trainer"  # in the launcher's log; its output goes to trainer.log, which it takes over
@@ -778,12 +779,13 @@ class Supervisor:
         self.trainer_started_once = True
         log.info("started trainer pid %d on %s", self.trainer.pid, ",".join(self.trainer.devices))
 
-    def _trainer_final_state(self) -> dict:
-        """trainer.json, if this incarnation wrote it (under torchrun its pid is rank 0's, so compare times)."""
-        status = read_json(self.run.trainer_status) or {}
-        if status.get("pid") == self.trainer.pid or float(status.get("updated") or 0) >= self.trainer.status_since:
+    def _trainer_final_state(self) -> TrainerStatus:
+        """trainer.json, if this incarnation wrote it (under torchrun its pid is rank 0's, so compare times); else
+        an empty record."""
+        status = TrainerStatus.read(self.run.trainer_status)
+        if status.pid == self.trainer.pid or status.updated >= self.trainer.status_since:
             return status
-        return {}
+        return TrainerStatus()
 
     def _check_trainer(self) -> int | None:
         if not self.trainer_started_once:
@@ -799,9 +801,9 @@ class Supervisor:
             return None
         status = self._trainer_final_state()
         self.trainer.clear()
-        state = status.get("state")
+        state = status.state
         if returncode == 0 and state == "finished":
-            log.info("training finished at step %s: stopping the producers", status.get("step"))
+            log.info("training finished at step %s: stopping the producers", status.step)
             self.outcome = "finished"
             return 0
         if state == "stopped" and returncode != EXIT_CONFIG_ERROR:
@@ -809,7 +811,7 @@ class Supervisor:
             # code: torchrun reports the SIGTERM it forwarded to its ranks as exit 1.
             log.info(
                 "trainer stopped with a checkpoint at step %s without being asked: starting a new one",
-                status.get("step"),
+                status.step,
             )
             self.trainer.restart_at = time.monotonic()
             self.trainer.restarts += 1

@@ -1,13 +1,16 @@
-"""What a trainer builds its drafter from: the target's frozen head, the draft config, the compiled layers.
+"""What a trainer builds its drafter from: the target's frozen head, the draft config, the compiled layers; and
+``start_drafter``, the drafter a trainer starts with (fresh, resumed, or taken over from its predecessor).
 
-Shared by ``Trainer.__init__`` and the warm start (trainer/warm.py), which builds the same things ahead of a
-takeover: one place says how, so that what a warm start built is what the trainer would have built.
+Shared by the Trainer and the warm start (trainer/warm.py), which builds the same things ahead of a takeover: one
+place says how, so that what a warm start built is what the trainer would have built.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +19,19 @@ from safetensors.torch import load_file
 
 from common.codec import DTYPES
 from common.config import ConfigError, RunConfig
+from common.contract import Expectation
 from common.drafter.draft_config import DraftConfig
-from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, config_from_export, drafter_folder
+from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, config_from_export, drafter_folder, drafter_from_state
 from common.drafter.kinds import build_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead, load_target_head
-from common.hf import text_config_of
-from common.rundir import RunDir
+from common.hf import target_identity, text_config_of
+from common.naming import run_tag, sweep_stale_trainer_staging
+from common.rundir import RunDir, read_json
+from trainer import handover
+from trainer.checkpoint import load_checkpoint
+from trainer.ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +157,118 @@ def compile_layers(drafter: DFlashDrafter) -> None:
     FSDP's gather and reshard hooks, which dynamo leaves eager."""
     for layer in drafter.layers:
         layer.compile(dynamic=False)
+
+
+@dataclass
+class DrafterStart:
+    """What a trainer starts from, as plain state: the drafter on its device, what it was built from, and the
+    training state it resumes (the Trainer, trainer/train.py, restores the optimizer and schedule from it)."""
+
+    head: TargetHead
+    draft_config: DraftConfig
+    loss_config: LossConfig
+    expect: dict
+    """The handshake's expectation of the producers (the target, its captured layers, dtype, labels)."""
+    drafter: DFlashDrafter
+    compiled: bool
+    warmed: bool
+    """The drafter is the warm start's (trainer/warm.py), built while the predecessor still trained."""
+    resumed: Any | None
+    """The checkpoint resumed, or the state handed over by restart-trainer (weights, train_state, meta)."""
+    handed: Any | None
+    """The state handed over, when it is the one resumed (its disk checkpoint is still to write)."""
+    staging: Any | None
+    """A single process's shared staging: its checkpoints' host buffers, which restart-trainer hands over."""
+    origin: str
+    """How it started, for the log: a fresh start, the checkpoint resumed, or the state taken over."""
+
+
+def start_drafter(
+    cfg: RunConfig,
+    run_dir: RunDir,
+    ranks: Ranks,
+    handed_over: dict | None,
+    warm: Any | None,
+    wait_for: Callable[[Callable[[], bool], str], None],
+    lap: Callable[[str], None],
+) -> DrafterStart:
+    """The drafter, sharing the target's frozen embedding, final norm and lm_head, resumed from the state handed
+    over (``handed_over``, the predecessor's handover mark) or the latest checkpoint, or fresh. ``warm``: the head
+    and drafter a warm start built ahead, used where they fit. ``wait_for(ready, what)`` waits for the first
+    producer's head; ``lap(name)`` times each part."""
+    head_dir = head_dir_of(cfg, run_dir)
+    if warm is not None:
+        target_config, head, draft_config = warm.target_config, warm.head, warm.draft_config
+        identity = warm.target_identity
+    else:
+        wait_for(lambda: head_is_ready(head_dir), f"the target head in {head_dir} (written by the first producer)")
+        target_config, head = load_head(cfg, head_dir, ranks.device)
+        draft_config = draft_config_for(cfg, target_config, head_dir)
+        identity = target_identity(target_config, head.embed_weight)
+    lap("head")
+    loss_config = loss_config_of(cfg)
+    expect = Expectation(
+        target_identity=identity,
+        layer_ids=list(draft_config.target_layer_ids),
+        dtype=cfg.target.dtype,
+        last_hidden=cfg.training.label_mode != "data",
+    ).to_wire()
+
+    latest = run_dir.latest_checkpoint()
+    # A single process stages its checkpoints in /dev/shm, so that restart-trainer can hand them over; a successor
+    # adopts the segments handed to it as its own staging.
+    staging = handover.SharedStaging(run_tag(run_dir.root)) if ranks.world_size == 1 else None
+    handed = handover.take(handed_over, staging, pin=ranks.device.type == "cuda") if handed_over and staging else None
+    if (
+        handed is not None
+        and latest is not None
+        and handed.meta["step"] < read_json(latest / "trainer_state.json")["step"]
+    ):
+        log.warning(
+            "the state handed over (step %d) is older than %s; resuming from the checkpoint",
+            handed.meta["step"],
+            latest.name,
+        )
+        handed = None
+    resumed = handed or (load_checkpoint(latest) if latest is not None else None)
+    if ranks.rank == 0:
+        # A successor handed a state over reads no checkpoint: the superseded write's folder it would remove
+        # (seconds for gigabytes) is left to the sweep after its background write (trainer/checkpoint.py).
+        for leftover in run_dir.sweep_partial_checkpoints() if handed is None else ():
+            log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
+        sweep_stale_trainer_staging(run_tag(run_dir.root))
+    lap("state")
+    torch.manual_seed(cfg.training.seed)
+    # Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the device, FSDP keeps
+    # each rank's shards of it. A fresh one is the same on every rank (same seed). A single process resumes on its
+    # device: no host copy of the weights.
+    compiled = compiles(cfg, ranks.device)
+    drafter = None
+    if resumed is not None:
+        config = config_from_export(resumed.drafter_config, own_checkpoint=True)
+        if config.kind != cfg.drafter.kind:
+            raise ConfigError(
+                f"drafter.kind: the run's checkpoint holds a {config.kind} drafter, the configuration asks for "
+                f"{cfg.drafter.kind}; start a new run (drafter.init_from can start it from this checkpoint)"
+            )
+        drafter = warm.drafter_for(config, resumed.weights, loss_config) if warm is not None else None
+        if drafter is None:
+            drafter = drafter_from_state(
+                resumed.drafter_config,
+                resumed.weights,
+                head,
+                loss_config,
+                device=None if ranks.world_size > 1 else ranks.device,
+            )
+    else:
+        drafter = fresh_drafter(cfg, draft_config, head, loss_config)
+    warmed = warm is not None and drafter is warm.drafter
+    if not ranks.sharded:
+        drafter.to(ranks.device)
+    if compiled and not warmed:
+        compile_layers(drafter)
+    lap("drafter")
+    origin = "took over the state handed over" if handed else f"resumed from {latest.name}" if latest else "fresh start"
+    return DrafterStart(
+        head, draft_config, loss_config, expect, drafter, compiled, warmed, resumed, handed, staging, origin
+    )

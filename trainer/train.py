@@ -18,33 +18,28 @@ import json
 import logging
 import math
 import os
-import secrets
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from common import faults
-from common.config import ConfigError, RunConfig, load_config, to_dict
-from common.contract import Expectation
-from common.drafter.export import config_from_export, drafter_from_state, zlab_config
-from common.drafter.kinds import kind_of
+from common.config import ConfigError, RunConfig, load_config
+from common.drafter.export import zlab_config
 from common.drafter.model import train_flops
-from common.hf import target_identity
 from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, end_now, exit_process
-from common.naming import process_start_ticks, run_tag, sweep_stale_trainer_staging
+from common.naming import process_start_ticks
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
-from trainer import build, handover
+from common.status import TrainerStatus
+from trainer import build
 from trainer.budget import TimeBudget
-from trainer.checkpoint import CheckpointWriter, Snapshot, load_checkpoint
-from trainer.evaluations import EvalClient
-from trainer.feeder import Commits, Feeder, Received
+from trainer.checkpoint import CheckpointWriter, Snapshot
+from trainer.feeder import Commits, Received
 from trainer.optim import build_optimizer
+from trainer.ranks import Ranks, resolve_device
 from trainer.sharding import (
     full_model_state,
     full_tensor,
@@ -52,25 +47,16 @@ from trainer.sharding import (
     local_parameter_count,
     parallelize,
 )
-from trainer.wandb_run import BackgroundRun
+from trainer.source import RingSource, SourceFactory
+from trainer.wandb_run import run_id_of, start_run
 from trainer.warm import WarmStart
 from trainer.warm import prepare as prepare_warm_start
 
 log = logging.getLogger(__name__)
-SourceFactory = Callable[[RunConfig, RunDir, int, int, torch.device], Any]
 """Builds a batch source in the trainer's process (launch/bench/coupled.py); see ``Trainer``."""
 PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"
 """Set by the launcher on restart-trainer: ``pid:start_ticks`` of the trainer this one replaces."""
 EVAL_RESULT_WAIT_S = 300.0  # how long a finished trainer waits for the evaluation of its last step
-
-
-def resolve_device(cfg: RunConfig, local_rank: int) -> torch.device:
-    listed = [d for d in os.environ.get("DFLASH_TRAINER_DEVICES", "").split(",") if d]
-    if listed:
-        return torch.device(listed[local_rank])
-    if cfg.training.device != "auto":
-        return torch.device(cfg.training.device)
-    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def lr_lambda(cfg: RunConfig, max_steps: int, budget: TimeBudget | None = None):
@@ -117,138 +103,110 @@ class _StartClock:
 
 
 class Trainer:
+    """The drafter's training loop over the batches of its source (the producers' rings)."""
+
     def __init__(
         self,
         cfg: RunConfig,
         run_dir: RunDir,
-        source_factory: SourceFactory | None = None,
+        source: SourceFactory = RingSource,
         handed_over: dict | None = None,
         warm: WarmStart | None = None,
     ) -> None:
-        """``source_factory``: builds the batch source in this process instead of the feeder (the coupled
-        baseline, launch/bench/coupled.py), as ``factory(cfg, run_dir, rank, world_size, device)``; it evaluates in
-        the loop too. ``handed_over``: the ``state`` of the predecessor's handover mark (trainer/handover.py),
-        if it left one. ``warm``: the head and drafter built ahead of this start (trainer/warm.py)."""
-        self.cfg = cfg
-        self.run_dir = run_dir
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.sharded = cfg.training.parallelism == "fsdp" and self.world_size > 1
-        self.device = resolve_device(cfg, self.local_rank)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.cpu_group = None
-        if self.world_size > 1:
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            # Per-step bookkeeping (which batches each rank trained) goes through a CPU group: an
-            # object collective on NCCL would wait for the GPU to finish the step (a host sync).
-            self.cpu_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else dist.group.WORLD
+        """``source``: builds where the batches come from and where evaluations run (trainer/source.py; the coupled
+        baseline's runs the target in this process). ``handed_over``: the ``state`` of the predecessor's handover
+        mark (trainer/handover.py), if it left one. ``warm``: the head and drafter built ahead of this start
+        (trainer/warm.py)."""
+        self.cfg, self.run_dir = cfg, run_dir
+        self.ranks = Ranks.join(cfg)
+        self.rank, self.world_size, self.device, self.sharded = (
+            self.ranks.rank,
+            self.ranks.world_size,
+            self.ranks.device,
+            self.ranks.sharded,
+        )
         self.stop_requested = False
         self.handover_state: dict | None = None
-        self.state = "taking over" if handed_over else "starting"  # status and progress show the handover
-        self.step = 0
-
         # The incarnation orders trainer lifetimes: producers drop leases of older ones.
-        self.incarnation = self._broadcast(time.time_ns() // 1000)
-        self.write_status()
+        self.incarnation = self.ranks.broadcast(time.time_ns() // 1000)
+        if self.rank == 0:  # status and progress show the start (or the handover) before anything is built
+            state = "taking over" if handed_over else "starting"
+            TrainerStatus.starting(os.getpid(), self.incarnation, state).write(run_dir.trainer_status)
+        self.source = source(cfg, run_dir, self.ranks)
 
-        # The coupled baseline (launch/bench/coupled.py) loads the target here and exports its head.
-        self.coupled = source_factory(cfg, run_dir, self.rank, self.world_size, self.device) if source_factory else None
-
-        # -- the drafter, sharing the target's frozen embedding, final norm and lm_head ----------
-        # A warm start (trainer/warm.py) built the head and the drafter while the predecessor still trained.
-        if warm is not None and not (self.world_size == 1 and self.coupled is None and warm.fits(cfg, self.device)):
+        # -- the drafter, sharing the target's frozen embedding, final norm and lm_head (trainer/build.py) ------
+        if warm is not None and not (
+            self.world_size == 1 and self.source.takes_warm_start and warm.fits(cfg, self.device)
+        ):
             log.info("the warm start does not fit the configuration of this start; building anew")
             warm = None
         clock = _StartClock()
-        head_dir = build.head_dir_of(cfg, run_dir)
-        if warm is not None:
-            target_config, self.head, self.draft_config = warm.target_config, warm.head, warm.draft_config
-            identity = warm.target_identity
-        else:
-            self._wait_for(
-                lambda: build.head_is_ready(head_dir), f"the target head in {head_dir} (written by the first producer)"
-            )
-            target_config, self.head = build.load_head(cfg, head_dir, self.device)
-            self.draft_config = build.draft_config_for(cfg, target_config, head_dir)
-            identity = target_identity(target_config, self.head.embed_weight)
-        clock.lap("head")
-        self.loss_config = build.loss_config_of(cfg)
-        self.expect = Expectation(
-            target_identity=identity,
-            layer_ids=list(self.draft_config.target_layer_ids),
-            dtype=cfg.target.dtype,
-            last_hidden=cfg.training.label_mode != "data",
-        ).to_wire()
-
-        latest = run_dir.latest_checkpoint()
-        # A single process stages its checkpoints in /dev/shm, so that restart-trainer can hand them over; a
-        # successor adopts the segments handed to it as its own staging.
-        staging = handover.SharedStaging(run_tag(run_dir.root)) if self.world_size == 1 else None
-        handed = (
-            handover.take(handed_over, staging, pin=self.device.type == "cuda") if handed_over and staging else None
-        )
-        if (
-            handed is not None
-            and latest is not None
-            and handed.meta["step"] < read_json(latest / "trainer_state.json")["step"]
-        ):
-            log.warning(
-                "the state handed over (step %d) is older than %s; resuming from the checkpoint",
-                handed.meta["step"],
-                latest.name,
-            )
-            handed = None
-        resumed = handed or (load_checkpoint(latest) if latest is not None else None)
-        if self.rank == 0:
-            # A successor handed a state over reads no checkpoint: the superseded write's folder it would remove
-            # (seconds for gigabytes) is left to the sweep after its background write (trainer/checkpoint.py).
-            for leftover in run_dir.sweep_partial_checkpoints() if handed is None else ():
-                log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
-            sweep_stale_trainer_staging(run_tag(run_dir.root))
-        clock.lap("state")
-        torch.manual_seed(cfg.training.seed)
-        # Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the
-        # device, FSDP keeps each rank's shards of it. A fresh one is the same on every rank (same seed).
-        # A single process resumes on its device: no host copy of the weights.
-        self.compiled = build.compiles(cfg, self.device)
-        if resumed is not None:
-            config = config_from_export(resumed.drafter_config, own_checkpoint=True)
-            if config.kind != cfg.drafter.kind:
-                raise ConfigError(
-                    f"drafter.kind: the run's checkpoint holds a {config.kind} drafter, the configuration "
-                    f"asks for {cfg.drafter.kind}; start a new run (drafter.init_from can start it from "
-                    "this checkpoint)"
-                )
-            self.drafter = warm.drafter_for(config, resumed.weights, self.loss_config) if warm is not None else None
-            if self.drafter is None:
-                self.drafter = drafter_from_state(
-                    resumed.drafter_config,
-                    resumed.weights,
-                    self.head,
-                    self.loss_config,
-                    device=None if self.world_size > 1 else self.device,
-                )
-        else:
-            self.drafter = build.fresh_drafter(cfg, self.draft_config, self.head, self.loss_config)
-        warmed = warm is not None and self.drafter is warm.drafter
-        if not self.sharded:
-            self.drafter.to(self.device)
-        if self.compiled and not warmed:
-            build.compile_layers(self.drafter)
-        clock.lap("drafter")
+        start = build.start_drafter(cfg, run_dir, self.ranks, handed_over, warm, self._wait_for, clock.lap)
+        self.head, self.draft_config, self.loss_config = start.head, start.draft_config, start.loss_config
+        self.drafter, self.compiled = start.drafter, start.compiled
         self.model = parallelize(self.drafter, self.device, self.world_size, self.sharded)
         # How much of the drafter each rank holds, for the status file (shows the sharding).
         self.drafter_params_total = self.drafter.num_trainable_parameters()
-        self.drafter_params_per_rank = self._gather(local_parameter_count(self.drafter))
+        self.drafter_params_per_rank = self.ranks.gather(local_parameter_count(self.drafter))
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.device.type == "cuda"
             else torch.autocast("cpu", enabled=False)
         )
 
+        # -- the optimizer, the schedule and the bookkeeping, resumed with the weights --------------------------
         self.max_steps = cfg.training.max_steps or self._steps_from_epochs()
+        self._start_optimizer(start)
+        self.start_step = self.step
+        clock.lap("optimizer")
+        self.wandb = None
+        if self.rank == 0 and cfg.logging.wandb_mode != "disabled":
+            self.wandb_id = self.wandb_id or run_id_of(run_dir)
+            self.wandb = start_run(cfg, run_dir, self.wandb_id)
+        clock.lap("wandb")
+
+        # -- where batches come from, checkpoints go and evaluations are asked for ------------------------------
+        pad_to = cfg.batching.token_budget if self.compiled else None
+        self.feeder = self.source.feeder(self.incarnation, start.expect, self.commits, pad_to)
+        self.checkpoints = CheckpointWriter(run_dir, cfg.training.keep_last, start.staging)
+        if (handed := start.handed) is not None:  # its disk checkpoint, from its pages, while training goes on
+            self.checkpoints.write(
+                Snapshot(f"step-{self.step:08d}", self.drafter, handed.weights, handed.train_state, handed.meta),
+                background=True,
+            )
+        self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
+        self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
+        self.evals = self.source.evaluations(
+            self.incarnation, self.draft_config.block_size, self.metrics_file, self.wandb
+        )
+        if self.rank == 0:
+            self.evals.adopt(self.step)
+        self.flops_cache: dict[int, float] = {}
+        self.flops_per_attention_pair = train_flops(self.draft_config, 0, 0, 1.0)["attention"]
+        self._upcoming: Received | None = None
+        self.state = "taking over" if handed_over else "starting"
+        self.last_record: dict = {}
+        clock.lap("the rest")
+        log.info(
+            "trainer rank %d/%d (%s) on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters, "
+            "%.0f%% of them on this rank; built in %s%s",
+            self.rank,
+            self.world_size,
+            self.ranks.parallelism,
+            self.device,
+            self.incarnation,
+            start.origin,
+            self.step,
+            self.max_steps,
+            self.drafter_params_total / 1e6,
+            100 * self.drafter_params_per_rank[self.rank] / self.drafter_params_total,
+            clock,
+            f" (warm start: {warm.seconds:.1f} s ahead)" if start.warmed else "",
+        )
+
+    def _start_optimizer(self, start: build.DrafterStart) -> None:
+        """The optimizer, the schedule, the RNGs and the bookkeeping: fresh, or those of the state resumed."""
+        cfg, resumed = self.cfg, start.resumed
         self.budget = TimeBudget(cfg.training.max_minutes, resumed.meta.get("trained_s", 0.0) if resumed else 0.0)
         self.optimizer = build_optimizer(
             self.drafter,
@@ -259,6 +217,7 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.max_steps, self.budget))
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + self.rank)
+        self.step = 0
         self.commits = Commits()
         self.wandb_id = None
         if resumed is not None:
@@ -266,83 +225,10 @@ class Trainer:
             # state's shared pages as its own and change them under the background write of their checkpoint.
             train_state = (
                 resumed.train_state
-                if self.device.type == "cuda" or resumed is not handed
+                if self.device.type == "cuda" or resumed is not start.handed
                 else tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, resumed.train_state)
             )
             self._restore(train_state, resumed.meta)
-        self.start_step = self.step
-        clock.lap("optimizer")
-        self.wandb = self._init_wandb()
-        clock.lap("wandb")
-
-        pad_to = cfg.batching.token_budget if self.compiled else None
-        self.feeder = (
-            self.coupled.bind(self.commits, pad_to)
-            if self.coupled
-            else Feeder(
-                run_dir,
-                consumer_id=f"trainer/r{self.rank}",
-                incarnation=self.incarnation,
-                expect=self.expect,
-                commits=self.commits,
-                device=self.device,
-                credits=cfg.ring.credits,
-                heartbeat_interval_s=cfg.ring.heartbeat_interval_s,
-                handshake_timeout_s=cfg.ring.handshake_timeout_s,
-                pad_to=pad_to,
-            )
-        )
-        self.checkpoints = CheckpointWriter(run_dir, cfg.training.keep_last, staging)
-        if handed is not None:  # the disk checkpoint of the step handed over, from its pages, while training goes on
-            self.checkpoints.write(
-                Snapshot(f"step-{self.step:08d}", self.drafter, handed.weights, handed.train_state, handed.meta),
-                background=True,
-            )
-        self.ledger = open(run_dir.ledger, "a") if self.rank == 0 else None
-        self.metrics_file = open(run_dir.metrics, "a") if self.rank == 0 else None
-        # Producer 0 evaluates what this trainer asks for; the coupled baseline evaluates in its own loop.
-        self.evals = (
-            self.coupled.evaluations(self.metrics_file, self.wandb)
-            if self.coupled
-            else EvalClient(
-                run_dir,
-                self.incarnation,
-                self.draft_config.block_size,
-                cfg.eval.gap_tolerance,
-                background_export=cfg.training.async_checkpoint,
-                metrics_file=self.metrics_file,
-                wandb_run=self.wandb,
-            )
-        )
-        if self.rank == 0:
-            self.evals.adopt(self.step)
-        self.flops_cache: dict[int, float] = {}
-        self.flops_per_attention_pair = train_flops(self.draft_config, 0, 0, 1.0)["attention"]
-        self._upcoming: Received | None = None
-        clock.lap("the rest")
-        log.info(
-            "trainer rank %d/%d (%s) on %s, incarnation %d, %s at step %d of %d; drafter %.1fM parameters, "
-            "%.0f%% of them on this rank; built in %s%s",
-            self.rank,
-            self.world_size,
-            self.parallelism,
-            self.device,
-            self.incarnation,
-            "took over the state handed over" if handed else f"resumed from {latest.name}" if latest else "fresh start",
-            self.step,
-            self.max_steps,
-            self.drafter_params_total / 1e6,
-            100 * self.drafter_params_per_rank[self.rank] / self.drafter_params_total,
-            clock,
-            f" (warm start: {warm.seconds:.1f} s ahead)" if warmed else "",
-        )
-
-    @property
-    def parallelism(self) -> str:
-        """How the ranks share the drafter: fsdp or ddp; single with one rank."""
-        if self.world_size == 1:
-            return "single"
-        return "fsdp" if self.sharded else "ddp"
 
     # -- set-up helpers --------------------------------------------------------------------------
 
@@ -378,57 +264,7 @@ class Trainer:
 
     def _agree(self, seconds: float) -> float:
         """Rank 0's clock reading on every rank (only a budget reads it, so only then a collective)."""
-        return self._broadcast(seconds) if self.budget.minutes else seconds
-
-    def _broadcast(self, value: int) -> int:
-        if self.world_size == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _gather(self, value: int) -> list[int]:
-        """Every rank's ``value``, by rank (on every rank)."""
-        if self.world_size == 1:
-            return [value]
-        everyone = [0] * self.world_size
-        dist.all_gather_object(everyone, value, group=self.cpu_group)
-        return everyone
-
-    def _init_wandb(self):
-        if self.rank != 0 or self.cfg.logging.wandb_mode == "disabled":
-            return None
-        import wandb
-
-        id_file = self.run_dir.wandb / "run_id"
-        self.run_dir.wandb.mkdir(parents=True, exist_ok=True)
-        if self.wandb_id is None:
-            self.wandb_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
-        id_file.write_text(self.wandb_id)
-        project, run_id, mode, config = (
-            self.cfg.logging.wandb_project,
-            self.wandb_id,
-            self.cfg.logging.wandb_mode,
-            to_dict(self.cfg),
-        )
-
-        def start():
-            run = wandb.init(
-                project=project,
-                id=run_id,
-                resume="allow",
-                dir=str(self.run_dir.root),
-                mode=mode,
-                name=self.run_dir.root.name,
-                config=config,
-                settings=wandb.Settings(silent=True),
-            )  # with system metrics
-            # An evaluation comes back a few steps after the step it belongs to: its charts use eval/step.
-            run.define_metric("eval/step")
-            run.define_metric("eval/*", step_metric="eval/step")
-            return run
-
-        return BackgroundRun(start)  # training does not wait for wandb's start (trainer/wandb_run.py)
+        return self.ranks.broadcast(seconds) if self.budget.minutes else seconds
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -637,7 +473,7 @@ class Trainer:
             everyone = [mine]
             if self.world_size > 1:
                 everyone = [None] * self.world_size
-                dist.all_gather_object(everyone, mine, group=self.cpu_group)
+                dist.all_gather_object(everyone, mine, group=self.ranks.cpu_group)
             if any(claim is None for claim in everyone):
                 return None, waited, everyone
             seen: set[tuple[int, int]] = set()
@@ -802,40 +638,32 @@ class Trainer:
     def write_status(self) -> None:
         if self.rank != 0:
             return
-        last = getattr(self, "last_record", {})
-        atomic_write_json(
-            self.run_dir.trainer_status,
-            {
-                "pid": os.getpid(),
-                "incarnation": self.incarnation,
-                "step": self.step,
-                "start_step": getattr(self, "start_step", None),
-                "max_steps": getattr(self, "max_steps", None),
-                "trained_s": self.budget.seconds if hasattr(self, "budget") else None,
-                "max_minutes": self.cfg.training.max_minutes,
-                "state": self.state,
-                "updated": time.time(),
-                "loss": last.get("loss"),
-                "tau": last.get("tau"),
-                "tokens_per_s": last.get("tokens_per_s"),
-                "kind": self.cfg.drafter.kind,
-                "kind_metrics": {
-                    key: last[key] for key in kind_of(self.cfg.drafter.kind).model.logged_metrics if key in last
-                },
-                "lr": last.get("lr"),
-                "samples_per_s": last.get("samples_per_s"),
-                "steps_per_s": last.get("steps_per_s"),
-                **(self.evals.status() if hasattr(self, "evals") else {"eval": None, "evals_in_flight": []}),
-                "parallelism": self.parallelism,
-                "drafter_params_total": getattr(self, "drafter_params_total", None),
-                "drafter_params_per_rank": getattr(self, "drafter_params_per_rank", None),
-                "last_checkpoint": vars(self.checkpoints.last)
-                if getattr(self, "checkpoints", None) and self.checkpoints.last
-                else None,
-                "checkpoint_writing": self.checkpoints.writing_name if getattr(self, "checkpoints", None) else None,
-            },
-            durable=False,
-        )  # every step while an evaluation is out: it must not wait behind a checkpoint's write
+        last = self.last_record
+        TrainerStatus(
+            pid=os.getpid(),
+            incarnation=self.incarnation,
+            state=self.state,
+            updated=time.time(),
+            step=self.step,
+            start_step=self.start_step,
+            max_steps=self.max_steps,
+            trained_s=self.budget.seconds,
+            max_minutes=self.cfg.training.max_minutes,
+            loss=last.get("loss"),
+            tau=last.get("tau"),
+            lr=last.get("lr"),
+            tokens_per_s=last.get("tokens_per_s"),
+            samples_per_s=last.get("samples_per_s"),
+            steps_per_s=last.get("steps_per_s"),
+            kind=self.cfg.drafter.kind,
+            kind_metrics={key: last[key] for key in self.drafter.logged_metrics if key in last},
+            **self.evals.status(),
+            parallelism=self.ranks.parallelism,
+            drafter_params_total=self.drafter_params_total,
+            drafter_params_per_rank=self.drafter_params_per_rank,
+            last_checkpoint=vars(self.checkpoints.last) if self.checkpoints.last else None,
+            checkpoint_writing=self.checkpoints.writing_name,
+        ).write(self.run_dir.trainer_status)  # every step while an evaluation is out
 
     def close(self) -> None:
         self.evals.close()
@@ -989,9 +817,7 @@ def wait_for_predecessor(run_dir: RunDir, warm_start: WarmStart | None = None) -
     return mark, warm_start
 
 
-def run_trainer(
-    run_dir: str | Path, source_factory: SourceFactory | None = None, warm_start: WarmStart | None = None
-) -> int:
+def run_trainer(run_dir: str | Path, source: SourceFactory = RingSource, warm_start: WarmStart | None = None) -> int:
     root = RunDir(run_dir)
     die_with_parent()
     try:
@@ -1013,7 +839,7 @@ def run_trainer(
     signal.signal(signal.SIGINT, request_stop)
     try:
         mark, warm_start = wait_for_predecessor(root, warm_start)
-        trainer = Trainer(cfg, root, source_factory, handed_over=(mark or {}).get("state"), warm=warm_start)
+        trainer = Trainer(cfg, root, source, handed_over=(mark or {}).get("state"), warm=warm_start)
         del warm_start  # what the trainer did not take is freed
     except ConfigError as exc:
         log.error("configuration error: %s", exc)

@@ -8,9 +8,46 @@ its start is raised at the next ``log`` (a wrong key or project is the same on e
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from common.config import RunConfig, to_dict
+from common.rundir import RunDir
+
+
+def run_id_of(run_dir: RunDir) -> str:
+    """The run's wandb id (RUN/wandb/run_id): every trainer of the run logs into the same wandb run."""
+    id_file = run_dir.wandb / "run_id"
+    return id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+
+
+def start_run(cfg: RunConfig, run_dir: RunDir, run_id: str) -> BackgroundRun:
+    """The trainer's wandb run ``run_id`` (resumed if it exists), started in the background."""
+    import wandb
+
+    run_dir.wandb.mkdir(parents=True, exist_ok=True)
+    (run_dir.wandb / "run_id").write_text(run_id)
+    project, mode, config = cfg.logging.wandb_project, cfg.logging.wandb_mode, to_dict(cfg)
+
+    def start() -> Any:
+        run = wandb.init(
+            project=project,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir.root),
+            mode=mode,
+            name=run_dir.root.name,
+            config=config,
+            settings=wandb.Settings(silent=True),
+        )  # with system metrics
+        # An evaluation comes back a few steps after the step it belongs to: its charts use eval/step.
+        run.define_metric("eval/step")
+        run.define_metric("eval/*", step_metric="eval/step")
+        return run
+
+    return BackgroundRun(start)  # training does not wait for wandb's start
 
 
 class BackgroundRun:

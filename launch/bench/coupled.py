@@ -39,15 +39,20 @@ from producer.evaluation import build_evaluator
 from producer.server import build_plan, export_target_head, feature_layer_ids
 from producer.target import Target, build_target_config
 from trainer.feeder import Commits, Received
+from trainer.ranks import Ranks
 from trainer.train import run_trainer
 
 log = logging.getLogger(__name__)
 
 
 class CoupledSource:
-    """Stands in for the ``Feeder``: each ``get`` runs the target on the next batch, in this process."""
+    """The trainer's batch source (trainer/source.py) of the coupled baseline: its feeder's ``get`` runs the target on
+    the next batch, in this process, and its evaluations run in the trainer's loop."""
 
-    def __init__(self, cfg: RunConfig, run_dir: RunDir, rank: int, world_size: int, device: torch.device) -> None:
+    takes_warm_start = False  # a warm start is built without the target this process loads
+
+    def __init__(self, cfg: RunConfig, run_dir: RunDir, ranks: Ranks) -> None:
+        rank, world_size, device = ranks.rank, ranks.world_size, ranks.device
         if cfg.training.max_steps == 0:
             raise ConfigError("training.max_steps: the coupled baseline needs an explicit step count")
         target_cfg = dataclasses.replace(cfg.target, device=str(device))
@@ -68,8 +73,8 @@ class CoupledSource:
         # Rank 0 evaluates (and so makes the evaluator's reference).
         self.evaluation = TrainingEvaluation(cfg, self.target.model, self.target.layer_ids) if rank == 0 else None
 
-    def bind(self, commits: Commits, pad_to: int | None) -> CoupledSource:
-        """Attach the trainer's bookkeeping (made after the target is loaded); returns self."""
+    def feeder(self, incarnation: int, expect: dict, commits: Commits, pad_to: int | None) -> CoupledSource:
+        """Attach the trainer's bookkeeping (made after the target is loaded); this source is its own feeder."""
         self.commits, self.pad_to = commits, pad_to
         return self
 
@@ -113,7 +118,9 @@ class CoupledSource:
             batch.num_tokens,
         )
 
-    def evaluations(self, metrics_file: IO[str] | None, wandb_run: Any) -> InLoopEvaluations:
+    def evaluations(
+        self, incarnation: int, block_size: int, metrics_file: IO[str] | None, wandb_run: Any
+    ) -> InLoopEvaluations:
         """The trainer's evaluation client for this baseline: in its loop, on this process's target."""
         return InLoopEvaluations(self.evaluation, metrics_file, wandb_run)
 
@@ -236,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s trainer-r{os.environ.get('RANK', 0)} %(levelname)s %(message)s"
     )
-    return run_trainer(args.run_dir, source_factory=CoupledSource)
+    return run_trainer(args.run_dir, source=CoupledSource)
 
 
 if __name__ == "__main__":
