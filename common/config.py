@@ -190,7 +190,9 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)
     """Files for chat/tokenized, in order; glob patterns expand to their sorted matches."""
     max_seq_len: int = 3072
-    """Longest document in tokens; longer ones are truncated or dropped (see too_long)."""
+    """Longest document in tokens; longer ones are truncated or dropped (see too_long). Long contexts (32K to 128K,
+    thinking and agentic traces) train in linear time and memory with sliding draft layers
+    (drafter.layer_types, docs/internals.md "Long documents"); batching.token_budget must hold one such document."""
     too_long: Literal["truncate", "drop"] = "truncate"
     """What to do with a document longer than max_seq_len."""
     tokenizer: str | None = None
@@ -269,7 +271,9 @@ class BatchingConfig:
     }
 
     token_budget: int = 16384
-    """Most tokens in one batch (sizes the ring slots); must be >= data.max_seq_len."""
+    """Most tokens in one batch; sizes the ring slots (token_budget x bytes per token of the features, allocated once
+    at the producer's start); must be >= data.max_seq_len, so that the longest document is one batch. A document
+    longer than it is skipped and counted with its file:line; a shard where every one is stops the run (exit 2)."""
     max_docs_per_batch: int | None = None
     """Most documents in one batch; None for no limit."""
     window_docs: int = 512
@@ -322,14 +326,15 @@ class DrafterConfig:
     block_size: int = 16
     """Tokens per draft block B (slot 0 given, B - 1 predicted)."""
     num_anchors: int = 512
-    """Blocks sampled per packed batch of ``batching.token_budget`` tokens."""
+    """Blocks sampled per packed batch of ``batching.token_budget`` tokens: shared by its documents in proportion to
+    their supervised tokens, and spread evenly over each. Raise it with token_budget to keep anchors per token."""
     target_layer_ids: list[int] = field(default_factory=list)
     """Target layers (0-based, output of layer k) used as features; empty: the docs/dflash.md rule."""
     layer_types: list[str] = field(default_factory=list)
     """Per draft layer: full_attention or sliding_attention; empty: all full."""
     sliding_window: int | None = None
     """Window of sliding-attention layers: a slot sees keys fewer than this many positions away, in the
-    context and in its own block."""
+    context and in its own block. Their cost per block follows the window, not the document's length."""
     in_block_causality: Literal["sliding_causal", "bidirectional", "causal"] = "sliding_causal"
     """Which layers see only the earlier slots of their own block: sliding_causal (sliding layers causal,
     full layers bidirectional: what vLLM, SGLang and speculators serve by default, and how the released

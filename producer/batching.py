@@ -15,6 +15,7 @@ each batch would have cost (padding efficiency), since grouping by length is wha
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +28,11 @@ from common.batch import Document, PackedBatch
 from common.config import BatchingConfig
 from producer.data import DataError, DataSource
 from producer.order import ShardOrder
+
+log = logging.getLogger(__name__)
+
+LONGER_THAN_BATCH = "longer_than_token_budget"
+"""The bad-record reason of a document longer than ``batching.token_budget``: it fits no batch and no ring slot."""
 
 
 class BatchCursor(NamedTuple):
@@ -150,8 +156,8 @@ class BatchPlan:
     def __init__(self, source: DataSource, order: ShardOrder, config: BatchingConfig):
         if config.token_budget < source.config.max_seq_len:
             raise ValueError(
-                f"token_budget={config.token_budget} must be >= max_seq_len={source.config.max_seq_len} "
-                "so that every document fits in a batch"
+                f"batching.token_budget={config.token_budget} must be >= data.max_seq_len={source.config.max_seq_len}:"
+                " a document of data.max_seq_len tokens is one batch, in one ring slot"
             )
         if order.num_samples != len(source):
             raise ValueError(f"order has {order.num_samples} samples but the data source has {len(source)}")
@@ -162,6 +168,7 @@ class BatchPlan:
         self._documents: OrderedDict[int, Document] = OrderedDict()
         self._cache_capacity = 2 * config.window_docs
         self._planned: tuple[tuple[int, int], list[list[int]]] | None = None
+        self._skipped_too_long: set[int] = set()
 
     def num_windows(self) -> int:
         """Windows per epoch (the last one may be short)."""
@@ -177,7 +184,7 @@ class BatchPlan:
         start = window * self.config.window_docs
         window_ids = self.order.epoch_ids(epoch)[start : start + self.config.window_docs].tolist()
         self.source.prefetch([i for i in window_ids if i not in self._documents and i not in self.source.cache])
-        documents = [d for d in (self._document(i) for i in window_ids) if d is not None]
+        documents = [d for d in (self._document(i) for i in window_ids) if d is not None and self._fits(d)]
         batches = split_by_length(
             [d.sample_id for d in documents],
             [len(d) for d in documents],
@@ -215,12 +222,32 @@ class BatchPlan:
                 raise self._no_good_document(epoch)
             epoch, window, index = epoch + 1, 0, 0
 
+    def _fits(self, document: Document) -> bool:
+        """Whether the document fits one batch; one that does not is skipped, counted once among the source's bad
+        records and logged with its ``file:line`` (a source that keeps ``data.max_seq_len`` never makes one)."""
+        if len(document) <= self.config.token_budget:
+            return True
+        if document.sample_id not in self._skipped_too_long:
+            self._skipped_too_long.add(document.sample_id)
+            stats = self.source.stats
+            detail = f"{len(document)} tokens > batching.token_budget={self.config.token_budget}"
+            stats.documents -= 1
+            stats.bad[LONGER_THAN_BATCH] += 1
+            where = self.source.location(document.sample_id)
+            if len(stats.first_bad) < stats.keep_first_bad:
+                stats.first_bad.append(f"{where} {LONGER_THAN_BATCH}: {detail}")
+            log.warning("document %s (sample %d) skipped: %s", where, document.sample_id, detail)
+        return False
+
     def _no_good_document(self, epoch: int) -> DataError:
         stats = self.source.stats
         files = getattr(getattr(self.source, "_files", None), "paths", None) or self.source.config.paths
         first = "; first bad: " + " | ".join(stats.first_bad) if stats.first_bad else ""
+        # Every record too long for a batch, or for data.max_seq_len with data.too_long = "drop": that key says why.
+        key = {frozenset({LONGER_THAN_BATCH}): "batching.token_budget", frozenset({"too_long"}): "data.max_seq_len"}
         return DataError(
-            f"data.paths: epoch {epoch} of shard {self.order.config.shard_index} has no good document among the "
+            f"{key.get(frozenset(stats.bad), 'data.paths')}: epoch {epoch} of shard {self.order.config.shard_index} "
+            "has no good document among the "
             f"{self.order.epoch_length()} records of {', '.join(map(str, files)) or 'the source'} "
             f"(bad: {dict(stats.bad) or 'none'}){first}"
         )

@@ -15,7 +15,9 @@ that reads the packing (``PackedAttention``) passed down as a keyword argument:
 - ``varlen``: FlashAttention-2 varlen (``aten._flash_attention_forward`` with ``cu_seqlens``), CUDA
   bf16/fp16. No mask to build, no host sync.
 - ``flex``: ``flex_attention`` with a document-causal ``BlockMask`` (compiled), CUDA.
-- ``sdpa``: one ``scaled_dot_product_attention`` per document, any device; the exact reference.
+- ``sdpa``: one ``scaled_dot_product_attention`` per document, any device; the exact reference. A sliding-window
+  layer attends in chunks of queries over the keys their window reaches: nothing of length x length is made, so
+  one document of 64K or 128K tokens in one packed row costs memory linear in its length.
 
 Supported: decoder-only HF models whose base model is ``embed_tokens -> rotary_emb -> layers -> norm``
 (Llama, Mistral, Qwen2, Qwen3 and their kin) and whose every decoder layer mixes tokens through
@@ -319,20 +321,47 @@ def _flex_attention(query, key, value, block_mask, scaling):
     return out.transpose(1, 2)
 
 
+SLIDING_QUERY_CHUNK = 512
+"""Queries per SDPA call of a sliding-window layer in the ``sdpa`` kernel (see ``_sliding_window_sdpa``)."""
+
+
 def _per_document_sdpa(query, key, value, document_bounds, scaling, sliding_window):
     outputs = []
     for start, end in document_bounds:
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
-        length = end - start
-        if sliding_window is not None and length > sliding_window:
-            offsets = torch.arange(length, device=q.device)
-            distance = offsets[:, None] - offsets[None, :]
-            mask = (distance >= 0) & (distance < sliding_window)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        if sliding_window is not None and end - start > sliding_window:
+            out = _sliding_window_sdpa(q, k, v, sliding_window, scaling)
         else:
+            # Causal without a mask: CPU and CUDA SDPA run it as flash attention, in memory linear in the length.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         outputs.append(out)
     return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def _sliding_window_sdpa(q, k, v, window: int, scaling, chunk: int = SLIDING_QUERY_CHUNK):
+    """Causal attention of one document within ``window``, ``chunk`` queries at a time over the keys they can see
+    (the window before the chunk and the chunk itself): a mask of chunk x (chunk + window) per call, where one mask
+    over the document is length x length (16 GiB at 128K tokens, 64 GiB with SDPA's float copy of it)."""
+    length = q.shape[2]
+    outputs = []
+    for q_start in range(0, length, chunk):
+        q_end = min(q_start + chunk, length)
+        kv_start = max(0, q_start - window + 1)
+        distance = torch.arange(q_start, q_end, device=q.device)[:, None] - torch.arange(
+            kv_start, q_end, device=q.device
+        )
+        mask = (distance >= 0) & (distance < window)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, q_start:q_end],
+                k[:, :, kv_start:q_end],
+                v[:, :, kv_start:q_end],
+                attn_mask=mask,
+                scale=scaling,
+                enable_gqa=True,
+            )
+        )
+    return torch.cat(outputs, dim=2)
 
 
 def document_causal_block_mask(document_ids: torch.Tensor, sliding_window: int | None = None, tile: int = 128):

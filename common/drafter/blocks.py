@@ -69,15 +69,18 @@ def label_coverage(blocks: DraftBlocks, loss_mask: torch.Tensor) -> torch.Tensor
 def sample_anchors(
     loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, num_anchors: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample up to ``num_anchors`` valid anchors of the whole packed batch without replacement, spread over documents.
+    """Sample up to ``num_anchors`` valid anchors of the whole packed batch without replacement, spread over documents
+    and evenly over each document.
 
     The number is per packed batch (not per document, not per sequence of a batch): its density, anchors per
-    supervised token, is what sets how much of the data a step covers (``label_coverage``). Each document's
-    candidates are put in a random order; candidate r of a document with c candidates gets priority r / c, and
-    the N lowest priorities win (random tie-break). So every document gets its first anchor before any gets a
-    second share, and beyond that documents get anchors in proportion to their supervised tokens: a short
-    document packed beside long ones is never starved. Returns sorted ``(anchors, valid)``, both ``[N]``, padded
-    with invalid blocks at anchor 0.
+    supervised token, is what sets how much of the data a step covers (``label_coverage``). How many anchors each
+    document gets: candidate r of a document with c candidates gets priority r / c, and the N lowest priorities win
+    (random tie-break). So every document gets its first anchor before any gets a second share, and beyond that
+    documents get anchors in proportion to their supervised tokens: a short document packed beside long ones is
+    never starved. Where in a document: its k anchors are stratified over its c candidates in position order, one
+    drawn uniformly from each of k consecutive strata of c / k candidates, so a 64K-token document's anchors reach
+    from its first supervised tokens to its last with no stretch left out (a uniform draw of the same k leaves gaps
+    of about ln k strata). Returns sorted ``(anchors, valid)``, both ``[N]``, padded with invalid blocks at anchor 0.
     """
     total = loss_mask.shape[0]
     device = loss_mask.device
@@ -85,20 +88,30 @@ def sample_anchors(
     doc_ids = document_ids(cu_seqlens, total).long()
     candidate = valid_anchor_mask(loss_mask, doc_ids)
 
-    noise = torch.rand(2, total, generator=generator, device=generator.device, dtype=torch.float64).to(device)
+    # [T, 2]: a token's draws do not depend on how many follow it (a padding document appended changes none).
+    noise = torch.rand(total, 2, generator=generator, device=generator.device, dtype=torch.float64).to(device).T
     group = torch.where(candidate, doc_ids, num_docs)  # non-candidates form one last group
-    order = torch.argsort(group.double() + noise[0])  # by document, random inside
+    # Candidates in position order, which is document order (documents are contiguous), non-candidates last.
+    by_position = torch.argsort(group, stable=True)
     counts = torch.zeros(num_docs + 1, dtype=torch.long, device=device).scatter_add_(0, group, torch.ones_like(group))
-    group_sorted = group[order]
-    rank = torch.arange(total, device=device) - (torch.cumsum(counts, 0) - counts)[group_sorted]
+    first = torch.cumsum(counts, 0) - counts  # index in by_position of each document's first candidate
+    group_sorted = group[by_position]
+    rank = torch.arange(total, device=device) - first[group_sorted]
     priority = rank.double() / counts[group_sorted].clamp_min(1)
     priority = torch.where(group_sorted < num_docs, priority, 2.0)
     # Distinct priorities differ by at least 1 / T^2, so this jitter only breaks ties.
-    priority = priority + noise[1] * (0.5 / total**2)
+    priority = priority + noise[0] * (0.5 / total**2)
     take = min(num_anchors, total)
     chosen = torch.argsort(priority)[:take]
-    positions = order[chosen]
     chosen_valid = priority[chosen] < 2.0
+    # A document's chosen priorities are its lowest ranks 0 .. k - 1: rank j picks a candidate of stratum j.
+    doc = group_sorted[chosen]
+    stratum = rank[chosen]
+    per_doc = torch.zeros(num_docs + 1, dtype=torch.long, device=device).scatter_add_(0, doc, chosen_valid.long())
+    k, c = per_doc[doc].clamp_min(1), counts[doc]
+    stratum_start, stratum_end = stratum * c // k, (stratum + 1) * c // k  # c >= k: never empty, never shared
+    offset = (noise[1, :take] * (stratum_end - stratum_start)).long().clamp_max(stratum_end - stratum_start - 1)
+    positions = by_position[(first[doc] + stratum_start + offset).clamp(0, total - 1)]
     # Sort the real anchors ascending (block-sparse friendly), padding last.
     sort_key = torch.where(chosen_valid, positions, total + torch.arange(take, device=device))
     sort_order = torch.argsort(sort_key)

@@ -9,11 +9,16 @@ block j (anchor a_j, slot s, position p = a_j + s) sees:
     windowed layer only those with |s - t| < window (a window smaller than the block bounds the
     block's own keys, as flash attention's window does at serving time).
 Visibility depends on the anchor position, never on the block index.
+
+Three forms of the same mask: flex-attention block masks (CUDA), tiled masks (CPU: each tile of query blocks
+attends over the one stretch of keys its queries can see, so a sliding layer's cost follows the window, not the
+document), and the dense reference (tests, and SDPA when asked for).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -172,12 +177,83 @@ def visible_pairs(blocks: DraftBlocks, config: DraftConfig) -> torch.Tensor:
     return pairs
 
 
-def build_masks(blocks: DraftBlocks, config: DraftConfig, dense: bool = False) -> dict[str, BlockMask | torch.Tensor]:
-    """One mask per layer type of ``config``: flex block masks, or dense boolean masks (SDPA path)."""
-    masks: dict[str, BlockMask | torch.Tensor] = {}
+@dataclass
+class TiledMask:
+    """The mask of one layer type as tiles of whole blocks (the CPU attention path, ``tiled_attention`` in
+    common/drafter/model.py): the queries ``q_start:q_end`` of a tile see context keys ``kv_start:kv_end`` at most
+    (each query ``lo <= kv < hi`` of them) and the keys of their own blocks. Nothing in it is quadratic: a tile's
+    dense mask is made when it is attended, tile queries by its stretch of keys, and a sliding layer's stretch is
+    its window plus the span of the tile's anchors, whatever the document's length."""
+
+    lo: torch.Tensor
+    """[N * B] int64: first context key each query sees (``context_bounds``)."""
+    hi: torch.Tensor
+    """[N * B] int64: one past the last context key each query sees (``lo >= hi``: none)."""
+    in_block: torch.Tensor
+    """[B, B] bool: which slots of its own block a slot sees (``in_block_mask``)."""
+    tiles: list[tuple[int, int, int, int]]
+    """Per tile, host ints ``(q_start, q_end, kv_start, kv_end)``: its queries and the stretch of context keys."""
+    context_index: torch.Tensor
+    """[sum of the stretches] int64: the context keys of every tile's stretch, tile after tile (one gather of them
+    all: a slice per tile would cost a gradient the size of the whole context per tile in the backward)."""
+
+    @property
+    def query_sizes(self) -> list[int]:
+        return [q_end - q_start for q_start, q_end, _, _ in self.tiles]
+
+    @property
+    def context_sizes(self) -> list[int]:
+        return [kv_end - kv_start for _, _, kv_start, kv_end in self.tiles]
+
+    def tile_mask(self, index: int) -> torch.Tensor:
+        """``[q_end - q_start, (kv_end - kv_start) + (q_end - q_start)]`` bool: the dense mask of tile ``index``
+        over its stretch of context keys, then its own blocks' keys."""
+        q_start, q_end, kv_start, kv_end = self.tiles[index]
+        block_size = self.in_block.shape[0]
+        kv = torch.arange(kv_start, kv_end, device=self.lo.device)
+        context = (kv[None, :] >= self.lo[q_start:q_end, None]) & (kv[None, :] < self.hi[q_start:q_end, None])
+        own = torch.block_diag(*[self.in_block] * ((q_end - q_start) // block_size))
+        return torch.cat([context, own], dim=1)
+
+
+def tiled_mask(
+    blocks: DraftBlocks, window: int | None = None, causal: bool = False, tile: int = FLEX_BLOCK
+) -> TiledMask:
+    """The ``TiledMask`` of one layer type: tiles of ``tile // B`` blocks (at least one), each with the stretch of
+    context keys from the lowest ``lo`` to the highest ``hi`` of its queries. Anchors are sorted, so a tile's blocks
+    are neighbours and its stretch is short; a tile spanning two documents also covers the gap between them (masked:
+    a few keys too many, never a wrong one). Reads the tile bounds on the host: a CPU path."""
+    block_size = blocks.block_size
+    q_len = blocks.num_blocks * block_size
+    lo, hi = context_bounds(blocks, window)
+    tile_queries = max(1, tile // block_size) * block_size
+    num_tiles, pad = -(-q_len // tile_queries), -q_len % tile_queries
+    seen = hi > lo
+    never = blocks.num_context
+    kv_start = F.pad(torch.where(seen, lo, never), (0, pad), value=never).view(num_tiles, -1).amin(1)
+    kv_end = F.pad(torch.where(seen, hi, 0), (0, pad), value=0).view(num_tiles, -1).amax(1)
+    kv_start = torch.minimum(kv_start, kv_end)  # a tile that sees no context gets an empty stretch
+    q_start = torch.arange(num_tiles) * tile_queries
+    q_end = (q_start + tile_queries).clamp(max=q_len)
+    tiles = list(zip(q_start.tolist(), q_end.tolist(), kv_start.tolist(), kv_end.tolist()))
+    device = blocks.anchors.device
+    context_index = torch.cat([torch.arange(start, end, device=device) for _, _, start, end in tiles])
+    return TiledMask(lo, hi, in_block_mask(block_size, causal, window, device), tiles, context_index)
+
+
+MASK_FORMS = ("flex", "tiled", "dense")
+
+
+def build_masks(
+    blocks: DraftBlocks, config: DraftConfig, dense: bool = False, form: str | None = None
+) -> dict[str, BlockMask | TiledMask | torch.Tensor]:
+    """One mask per layer type of ``config``, in ``form``: flex block masks (the default), tiled masks (the CPU
+    path) or dense boolean masks (the reference; ``dense=True`` says the same)."""
+    form = form or ("dense" if dense else "flex")
+    if form not in MASK_FORMS:
+        raise ValueError(f"mask form must be one of {MASK_FORMS}, got {form!r}")
+    build = {"flex": flex_block_mask, "tiled": tiled_mask, "dense": dense_reference_mask}[form]
+    masks: dict[str, BlockMask | TiledMask | torch.Tensor] = {}
     for layer_type in dict.fromkeys(config.layer_types):
-        window, causal = config.window_of(layer_type), config.causal_in_block(layer_type)
-        masks[layer_type] = (
-            dense_reference_mask(blocks, window, causal) if dense else flex_block_mask(blocks, window, causal)
-        )
+        masks[layer_type] = build(blocks, config.window_of(layer_type), config.causal_in_block(layer_type))
     return masks

@@ -19,11 +19,16 @@ from common.batch import PackedBatch
 from common.drafter.blocks import DraftBlocks, build_blocks, label_coverage
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig, draft_loss
-from common.drafter.masks import build_masks, visible_pairs
+from common.drafter.masks import TiledMask, build_masks, visible_pairs
 from common.drafter.sampling import Proposal, Sampling, sample_from, sampling_probs
 from common.drafter.target_head import TargetHead
 
 _compiled_flex_attention = None
+
+ATTENTION_BACKENDS = ("flex", "tiled", "sdpa")
+"""How the drafter attends: flex block masks (CUDA), tiles of SDPA (CPU), SDPA with one dense mask (reference)."""
+AttentionMask = BlockMask | TiledMask | torch.Tensor
+"""A layer type's mask in one of its forms (common/drafter/masks.py): flex, tiled or dense."""
 
 
 def flex_attention_for(device: torch.device):
@@ -113,7 +118,7 @@ class DraftAttention(nn.Module):
         ctx: torch.Tensor,
         block_rope: tuple[torch.Tensor, torch.Tensor],
         context_rope: tuple[torch.Tensor, torch.Tensor],
-        mask: BlockMask | torch.Tensor,
+        mask: AttentionMask,
     ) -> torch.Tensor:
         """x: [Q, H] normed block slots; ctx: [T, H] fused context (shared by all layers)."""
         num_queries, num_context = x.shape[0], ctx.shape[0]
@@ -122,15 +127,47 @@ class DraftAttention(nn.Module):
         k_blk = self.k_norm(self.k_proj(x).view(num_queries, self.num_kv_heads, self.head_dim)).transpose(0, 1)
         v_ctx = self.v_proj(ctx).view(num_context, self.num_kv_heads, self.head_dim).transpose(0, 1)
         v_blk = self.v_proj(x).view(num_queries, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        q = apply_rope(q, *block_rope)
-        k = torch.cat([apply_rope(k_ctx, *context_rope), apply_rope(k_blk, *block_rope)], dim=1)
-        v = torch.cat([v_ctx, v_blk], dim=1)
-        q, k, v = q[None], k[None], v[None]
-        if isinstance(mask, BlockMask):
-            out = flex_attention_for(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
+        q, k_ctx, k_blk = apply_rope(q, *block_rope), apply_rope(k_ctx, *context_rope), apply_rope(k_blk, *block_rope)
+        if isinstance(mask, TiledMask):
+            out = tiled_attention(q, (k_ctx, v_ctx), (k_blk, v_blk), mask)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out[0].transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim))
+            k, v = torch.cat([k_ctx, k_blk], dim=1)[None], torch.cat([v_ctx, v_blk], dim=1)[None]
+            if isinstance(mask, BlockMask):
+                out = flex_attention_for(q.device)(q[None], k, v, block_mask=mask, enable_gqa=True)[0]
+            else:
+                out = F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, enable_gqa=True)[0]
+        return self.o_proj(out.transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim))
+
+
+def tiled_attention(
+    q: torch.Tensor,
+    context: tuple[torch.Tensor, torch.Tensor],
+    own_blocks: tuple[torch.Tensor, torch.Tensor],
+    mask: TiledMask,
+) -> torch.Tensor:
+    """Attention of the block slots tile by tile (``TiledMask``): q ``[heads, Q, D]``, context keys and values
+    ``[kv heads, T, D]``, the blocks' own ``[kv heads, Q, D]`` -> ``[heads, Q, D]``. Each tile is one SDPA call over
+    its stretch of context keys and its own blocks' keys, with that tile's dense mask: the memory of a step (the
+    masks and what autograd keeps of them) is the tiles' queries times their stretches, so a sliding layer's does
+    not grow with the document, where one dense mask over the whole packed row grows with queries x tokens.
+    The tiles' pieces come from one gather and splits, whose backward is one scatter and one concatenation."""
+    (k_ctx, v_ctx), (k_blk, v_blk) = context, own_blocks
+    query_sizes, context_sizes = mask.query_sizes, mask.context_sizes
+    tiled = zip(
+        q.split(query_sizes, dim=1),
+        k_ctx.index_select(1, mask.context_index).split(context_sizes, dim=1),
+        v_ctx.index_select(1, mask.context_index).split(context_sizes, dim=1),
+        k_blk.split(query_sizes, dim=1),
+        v_blk.split(query_sizes, dim=1),
+    )
+    outputs = []
+    for index, (q_tile, k_tile, v_tile, k_own, v_own) in enumerate(tiled):
+        k, v = torch.cat([k_tile, k_own], dim=1), torch.cat([v_tile, v_own], dim=1)
+        out = F.scaled_dot_product_attention(
+            q_tile[None], k[None], v[None], attn_mask=mask.tile_mask(index), enable_gqa=True
+        )
+        outputs.append(out[0])
+    return torch.cat(outputs, dim=1)
 
 
 class DraftMLP(nn.Module):
@@ -161,7 +198,7 @@ class DraftDecoderLayer(nn.Module):
         ctx: torch.Tensor,
         block_rope: tuple[torch.Tensor, torch.Tensor],
         context_rope: tuple[torch.Tensor, torch.Tensor],
-        mask: BlockMask | torch.Tensor,
+        mask: AttentionMask,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, context_rope, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -196,8 +233,10 @@ class DFlashDrafter(nn.Module):
                 f"target head {target_head.vocab_size}x{target_head.hidden_size} does not match "
                 f"config vocab_size {config.vocab_size}, hidden_size {config.hidden_size}"
             )
-        if attention_backend not in (None, "flex", "sdpa"):
-            raise ValueError(f"attention_backend must be None, 'flex' or 'sdpa', got {attention_backend!r}")
+        if attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(
+                f"attention_backend must be None or one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
+            )
         self.config = config
         self.loss_config = loss_config or LossConfig()
         self.attention_backend = attention_backend
@@ -268,24 +307,27 @@ class DFlashDrafter(nn.Module):
         self.load_state_dict(state, strict=True)
 
     def backend_for(self, device: torch.device) -> str:
-        """flex on CUDA; SDPA with dense masks on CPU (flex has no CPU backward)."""
-        return self.attention_backend or ("flex" if device.type == "cuda" else "sdpa")
+        """flex on CUDA; tiles of SDPA on CPU (flex has no CPU backward, and its eager path computes every
+        query-key pair); ``sdpa`` (one dense mask) when asked for."""
+        return self.attention_backend or ("flex" if device.type == "cuda" else "tiled")
+
+    def masks(self, blocks: DraftBlocks) -> dict[str, AttentionMask]:
+        """The per-layer-type masks of ``blocks`` in the form this drafter attends with on their device."""
+        backend = self.backend_for(blocks.anchors.device)
+        return build_masks(blocks, self.config, form="dense" if backend == "sdpa" else backend)
 
     def prepare(
         self, batch: PackedBatch, num_anchors: int, generator: torch.Generator
-    ) -> tuple[DraftBlocks, dict[str, BlockMask | torch.Tensor]]:
-        """Anchors, blocks and per-layer-type masks of a batch; no host sync, can run ahead of the step."""
+    ) -> tuple[DraftBlocks, dict[str, AttentionMask]]:
+        """Anchors, blocks and per-layer-type masks of a batch; no host sync on CUDA, can run ahead of the step."""
         blocks = build_blocks(batch, num_anchors, self.config.block_size, self.config.mask_token_id, generator)
-        dense = self.backend_for(batch.input_ids.device) == "sdpa"
-        return blocks, build_masks(blocks, self.config, dense)
+        return blocks, self.masks(blocks)
 
     def fuse_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[T, n * H_target] target features -> [T, H] injected context."""
         return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
 
-    def forward(
-        self, aux_hidden: torch.Tensor, blocks: DraftBlocks, masks: dict[str, BlockMask | torch.Tensor]
-    ) -> torch.Tensor:
+    def forward(self, aux_hidden: torch.Tensor, blocks: DraftBlocks, masks: dict[str, AttentionMask]) -> torch.Tensor:
         """Draft hidden states [N, B, H] after the final norm."""
         num_blocks, block_size = blocks.block_ids.shape
         ctx = self.fuse_context(aux_hidden)
@@ -316,7 +358,7 @@ class DFlashDrafter(nn.Module):
         num_anchors: int,
         generator: torch.Generator,
         step_fraction: float = 0.0,
-        prepared: tuple[DraftBlocks, dict[str, BlockMask | torch.Tensor]] | None = None,
+        prepared: tuple[DraftBlocks, dict[str, AttentionMask]] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss (scalar, differentiable) and metrics (device tensors, no host sync) of one packed batch.
 
