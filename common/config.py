@@ -953,6 +953,9 @@ class SynthesizeConfig:
         "max_prompt_tokens": "producer",
         "records_per_shard": "producer",
         "flush_every_s": "producer",
+        "turns": "producer launcher",
+        "magpie_turns": "producer",
+        "max_conversation_tokens": "producer",
     }
 
     prompts: Literal["data", "magpie", "both"] = "data"
@@ -992,10 +995,29 @@ class SynthesizeConfig:
     """Records per shard file: a shard is written whole (temporary name, fsync, rename) once it has this many."""
     flush_every_s: float = 60.0
     """A shard is also written after this many seconds with what is done: what a kill -9 can lose (and redo)."""
+    turns: Literal["last", "all"] = "last"
+    """Which assistant turns of a data record the target writes, in synthesis and in data.regenerate alike: "last"
+    (the record up to its last user turn, answered once) or "all" (every assistant turn in order, each conditioned on
+    the target's own earlier ones; user turns and tool results stay as recorded; the target's tool calls are
+    regenerated, and a conversation whose call differs from the recorded one ends after that call;
+    docs/conversations.md)."""
+    magpie_turns: int = 1
+    """User turns of a self-written (Magpie) conversation: after each answer the target also writes the next user
+    turn from the template's user prefix after the conversation so far, then answers it."""
+    max_conversation_tokens: int = 0
+    """New tokens the target may write in one conversation (all its turns, self-written user turns included); the
+    conversation ends after the turn that reaches it (recorded as cut). 0: no cap beyond max_new_tokens per turn."""
 
     def __post_init__(self) -> None:
         _check(
             self.prompts in ("data", "magpie", "both"), "prompts", f"must be data, magpie or both, got {self.prompts!r}"
+        )
+        _check(self.turns in ("last", "all"), "turns", f"must be last or all, got {self.turns!r}")
+        _check(self.magpie_turns >= 1, "magpie_turns", f"must be >= 1, got {self.magpie_turns}")
+        _check(
+            self.max_conversation_tokens >= 0,
+            "max_conversation_tokens",
+            f"must be >= 0 (0: no cap), got {self.max_conversation_tokens}",
         )
         _check(self.num_magpie >= 0, "num_magpie", f"must be >= 0, got {self.num_magpie}")
         _check(

@@ -2,8 +2,9 @@
 
 Loads the config (``--config`` or the tiny default, with ``key=value`` overrides), the target's config
 and tokenizer (no weights), the drafter it implies, and a sample of the data, then prints: the counts
-of good and bad records (with ``file:line`` of the first bad ones), token length statistics, the share
-of supervised tokens, and one rendered sample with its supervised tokens marked. Exit 0 when the data
+of good and bad records (with ``file:line`` of the first bad ones), the conversations a synthesis cut short and,
+with ``synthesize.turns = "all"``, the records the target cannot write turn by turn, token length statistics, the
+share of supervised tokens, and one rendered sample with its supervised tokens marked. Exit 0 when the data
 has good records, 2 on a configuration or data error (one line naming the key or file), or when no
 record of the sample is usable.
 
@@ -16,6 +17,7 @@ import argparse
 import json
 import logging
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,81 @@ def spread_ids(num_records: int, count: int) -> np.ndarray:
     return np.unique(np.linspace(0, num_records - 1, count).round().astype(int)) if count else np.array([], int)
 
 
+def conversations(cfg: RunConfig, source: Any, ids: np.ndarray, tokenizer: Any) -> tuple[list[str], dict[str, Any]]:
+    """What the sampled chat records say about multi-turn regeneration: the conversations that a synthesis or
+    regeneration cut short (their ``generation.cut``: why, after which assistant turn), and with
+    ``synthesize.turns = "all"`` the records the target could not write turn by turn (skipped, with file:line)."""
+    from producer.conversation import conversation_script, tool_call_format
+    from producer.data import BadRecord
+
+    template_kwargs = dict(cfg.data.chat_template_kwargs)
+    if cfg.synthesize.enable_thinking is not None:
+        template_kwargs["enable_thinking"] = cfg.synthesize.enable_thinking
+    all_turns = cfg.synthesize.turns == "all"
+    tool_format = tool_call_format(tokenizer, template_kwargs) if all_turns else None
+    cut: Counter = Counter()
+    cut_after_turn: Counter = Counter()
+    cut_where: list[str] = []
+    skipped: Counter = Counter()
+    skipped_where: list[str] = []
+    with_tool_calls = 0
+    for sample_id in ids.tolist():
+        try:
+            record = source.read_json(sample_id)
+        except BadRecord:
+            continue  # reported with the bad records
+        where = source.location(sample_id)
+        generation = record.get("generation") if isinstance(record, dict) else None
+        record_cut = generation.get("cut") if isinstance(generation, dict) else None
+        if isinstance(record_cut, dict):
+            cut[record_cut.get("reason")] += 1
+            cut_after_turn[record_cut.get("after_turn")] += 1
+            cut_where.append(
+                f"{where} {record_cut.get('reason')} after assistant turn {record_cut.get('after_turn')} of "
+                f"{record_cut.get('of_turns')}: {record_cut.get('detail')}"
+            )
+        if all_turns:
+            try:
+                script = conversation_script(record, "all", tool_format)
+            except BadRecord as bad:
+                skipped[bad.reason] += 1
+                skipped_where.append(f"{where} {bad}")
+                continue
+            with_tool_calls += any(m.get("tool_calls") for m in script)
+    lines: list[str] = []
+    if cut:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in cut.most_common())
+        turns = ", ".join(f"{turn}: {n}" for turn, n in sorted(cut_after_turn.items(), key=str))
+        lines.append(
+            f"conversations cut short by the target: {sum(cut.values())} of the {len(ids)} sampled ({reasons}; "
+            f"after assistant turn {turns})"
+        )
+        lines += [f"  cut {line}" for line in cut_where]
+    if all_turns:
+        writes = (
+            f"writes a call as JSON after {tool_format.opener!r}"
+            if tool_format is not None and tool_format.opener
+            else "writes a call as JSON"
+            if tool_format is not None
+            else "writes no tool call the target's turns can be read back from: tool records are skipped"
+        )
+        lines.append(
+            f'synthesize.turns = "all": of the {len(ids)} sampled, {sum(skipped.values())} cannot be written turn '
+            f"by turn and are skipped {dict(skipped) or ''}; {with_tool_calls} of the others call tools (the template "
+            f"{writes})"
+        )
+        lines += [f"  skipped {where}" for where in skipped_where]
+    figures = {
+        "cut": dict(cut),
+        "cut_after_turn": {str(turn): n for turn, n in cut_after_turn.items()},
+        "cut_records": cut_where,
+    }
+    if all_turns:
+        figures.update(turns_all_skipped=dict(skipped), turns_all_first_skipped=skipped_where)
+        figures["tool_call_records"] = with_tool_calls
+    return lines, figures
+
+
 def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]]:
     """The report (text) and its figures of what training would see of ``cfg``'s data."""
     from producer.data import run_sources
@@ -150,6 +227,10 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
         f"{dict(held_stats.bad) or ''}".rstrip()
     )
     lines += [f"  bad held-out record {where}" for where in held_stats.first_bad]
+    if data_cfg.format == "chat":
+        conversation_lines, conversation_figures = conversations(cfg, source, ids, tokenizer)
+        lines += conversation_lines
+        figures.update(conversation_figures)
     if documents:
         figures.update(
             tokens_min=int(lengths.min()),

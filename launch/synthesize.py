@@ -5,7 +5,10 @@
 One producer.synthesize process per entry of launch.producer_devices (or launch.num_producers), each answering
 its share of the prompts (producer/synthesize.py). A producer that crashes or is killed is started again with
 backoff and continues where the shards say it was; one that fails the same way on every try (exit 2: a broken
-prompt line, a template without a user turn, an unloadable target) stops the command at once with exit 2.
+prompt line, data without a record to write, a template without a user turn, an unloadable target) stops the command
+at once with exit 2. A record the target cannot write (turns out of order, a tool result without its call) is skipped
+and counted instead; at the end the command says how many were, and how many conversations were cut short and where
+(docs/conversations.md).
 Running the command again on the same DIR continues it; Ctrl-C or SIGTERM stops it cleanly (what is done is
 written). At the end it prints the shards' folder and how to train on them.
 """
@@ -19,6 +22,8 @@ import shlex
 import signal
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ConfigError, save_config
@@ -98,13 +103,44 @@ def training_command(folder: Path) -> str:
     )
 
 
-def count_records(folder: Path) -> tuple[int, int]:
-    """(answered records, skipped prompts) in the shards of ``folder``."""
+@dataclass
+class ShardSummary:
+    """What the shards of a folder hold."""
 
-    def lines(pattern: str) -> int:
-        return sum(sum(1 for _ in open(path)) for path in folder.glob(pattern))
+    records: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    """Prompts recorded as skipped, per reason."""
+    cut: Counter = field(default_factory=Counter)
+    """Conversations that end before their script did, per reason (``generation.cut`` of their records)."""
+    cut_after_turn: Counter = field(default_factory=Counter)
+    """The same, per the assistant turn they end after."""
 
-    return lines("*.jsonl"), lines("*.skipped")
+    def describe_cuts(self) -> str:
+        """One line: how many conversations were cut, why and where; "" when none was."""
+        if not self.cut:
+            return ""
+        reasons = ", ".join(f"{reason} {n}" for reason, n in self.cut.most_common())
+        turns = ", ".join(f"{turn}: {n}" for turn, n in sorted(self.cut_after_turn.items()))
+        return (
+            f"{sum(self.cut.values())} conversations end early ({reasons}; after assistant turn {turns}); each "
+            "record's generation.cut says why (docs/conversations.md)"
+        )
+
+
+def shard_summary(folder: Path) -> ShardSummary:
+    """Count the records, skipped prompts and cut conversations in the shards of ``folder``."""
+    summary = ShardSummary()
+    for path in folder.glob("*.jsonl"):
+        for line in open(path):
+            summary.records += 1
+            cut = json.loads(line).get("generation", {}).get("cut")
+            if cut is not None:
+                summary.cut[cut["reason"]] += 1
+                summary.cut_after_turn[cut["after_turn"]] += 1
+    for path in folder.glob("*.skipped"):
+        for line in open(path):
+            summary.skipped[str(json.loads(line)["skipped"]).split(":")[0]] += 1
+    return summary
 
 
 def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[str]) -> int:
@@ -205,16 +241,20 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
                 return 1
             log.warning("%s %s; it continues from its shards in %.1f s", worker.name, describe_exit(code), delay)
         time.sleep(POLL_S)
-    answered, skipped = count_records(folder)
+    summary = shard_summary(folder)
     rates = [read_json(folder / f"status-p{i}.json") or {} for i in range(len(workers))]
+    reasons = ", ".join(f"{reason} {n}" for reason, n in summary.skipped.most_common())
     log.info(
-        "done in %.0f s: %d records in %s (%d prompts skipped, see *.skipped); new tokens/s this start: %s",
+        "done in %.0f s: %d records in %s (%d prompts skipped%s, see *.skipped); new tokens/s this start: %s",
         time.monotonic() - started,
-        answered,
+        summary.records,
         folder,
-        skipped,
+        sum(summary.skipped.values()),
+        f": {reasons}" if reasons else "",
         ", ".join(significant(float(r.get("tokens_per_s") or 0.0)) for r in rates),
     )
+    if summary.cut:
+        log.info("%s", summary.describe_cuts())
     log.info("train on them: %s", training_command(folder))
     return 0
 

@@ -3,8 +3,8 @@
 Every source maps a sample id (0 .. len-1) to a :class:`Document` (token ids + loss mask) and
 can re-read any id at random, which the producer needs to recompute batches on replay:
 
-- ``chat``: JSONL, one ``{"messages": [{"role", "content"}, ...]}`` per line, rendered with the
-  target tokenizer's chat template; the loss mask covers the assistant turns only.
+- ``chat``: JSONL, one ``{"messages": [{"role", "content"}, ...]}`` per line (and the record's ``tools``, if
+  any), rendered with the target tokenizer's chat template; the loss mask covers the assistant turns only.
 - ``tokenized``: JSONL or parquet rows with ``input_ids`` and an optional ``loss_mask``.
 - ``synthetic``: a generator with learnable structure; sample i is a pure function of (seed, i).
 
@@ -73,14 +73,19 @@ class DataStats:
     """``file:line reason`` of the first ``keep_first_bad`` bad records, for messages."""
     keep_first_bad: int = 3
     """How many bad records ``first_bad`` lists (``check`` lists every one it reads)."""
+    cut: Counter = field(default_factory=Counter)
+    """Distinct conversations the target wrote that end early (synthesize.turns = "all"), per reason."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        figures = {
             "documents": self.documents,
             "truncated": self.truncated,
             "bad_records": sum(self.bad.values()),
             "bad_by_reason": dict(self.bad),
         }
+        if self.cut:
+            figures.update(cut_conversations=sum(self.cut.values()), cut_by_reason=dict(self.cut))
+        return figures
 
 
 MISSING = object()
@@ -486,6 +491,89 @@ def validate_messages(record: Any) -> list[dict[str, Any]]:
     return messages
 
 
+def record_tools(record: Any) -> list[dict[str, Any]] | None:
+    """The tool definitions of an OpenAI record (its ``tools`` list, which the chat template renders into the
+    prompt), or None when it has none."""
+    tools = record.get("tools") if isinstance(record, dict) else None
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise BadRecord("wrong_type", "tools must be a list of objects (OpenAI tool definitions)")
+    return tools
+
+
+def template_kwargs_of(record: Any, template_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``template_kwargs`` with the record's tool definitions added, if it has some."""
+    tools = record_tools(record)
+    return {**template_kwargs, "tools": tools} if tools else dict(template_kwargs)
+
+
+def tool_calls_of(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The tool calls of an OpenAI assistant message as ``{"id", "name", "arguments"}`` (id None when the record
+    gives none; arguments as recorded: a JSON string or an object). Raises BadRecord for a malformed call."""
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise BadRecord("wrong_type", f"{where}.tool_calls must be a list")
+    normalized = []
+    for k, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRecord("wrong_type", f"{where}.tool_calls[{k}] must be an object with function.name")
+        arguments = function.get("arguments", {})
+        if not isinstance(arguments, (str, dict)):
+            raise BadRecord("wrong_type", f"{where}.tool_calls[{k}].function.arguments must be a string or an object")
+        normalized.append({"id": call.get("id"), "name": function["name"], "arguments": arguments})
+    return normalized
+
+
+_CONTEXT_ROLES = frozenset({"system", "developer"})
+"""Roles that are context wherever they stand: they neither open nor answer a turn."""
+
+
+def check_turn_order(messages: list[dict[str, Any]]) -> None:
+    """Check that the target can write the conversation turn by turn (synthesize.turns = "all"): system messages
+    anywhere; a user turn first; then user and assistant turns alternating, where an assistant turn that calls tools
+    is followed by their results (``role: "tool"``, each answering one of its calls by ``tool_call_id``, or in order
+    when the record gives no ids) and then by the assistant turn that reads them. Raises BadRecord ("turn_order" or
+    "tool_result_without_call") naming the message."""
+    previous: str | None = None  # user, assistant, calls (an assistant turn with tool calls), tool
+    caller = -1  # the assistant message whose calls the tool results answer
+    unanswered: list[str | None] = []  # ids of its calls that no result answered yet
+    for i, message in enumerate(messages):
+        role, where = message["role"], f"messages[{i}]"
+        if role in _CONTEXT_ROLES:
+            continue
+        if role == "user":
+            if previous == "user":
+                raise BadRecord("turn_order", f"{where}: two user turns in a row")
+            if previous == "tool":
+                raise BadRecord("turn_order", f"{where}: a user turn follows tool results no assistant turn reads")
+            if previous == "calls":
+                raise BadRecord("turn_order", f"{where}: a user turn follows the tool calls of messages[{caller}]")
+            previous = "user"
+        elif role == "assistant":
+            if previous is None:
+                raise BadRecord("turn_order", f"{where}: the conversation starts with an assistant turn")
+            if previous in ("assistant", "calls"):
+                raise BadRecord("turn_order", f"{where}: two assistant turns in a row")
+            calls = tool_calls_of(message, where)
+            previous, caller, unanswered = ("calls" if calls else "assistant"), i, [c["id"] for c in calls]
+        elif role == "tool":
+            if previous not in ("calls", "tool"):
+                raise BadRecord("tool_result_without_call", f"{where}: a tool result with no tool call before it")
+            answered = message.get("tool_call_id")
+            if answered is not None and answered in unanswered:
+                unanswered.remove(answered)
+            elif unanswered and (answered is None or all(call_id is None for call_id in unanswered)):
+                unanswered.pop(0)  # no ids to match: results answer the calls in order
+            else:
+                detail = f"tool_call_id {answered!r} answers" if answered is not None else "more results than"
+                raise BadRecord("tool_result_without_call", f"{where}: {detail} the calls of messages[{caller}]")
+            previous = "tool"
+        else:
+            raise BadRecord("turn_order", f"{where}: role {role!r} is none of system, developer, user, assistant, tool")
+
+
 def render_chat(
     tokenizer: Any, messages: list[dict[str, Any]], **template_kwargs: Any
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -556,7 +644,7 @@ def tokens_with_mask(encoded: Any, spans: list[tuple[int, int]]) -> tuple[np.nda
 
 
 @contextlib.contextmanager
-def _template_errors() -> Iterator[None]:
+def template_errors() -> Iterator[None]:
     """A template may raise on content it rejects (e.g. role order): that record is bad, and the run goes on."""
     try:
         yield
@@ -567,7 +655,7 @@ def _template_errors() -> Iterator[None]:
 
 
 class ChatJsonlSource(JsonlSource):
-    """JSONL lines ``{"messages": [...]}`` rendered with the target's chat template."""
+    """JSONL lines ``{"messages": [...]}`` rendered with the target's chat template (with their ``tools``)."""
 
     def __init__(self, config: DataConfig, paths: list[str], tokenizer: Any):
         if getattr(tokenizer, "chat_template", None) is None:
@@ -582,9 +670,12 @@ class ChatJsonlSource(JsonlSource):
     def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
         rendered = self._rendered.pop(sample_id, None)
         if rendered is None:
-            messages = validate_messages(self.read_json(sample_id))
-            with _template_errors():
-                return render_chat(self.tokenizer, messages, **self.config.chat_template_kwargs)
+            record = self.read_json(sample_id)
+            messages = validate_messages(record)
+            with template_errors():
+                return render_chat(
+                    self.tokenizer, messages, **template_kwargs_of(record, self.config.chat_template_kwargs)
+                )
         if isinstance(rendered, BadRecord):
             raise rendered
         return rendered
@@ -599,9 +690,12 @@ class ChatJsonlSource(JsonlSource):
         texts: dict[int, tuple[str, list[tuple[int, int]]]] = {}
         for sample_id in sample_ids:
             try:
-                messages = validate_messages(self.read_json(sample_id))
-                with _template_errors():
-                    texts[sample_id] = chat_text_and_spans(self.tokenizer, messages, **self.config.chat_template_kwargs)
+                record = self.read_json(sample_id)
+                messages = validate_messages(record)
+                with template_errors():
+                    texts[sample_id] = chat_text_and_spans(
+                        self.tokenizer, messages, **template_kwargs_of(record, self.config.chat_template_kwargs)
+                    )
             except BadRecord as bad:
                 self._rendered[sample_id] = bad
         if not texts:

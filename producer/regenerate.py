@@ -1,8 +1,9 @@
 """The online form of synthesis (``data.regenerate = true``): the stream regenerates its records as it goes.
 
-Each chat record's last assistant turn is written anew by the producer's own target just before the record
-is batched: the batch plan announces each window of sample ids (``DataSource.prefetch``) and the whole window
-is answered in one batched generation (producer/generate.py), then captured like any other document. No
+Each chat record's last assistant turn (every one, with ``synthesize.turns = "all"``) is written anew by the
+producer's own target just before the record is batched, by the same code as the offline synthesis
+(producer/conversation.py): the batch plan announces each window of sample ids (``DataSource.prefetch``) and the
+whole window is answered in one batched generation (producer/generate.py), then captured like any other document. No
 synthesis pass first, no second copy of the data on disk beyond the answers themselves. The cost: while the
 producer answers a window it fills no slot, so the trainer lives on what the ring holds (nothing, for the first
 window), and on one device generation and training take turns rather than overlap (BENCHMARKS.md, synthesis).
@@ -25,15 +26,17 @@ import numpy as np
 from torch import nn
 
 from common.config import RunConfig
-from producer.data import BadRecord, DataSource, render_chat, validate_messages
-from producer.generate import STATIC_CACHE_ENGINE, Request
+from producer.conversation import ConversationWriter, generation_of, record_conversation, tool_call_format
+from producer.data import BadRecord, DataSource, render_chat, template_errors, template_kwargs_of
+from producer.generate import STATIC_CACHE_ENGINE
 from producer.synthesize import ShardWriter, generation_config_of, generator_for, read_shards, stop_token_ids
 
 log = logging.getLogger(__name__)
 
 
 class RegeneratedSource(DataSource):
-    """The chat records of ``records`` (a source with ``read_json``) with their last answer the target's own."""
+    """The chat records of ``records`` (a source with ``read_json``) with their assistant turns the target's own:
+    the last one, or every one with ``synthesize.turns = "all"``."""
 
     def __init__(
         self, records: DataSource, model: nn.Module, tokenizer: Any, cfg: RunConfig, folder: Path, producer_id: int
@@ -43,12 +46,16 @@ class RegeneratedSource(DataSource):
         self.template_kwargs = dict(cfg.data.chat_template_kwargs)
         if cfg.synthesize.enable_thinking is not None:
             self.template_kwargs["enable_thinking"] = cfg.synthesize.enable_thinking
+        self.tool_format = tool_call_format(tokenizer, self.template_kwargs)
         self.answers = read_shards(folder) if folder.is_dir() else {}
         self.writer = ShardWriter(folder, producer_id, cfg.synthesize.records_per_shard, float("inf"))
         self.producer_id = producer_id
         self._generator = None
+        self._cut_counted: set[str] = set()
         log.info(
-            "regenerating the data's answers as the stream goes; %d answers kept in %s from before",
+            "regenerating the data's answers as the stream goes (synthesize.turns = %r); %d answers kept in %s from "
+            "before",
+            cfg.synthesize.turns,
             len(self.answers),
             folder,
         )
@@ -66,59 +73,60 @@ class RegeneratedSource(DataSource):
         answer = self.answers[key]
         if "skipped" in answer:
             raise BadRecord("not_regenerated", answer["skipped"])
-        return render_chat(self.tokenizer, answer["messages"], **self.template_kwargs)
+        cut = answer["generation"].get("cut")
+        if cut is not None and key not in self._cut_counted:
+            self._cut_counted.add(key)
+            self.stats.cut[cut["reason"]] += 1
+        with template_errors():
+            return render_chat(self.tokenizer, answer["messages"], **template_kwargs_of(answer, self.template_kwargs))
 
     def prefetch(self, sample_ids: list[int]) -> None:
-        """Answer, in one batched generation, every record of ``sample_ids`` that has no kept answer; keep them
-        (written whole) before returning, so that no batch of theirs is published before they are on disk."""
+        """Write, in one batched generation, the conversation of every record of ``sample_ids`` that has none kept;
+        keep them (written whole) before returning, so that no batch of theirs is published before they are on
+        disk."""
         missing = [i for i in sample_ids if self.location(i) not in self.answers]
         if not missing:
             return
-        requests = []
+        synth = self.cfg.synthesize
+        conversations = []
         for sample_id in missing:
             key = self.location(sample_id)
             try:
-                messages = validate_messages(self.records.read_json(sample_id))
+                conversations.append(
+                    record_conversation(key, self.records.read_json(sample_id), synth.turns, self.tool_format)
+                )
             except BadRecord as bad:
-                self._keep({"id": key, "skipped": f"{bad.reason}: {bad}"})
-                continue
-            last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
-            if last_user is None:
-                self._keep({"id": key, "skipped": "no user message to answer"})
-                continue
-            prompt = messages[: last_user + 1]
-            text = self.tokenizer.apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=True, **self.template_kwargs
-            )
-            requests.append(
-                Request(key=(key, prompt), prompt_ids=self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            )
+                self._keep({"id": key, "skipped": str(bad)})
         generator = self._generator_of_target()
         settings = {
             "temperature": generator.config.temperature,
             "top_p": generator.config.top_p,
             "max_new_tokens": generator.config.max_new_tokens,
         }
+        if synth.turns == "all":
+            settings["turns"] = "all"
+        if synth.max_conversation_tokens:
+            settings["max_conversation_tokens"] = synth.max_conversation_tokens
+        writer = ConversationWriter(
+            self.tokenizer,
+            self.template_kwargs,
+            generator,
+            tool_format=self.tool_format,
+            max_conversation_tokens=synth.max_conversation_tokens,
+        )
         with self._unpacked_attention(generator.engine):
-            for finished in generator.generate(requests):
-                key, prompt = finished.key
-                if finished.stop_reason == "prompt_too_long":
-                    self._keep({"id": key, "skipped": "prompt longer than synthesize.max_prompt_tokens"})
+            for conversation in writer.run(conversations, lambda: False):
+                if conversation.skipped is not None:
+                    self._keep({"id": conversation.key, "skipped": conversation.skipped})
                     continue
-                answer = self.tokenizer.decode(
-                    [t for t in finished.new_ids if t not in generator.config.stop_token_ids]
-                )
-                self._keep(
-                    {
-                        "id": key,
-                        "messages": [*prompt, {"role": "assistant", "content": answer}],
-                        "generation": {
-                            **settings,
-                            "stop_reason": finished.stop_reason,
-                            "new_tokens": len(finished.new_ids),
-                        },
-                    }
-                )
+                record = {
+                    "id": conversation.key,
+                    "messages": conversation.messages,
+                    "generation": generation_of(conversation, settings, turn_details=synth.turns == "all"),
+                }
+                if conversation.tools:
+                    record["tools"] = conversation.tools
+                self._keep(record)
         self.writer.flush()
 
     def _keep(self, record: dict) -> None:

@@ -4,18 +4,22 @@
     (started by ``launch/run_all.sh synthesize``, one per entry of launch.producer_devices)
 
 Drafters learn what their target says, so the recipe every peer recommends trains on answers the target wrote
-itself. The prompts are the user turns of the user's own chat records (``synthesize.prompts = "data"``, their
-assistant turns regenerated), prompts the target writes itself from its chat template's user prefix (Magpie,
-``"magpie"``), or both. The answers are generated in a static batch with continuous refill (producer/generate.py)
-and written as OpenAI-format JSONL shards that ``data.format = "chat"`` reads as they are.
+itself. The prompts are the user's own chat records (``synthesize.prompts = "data"``: their last assistant turn, or
+with ``synthesize.turns = "all"`` every one, written anew), conversations the target writes itself from its chat
+template's user prefix (Magpie, ``"magpie"``, ``synthesize.magpie_turns`` user turns each), or both. Each
+conversation is written turn by turn (producer/conversation.py, the code path regeneration shares), its turns
+generated in a static batch with continuous refill (producer/generate.py), and kept as one record of the
+OpenAI-format JSONL shards that ``data.format = "chat"`` reads as they are.
 
 Exactly once. Every prompt has an id (``data:<record>`` or ``magpie:<n>``) and belongs to producer
-``index % num_producers``, whatever happened before. Finished records collect in memory and are written as one
-shard file (``p<I>-<seq>.jsonl``: a temporary name, fsync, rename) every ``records_per_shard`` records or
-``flush_every_s`` seconds; prompts that cannot be answered (longer than max_prompt_tokens, an empty self-written
-prompt) go to a ``.skipped`` file beside it, written first. At its start a producer reads the ids of every
-shard and skipped file of the folder and answers only the others: a stop, a kill -9 or a restart loses at most
-the records not yet written, which are answered again, and nothing is written twice. A temporary file never
+``index % num_producers``, whatever happened before. A conversation is kept once it has ended, as one record.
+Finished records collect in memory and are written as one shard file (``p<I>-<seq>.jsonl``: a temporary name,
+fsync, rename) every ``records_per_shard`` records or ``flush_every_s`` seconds; prompts that cannot be answered (a
+record whose turns are out of order or whose tool result has no call, a prompt longer than max_prompt_tokens, an
+empty self-written prompt) go to a ``.skipped`` file beside it with their reason and ``file:line``, written first.
+At its start a producer reads the ids of every shard and skipped file of the folder and answers only the others: a
+stop, a kill -9 or a restart loses at most the records not yet written (a conversation in flight is written again
+from its first turn), and nothing is written twice. A temporary file never
 matches ``*.jsonl``, so nothing half-written passes for a shard.
 """
 
@@ -29,6 +33,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,18 +43,24 @@ from common.config import ConfigError, RunConfig, SynthesizeConfig, load_config
 from common.drafter.evaluate import stop_tokens_of
 from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, exit_process
 from common.rundir import RunDir, atomic_write_json, fsync_file
-from producer.data import BadRecord, DataError, expand_paths, validate_messages
-from producer.generate import GenerationConfig, GenerationMemoryError, Generator, Request
+from producer.conversation import (
+    Conversation,
+    ConversationWriter,
+    ToolCallFormat,
+    conversation_script,
+    generation_of,
+    magpie_prefix,
+    tool_call_format,
+)
+from producer.data import BadRecord, DataError, expand_paths, record_tools
+from producer.generate import GenerationConfig, GenerationMemoryError, Generator
 
 log = logging.getLogger(__name__)
-
-MAGPIE_PLACEHOLDER = "\x00MAGPIE\x00"
-"""Rendered as the user's message to find where the template's user prefix ends."""
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt to answer: ``messages`` (the conversation up to its last user turn) or, for Magpie, none yet."""
+    """One conversation to write: a data record's (``messages``, its script) or, for Magpie, none yet."""
 
     id: str
     index: int
@@ -57,11 +68,17 @@ class Prompt:
     messages: tuple[dict[str, Any], ...] | None
     source: str
     """Where it comes from: ``file:line`` of a data record, or ``magpie``."""
+    tools: tuple[dict[str, Any], ...] | None = None
+    """The record's tool definitions."""
+    skipped: str | None = None
+    """Why the record cannot be written (turns out of order, a tool result without its call, ...): recorded as
+    skipped, not tried again."""
 
 
-def data_prompts(cfg: RunConfig) -> list[Prompt]:
-    """The user turns of the chat records of data.paths, each cut after its last user message. A record that is
-    not a chat record with a user turn stops the run (DataError naming file:line): it would fail every try."""
+def data_prompts(cfg: RunConfig, tool_format: ToolCallFormat | None = None) -> list[Prompt]:
+    """The chat records of data.paths as conversations to write (``synthesize.turns``): one that cannot be written
+    is a prompt marked skipped, naming its file:line. A line that is not JSON, or data without a record to write,
+    stops the run (DataError): it would fail every try."""
     if cfg.data.format != "chat":
         raise ConfigError(
             f"data.format: synthesize.prompts={cfg.synthesize.prompts!r} answers the user turns of chat "
@@ -75,59 +92,32 @@ def data_prompts(cfg: RunConfig) -> list[Prompt]:
                     continue
                 where = f"{path}:{line_number}"
                 try:
-                    messages = validate_messages(_with_answer_slot(json.loads(line)))[:-1]
+                    record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{where}: not a JSON line ({exc.msg} at column {exc.colno})") from None
+                prompt_id, index = f"data:{len(prompts)}", len(prompts)
+                try:
+                    script = conversation_script(record, cfg.synthesize.turns, tool_format)
+                    tools = record_tools(record)
                 except BadRecord as bad:
-                    raise DataError(f"{where}: {bad}") from None
-                last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
-                if last_user is None:
-                    raise DataError(f"{where}: no user message to answer")
-                prompts.append(Prompt(f"data:{len(prompts)}", len(prompts), tuple(messages[: last_user + 1]), where))
+                    prompts.append(Prompt(prompt_id, index, None, where, skipped=str(bad)))
+                    continue
+                prompts.append(Prompt(prompt_id, index, tuple(script), where, tuple(tools) if tools else None))
+    skipped = [p for p in prompts if p.skipped is not None]
+    if len(skipped) == len(prompts):
+        first = f"; first: {skipped[0].source} {skipped[0].skipped}" if skipped else ""
+        raise DataError(f"data.paths: no chat record to write in {cfg.data.paths} ({len(skipped)} skipped{first})")
     return prompts
 
 
-def _with_answer_slot(record: Any) -> Any:
-    """The record with an empty assistant turn after it, so that one with no answer yet passes the chat checks."""
-    if isinstance(record, dict) and isinstance(record.get("messages"), list):
-        return {"messages": [*record["messages"], {"role": "assistant", "content": ""}]}
-    if isinstance(record, dict) and isinstance(record.get("conversations"), list):
-        return {"conversations": [*record["conversations"], {"from": "gpt", "value": ""}]}
-    return record
-
-
-def all_prompts(cfg: RunConfig) -> list[Prompt]:
+def all_prompts(cfg: RunConfig, tool_format: ToolCallFormat | None = None) -> list[Prompt]:
     """The run's prompts in their fixed order: the data's, then the self-written ones."""
     synth = cfg.synthesize
-    prompts = data_prompts(cfg) if synth.prompts in ("data", "both") else []
+    prompts = data_prompts(cfg, tool_format) if synth.prompts in ("data", "both") else []
     if synth.prompts in ("magpie", "both"):
         first = len(prompts)
         prompts += [Prompt(f"magpie:{n}", first + n, None, "magpie") for n in range(synth.num_magpie)]
     return prompts
-
-
-def magpie_prefix(tokenizer: Any, template_kwargs: dict[str, Any], system: str = "") -> str:
-    """What the chat template writes before a user's message, under ``system`` ("": its default system prompt,
-    if any): the target continues it with a user's message of its own. ConfigError when the template has no user
-    turn."""
-    messages = [{"role": "system", "content": system}] if system else []
-    try:
-        text = tokenizer.apply_chat_template(
-            [*messages, {"role": "user", "content": MAGPIE_PLACEHOLDER}],
-            tokenize=False,
-            add_generation_prompt=False,
-            **template_kwargs,
-        )
-    except Exception as exc:  # a template that raises on a lone user turn cannot be prompted this way
-        raise ConfigError(
-            f"synthesize.prompts: the chat template cannot render a user turn ({type(exc).__name__}: "
-            f"{exc}); self-written prompts need one"
-        ) from None
-    if MAGPIE_PLACEHOLDER not in text:
-        raise ConfigError(
-            "synthesize.prompts: the chat template writes no user message (no user role); self-written prompts need one"
-        )
-    return text[: text.index(MAGPIE_PLACEHOLDER)]
 
 
 # -- the shards ----------------------------------------------------------------------------------
@@ -202,7 +192,7 @@ class ShardWriter:
 
 
 class Synthesis:
-    """One producer's share of the prompts, answered by its target and written as shards."""
+    """One producer's share of the prompts, written by its target as conversations and kept as shards."""
 
     def __init__(self, cfg: RunConfig, run: RunDir, producer_id: int, device: str | None) -> None:
         from transformers import AutoTokenizer
@@ -219,25 +209,35 @@ class Synthesis:
         self.template_kwargs = dict(cfg.data.chat_template_kwargs)
         if self.synth.enable_thinking is not None:
             self.template_kwargs["enable_thinking"] = self.synth.enable_thinking
-        # One user prefix per system prompt of the self-written prompts (magpie:n takes the (n mod k)-th).
+        # The system prompts that steer the self-written user turns (magpie:n takes the (n mod k)-th).
         self.systems = list(self.synth.magpie_system_prompts) or [""]
-        self.prefix_ids = (
+        # Checked now, before the target loads: a template without a user turn stops the run in seconds.
+        prefix_lengths = (
             [
-                self.tokenizer(magpie_prefix(self.tokenizer, self.template_kwargs, system), add_special_tokens=False)[
-                    "input_ids"
-                ]
+                len(
+                    self.tokenizer(
+                        magpie_prefix(self.tokenizer, self.template_kwargs, system), add_special_tokens=False
+                    )["input_ids"]
+                )
                 for system in self.systems
             ]
             if self.synth.prompts != "data"
             else []
         )
-        prompts = all_prompts(cfg)  # every record checked before the target loads: a bad one stops in seconds
+        self.tool_format = tool_call_format(self.tokenizer, self.template_kwargs)
+        prompts = all_prompts(cfg, self.tool_format)  # every record checked before the target loads
         self.folder = cfg.synthesize.folder(run.root)
         done = read_shards(self.folder) if self.folder.is_dir() else {}
         share = cfg.launch.total_producers
         self.total = sum(1 for p in prompts if p.index % share == producer_id)
         self.pending = [p for p in prompts if p.index % share == producer_id and p.id not in done]
         self.writer = ShardWriter(self.folder, producer_id, self.synth.records_per_shard, self.synth.flush_every_s)
+        self.skipped: Counter = Counter()
+        """Prompts recorded as skipped in this start, per reason."""
+        self.first_skipped: list[str] = []
+        self.cut: Counter = Counter()
+        """Conversations cut in this start, per reason."""
+        self.cut_after_turn: Counter = Counter()
         log.info(
             "producer %d synthesizes %d of its %d prompts (%d done before) into %s",
             producer_id,
@@ -254,12 +254,11 @@ class Synthesis:
         # Both static caches are made now, before anything is written: one that cannot fit stops at once (exit 2).
         self.answers = generator_for(self.model, generation_config_of(self.synth, producer_id, self.stop_ids))
         self.questions = None
-        if any(p.messages is None for p in self.pending):
+        if any(p.source == "magpie" for p in self.pending):
+            # Follow-up user turns are written after the conversation so far: their prompts are as long as an answer's.
+            longest = self.synth.max_prompt_tokens if self.synth.magpie_turns > 1 else max(prefix_lengths)
             self.questions = generator_for(
-                self.model,
-                generation_config_of(
-                    self.synth, producer_id, self.stop_ids, magpie_prompt_tokens=max(map(len, self.prefix_ids))
-                ),
+                self.model, generation_config_of(self.synth, producer_id, self.stop_ids, magpie_prompt_tokens=longest)
             )
 
     def system_index(self, prompt: Prompt) -> int:
@@ -278,90 +277,76 @@ class Synthesis:
         }
         if self.synth.enable_thinking is not None:
             settings["enable_thinking"] = self.synth.enable_thinking
+        if self.synth.max_conversation_tokens:
+            settings["max_conversation_tokens"] = self.synth.max_conversation_tokens
         return settings
 
     def prompt_settings(self, prompt: Prompt) -> dict[str, Any]:
-        """How a self-written prompt was written: the system prompt it was steered by, where not the default."""
-        system = self.systems[self.system_index(prompt)] if prompt.source == "magpie" else ""
-        return {"magpie_system_prompt": system} if system else {}
+        """How a record's conversation was written, where not the default: for a data record, its turns; for a
+        self-written one, the system prompt that steered it and its user turns."""
+        if prompt.source != "magpie":
+            return {"turns": "all"} if self.synth.turns == "all" else {}
+        system = self.systems[self.system_index(prompt)]
+        settings: dict[str, Any] = {"magpie_system_prompt": system} if system else {}
+        if self.synth.magpie_turns > 1:
+            settings["magpie_turns"] = self.synth.magpie_turns
+        return settings
 
     def run(self) -> int:
-        s, answers, questions = self.synth, self.answers, self.questions
-        settings = self.generation_settings()
+        answers = self.answers
         started, reported = time.monotonic(), time.monotonic()
-        self._report(
-            answers, started
-        )  # the launcher shows this start's share and what is done at once, not the last start's
-        by_id = {p.id: p for p in self.pending}
-        for finished in answers.generate(self._answer_requests(questions)):
-            prompt, messages = by_id[finished.key[0]], finished.key[1]
-            if finished.stop_reason == "prompt_too_long":
-                self.writer.add(
-                    {
-                        "id": prompt.id,
-                        "skipped": f"prompt longer than synthesize.max_prompt_tokens={s.max_prompt_tokens}",
-                        "source": prompt.source,
-                    }
-                )
-            else:
-                text = self.tokenizer.decode(
-                    [t for t in finished.new_ids if t not in self.stop_ids], skip_special_tokens=False
-                )
-                self.writer.add(
-                    {
-                        "id": prompt.id,
-                        "messages": [*messages, {"role": "assistant", "content": text}],
-                        "source": prompt.source,
-                        "generation": {
-                            **settings,
-                            **self.prompt_settings(prompt),
-                            "stop_reason": finished.stop_reason,
-                            "new_tokens": len(finished.new_ids),
-                        },
-                    }
-                )
+        # The launcher shows this start's share and what is done at once, not the last start's.
+        self._report(answers, started)
+        writer = ConversationWriter(
+            self.tokenizer,
+            self.template_kwargs,
+            answers,
+            questions=self.questions,
+            magpie_systems=self.systems,
+            tool_format=self.tool_format,
+            max_conversation_tokens=self.synth.max_conversation_tokens,
+        )
+        for conversation in writer.run(self._conversations(), lambda: self.stop):
+            self._keep(conversation)
             if time.monotonic() - reported > 10:
                 reported = time.monotonic()
                 self._report(answers, started)
-            if self.stop:
-                break
         self.writer.flush()
         self._report(answers, started, final=True)
         return 0
 
-    def _answer_requests(self, questions: Generator | None) -> Iterator[Request]:
-        """Answer requests in prompt order; Magpie prompts get their user message from ``questions`` first, a
-        chunk of rows at a time, while the answer rows wait in their cache."""
-        pending = list(self.pending)
-        chunk = 4 * self.synth.rows
-        position = 0
-        while position < len(pending) and not self.stop:
-            batch = pending[position : position + chunk]
-            position += len(batch)
-            written = self._write_questions(questions, batch) if questions is not None else {}
-            for prompt in batch:
-                messages = list(prompt.messages) if prompt.messages is not None else written.get(prompt.id)
-                if messages is None:
-                    continue  # an empty self-written prompt: recorded as skipped
-                text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
-                )
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                yield Request(key=(prompt.id, messages), prompt_ids=ids)
-
-    def _write_questions(self, questions: Generator, batch: list[Prompt]) -> dict[str, list[dict]]:
-        wanted = [p for p in batch if p.messages is None]
-        written: dict[str, list[dict]] = {}
-        requests = (Request(key=p.id, prompt_ids=self.prefix_ids[self.system_index(p)]) for p in wanted)
-        for finished in questions.generate(requests):
-            text = self.tokenizer.decode(
-                [t for t in finished.new_ids if t not in self.stop_ids], skip_special_tokens=True
-            ).strip()
-            if text:
-                written[finished.key] = [{"role": "user", "content": text}]
+    def _conversations(self) -> Iterator[Conversation]:
+        """The pending prompts' conversations in prompt order; a prompt skipped before it starts is recorded as such."""
+        for prompt in self.pending:
+            if prompt.skipped is not None:
+                self._skip(prompt, prompt.skipped)
+            elif prompt.messages is None:
+                yield Conversation.self_written(prompt, self.synth.magpie_turns, self.system_index(prompt))
             else:
-                self.writer.add({"id": finished.key, "skipped": "the self-written prompt is empty", "source": "magpie"})
-        return written
+                tools = list(prompt.tools) if prompt.tools else None
+                yield Conversation.of_record(prompt, list(prompt.messages), tools, all_turns=self.synth.turns == "all")
+
+    def _keep(self, conversation: Conversation) -> None:
+        prompt: Prompt = conversation.key
+        if conversation.skipped is not None:
+            self._skip(prompt, conversation.skipped)
+            return
+        if conversation.cut is not None:
+            self.cut[conversation.cut["reason"]] += 1
+            self.cut_after_turn[conversation.cut["after_turn"]] += 1
+        record = {"id": prompt.id, "messages": conversation.messages, "source": prompt.source}
+        turn_details = self.synth.turns == "all" or self.synth.magpie_turns > 1
+        settings = {**self.generation_settings(), **self.prompt_settings(prompt)}
+        record["generation"] = generation_of(conversation, settings, turn_details)
+        if conversation.tools:
+            record["tools"] = conversation.tools
+        self.writer.add(record)
+
+    def _skip(self, prompt: Prompt, reason: str) -> None:
+        self.skipped[reason.split(":")[0]] += 1
+        if len(self.first_skipped) < 10:
+            self.first_skipped.append(f"{prompt.source} {reason}")
+        self.writer.add({"id": prompt.id, "skipped": reason, "source": prompt.source})
 
     def _report(self, generator: Generator, started: float, final: bool = False) -> None:
         stats = generator.stats
@@ -378,12 +363,19 @@ class Synthesis:
             "engine": generator.engine,
             "seconds": time.monotonic() - started,
             "finished": final,
+            "skipped": dict(self.skipped),
+            "first_skipped": self.first_skipped,
+            "cut": dict(self.cut),
+            "cut_after_turn": {str(turn): n for turn, n in sorted(self.cut_after_turn.items())},
         }
         atomic_write_json(self.folder / f"status-p{self.producer_id}.json", status, durable=False)
         log.info(
-            "producer %d: %d records written this start, %.0f new tokens/s, rows %.0f%% busy (%s)",
+            "producer %d: %d records written this start, %d skipped, %d cut short, %.0f new tokens/s, rows %.0f%% "
+            "busy (%s)",
             self.producer_id,
             self.writer.written,
+            sum(self.skipped.values()),
+            sum(self.cut.values()),
             stats.tokens_per_second,
             100 * stats.occupancy,
             generator.engine,
