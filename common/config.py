@@ -864,6 +864,10 @@ class EvalConfig:
         "top_p": "producer",
         "top_k": "producer",
         "seed": "producer",
+        "length_buckets": "producer",
+        "every_turn": "producer",
+        "max_turns": "producer",
+        "timing_repeats": "producer",
     }
 
     every_steps: int = 0
@@ -913,10 +917,36 @@ class EvalConfig:
     seed: int = 0
     """Seed of sampled decoding (with temperature > 0): prompt i draws from its own generator seeded by seed and i,
     so an evaluation is reproducible and every evaluation of a run draws the same way."""
+    length_buckets: list[int] = field(default_factory=lambda: [2048, 8192, 32768])
+    """Edges in tokens of the context-length buckets that tau and per-position acceptance are also reported by
+    (eval/tau_by_length/<bucket>; ``launch.evaluate --by-length`` prints the table): [2048, 8192, 32768] gives
+    0-2K, 2K-8K, 8K-32K and 32K+. A verify forward counts in the bucket of its context: the prompt and the tokens
+    generated before its block. Empty: one bucket of every length."""
+    every_turn: bool = True
+    """Evaluate a multi-turn held-out record at each of its assistant turns (each a maximal run of supervised
+    tokens), the prompt being the conversation up to that turn, so the context grows as in a real conversation;
+    false: its first assistant turn only. With prompt_len > 0 a record is one prompt either way. A record whose
+    turns do not alternate is skipped and counted (eval/skipped_records, with its file:line in the log)."""
+    max_turns: int = 8
+    """Most assistant turns evaluated per record (with every_turn), spread evenly from its first to its last; 0:
+    all. Each turn is a prompt whose greedy continuation and features the evaluator keeps, so a long agentic
+    trace of dozens of turns would otherwise multiply the evaluation's memory and time by as many."""
+    timing_repeats: int = 5
+    """Timed repeats (after one warm-up) of the draft forward, the target's verify forward of one block and its
+    one-token decode forward at each bucket's context, for the break-even tau (docs/evaluation.md); the fastest
+    counts (other work on the machine only adds time). The target is timed once, with its reference; the drafter once per architecture. 0: no timing."""
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
             self.paths = [self.paths]
+        _check(
+            all(isinstance(edge, int) and edge > 0 for edge in self.length_buckets)
+            and all(a < b for a, b in zip(self.length_buckets, self.length_buckets[1:])),
+            "length_buckets",
+            f"must be increasing positive token counts, got {self.length_buckets}",
+        )
+        _check(self.max_turns >= 0, "max_turns", f"must be >= 0 (0: every turn), got {self.max_turns}")
+        _check(self.timing_repeats >= 0, "timing_repeats", f"must be >= 0 (0: no timing), got {self.timing_repeats}")
         _check(self.every_steps >= 0, "every_steps", f"must be >= 0, got {self.every_steps}")
         _check(self.num_prompts >= 1, "num_prompts", f"must be >= 1, got {self.num_prompts}")
         _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")

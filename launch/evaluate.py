@@ -5,6 +5,7 @@ split of the run's data (common/drafter/evaluate.py).
     python -m launch.evaluate --checkpoint RUN/checkpoints/step-N     # the run's target and held-out data
     python -m launch.evaluate --checkpoint DIR --target HF_DIR [--config FILE] [key=value ...]
     python -m launch.evaluate --checkpoint DIR --temperature 0.7 --top-p 0.95 --seed 1 eval.max_new_tokens=2048
+    python -m launch.evaluate --checkpoint DIR --by-length 'eval.length_buckets=[2048, 8192, 32768]'
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, help="eval.top_p of sampled decoding")
     parser.add_argument("--top-k", type=int, help="eval.top_k of sampled decoding")
     parser.add_argument("--seed", type=int, help="eval.seed of sampled decoding")
+    parser.add_argument(
+        "--by-length",
+        action="store_true",
+        help="also print tau and per-position acceptance per bucket of context length (eval.length_buckets) beside "
+        "the break-even tau there, timed in this run",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. eval.num_prompts=32")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -113,10 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         drafter
     )
     print(report.table())
+    if args.by_length:
+        print(report.by_length_table())
     within = report.gap_within(cfg.eval.gap_tolerance)
     if not within:
         print(f"the gap exceeds eval.gap_tolerance: {cfg.eval.gap_tolerance} of B - 1 = {report.block_size - 1}")
-    result = {"checkpoint": str(args.checkpoint), **report.metrics(prefix=""), "gap_within_tolerance": within}
+    result = {
+        "checkpoint": str(args.checkpoint),
+        **report.metrics(prefix=""),
+        "gap_within_tolerance": within,
+        "by_length": [bucket.as_dict() for bucket in report.by_length],
+        "skipped": report.skipped_records,
+    }
     print(json.dumps(result))
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")

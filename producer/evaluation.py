@@ -8,7 +8,9 @@ import functools
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import nn
@@ -16,9 +18,18 @@ from torch import nn
 from common import evals, faults
 from common.batch import Document
 from common.config import RunConfig
-from common.drafter.evaluate import Evaluator, GreedyTarget, stop_tokens_of
+from common.drafter.evaluate import Evaluator, GreedyTarget, by_length_summary, stop_tokens_of
 from common.rundir import RunDir
-from producer.data import DataError, run_sources
+from producer.data import (
+    BadRecord,
+    ChatJsonlSource,
+    DataError,
+    DataSource,
+    SubsetSource,
+    check_turn_order,
+    run_sources,
+    validate_messages,
+)
 from producer.target import Target
 from producer.tensor_parallel import MirroredTarget, TensorParallelGroup
 
@@ -35,24 +46,60 @@ def evaluations_expected(cfg: RunConfig) -> bool:
     return bool(every) and not (max_steps and every > max_steps)
 
 
-def held_out_documents(cfg: RunConfig, vocab_size: int, held_out_file: Path | None = None) -> list[Document]:
+@dataclass
+class HeldOut:
+    """The held-out records an evaluation decodes, and those it left out."""
+
+    documents: list[Document]
+    skipped: list[str] = field(default_factory=list)
+    """``file:line reason`` of each record left out: bad (the data source's reason), or a conversation whose turns do
+    not alternate."""
+
+
+def _chat_records(source: DataSource) -> DataSource | None:
+    """A source whose records are conversations that ``read_json`` reads, or None (tokenized or synthetic data)."""
+    base = source.source if isinstance(source, SubsetSource) else source
+    return source if isinstance(base, ChatJsonlSource) else None
+
+
+def held_out_records(cfg: RunConfig, vocab_size: int, held_out_file: Path | None = None) -> HeldOut:
     """The first ``eval.num_prompts`` good documents of the run's held-out split (producer/data.py run_sources:
     ``eval.paths``, the synthetic documents after ``data.num_samples``, or records of the data never trained on,
-    those the run's ``held_out_file`` names when given)."""
+    those the run's ``held_out_file`` names when given), and the records left out on the way, each counted and logged
+    with its ``file:line``: bad ones, and, for an evaluation at each assistant turn, conversations whose turns do not
+    alternate. None of them stops the evaluation."""
     _, source = run_sources(cfg, vocab_size, held_out_file=held_out_file)
-    documents = []
+    chat = _chat_records(source) if cfg.eval.every_turn else None
+    held = HeldOut([])
     for sample_id in range(len(source)):
+        rejected_before = Counter(source.stats.bad)
         document = source.get(sample_id)
-        if document is not None:
-            documents.append(document)
-        if len(documents) == cfg.eval.num_prompts:
+        if document is None:
+            reason = ", ".join(source.stats.bad - rejected_before) or "bad record"
+            held.skipped.append(f"{source.location(sample_id)} {reason}")
+            continue
+        if chat is not None:
+            try:  # the rule synthesize.turns = "all" writes conversations by: each assistant turn answers a real one
+                check_turn_order(validate_messages(chat.read_json(sample_id)))
+            except BadRecord as bad:
+                held.skipped.append(f"{source.location(sample_id)} {bad}")
+                log.warning("held-out record %s skipped: %s", source.location(sample_id), bad)
+                continue
+        held.documents.append(document)
+        if len(held.documents) == cfg.eval.num_prompts:
             break
-    if not documents:
+    if not held.documents:
         raise DataError(
-            f"eval: no held-out document to evaluate on ({len(source)} held-out records, none usable); "
-            "a data set of fewer than 10 records holds none out: give eval.paths"
+            f"eval: no held-out document to evaluate on ({len(source)} held-out records, none usable"
+            + (f"; {'; '.join(held.skipped[:3])}" if held.skipped else "")
+            + "); a data set of fewer than 10 records holds none out: give eval.paths"
         )
-    return documents
+    return held
+
+
+def held_out_documents(cfg: RunConfig, vocab_size: int, held_out_file: Path | None = None) -> list[Document]:
+    """The documents of ``held_out_records``."""
+    return held_out_records(cfg, vocab_size, held_out_file).documents
 
 
 def build_evaluator(
@@ -64,22 +111,25 @@ def build_evaluator(
 ) -> Evaluator:
     """An evaluator of the run's drafters (reading target layers ``layer_ids``) on the held-out split of ``cfg``'s
     data (``make_target``: see Evaluator), greedy or sampled as ``cfg.eval`` says (temperature, top_p, top_k, seed)."""
-    documents = held_out_documents(cfg, int(target_model.config.vocab_size), held_out_file)
-    if len(documents) < cfg.eval.num_prompts:
+    held = held_out_records(cfg, int(target_model.config.vocab_size), held_out_file)
+    if len(held.documents) < cfg.eval.num_prompts:
         log.warning(
             "eval.num_prompts is %d, the run's held-out split has %d usable documents: evaluating on those",
             cfg.eval.num_prompts,
-            len(documents),
+            len(held.documents),
         )
+    if held.skipped:
+        log.warning("%d held-out records skipped, the first: %s", len(held.skipped), "; ".join(held.skipped[:3]))
     return Evaluator(
         target_model,
-        documents,
+        held.documents,
         cfg.eval,
         list(layer_ids),
         num_anchors=cfg.drafter.num_anchors,
         capture_last=cfg.training.label_mode != "data",
         stop_token_ids=stop_tokens_of(target_model),
         make_target=make_target,
+        skipped_records=held.skipped,
     )
 
 
@@ -152,10 +202,11 @@ class EvaluationJob:
             )
             took = time.monotonic() - started
             decode, reference = metrics["eval/decode_seconds"], metrics["eval/reference_seconds"]
+            timing = metrics["eval/timing_seconds"]
             log.info(
                 "evaluated step %d for the trainer in %.1f s: tau %.3f real (%.3f as z-lab counts it%s), %.3f "
                 "simulated (loading the export %.1f s, the reference %.1f s, decoding %.1f s, the simulated "
-                "acceptance %.1f s)",
+                "acceptance %.1f s, timing the forwards for the break-even tau %.1f s)",
                 request.step,
                 took,
                 metrics["eval/tau"],
@@ -165,8 +216,11 @@ class EvaluationJob:
                 took - metrics["eval/seconds"],
                 reference,
                 decode,
-                metrics["eval/seconds"] - reference - decode,
+                metrics["eval/seconds"] - reference - decode - timing,
+                timing,
             )
+            if by_length := by_length_summary(metrics):
+                log.info("step %d, tau by context length: %s", request.step, by_length)
         except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
             log.exception("evaluation of step %d failed", request.step)
             result = evals.EvalResult(

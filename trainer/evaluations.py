@@ -13,7 +13,7 @@ from typing import IO, Any
 import torch
 
 from common import evals
-from common.drafter.evaluate import warn_if_gap
+from common.drafter.evaluate import by_length_summary, warn_if_gap
 from common.drafter.model import DFlashDrafter
 from common.rundir import RunDir
 from trainer.checkpoint import EvalExportWriter
@@ -112,12 +112,23 @@ class EvalClient:
 
     def record(self, step: int, metrics: dict[str, float], now_step: int) -> None:
         """Log one result in metrics.jsonl at its own step, in wandb (whose steps only grow: against eval/step) and
-        in the trainer's log, warning when real and simulated tau drift apart."""
+        in the trainer's log, warning when real and simulated tau drift apart.
+
+        Each bucket of context length is its own series, ``eval/tau_by_length/<bucket>`` (and its break-even tau,
+        z-lab tau, per-position acceptance), so wandb draws one curve per bucket; a bucket no verify forward reached
+        in an evaluation has no point there, rather than a made-up one."""
         self.metrics_file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
         self.metrics_file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log({**metrics, "eval/step": step}, step=now_step)
         self.last = {"step": step, "tau": metrics.get("eval/tau"), "sim_tau": metrics.get("eval/sim_tau")}
+        by_length = {
+            key.removeprefix("eval/tau_by_length/"): value
+            for key, value in metrics.items()
+            if key.startswith("eval/tau_by_length/")
+        }
+        if by_length:
+            self.last["tau_by_length"] = by_length
         log.info(
             "eval at step %d (logged at %d): tau %.3f real, %.3f simulated, %.1f%% target forwards saved",
             step,
@@ -126,6 +137,8 @@ class EvalClient:
             metrics.get("eval/sim_tau", 0.0),
             100 * metrics.get("eval/forwards_saved", 0.0),
         )
+        if summary := by_length_summary(metrics):
+            log.info("eval at step %d by context length: tau %s", step, summary)
         warn_if_gap(metrics, self.block_size, self.gap_tolerance)
 
     def status(self) -> dict[str, Any]:

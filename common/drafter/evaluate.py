@@ -38,10 +38,17 @@ target's greedy text, whose features the reference holds), read at every anchor 
 anchors the decoding started its blocks at (``sim_tau_walk``; from every anchor to these: what a walk that
 restarts after each rejection costs; from these to real tau: any difference between the trained forward and
 the served one, zero when the two agree). The documents' target features are kept too (within ``eval.reference_cache_gb``).
+
+By context length: a multi-turn held-out record is a prompt per assistant turn (``turn_documents``: the conversation
+before the turn), each verify forward counts in the bucket of ``eval.length_buckets`` its context falls in (the prompt
+and the tokens generated before its block: ``block_contexts``), and per bucket the target's verify and decode forwards
+and the drafter's round are timed at one context (``time_target_round``, ``time_draft_round``) for the tau above which
+speculation pays there (``RoundCosts.break_even_tau``; docs/evaluation.md derives it).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import inspect
 import logging
@@ -365,7 +372,9 @@ class TargetReference:
     every drafter with the same target layers."""
 
     transcripts: list[Transcript]
-    documents: list[DocumentFeatures | None]
+    """One per evaluated prompt."""
+    records: list[DocumentFeatures | None]
+    """One per held-out record: the features of all its turns."""
     seconds: float
     """How long making it took."""
 
@@ -757,7 +766,295 @@ def teacher_forced(
     return blocks, metrics
 
 
+# -- acceptance by context length ----------------------------------------------------------------
+
+
+def supervised_runs(loss_mask: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, end)`` of each maximal run of supervised tokens, in order: a chat record's assistant turns."""
+    edges = np.diff(np.concatenate([[0], (np.asarray(loss_mask) != 0).astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+
+
+def turn_documents(document: Document, max_turns: int = 0) -> list[Document]:
+    """The document once per assistant turn (``supervised_runs``): the conversation through that turn, supervised on
+    that turn alone, so that its prompt (``prompt_of`` at 0) is the conversation before the turn and its decoded span
+    (``decoded_span``) that turn's answer. At most ``max_turns`` turns (0: all), spread evenly from the first to the
+    last."""
+    runs = supervised_runs(document.loss_mask)
+    if max_turns and len(runs) > max_turns:
+        runs = [runs[i] for i in np.linspace(0, len(runs) - 1, max_turns).round().astype(int).tolist()]
+    turns = []
+    for start, end in runs:
+        loss_mask = np.zeros(end, dtype=document.loss_mask.dtype)
+        loss_mask[start:end] = document.loss_mask[start:end]
+        turns.append(Document(document.sample_id, document.input_ids[:end], loss_mask))
+    return turns
+
+
+def _tokens_label(count: int) -> str:
+    return f"{count // 1024}K" if count and count % 1024 == 0 else str(count)
+
+
+def bucket_labels(edges: Sequence[int]) -> list[str]:
+    """The buckets' names, ``0-2K``, ``2K-8K``, ..., ``32K+`` (``all`` without edges): they name the metrics."""
+    if not edges:
+        return ["all"]
+    bounds = [0, *edges]
+    return [f"{_tokens_label(low)}-{_tokens_label(high)}" for low, high in zip(bounds, bounds[1:])] + [
+        f"{_tokens_label(edges[-1])}+"
+    ]
+
+
+def bucket_of(context: int, edges: Sequence[int]) -> int:
+    """The index of the bucket a context length falls in: [0, edges[0]), [edges[0], edges[1]), ..., [edges[-1], ∞)."""
+    return bisect.bisect_right(edges, context)
+
+
+def timing_contexts(prompt_lengths: Sequence[int], max_new_tokens: int, edges: Sequence[int]) -> dict[int, int]:
+    """Per bucket, the context its round costs are timed at: the median of the contexts its prompts' verify forwards
+    can have (the positions from each prompt's end to before its ``max_new_tokens``-th token) that fall in it. It does
+    not depend on the drafter, so the target's forwards are timed once for every evaluation."""
+    positions = np.concatenate([np.arange(n, n + max_new_tokens) for n in prompt_lengths])
+    buckets = np.searchsorted(np.asarray(edges, dtype=np.int64), positions, side="right")
+    return {int(b): int(np.median(positions[buckets == b])) for b in np.unique(buckets)}
+
+
+class _ForwardTimer:
+    """Seconds of work on ``device``: on a GPU the wall clock after the queued kernels are done; on a CPU the calling
+    thread's CPU time, which is what a forward costs there whatever else the cores run (the evaluation runs the models
+    on one thread, ``Evaluator.evaluation_context``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.clock = time.thread_time if device.type == "cpu" else time.perf_counter
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self.clock()
+
+
+@torch.no_grad()
+def time_target_round(
+    target: GreedyTarget, tokens: torch.Tensor, context: int, block_size: int, repeats: int
+) -> tuple[float, float]:
+    """Seconds of the target's verify forward of one block (``block_size`` tokens, every one's logits) and of its
+    one-token decode forward, both after a prefill of ``context`` tokens of ``tokens`` (so its KV cache holds what
+    decoding holds there): the fastest of ``repeats`` timed runs after a warm-up (other work on the machine only adds
+    time). The cache is put back between runs."""
+    target.reset()
+    target.forward(tokens[:context], 0, logits=False)
+    target.save_state()
+    block = tokens[context : context + block_size]
+    timer = _ForwardTimer(target.device)
+    verify, decode = [], []
+    for repeat in range(repeats + 1):
+        for fed, times in ((block, verify), (block[:1], decode)):
+            started = timer.now()
+            target.forward(fed, context)
+            if repeat:  # the first is the warm-up
+                times.append(timer.now() - started)
+            target.restore_state()
+            target.crop(context)
+    return min(verify), min(decode)
+
+
+class _CachedProjection(nn.Module):
+    """A draft attention's key or value projection whose context rows are projected once, as a server's draft KV cache
+    holds them: a call on the context's rows returns them; any other (the block's slots) projects."""
+
+    def __init__(self, projection: nn.Module, context: torch.Tensor) -> None:
+        super().__init__()
+        self.projection = projection
+        self.context_rows = context.shape[0]
+        self.projected = projection(context)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projected if x.shape[0] == self.context_rows else self.projection(x)
+
+
+@contextlib.contextmanager
+def _context_kv_cached(drafter: DFlashDrafter, context: torch.Tensor):
+    """The drafter's layers with their context keys and values projected once (``_CachedProjection``); the layers
+    as they were afterwards."""
+    attentions = [layer.self_attn for layer in drafter.layers]
+    originals = [(attention.k_proj, attention.v_proj) for attention in attentions]
+    try:
+        for attention, (k_proj, v_proj) in zip(attentions, originals):
+            attention.k_proj = _CachedProjection(k_proj, context)
+            attention.v_proj = _CachedProjection(v_proj, context)
+        yield
+    finally:
+        for attention, (k_proj, v_proj) in zip(attentions, originals):
+            attention.k_proj, attention.v_proj = k_proj, v_proj
+
+
+@torch.no_grad()
+def time_draft_round(drafter: DFlashDrafter, context: int, repeats: int) -> float:
+    """Seconds of the drafter's part of one decoding round at ``context`` tokens of context, as a server runs it (the
+    fastest of ``repeats`` timed runs after a warm-up): the newly kept tokens' features fused and their keys and values
+    projected (B of them, the most a round keeps), then one forward of the block over the context's cached keys and
+    values, and its draft tokens through the target's head. Random features: the cost does not depend on them.
+
+    The evaluator's own decoding (``draft_rows``) projects the whole context again at every round, which a server
+    never does; here each layer's context projections are made once beforehand (``_context_kv_cached``). Their
+    per-head norm and rotary embedding still run per round: a slight overstatement, linear in the context."""
+    config = drafter.config
+    device, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    generator = torch.Generator(device=device).manual_seed(0)
+    features = torch.randn(
+        context + config.block_size, config.fused_feature_size, generator=generator, device=device, dtype=dtype
+    )
+    fused = drafter.fuse_context(features[:context])
+    anchor = torch.zeros(1, dtype=torch.long, device=device)
+    position = torch.tensor([context], device=device)
+    # A context no longer than a block cannot be told from the block's slots by its rows; projecting it costs nothing.
+    cached = _context_kv_cached(drafter, fused) if context > config.block_size else contextlib.nullcontext()
+    timer = _ForwardTimer(device)
+    times = []
+    with cached:
+        for repeat in range(repeats + 1):
+            started = timer.now()
+            new = drafter.fuse_context(features[context:])
+            for layer in drafter.layers:
+                layer.self_attn.k_proj(new)
+                layer.self_attn.v_proj(new)
+            drafter.propose(draft_rows(drafter, [fused], anchor, position), anchor)
+            if repeat:
+                times.append(timer.now() - started)
+    return min(times)
+
+
+@dataclass
+class RoundCosts:
+    """What one round of speculative decoding and one step of plain decoding cost at one context length, timed."""
+
+    context: int
+    draft_seconds: float
+    """The drafter's round (``time_draft_round``)."""
+    verify_seconds: float
+    """The target's verify forward of one block (``time_target_round``)."""
+    decode_seconds: float
+    """The target's forward of one token: a step of plain decoding."""
+
+    @property
+    def break_even_tau(self) -> float:
+        """The tau above which speculation beats plain decoding here: a round costs draft + verify and keeps tau
+        tokens, plain decoding costs one decode forward per token, so it pays when tau > (draft + verify) / decode
+        (about 1 + draft / decode where verifying a block costs what decoding one token does)."""
+        return (self.draft_seconds + self.verify_seconds) / self.decode_seconds
+
+
+@dataclass
+class LengthBucket:
+    """Real acceptance of the verify forwards whose context falls in one bucket of context length."""
+
+    label: str
+    low: int
+    high: int | None
+    """Contexts in [low, high); None: no upper bound."""
+    prompts: int
+    """Prompts with a verify forward here (a prompt whose decoding crosses an edge counts in both buckets)."""
+    blocks: int
+    """Verify forwards here."""
+    tau: float | None
+    """As ``AcceptanceReport.tau``, over this bucket's verify forwards (None without any)."""
+    zlab_tau: float | None
+    """As ``AcceptanceReport.zlab_tau``, over this bucket's steps: per prompt, then over prompts."""
+    accept_pos: list[float]
+    """As ``AcceptanceReport.accept_pos``, over this bucket's verify forwards (empty without any)."""
+    costs: RoundCosts | None = None
+    """Timed at this bucket's timing context (None: not timed, eval.timing_repeats = 0)."""
+
+    @property
+    def speedup(self) -> float | None:
+        """Plain decoding's time over speculative decoding's for the same tokens here: tau / break-even tau."""
+        if self.tau is None or self.costs is None:
+            return None
+        return self.tau / self.costs.break_even_tau
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {
+            "bucket": self.label,
+            "low": self.low,
+            "high": self.high,
+            "prompts": self.prompts,
+            "blocks": self.blocks,
+            "tau": self.tau,
+            "zlab_tau": self.zlab_tau,
+            "accept_pos": self.accept_pos,
+        }
+        if self.costs is not None:
+            out.update(
+                context=self.costs.context,
+                draft_ms=1e3 * self.costs.draft_seconds,
+                verify_ms=1e3 * self.costs.verify_seconds,
+                decode_ms=1e3 * self.costs.decode_seconds,
+                break_even_tau=self.costs.break_even_tau,
+                speedup=self.speedup,
+            )
+        return out
+
+
+def streak_figures(accepted: Sequence[int], block_size: int) -> tuple[float | None, list[float]]:
+    """(tau, accept_pos) of verify forwards that accepted ``accepted`` drafts each: 1 + their mean, and per slot k the
+    fraction whose streak reaches it; (None, []) without any."""
+    if not accepted:
+        return None, []
+    counts = torch.tensor(list(accepted), dtype=torch.float64)
+    slots = torch.arange(1, block_size, dtype=torch.float64)
+    return 1.0 + float(counts.mean()), (counts[:, None] >= slots[None, :]).double().mean(0).tolist()
+
+
+def acceptance_by_length(
+    decoded: Sequence[Decoded],
+    prompt_lengths: Sequence[int],
+    edges: Sequence[int],
+    block_size: int,
+    costs: Mapping[int, RoundCosts] | None = None,
+) -> list[LengthBucket]:
+    """Every bucket's acceptance (``LengthBucket``): each verify forward counts in the bucket of its context
+    (``block_contexts``), so pooling the buckets gives the whole evaluation's tau; ``costs`` per bucket index."""
+    labels = bucket_labels(edges)
+    accepted: list[list[int]] = [[] for _ in labels]
+    prompts: list[set[int]] = [set() for _ in labels]
+    zlab_means: list[list[float]] = [[] for _ in labels]
+    for i, (one, prompt_len) in enumerate(zip(decoded, prompt_lengths)):
+        buckets = [bucket_of(c, edges) for c in block_contexts(prompt_len, one.accepted)]
+        for bucket, num_accepted in zip(buckets, one.accepted):
+            accepted[bucket].append(num_accepted)
+            prompts[bucket].add(i)
+        steps: dict[int, list[int]] = {}
+        for bucket, length in zip(buckets, zlab_acceptance_lengths(one)):  # step i is verify forward i
+            steps.setdefault(bucket, []).append(length)
+        for bucket, lengths in steps.items():
+            zlab_means[bucket].append(sum(lengths) / len(lengths))
+    bounds = [0, *edges]
+    out = []
+    for b, label in enumerate(labels):
+        tau, accept_pos = streak_figures(accepted[b], block_size)
+        out.append(
+            LengthBucket(
+                label=label,
+                low=bounds[b],
+                high=bounds[b + 1] if b + 1 < len(bounds) else None,
+                prompts=len(prompts[b]),
+                blocks=len(accepted[b]),
+                tau=tau,
+                zlab_tau=sum(zlab_means[b]) / len(zlab_means[b]) if zlab_means[b] else None,
+                accept_pos=accept_pos,
+                costs=(costs or {}).get(b),
+            )
+        )
+    return out
+
+
 # -- the report ----------------------------------------------------------------------------------
+
+
+def _cell(value: float | None, width: int, spec: str) -> str:
+    """A table cell: the value in ``spec``, or a dash where there is none."""
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
 @dataclass
@@ -801,6 +1098,15 @@ class AcceptanceReport:
     """How the target's tokens were chosen (temperature 0: greedy)."""
     seed: int = 0
     """The sampled decoding's seed (``eval.seed``)."""
+    by_length: list[LengthBucket] = field(default_factory=list)
+    """The same acceptance per bucket of context length (``eval.length_buckets``), with each bucket's timed costs
+    and break-even tau."""
+    num_records: int = 0
+    """Held-out records the prompts come from (with ``eval.every_turn``, one prompt per assistant turn)."""
+    skipped_records: list[str] = field(default_factory=list)
+    """``file:line reason`` of each held-out record left out (bad, or turns that do not alternate)."""
+    timing_seconds: float = 0.0
+    """Of ``seconds``: timing the forwards for the break-even tau (the target's only at the first evaluation)."""
 
     @property
     def tau_gap(self) -> float:
@@ -839,6 +1145,9 @@ class AcceptanceReport:
             "seconds": self.seconds,
             "reference_seconds": self.reference_seconds,
             "decode_seconds": self.decode_seconds,
+            "timing_seconds": self.timing_seconds,
+            "num_records": self.num_records,
+            "skipped_records": len(self.skipped_records),
         }
         out = {key: value for key, value in out.items() if value is not None}
         if not self.sampling.greedy:
@@ -850,7 +1159,58 @@ class AcceptanceReport:
             )
         out.update({f"accept_pos_{k}": p for k, p in enumerate(self.accept_pos, start=1)})
         out.update({f"sim_acc_{k}": a for k, a in enumerate(self.sim_acc, start=1)})
+        for bucket in self.by_length:
+            if not bucket.blocks:
+                continue  # no point rather than a made-up one: the bucket's curve has a gap
+            figures = bucket.as_dict()
+            for name in ("bucket", "low", "high", "accept_pos"):  # in the names, or a series of their own below
+                figures.pop(name)
+            out.update({f"{name}_by_length/{bucket.label}": v for name, v in figures.items() if v is not None})
+            out.update(
+                {f"accept_pos_by_length/{bucket.label}/{k}": p for k, p in enumerate(bucket.accept_pos, start=1)}
+            )
         return {prefix + key: value for key, value in out.items()}
+
+    def by_length_table(self, positions: int = 4) -> str:
+        """The acceptance per bucket of context length beside the break-even tau there, as ``launch.evaluate
+        --by-length`` prints it (the first ``positions`` slots' acceptance)."""
+        shown = min(positions, self.block_size - 1)
+        slots = " ".join(f"{f'k={k}':>5}" for k in range(1, shown + 1))
+        lines = [
+            "acceptance by context length (a verify forward counts at its context: the prompt and the tokens generated "
+            "before its block)",
+            f"{'bucket':<10} {'prompts':>7} {'blocks':>7} {'tau':>6} {'zlab':>6}  {slots}  {'context':>8} "
+            f"{'draft ms':>9} {'verify ms':>9} {'decode ms':>9} {'break-even':>10} {'speedup':>7}",
+        ]
+        for bucket in self.by_length:
+            costs = bucket.costs
+            cells = [
+                f"{bucket.label:<10}",
+                f"{bucket.prompts:>7}",
+                f"{bucket.blocks:>7}",
+                _cell(bucket.tau, 6, ".3f"),
+                _cell(bucket.zlab_tau, 6, ".3f"),
+                " " + " ".join(_cell(p, 5, ".3f") for p in (bucket.accept_pos or [None] * shown)[:shown]),
+                " " + _cell(costs and costs.context, 8, "d"),
+                _cell(costs and 1e3 * costs.draft_seconds, 9, ".3f"),
+                _cell(costs and 1e3 * costs.verify_seconds, 9, ".3f"),
+                _cell(costs and 1e3 * costs.decode_seconds, 9, ".3f"),
+                _cell(costs and costs.break_even_tau, 10, ".3f"),
+                _cell(bucket.speedup, 6, ".2f") + ("x" if bucket.speedup is not None else " "),
+            ]
+            row = " ".join(cells)
+            lines.append(row)
+        lines.append(
+            "break-even: (draft + verify) / decode, timed at the bucket's context (batch of one prompt); speculation "
+            "pays where tau exceeds it, and speedup = tau / break-even"
+        )
+        if self.skipped_records:
+            lines.append(
+                f"{len(self.skipped_records)} held-out records skipped: "
+                + "; ".join(self.skipped_records[:3])
+                + (" ..." if len(self.skipped_records) > 3 else "")
+            )
+        return "\n".join(lines)
 
     def table(self) -> str:
         sampling = self.sampling
@@ -860,8 +1220,11 @@ class AcceptanceReport:
             else f"sampled at temperature {sampling.temperature:g}, top_p "
             f"{sampling.top_p:g}, top_k {sampling.top_k}, seed {self.seed}"
         )
+        prompts = f"{self.num_prompts} prompts"
+        if self.num_records and self.num_records != self.num_prompts:
+            prompts += f" (assistant turns of {self.num_records} records)"
         lines = [
-            f"{self.num_prompts} prompts, {self.generated_tokens} tokens generated, block size {self.block_size}, {how}",
+            f"{prompts}, {self.generated_tokens} tokens generated, block size {self.block_size}, {how}",
             f"tau (real)       {self.tau:6.3f}   mean tokens per target verify forward (max {self.block_size}), "
             "pooled, last blocks whole",
             f"tau (z-lab)      {self.zlab_tau:6.3f}   tokens added per step, cut at the stop token and max_new_tokens, "
@@ -921,11 +1284,17 @@ def greedy_text(transcript: Transcript, sample_id: int) -> Document:
 def decoding_anchors(transcript: Transcript, decoded: Decoded) -> list[int]:
     """The positions the decoding started its blocks at: the prefill's token, then each round's anchor after the
     kept drafts and the target's token."""
-    anchors, anchor = [], transcript.prompt_len
-    for accepted in decoded.accepted:
-        anchors.append(anchor)
-        anchor += accepted + 1
-    return anchors
+    return block_contexts(transcript.prompt_len, decoded.accepted)
+
+
+def block_contexts(prompt_len: int, accepted: Sequence[int]) -> list[int]:
+    """Per verify forward of a prompt's decoding, its context: the tokens before its block's anchor (the prompt and
+    the tokens generated before the anchor), which is also the anchor's position."""
+    contexts, context = [], prompt_len
+    for num_accepted in accepted:
+        contexts.append(context)
+        context += num_accepted + 1
+    return contexts
 
 
 def prompt_of(document: Document, prompt_len: int) -> torch.Tensor:
@@ -953,20 +1322,43 @@ class Evaluator:
         capture_last: bool = False,
         stop_token_ids: frozenset[int] = frozenset(),
         make_target: Callable[..., GreedyTarget] = GreedyTarget,
+        skipped_records: Sequence[str] = (),
     ) -> None:
-        """``make_target(model, layer_ids, capture_last)`` makes the greedy target (a tensor-parallel producer's
-        mirrors its calls to the other ranks)."""
+        """``documents`` are the held-out records; with ``eval.every_turn`` each of their assistant turns is a prompt
+        (``turn_documents``). ``make_target(model, layer_ids, capture_last)`` makes the greedy target (a
+        tensor-parallel producer's mirrors its calls to the other ranks). ``skipped_records`` (``file:line reason``)
+        are the held-out records left out before, which the report counts."""
         self.target = make_target(target_model, layer_ids, capture_last)
-        self.documents = [d for d in documents if prompt_of(d, config.prompt_len).numel()]
+        per_turn = config.every_turn and config.prompt_len == 0
+        self.records: list[Document] = []
+        self.documents: list[Document] = []
+        """The evaluated prompts' documents, one per prompt (``prompt_of`` gives its prompt)."""
+        self.record_of: list[int] = []
+        """Per prompt, the index of its record in ``records`` (whose features serve all its turns)."""
+        for record in documents:
+            turns = turn_documents(record, config.max_turns) if per_turn else [record]
+            turns = [turn for turn in turns if prompt_of(turn, config.prompt_len).numel()]
+            if turns:
+                self.record_of += [len(self.records)] * len(turns)
+                self.records.append(record)
+                self.documents += turns
         if not self.documents:
             raise ValueError(
                 "no held-out document has a prompt (tokens before its first supervised token); set eval.prompt_len"
             )
+        self.prompt_lengths = [int(prompt_of(d, config.prompt_len).numel()) for d in self.documents]
         self.config = config
         self.sampling = Sampling(config.temperature, config.top_p, config.top_k)
         self.num_anchors = num_anchors
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.skipped_records = list(skipped_records)
         self.reference: TargetReference | None = None
+        self.timing_contexts = timing_contexts(self.prompt_lengths, config.max_new_tokens, config.length_buckets)
+        """Per context-length bucket, the context its round costs are timed at."""
+        self._target_costs: dict[tuple[int, int], tuple[float, float]] = {}
+        """(context, block size) -> the target's (verify, decode) seconds there: the target is timed once."""
+        self._draft_costs: dict[tuple[str, int], float] = {}
+        """(drafter architecture, context) -> a draft round's seconds there."""
 
     @contextlib.contextmanager
     def evaluation_context(self):
@@ -984,10 +1376,44 @@ class Evaluator:
             torch.set_num_threads(threads)
 
     def prepare(self, block_size: int) -> TargetReference:
-        """Make the target's reference for drafters of ``block_size`` now, ahead of the first evaluation (producer 0
-        does it while its ring is full and nothing is asked; the coupled loop before its first step)."""
+        """Make the target's reference for drafters of ``block_size`` now, and time its forwards at each bucket's
+        context, ahead of the first evaluation (producer 0 does it while its ring is full and nothing is asked; the
+        coupled loop before its first step)."""
         with self.evaluation_context():
-            return self.reference_for(block_size)[0]
+            reference = self.reference_for(block_size)[0]
+            self.target_costs(block_size)
+            return reference
+
+    def target_costs(self, block_size: int) -> dict[int, tuple[float, float]]:
+        """Per bucket, the target's (verify, decode) seconds at its timing context: timed the first time (inside
+        ``evaluation_context``), then kept."""
+        if not self.config.timing_repeats:
+            return {}
+        longest = max(self.records, key=len).input_ids
+        costs = {}
+        for bucket, context in self.timing_contexts.items():
+            if (context, block_size) not in self._target_costs:
+                # Any tokens do: a forward's cost does not depend on them. Those of the longest record, repeated.
+                tokens = torch.as_tensor(np.resize(longest, context + block_size), dtype=torch.long)
+                self._target_costs[context, block_size] = time_target_round(
+                    self.target, tokens, context, block_size, self.config.timing_repeats
+                )
+            costs[bucket] = self._target_costs[context, block_size]
+        return costs
+
+    def round_costs(self, drafter: DFlashDrafter) -> dict[int, RoundCosts]:
+        """Per bucket, what a decoding round and a plain decoding step cost at its timing context (``RoundCosts``):
+        the target's forwards timed once, the drafter's once per architecture (inside ``evaluation_context``)."""
+        architecture = repr(drafter.config)
+        costs = {}
+        for bucket, (verify, decode) in self.target_costs(drafter.config.block_size).items():
+            context = self.timing_contexts[bucket]
+            if (architecture, context) not in self._draft_costs:
+                self._draft_costs[architecture, context] = time_draft_round(
+                    drafter, context, self.config.timing_repeats
+                )
+            costs[bucket] = RoundCosts(context, self._draft_costs[architecture, context], verify, decode)
+        return costs
 
     def evaluate(self, drafter: DFlashDrafter) -> AcceptanceReport:
         if list(drafter.config.target_layer_ids) != self.target.layer_ids:
@@ -1007,12 +1433,7 @@ class Evaluator:
                 else:
                     decoded = self.decode_sampled(drafter)
                 decode_seconds = time.perf_counter() - decode_started
-                # A document whose features were not kept runs through the target when its turn comes: only one
-                # document's features are on the device at a time.
-                features = (
-                    kept if kept is not None else document_features(self.target, document)
-                    for document, kept in zip(self.documents, reference.documents)
-                )
+                features = self.record_features(reference)
                 spans, anchors = zip(
                     *(
                         decoded_span(d, self.config.prompt_len, self.config.max_new_tokens, drafter.config.block_size)
@@ -1025,31 +1446,48 @@ class Evaluator:
                     if self.sampling.greedy
                     else (None, None)
                 )
+                timing_started = time.perf_counter()
+                costs = self.round_costs(drafter)
+                timing_seconds = time.perf_counter() - timing_started
         finally:
             drafter.train(was_training)
-        accepted = torch.tensor([n for d in decoded for n in d.accepted], dtype=torch.float64)
-        slots = torch.arange(1, drafter.config.block_size, dtype=torch.float64)
-        accept_pos = (
-            (accepted[:, None] >= slots[None, :]).double().mean(0) if accepted.numel() else torch.zeros_like(slots)
-        )
+        block_size = drafter.config.block_size
+        tau, accept_pos = streak_figures([n for d in decoded for n in d.accepted], block_size)
         return AcceptanceReport(
-            block_size=drafter.config.block_size,
+            block_size=block_size,
             num_prompts=len(decoded),
-            tau=1.0 + (float(accepted.mean()) if accepted.numel() else 0.0),
-            accept_pos=accept_pos.tolist(),
+            tau=tau if tau is not None else 1.0,
+            accept_pos=accept_pos or [0.0] * (block_size - 1),
             sim_tau=sim_tau,
             sim_acc=sim_acc,
             sim_tau_greedy=sim_tau_greedy,
             sim_tau_walk=sim_tau_walk,
             generated_tokens=sum(len(d.tokens) for d in decoded),
-            target_forwards=len(decoded) + int(accepted.numel()),
+            target_forwards=len(decoded) + sum(len(d.accepted) for d in decoded),
             seconds=time.perf_counter() - started,
             reference_seconds=reference.seconds if made else 0.0,
             decode_seconds=decode_seconds,
             zlab_tau=zlab_tau(decoded),
             sampling=self.sampling,
             seed=self.config.seed,
+            by_length=acceptance_by_length(decoded, self.prompt_lengths, self.config.length_buckets, block_size, costs),
+            num_records=len(self.records),
+            skipped_records=self.skipped_records,
+            timing_seconds=timing_seconds,
         )
+
+    def record_features(self, reference: TargetReference) -> Iterable[DocumentFeatures]:
+        """Each prompt's target features for its simulated acceptance: its record's (a turn's document is a prefix of
+        it, and features are causal). A record whose features were not kept runs through the target once for its
+        consecutive turns: only one record's features are on the device at a time."""
+        made: tuple[int, DocumentFeatures] | None = None
+        for r in self.record_of:
+            kept = reference.records[r]
+            if kept is None:
+                if made is None or made[0] != r:
+                    made = (r, document_features(self.target, self.records[r]))
+                kept = made[1]
+            yield kept
 
     def on_greedy_text(
         self, drafter: DFlashDrafter, transcripts: Sequence[Transcript], decoded: Sequence[Decoded]
@@ -1090,31 +1528,31 @@ class Evaluator:
         prompts = [prompt_of(d, self.config.prompt_len) for d in self.documents]
         transcripts = greedy_transcripts(self.target, prompts, length, self.config.batch_prompts) if length else []
         budget = int(self.config.reference_cache_gb * 2**30) - sum(t.features.nbytes for t in transcripts)
-        documents: list[DocumentFeatures | None] = []
+        records: list[DocumentFeatures | None] = []
         bytes_per_token = self.target_feature_bytes()
-        for document in self.documents:
-            # Past the budget a document's features are not kept: it runs through the target at every evaluation.
-            needed = len(document) * bytes_per_token
+        for record in self.records:
+            # Past the budget a record's features are not kept: it runs through the target at every evaluation.
+            needed = len(record) * bytes_per_token
             if needed > budget:
-                documents.append(None)
+                records.append(None)
                 continue
-            features = document_features(self.target, document)
-            documents.append(
+            features = document_features(self.target, record)
+            records.append(
                 DocumentFeatures(
                     _kept_on_host(features.aux_hidden),
                     None if features.last_hidden is None else _kept_on_host(features.last_hidden),
                 )
             )
             budget -= needed
-        self.reference = TargetReference(transcripts, documents, time.perf_counter() - started)
-        kept = sum(d is not None for d in documents)
+        self.reference = TargetReference(transcripts, records, time.perf_counter() - started)
+        kept = sum(d is not None for d in records)
         log.info(
-            "evaluation reference: %d greedy continuations of %d tokens and %d of %d documents' features kept, "
+            "evaluation reference: %d greedy continuations of %d tokens and %d of %d records' features kept, "
             "made in %.1f s",
             len(transcripts),
             length,
             kept,
-            len(documents),
+            len(records),
             self.reference.seconds,
         )
         return self.reference, True
@@ -1180,6 +1618,18 @@ def target_head_of(model: nn.Module) -> TargetHead:
         base.norm.weight,
         float(getattr(model.config, "rms_norm_eps", 1e-6)),
     )
+
+
+def by_length_summary(metrics: Mapping[str, float]) -> str:
+    """The tau of each context-length bucket in an evaluation's ``metrics`` (``AcceptanceReport.metrics()``), with its
+    break-even tau where timed, in one line for a log; empty without them."""
+    parts = []
+    for key, tau in metrics.items():
+        if key.startswith("eval/tau_by_length/"):
+            bucket = key.removeprefix("eval/tau_by_length/")
+            break_even = metrics.get(f"eval/break_even_tau_by_length/{bucket}")
+            parts.append(f"{bucket} {tau:.3f}" + (f" (break-even {break_even:.3f})" if break_even is not None else ""))
+    return ", ".join(parts)
 
 
 def warn_if_gap(metrics: Mapping[str, float], block_size: int, tolerance: float) -> None:
