@@ -434,3 +434,38 @@ def test_gpu_flex_step_memory_of_a_sliding_drafter_does_not_grow_with_the_docume
         hidden = drafter(small.aux_hidden, blocks, flex)
         reference = drafter(small.aux_hidden, blocks, build_masks(blocks, config, dense=True))
     torch.testing.assert_close(hidden, reference, rtol=2e-3, atol=2e-3)
+
+
+def test_the_evaluators_teacher_forced_pass_builds_no_dense_mask(monkeypatch):
+    """The simulated acceptance of a held-out document attends through tiles as training does: a dense mask of a
+    long document's blocks against its every token is never built, and the figures are the dense path's."""
+    import numpy as np
+
+    import common.drafter.masks as masks
+    from common.batch import Document
+    from common.drafter import evaluate
+    from common.drafter.evaluate import DocumentFeatures
+    from common.drafter.loss import LossConfig
+
+    config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    drafter = DFlashDrafter(config, random_head(config)).eval()
+    length = 4096
+    ids = torch.randint(0, config.vocab_size, (length,), generator=generator(0))
+    document = Document(0, ids.numpy().astype(np.int32), np.ones(length, dtype=np.int32))
+    features = DocumentFeatures(torch.randn(length, config.fused_feature_size, generator=generator(1)))
+    anchors = torch.arange(1, length - config.block_size, 97)
+
+    def dense_is_not_built(*_args, **_kwargs):
+        raise AssertionError("a dense mask was built")
+
+    with torch.no_grad(), monkeypatch.context() as patch:
+        # The reference: the same pass with dense masks.
+        patch.setattr(
+            evaluate, "build_masks", lambda blocks, config, **_: masks.build_masks(blocks, config, dense=True)
+        )
+        _, dense = evaluate.teacher_forced(drafter, LossConfig(), document, features, 0, None, anchors)
+    with torch.no_grad(), monkeypatch.context() as patch:
+        patch.setattr(masks, "dense_reference_mask", dense_is_not_built)
+        _, tiled = evaluate.teacher_forced(drafter, LossConfig(), document, features, 0, None, anchors)
+    for key in ("tau", "acc"):
+        torch.testing.assert_close(tiled[key], dense[key])

@@ -736,7 +736,9 @@ def teacher_forced(
     anchors: torch.Tensor | None = None,
 ) -> tuple[DraftBlocks, dict[str, torch.Tensor]]:
     """One document's teacher-forced blocks, at up to ``num_anchors`` sampled anchors or at the given sorted
-    ``anchors``, labelled as ``loss_config`` says (dense masks), and their ``draft_metrics``."""
+    ``anchors``, labelled as ``loss_config`` says, and their ``draft_metrics``. Tiled masks on every device: each
+    tile of blocks attends over only the keys it can see, so a long document costs memory linear in its length
+    (a dense mask is [blocks x B, T]), and nothing is compiled per document shape."""
     config = drafter.config
     device = drafter.fc.weight.device
     input_ids = torch.as_tensor(document.input_ids, device=device)
@@ -750,7 +752,7 @@ def teacher_forced(
         aux_hidden=aux_hidden,
     )
     blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator, anchors)
-    hidden = drafter(aux_hidden, blocks, build_masks(blocks, config, dense=True))
+    hidden = drafter(aux_hidden, blocks, build_masks(blocks, config, form="tiled"))
     target_hidden = None
     if loss_config.label_mode != "data":
         if kept.last_hidden is None:
