@@ -216,8 +216,8 @@ class DataConfig:
     max_step: int = 63
     """Synthetic only: largest stride of the arithmetic runs (small strides are easier to learn)."""
     regenerate: bool = False
-    """Chat only: the producers' target answers each record's last user turn as the stream reaches it, and those
-    answers are trained on (on-policy data without a synthesis first; producer/regenerate.py). Generation follows
+    """Chat only: the producers' target answers each record as the stream reaches it (its last user turn, or with
+    ``synthesize.turns = "all"`` every assistant turn, docs/conversations.md), and those answers are trained on (on-policy data without a synthesis first; producer/regenerate.py). Generation follows
     the synthesize section (max_new_tokens, temperature, rows, ...); the answers are kept in RUN/regenerated, so
     a batch computed again after a restart holds the same documents."""
     cache_mb: int = 1024

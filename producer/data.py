@@ -195,7 +195,7 @@ class DataSource(ABC):
         truncated = input_ids.shape[0] > max_len
         if truncated:
             if self.config.too_long == "drop":
-                raise BadRecord("too_long", f"{input_ids.shape[0]} tokens > max_seq_len={max_len}")
+                raise BadRecord("too_long", f"{input_ids.shape[0]} tokens > data.max_seq_len={max_len}")
             input_ids, loss_mask = input_ids[:max_len], loss_mask[:max_len]
         if input_ids.shape[0] == 0:
             raise BadRecord("empty", "no tokens")
