@@ -524,8 +524,7 @@ class TrainingConfig:
     optimizer: Literal["auto", "adamw", "muon"] = "auto"
     """muon: Muon (momentum orthogonalised by Newton-Schulz) for the drafter's weight matrices, AdamW for norms
     and the rest (trainer/optim.py); not with parallelism fsdp, whose shards cannot be orthogonalised one by one.
-    adamw: AdamW for every trained weight. auto: muon, or adamw with fsdp. Runs saved before the choice existed
-    keep AdamW."""
+    adamw: AdamW for every trained weight. auto: muon, or adamw with fsdp."""
     schedule: Literal["cosine", "wsd"] = "cosine"
     """After the linear warmup: cosine, a cosine decay to ``min_lr_ratio`` over the remaining steps; wsd
     (warmup-stable-decay), the peak held until the last ``decay_ratio`` of the steps, then a linear decay."""
@@ -557,8 +556,7 @@ class TrainingConfig:
     the drafter's probability of being accepted at that position); lk_hybrid, the two mixed."""
     weighting: Literal["decay", "streak", "dpace"] = "dpace"
     """Weight of block position k: decay, exp(-(k-1)/gamma); streak, the drafter's detached probability of
-    reaching k; dpace, D-PACE (arXiv 2605.18810). Runs saved before the choice existed keep theirs (decay, or
-    streak where training.streak_aware was set)."""
+    reaching k; dpace, D-PACE (arXiv 2605.18810)."""
     gamma: float | None = None
     """Decay of the per-position loss weight exp(-(k-1)/gamma); None: 7 for B=16, 5 for B=10, 4 for B=8
     (docs/dflash.md)."""
@@ -1214,18 +1212,6 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def keep_the_recipe_of_older_runs(data: dict) -> dict:
-    """A config with ``training.streak_aware`` (every run's saved config from before training.weighting and
-    training.optimizer existed, and files written for those runs) keeps the recipe it was made with: its
-    weighting (streak or decay) and AdamW, the only optimizer then; the defaults changed to D-PACE and Muon."""
-    training = data.get("training")
-    if isinstance(training, dict) and "streak_aware" in training:
-        streak_aware = training.pop("streak_aware")
-        training.setdefault("weighting", "streak" if streak_aware else "decay")
-        training.setdefault("optimizer", "adamw")
-    return data
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = RunConfig) -> Any:
     """Read a TOML file (or start from the defaults) and apply ``key=value`` overrides."""
     data: dict = {}
@@ -1234,7 +1220,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = keep_the_recipe_of_older_runs(tomllib.loads(path.read_text()))
+            data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
         unknown = unknown_key(cls, data, nested=True)  # the file's own keys: a typo there names the file

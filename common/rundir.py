@@ -31,9 +31,11 @@ from common.config import ConfigError
 from common.naming import process_start_ticks
 from common.sockets import run_keys
 
-RUN_DIR_FORMAT = 1
+RUN_DIR_FORMAT = 2
 """Layout version of a run directory. Raise it when a change makes older run directories unreadable
-(or newer ones unreadable by older code): each side then refuses the other's folder, clearly."""
+(or newer ones unreadable by older code): each side then refuses the other's folder, clearly. Format 2: checkpoints
+carry the seconds trained (training.max_minutes), train states are safetensors trees, saved configs state their
+weighting and optimizer; format 1 folders (and those from before the marker) are refused, not converted."""
 
 
 class RunDirFormatError(ConfigError):
@@ -134,12 +136,16 @@ class RunDir:
     def check_format(self) -> None:
         """Raise RunDirFormatError unless this folder has this software's layout (or is new).
 
-        A run directory without ``format.json`` predates the marker and has format 1.
+        A run directory without ``format.json`` that holds training (a checkpoint or a ledger) predates the marker:
+        format 1. Without either it is new (a folder prepared by hand holds its config alone).
         """
         path = self.format_file
         if not path.exists():
-            return
-        data = read_json(path)
+            if not (self.checkpoints / "latest.json").is_file() and not self.ledger.is_file():
+                return  # new
+            data = {"format": 1, "software": "a version from before the format marker"}
+        else:
+            data = read_json(path)
         found = data.get("format") if data is not None else None
         if type(found) is not int:
             raise RunDirFormatError(f"{path}: not a run directory format marker (expected {{\"format\": <int>}})")

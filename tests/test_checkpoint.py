@@ -149,10 +149,6 @@ def test_the_train_state_is_written_beside_the_weights_and_read_back_exactly(sho
         inline = torch.load(folder / "train_state" / "tree.pt", weights_only=True)
         assert isinstance(inline["optimizer"]["state"][0]["step"], torch.Tensor), "small tensors stay in the tree"
 
-        legacy = folder.parent / "step-00000001"
-        legacy.mkdir()
-        torch.save(expected, legacy / "train_state.pt")
-        assert_same_tree(read_train_state(legacy), expected)
         sharded = folder.parent / "step-00000002" / "train_state"
         sharded.mkdir(parents=True)
         tensors = load_file(str(folder / "train_state" / "tensors.safetensors"))

@@ -1,8 +1,8 @@
-"""The recipe's defaults for new runs (D-PACE weighting, Muon), and older runs keeping theirs."""
+"""The recipe's defaults for new runs (D-PACE weighting, Muon)."""
 
 import pytest
 
-from common.config import load_config, save_config, to_toml
+from common.config import ConfigError, load_config, save_config, to_toml
 
 
 def test_new_runs_train_with_dpace_and_muon_and_fsdp_with_adamw():
@@ -12,21 +12,13 @@ def test_new_runs_train_with_dpace_and_muon_and_fsdp_with_adamw():
     assert load_config(None, ['training.optimizer="adamw"']).training.resolved_optimizer == "adamw"
 
 
-def test_a_run_saved_before_the_recipe_change_keeps_its_recipe(tmp_path):
-    """Every saved config from before held training.streak_aware and no weighting or optimizer: it reads back as
-    the recipe it was trained with (decay or streak, AdamW), not as today's defaults."""
+def test_a_config_of_a_format_1_run_is_refused_naming_its_key(tmp_path):
+    """Configs saved before training.weighting and training.optimizer held training.streak_aware; their runs are
+    format 1 (refused as a whole, common/rundir.py), and such a file names its unknown key."""
     today = to_toml(load_config(None))
-    older = today.replace('weighting = "dpace"', "streak_aware = false").replace('optimizer = "auto"\n', "")
-    assert "streak_aware" in older and "optimizer =" not in older.split("[training]")[1].split("[")[0]
-    (tmp_path / "config.toml").write_text(older)
-    cfg = load_config(tmp_path / "config.toml")
-    assert cfg.training.weighting == "decay" and cfg.training.resolved_optimizer == "adamw"
-    (tmp_path / "config.toml").write_text(older.replace("streak_aware = false", "streak_aware = true"))
-    assert load_config(tmp_path / "config.toml").training.weighting == "streak"
-    # Saved again, it states its recipe, and reads back the same.
-    save_config(cfg, tmp_path / "again.toml")
-    again = load_config(tmp_path / "again.toml").training
-    assert (again.weighting, again.optimizer) == ("decay", "adamw")
+    (tmp_path / "config.toml").write_text(today.replace('weighting = "dpace"', "streak_aware = false"))
+    with pytest.raises(ConfigError, match="streak_aware"):
+        load_config(tmp_path / "config.toml")
 
 
 def test_a_run_saved_now_reads_back_with_its_own_settings(tmp_path):

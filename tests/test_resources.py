@@ -161,9 +161,15 @@ def test_a_run_directory_of_another_format_is_refused_untouched(short_tmp):
         run.create()
 
 
-def test_a_run_directory_from_before_the_format_marker_is_adopted(short_tmp):
+def test_a_run_directory_from_before_the_format_marker_is_refused_and_a_new_one_is_marked(short_tmp):
+    """A run directory that trained and has no marker was made before the marker: format 1, refused untouched."""
     run = LaunchRunDir(short_tmp / "run")
     run.root.mkdir()
     save_config(load_config(ROOT / "launch" / "tiny.toml"), run.config)
-    run.create()
-    assert read_json(run.format_file)["format"] == RUN_DIR_FORMAT
+    run.ledger.write_text('{"step": 1, "incarnation": 1, "samples": [], "batches": [], "time": 0}\n')
+    with pytest.raises(Exception, match="run directory of format 1"):
+        run.create()
+    assert not run.format_file.exists()
+    fresh = LaunchRunDir(short_tmp / "fresh")
+    fresh.create()
+    assert read_json(fresh.format_file)["format"] == RUN_DIR_FORMAT == 2

@@ -368,27 +368,3 @@ def test_the_speculators_export_of_a_gguf_run_names_the_file_not_the_cache(tmp_p
     verifier = json.loads((tmp_path / "a" / "config.json").read_text())["speculators_config"]["verifier"]
     assert verifier["name_or_path"] == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert verifier["architectures"] == ["LlamaForCausalLM"], verifier
-
-
-def test_legacy_checkpoint_resumes_and_its_next_checkpoint_says_bidirectional(short_tmp):
-    """A run with sliding layers, its checkpoint turned into a pre-change one, resumed by a new trainer."""
-    from common.rundir import RunDir
-    from tests.test_pipeline import finish, start
-
-    run_dir = short_tmp / "run"
-    layers = ['drafter.layer_types=["sliding_attention","full_attention"]', "drafter.sliding_window=24"]
-    finish(start(run_dir, *layers, "training.max_steps=8", "eval.every_steps=0"), run_dir)
-    run = RunDir(run_dir)
-    first = run.latest_checkpoint()
-    config_path = first / "drafter" / "config.json"
-    config = json.loads(config_path.read_text())
-    assert config[CAUSALITY_KEY] == "sliding_causal" and "is_causal" not in config
-    config.pop(CAUSALITY_KEY)
-    config_path.write_text(json.dumps(config))  # as written before the setting existed
-
-    finish(start(run_dir, *layers, "training.max_steps=16", "eval.every_steps=0"), run_dir)
-    latest = run.latest_checkpoint()
-    assert latest != first
-    resumed = json.loads((latest / "drafter" / "config.json").read_text())
-    assert resumed[CAUSALITY_KEY] == "bidirectional" and resumed["is_causal"] is False
-    assert json.loads((latest / "trainer_state.json").read_text())["step"] == 16

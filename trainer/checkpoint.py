@@ -47,7 +47,6 @@ from trainer.tensor_files import WRITE_THREADS, TensorFile, write_tensor_files
 log = logging.getLogger(__name__)
 TRAIN_STATE_DIR = "train_state"
 TREE_FILE = "tree.pt"
-LEGACY_TRAIN_STATE_FILE = "train_state.pt"
 TENSORS_FILE = "tensors.safetensors"
 INLINE_BYTES = 1 << 20
 """Tensors of the train state smaller than this stay in tree.pt (steps, RNG states); larger ones go to TENSORS_FILE."""
@@ -138,9 +137,6 @@ def load_checkpoint(path: Path) -> TrainerState:
 
 def read_train_state(path: Path) -> dict[str, Any]:
     """The train state (optimizer, schedule, RNGs) of checkpoint folder ``path``, on the host."""
-    legacy = path / LEGACY_TRAIN_STATE_FILE
-    if legacy.exists():
-        return torch.load(legacy, map_location="cpu", weights_only=True)
     folder = path / TRAIN_STATE_DIR
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(folder.glob("tensors*.safetensors")):  # tensors-K.safetensors: shards of 162a542

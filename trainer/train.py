@@ -281,7 +281,7 @@ class Trainer:
 
     def _restore(self, state: dict, meta: dict) -> None:
         """Optimizer, schedule, RNGs and bookkeeping from ``train_state`` and ``trainer_state.json`` contents."""
-        trained_with = state.get("optimizer_name", "adamw")  # checkpoints from before the choice: AdamW
+        trained_with = state["optimizer_name"]
         # The checkpoint brings the optimizer's state (its moments); the settings of its groups are this config's
         # (a restart may change training.weight_decay) and this device's (fused AdamW on a GPU).
         configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
