@@ -1,5 +1,11 @@
-"""How our worker processes end: with their launcher, and without Python's finalization racing
-torch.distributed's threads."""
+"""How our role processes (producer, trainer, synthesis) start and end: one skeleton.
+
+Each starts the same way (``start_role``: die with the launcher, refuse a run directory of another format, read the
+run's configuration), turns SIGTERM and SIGINT into its own stop (``stop_on_signals``), answers an error that would
+repeat on every try with ``EXIT_CONFIG_ERROR`` so that the launcher stops the run instead of restarting it, and
+ends without Python's finalization racing torch.distributed's threads (``exit_process``). ``run_role`` is the whole
+skeleton for a role that is one object with ``run`` and ``request_stop``.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,66 @@ import logging
 import os
 import signal
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn, Protocol
+
+from common.config import ConfigError, RunConfig, load_config
+from common.rundir import RunDir
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
 EXIT_CONFIG_ERROR = 2
 """The exit code of an error that repeats on every try (a bad config key, a missing or unusable file): the
 launcher stops the run at once instead of restarting the process."""
+
+
+class Role(Protocol):
+    """A role process's work: ``run`` until done or stopped (its exit code); ``request_stop`` from a signal."""
+
+    def run(self) -> int: ...
+
+    def request_stop(self) -> None: ...
+
+
+def start_role(run_dir: str | Path) -> tuple[RunDir, RunConfig]:
+    """What every role process does first: die with its launcher, refuse a run directory another version made
+    (before reading anything in it), and read the run's configuration. ConfigError where either fails."""
+    die_with_parent()
+    run = RunDir(run_dir)
+    run.check_format()
+    return run, load_config(run.config)
+
+
+def stop_on_signals(stop: Callable[[int], None]) -> None:
+    """SIGTERM (the launcher's stop) and SIGINT (Ctrl-C) call ``stop(signum)``: finish what is in hand, then end."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda number, _frame: stop(number))
+
+
+def run_role(
+    run_dir: str | Path,
+    build: Callable[[RunConfig, RunDir], Role],
+    repeating: tuple[type[Exception], ...] = (),
+) -> int:
+    """The whole skeleton: start, build the role, run it until done or stopped; its exit code. A ConfigError, or
+    one of ``repeating`` (errors of the role's own inputs, e.g. bad data), is logged and gives EXIT_CONFIG_ERROR."""
+    fatal = (ConfigError, *repeating)
+    try:
+        run, cfg = start_role(run_dir)
+        role = build(cfg, run)
+    except fatal as exc:
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    stop_on_signals(lambda _signum: role.request_stop())
+    try:
+        return role.run()
+    except fatal as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG_ERROR
 
 
 def die_with_parent() -> None:

@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections import deque
@@ -42,10 +41,10 @@ import torch
 from common import faults
 from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
 from common.codec import DTYPE_NAMES, bytes_needed, plan_layout, read_tensors
-from common.config import ConfigError, RunConfig, load_config
+from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta, Features, mismatch
 from common.drafter.draft_config import build_target_layer_ids
-from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, exit_process
+from common.lifecycle import EXIT_CONFIG_ERROR, exit_process, start_role, stop_on_signals
 from common.naming import owner_identity, run_tag, sweep_stale
 from common.protocol import Hello
 from common.ring import RingMemoryError, create_ring
@@ -571,12 +570,9 @@ def remote_keys(cfg: RunConfig, run_dir: RunDir, producer_id: int, listen: str) 
 
 def run_producer(run_dir: str | Path, producer_id: int, device: str | None = None, listen: str | None = None) -> int:
     """Entry point of a producer process (of each rank of a tensor-parallel one); returns its exit code."""
-    root = RunDir(run_dir)
-    die_with_parent()
     group = None
     try:
-        root.check_format()  # before reading anything of a folder another version made
-        cfg = load_config(root.config)
+        root, cfg = start_role(run_dir)
         curve = remote_keys(cfg, root, producer_id, listen) if listen else None
         devices = split_devices(device) if device else []
         if len(devices) > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -610,13 +606,12 @@ def serve(
         log.error("cannot start producer %d: %s", producer_id, exc)
         return EXIT_CONFIG_ERROR
 
-    def request_stop(signum, _frame):
+    def request_stop(signum: int) -> None:
         log.info("signal %d: stopping", signum)
         producer.stop.set()
         producer.server.slots.wake()
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stop_on_signals(request_stop)
     try:
         producer.serve_forever()
     except (DataError, ConfigError) as exc:  # found while producing (an epoch without a good document, a

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from collections import Counter
@@ -39,9 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunConfig, SynthesizeConfig, load_config
+from common.config import ConfigError, RunConfig, SynthesizeConfig
 from common.drafter.evaluate import stop_tokens_of
-from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, exit_process
+from common.lifecycle import exit_process, run_role
 from common.rundir import RunDir, atomic_write_json, fsync_file
 from producer.conversation import (
     Conversation,
@@ -292,6 +291,10 @@ class Synthesis:
             settings["magpie_turns"] = self.synth.magpie_turns
         return settings
 
+    def request_stop(self) -> None:
+        """Finish the conversations in hand, write what is done, exit (a rerun continues)."""
+        self.stop = True
+
     def run(self) -> int:
         answers = self.answers
         started, reported = time.monotonic(), time.monotonic()
@@ -438,22 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s synth{args.producer_id} %(levelname)s %(message)s")
-    die_with_parent()
-    run = RunDir(args.run_dir)
-    try:
-        cfg = load_config(run.config)
-        job = Synthesis(cfg, run, args.producer_id, args.device)
-    except (ConfigError, DataError) as exc:
-        log.error("%s", exc)
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-
-    def request_stop(_signum: int, _frame: object) -> None:
-        job.stop = True  # finish the record in hand, write what is done, exit
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    code = job.run()
+    code = run_role(
+        args.run_dir, lambda cfg, run: Synthesis(cfg, run, args.producer_id, args.device), repeating=(DataError,)
+    )
     sys.stdout.flush()
     exit_process(code)
 

@@ -142,7 +142,11 @@ def test_a_run_directory_of_another_format_is_refused_untouched(short_tmp):
     assert f"this version reads format {RUN_DIR_FORMAT}" in out.stderr
     assert _tree_digest(run.root) == before, "nothing in the refused run directory changed"
     # Started by hand (e.g. a producer on another host), each process checks the folder itself.
-    for role in (["producer.server", "--producer-id", "0", "--device", "cpu"], ["trainer.train"]):
+    for role in (
+        ["producer.server", "--producer-id", "0", "--device", "cpu"],
+        ["trainer.train"],
+        ["producer.synthesize", "--producer-id", "0", "--device", "cpu"],
+    ):
         out = subprocess.run(
             [sys.executable, "-m", role[0], "--run-dir", str(run.root), *role[1:]],
             cwd=ROOT,

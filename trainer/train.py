@@ -30,7 +30,7 @@ from common import faults
 from common.config import ConfigError, RunConfig, load_config
 from common.drafter.export import zlab_config
 from common.drafter.model import train_flops
-from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, end_now, exit_process
+from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, end_now, exit_process, start_role, stop_on_signals
 from common.naming import process_start_ticks
 from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
 from common.status import TrainerStatus
@@ -818,25 +818,21 @@ def wait_for_predecessor(run_dir: RunDir, warm_start: WarmStart | None = None) -
 
 
 def run_trainer(run_dir: str | Path, source: SourceFactory = RingSource, warm_start: WarmStart | None = None) -> int:
-    root = RunDir(run_dir)
-    die_with_parent()
     try:
-        root.check_format()  # before reading anything of a folder another version made
-        cfg = load_config(root.config)
+        root, cfg = start_role(run_dir)
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
         return EXIT_CONFIG_ERROR
     trainer = None
 
-    def request_stop(signum, _frame):
+    def request_stop(signum: int) -> None:
         log.info("signal %d: finishing the step, then checkpoint (or hand over, for restart-trainer) and exit", signum)
         if trainer is not None:
             trainer.stop_requested = True
         else:
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stop_on_signals(request_stop)
     try:
         mark, warm_start = wait_for_predecessor(root, warm_start)
         trainer = Trainer(cfg, root, source, handed_over=(mark or {}).get("state"), warm=warm_start)
