@@ -25,7 +25,7 @@ import numpy as np
 
 from common.config import ConfigError, RunConfig, load_config
 from common.lifecycle import EXIT_CONFIG_ERROR
-from launch.supervisor import DEFAULT_CONFIG
+from launch.runs import DEFAULT_CONFIG
 
 SUPERVISED_OPEN, SUPERVISED_CLOSE = "\x1b[1;32m", "\x1b[0m"
 

@@ -11,7 +11,7 @@
 # With no arguments: launch/tiny.toml into a fresh runs/<timestamp> (relative to the current folder).
 # On an existing DIR the run's own config.toml is the base; key=value overrides apply on top and are
 # saved; --config is then refused unless it resolves to the same config.
-# Everything else (devices, CUDA detection, restarts) is in launch/supervisor.py.
+# Everything else (devices, CUDA detection, restarts) is in launch/supervisor.py (its command line: launch/commands.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -n "${DFLASH_PYTHON:-}" ]; then
@@ -45,4 +45,4 @@ USAGE
   *) COMMAND=run ;;
 esac
 # exec: the supervisor gets Ctrl-C and `stop`'s SIGTERM directly.
-exec "$PY" -m launch.supervisor "$COMMAND" "$@"
+exec "$PY" -m launch.commands "$COMMAND" "$@"

@@ -1,11 +1,8 @@
 """The launcher: start the producers once, supervise the trainer, restart what crashes.
 
-    python -m launch.supervisor run [--run-dir DIR] [--config FILE] [key=value ...]
-    python -m launch.supervisor restart-trainer --run-dir DIR [key=value ...]
-    python -m launch.supervisor stop --run-dir DIR
-    python -m launch.supervisor status --run-dir DIR [--json]
-
-(``launch/run_all.sh`` is the user-facing wrapper.) Lifecycle of ``run``:
+Its command line is launch/commands.py (``launch/run_all.sh`` the user-facing wrapper); the run directory and
+configuration a command resolves, launch/runs.py; its children's commands and processes, launch/processes.py.
+Lifecycle of ``run``:
 
 1. Resolve the config (the run dir's config.toml when resuming, else --config or launch/tiny.toml,
    then the overrides) and save it. A ConfigError prints its message and exits 2; nothing starts.
@@ -29,447 +26,57 @@
 
 Exit codes: 0 finished or stopped, 1 gave up (crash loop, producer never ready), 2 configuration
 error or launcher already running, 129/130 hang-up/interrupted.
-
-Testing hook: DFLASH_PRODUCER_CMD / DFLASH_TRAINER_CMD, when set, replace the program part of the
-role commands (``python -m producer.server`` / ``python -m trainer.train``, shell-split); the
-launcher's own arguments follow unchanged. With the trainer hook set, torchrun is not used.
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
 import functools
 import logging
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 
-from common.config import ConfigError, RunConfig, fixed_while_producers_run, load_config, readers, save_config, to_dict
+from common.config import ConfigError, RunConfig, load_config, save_config
 from common.lifecycle import EXIT_CONFIG_ERROR
 from common.naming import process_alive, process_start_ticks, run_tag, sweep_stale, sweep_stale_trainer_staging
 from common.rundir import RunDir, atomic_write_json, read_json
 from common.status import TrainerStatus
-from launch import status as status_cmd
 from launch.mps import MpsDaemon
+from launch.processes import (
+    PRODUCER_STOP_TIMEOUT_S,
+    TRAINER_CMD_ENV,
+    ManagedProcess,
+    child_environment,
+    cpu_processes,
+    cpu_threads,
+    describe_exit,
+    detect_cuda,
+    log_tail,
+    producer_command,
+    producer_devices,
+    producer_environment,
+    thread_environment,
+    threads_message,
+    trainer_command,
+    trainer_devices,
+)
 from launch.progress import ProgressView, ViewHandler, run_summary
+from launch.runs import UsageError, changed_keys, refused_trainer_changes, resolve_run
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO_ROOT / "launch" / "tiny.toml"
-PRODUCER_CMD_ENV = "DFLASH_PRODUCER_CMD"
-TRAINER_CMD_ENV = "DFLASH_TRAINER_CMD"
 TRAINER_DEVICES_ENV = "DFLASH_TRAINER_DEVICES"
-
 POLL_INTERVAL_S = 0.2
 PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"  # trainer.train.PREDECESSOR_ENV (the launcher imports no trainer code)
 STOP_SIGNAL_EXIT_CODES = {signal.SIGTERM: 0, signal.SIGINT: 130, signal.SIGHUP: 129}  # SIGTERM: asked to stop
-HEALTHY_UPTIME_S = 60.0  # a process up this long has recovered: its crash count and backoff reset
 TRAINER_STOP_TIMEOUT_S = 60.0  # time for the trainer's final checkpoint before SIGKILL
-PRODUCER_STOP_TIMEOUT_S = 30.0
 RESTART_RESULT_TIMEOUT_S = TRAINER_STOP_TIMEOUT_S + 60.0
 STOP_TIMEOUT_S = TRAINER_STOP_TIMEOUT_S + PRODUCER_STOP_TIMEOUT_S + 30.0
-# Producer socket names ("p{I}.<pid>-<start ticks>.ipc" or alike) need room after DIR/sockets/.
-SOCKET_NAME_ROOM = 40
-MAX_IPC_PATH = 100
-
-# Keys restart-trainer may change: the producers never read them. Everything else (target, data,
-# batching, drafter, ring, launch.num_producers/producer_devices) shapes what producers ship.
-
-
-class UsageError(Exception):
-    """The command cannot run as asked (e.g. a launcher already runs on this run dir); exit 2."""
-
-
-# -- configuration -------------------------------------------------------------------------------
-
-
-def _has_trained(run: RunDir) -> bool:
-    """Whether the run dir holds training progress: a checkpoint, a ledger line, or a trainer that took a step."""
-    if run.latest_checkpoint() is not None or (run.ledger.is_file() and run.ledger.stat().st_size > 0):
-        return True
-    return bool(TrainerStatus.read(run.trainer_status).step)
-
-
-def resolve_run(run_dir: Path | None, config_file: Path | None, overrides: list[str]) -> tuple[RunDir, RunConfig, bool]:
-    """The run directory, its resolved config and whether it resumes an existing run.
-
-    An existing run dir (one with config.toml) keeps its config: the overrides apply on top of it.
-    ``--config`` is then only accepted when it resolves to the same config, so that a stale command
-    line cannot silently replace the settings of a run that has checkpoints. A run dir that never
-    trained a step (its first start failed) takes the new ``--config`` and overrides instead.
-    """
-    if run_dir is None:
-        run_dir = Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
-        while run_dir.exists():
-            run_dir = run_dir.with_name(run_dir.name + "-1")
-    run = RunDir(run_dir.resolve())
-    run.check_format()  # before reading anything of a folder another version made
-    resumed = run.config.is_file()
-    if resumed and config_file is not None and not _has_trained(run):
-        resumed = False  # a first start that failed before any step: its config is no one's to keep
-    if resumed:
-        if config_file is not None and to_dict(load_config(config_file)) != to_dict(load_config(run.config)):
-            raise ConfigError(
-                f"--config {config_file} differs from the config of the existing run {run.config}; resume without "
-                "--config and give key=value overrides to change settings, or use a new --run-dir"
-            )
-        cfg = load_config(run.config, overrides)
-    else:
-        if config_file is None and not DEFAULT_CONFIG.is_file():
-            raise ConfigError(f"no --config given and the embedded default {DEFAULT_CONFIG} is missing")
-        cfg = load_config(config_file or DEFAULT_CONFIG, overrides)
-    if len(str(run.sockets)) + SOCKET_NAME_ROOM > MAX_IPC_PATH:
-        raise ConfigError(
-            f"--run-dir: {run.root} is too long for ipc socket paths (limit {MAX_IPC_PATH} characters with the "
-            "socket name); use a shorter run directory"
-        )
-    return run, cfg, resumed
-
-
-def changed_keys(old: RunConfig, new: RunConfig) -> list[str]:
-    """Dotted ``section.key`` names whose values differ."""
-    old_data, new_data = to_dict(old), to_dict(new)
-    return [
-        f"{section}.{key}"
-        for section, values in new_data.items()
-        for key, value in values.items()
-        if old_data[section][key] != value
-    ]
-
-
-def refused_trainer_changes(
-    changed: list[str], old: RunConfig | None = None, new: RunConfig | None = None
-) -> list[str]:
-    """Messages for the changed keys that restart-trainer must refuse: those a producer or the drafter's
-    checkpoint holds (each field's readers, ``READ_BY`` in common/config.py)."""
-    refusals = []
-    for key in changed:
-        if (
-            key == "training.max_steps"
-            and new is not None
-            and old is not None
-            and new.training.max_steps == 0
-            and old.training.max_steps != 0
-        ):
-            # A trainer sized by epochs reads each producer's epoch batch count, which producers write only
-            # when they themselves started with max_steps 0: it would wait for counts that never come.
-            refusals.append(
-                "training.max_steps=0 (size the run by training.epochs) needs the producers started with "
-                f"max_steps 0, and they run with {old.training.max_steps}"
-            )
-        elif fixed_while_producers_run(key):
-            held_by = (
-                "the producers read it at their start"
-                if "producer" in readers(key)
-                else "the drafter's checkpoint fixes it"
-            )
-            refusals.append(f"{key} cannot change while the producers run ({held_by})")
-    return refusals
-
-
-# -- devices and commands ------------------------------------------------------------------------
-
-
-def detect_cuda() -> bool:
-    """Whether torch sees a CUDA device; asked in a subprocess so the supervisor never holds torch or a CUDA context."""
-    try:
-        result = subprocess.run(
-            [sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return result.stdout.strip() == "1"
-
-
-def producer_devices(cfg: RunConfig, has_cuda: Callable[[], bool]) -> list[str]:
-    """One entry per producer: launch.producer_devices (an entry may name several devices, comma-separated:
-    a tensor-parallel producer), else num_producers on cpu (cuda:0 with CUDA)."""
-    if cfg.launch.producer_devices:
-        return list(cfg.launch.producer_devices)
-    return ["cuda:0" if has_cuda() else "cpu"] * cfg.launch.num_producers
-
-
-def trainer_devices(cfg: RunConfig, has_cuda: Callable[[], bool]) -> list[str]:
-    """launch.trainer_devices, else one rank on cpu (cuda:0 with CUDA)."""
-    if cfg.launch.trainer_devices:
-        return list(cfg.launch.trainer_devices)
-    return ["cuda:0" if has_cuda() else "cpu"]
-
-
-def _hooked_program(env_name: str, default: list[str]) -> list[str]:
-    hook = os.environ.get(env_name, "").strip()
-    return shlex.split(hook) if hook else default
-
-
-def producer_command(run_dir: Path, producer_id: int, device: str) -> list[str]:
-    """The producer for one entry of launch.producer_devices; under torchrun (launch.torchrun, which keeps a
-    rank's configuration error as exit 2) when the entry names several devices. The testing hook never
-    uses torchrun."""
-    program = [sys.executable, "-m", "producer.server"]
-    ranks = len(device.split(","))
-    if ranks > 1:
-        program = [
-            sys.executable,
-            "-m",
-            "launch.torchrun",
-            "--standalone",
-            "--nproc-per-node",
-            str(ranks),
-            "-m",
-            "producer.server",
-        ]
-    return [
-        *_hooked_program(PRODUCER_CMD_ENV, program),
-        "--run-dir",
-        str(run_dir),
-        "--producer-id",
-        str(producer_id),
-        "--device",
-        device,
-    ]
-
-
-def producer_environment(device: str) -> dict[str, str]:
-    """The environment of the producer for one entry of launch.producer_devices."""
-    if "," not in device:
-        return child_environment()
-    # torchrun gives its ranks this long after forwarding SIGTERM; keep it below our own wait.
-    return child_environment(
-        {
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get(
-                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(PRODUCER_STOP_TIMEOUT_S) - 5)
-            )
-        }
-    )
-
-
-def trainer_command(run_dir: Path, devices: list[str]) -> list[str]:
-    if os.environ.get(TRAINER_CMD_ENV, "").strip():
-        return [*_hooked_program(TRAINER_CMD_ENV, []), "--run-dir", str(run_dir)]
-    if len(devices) > 1:
-        # launch.torchrun is torchrun (without relying on PATH) that keeps a rank's configuration error as exit 2.
-        return [
-            sys.executable,
-            "-m",
-            "launch.torchrun",
-            "--standalone",
-            "--nproc-per-node",
-            str(len(devices)),
-            "-m",
-            "trainer.train",
-            "--run-dir",
-            str(run_dir),
-        ]
-    return [sys.executable, "-m", "trainer.train", "--run-dir", str(run_dir)]
-
-
-def cpu_processes(device_entries: list[str]) -> int:
-    """Processes that compute on the CPU among these device entries: one per ``cpu`` (``cpu,cpu`` is two ranks)."""
-    return sum(entry.split(",").count("cpu") for entry in device_entries)
-
-
-def cpu_threads(processes: int) -> int | None:
-    """Torch threads for each of ``processes`` processes that compute on the CPU, so that together they fit
-    ``os.cpu_count()`` (at least 1 each): more threads than cores made the tiny quickstart on two cores 7x slower
-    (658 s against 92 s), each process's threads waiting for cores that another's hold. None when no process
-    computes on the CPU or the user set OMP_NUM_THREADS (theirs wins)."""
-    if processes < 1 or os.environ.get("OMP_NUM_THREADS", "").strip():
-        return None
-    return max(1, (os.cpu_count() or 1) // processes)
-
-
-def thread_environment(threads: int | None) -> dict[str, str]:
-    """What makes a child's torch use ``threads`` intra-op threads (OpenMP and MKL, read when torch is imported);
-    nothing for None, and a user's own MKL_NUM_THREADS is kept."""
-    if threads is None:
-        return {}
-    return {
-        name: str(threads) for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if not os.environ.get(name, "").strip()
-    }
-
-
-def threads_message(processes: int, threads: int) -> str:
-    return f"{processes} CPU processes on {os.cpu_count() or 1} cores: {threads} threads each"
-
-
-def child_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The launcher's environment (NCCL_*, CUDA_*, WANDB_* pass through) plus the repo on PYTHONPATH."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
-    env.setdefault("PYTHONUNBUFFERED", "1")  # log lines reach logs/*.log as they happen
-    env.update(extra or {})
-    return env
-
-
-# -- one supervised child ------------------------------------------------------------------------
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _terminate_with_parent(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn: the child gets SIGTERM if the supervisor dies (even by SIGKILL), so no orphans hold GPUs."""
-
-    def preexec() -> None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit {returncode}"
-
-
-def log_tail(path: Path, lines: int = 5) -> str:
-    """The last lines of a log file, indented, for error messages."""
-    try:
-        text = path.read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return ""
-    return "".join(f"\n    | {line}" for line in text)
-
-
-class ManagedProcess:
-    """One supervised child: command, log file, process group, crash count and backoff."""
-
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path, devices: list[str]) -> None:
-        self.name = name
-        self.command = command
-        self.devices = devices
-        self.env = env
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-        self.start_ticks: int | None = None
-        self.started_wall = 0.0
-        self.started_mono = 0.0
-        self.status_since = 0.0
-        self.incarnation = 0
-        self.restarts = 0  # all restarts of the run, for launcher.json
-        self.crashes_in_a_row = 0
-        self.restart_at: float | None = None  # monotonic time of a scheduled restart
-        self.ready = False
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
-
-    @property
-    def uptime_s(self) -> float:
-        return time.monotonic() - self.started_mono
-
-    def start(self) -> None:
-        self.incarnation += 1
-        self.restart_at = None
-        self.ready = False
-        self.started_wall = time.time()
-        self.started_mono = time.monotonic()
-        self.status_since = self.started_wall
-        """Status files written since then are this process's (later for a trainer started beside the one it replaces)."""
-        with self.log_path.open("ab") as log_file:
-            header = f"==== {self.name} start {self.incarnation} at {datetime.now().isoformat(timespec='seconds')}: {shlex.join(self.command)}\n"
-            log_file.write(header.encode())
-            log_file.flush()
-            # Own process group: a Ctrl-C in the terminal reaches only the supervisor, which then
-            # stops the children in order (trainer first). Same session, so /dev/tty stays usable.
-            self.proc = subprocess.Popen(
-                self.command,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                process_group=0,
-                preexec_fn=_terminate_with_parent(os.getpid()),
-            )
-        self.start_ticks = process_start_ticks(self.proc.pid)
-
-    def poll(self) -> int | None:
-        """The exit code once the child has exited (its leftover group members are then killed), else None."""
-        if self.proc is None:
-            return None
-        returncode = self.proc.poll()
-        if returncode is not None:
-            self._kill_group()
-        return returncode
-
-    def _kill_group(self) -> None:
-        # E.g. torchrun's ranks after torchrun itself died: they must not keep GPUs and leases.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def send(self, sig: signal.Signals) -> None:
-        """Signal the leader only: torchrun forwards SIGTERM to its ranks itself."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def wait(self, timeout_s: float, on_poll: Callable[[], None] = lambda: None) -> int | None:
-        """Wait for the exit up to ``timeout_s`` (calling ``on_poll`` between polls); the exit code, or None."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            returncode = self.poll()
-            if returncode is not None:
-                return returncode
-            on_poll()
-            time.sleep(0.05)
-        return self.poll()
-
-    def kill(self) -> int:
-        """SIGKILL the whole group and reap the leader."""
-        self._kill_group()
-        return self.proc.wait()
-
-    def clear(self) -> None:
-        """Forget the exited process (its pid no longer describes anything)."""
-        self.proc = None
-        self.start_ticks = None
-        self.ready = False
-
-    def schedule_restart(self, backoff_s: float, max_restarts: int, made_progress: bool = False) -> float | None:
-        """Count a crash; the backoff before the restart, or None when the crash budget is spent. A
-        process that ran long enough, or made lasting progress (a trainer that wrote a checkpoint),
-        was not in a crash loop: the count starts again."""
-        if self.uptime_s >= HEALTHY_UPTIME_S or made_progress:
-            self.crashes_in_a_row = 0
-        self.crashes_in_a_row += 1
-        if self.crashes_in_a_row > max_restarts:
-            return None
-        delay = backoff_s * 2 ** (self.crashes_in_a_row - 1)
-        self.restart_at = time.monotonic() + delay
-        self.restarts += 1
-        return delay
-
-    def record(self) -> dict:
-        return {
-            "pid": self.pid,
-            "start_ticks": self.start_ticks,
-            "started": self.started_wall if self.proc else None,
-            "status_since": self.status_since if self.proc else None,
-            "incarnation": self.incarnation,
-            "restarts": self.restarts,
-        }
-
-
-# -- the supervisor ------------------------------------------------------------------------------
 
 
 def _sm_cap(percent: int | None, shared_devices: set[str]) -> dict[str, str]:
@@ -637,12 +244,9 @@ class Supervisor:
     # -- producers
 
     def _check_producers(self) -> int | None:
-        now = time.monotonic()
         for i, producer in enumerate(self.producers):
             if producer.proc is None:
-                if producer.restart_at is not None and now >= producer.restart_at:
-                    producer.start()
-                    log.info("restarted %s pid %d (restart %d)", producer.name, producer.pid, producer.restarts)
+                producer.restart_if_due()
                 continue
             returncode = producer.poll()
             if returncode is None:
@@ -708,31 +312,17 @@ class Supervisor:
 
     def _after_crash(self, process: ManagedProcess, returncode: int, made_progress: bool = False) -> int | None:
         """Schedule the restart of a crashed process, or give up on the run (exit 1)."""
-        delay = process.schedule_restart(self.cfg.launch.restart_backoff_s, self.cfg.launch.max_restarts, made_progress)
-        if delay is None:
-            log.error(
-                "%s crashed (%s) %d times in a row, more than launch.max_restarts=%d: giving up. See %s%s",
-                process.name,
-                describe_exit(returncode),
-                process.crashes_in_a_row,
-                self.cfg.launch.max_restarts,
-                process.log_path,
-                log_tail(process.log_path),
-            )
-            self.outcome = "failed"
-            return 1
-        log.warning(
-            "%s crashed (%s), restarting in %.1f s (crash %d in a row). See %s%s",
-            process.name,
-            describe_exit(returncode),
-            delay,
-            process.crashes_in_a_row,
-            process.log_path,
-            log_tail(process.log_path, 3),
-        )
-        return None
+        launch = self.cfg.launch
+        if process.after_crash(returncode, launch.restart_backoff_s, launch.max_restarts, made_progress):
+            return None
+        self.outcome = "failed"
+        return 1
 
     # -- trainer
+
+    def _note_checkpoint_at_start(self) -> None:
+        """A trainer that writes a checkpoint past this one made progress: its crash count starts again."""
+        self.trainer_checkpoint_at_start = self._checkpoint_step()
 
     def _checkpoint_step(self) -> int:
         """The step of the run's latest checkpoint (-1: none)."""
@@ -791,10 +381,7 @@ class Supervisor:
         if not self.trainer_started_once:
             return None
         if self.trainer.proc is None:
-            if self.trainer.restart_at is not None and time.monotonic() >= self.trainer.restart_at:
-                self.trainer_checkpoint_at_start = self._checkpoint_step()
-                self.trainer.start()
-                log.info("restarted trainer pid %d (restart %d)", self.trainer.pid, self.trainer.restarts)
+            self.trainer.restart_if_due(before=self._note_checkpoint_at_start)
             return None
         returncode = self.trainer.poll()
         if returncode is None:
@@ -1136,51 +723,3 @@ def _wait_gone(pid: int, start_ticks: int | None, timeout_s: float) -> bool:
             return False
         time.sleep(0.1)
     return True
-
-
-COMMANDS = ("run", "restart-trainer", "stop", "status")
-
-
-def _command_parser(command: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"launch/run_all.sh {command}")
-    if command == "run":
-        parser.description = "Start (or resume) a run in the foreground."
-        parser.add_argument(
-            "--run-dir", type=Path, help="run directory (default: a fresh runs/<timestamp>); an existing one is resumed"
-        )
-        parser.add_argument("--config", type=Path, help="TOML config of a new run (default: launch/tiny.toml)")
-    else:
-        parser.add_argument("--run-dir", type=Path, required=True)
-    if command in ("run", "restart-trainer"):
-        parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. training.lr=3e-4")
-    if command == "restart-trainer":
-        parser.description = (
-            "Replace the trainer of a running pipeline (only training.*, logging.* and launcher-only keys may change)."
-        )
-    if command == "stop":
-        parser.description = "Stop a running pipeline cleanly and wait for it."
-    if command == "status":
-        parser.description = "Show the live state of a pipeline."
-        parser.add_argument("--json", action="store_true", help="machine-readable output")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m launch.supervisor {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    command = argv[0]
-    # Intermixed: overrides may come before or after --run-dir.
-    args = _command_parser(command).parse_intermixed_args(argv[1:])
-    if command == "run":
-        return run_supervisor(args.run_dir, args.config, args.overrides)
-    if command == "restart-trainer":
-        return request_trainer_restart(args.run_dir, args.overrides)
-    if command == "stop":
-        return stop_run(args.run_dir)
-    return status_cmd.show_status(args.run_dir, as_json=args.json)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

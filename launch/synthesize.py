@@ -29,21 +29,19 @@ from pathlib import Path
 from common.config import ConfigError, save_config
 from common.lifecycle import EXIT_CONFIG_ERROR
 from common.rundir import read_json
-from launch.progress import format_duration, significant
-from launch.supervisor import (
+from launch.processes import (
     ManagedProcess,
-    UsageError,
     child_environment,
     cpu_processes,
     cpu_threads,
-    describe_exit,
     detect_cuda,
     log_tail,
     producer_devices,
-    resolve_run,
     thread_environment,
     threads_message,
 )
+from launch.progress import format_duration, significant
+from launch.runs import UsageError, resolve_run
 
 log = logging.getLogger("launch.synthesize")
 
@@ -210,8 +208,7 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
             if index in finished:
                 continue
             if worker.proc is None:
-                if worker.restart_at is not None and time.monotonic() >= worker.restart_at:
-                    worker.start()
+                worker.restart_if_due()
                 continue
             code = worker.poll()
             if code is None:
@@ -228,18 +225,11 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
                 )
                 _stop(workers, resumable=False)
                 return EXIT_CONFIG_ERROR
-            delay = worker.schedule_restart(cfg.launch.restart_backoff_s, cfg.launch.max_restarts)
-            if delay is None:
-                log.error(
-                    "%s crashed (%s) more than launch.max_restarts=%d times in a row; stopping%s",
-                    worker.name,
-                    describe_exit(code),
-                    cfg.launch.max_restarts,
-                    log_tail(worker.log_path),
-                )
+            if not worker.after_crash(
+                code, cfg.launch.restart_backoff_s, cfg.launch.max_restarts, resumes="it continues from its shards"
+            ):
                 _stop(workers, resumable=False)
                 return 1
-            log.warning("%s %s; it continues from its shards in %.1f s", worker.name, describe_exit(code), delay)
         time.sleep(POLL_S)
     summary = shard_summary(folder)
     rates = [read_json(folder / f"status-p{i}.json") or {} for i in range(len(workers))]

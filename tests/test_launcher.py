@@ -21,7 +21,7 @@ from peers import wait_for
 from common.config import RunConfig, load_config
 from common.naming import owner_identity, process_alive
 from common.rundir import RunDir, read_json
-from launch import supervisor
+from launch import processes, runs
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ALL = str(ROOT / "launch" / "run_all.sh")
@@ -40,8 +40,8 @@ def launcher_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     # run_all.sh falls back to python3 on PATH when the repo has no .venv: make it this interpreter.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env[supervisor.PRODUCER_CMD_ENV] = f"{STANDIN} producer"
-    env[supervisor.TRAINER_CMD_ENV] = f"{STANDIN} trainer"
+    env[processes.PRODUCER_CMD_ENV] = f"{STANDIN} producer"
+    env[processes.TRAINER_CMD_ENV] = f"{STANDIN} trainer"
     env.update(extra)
     return env
 
@@ -441,19 +441,19 @@ def test_resume_keeps_the_run_config(pipeline):
 
 
 def test_devices_and_commands(monkeypatch):
-    monkeypatch.delenv(supervisor.TRAINER_CMD_ENV, raising=False)
-    monkeypatch.delenv(supervisor.PRODUCER_CMD_ENV, raising=False)
+    monkeypatch.delenv(processes.TRAINER_CMD_ENV, raising=False)
+    monkeypatch.delenv(processes.PRODUCER_CMD_ENV, raising=False)
     cfg = load_config(None, ["launch.num_producers=3"])
-    assert supervisor.producer_devices(cfg, lambda: False) == ["cpu"] * 3
-    assert supervisor.producer_devices(cfg, lambda: True) == ["cuda:0"] * 3
-    assert supervisor.trainer_devices(cfg, lambda: True) == ["cuda:0"]
+    assert processes.producer_devices(cfg, lambda: False) == ["cpu"] * 3
+    assert processes.producer_devices(cfg, lambda: True) == ["cuda:0"] * 3
+    assert processes.trainer_devices(cfg, lambda: True) == ["cuda:0"]
     cfg = load_config(
         None, ['launch.producer_devices=["cuda:0", "cuda:1"]', 'launch.trainer_devices=["cuda:2", "cuda:3"]']
     )
     never = lambda: pytest.fail("CUDA detection is not needed when devices are listed")  # noqa: E731
-    assert supervisor.producer_devices(cfg, never) == ["cuda:0", "cuda:1"]
+    assert processes.producer_devices(cfg, never) == ["cuda:0", "cuda:1"]
     run_dir = Path("/tmp/r")
-    assert supervisor.producer_command(run_dir, 1, "cuda:1")[1:] == [
+    assert processes.producer_command(run_dir, 1, "cuda:1")[1:] == [
         "-m",
         "producer.server",
         "--run-dir",
@@ -463,8 +463,8 @@ def test_devices_and_commands(monkeypatch):
         "--device",
         "cuda:1",
     ]
-    assert supervisor.trainer_command(run_dir, ["cpu"])[1:] == ["-m", "trainer.train", "--run-dir", "/tmp/r"]
-    assert supervisor.trainer_command(run_dir, supervisor.trainer_devices(cfg, never))[1:] == [
+    assert processes.trainer_command(run_dir, ["cpu"])[1:] == ["-m", "trainer.train", "--run-dir", "/tmp/r"]
+    assert processes.trainer_command(run_dir, processes.trainer_devices(cfg, never))[1:] == [
         "-m",
         "launch.torchrun",
         "--standalone",
@@ -496,8 +496,8 @@ def test_only_trainer_keys_may_change_on_restart():
             "eval.every_steps=20",
         ],
     )
-    changed = supervisor.changed_keys(old, new)
-    refused = " ".join(supervisor.refused_trainer_changes(changed))
+    changed = runs.changed_keys(old, new)
+    refused = " ".join(runs.refused_trainer_changes(changed))
     for key in ("drafter.num_layers", "drafter.block_size", "ring.num_slots", "eval.num_prompts"):
         assert f"{key} cannot change" in refused, key
     assert "drafter.block_size cannot change while the producers run (the drafter's checkpoint fixes it)" in refused
@@ -521,7 +521,7 @@ def test_every_config_field_says_who_reads_it():
             )
 
 
-@pytest.mark.skipif(not supervisor.DEFAULT_CONFIG.is_file(), reason="launch/tiny.toml not written yet")
+@pytest.mark.skipif(not runs.DEFAULT_CONFIG.is_file(), reason="launch/tiny.toml not written yet")
 def test_no_arguments_runs_the_tiny_default_in_a_fresh_run_dir(short_tmp):
     proc = subprocess.Popen(
         [RUN_ALL], cwd=short_tmp, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -59,7 +59,7 @@ def test_every_prompt_is_answered_exactly_once_through_a_kill_9_of_the_producer(
     folder = run_dir / "synthesized"
     steer = 'synthesize.magpie_system_prompts=["", "You help people write Python code."]'
     out = run_killing_once(synthesize_args(run_dir, data, steer), folder, f"producer.synthesize --run-dir {run_dir}")
-    assert "synth0 killed by SIGKILL; it continues from its shards" in out
+    assert "synth0 crashed (killed by SIGKILL), restarting in" in out and "it continues from its shards" in out
     ids = shard_ids(folder)
     expected = {f"data:{i}" for i in range(16)} | {f"magpie:{i}" for i in range(4)}
     assert set(ids) == expected and max(ids.values()) == 1, ids  # all of them, none twice

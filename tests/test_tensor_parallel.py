@@ -39,7 +39,7 @@ from common.config import ConfigError, TargetConfig, load_config
 from common.drafter.evaluate import GreedyTarget
 from common.naming import process_alive
 from common.rundir import RunDir, read_json
-from launch import supervisor
+from launch import processes
 from producer.target import Target, check_tensor_parallel
 from producer.tensor_parallel import MirroredTarget, TensorParallelGroup, follow, split_devices
 
@@ -224,9 +224,9 @@ def test_entries_with_several_devices_are_one_producer_each():
 
 
 def test_a_multi_device_entry_runs_under_torchrun(monkeypatch):
-    monkeypatch.delenv(supervisor.PRODUCER_CMD_ENV, raising=False)
+    monkeypatch.delenv(processes.PRODUCER_CMD_ENV, raising=False)
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
-    command = supervisor.producer_command(Path("/tmp/r"), 0, "cuda:2,cuda:3")
+    command = processes.producer_command(Path("/tmp/r"), 0, "cuda:2,cuda:3")
     assert command[1:] == [
         "-m",
         "launch.torchrun",
@@ -243,9 +243,9 @@ def test_a_multi_device_entry_runs_under_torchrun(monkeypatch):
         "cuda:2,cuda:3",
     ]
     # torchrun must stop its ranks within the launcher's own wait for a producer.
-    shutdown = int(supervisor.producer_environment("cuda:2,cuda:3")["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
-    assert 0 < shutdown < supervisor.PRODUCER_STOP_TIMEOUT_S
-    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in supervisor.producer_environment("cuda:1")
+    shutdown = int(processes.producer_environment("cuda:2,cuda:3")["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    assert 0 < shutdown < processes.PRODUCER_STOP_TIMEOUT_S
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in processes.producer_environment("cuda:1")
 
 
 # -- the sharded capture ------------------------------------------------------------------------------

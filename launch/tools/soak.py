@@ -38,7 +38,7 @@ from pathlib import Path
 
 from common.naming import SHM_DIR, parse_owner, process_alive, process_start_ticks, run_tag, segment_name
 from common.rundir import RunDir, read_json
-from launch.supervisor import REPO_ROOT
+from launch.runs import REPO_ROOT
 
 TAG_ENV = "DFLASH_SOAK_TAG"
 ENDLESS = ["training.max_steps=100000000"]
