@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from launch.mps import MpsDaemon
+from launch.bench.side_by_side import SideBySide, quality_command, synthesize_once
 
 ROWS: dict[str, tuple[str, list[str]]] = {
     "dflash": ("dflash", []),
@@ -175,60 +174,21 @@ def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, tupl
     warm-started row once its source and its step count are known."""
     out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.smoke else "cuda:0"
-    quality = [
-        sys.executable,
-        "-m",
-        "launch.bench.quality",
-        "--gguf",
-        str(args.gguf.resolve()),
-        "--out",
-        str(out),
-        "--magpie",
-        str(args.magpie),
-        "--held-out",
-        str(args.held_out),
-        "--eval-every",
-        "0",
-        "--sampled-prompts",
-        str(args.sampled_prompts),
-        *(["--smoke"] if args.smoke else []),
-    ]
-    if not (out / "quality-data.json").exists():
-        started = time.monotonic()
-        subprocess.run([*quality, "--synthesize-only"], check=True, stdout=subprocess.DEVNULL)
-        print(f"data synthesized in {time.monotonic() - started:.0f} s", flush=True)
+    quality = quality_command(
+        args.gguf,
+        out,
+        args.magpie,
+        *("--held-out", str(args.held_out), "--eval-every", "0", "--sampled-prompts", str(args.sampled_prompts)),
+        smoke=args.smoke,
+    )
+    synthesize_once(quality, out)
     producers = f"launch.producer_devices={json.dumps([device] * args.producers)}"
-    # One MPS daemon for all the runs (each run's own would contend for the GPU); each run's launcher then starts
-    # none. The CPU threads are shared out so that the runs do not oversubscribe the cores.
-    daemon = None if args.smoke else MpsDaemon(out, out / "logs")
+
+    def command(name: str, kind: str, options: list[str], overrides: list[str]) -> list[str]:
+        return [*quality, "--reuse-data", "--name", name, "--kind", kind, *options, *overrides, producers]
+
     processes = len(runs) * (args.producers + 1)
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
-    if daemon is not None:
-        daemon.start()
-        env.update(daemon.env)
-
-    def launch(name: str, kind: str, options: list[str], overrides: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(
-            [
-                *quality,
-                "--reuse-data",
-                "--name",
-                name,
-                "--kind",
-                kind,
-                *options,
-                *overrides,
-                producers,
-                "launch.mps=false",
-            ],
-            env=env,
-            stdout=open(out / f"kinds-{name}.log", "w"),
-            stderr=subprocess.STDOUT,
-        )
-
-    try:
-        started = time.monotonic()
-        children = {}
+    with SideBySide(out, "kinds", processes, smoke=args.smoke) as rows:
         for name, (kind, overrides) in runs.items():
             if args.warm and name == "dflash-s0":  # the warm row's source: checkpoints to pick half the budget from
                 overrides = [
@@ -236,10 +196,10 @@ def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, tupl
                     f"training.checkpoint_every={WARM_SOURCE_CHECKPOINT_EVERY}",
                     "training.keep_last=100000",
                 ]
-            children[name] = launch(name, kind, ["--minutes", str(args.minutes)], overrides)
+            rows.launch(name, command(name, kind, ["--minutes", str(args.minutes)], overrides))
         if args.warm:
             while not (trained(out, "dflash-s0") and trained(out, "dflash2-s0")):
-                if any(children[n].poll() not in (None, 0) for n in ("dflash-s0", "dflash2-s0")):
+                if any(rows.children[n].poll() not in (None, 0) for n in ("dflash-s0", "dflash2-s0")):
                     sys.exit(
                         "the warm row's source or step count failed; see kinds-dflash-s0.log, kinds-dflash2-s0.log"
                     )
@@ -247,22 +207,9 @@ def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, tupl
             source = checkpoint_nearest(out / "dflash-s0", 30 * args.minutes)
             steps = max(1, trained(out, "dflash2-s0")["steps"] // 2)
             print(f"{WARM}: from {source.name} of dflash-s0, {steps} steps", flush=True)
-            children[f"{WARM}-s0"] = launch(
-                f"{WARM}-s0",
-                "dflash2",
-                ["--steps", str(steps)],
-                [f"drafter.init_from={json.dumps(str(source))}", "training.seed=0"],
-            )
-        for name, child in children.items():
-            code = child.wait()
-            print(
-                f"{name}: {'done' if code == 0 else f'failed (exit {code}), see kinds-{name}.log'} after "
-                f"{time.monotonic() - started:.0f} s",
-                flush=True,
-            )
-    finally:
-        if daemon is not None:
-            daemon.quit()
+            overrides = [f"drafter.init_from={json.dumps(str(source))}", "training.seed=0"]
+            rows.launch(f"{WARM}-s0", command(f"{WARM}-s0", "dflash2", ["--steps", str(steps)], overrides))
+        rows.wait()
 
 
 if __name__ == "__main__":

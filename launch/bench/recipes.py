@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from launch.mps import MpsDaemon
+from launch.bench.side_by_side import SideBySide, quality_command, synthesize_once
 
 RECIPES: dict[str, list[str]] = {
     "default": [],
@@ -140,55 +138,19 @@ def main(argv: list[str] | None = None) -> int:
 def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, list[str]]) -> None:
     """Synthesize the data (once per --out), then run every recipe's training and evaluation at the same time."""
     out.mkdir(parents=True, exist_ok=True)
-    quality = [
-        sys.executable,
-        "-m",
-        "launch.bench.quality",
-        "--gguf",
-        str(args.gguf.resolve()),
-        "--out",
-        str(out),
-        "--magpie",
-        str(args.magpie),
-        "--steps",
-        str(args.steps),
-        "--eval-every",
-        str(args.eval_every),
+    quality = quality_command(
+        args.gguf,
+        out,
+        args.magpie,
+        *("--steps", str(args.steps), "--eval-every", str(args.eval_every)),
         *(["--rows", str(args.rows)] if args.rows else []),
-        *(["--smoke"] if args.smoke else []),
-    ]
-    if not (out / "quality-data.json").exists():
-        started = time.monotonic()
-        subprocess.run([*quality, "--synthesize-only"], check=True, stdout=subprocess.DEVNULL)
-        print(f"data synthesized in {time.monotonic() - started:.0f} s", flush=True)
-    # One MPS daemon for all the runs (each run's own would contend for the GPU); each run's launcher then starts
-    # none. The CPU threads are shared out so that the runs do not oversubscribe the cores.
-    daemon = None if args.smoke else MpsDaemon(out, out / "logs")
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (2 * len(runs))))}
-    if daemon is not None:
-        daemon.start()
-        env.update(daemon.env)
-    try:
-        started = time.monotonic()
-        children = {
-            name: subprocess.Popen(
-                [*quality, "--reuse-data", "--name", name, *overrides, *([] if args.smoke else ["launch.mps=false"])],
-                env=env,
-                stdout=open(out / f"recipe-{name}.log", "w"),
-                stderr=subprocess.STDOUT,
-            )
-            for name, overrides in runs.items()
-        }
-        for name, child in children.items():
-            code = child.wait()
-            print(
-                f"{name}: {'done' if code == 0 else f'failed (exit {code}), see recipe-{name}.log'} after "
-                f"{time.monotonic() - started:.0f} s",
-                flush=True,
-            )
-    finally:
-        if daemon is not None:
-            daemon.quit()
+        smoke=args.smoke,
+    )
+    synthesize_once(quality, out)
+    with SideBySide(out, "recipe", processes=2 * len(runs), smoke=args.smoke) as runs_on_the_gpu:
+        for name, overrides in runs.items():
+            runs_on_the_gpu.launch(name, [*quality, "--reuse-data", "--name", name, *overrides])
+        runs_on_the_gpu.wait()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,66 @@
+"""Quality runs side by side on one GPU (launch.bench.recipes, launch.bench.kinds): the data synthesized once, then
+every run a ``launch.bench.quality --reuse-data`` child, all under one MPS daemon."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launch.mps import MpsDaemon
+
+
+def quality_command(gguf: Path, out: Path, magpie: int, *options: str, smoke: bool = False) -> list[str]:
+    """``launch.bench.quality`` on the GGUF target, its runs and data in ``out``, with ``options``."""
+    command = [sys.executable, "-m", "launch.bench.quality", "--gguf", str(gguf.resolve()), "--out", str(out)]
+    return [*command, "--magpie", str(magpie), *options, *(["--smoke"] if smoke else [])]
+
+
+def synthesize_once(quality: list[str], out: Path) -> None:
+    """The data every run of ``out`` trains on (``quality --synthesize-only``), unless an earlier call made it."""
+    if not (out / "quality-data.json").exists():
+        started = time.monotonic()
+        subprocess.run([*quality, "--synthesize-only"], check=True, stdout=subprocess.DEVNULL)
+        print(f"data synthesized in {time.monotonic() - started:.0f} s", flush=True)
+
+
+class SideBySide:
+    """Child runs sharing one GPU: one MPS daemon for all of them (each run's own would contend for the GPU, so each
+    run's launcher starts none: ``launch.mps=false``), none on the CPU (``smoke``), and the CPU threads shared out
+    over ``processes`` so that the runs do not oversubscribe the cores. Each child's output goes to
+    ``out/PREFIX-NAME.log``."""
+
+    def __init__(self, out: Path, prefix: str, processes: int, smoke: bool) -> None:
+        self.out, self.prefix = out, prefix
+        self.daemon = None if smoke else MpsDaemon(out, out / "logs")
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, processes)))}
+        self.children: dict[str, subprocess.Popen] = {}
+        self.started = time.monotonic()
+
+    def __enter__(self) -> SideBySide:
+        if self.daemon is not None:
+            self.daemon.start()
+            self.env.update(self.daemon.env)
+        self.started = time.monotonic()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.daemon is not None:
+            self.daemon.quit()
+
+    def launch(self, name: str, command: list[str]) -> subprocess.Popen:
+        """Start run ``name`` (its command, ``launch.mps=false`` appended under the shared daemon)."""
+        extra = [] if self.daemon is None else ["launch.mps=false"]
+        with open(self.out / f"{self.prefix}-{name}.log", "w") as log:
+            child = subprocess.Popen([*command, *extra], env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.children[name] = child
+        return child
+
+    def wait(self) -> None:
+        """Wait for every run, saying how each ended and when."""
+        for name, child in self.children.items():
+            code = child.wait()
+            ended = "done" if code == 0 else f"failed (exit {code}), see {self.prefix}-{name}.log"
+            print(f"{name}: {ended} after {time.monotonic() - self.started:.0f} s", flush=True)
