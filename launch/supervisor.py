@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.config import ConfigError, RunConfig, load_config, save_config
+from common.control import HandoverRequest, RestartRequest, RestartResult, StandbyGo
 from common.lifecycle import EXIT_CONFIG_ERROR
 from common.naming import process_alive, process_start_ticks, run_tag, sweep_stale, sweep_stale_trainer_staging
 from common.rundir import RunDir, atomic_write_json, read_json
@@ -420,11 +421,11 @@ class Supervisor:
     def _handle_restart_request(self) -> None:
         """Apply a restart-trainer request: validate, save config.toml, replace the trainer."""
         self.restart_requested = False
-        request = read_json(self.run.restart_request)
+        request = RestartRequest.read(self.run.restart_request)
         if request is None:
             return
-        request_id = request.get("request_id")
-        overrides = [str(o) for o in request.get("overrides") or []]
+        request_id = request.request_id
+        overrides = [str(o) for o in request.overrides]
         try:
             new_cfg = load_config(self.run.config, overrides)
         except ConfigError as exc:
@@ -449,7 +450,7 @@ class Supervisor:
             # instead never reached the trainer's handler on an H200 machine (cause not found).
             hand_over = len(old.devices) == 1 and len(successor.devices) == 1
             if hand_over:
-                atomic_write_json(self.run.handover_request(old.pid), {"successor_devices": successor.devices})
+                HandoverRequest(successor.devices).write(self.run.handover_request(old.pid))
             log.info(
                 "stopping trainer pid %d (waiting up to %.0f s for its %s)",
                 old.pid,
@@ -471,7 +472,7 @@ class Supervisor:
                 and spare.poll() is None
                 and spare.devices == successor.devices
             ):
-                atomic_write_json(self.run.standby_go(spare.pid), {"predecessor": predecessor})
+                StandbyGo(predecessor).write(self.run.standby_go(spare.pid))
                 spare.command = successor.command  # a crash restart of it is an ordinary trainer start
                 spare.name = successor.name
                 spare.restarts = successor.restarts
@@ -499,24 +500,14 @@ class Supervisor:
 
     def _answer_restart(
         self,
-        request_id: object,
+        request_id: str,
         error: str | None = None,
         trainer_pid: int | None = None,
         changed: list[str] | None = None,
     ) -> None:
         if error:
             log.error("restart-trainer refused: %s", error)
-        atomic_write_json(
-            self.run.restart_result,
-            {
-                "request_id": request_id,
-                "ok": error is None,
-                "error": error,
-                "trainer_pid": trainer_pid,
-                "changed": changed or [],
-                "answered": time.time(),
-            },
-        )
+        RestartResult(request_id, error is None, error, trainer_pid, changed or []).write(self.run.restart_result)
 
     # -- shutdown
 
@@ -665,20 +656,20 @@ def request_trainer_restart(run_dir: Path, overrides: list[str], timeout_s: floa
         return 1
     request_id = uuid.uuid4().hex
     run.restart_result.unlink(missing_ok=True)
-    atomic_write_json(run.restart_request, {"request_id": request_id, "overrides": overrides, "requested": time.time()})
+    RestartRequest(request_id, list(overrides)).write(run.restart_request)
     os.kill(record["pid"], signal.SIGUSR1)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        result = read_json(run.restart_result)
-        if result is not None and result.get("request_id") == request_id:
-            if not result.get("ok"):
-                print(f"error: restart-trainer refused: {result.get('error')}", file=sys.stderr)
+        result = RestartResult.read(run.restart_result)
+        if result is not None and result.request_id == request_id:
+            if not result.ok:
+                print(f"error: restart-trainer refused: {result.error}", file=sys.stderr)
                 return EXIT_CONFIG_ERROR
-            changed = ", ".join(result.get("changed") or []) or "none"
-            if result.get("trainer_pid") is None:
+            changed = ", ".join(result.changed) or "none"
+            if result.trainer_pid is None:
                 print(f"config saved (changed: {changed}); the trainer starts once the producers are ready")
             else:
-                print(f"trainer restarted: pid {result['trainer_pid']} (changed: {changed})")
+                print(f"trainer restarted: pid {result.trainer_pid} (changed: {changed})")
             return 0
         if not process_alive(record["pid"], record.get("start_ticks")):
             print("error: the launcher exited before answering", file=sys.stderr)

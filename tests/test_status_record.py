@@ -23,3 +23,21 @@ def test_a_starting_trainer_writes_who_it_is_and_keys_of_another_version_are_lef
     assert (started.pid, started.incarnation, started.state, started.step) == (9, 4, "taking over", 0)
     path.write_text(json.dumps({"pid": 9, "state": "training", "a_later_field": 1}))
     assert TrainerStatus.read(path).state == "training"
+
+
+def test_control_records_round_trip_and_another_file_reads_as_none(tmp_path):
+    from common.control import HandoverMark, RestartRequest, RestartResult, StandbyGo
+
+    path = tmp_path / "control.json"
+    assert RestartRequest.read(path) is None  # none yet
+    request = RestartRequest("abc", ["training.lr=3e-4"])
+    request.write(path)
+    assert RestartRequest.read(path) == request
+    assert RestartResult.read(path) is None  # a request is no answer: its required fields are missing
+    RestartResult("abc", False, error="training.label_mode: fixed").write(path)
+    assert RestartResult.read(path).error == "training.label_mode: fixed"
+    StandbyGo("12:34").write(path)
+    assert StandbyGo.read(path).predecessor == "12:34"
+    mark = HandoverMark(pid=1, start_ticks=2, step=3, time=4.0, state={"segments": []})
+    mark.write(path)
+    assert HandoverMark.read(path) == mark

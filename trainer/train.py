@@ -28,11 +28,12 @@ from torch.utils._pytree import tree_map
 
 from common import faults
 from common.config import ConfigError, RunConfig, load_config
+from common.control import HandoverMark, StandbyGo
 from common.drafter.export import zlab_config
 from common.drafter.model import train_flops
 from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, end_now, exit_process, start_role, stop_on_signals
 from common.naming import process_start_ticks
-from common.rundir import CheckpointError, RunDir, atomic_write_json, read_json
+from common.rundir import CheckpointError, RunDir
 from common.status import TrainerStatus
 from trainer import build
 from trainer.budget import TimeBudget
@@ -684,16 +685,10 @@ class Trainer:
             if self.handover_state is None:
                 self.checkpoints.staging.release()  # nobody takes them over
             faults.point("trainer.handover")
-            atomic_write_json(
-                self.run_dir.trainer_handover,
-                {
-                    "pid": os.getpid(),
-                    "start_ticks": process_start_ticks(os.getpid()),
-                    "step": self.step,
-                    "time": time.time(),
-                    "state": self.handover_state,
-                },
+            mark = HandoverMark(
+                os.getpid(), process_start_ticks(os.getpid()), self.step, time.time(), self.handover_state
             )
+            mark.write(self.run_dir.trainer_handover)
 
 
 def wandb_key(key: str) -> str:
@@ -782,7 +777,9 @@ def warm_start_ahead(run_dir: RunDir) -> WarmStart | None:
     return prepare_warm_start(cfg, run_dir, resolve_device(cfg, 0))
 
 
-def wait_for_predecessor(run_dir: RunDir, warm_start: WarmStart | None = None) -> tuple[dict | None, WarmStart | None]:
+def wait_for_predecessor(
+    run_dir: RunDir, warm_start: WarmStart | None = None
+) -> tuple[HandoverMark | None, WarmStart | None]:
     """With ``DFLASH_TRAINER_AFTER=pid:start_ticks`` the launcher started this trainer while the one it
     replaces (restart-trainer) still finishes its step and writes its final checkpoint: import what the
     start needs meanwhile, then wait until that process is gone, or has written its handover (everything
@@ -800,18 +797,18 @@ def wait_for_predecessor(run_dir: RunDir, warm_start: WarmStart | None = None) -
     while True:
         # Alive first, then the mark: a predecessor already gone has written whatever mark it ever will.
         gone = process_start_ticks(pid) != start_ticks
-        mark = read_json(run_dir.trainer_handover) or {}
-        if mark.get("pid") == pid and mark.get("start_ticks") == start_ticks:
+        mark = HandoverMark.read(run_dir.trainer_handover)
+        if mark is not None and (mark.pid, mark.start_ticks) == (pid, start_ticks):
             break
         if gone:  # killed before its mark: the disk checkpoint is the state
-            mark = {}
+            mark = None
             break
         time.sleep(0.01)
     log.info(
         "the trainer this one replaces (pid %d) is done; waited %.1f s for it%s",
         pid,
         time.monotonic() - began,
-        ", it handed its state over" if mark.get("state") else "",
+        ", it handed its state over" if mark is not None and mark.state else "",
     )
     faults.point("trainer.resume")
     return mark, warm_start
@@ -835,7 +832,7 @@ def run_trainer(run_dir: str | Path, source: SourceFactory = RingSource, warm_st
     stop_on_signals(request_stop)
     try:
         mark, warm_start = wait_for_predecessor(root, warm_start)
-        trainer = Trainer(cfg, root, source, handed_over=(mark or {}).get("state"), warm=warm_start)
+        trainer = Trainer(cfg, root, source, handed_over=mark.state if mark else None, warm=warm_start)
         del warm_start  # what the trainer did not take is freed
     except ConfigError as exc:
         log.error("configuration error: %s", exc)
@@ -889,12 +886,12 @@ def wait_for_takeover(run_dir: RunDir) -> WarmStart | None:
     import_what_a_start_needs()
     warm_start = warm_start_ahead(run_dir)
     go = run_dir.standby_go(os.getpid())
-    while (order := read_json(go)) is None:
+    while (order := StandbyGo.read(go)) is None:
         time.sleep(0.02)
     go.unlink(missing_ok=True)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the run's trainer now: its own stop handling follows
-    if order.get("predecessor"):
-        os.environ[PREDECESSOR_ENV] = order["predecessor"]
+    if order.predecessor:
+        os.environ[PREDECESSOR_ENV] = order.predecessor
     log.info("taking over as the run's trainer")
     faults.point("trainer.takeover")
     return warm_start
