@@ -846,7 +846,8 @@ def _check_producer_devices(entries: list[str]) -> None:
 
 @dataclass
 class EvalConfig:
-    """Acceptance evaluation by real speculative decoding against the target (common/drafter/evaluate.py)."""
+    """Acceptance evaluation by real speculative decoding against the target (producer/verify.py runs it; the
+    arithmetic is common/drafter/evaluate.py's)."""
 
     READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
         "every_steps": "trainer",

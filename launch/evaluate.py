@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from common.config import ConfigError, load_config
-from common.drafter.evaluate import target_head_of
 from common.drafter.export import drafter_folder, load_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.target_head import load_target_head
@@ -28,6 +27,7 @@ from common.lifecycle import EXIT_CONFIG_ERROR
 from common.rundir import RunDir
 from producer.evaluation import build_evaluator
 from producer.target import load_target_model
+from producer.verify import target_head_of
 
 
 def _run_dir_of(checkpoint: Path) -> Path | None:

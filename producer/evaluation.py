@@ -18,7 +18,7 @@ from torch import nn
 from common import evals, faults
 from common.batch import Document
 from common.config import RunConfig
-from common.drafter.evaluate import Evaluator, GreedyTarget, by_length_summary, stop_tokens_of
+from common.drafter.evaluate import by_length_summary
 from common.rundir import RunDir
 from producer.data import (
     BadRecord,
@@ -32,6 +32,7 @@ from producer.data import (
 )
 from producer.target import Target
 from producer.tensor_parallel import MirroredTarget, TensorParallelGroup
+from producer.verify import Evaluator, GreedyTarget, stop_tokens_of
 
 log = logging.getLogger(__name__)
 
@@ -250,10 +251,10 @@ class EvaluationJob:
 
     def _evaluate(self, request: evals.EvalRequest) -> dict[str, float]:
         """Real and simulated acceptance of the exported drafter against this producer's target."""
-        from common.drafter.evaluate import target_head_of
         from common.drafter.export import load_drafter
         from common.drafter.loss import LossConfig
         from common.drafter.target_head import load_target_head
+        from producer.verify import target_head_of
 
         model = self.target.model
         if self.group is None:

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunConfig, SynthesizeConfig
-from common.drafter.evaluate import stop_tokens_of
 from common.lifecycle import exit_process, run_role
 from common.rundir import RunDir, atomic_write_json, fsync_file
 from producer.conversation import (
@@ -53,6 +52,7 @@ from producer.conversation import (
 )
 from producer.data import BadRecord, DataError, expand_paths, record_tools
 from producer.generate import GenerationConfig, GenerationMemoryError, Generator
+from producer.verify import stop_tokens_of
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import ConfigError
-from common.drafter.evaluate import GreedyTarget
+from producer.verify import GreedyTarget
 
 if TYPE_CHECKING:
     from producer.target import Target

@@ -15,14 +15,11 @@ from common.batch import Document
 from common.config import ConfigError, EvalConfig, load_config, save_config
 from common.drafter.evaluate import (
     DraftContext,
-    Evaluator,
     acceptance_by_length,
     block_contexts,
     bucket_labels,
     bucket_of,
     prompt_of,
-    speculative_decode,
-    target_head_of,
     turn_documents,
 )
 from common.drafter.export import export_zlab
@@ -30,6 +27,7 @@ from common.drafter.model import DFlashDrafter
 from common.rundir import RunDir
 from launch.evaluate import main
 from producer.evaluation import build_evaluator
+from producer.verify import Evaluator, speculative_decode, target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 from tests.test_data_sources import PLAIN_TEMPLATE, tiny_tokenizer
 

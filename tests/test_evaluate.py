@@ -13,18 +13,7 @@ import torch
 from common.batch import Document, PackedBatch
 from common.config import ConfigError, RunConfig, load_config, save_config
 from common.drafter.blocks import build_blocks
-from common.drafter.evaluate import (
-    DraftContext,
-    DraftRows,
-    Evaluator,
-    GreedyTarget,
-    greedy_decode,
-    greedy_transcripts,
-    prompt_of,
-    replay_rows,
-    speculative_decode,
-    target_head_of,
-)
+from common.drafter.evaluate import DraftContext, DraftRows, prompt_of, replay_rows
 from common.drafter.export import export_zlab
 from common.drafter.masks import build_masks
 from common.drafter.model import DFlashDrafter
@@ -32,6 +21,14 @@ from launch.bench.coupled import TrainingEvaluation
 from launch.evaluate import main
 from producer.data import build_data_source
 from producer.evaluation import build_evaluator, held_out_documents
+from producer.verify import (
+    Evaluator,
+    GreedyTarget,
+    greedy_decode,
+    greedy_transcripts,
+    speculative_decode,
+    target_head_of,
+)
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
 LAYER_IDS = [1, 3]
@@ -600,7 +597,8 @@ def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model,
     """Real decoding of a held-out prompt stops at eval.max_new_tokens; the simulation scores blocks at the anchors
     of the same span of each document (from the prefill's token to the one before the max_new_tokens-th), not at
     the rest of a longer answer."""
-    from common.drafter.evaluate import decoded_span, document_features, simulated_acceptance
+    from common.drafter.evaluate import decoded_span, simulated_acceptance
+    from producer.verify import document_features
 
     cfg = load_config(
         None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4", "eval.max_new_tokens=8"]

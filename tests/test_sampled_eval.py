@@ -25,16 +25,11 @@ import pytest
 import torch
 
 from common.config import load_config
-from common.drafter.evaluate import (
-    DraftContext,
-    GreedyTarget,
-    speculative_decode,
-    target_head_of,
-    zlab_acceptance_lengths,
-)
+from common.drafter.evaluate import DraftContext, zlab_acceptance_lengths
 from common.drafter.kinds import build_drafter
 from common.drafter.sampling import Sampling, rejection_sample, sample_from, sampling_probs
 from producer.evaluation import build_evaluator
+from producer.verify import GreedyTarget, speculative_decode, target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
 
 VOCAB = 16

@@ -36,12 +36,12 @@ from test_target import make_batch, tiny_qwen3_config
 
 from common.batch import Document
 from common.config import ConfigError, TargetConfig, load_config
-from common.drafter.evaluate import GreedyTarget
 from common.naming import process_alive
 from common.rundir import RunDir, read_json
 from launch import processes
 from producer.target import Target, check_tensor_parallel
 from producer.tensor_parallel import MirroredTarget, TensorParallelGroup, follow, split_devices
+from producer.verify import GreedyTarget
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER_IDS = [1, 3]
@@ -86,9 +86,9 @@ def eval_reports(model, head: dict[str, torch.Tensor], make_target=GreedyTarget)
     one at a time (every call a greedy target makes: prefills, greedy steps, document forwards)."""
     from common.config import EvalConfig
     from common.drafter.draft_config import DraftConfig
-    from common.drafter.evaluate import Evaluator
     from common.drafter.model import DFlashDrafter
     from common.drafter.target_head import TargetHead
+    from producer.verify import Evaluator
 
     vocab = int(model.config.vocab_size)
     config = DraftConfig.from_target(

@@ -29,7 +29,7 @@ from torch import nn
 from common.batch import PackedBatch, SlotDims, document_tensors, pad_packed, slot_shapes
 from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta
-from common.drafter.evaluate import AcceptanceReport, Evaluator, target_head_of, warn_if_gap
+from common.drafter.evaluate import AcceptanceReport, warn_if_gap
 from common.drafter.kinds import build_drafter
 from common.drafter.model import DFlashDrafter
 from common.lifecycle import exit_process
@@ -38,6 +38,7 @@ from producer.batching import batch_stats
 from producer.evaluation import build_evaluator
 from producer.server import build_plan, export_target_head, feature_layer_ids
 from producer.target import Target, build_target_config
+from producer.verify import Evaluator, target_head_of
 from trainer.feeder import Commits, Received
 from trainer.ranks import Ranks
 from trainer.train import run_trainer

@@ -22,12 +22,12 @@ import torch
 
 from common.batch import Document
 from common.config import EvalConfig, TargetConfig
-from common.drafter.evaluate import Evaluator, target_head_of
 from common.drafter.model import DFlashDrafter
 from launch.bench.step import qwen3_8b_draft, tiny_draft
 from launch.bench.target import QWEN3_8B_SHAPE
 from launch.bench.util import synchronize
 from producer.target import load_target_model
+from producer.verify import Evaluator, target_head_of
 
 TINY_TARGET = {
     "model_type": "qwen3",

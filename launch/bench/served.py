@@ -195,7 +195,7 @@ def read_prompts(path: Path, tokenizer_dir: Path, limit: int | None) -> list[lis
 
 def stop_token_ids(target_dir: Path, model) -> list[int]:
     """What a server stops at: the target config's end-of-sequence ids and its generation config's."""
-    from common.drafter.evaluate import stop_tokens_of
+    from producer.verify import stop_tokens_of
 
     stops = set(stop_tokens_of(model))
     generation = target_dir / "generation_config.json"
@@ -230,10 +230,11 @@ def run_ours(
 
     from common.batch import Document
     from common.config import EvalConfig, TargetConfig
-    from common.drafter.evaluate import DraftContext, Evaluator, GreedyTarget, speculative_decode, target_head_of
+    from common.drafter.evaluate import DraftContext
     from common.drafter.export import drafter_folder, load_drafter
     from common.drafter.loss import LossConfig
     from producer.target import load_target_model
+    from producer.verify import Evaluator, GreedyTarget, speculative_decode, target_head_of
 
     torch.set_num_threads(1)
     started = time.perf_counter()
