@@ -440,6 +440,7 @@ def test_turns_last_keeps_the_earlier_turns_as_recorded_and_answers_the_last_use
     assert tools.tools == WEATHER_TOOLS and "tool_calls" not in tools.messages[5]  # its text as written
 
 
+@pytest.mark.reference
 def test_every_conversation_is_written_once_through_a_kill_9_with_smollm2(short_tmp):
     """SmolLM2 writes every assistant turn of three-turn records and two-turn self-written conversations (its own
     follow-up user turn included); a kill -9 of the producer mid-run loses only conversations in flight."""

@@ -55,21 +55,21 @@ def test_a_negative_budget_names_the_key():
 
 
 def test_a_time_bound_run_stops_on_its_budget_through_kill9(short_tmp):
-    """Real processes: a budget of 12 s and 100,000 steps; the trainer is killed with kill -9 after 6 s of
-    training; its successor resumes the seconds of the last checkpoint (so it trains about 6 s, not 12), and the
+    """Real processes: a budget of 6 s and 100,000 steps; the trainer is killed with kill -9 after 3 s of
+    training; its successor resumes the seconds of the last checkpoint (so it trains about 3 s, not 6), and the
     run ends on the clock with the learning rate at its floor."""
     run_dir = short_tmp / "run"
     launcher = start(
         run_dir,
         "training.max_steps=100000",
-        "training.max_minutes=0.2",
+        "training.max_minutes=0.1",
         "training.min_lr_ratio=0.1",
         "training.lr=1e-3",
         "training.checkpoint_every=4",
         "eval.every_steps=0",
     )
     run = RunDir(run_dir)
-    wait_for(lambda: ((read_json(run.trainer_status) or {}).get("trained_s") or 0) >= 6, "6 s of training", 120)
+    wait_for(lambda: ((read_json(run.trainer_status) or {}).get("trained_s") or 0) >= 3, "3 s of training", 120)
     victim = read_json(run.trainer_status)["pid"]
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: (read_json(run.trainer_status) or {}).get("pid") not in (None, victim), "a new trainer", 120)
@@ -77,7 +77,7 @@ def test_a_time_bound_run_stops_on_its_budget_through_kill9(short_tmp):
 
     status = read_json(run.trainer_status)
     assert status["state"] == "finished" and status["step"] < 100000
-    assert 12.0 <= status["trained_s"] < 20.0  # the budget, and at most a few steps beyond it
+    assert 6.0 <= status["trained_s"] < 12.0  # the budget, and at most a few steps beyond it
     last = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
     assert json.loads((last / "trainer_state.json").read_text())["trained_s"] == pytest.approx(status["trained_s"])
     trained = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -87,7 +87,7 @@ def test_a_time_bound_run_stops_on_its_budget_through_kill9(short_tmp):
     ledger = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     successor = [entry["time"] for entry in ledger if entry["incarnation"] == status["incarnation"]]
     assert len({entry["incarnation"] for entry in ledger}) == 2
-    assert successor[-1] - successor[0] < 10.0, "the successor trained a whole budget"
+    assert successor[-1] - successor[0] < 5.0, "the successor trained a whole budget"
 
 
 def test_the_eta_is_the_budget_rest_when_the_clock_ends_the_run_first():
