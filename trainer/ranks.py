@@ -58,11 +58,12 @@ class Ranks:
         return "fsdp" if self.sharded else "ddp"
 
     def broadcast(self, value: Any) -> Any:
-        """Rank 0's ``value`` on every rank."""
+        """Rank 0's ``value`` on every rank, through the CPU group: the time budget's clock is agreed every step, and an
+        object collective on NCCL would wait for the GPU to finish the step."""
         if self.world_size == 1:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
     def gather(self, value: Any) -> list[Any]:
