@@ -86,7 +86,7 @@ def refused_trainer_changes(
     changed: list[str], old: RunConfig | None = None, new: RunConfig | None = None
 ) -> list[str]:
     """Messages for the changed keys that restart-trainer must refuse: those a producer or the drafter's
-    checkpoint holds (each field's readers, ``READ_BY`` in common/config.py)."""
+    checkpoint holds (each field's readers, ``READ_BY`` in common/config/)."""
     refusals = []
     for key in changed:
         if (

@@ -1,9 +1,10 @@
-"""docs/configuration.md is what launch/tools/config_docs.py writes from common/config.py, field for field."""
+"""docs/configuration.md is what launch/tools/config_docs.py writes from common/config/, field for field."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 import uuid
@@ -18,17 +19,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def config_copy(tmp_path: Path, edit) -> object:
-    """A copy of common/config.py, changed by ``edit(source) -> source``, imported as a module of its own."""
-    path = tmp_path / "config_copy.py"
-    path.write_text(edit((ROOT / "common" / "config.py").read_text()))
+    """A copy of the config package whose ``target.py`` is changed by ``edit(source) -> source``, imported as a
+    package of its own (its modules import each other relatively, so the copy's sections are the edited ones)."""
     name = f"config_copy_{uuid.uuid4().hex}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    folder = tmp_path / name
+    shutil.copytree(ROOT / "common" / "config", folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (folder / "target.py").write_text(edit((folder / "target.py").read_text()))
+    spec = importlib.util.spec_from_file_location(
+        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses resolve the ClassVar annotations through it
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[name]
+        for loaded in [key for key in sys.modules if key == name or key.startswith(name + ".")]:
+            del sys.modules[loaded]
         raise
     return module
 
@@ -110,7 +116,7 @@ def test_the_command_checks_and_writes(tmp_path):
     command = [sys.executable, "-m", "launch.tools.config_docs", "--out", str(stale)]
     checked = subprocess.run([*command, "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert checked.returncode == 1
-    assert "missing: eval.paths" in checked.stderr and "not in common/config.py: eval.pathz" in checked.stderr
+    assert "missing: eval.paths" in checked.stderr and "not in common/config/: eval.pathz" in checked.stderr
     assert subprocess.run(command, cwd=ROOT, capture_output=True, timeout=120).returncode == 0
     assert subprocess.run([*command, "--check"], cwd=ROOT, capture_output=True, timeout=120).returncode == 0
 

@@ -478,7 +478,7 @@ def test_devices_and_commands(monkeypatch):
 
 
 def test_only_trainer_keys_may_change_on_restart():
-    """Derived from who reads each field (common/config.py READ_BY): a key a producer or the checkpoint holds is
+    """Derived from who reads each field (READ_BY in common/config/): a key a producer or the checkpoint holds is
     refused, one only the trainer or the launcher reads is not. eval.num_prompts used to be accepted although
     producer 0 evaluates with the value it started with."""
     old = load_config(None)

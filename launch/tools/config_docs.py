@@ -1,4 +1,4 @@
-"""docs/configuration.md, written from common/config.py so that the two cannot drift.
+"""docs/configuration.md, written from the config package (common/config/) so that the two cannot drift.
 
     python -m launch.tools.config_docs            # rewrite docs/configuration.md
     python -m launch.tools.config_docs --check    # exit 1, naming what differs, if it is not what this writes
@@ -6,9 +6,9 @@
 It walks ``RunConfig``'s sections (its nested dataclasses) in order and writes one table per section, after
 the section's class docstring: each field's dotted key, type, default, who reads it (the section's
 ``READ_BY``), whether restart-trainer may change it, and the attribute docstring that follows the field in
-the source (read with ``ast``; Python keeps no such docstring at run time). A field without a docstring or
+the section's source file (read with ``ast``; Python keeps no such docstring at run time). A field without a docstring or
 without a ``READ_BY`` entry is an error naming the key. ``tests/test_config_docs.py`` fails when the
-committed file differs from what this writes, so a field added to common/config.py must come with a rerun.
+committed file differs from what this writes, so a field added to a section must come with a rerun.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ directory resumes with it. Example files: `launch/tiny.toml` (the default), `lau
 `launch/qwen3-8b-8gpu.toml`, `launch/llama-3.1-8b-instruct.toml`, `launch/qwen3.6-27b-1gpu.toml`,
 `launch/qwen3.6-27b-8gpu.toml`.
 
-Every field says who reads it (`READ_BY` in `common/config.py`). `restart-trainer` accepts changes of
+Every field says who reads it (its section's `READ_BY`, in `common/config/`). `restart-trainer` accepts changes of
 what only the trainer or the launcher reads and refuses, naming the key, what a producer read at its start
 or the drafter's checkpoint fixes (also `training.max_steps=0` when the producers were started with another
 value: they count epochs only then). The column "restart-trainer" below says which."""
 
 
 class ConfigDocError(ValueError):
-    """common/config.py lacks something the page needs (a field's docstring or READ_BY entry)."""
+    """A section in common/config/ lacks something the page needs (a field's docstring or READ_BY entry)."""
 
 
 @dataclass
@@ -137,14 +137,13 @@ def _default(field: dataclasses.Field) -> str:
 
 
 def sections(module: types.ModuleType) -> list[Section]:
-    """RunConfig's sections of the config module ``module``, in order, with every field documented."""
-    source = Path(inspect.getfile(module)).read_text()
+    """RunConfig's sections of the config package ``module``, in order, with every field documented."""
     run_config = module.RunConfig
     hints = typing.get_type_hints(run_config)
     out, missing = [], []
     for section_field in dataclasses.fields(run_config):
         cls = hints[section_field.name]
-        class_doc, docs = docstrings(source, cls.__name__)
+        class_doc, docs = docstrings(Path(inspect.getfile(cls)).read_text(), cls.__name__)
         if not class_doc:
             missing.append(f"{section_field.name}: no docstring of {cls.__name__}")
         section_hints = typing.get_type_hints(cls)
@@ -176,15 +175,16 @@ def sections(module: types.ModuleType) -> list[Section]:
 
 
 def render(module: types.ModuleType) -> str:
-    """The whole page for the config module ``module``."""
+    """The whole page for the config package ``module``."""
     all_sections = sections(module)
     lines = [
         "# Configuration",
         "",
-        f"<!-- Written by `{COMMAND}` from common/config.py: edit the docstrings there, then rerun it. -->",
+        f"<!-- Written by `{COMMAND}` from common/config/: edit the docstrings there, then rerun it. -->",
         "",
-        f"Generated from `common/config.py` by `{COMMAND}`; `tests/test_config_docs.py` fails when this page",
-        "differs from what the generator writes. Edit the field's docstring in `common/config.py` and rerun it.",
+        f"Generated from `common/config/` (one module per section) by `{COMMAND}`; `tests/test_config_docs.py`",
+        "fails when this page differs from what the generator writes. Edit the field's docstring in its section's",
+        "module and rerun it.",
         "",
         INTRO,
         "",
@@ -224,7 +224,7 @@ def differences(expected: str, actual: str) -> list[str]:
         return []
     want, have = _rows(expected), _rows(actual)
     found = [f"missing: {key}" for key in want if key not in have]
-    found += [f"not in common/config.py: {key}" for key in have if key not in want]
+    found += [f"not in common/config/: {key}" for key in have if key not in want]
     found += [f"differs: {key}" for key in want if key in have and want[key] != have[key]]
     rest = [
         line
@@ -251,14 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         page = render(common.config)
     except ConfigDocError as exc:
-        print(f"common/config.py: {exc}", file=sys.stderr)
+        print(f"common/config/: {exc}", file=sys.stderr)
         return 1
     if args.check:
         found = differences(page, args.out.read_text() if args.out.exists() else "")
         for line in found:
             print(f"{args.out}: {line}", file=sys.stderr)
         if found:
-            print(f"{args.out} is not what common/config.py gives: run {COMMAND}", file=sys.stderr)
+            print(f"{args.out} is not what common/config/ gives: run {COMMAND}", file=sys.stderr)
         return 1 if found else 0
     args.out.write_text(page)
     print(f"wrote {args.out}")
