@@ -229,15 +229,6 @@ class RunDir:
     def producer_status(self, producer_id: int) -> Path:
         return self.root / "producers" / f"p{producer_id}.json"
 
-    def producer_statuses(self) -> list[dict]:
-        """Every producer's status file, by id."""
-        found = []
-        for path in sorted((self.root / "producers").glob("p*.json")):
-            data = read_json(path)
-            if data is not None:
-                found.append(data)
-        return sorted(found, key=lambda d: d.get("id", 0))
-
     def latest_checkpoint(self) -> Path | None:
         """The checkpoint folder ``checkpoints/latest.json`` points to, if it is complete."""
         pointer = read_json(self.checkpoints / "latest.json")

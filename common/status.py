@@ -1,5 +1,6 @@
-"""The trainer's status file, RUN/trainer.json: written by the trainer, read by the launcher, ``status`` and the
-progress view. One typed record, so that writer and readers agree on every field's name and meaning."""
+"""The run's status files, one typed record each, so that writer and readers agree on every field's name and
+meaning: RUN/trainer.json (``TrainerStatus``), RUN/producers/p{I}.json (``ProducerStatus``) and RUN/launcher.json
+(``LauncherRecord``). Readers leave out keys of another version of a record and give missing ones their defaults."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.rundir import atomic_write_json, read_json
+from common.rundir import RunDir, atomic_write_json, read_json
 
 
 @dataclass
@@ -71,3 +72,138 @@ class TrainerStatus:
     def figures(self) -> dict[str, Any]:
         """As plain data (``run_all.sh status --json``)."""
         return dataclasses.asdict(self)
+
+
+@dataclass
+class ProducerStatus:
+    """What producer I is doing, RUN/producers/p{I}.json: written by the producer about once a second, read by the
+    launcher (is it ready, at which endpoint), the trainer (where to connect; epoch sizes), ``status`` and the
+    progress view. Fields a writer leaves out keep their defaults."""
+
+    id: int = 0
+    pid: int | None = None
+    """The producer's process (rank 0's, for a tensor-parallel producer)."""
+    torchrun_pid: int | None = None
+    """A tensor-parallel producer's torchrun, the process the launcher started."""
+    tensor_parallel: dict[str, Any] | None = None
+    """A tensor-parallel producer's ``size`` and its ranks' ``pids``."""
+    ready: bool = False
+    """Its ring serves; False again once the launcher saw it die."""
+    endpoint: str | None = None
+    """Where its ring server listens (ZeroMQ)."""
+    updated: float = 0.0
+    """When it was written (time.time())."""
+    load_s: float | None = None
+    """Seconds the target took to load."""
+    device: str | None = None
+    kernels: dict[str, Any] = field(default_factory=dict)
+    """The attention and linear-attention kernels the target runs, and whether it is compiled."""
+    jobs: dict[str, Any] = field(default_factory=dict)
+    """What each of its jobs is doing, by name (producer 0's ``evaluating``: the step it evaluates, or None)."""
+    ring: dict[str, Any] = field(default_factory=dict)
+    """Slot counts by state (``slots``, ``free``, ``filling``, ``ready``, ``leased``), ``backend``, ``slot_bytes``."""
+    epoch_batches: int | None = None
+    """Batches in one epoch of its shard, once planned (training.max_steps = 0 counts epochs by them)."""
+    tokens_per_s: float | None = None
+    """Tokens published per second over the last 10 s."""
+    blocked_fraction: float | None = None
+    """The share of the last 10 s it waited for a free slot (the trainer is the bottleneck)."""
+    batching: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    """Its data source's counters and cache."""
+    stream: dict[str, Any] = field(default_factory=dict)
+    """Its position in the batch stream."""
+    server: dict[str, Any] = field(default_factory=dict)
+    """The ring server's counters (published, reclaimed, consumers, dropped messages, ...)."""
+
+    def write(self, path: Path) -> None:
+        """Live state, rewritten every second: not durable, so it never waits behind the trainer's writes."""
+        atomic_write_json(path, dataclasses.asdict(self), durable=False)
+
+    @classmethod
+    def read(cls, path: Path) -> ProducerStatus | None:
+        """The record in ``path``, None where there is none. Keys of another version of the record are left out."""
+        data = read_json(path)
+        if data is None:
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in names})
+
+    @classmethod
+    def read_all(cls, run: RunDir) -> list[ProducerStatus]:
+        """Every producer's status file in ``run``, by id."""
+        found = [cls.read(path) for path in sorted(run.producers.glob("p*.json"))]
+        return sorted((status for status in found if status is not None), key=lambda status: status.id)
+
+    def written_by(self, pid: int | None) -> bool:
+        """Whether the process ``pid`` the launcher started wrote it (rank 0 of a tensor-parallel producer is a child
+        of that torchrun): a file of an earlier incarnation describes a ring that no longer exists."""
+        return pid is not None and pid in (self.pid, self.torchrun_pid)
+
+
+@dataclass
+class ChildRecord:
+    """A process the launcher started, as launcher.json keeps it."""
+
+    pid: int | None = None
+    start_ticks: int | None = None
+    """Its start time in clock ticks since boot, so that a recycled pid is not mistaken for it."""
+    started: float | None = None
+    status_since: float | None = None
+    """When its current status file began to describe it (a trainer's status of an earlier trainer is stale)."""
+    incarnation: int | None = None
+    restarts: int = 0
+    """The role's restarts in this run."""
+    id: int | None = None
+    """A producer's id."""
+    device: str | None = None
+    """A producer's devices, comma-separated."""
+    devices: list[str] | None = None
+    """A trainer's devices."""
+    ready: bool | None = None
+    """A producer's readiness, as the launcher last saw it."""
+
+
+@dataclass
+class LauncherRecord:
+    """RUN/launcher.json: the launcher's pid file, with its children's. Written by the launcher; read by ``status``,
+    ``stop``, a second launcher (which refuses to start beside it) and the tools."""
+
+    pid: int | None = None
+    start_ticks: int | None = None
+    started: float | None = None
+    run_dir: str | None = None
+    state: str | None = None
+    """starting, running, stopping, finished, failed or stopped."""
+    exit_code: int | None = None
+    producers: list[ChildRecord] = field(default_factory=list)
+    trainer: ChildRecord = field(default_factory=ChildRecord)
+    standby_trainer: ChildRecord | None = None
+    """The trainer started ahead, waiting to take over, if any."""
+    updated: float = 0.0
+
+    def write(self, path: Path) -> None:
+        atomic_write_json(path, {**dataclasses.asdict(self), "updated": time.time()})
+
+    @classmethod
+    def read(cls, path: Path) -> LauncherRecord | None:
+        """The record in ``path``, None where there is none."""
+        data = read_json(path)
+        if data is None:
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {key: value for key, value in data.items() if key in names}
+        fields["producers"] = [_child(record) for record in fields.get("producers") or []]
+        fields["trainer"] = _child(fields.get("trainer") or {})
+        fields["standby_trainer"] = _child(fields["standby_trainer"]) if fields.get("standby_trainer") else None
+        return cls(**fields)
+
+    def children(self) -> list[ChildRecord]:
+        """Its children, trainers first (the order they are stopped in)."""
+        trainers = [self.trainer] + ([self.standby_trainer] if self.standby_trainer is not None else [])
+        return [child for child in trainers + self.producers if child.pid is not None]
+
+
+def _child(data: dict[str, Any]) -> ChildRecord:
+    names = {f.name for f in dataclasses.fields(ChildRecord)}
+    return ChildRecord(**{key: value for key, value in data.items() if key in names})

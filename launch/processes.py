@@ -20,9 +20,11 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from common.config import RunConfig
 from common.naming import process_start_ticks
+from common.status import ChildRecord
 from launch.runs import REPO_ROOT
 
 log = logging.getLogger("launch.supervisor")  # the launcher's log names its children's restarts
@@ -348,15 +350,17 @@ class ManagedProcess:
         )
         return True
 
-    def record(self) -> dict:
-        return {
-            "pid": self.pid,
-            "start_ticks": self.start_ticks,
-            "started": self.started_wall if self.proc else None,
-            "status_since": self.status_since if self.proc else None,
-            "incarnation": self.incarnation,
-            "restarts": self.restarts,
-        }
+    def record(self, **role: Any) -> ChildRecord:
+        """It as launcher.json keeps it, with ``role``'s own fields (a producer's id, a trainer's devices)."""
+        return ChildRecord(
+            pid=self.pid,
+            start_ticks=self.start_ticks,
+            started=self.started_wall if self.proc else None,
+            status_since=self.status_since if self.proc else None,
+            incarnation=self.incarnation,
+            restarts=self.restarts,
+            **role,
+        )
 
 
 # -- the supervisor ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from common.rundir import RunDir
-from common.status import TrainerStatus
+from common.status import ProducerStatus, TrainerStatus
 
 
 def trainer_figures(status: dict[str, Any]) -> list[str]:
@@ -40,11 +40,10 @@ def trainer_figures(status: dict[str, Any]) -> list[str]:
     return parts
 
 
-def ring_occupancy(producers: list[dict[str, Any]]) -> str:
-    """Full slots (ready or leased) of each producer's ring: ``ring 3/4 4/4``."""
+def ring_occupancy(rings: list[dict[str, Any]]) -> str:
+    """Full slots (ready or leased) of each producer's ring (its status's ``ring``): ``ring 3/4 4/4``."""
     cells = []
-    for producer in producers:
-        ring = producer.get("ring") or {}
+    for ring in rings:
         if ring.get("slots"):
             cells.append(f"{(ring.get('ready') or 0) + (ring.get('leased') or 0)}/{ring['slots']}")
         else:
@@ -110,7 +109,7 @@ class ProgressView:
             parts = ["trainer starting" if trainer_alive else "waiting for the producers"]
         if current and record.state not in (None, "training", "finished"):
             parts.insert(0, record.state)
-        ring = ring_occupancy(self.run.producer_statuses())
+        ring = ring_occupancy([producer.ring for producer in ProducerStatus.read_all(self.run)])
         if ring:
             parts.append(ring)
         postfix = "  ".join(parts)

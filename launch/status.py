@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from common.naming import process_alive
-from common.rundir import RunDir, last_json_line, read_json
-from common.status import TrainerStatus
+from common.rundir import RunDir, last_json_line
+from common.status import ChildRecord, LauncherRecord, ProducerStatus, TrainerStatus
 from launch.progress import eta_s, format_duration, ring_occupancy, trainer_figures
 
 STALE_AFTER_S = 10.0
@@ -29,30 +29,28 @@ def _age(updated: object, now: float) -> float | None:
     return round(now - float(updated), 1) if isinstance(updated, (int, float)) else None
 
 
-def _producer_status(producer_id: int, record: dict | None, status: dict | None, now: float) -> dict:
-    status = status or {}
-    age = _age(status.get("updated"), now)
-    if record is not None and record.get("pid"):
-        pid = record["pid"]
-        alive = process_alive(pid, record.get("start_ticks"))
+def _producer_status(producer_id: int, record: ChildRecord | None, status: ProducerStatus | None, now: float) -> dict:
+    age = _age(status.updated, now) if status is not None else None
+    if record is not None and record.pid:
+        pid = record.pid
+        alive = process_alive(pid, record.start_ticks)
     else:
-        pid = status.get("pid")
+        pid = status.pid if status is not None else None
         alive = process_alive(pid) and age is not None and age <= STALE_AFTER_S
-    # p{I}.json of an earlier incarnation describes a ring that no longer exists. A tensor-parallel
-    # producer's file is written by rank 0, a child of the torchrun the launcher records.
-    current = bool(status) and pid in (status.get("pid"), status.get("torchrun_pid"))
-    ring = status.get("ring") if current and isinstance(status.get("ring"), dict) else {}
+    # p{I}.json of an earlier incarnation describes a ring that no longer exists.
+    current = status if status is not None and status.written_by(pid) else None
+    ring = current.ring if current is not None else {}
     return {
         "id": producer_id,
         "pid": pid,
         "alive": alive,
-        "ready": bool(alive and current and status.get("ready")),
-        "device": (record or {}).get("device"),
-        "endpoint": status.get("endpoint") if current else None,
+        "ready": bool(alive and current is not None and current.ready),
+        "device": record.device if record is not None else None,
+        "endpoint": current.endpoint if current is not None else None,
         "ring": {name: ring.get(name) for name in RING_FIELDS},
-        "tokens_per_s": status.get("tokens_per_s") if current else None,
-        "blocked_fraction": status.get("blocked_fraction") if current else None,
-        "restarts": (record or {}).get("restarts", 0),
+        "tokens_per_s": current.tokens_per_s if current is not None else None,
+        "blocked_fraction": current.blocked_fraction if current is not None else None,
+        "restarts": record.restarts if record is not None else 0,
         "updated_age_s": age,
     }
 
@@ -61,27 +59,22 @@ def collect_status(run_dir: Path) -> dict:
     """The state of the run as plain data (the --json output)."""
     run = RunDir(Path(run_dir).resolve())
     now = time.time()
-    launcher = read_json(run.launcher) or {}
-    launcher_alive = process_alive(launcher.get("pid"), launcher.get("start_ticks"))
-    records = {r.get("id"): r for r in launcher.get("producers") or [] if isinstance(r, dict)}
-    files = {}
-    for path in run.producers.glob("p*.json"):
-        try:
-            files[int(path.stem[1:])] = read_json(path)
-        except ValueError:
-            continue  # not a p{I}.json
+    launcher = LauncherRecord.read(run.launcher) or LauncherRecord()
+    launcher_alive = process_alive(launcher.pid, launcher.start_ticks)
+    records = {r.id: r for r in launcher.producers}
+    files = {status.id: status for status in ProducerStatus.read_all(run)}
     producers = [_producer_status(i, records.get(i), files.get(i), now) for i in sorted(set(records) | set(files))]
 
-    trainer_record = launcher.get("trainer") if isinstance(launcher.get("trainer"), dict) else {}
+    trainer_record = launcher.trainer
     trainer_file = TrainerStatus.read(run.trainer_status)
-    if trainer_record.get("pid"):
-        trainer_pid = trainer_record["pid"]  # under torchrun: torchrun's pid; trainer.json has rank 0's
-        trainer_alive = process_alive(trainer_pid, trainer_record.get("start_ticks"))
+    if trainer_record.pid:
+        trainer_pid = trainer_record.pid  # under torchrun: torchrun's pid; trainer.json has rank 0's
+        trainer_alive = process_alive(trainer_pid, trainer_record.start_ticks)
     else:
         trainer_pid = trainer_file.pid
         trainer_alive = process_alive(trainer_pid) and (_age(trainer_file.updated, now) or 0) <= STALE_AFTER_S
     # trainer.json of an earlier trainer (a new one still loading) is not this trainer's state.
-    started = trainer_record.get("status_since") or trainer_record.get("started")
+    started = trainer_record.status_since or trainer_record.started
     current = not started or trainer_file.updated >= float(started)
     written = trainer_file.figures()
     figures = {
@@ -106,18 +99,18 @@ def collect_status(run_dir: Path) -> dict:
         "current": current,
         **figures,
         **{key: written[key] for key in ("step", "max_steps", "trained_s", "max_minutes", "state", "incarnation")},
-        "devices": trainer_record.get("devices"),
-        "restarts": trainer_record.get("restarts", 0),
+        "devices": trainer_record.devices,
+        "restarts": trainer_record.restarts,
         "updated_age_s": _age(trainer_file.updated or None, now),
     }
     return {
         "run_dir": str(run.root),
         "launcher": {
-            "pid": launcher.get("pid"),
+            "pid": launcher.pid,
             "alive": launcher_alive,
-            "state": launcher.get("state"),
-            "exit_code": launcher.get("exit_code"),
-            "uptime_s": _age(launcher.get("started"), now) if launcher_alive else None,
+            "state": launcher.state,
+            "exit_code": launcher.exit_code,
+            "uptime_s": _age(launcher.started, now) if launcher_alive else None,
         },
         "producers": producers,
         "trainer": trainer,
@@ -180,7 +173,9 @@ def format_status(status: dict) -> str:
                 + "  ".join(f"{key} {value:.3f}" for key, value in t["kind_metrics"].items())
             )
     if status["producers"]:
-        lines.append(f"{'':<9} {ring_occupancy([p for p in status['producers']])}  (full slots per producer ring)")
+        lines.append(
+            f"{'':<9} {ring_occupancy([p['ring'] for p in status['producers']])}  (full slots per producer ring)"
+        )
     return "\n".join(lines)
 
 

@@ -45,8 +45,8 @@ from common.config import ConfigError, RunConfig, load_config, save_config
 from common.control import HandoverRequest, RestartRequest, RestartResult, StandbyGo
 from common.lifecycle import EXIT_CONFIG_ERROR
 from common.naming import process_alive, process_start_ticks, run_tag, sweep_stale, sweep_stale_trainer_staging
-from common.rundir import RunDir, atomic_write_json, read_json
-from common.status import TrainerStatus
+from common.rundir import RunDir, read_json
+from common.status import LauncherRecord, ProducerStatus, TrainerStatus
 from launch.mps import MpsDaemon
 from launch.processes import (
     PRODUCER_STOP_TIMEOUT_S,
@@ -130,7 +130,7 @@ class Supervisor:
         self.signals: list[int] = []
         self._signals_answered = 0
         self.restart_requested = False
-        self._last_record: dict | None = None
+        self._last_record: LauncherRecord | None = None
         self.view = ProgressView(run, enabled=cfg.logging.progress)
 
     def _thread_env(self, devices: list[str]) -> dict[str, str]:
@@ -281,17 +281,16 @@ class Supervisor:
         a trainer would connect there and wait for a WELCOME that never comes (its other producers
         waiting too) until the replacement is ready and rewrites the file."""
         path = self.run.producer_status(producer_id)
-        status = read_json(path)
-        if status is not None and status.get("ready"):
-            atomic_write_json(path, {**status, "ready": False})
+        status = ProducerStatus.read(path)
+        if status is not None and status.ready:
+            status.ready = False
+            status.write(path)
 
     def _check_producer_ready(self, producer_id: int, producer: ManagedProcess) -> int | None:
-        status = read_json(self.run.producer_status(producer_id))
-        # A tensor-parallel producer's file is written by rank 0, a child of the torchrun we started.
-        written_by_it = status is not None and producer.pid in (status.get("pid"), status.get("torchrun_pid"))
-        if written_by_it and status.get("ready") is True:
+        status = ProducerStatus.read(self.run.producer_status(producer_id))
+        if status is not None and status.written_by(producer.pid) and status.ready:
             producer.ready = True
-            log.info("%s ready in %.1f s (%s)", producer.name, producer.uptime_s, status.get("endpoint", "?"))
+            log.info("%s ready in %.1f s (%s)", producer.name, producer.uptime_s, status.endpoint or "?")
             return None
         if producer.uptime_s <= self.cfg.launch.ready_timeout_s:
             return None
@@ -551,23 +550,20 @@ class Supervisor:
             self._await_exit(producer, max(0.0, deadline - time.monotonic()))
 
     def _write_launcher_json(self, exit_code: int | None = None) -> None:
-        record = {
-            "pid": os.getpid(),
-            "start_ticks": self.start_ticks,
-            "started": self.started_wall,
-            "run_dir": str(self.run.root),
-            "state": self.state,
-            "exit_code": exit_code,
-            "producers": [
-                {"id": i, "device": ",".join(p.devices), "ready": p.ready, **p.record()}
-                for i, p in enumerate(self.producers)
-            ],
-            "trainer": {"devices": self.trainer.devices, **self.trainer.record()},
-            "standby_trainer": self.spare.record() if self.spare is not None and self.spare.proc is not None else None,
-        }
-        if record != self._last_record:
+        record = LauncherRecord(
+            pid=os.getpid(),
+            start_ticks=self.start_ticks,
+            started=self.started_wall,
+            run_dir=str(self.run.root),
+            state=self.state,
+            exit_code=exit_code,
+            producers=[p.record(id=i, device=",".join(p.devices), ready=p.ready) for i, p in enumerate(self.producers)],
+            trainer=self.trainer.record(devices=self.trainer.devices),
+            standby_trainer=self.spare.record() if self.spare is not None and self.spare.proc is not None else None,
+        )
+        if record != self._last_record:  # written when something changed, stamped with when
             self._last_record = record
-            atomic_write_json(self.run.launcher, {**record, "updated": time.time()})
+            record.write(self.run.launcher)
 
 
 # -- entry points --------------------------------------------------------------------------------
@@ -590,27 +586,17 @@ def _setup_logging(run: RunDir, view: ProgressView | None = None) -> None:
 
 def _refuse_if_running(run: RunDir) -> None:
     """A run dir has one launcher; leftovers of a dead one must be stopped before a resume."""
-    record = read_json(run.launcher)
+    record = LauncherRecord.read(run.launcher)
     if record is None:
         return
-    if process_alive(record.get("pid"), record.get("start_ticks")):
-        raise UsageError(
-            f"a launcher (pid {record['pid']}) already runs {run.root}; use restart-trainer, stop or status"
-        )
-    leftovers = [c["pid"] for c in _children(record) if process_alive(c.get("pid"), c.get("start_ticks"))]
+    if process_alive(record.pid, record.start_ticks):
+        raise UsageError(f"a launcher (pid {record.pid}) already runs {run.root}; use restart-trainer, stop or status")
+    leftovers = [c.pid for c in record.children() if process_alive(c.pid, c.start_ticks)]
     if leftovers:
         raise UsageError(
             f"processes of the previous launcher still run (pids {leftovers}); "
             f"run: {shlex.join(['launch/run_all.sh', 'stop', '--run-dir', str(run.root)])}"
         )
-
-
-def _children(record: dict) -> list[dict]:
-    """Child records of launcher.json, trainer first (the order they are stopped in)."""
-    trainers = [record.get(key) for key in ("trainer", "standby_trainer")]
-    return [t for t in trainers if isinstance(t, dict)] + [
-        p for p in record.get("producers") or [] if isinstance(p, dict)
-    ]
 
 
 def run_supervisor(
@@ -640,9 +626,9 @@ def run_supervisor(
     return exit_code
 
 
-def _running_launcher(run: RunDir) -> dict | None:
-    record = read_json(run.launcher)
-    if record is not None and process_alive(record.get("pid"), record.get("start_ticks")):
+def _running_launcher(run: RunDir) -> LauncherRecord | None:
+    record = LauncherRecord.read(run.launcher)
+    if record is not None and process_alive(record.pid, record.start_ticks):
         return record
     return None
 
@@ -657,7 +643,7 @@ def request_trainer_restart(run_dir: Path, overrides: list[str], timeout_s: floa
     request_id = uuid.uuid4().hex
     run.restart_result.unlink(missing_ok=True)
     RestartRequest(request_id, list(overrides)).write(run.restart_request)
-    os.kill(record["pid"], signal.SIGUSR1)
+    os.kill(record.pid, signal.SIGUSR1)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         result = RestartResult.read(run.restart_result)
@@ -671,7 +657,7 @@ def request_trainer_restart(run_dir: Path, overrides: list[str], timeout_s: floa
             else:
                 print(f"trainer restarted: pid {result.trainer_pid} (changed: {changed})")
             return 0
-        if not process_alive(record["pid"], record.get("start_ticks")):
+        if not process_alive(record.pid, record.start_ticks):
             print("error: the launcher exited before answering", file=sys.stderr)
             return 1
         time.sleep(0.1)
@@ -684,25 +670,24 @@ def stop_run(run_dir: Path, timeout_s: float = STOP_TIMEOUT_S) -> int:
     run = RunDir(run_dir.resolve())
     record = _running_launcher(run)
     if record is not None:
-        print(f"stopping launcher pid {record['pid']} ...")
-        os.kill(record["pid"], signal.SIGTERM)
-        if _wait_gone(record["pid"], record.get("start_ticks"), timeout_s):
+        print(f"stopping launcher pid {record.pid} ...")
+        os.kill(record.pid, signal.SIGTERM)
+        if _wait_gone(record.pid, record.start_ticks, timeout_s):
             print("stopped")
             return 0
-        print(f"error: launcher pid {record['pid']} still runs after {timeout_s:.0f} s", file=sys.stderr)
+        print(f"error: launcher pid {record.pid} still runs after {timeout_s:.0f} s", file=sys.stderr)
         return 1
     # The launcher died without stopping its children (e.g. SIGKILL before they noticed): stop them.
-    leftovers = [
-        c for c in _children(read_json(run.launcher) or {}) if process_alive(c.get("pid"), c.get("start_ticks"))
-    ]
+    last = LauncherRecord.read(run.launcher) or LauncherRecord()
+    leftovers = [c for c in last.children() if process_alive(c.pid, c.start_ticks)]
     if not leftovers:
         print(f"no launcher is running for {run.root}")
         return 1
     for child in leftovers:
-        print(f"stopping leftover process pid {child['pid']} ...")
-        os.kill(child["pid"], signal.SIGTERM)
-        if not _wait_gone(child["pid"], child.get("start_ticks"), TRAINER_STOP_TIMEOUT_S):
-            os.killpg(child["pid"], signal.SIGKILL)
+        print(f"stopping leftover process pid {child.pid} ...")
+        os.kill(child.pid, signal.SIGTERM)
+        if not _wait_gone(child.pid, child.start_ticks, TRAINER_STOP_TIMEOUT_S):
+            os.killpg(child.pid, signal.SIGKILL)
     print("stopped")
     return 0
 

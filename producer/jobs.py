@@ -16,7 +16,7 @@ class ProducerJob(Protocol):
     """A piece of work a producer does on its target between two batches."""
 
     name: str
-    """Its key in the producer's status file."""
+    """Its key in the producer's status file's ``jobs``."""
 
     def between_batches(self) -> None:
         """Called before every fill: do what is due (a bounded piece of work), or nothing."""

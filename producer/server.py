@@ -48,9 +48,10 @@ from common.lifecycle import EXIT_CONFIG_ERROR, exit_process, start_role, stop_o
 from common.naming import owner_identity, run_tag, sweep_stale
 from common.protocol import Hello
 from common.ring import RingMemoryError, create_ring
-from common.rundir import RunDir, atomic_write_json
+from common.rundir import RunDir
 from common.slots import SlotState
 from common.sockets import CurveKeys, SecretsError, ipc_endpoint
+from common.status import ProducerStatus
 from common.transport import RingServer
 from producer.batching import BatchPlan, RunningBatchStats, batch_stats
 from producer.data import DataError, run_sources
@@ -342,37 +343,33 @@ class Producer:
         }
 
     def write_status(self, ready: bool) -> None:
-        stats = self.server.stats()
-        group = self.group
-        # The launcher knows a tensor-parallel producer by the pid of its torchrun.
-        ranks = (
-            {"torchrun_pid": group.torchrun_pid, "tensor_parallel": {"size": group.size, "pids": group.pids}}
-            if group
-            else {}
-        )
-        atomic_write_json(
-            self.run_dir.producer_status(self.producer_id),
-            {
-                "id": self.producer_id,
-                "pid": os.getpid(),
-                **ranks,
-                "ready": ready,
-                "endpoint": self.endpoint,
-                "updated": time.time(),
-                "load_s": round(self.load_s, 2),
-                "device": ",".join(group.devices) if group is not None else str(self.target.device),
-                "kernels": {
-                    "attention": self.target.attention,
-                    "linear_attention": self.target.linear,
-                    "compiled": self.target.compiled,
-                },
-                **{job.name: job.status() for job in self.jobs},  # producer 0: "evaluating", a step or None
-                "ring": {**stats["ring"], "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
-                **({"epoch_batches": self.epoch_batches} if self.epoch_batches is not None else {}),
-                **{k: v for k, v in stats.items() if k != "ring"},
+        stats = self.server.stats()  # the ring's counts, the server's counters and this producer's throughput
+        group = self.group  # the launcher knows a tensor-parallel producer by the pid of its torchrun
+        ProducerStatus(
+            id=self.producer_id,
+            pid=os.getpid(),
+            torchrun_pid=group.torchrun_pid if group else None,
+            tensor_parallel={"size": group.size, "pids": group.pids} if group else None,
+            ready=ready,
+            endpoint=self.endpoint,
+            updated=time.time(),
+            load_s=round(self.load_s, 2),
+            device=",".join(group.devices) if group is not None else str(self.target.device),
+            kernels={
+                "attention": self.target.attention,
+                "linear_attention": self.target.linear,
+                "compiled": self.target.compiled,
             },
-            durable=False,
-        )  # live state, rewritten every second: not worth a wait behind the trainer's writes
+            jobs={job.name: job.status() for job in self.jobs},
+            ring={**stats.pop("ring"), "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
+            epoch_batches=self.epoch_batches,
+            tokens_per_s=stats.pop("tokens_per_s"),
+            blocked_fraction=stats.pop("blocked_fraction"),
+            batching=stats.pop("batching"),
+            data=stats.pop("data"),
+            stream=stats.pop("stream"),
+            server=stats,
+        ).write(self.run_dir.producer_status(self.producer_id))
 
     def _status_loop(self) -> None:
         checkpoint = None

@@ -38,6 +38,7 @@ from test_pipeline import ROOT, SMALL, lineage, run_all, shard
 from common.faults import LOG_ENV, PLAN_ENV, POINTS, Fault, format_plan, parse_delays, parse_plan, read_log
 from common.naming import process_alive
 from common.rundir import RunDir, read_json
+from common.status import ProducerStatus
 from trainer.checkpoint import read_train_state
 
 # Points an ordinary run reaches. The handover points fire only on restart-trainer (tests/test_handover.py),
@@ -179,9 +180,9 @@ def _epoch_reached(run: RunDir, producer: int, after: float = 0.0) -> int:
 
 def _all_serving(run: RunDir) -> bool:
     """Every producer's current process is ready and the trainer has taken batches from it."""
-    statuses = run.producer_statuses()
+    statuses = ProducerStatus.read_all(run)
     return len(statuses) == 2 and all(
-        s.get("ready") and process_alive(s.get("pid")) and s.get("released", 0) > 0 for s in statuses
+        s.ready and process_alive(s.pid) and s.server.get("released", 0) > 0 for s in statuses
     )
 
 

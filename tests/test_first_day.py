@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.drafter.draft_config import DraftConfig, build_target_layer_ids
+from common.status import ProducerStatus
 from tests.drafter_fixtures import tiny_qwen3_target
 from tests.test_pipeline import start
 
@@ -359,7 +360,7 @@ def test_a_second_ctrl_c_still_stops_in_order(short_tmp):
     )
     run = RunDir(run_dir)
     wait_for(lambda: ((read_json(run.trainer_status) or {}).get("step") or 0) >= 6, "training", 120)
-    pids = [p["pid"] for p in run.producer_statuses()]
+    pids = [p.pid for p in ProducerStatus.read_all(run)]
     launcher.send_signal(signal.SIGINT)
     time.sleep(0.3)
     launcher.send_signal(signal.SIGINT)

@@ -15,6 +15,7 @@ from pathlib import Path
 from common.faults import DELAY_ENV, LOG_ENV, PLAN_ENV
 from common.naming import process_start_ticks, run_tag
 from common.rundir import RunDir, read_json
+from common.status import ProducerStatus
 from tests.peers import wait_for
 from tests.test_pipeline import ROOT, SMALL, lineage, run_all, start, stop_and_finish, trainer_step
 
@@ -100,7 +101,7 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     trainer_log = run_dir / "logs" / "trainer.log"
     # The standby builds its warm start (trainer/warm.py) while the trainer trains: head, drafter, a step.
     wait_for(lambda: "warm start: head, drafter" in trainer_log.read_text(), "the standby's warm start", 60)
-    producers = [s["pid"] for s in run.producer_statuses()]
+    producers = [s.pid for s in ProducerStatus.read_all(run)]
     staging = lambda: {
         p.name.rsplit(".", 2)[1]: p for p in Path("/dev/shm").glob(f"dflash.{run_tag(run_dir)}.trainer-*")
     }  # noqa: E731
@@ -121,7 +122,7 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
     )
     seconds = time.monotonic() - began
     assert f"trainer pid {spare}, started ahead, takes over" in (run_dir / "logs" / "launcher.log").read_text()
-    assert [s["pid"] for s in run.producer_statuses()] == producers
+    assert [s.pid for s in ProducerStatus.read_all(run)] == producers
     assert seconds < 15, seconds
     # The old trainer wrote no checkpoint of its last step: it handed the state over in shared memory, and
     # the successor wrote that checkpoint in the background; its segments are gone from /dev/shm.

@@ -13,6 +13,7 @@ from common.config import TargetConfig
 from common.drafter.draft_config import DraftConfig
 from common.drafter.target_head import load_target_head
 from common.hf import target_identity, text_config_of
+from common.status import ProducerStatus
 from producer.target import Target, UnsupportedTarget, compiles_by_default
 from tests.hybrid_fixtures import FORMS, reference_model, tiny_qwen35
 
@@ -307,9 +308,9 @@ def test_pipeline_trains_and_evaluates_a_drafter_for_a_saved_qwen35(short_tmp):
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
     evaluated = [m for m in metrics if "eval/tau" in m]
     assert evaluated and 1.0 <= evaluated[-1]["eval/tau"] <= 4 and 0 < evaluated[-1]["eval/generated_tokens"] <= 2 * 16
-    statuses = run.producer_statuses()
-    assert {s["id"] for s in statuses} == {0, 1}
-    assert all(s["kernels"]["linear_attention"] == "per_document" for s in statuses)
+    statuses = ProducerStatus.read_all(run)
+    assert {s.id for s in statuses} == {0, 1}
+    assert all(s.kernels["linear_attention"] == "per_document" for s in statuses)
 
 
 def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):

@@ -20,6 +20,7 @@ from peers import wait_for
 from wandb_log import history
 
 from common.rundir import RunDir, read_json
+from common.status import ProducerStatus
 from producer.order import OrderConfig, ShardOrder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def trainer_step(run: RunDir) -> int:
 
 
 def producer_pids(run: RunDir) -> dict[int, int]:
-    return {s["id"]: s["pid"] for s in run.producer_statuses()}
+    return {s.id: s.pid for s in ProducerStatus.read_all(run)}
 
 
 def finish(launcher: subprocess.Popen, run_dir: Path, timeout: float = 240.0) -> None:
@@ -374,7 +375,8 @@ def test_a_hung_trainer_goes_on_exactly_once_after_sigcont(run_dir):
         # Hung for 3 heartbeat timeouts (2 s each) at least, and until the producers took its leases back.
         wait_for(
             lambda: (
-                time.monotonic() > stopped_at + 6.0 and sum(s.get("reclaimed", 0) for s in run.producer_statuses()) > 0
+                time.monotonic() > stopped_at + 6.0
+                and sum(s.server.get("reclaimed", 0) for s in ProducerStatus.read_all(run)) > 0
             ),
             "the producers to take the hung trainer's leases back",
             60,
@@ -391,4 +393,6 @@ def test_a_hung_trainer_goes_on_exactly_once_after_sigcont(run_dir):
     stop_and_finish(launcher, run_dir)
     incarnations = assert_exactly_once(run, must_reach={0, 1})
     assert len(incarnations) == 1, "the hung trainer went on itself; the launcher did not replace it"
-    assert sum(s.get("reclaimed", 0) for s in run.producer_statuses()) > 0, "the producers took its leases back"
+    assert sum(s.server.get("reclaimed", 0) for s in ProducerStatus.read_all(run)) > 0, (
+        "the producers took its leases back"
+    )

@@ -8,6 +8,7 @@ import pytest
 from test_pipeline import assert_exactly_once, finish, start
 
 from common.rundir import RunDir, read_json
+from common.status import ProducerStatus
 
 
 @pytest.mark.gpu
@@ -24,7 +25,7 @@ def test_gpu_pipeline_with_cuda_rings(short_tmp):
     )
     finish(launcher, run_dir, timeout=600)
     run = RunDir(run_dir)
-    assert all(s["ring"]["backend"] == "cuda" and s["device"] == "cuda:0" for s in run.producer_statuses())
+    assert all(s.ring["backend"] == "cuda" and s.device == "cuda:0" for s in ProducerStatus.read_all(run))
     assert read_json(run.trainer_status)["state"] == "finished"
     assert_exactly_once(run)
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]
@@ -55,7 +56,7 @@ def test_gpu_pipeline_with_a_hybrid_qwen35_target(short_tmp):
     )
     finish(launcher, run_dir, timeout=600)
     run = RunDir(run_dir)
-    kernels = [s["kernels"] for s in run.producer_statuses()]
+    kernels = [s.kernels for s in ProducerStatus.read_all(run)]
     assert kernels and all(k == {"attention": "varlen", "linear_attention": "fla", "compiled": True} for k in kernels)
     assert_exactly_once(run)
     metrics = [json.loads(line) for line in run.metrics.read_text().splitlines()]

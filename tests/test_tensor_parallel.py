@@ -38,6 +38,7 @@ from common.batch import Document
 from common.config import ConfigError, TargetConfig, load_config
 from common.naming import process_alive
 from common.rundir import RunDir, read_json
+from common.status import ProducerStatus
 from launch import processes
 from producer.target import Target, check_tensor_parallel
 from producer.tensor_parallel import MirroredTarget, TensorParallelGroup, follow, split_devices
@@ -460,7 +461,7 @@ def test_pipeline_with_a_stored_bf16_target_on_a_tensor_parallel_producer(saved_
     configuration error, dropped here), and a trainer that hashed the checkpoint's fp32 embedding while
     the producers ship the bf16 one (refused at the handshake)."""
     run = run_stored_target_pipeline(short_tmp / "run", saved_target_dir, '["cpu,cpu", "cpu"]', "cpu")
-    assert [s["device"] for s in run.producer_statuses()] == ["cpu,cpu", "cpu"]
+    assert [s.device for s in ProducerStatus.read_all(run)] == ["cpu,cpu", "cpu"]
 
 
 @pytest.mark.gpu
@@ -471,9 +472,9 @@ def test_gpu_pipeline_with_a_tensor_parallel_producer(saved_target_dir, short_tm
     run = run_stored_target_pipeline(
         short_tmp / "run", saved_target_dir, '["cuda:0,cuda:1", "cpu"]', "cuda:0", 'ring.backend="auto"'
     )
-    statuses = run.producer_statuses()
-    assert [s["device"] for s in statuses] == ["cuda:0,cuda:1", "cpu"]
-    assert [s["ring"]["backend"] for s in statuses] == ["cuda", "host"]
+    statuses = ProducerStatus.read_all(run)
+    assert [s.device for s in statuses] == ["cuda:0,cuda:1", "cpu"]
+    assert [s.ring["backend"] for s in statuses] == ["cuda", "host"]
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from common.protocol import PAYLOAD_FRAMES, Welcome
 from common.ring import RingMemoryError
 from common.rundir import RunDir
 from common.sockets import CurveKeys, SecretsError
+from common.status import ProducerStatus
 from common.transport import HandshakeRefused, RateLimitedLog, RingClient
 
 log = logging.getLogger(__name__)
@@ -215,10 +216,10 @@ class Feeder:
         for link in self.links.values():
             if link.endpoint is not None and link.client is None:
                 self._hello(link, link.endpoint)
-        for status in self.run_dir.producer_statuses():
-            link = self.links.setdefault(int(status["id"]), _Link(int(status["id"])))
-            if link.endpoint is None and link.client is None and status.get("ready"):
-                self._hello(link, status["endpoint"])
+        for status in ProducerStatus.read_all(self.run_dir):
+            link = self.links.setdefault(status.id, _Link(status.id))
+            if link.endpoint is None and link.client is None and status.ready and status.endpoint:
+                self._hello(link, status.endpoint)
 
     def _up(self, link: _Link, client: RingClient, welcome: Welcome) -> None:
         if link.down_since is not None:

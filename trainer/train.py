@@ -34,7 +34,7 @@ from common.drafter.model import train_flops
 from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, end_now, exit_process, start_role, stop_on_signals
 from common.naming import process_start_ticks
 from common.rundir import CheckpointError, RunDir
-from common.status import TrainerStatus
+from common.status import ProducerStatus, TrainerStatus
 from trainer import build
 from trainer.budget import TimeBudget
 from trainer.checkpoint import CheckpointWriter, Snapshot
@@ -243,10 +243,10 @@ class Trainer:
             )
         expected = self.cfg.launch.local_producers
         self._wait_for(
-            lambda: len([s for s in self.run_dir.producer_statuses() if "epoch_batches" in s]) >= expected,
+            lambda: len([s for s in ProducerStatus.read_all(self.run_dir) if s.epoch_batches is not None]) >= expected,
             "the producers' epoch sizes",
         )
-        per_epoch = sum(s["epoch_batches"] for s in self.run_dir.producer_statuses())
+        per_epoch = sum(s.epoch_batches or 0 for s in ProducerStatus.read_all(self.run_dir))
         return max(1, math.ceil(self.cfg.training.epochs * per_epoch / self.world_size))
 
     def _wait_for(self, ready, what: str) -> None:

@@ -56,6 +56,7 @@ from pathlib import Path
 from common.config import load_config, save_config
 from common.naming import run_tag, sweep_stale_segments, sweep_stale_trainer_staging
 from common.rundir import RunDir, read_json
+from common.status import LauncherRecord, ProducerStatus
 from launch.bench.restart import QWEN3_8B, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,14 +162,12 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         while not self.done.wait(self.period_s):
             row = {"t": time.time(), "trainer_state": (read_json(self.rundir.trainer_status) or {}).get("state")}
-            for status in self.rundir.producer_statuses():
-                ring = status.get("ring", {})
-                p = int(status["id"])
-                row[f"p{p}"] = {
-                    "published": status.get("published", 0),
-                    "blocked_s": status.get("blocked_s", 0.0),
-                    "updated": status.get("updated"),
-                    **{k: ring.get(k, 0) for k in ("slots", "free", "filling", "ready", "leased")},
+            for status in ProducerStatus.read_all(self.rundir):
+                row[f"p{status.id}"] = {
+                    "published": status.server.get("published", 0),
+                    "blocked_s": status.server.get("blocked_s", 0.0),
+                    "updated": status.updated,
+                    **{k: status.ring.get(k, 0) for k in ("slots", "free", "filling", "ready", "leased")},
                 }
             self.rows.append(row)
 
@@ -203,10 +202,10 @@ def kill_run(run: RunDir) -> None:
     left running would share the GPUs with the next run. Then the run's /dev/shm segments, which no process
     removes after a SIGKILL: its trainer's staging is the drafter's weights and optimizer state (12.6 GB at
     the Qwen3-8B shapes)."""
-    launcher = read_json(run.launcher) or {}
-    if launcher.get("pid"):
+    launcher = LauncherRecord.read(run.launcher)
+    if launcher is not None and launcher.pid:
         try:
-            os.kill(launcher["pid"], signal.SIGKILL)
+            os.kill(launcher.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     needle = str(run.root).encode()

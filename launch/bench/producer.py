@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from common.config import load_config, save_config
-from common.rundir import RunDir, read_json
+from common.rundir import RunDir
+from common.status import ProducerStatus
 from common.transport import RingClient
 from launch.bench.restart import QWEN3_8B
 
@@ -80,13 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         started = time.monotonic()
-        while not (read_json(run.producer_status(0)) or {}).get("ready"):
+        while not (status := ProducerStatus.read(run.producer_status(0)) or ProducerStatus()).ready:
             if producer.poll() is not None or time.monotonic() - started > 600:
                 raise RuntimeError((run.root / "producer.log").read_text()[-3000:])
             time.sleep(0.2)
         ready_s = time.monotonic() - started
-        status = read_json(run.producer_status(0))
-        client = RingClient(status["endpoint"], "bench", 1, credits=4)
+        client = RingClient(status.endpoint, "bench", 1, credits=4)
         client.connect(60)
         tokens = docs = batches = 0
         lengths: list[int] = []

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from common.faults import DELAY_ENV
 from common.rundir import RunDir, read_json
+from common.status import LauncherRecord, ProducerStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 # One checkpoint before the restart, as in any run that trained a while (the restart turns them off). At the
@@ -167,17 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     launcher = launch(run_dir, overrides, log_path, env)
     try:
         wait_for(
-            lambda: len([s for s in run.producer_statuses() if s.get("ready")]) >= 1, args.timeout, "producers ready"
+            lambda: len([s for s in ProducerStatus.read_all(run) if s.ready]) >= 1, args.timeout, "producers ready"
         )
         results["cold_producers_ready_s"] = time.time() - started
         t, inc = first_step_after(run, set(), args.timeout)
         results["cold_first_step_s"] = t - started
         wait_for(lambda: trainer(run).get("step", 0) >= args.warm_steps, args.timeout, "warm steps")
-        producer_pids = {s["id"]: s["pid"] for s in run.producer_statuses()}
+        producer_pids = {s.id: s.pid for s in ProducerStatus.read_all(run)}
         # Steady state: the launcher keeps a standby trainer (imported, waiting) once a trainer trains. Give
         # it its imports' time, as a run that has trained a while has (a single-process trainer only).
         standby = wait_for(
-            lambda: (read_json(run_dir / "launcher.json") or {}).get("standby_trainer"),
+            lambda: (LauncherRecord.read(run.launcher) or LauncherRecord()).standby_trainer,
             args.timeout,
             "the standby trainer",
         )
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "takeover:", took_over[-1].split("; ", 1)[-1] if took_over else "no handover (resumed from the checkpoint)"
         )
-        assert {s["id"]: s["pid"] for s in run.producer_statuses()} == producer_pids, "producers were not touched"
+        assert {s.id: s.pid for s in ProducerStatus.read_all(run)} == producer_pids, "producers were not touched"
 
         # 2. the whole pipeline: stop everything, start again on the same run directory (resume).
         t2 = time.time()

@@ -950,13 +950,14 @@ def feeder_role(args: argparse.Namespace) -> int:
 
 def fuzz_consumer(messages: int, seed: int) -> dict:
     """Attack a live consumer process running the trainer's intake; returns the report."""
-    from common.rundir import RunDir, atomic_write_json
+    from common.rundir import RunDir
+    from common.status import ProducerStatus
 
     tmp = Path(tempfile.mkdtemp(prefix="df-fz-", dir="/tmp"))
     run = RunDir(tmp / "run")
     endpoint = ipc_endpoint(tmp / "p0.ipc")
     producer = HostileProducer(random.Random(seed), endpoint, INTAKE_DESCRIBE)
-    atomic_write_json(run.producer_status(0), {"id": 0, "pid": os.getpid(), "ready": True, "endpoint": endpoint})
+    ProducerStatus(id=0, pid=os.getpid(), ready=True, endpoint=endpoint).write(run.producer_status(0))
     consumer = _spawn("launch.tools.fuzz", "_feeder", "--run-dir", str(run.root), log=tmp / "feeder.log")
     lines = _Lines(consumer)
     report: dict = {"side": "consumer"}
@@ -1007,7 +1008,8 @@ def fuzz_trainer(messages: int, seed: int) -> dict:
     It must train on the well-formed batches only (its ledger says which), stay up, and stop cleanly.
     """
     from common.config import load_config, save_config
-    from common.rundir import RunDir, atomic_write_json, read_json
+    from common.rundir import RunDir, read_json
+    from common.status import ProducerStatus
     from producer.server import export_target_head, feature_layer_ids
     from producer.target import Target, build_target_config
 
@@ -1044,7 +1046,7 @@ def fuzz_trainer(messages: int, seed: int) -> dict:
     del target
     endpoint = ipc_endpoint(tmp / "p0.ipc")
     producer = HostileProducer(random.Random(seed), endpoint, describe)
-    atomic_write_json(run.producer_status(0), {"id": 0, "pid": os.getpid(), "ready": True, "endpoint": endpoint})
+    ProducerStatus(id=0, pid=os.getpid(), ready=True, endpoint=endpoint).write(run.producer_status(0))
     trainer = _spawn("trainer.train", "--run-dir", str(run.root), log=tmp / "trainer.log")
     report: dict = {"side": "trainer"}
 

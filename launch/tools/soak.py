@@ -38,6 +38,7 @@ from pathlib import Path
 
 from common.naming import SHM_DIR, parse_owner, process_alive, process_start_ticks, run_tag, segment_name
 from common.rundir import RunDir, read_json
+from common.status import LauncherRecord, ProducerStatus
 from launch.runs import REPO_ROOT
 
 TAG_ENV = "DFLASH_SOAK_TAG"
@@ -241,15 +242,15 @@ class Soak:
 
     def pids(self) -> dict[str, int]:
         """Role -> pid of the run's processes now (from launcher.json)."""
-        record = read_json(self.run.launcher) or {}
-        found = {"launcher": record.get("pid")}
-        for producer in record.get("producers") or []:
-            found[f"producer-{producer['id']}"] = producer.get("pid")
-        found["trainer"] = (record.get("trainer") or {}).get("pid")
+        record = LauncherRecord.read(self.run.launcher) or LauncherRecord()
+        found = {"launcher": record.pid}
+        for producer in record.producers:
+            found[f"producer-{producer.id}"] = producer.pid
+        found["trainer"] = record.trainer.pid
         return {role: pid for role, pid in found.items() if pid}
 
     def sample(self, now: float) -> None:
-        statuses = {s.get("pid"): s for s in self.run.producer_statuses()}
+        statuses = {s.pid: s for s in ProducerStatus.read_all(self.run)}
         roles = {pid: role for role, pid in self.pids().items()}
         tagged = tagged_processes(self.tag)
         self.owners |= {(pid, process_start_ticks(pid)) for pid in tagged}
@@ -260,7 +261,7 @@ class Soak:
             series = self.series.setdefault(pid, Series(program_name(pid), pid))
             series.role = roles.get(pid, series.role)  # a new process may be sampled before launcher.json names it
             series.samples.append((now, rss, fds))
-            history = (statuses.get(pid) or {}).get("stream", {}).get("history")
+            history = statuses[pid].stream.get("history") if pid in statuses else None
             if history is not None:
                 series.history.append(history)
         self.segments.values.append(len(run_segments(self.run, self.owners)))
