@@ -12,6 +12,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from common.faults import DELAY_ENV, LOG_ENV, PLAN_ENV
 from common.naming import process_start_ticks, run_tag
 from common.rundir import RunDir, read_json
@@ -25,17 +27,22 @@ from tests.test_pipeline import ROOT, SMALL, lineage, run_all, start, stop_and_f
 # kills one or both of the two trainers of that replacement (each point fires the first time it is reached);
 # a kill during a checkpoint write is tests/test_faults.py's.
 ROUNDS = [["trainer.stage", "trainer.takeover"], ["trainer.handover", "trainer.resume"], ["trainer.taken"]]
-PLAN = [point for points in ROUNDS for point in points]
 
 
 def standby(run: RunDir) -> dict | None:
     return (read_json(run.root / "launcher.json") or {}).get("standby_trainer")
 
 
-def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_twice(short_tmp):
+@pytest.mark.parametrize(
+    "rounds",
+    [pytest.param(ROUNDS[:1], id="first-round"), pytest.param(ROUNDS, id="every-point", marks=pytest.mark.thorough)],
+)
+def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_twice(short_tmp, rounds):
+    """CI kills at the first round's points (the trainer being replaced, and its standby); ``-m thorough`` at all."""
+    plan = [point for points in rounds for point in points]
     run_dir = short_tmp / "run"
     fault_log = short_tmp / "faults.jsonl"
-    env = {**os.environ, PLAN_ENV: ",".join(f"{point}:1" for point in PLAN), LOG_ENV: str(fault_log)}
+    env = {**os.environ, PLAN_ENV: ",".join(f"{point}:1" for point in plan), LOG_ENV: str(fault_log)}
     launcher = start(
         run_dir,
         "training.max_steps=100000",
@@ -49,7 +56,7 @@ def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_t
     run = RunDir(run_dir)
     fired = lambda: len(fault_log.read_text().splitlines()) if fault_log.exists() else 0  # noqa: E731
     taken_over = 0
-    for index, points in enumerate(ROUNDS):
+    for index, points in enumerate(rounds):
         # Each round: a trainer that trains, with a standby beside it, is replaced; the round's faults fire.
         wait_for(
             lambda: (
@@ -63,7 +70,7 @@ def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_t
         step_before = trainer_step(run)
         answer = run_all("restart-trainer", "--run-dir", str(run_dir), f"training.lr={1e-3 / (index + 2)}")
         assert answer.returncode == 0, answer.stdout + answer.stderr
-        expected = len(PLAN[: PLAN.index(points[-1]) + 1])
+        expected = len(plan[: plan.index(points[-1]) + 1])
         wait_for(lambda: fired() >= expected, f"faults {points} to fire", 120)
         wait_for(lambda: trainer_step(run) > step_before + 2, f"training to go on after {points}", 180)
         taken_over += "takes over" in (run_dir / "logs" / "launcher.log").read_text()
@@ -73,7 +80,7 @@ def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_t
     assert triples and not [t for t, n in triples.items() if n > 1], "nothing trained twice"
     steps = [line["step"] for line in lineage(run)]
     assert steps == list(range(1, len(steps) + 1)), "every step in the lineage once, none missing"
-    assert sorted(json.loads(line)["point"] for line in fault_log.read_text().splitlines()) == sorted(PLAN)
+    assert sorted(json.loads(line)["point"] for line in fault_log.read_text().splitlines()) == sorted(plan)
 
 
 def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):

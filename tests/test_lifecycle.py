@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -37,6 +38,7 @@ def _rank(rank: int, store: str) -> None:
     exit_process(0)
 
 
+@pytest.mark.thorough  # two minutes of CI; the FSDP pipeline tests' ranks exit the same way, one group each
 def test_ranks_that_left_their_group_exit_zero(tmp_path):
     for group in range(GROUPS):
         # Raises ProcessExitedException, naming the rank and its signal, if one exits non-zero.

@@ -293,6 +293,7 @@ def producer_ranks(run: RunDir, producer_id: int) -> list[int]:
     return ((read_json(run.producer_status(producer_id)) or {}).get("tensor_parallel") or {}).get("pids") or []
 
 
+@pytest.mark.thorough  # a tensor-parallel pipeline and its kill -9 are the tests beside it; this adds the trainer's kill
 def test_pipeline_with_a_tensor_parallel_producer_exactly_once_and_kill9_of_the_trainer(short_tmp):
     run_dir = short_tmp / "run"
     launcher = start(
