@@ -1,4 +1,5 @@
-"""Fault injection for the reliability tests: a process is SIGKILLed at a named point of its code.
+"""Fault injection for the reliability tests and benchmarks: a process is SIGKILLed, or held, at a named point of its
+code.
 
     DFLASH_FAULT="trainer.step:7,producer.publish:3,trainer.checkpoint:1"   the plan, in order
     DFLASH_FAULT_LOG=/tmp/run/faults.jsonl                                   what fired (needed with a plan)
@@ -11,10 +12,15 @@ at the point (a producer handling a trainer's HELLO kills that trainer). The lau
 killed process; its successor reads the log and waits for the next entry. So one run carries a
 whole sequence of kills, across processes, each at an exact place.
 
-A point can also be slowed instead of killed, to hold a window open (a checkpoint write in flight when a
-restart comes):
+An entry with seconds holds instead of killing: ``trainer.batch:10=120`` holds the trainer at its tenth batch for
+up to 120 s, or until the process is asked to stop (a test's restart-trainer at a known step, whatever the
+machine's speed). Like a kill it fires once in the run: the successor does not hold again.
+
+A point can also be slowed at every reach, or at every N-th, to hold a window open (a checkpoint write in flight
+when a restart comes) or to stand in for the pauses of real training in a benchmark:
 
     DFLASH_FAULT_DELAY="trainer.checkpoint=3"    sleep 3 s at every reach of the point
+    DFLASH_FAULT_DELAY="trainer.batch=10/50"     sleep 10 s at every 50th reach (in each process)
 
 Without DFLASH_FAULT and DFLASH_FAULT_DELAY (every real run) ``point`` returns at once.
 """
@@ -27,6 +33,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,40 +71,61 @@ POINTS = {
 class Fault:
     point: str
     count: int
+    hold_s: float | None = None
+    """Hold this long at the point instead of a kill (None: kill)."""
+
+
+@dataclass(frozen=True)
+class Delay:
+    seconds: float
+    every: int = 1
+    """Sleep at every this-many-th reach of the point."""
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        return -1.0
+    return value if value >= 0 else -1.0
 
 
 def parse_plan(text: str) -> list[Fault]:
-    """``"point:count,point:count"`` as Faults; unknown points and counts below 1 are errors."""
+    """``"point:count,point:count=seconds"`` as Faults; unknown points, counts below 1 and negative holds are
+    errors."""
     plan = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, colon, count = item.rpartition(":")
+        kill, equals, hold = item.partition("=")
+        name, colon, count = kill.rpartition(":")
         if not colon or not count.isdigit() or int(count) < 1:
             raise ValueError(f"{PLAN_ENV}: {item!r} is not point:count with a count >= 1")
+        if equals and _seconds(hold) < 0:
+            raise ValueError(f"{PLAN_ENV}: {item!r} holds for {hold!r}, not seconds >= 0")
         if name not in POINTS:
             raise ValueError(f"{PLAN_ENV}: unknown fault point {name!r} in {item!r}; known: {', '.join(POINTS)}")
-        plan.append(Fault(name, int(count)))
+        plan.append(Fault(name, int(count), _seconds(hold) if equals else None))
     return plan
 
 
 def format_plan(plan: list[Fault]) -> str:
     """The DFLASH_FAULT value of ``plan``."""
-    return ",".join(f"{fault.point}:{fault.count}" for fault in plan)
+    return ",".join(
+        f"{fault.point}:{fault.count}" + (f"={fault.hold_s}" if fault.hold_s is not None else "") for fault in plan
+    )
 
 
-def parse_delays(text: str) -> dict[str, float]:
-    """``"point=seconds,point=seconds"`` as {point: seconds}; unknown points and negative times are errors."""
+def parse_delays(text: str) -> dict[str, Delay]:
+    """``"point=seconds,point=seconds/every"`` as {point: Delay}; unknown points, negative times and periods below 1
+    are errors."""
     delays = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, equals, seconds = item.partition("=")
-        try:
-            value = float(seconds)
-        except ValueError:
-            value = -1.0
-        if not equals or value < 0:
-            raise ValueError(f"{DELAY_ENV}: {item!r} is not point=seconds with seconds >= 0")
+        name, equals, value = item.partition("=")
+        seconds, slash, every = value.partition("/")
+        if not equals or _seconds(seconds) < 0 or (slash and not (every.isdigit() and int(every) >= 1)):
+            raise ValueError(f"{DELAY_ENV}: {item!r} is not point=seconds or point=seconds/every with seconds >= 0")
         if name not in POINTS:
             raise ValueError(f"{DELAY_ENV}: unknown fault point {name!r} in {item!r}; known: {', '.join(POINTS)}")
-        delays[name] = value
+        delays[name] = Delay(_seconds(seconds), int(every) if slash else 1)
     return delays
 
 
@@ -119,14 +147,16 @@ class _Injector:
         self._current = 0
         self._reached = 0
 
-    def reach(self, name: str, victim: int | None) -> None:
+    def reach(self, name: str, victim: int | None) -> float | None:
+        """Count a reach of ``name``; kills when the plan says so, or returns the seconds to hold."""
         with self._lock:
             self._refresh()
             if self._current >= len(self.plan) or self.plan[self._current].point != name:
-                return
+                return None
             self._reached += 1
             if self._reached >= self.plan[self._current].count:
-                self._fire(name, victim)
+                return self._fire(name, victim)
+            return None
 
     def _refresh(self) -> None:
         """Follow the log: a fault fired elsewhere makes the next entry current, counted from zero."""
@@ -143,7 +173,7 @@ class _Injector:
         if fired != self._current:
             self._current, self._reached = fired, 0
 
-    def _fire(self, name: str, victim: int | None) -> None:
+    def _fire(self, name: str, victim: int | None) -> float | None:
         pid = os.getpid() if victim is None else victim
         with open(self.log_path, "a+") as log:
             fcntl.flock(log, fcntl.LOCK_EX)  # another process may be firing the same entry right now
@@ -151,11 +181,11 @@ class _Injector:
             fired = sum(1 for line in log.read().splitlines() if line.strip())
             if fired != self._current:
                 self._advance_to(fired)  # it fired elsewhere first; this reach does not count for the next
-                return
+                return None
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                return  # the victim is already gone: wait for the next reach
+                return None  # the victim is already gone: wait for the next reach
             fault = self.plan[self._current]
             log.write(
                 json.dumps(
@@ -166,6 +196,7 @@ class _Injector:
                         "pid": pid,
                         "by": os.getpid(),
                         "time": time.time(),
+                        **({"hold_s": fault.hold_s} if fault.hold_s is not None else {}),
                     }
                 )
                 + "\n"
@@ -173,7 +204,10 @@ class _Injector:
             log.flush()
             os.fsync(log.fileno())
             self._advance_to(self._current + 1)
+            if fault.hold_s is not None:
+                return fault.hold_s
             os.kill(pid, signal.SIGKILL)
+            return None
 
 
 def _from_environment() -> _Injector | None:
@@ -187,12 +221,18 @@ def _from_environment() -> _Injector | None:
 
 _INJECTOR = _from_environment()
 _DELAYS = parse_delays(os.environ.get(DELAY_ENV, ""))
+_REACHED: dict[str, int] = {}
 
 
-def point(name: str, victim: int | None = None) -> None:
+def point(name: str, victim: int | None = None, stop: Callable[[], bool] | None = None) -> None:
     """A fault point: sleep here if DFLASH_FAULT_DELAY says so, then SIGKILL (of this process, or of
-    ``victim``) when the plan says so."""
+    ``victim``) or hold when the plan says so. ``stop``: a hold ends early once it returns True."""
     if _DELAYS and name in _DELAYS:
-        time.sleep(_DELAYS[name])
-    if _INJECTOR is not None:
-        _INJECTOR.reach(name, victim)
+        _REACHED[name] = _REACHED.get(name, 0) + 1
+        if _REACHED[name] % _DELAYS[name].every == 0:
+            time.sleep(_DELAYS[name].seconds)
+    hold_s = _INJECTOR.reach(name, victim) if _INJECTOR is not None else None
+    if hold_s is not None:
+        until = time.monotonic() + hold_s
+        while time.monotonic() < until and not (stop is not None and stop()):
+            time.sleep(min(0.05, max(0.0, until - time.monotonic())))

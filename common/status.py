@@ -21,7 +21,7 @@ class TrainerStatus:
     pid: int | None = None
     incarnation: int | None = None
     state: str | None = None
-    """starting, taking over, training, checkpointing, handing over, stalled, finished or stopped."""
+    """starting, taking over, training, checkpointing, handing over, finished or stopped."""
     updated: float = 0.0
     """When it was written (time.time())."""
     step: int = 0

@@ -94,3 +94,12 @@ def test_a_key_typo_suggests_the_closest_key_and_names_the_file_it_is_in(tmp_pat
         load_config(None, ["training.zzzz=1"])  # nothing close: no guess
     with pytest.raises(ConfigError, match="target.path: /nonexistent/model does not exist"):
         load_config(None, ["target.path=/nonexistent/model"])
+
+
+def test_a_saved_config_with_the_retired_pause_keys_still_resumes(tmp_path):
+    """Earlier versions saved training.stall_every_steps and stall_s into every run's config.toml: such a run resumes.
+    As an override they are unknown keys (the pause is DFLASH_FAULT_DELAY's now)."""
+    saved = _write(tmp_path, "[training]\nlr = 0.001\nstall_every_steps = 0\nstall_s = 0.0\n")
+    assert load_config(saved).training.lr == 0.001
+    with pytest.raises(ConfigError, match="unknown key training.stall_s"):
+        load_config(None, ["training.stall_s=1.0"])

@@ -35,7 +35,18 @@ from peers import wait_for
 from safetensors.torch import load_file
 from test_pipeline import ROOT, SMALL, lineage, run_all, shard
 
-from common.faults import LOG_ENV, PLAN_ENV, POINTS, Fault, format_plan, parse_delays, parse_plan, read_log
+from common.faults import (
+    DELAY_ENV,
+    LOG_ENV,
+    PLAN_ENV,
+    POINTS,
+    Delay,
+    Fault,
+    format_plan,
+    parse_delays,
+    parse_plan,
+    read_log,
+)
 from common.naming import process_alive
 from common.rundir import RunDir, read_json
 from common.status import ProducerStatus
@@ -327,7 +338,13 @@ def test_a_point_can_kill_a_peer_and_the_killer_goes_on(tmp_path):
 
 @pytest.mark.parametrize(
     "plan, message",
-    [("trainer.nowhere:1", "unknown fault point"), ("trainer.step:0", "count >= 1"), ("trainer.step", "count >= 1")],
+    [
+        ("trainer.nowhere:1", "unknown fault point"),
+        ("trainer.step:0", "count >= 1"),
+        ("trainer.step", "count >= 1"),
+        ("trainer.batch:3=-1", "seconds >= 0"),
+        ("trainer.batch:3=soon", "seconds >= 0"),
+    ],
 )
 def test_a_bad_plan_is_refused_naming_the_entry(plan, message):
     with pytest.raises(ValueError, match=message):
@@ -341,12 +358,45 @@ def test_a_bad_plan_is_refused_naming_the_entry(plan, message):
         ("trainer.checkpoint=-1", "seconds >= 0"),
         ("trainer.checkpoint", "seconds >= 0"),
         ("trainer.checkpoint=soon", "seconds >= 0"),
+        ("trainer.batch=1/0", "seconds >= 0"),
+        ("trainer.batch=1/x", "seconds >= 0"),
     ],
 )
 def test_a_bad_delay_is_refused_naming_the_entry(delays, message):
     with pytest.raises(ValueError, match=message):
         parse_delays(delays)
-    assert parse_delays("trainer.checkpoint=2.5, trainer.stage=0") == {"trainer.checkpoint": 2.5, "trainer.stage": 0.0}
+    assert parse_delays("trainer.checkpoint=2.5, trainer.stage=0, trainer.batch=10/50") == {
+        "trainer.checkpoint": Delay(2.5),
+        "trainer.stage": Delay(0.0),
+        "trainer.batch": Delay(10.0, every=50),
+    }
+    plan = parse_plan("trainer.step:7,trainer.batch:10=120")
+    assert plan == [Fault("trainer.step", 7), Fault("trainer.batch", 10, hold_s=120.0)]
+    assert parse_plan(format_plan(plan)) == plan
+
+
+def test_a_hold_fires_once_in_the_run_and_ends_early_on_a_stop(tmp_path):
+    """A plan's hold is logged and held where a kill would fire; the next process of the run does not hold again,
+    and a stop ends a hold at once. A periodic delay sleeps at every N-th reach only."""
+    log = tmp_path / "faults.jsonl"
+    program = (
+        "import time\nfrom common import faults\nstarted = time.monotonic()\n"
+        "for _ in range(3):\n    faults.point('trainer.batch', stop=lambda: time.monotonic() - started > 1.0)\n"
+        "print(round(time.monotonic() - started, 1))\n"
+    )
+
+    def held_s(env: dict[str, str]) -> float:
+        out = subprocess.run(
+            [sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env
+        )
+        assert out.returncode == 0, out.stderr
+        return float(out.stdout)
+
+    env = {**os.environ, PLAN_ENV: "trainer.batch:2=60", LOG_ENV: str(log)}
+    assert 1.0 <= held_s(env) < 10, "held at the second reach until the stop, not for 60 s"
+    assert [(f["point"], f["count"], f["hold_s"]) for f in read_log(log)] == [("trainer.batch", 2, 60.0)]
+    assert held_s(env) < 0.5, "a successor does not hold again"
+    assert 0.5 <= held_s({**os.environ, DELAY_ENV: "trainer.batch=0.5/2"}) < 1.0, "one sleep: the second reach of 3"
 
 
 @pytest.fixture

@@ -22,7 +22,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from drafter_fixtures import random_batch, random_head, tiny_config
 from peers import wait_for
-from test_pipeline import assert_exactly_once, finish, lineage, run_all, start, trainer_step
+from test_pipeline import (
+    assert_exactly_once,
+    finish,
+    held_at_batch,
+    lineage,
+    run_all,
+    start,
+    trainer_step,
+    wait_held,
+)
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -212,25 +221,18 @@ def test_fsdp_pipeline_kill9_resumes_from_sharded_checkpoint_exactly_once(run_di
 
 def test_restart_trainer_switches_one_rank_to_two_fsdp_ranks(run_dir):
     """The checkpoint of a single-rank trainer resumes under FSDP on two ranks (same format)."""
-    # The single rank pauses at step 6 (a stall, as for an evaluation), so restart-trainer stops it
-    # there whatever the machine's speed; the FSDP trainer trains on without pauses.
-    launcher = start(
-        run_dir,
-        NO_WANDB,
-        "training.max_steps=0",
-        "training.epochs=3",
-        "training.stall_every_steps=6",
-        "training.stall_s=120",
-    )
+    # The single rank holds its sixth batch, so restart-trainer stops it there whatever the machine's speed; the
+    # FSDP trainer trains on without a hold.
+    fault_log = run_dir.parent / "faults.jsonl"
+    launcher = start(run_dir, NO_WANDB, "training.max_steps=0", "training.epochs=3", env=held_at_batch(fault_log, 6))
     run = RunDir(run_dir)
-    wait_for(lambda: (read_json(run.trainer_status) or {}).get("state") == "stalled", "the single rank's pause", 180)
+    wait_held(fault_log)
     answer = run_all(
         "restart-trainer",
         "--run-dir",
         str(run_dir),
         'training.parallelism="fsdp"',
         'launch.trainer_devices=["cpu", "cpu"]',
-        "training.stall_every_steps=0",
     )
     assert answer.returncode == 0, answer.stdout + answer.stderr
     finish(launcher, run_dir)

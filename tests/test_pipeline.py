@@ -19,6 +19,7 @@ import pytest
 from peers import wait_for
 from wandb_log import history
 
+from common.faults import LOG_ENV, PLAN_ENV
 from common.rundir import RunDir, read_json
 from common.status import ProducerStatus
 from producer.order import OrderConfig, ShardOrder
@@ -45,6 +46,16 @@ SMALL = [
 # wandb as a run has it by default: where a test reads wandb's files, and in one kill -9 and one restart-trainer
 # test, so that a trainer resuming its wandb run after either stays covered.
 WANDB = "logging.wandb_mode=offline"
+
+
+def held_at_batch(fault_log: Path, batch: int) -> dict[str, str]:
+    """An environment whose first trainer holds its ``batch``-th batch (up to 120 s, until it is stopped), so that
+    restart-trainer replaces it there whatever the machine's speed; the hold fires once in the run."""
+    return {**os.environ, PLAN_ENV: f"trainer.batch:{batch}=120", LOG_ENV: str(fault_log)}
+
+
+def wait_held(fault_log: Path) -> None:
+    wait_for(lambda: fault_log.exists() and fault_log.read_text().strip() != "", "the first trainer's hold", 120)
 
 
 def run_all(*args: str) -> subprocess.CompletedProcess:
@@ -225,8 +236,9 @@ def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):
 
 
 def test_restart_trainer_with_a_new_learning_rate(run_dir):
-    # The first trainer pauses at step 10 (a stall, as for an evaluation), so that restart-trainer replaces it
-    # there whatever the machine's speed: waiting for step 10 and restarting raced the end of the 48 steps.
+    # The first trainer holds its tenth batch, so that restart-trainer replaces it there whatever the machine's
+    # speed: waiting for step 10 and restarting raced the end of the 48 steps.
+    fault_log = run_dir.parent / "faults.jsonl"
     launcher = start(
         run_dir,
         "training.max_steps=0",
@@ -234,18 +246,13 @@ def test_restart_trainer_with_a_new_learning_rate(run_dir):
         "training.lr=1e-3",
         "training.warmup_ratio=0.0",
         "training.min_lr_ratio=1.0",
-        "training.stall_every_steps=10",
-        "training.stall_s=120",
         WANDB,
+        env=held_at_batch(fault_log, 10),
     )
     run = RunDir(run_dir)
-    wait_for(
-        lambda: (read_json(run.trainer_status) or {}).get("state") == "stalled",
-        "the first trainer's pause at step 10",
-        120,
-    )
+    wait_held(fault_log)
     producers = producer_pids(run)
-    answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4", "training.stall_every_steps=0")
+    answer = run_all("restart-trainer", "--run-dir", str(run_dir), "training.lr=2e-4")
     assert answer.returncode == 0, answer.stdout + answer.stderr
     refused = run_all("restart-trainer", "--run-dir", str(run_dir), "drafter.num_layers=3")
     assert refused.returncode == 2 and "drafter.num_layers" in refused.stdout + refused.stderr

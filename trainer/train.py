@@ -526,7 +526,7 @@ class Trainer:
             received, starved, everyone = self.claim()
             if received is None:
                 break
-            faults.point("trainer.batch")
+            faults.point("trainer.batch", stop=lambda: self.stop_requested)  # a test's hold ends on a stop
             started = time.perf_counter()
             metrics = self.train_step(received)
             self.step += 1
@@ -545,8 +545,6 @@ class Trainer:
                 self.checkpoints.raise_failure()  # a background write that failed stops the run now
             if self.step % self.cfg.training.checkpoint_every == 0 and not self.done:
                 window.checkpoint_s += self.save_checkpoint()
-            if self.cfg.training.stall_every_steps and self.step % self.cfg.training.stall_every_steps == 0:
-                self._stall()
         finished = self.done
         handover_request = self.run_dir.handover_request(os.getpid())  # restart-trainer: a successor waits
         if handover_request.is_file() and not finished and self.world_size == 1 and self.checkpoints.staging.shared:
@@ -574,16 +572,6 @@ class Trainer:
             return
         if self.evals.collect(self.step, wait_s, stop=lambda: self.stop_requested):
             self.write_status()  # called every few steps while one is out: the status changes only when a result comes
-
-    def _stall(self) -> None:
-        """Pause the loop for training.stall_s (a benchmark's stand-in for an evaluation)."""
-        self.state = "stalled"
-        self.write_status()
-        until = time.monotonic() + self.cfg.training.stall_s
-        while time.monotonic() < until and not self.stop_requested:
-            time.sleep(min(0.1, max(0.0, until - time.monotonic())))
-        self.state = "training"
-        self.write_status()
 
     def _flops(self, received: Received, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
         """Model FLOPs of this batch's step (forward + backward), for MFU; a device scalar, read when logged."""

@@ -15,6 +15,10 @@ from typing import Any, Literal
 from .base import ConfigError
 from .run import RunConfig
 
+RETIRED_KEYS = {"training": ("stall_every_steps", "stall_s")}
+"""Keys that earlier versions wrote into every run's config.toml and this one no longer has: a file's are dropped, so
+that those runs resume (the training pause they set is now a benchmark's DFLASH_FAULT_DELAY, common/faults.py)."""
+
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
@@ -143,6 +147,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        for section, keys in RETIRED_KEYS.items():
+            for key in keys:
+                if isinstance(data.get(section), dict):
+                    data[section].pop(key, None)
         unknown = unknown_key(cls, data, nested=True)  # the file's own keys: a typo there names the file
         if unknown:
             raise ConfigError(f"{path}: {unknown}")

@@ -39,8 +39,6 @@ class TrainingConfig:
         "compile": "trainer",
         "warm_start": "trainer",
         "parallelism": "trainer",
-        "stall_every_steps": "trainer",
-        "stall_s": "trainer",
         "label_mode": "producer trainer launcher",
     }
 
@@ -115,11 +113,6 @@ class TrainingConfig:
     1/ranks of each, and a layer's weights are gathered only for its forward and backward; for
     drafts whose training state does not fit one device. One rank: the same. Checkpoints are the
     same either way, so a restart may switch it or change the number of ranks."""
-    stall_every_steps: int = 0
-    """Benchmark aid: pause the training loop every this many steps (0: never), a stand-in for the
-    evaluations and other pauses of real training. The feeder keeps heartbeats going meanwhile."""
-    stall_s: float = 0.0
-    """Benchmark aid: how long each pause of ``stall_every_steps`` lasts, in seconds."""
 
     @property
     def resolved_optimizer(self) -> Literal["adamw", "muon"]:
@@ -129,8 +122,6 @@ class TrainingConfig:
         return "adamw" if self.parallelism == "fsdp" else "muon"
 
     def __post_init__(self) -> None:
-        require(self.stall_every_steps >= 0, "stall_every_steps", "must be >= 0")
-        require(self.stall_s >= 0, "stall_s", "must be >= 0")
         require(self.lr > 0 and math.isfinite(self.lr), "lr", f"must be > 0, got {self.lr}")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         require(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")

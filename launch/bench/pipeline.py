@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 
 from common.config import load_config, save_config
+from common.faults import DELAY_ENV
 from common.naming import run_tag, sweep_stale_segments, sweep_stale_trainer_staging
 from common.rundir import RunDir, read_json
 from common.status import LauncherRecord, ProducerStatus
@@ -120,11 +121,7 @@ def run_overrides(name: str, args: argparse.Namespace) -> list[str]:
     if name == "stall":
         return [f"drafter.num_anchors={args.stall_anchors}", f"ring.num_slots={args.stall_slots}"]
     if name.endswith("-stalls"):
-        stalls = [
-            f"training.checkpoint_every={args.stall_every}",
-            f"training.stall_every_steps={args.stall_every}",
-            f"training.stall_s={args.pause_s}",
-        ]
+        stalls = [f"training.checkpoint_every={args.stall_every}"]
         if not name.startswith("coupled"):
             stalls += [f"ring.num_slots={args.stall_slots}", f"ring.headroom_slots={args.stall_slots - args.slots}"]
         return stalls
@@ -141,13 +138,15 @@ def run_overrides(name: str, args: argparse.Namespace) -> list[str]:
             else [f"ring.num_slots={args.eval_slots}", f"eval.producer_share={args.producer_share}"]
         )
     if name.endswith("-pauses"):
-        return [
-            f"training.checkpoint_every={args.eval_every}",
-            f"training.stall_every_steps={args.eval_every}",
-            f"training.stall_s={args.pause_s}",
-            f"logging.log_every={EVAL_LOG_EVERY}",
-        ]
+        return [f"training.checkpoint_every={args.eval_every}", f"logging.log_every={EVAL_LOG_EVERY}"]
     return []
+
+
+def run_environment(name: str, args: argparse.Namespace) -> dict[str, str]:
+    """The pauses a run's trainer takes, --pause-s every --stall-every (-stalls) or --eval-every (-pauses) steps:
+    a hold of the batch it is about to train (common/faults.py's DFLASH_FAULT_DELAY)."""
+    every = args.stall_every if name.endswith("-stalls") else args.eval_every if name.endswith("-pauses") else 0
+    return {DELAY_ENV: f"trainer.batch={args.pause_s}/{every}"} if every else {}
 
 
 class Sampler(threading.Thread):
@@ -242,7 +241,7 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
     run = RunDir(tmp / "run")
     overrides = base_overrides(args, run.root) + run_overrides(name, args) + args.set
     log = open(tmp / "launcher.log", "w")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **run_environment(name, args)}
     if coupled:
         overrides += [f"training.device=\"{trainer_devices[0]}\""] if len(trainer_devices) == 1 else []
         cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
