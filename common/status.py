@@ -13,6 +13,13 @@ from typing import Any
 from common.rundir import RunDir, atomic_write_json, read_json
 
 
+def known_fields(record: type, data: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``data`` that are fields of the dataclass ``record``: a file of another version of the record
+    reads with its unknown keys left out."""
+    names = {f.name for f in dataclasses.fields(record)}
+    return {key: value for key, value in data.items() if key in names}
+
+
 @dataclass
 class TrainerStatus:
     """What the trainer of a run is doing. A trainer that is still starting has written only ``pid``,
@@ -66,8 +73,7 @@ class TrainerStatus:
         """The record in ``path``; an empty one (pid None) where there is none yet. Keys of another version of the
         record are left out."""
         data = read_json(path) or {}
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in names})
+        return cls(**known_fields(cls, data))
 
     def figures(self) -> dict[str, Any]:
         """As plain data (``run_all.sh status --json``)."""
@@ -126,8 +132,7 @@ class ProducerStatus:
         data = read_json(path)
         if data is None:
             return None
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in names})
+        return cls(**known_fields(cls, data))
 
     @classmethod
     def read_all(cls, run: RunDir) -> list[ProducerStatus]:
@@ -191,8 +196,7 @@ class LauncherRecord:
         data = read_json(path)
         if data is None:
             return None
-        names = {f.name for f in dataclasses.fields(cls)}
-        fields = {key: value for key, value in data.items() if key in names}
+        fields = known_fields(cls, data)
         fields["producers"] = [_child(record) for record in fields.get("producers") or []]
         fields["trainer"] = _child(fields.get("trainer") or {})
         fields["standby_trainer"] = _child(fields["standby_trainer"]) if fields.get("standby_trainer") else None
@@ -205,5 +209,4 @@ class LauncherRecord:
 
 
 def _child(data: dict[str, Any]) -> ChildRecord:
-    names = {f.name for f in dataclasses.fields(ChildRecord)}
-    return ChildRecord(**{key: value for key, value in data.items() if key in names})
+    return ChildRecord(**known_fields(ChildRecord, data))
