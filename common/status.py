@@ -1,6 +1,6 @@
 """The run's status files, one typed record each, so that writer and readers agree on every field's name and
-meaning: RUN/trainer.json (``TrainerStatus``), RUN/producers/p{I}.json (``ProducerStatus``) and RUN/launcher.json
-(``LauncherRecord``). Readers leave out keys of another version of a record and give missing ones their defaults."""
+meaning: RUN/trainer.json (``TrainerStatus``), RUN/producers/p{I}.json (``ProducerStatus``), RUN/launcher.json
+(``LauncherRecord``) and a synthesis producer's SHARDS/status-p{I}.json (``SynthesisStatus``). Readers leave out keys of another version of a record and give missing ones their defaults."""
 
 from __future__ import annotations
 
@@ -210,3 +210,50 @@ class LauncherRecord:
 
 def _child(data: dict[str, Any]) -> ChildRecord:
     return ChildRecord(**known_fields(ChildRecord, data))
+
+
+@dataclass
+class SynthesisStatus:
+    """What synthesis producer I has done, FOLDER/status-p{I}.json beside its shards: written by the producer after
+    every batch of prompts, read by ``run_all.sh synthesize`` for its progress line and summary. Counts are of this
+    start unless they say otherwise."""
+
+    producer: int = 0
+    pid: int | None = None
+    job: str = "synthesize"
+    written: int = 0
+    """Records written this start."""
+    pending_at_start: int = 0
+    """Prompts of its share not yet answered when this start began."""
+    total: int = 0
+    """Prompts of its share, earlier starts' included."""
+    new_tokens: int = 0
+    tokens_per_s: float = 0.0
+    """New tokens per second of generation."""
+    occupancy: float = 0.0
+    """The share of the generator's rows that were busy."""
+    engine: str | None = None
+    seconds: float = 0.0
+    """Seconds since this start began."""
+    finished: bool = False
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Prompts skipped, by reason."""
+    first_skipped: list[str] = field(default_factory=list)
+    """The first ten skipped prompts, ``file:line reason``."""
+    cut: dict[str, int] = field(default_factory=dict)
+    """Conversations ended early, by reason (a tool call the target made differently)."""
+    cut_after_turn: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def path(folder: Path, producer_id: int) -> Path:
+        return folder / f"status-p{producer_id}.json"
+
+    def write(self, folder: Path) -> None:
+        """Rewritten after every batch: not durable (the shards are; this is progress)."""
+        atomic_write_json(self.path(folder, self.producer), dataclasses.asdict(self), durable=False)
+
+    @classmethod
+    def read(cls, folder: Path, producer_id: int) -> SynthesisStatus | None:
+        """Producer ``producer_id``'s record in ``folder``, None where there is none."""
+        data = read_json(cls.path(folder, producer_id))
+        return None if data is None else cls(**known_fields(cls, data))

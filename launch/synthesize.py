@@ -28,7 +28,7 @@ from pathlib import Path
 
 from common.config import ConfigError, save_config
 from common.lifecycle import EXIT_CONFIG_ERROR
-from common.rundir import read_json
+from common.status import SynthesisStatus
 from launch.processes import (
     ManagedProcess,
     child_environment,
@@ -61,22 +61,20 @@ def progress(folder: Path, started_wall: list[float]) -> str:
     rates: list[str] = []
     etas: list[float | None] = []
     for i, since in enumerate(started_wall):
-        path = folder / f"status-p{i}.json"
-        status = read_json(path)
+        status = SynthesisStatus.read(folder, i)
         try:
-            current = status is not None and path.stat().st_mtime >= since
+            current = status is not None and SynthesisStatus.path(folder, i).stat().st_mtime >= since
         except OSError:
             current = False
         if not current:
             rates.append("starting")
             etas.append(None)
             continue
-        written, pending, share = (int(status.get(key) or 0) for key in ("written", "pending_at_start", "total"))
-        done += share - pending + written
-        total += share
-        rate = float(status.get("tokens_per_s") or 0.0)
-        rates.append(significant(rate) if rate or status.get("finished") else "no answer yet")
-        left, seconds = max(0, pending - written), float(status.get("seconds") or 0.0)
+        written, pending = status.written, status.pending_at_start
+        done += status.total - pending + written
+        total += status.total
+        rates.append(significant(status.tokens_per_s) if status.tokens_per_s or status.finished else "no answer yet")
+        left, seconds = max(0, pending - written), status.seconds
         etas.append(0.0 if not left else left * seconds / written if written and seconds else None)
     complete = "starting" not in rates  # every producer's share is known
     share_done = f" ({done / total:.0%})" if complete and total else ""
@@ -232,7 +230,7 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
                 return 1
         time.sleep(POLL_S)
     summary = shard_summary(folder)
-    rates = [read_json(folder / f"status-p{i}.json") or {} for i in range(len(workers))]
+    rates = [SynthesisStatus.read(folder, i) or SynthesisStatus() for i in range(len(workers))]
     reasons = ", ".join(f"{reason} {n}" for reason, n in summary.skipped.most_common())
     log.info(
         "done in %.0f s: %d records in %s (%d prompts skipped%s, see *.skipped); new tokens/s this start: %s",
@@ -241,7 +239,7 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
         folder,
         sum(summary.skipped.values()),
         f": {reasons}" if reasons else "",
-        ", ".join(significant(float(r.get("tokens_per_s") or 0.0)) for r in rates),
+        ", ".join(significant(r.tokens_per_s) for r in rates),
     )
     if summary.cut:
         log.info("%s", summary.describe_cuts())

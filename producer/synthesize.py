@@ -40,7 +40,8 @@ from typing import Any
 
 from common.config import ConfigError, RunConfig, SynthesizeConfig
 from common.lifecycle import exit_process, run_role
-from common.rundir import RunDir, atomic_write_json, fsync_file
+from common.rundir import RunDir, fsync_file
+from common.status import SynthesisStatus
 from producer.conversation import (
     Conversation,
     ConversationWriter,
@@ -353,25 +354,23 @@ class Synthesis:
 
     def _report(self, generator: Generator, started: float, final: bool = False) -> None:
         stats = generator.stats
-        status = {
-            "producer": self.producer_id,
-            "pid": os.getpid(),
-            "job": "synthesize",
-            "written": self.writer.written,
-            "pending_at_start": len(self.pending),
-            "total": self.total,
-            "new_tokens": stats.new_tokens,
-            "tokens_per_s": stats.tokens_per_second,
-            "occupancy": stats.occupancy,
-            "engine": generator.engine,
-            "seconds": time.monotonic() - started,
-            "finished": final,
-            "skipped": dict(self.skipped),
-            "first_skipped": self.first_skipped,
-            "cut": dict(self.cut),
-            "cut_after_turn": {str(turn): n for turn, n in sorted(self.cut_after_turn.items())},
-        }
-        atomic_write_json(self.folder / f"status-p{self.producer_id}.json", status, durable=False)
+        SynthesisStatus(
+            producer=self.producer_id,
+            pid=os.getpid(),
+            written=self.writer.written,
+            pending_at_start=len(self.pending),
+            total=self.total,
+            new_tokens=stats.new_tokens,
+            tokens_per_s=stats.tokens_per_second,
+            occupancy=stats.occupancy,
+            engine=generator.engine,
+            seconds=time.monotonic() - started,
+            finished=final,
+            skipped=dict(self.skipped),
+            first_skipped=list(self.first_skipped),
+            cut=dict(self.cut),
+            cut_after_turn={str(turn): n for turn, n in sorted(self.cut_after_turn.items())},
+        ).write(self.folder)
         log.info(
             "producer %d: %d records written this start, %d skipped, %d cut short, %.0f new tokens/s, rows %.0f%% "
             "busy (%s)",
