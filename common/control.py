@@ -4,40 +4,21 @@ restart-trainer (``RestartRequest``) and reads its answer (``RestartResult``); t
 trainer to take over (``StandbyGo``) and asks a running one to hand its state over (``HandoverRequest``); a trainer
 that ends leaves its ``HandoverMark`` for its successor.
 
-Every file is replaced whole (common/rundir.py ``atomic_write_json``): a reader sees the old record or the new one.
-``read`` returns None where there is none (or what is there is not such a record).
+Each is a ``JsonRecord`` (common/records.py): written whole and durably; ``read`` returns None where there is none
+(or what is there is not such a record).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from common.rundir import atomic_write_json, read_json
-
-Record = TypeVar("Record")
-
-
-class _ControlRecord:
-    def write(self, path: Path) -> None:
-        atomic_write_json(path, dataclasses.asdict(self))
-
-    @classmethod
-    def read(cls: type[Record], path: Path) -> Record | None:
-        data = read_json(path)
-        if data is None:
-            return None
-        try:
-            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
-        except TypeError:  # a required field is missing: not such a record
-            return None
+from common.records import JsonRecord
 
 
 @dataclass
-class RestartRequest(_ControlRecord):
+class RestartRequest(JsonRecord):
     """``run_all.sh restart-trainer``'s request to the running launcher (which SIGUSR1 wakes)."""
 
     request_id: str
@@ -46,7 +27,7 @@ class RestartRequest(_ControlRecord):
 
 
 @dataclass
-class RestartResult(_ControlRecord):
+class RestartResult(JsonRecord):
     """The launcher's answer to the request ``request_id``."""
 
     request_id: str
@@ -59,7 +40,7 @@ class RestartResult(_ControlRecord):
 
 
 @dataclass
-class StandbyGo(_ControlRecord):
+class StandbyGo(JsonRecord):
     """The launcher's word to a standby trainer: take over the run."""
 
     predecessor: str | None = None
@@ -67,7 +48,7 @@ class StandbyGo(_ControlRecord):
 
 
 @dataclass
-class HandoverRequest(_ControlRecord):
+class HandoverRequest(JsonRecord):
     """The launcher's request to a single-process trainer that restart-trainer replaces: hand the state over in
     shared memory instead of writing a disk checkpoint; its successor runs on ``successor_devices``."""
 
@@ -75,7 +56,7 @@ class HandoverRequest(_ControlRecord):
 
 
 @dataclass
-class HandoverMark(_ControlRecord):
+class HandoverMark(JsonRecord):
     """What a trainer leaves as it ends, after everything of the run is done: its successor may start."""
 
     pid: int

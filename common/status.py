@@ -1,6 +1,9 @@
 """The run's status files, one typed record each, so that writer and readers agree on every field's name and
 meaning: RUN/trainer.json (``TrainerStatus``), RUN/producers/p{I}.json (``ProducerStatus``), RUN/launcher.json
-(``LauncherRecord``) and a synthesis producer's SHARDS/status-p{I}.json (``SynthesisStatus``). Readers leave out keys of another version of a record and give missing ones their defaults."""
+(``LauncherRecord``) and a synthesis producer's SHARDS/status-p{I}.json (``SynthesisStatus``). Each is a
+``JsonRecord`` (common/records.py): readers leave out keys of another version of a record and give missing ones
+their defaults. Live status is rewritten often and written without an fsync; launcher.json, which ``stop`` and a
+second launcher rely on, with one."""
 
 from __future__ import annotations
 
@@ -8,20 +11,14 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from common.rundir import RunDir, atomic_write_json, read_json
-
-
-def known_fields(record: type, data: dict[str, Any]) -> dict[str, Any]:
-    """The keys of ``data`` that are fields of the dataclass ``record``: a file of another version of the record
-    reads with its unknown keys left out."""
-    names = {f.name for f in dataclasses.fields(record)}
-    return {key: value for key, value in data.items() if key in names}
+from common.records import JsonRecord, known_fields
+from common.rundir import RunDir
 
 
 @dataclass
-class TrainerStatus:
+class TrainerStatus(JsonRecord):
     """What the trainer of a run is doing. A trainer that is still starting has written only ``pid``,
     ``incarnation``, ``state`` and ``updated``; a record read where there is no file has ``pid`` None."""
 
@@ -60,9 +57,7 @@ class TrainerStatus:
     checkpoint_writing: str | None = None
     """The checkpoint being written in the background, if any."""
 
-    def write(self, path: Path) -> None:
-        """Every step while an evaluation is out: not durable, so it never waits behind a checkpoint's write."""
-        atomic_write_json(path, dataclasses.asdict(self), durable=False)
+    DURABLE: ClassVar[bool] = False  # every step while an evaluation is out
 
     @classmethod
     def starting(cls, pid: int, incarnation: int, state: str) -> TrainerStatus:
@@ -70,10 +65,8 @@ class TrainerStatus:
 
     @classmethod
     def read(cls, path: Path) -> TrainerStatus:
-        """The record in ``path``; an empty one (pid None) where there is none yet. Keys of another version of the
-        record are left out."""
-        data = read_json(path) or {}
-        return cls(**known_fields(cls, data))
+        """The record in ``path``; an empty one (pid None) where there is none yet."""
+        return super().read(path) or cls()
 
     def figures(self) -> dict[str, Any]:
         """As plain data (``run_all.sh status --json``)."""
@@ -81,7 +74,7 @@ class TrainerStatus:
 
 
 @dataclass
-class ProducerStatus:
+class ProducerStatus(JsonRecord):
     """What producer I is doing, RUN/producers/p{I}.json: written by the producer about once a second, read by the
     launcher (is it ready, at which endpoint), the trainer (where to connect; epoch sizes), ``status`` and the
     progress view. Fields a writer leaves out keep their defaults."""
@@ -122,17 +115,7 @@ class ProducerStatus:
     server: dict[str, Any] = field(default_factory=dict)
     """The ring server's counters (published, reclaimed, consumers, dropped messages, ...)."""
 
-    def write(self, path: Path) -> None:
-        """Live state, rewritten every second: not durable, so it never waits behind the trainer's writes."""
-        atomic_write_json(path, dataclasses.asdict(self), durable=False)
-
-    @classmethod
-    def read(cls, path: Path) -> ProducerStatus | None:
-        """The record in ``path``, None where there is none. Keys of another version of the record are left out."""
-        data = read_json(path)
-        if data is None:
-            return None
-        return cls(**known_fields(cls, data))
+    DURABLE: ClassVar[bool] = False  # rewritten every second
 
     @classmethod
     def read_all(cls, run: RunDir) -> list[ProducerStatus]:
@@ -170,7 +153,7 @@ class ChildRecord:
 
 
 @dataclass
-class LauncherRecord:
+class LauncherRecord(JsonRecord):
     """RUN/launcher.json: the launcher's pid file, with its children's. Written by the launcher; read by ``status``,
     ``stop``, a second launcher (which refuses to start beside it) and the tools."""
 
@@ -187,20 +170,17 @@ class LauncherRecord:
     """The trainer started ahead, waiting to take over, if any."""
     updated: float = 0.0
 
-    def write(self, path: Path) -> None:
-        atomic_write_json(path, {**dataclasses.asdict(self), "updated": time.time()})
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "updated": time.time()}  # stamped when written
 
     @classmethod
-    def read(cls, path: Path) -> LauncherRecord | None:
-        """The record in ``path``, None where there is none."""
-        data = read_json(path)
-        if data is None:
-            return None
-        fields = known_fields(cls, data)
-        fields["producers"] = [_child(record) for record in fields.get("producers") or []]
-        fields["trainer"] = _child(fields.get("trainer") or {})
-        fields["standby_trainer"] = _child(fields["standby_trainer"]) if fields.get("standby_trainer") else None
-        return cls(**fields)
+    def from_json(cls, data: dict[str, Any]) -> LauncherRecord | None:
+        record = super().from_json(data)
+        if record is not None:  # the children, read as plain dicts, as records
+            record.producers = [_child(child) for child in data.get("producers") or []]
+            record.trainer = _child(data.get("trainer") or {})
+            record.standby_trainer = _child(data["standby_trainer"]) if data.get("standby_trainer") else None
+        return record
 
     def children(self) -> list[ChildRecord]:
         """Its children, trainers first (the order they are stopped in)."""
@@ -213,7 +193,7 @@ def _child(data: dict[str, Any]) -> ChildRecord:
 
 
 @dataclass
-class SynthesisStatus:
+class SynthesisStatus(JsonRecord):
     """What synthesis producer I has done, FOLDER/status-p{I}.json beside its shards: written by the producer after
     every batch of prompts, read by ``run_all.sh synthesize`` for its progress line and summary. Counts are of this
     start unless they say otherwise."""
@@ -244,16 +224,9 @@ class SynthesisStatus:
     """Conversations ended early, by reason (a tool call the target made differently)."""
     cut_after_turn: dict[str, int] = field(default_factory=dict)
 
+    DURABLE: ClassVar[bool] = False  # progress, rewritten after every batch (the shards are durable)
+
     @staticmethod
     def path(folder: Path, producer_id: int) -> Path:
+        """Producer ``producer_id``'s record in the shard folder ``folder``."""
         return folder / f"status-p{producer_id}.json"
-
-    def write(self, folder: Path) -> None:
-        """Rewritten after every batch: not durable (the shards are; this is progress)."""
-        atomic_write_json(self.path(folder, self.producer), dataclasses.asdict(self), durable=False)
-
-    @classmethod
-    def read(cls, folder: Path, producer_id: int) -> SynthesisStatus | None:
-        """Producer ``producer_id``'s record in ``folder``, None where there is none."""
-        data = read_json(cls.path(folder, producer_id))
-        return None if data is None else cls(**known_fields(cls, data))

@@ -61,7 +61,7 @@ def progress(folder: Path, started_wall: list[float]) -> str:
     rates: list[str] = []
     etas: list[float | None] = []
     for i, since in enumerate(started_wall):
-        status = SynthesisStatus.read(folder, i)
+        status = SynthesisStatus.read(SynthesisStatus.path(folder, i))
         try:
             current = status is not None and SynthesisStatus.path(folder, i).stat().st_mtime >= since
         except OSError:
@@ -230,7 +230,7 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
                 return 1
         time.sleep(POLL_S)
     summary = shard_summary(folder)
-    rates = [SynthesisStatus.read(folder, i) or SynthesisStatus() for i in range(len(workers))]
+    rates = [SynthesisStatus.read(SynthesisStatus.path(folder, i)) or SynthesisStatus() for i in range(len(workers))]
     reasons = ", ".join(f"{reason} {n}" for reason, n in summary.skipped.most_common())
     log.info(
         "done in %.0f s: %d records in %s (%d prompts skipped%s, see *.skipped); new tokens/s this start: %s",

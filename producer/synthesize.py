@@ -370,7 +370,7 @@ class Synthesis:
             first_skipped=list(self.first_skipped),
             cut=dict(self.cut),
             cut_after_turn={str(turn): n for turn, n in sorted(self.cut_after_turn.items())},
-        ).write(self.folder)
+        ).write(SynthesisStatus.path(self.folder, self.producer_id))
         log.info(
             "producer %d: %d records written this start, %d skipped, %d cut short, %.0f new tokens/s, rows %.0f%% "
             "busy (%s)",

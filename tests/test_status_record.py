@@ -78,10 +78,13 @@ def test_the_launcher_record_lists_its_children_trainers_first(tmp_path):
     assert [child.pid for child in read.children()] == [30, 31, 21]  # the producer not started yet is left out
     path.write_text(json.dumps({"pid": 1, "trainer": {"pid": 2, "a_later_field": 3}, "standby_trainer": None}))
     assert [child.pid for child in LauncherRecord.read(path).children()] == [2]
+    path.write_text(json.dumps({"pid": 1, "state": "starting"}))  # written before any child started
+    assert LauncherRecord.read(path).trainer == ChildRecord() and LauncherRecord.read(path).children() == []
 
 
 def test_a_synthesis_status_round_trips_beside_its_shards(tmp_path):
-    assert SynthesisStatus.read(tmp_path, 1) is None
+    path = SynthesisStatus.path(tmp_path, 1)
+    assert path == tmp_path / "status-p1.json" and SynthesisStatus.read(path) is None
     written = SynthesisStatus(producer=1, written=3, total=8, tokens_per_s=0.27, skipped={"turn_order": 1})
-    written.write(tmp_path)
-    assert (tmp_path / "status-p1.json").is_file() and SynthesisStatus.read(tmp_path, 1) == written
+    written.write(path)
+    assert SynthesisStatus.read(path) == written
