@@ -78,6 +78,17 @@ def test_from_target_overrides_and_explicit_mask():
         DraftConfig.from_target(qwen3_8b_config())
 
 
+def test_named_target_layers_on_a_target_too_shallow_for_the_default_rule():
+    """Two draft layers over a 4-layer target: the default rule gives [1, 1] and refuses, naming the key; the layers
+    named with drafter.target_layer_ids are taken without the rule being asked (the trainer once failed here)."""
+    shallow = qwen3_8b_config()
+    shallow.num_hidden_layers = 4
+    with pytest.raises(ValueError, match="drafter.target_layer_ids"):
+        DraftConfig.from_target(shallow, num_draft_layers=2, mask_token_id=7)
+    config = DraftConfig.from_target(shallow, num_draft_layers=2, mask_token_id=7, target_layer_ids=[1, 2])
+    assert config.target_layer_ids == [1, 2] and config.num_target_layers == 4
+
+
 @pytest.mark.parametrize(
     "overrides, field",
     [

@@ -257,7 +257,9 @@ class DraftConfig:
             vocab_size=int(text.vocab_size),
             target_hidden_size=hidden,
             num_target_layers=num_target_layers,
-            target_layer_ids=build_target_layer_ids(num_target_layers, num_layers),
+            # the default rule only where none is named: it fails on a target too shallow for it
+            target_layer_ids=overrides.pop("target_layer_ids", None)
+            or build_target_layer_ids(num_target_layers, num_layers),
             mask_token_id=mask_token_id,
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
             rope_parameters=target_rope_parameters(text),
@@ -290,7 +292,9 @@ class DraftConfig:
             vocab_size=int(text.vocab_size),
             target_hidden_size=hidden,
             num_target_layers=num_target_layers,
-            target_layer_ids=build_target_layer_ids(num_target_layers, num_layers),
+            # the default rule only where none is named: it fails on a target too shallow for it
+            target_layer_ids=overrides.pop("target_layer_ids", None)
+            or build_target_layer_ids(num_target_layers, num_layers),
             mask_token_id=mask,
             layer_types=[SLIDING_ATTENTION] * (num_layers - 1) + [FULL_ATTENTION],
             sliding_window=2048,
