@@ -56,6 +56,7 @@ def dequantized_folder(gguf_path: str | Path) -> Path:
     source = Path(gguf_path).resolve()
     folder = cache_root() / "gguf" / f"{source.stem}-{content_key(source)}"
     if (folder / "config.json").is_file():
+        portable_tokenizer_config(folder)  # a folder written before the class was made portable
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with open(folder.parent / f".{folder.name}.lock", "w") as lock:
@@ -81,8 +82,31 @@ def _convert(source: Path, folder: Path) -> None:
     tmp.mkdir(parents=True)
     _save_dequantized(model, tmp)
     tokenizer.save_pretrained(tmp)
+    portable_tokenizer_config(tmp)
     (tmp / SOURCE_FILE).write_text(f"{source}\n")
     os.replace(tmp, folder)
+
+
+PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+"""The tokenizer class a folder names so that transformers 4.x reads it too (llama.cpp's converter runs 4.x):
+transformers 5 saves "TokenizersBackend", which 4.x does not know, and reads this name as that same class."""
+
+
+def portable_tokenizer_config(folder: Path) -> None:
+    """Name ``PORTABLE_TOKENIZER_CLASS`` in ``folder``'s tokenizer_config.json where transformers 5 wrote its own
+    class (rewritten whole and renamed, so a process reading it meanwhile sees one or the other)."""
+    import json
+
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    settings = json.loads(path.read_text())
+    if settings.get("tokenizer_class") != "TokenizersBackend":
+        return
+    settings["tokenizer_class"] = PORTABLE_TOKENIZER_CLASS
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(settings, indent=2) + "\n")
+    os.replace(partial, path)
 
 
 def _save_dequantized(model, folder: Path) -> None:

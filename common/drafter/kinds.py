@@ -38,12 +38,25 @@ class DrafterKind:
     """What speculators assumes of ``sliding_window_non_causal`` when a config of this kind leaves it out."""
     config_fields: tuple[str, ...] = ()
     """DraftConfig fields of the kind written into ``dflash_config`` (z-lab) or the top level (speculators)."""
+    llamacpp_spec_type: str | None = None
+    """llama-server's ``--spec-type`` for a draft GGUF of this kind (None: llama.cpp does not serve it)."""
+    vllm_cpu: bool = False
+    """vLLM's CPU build serves it (its V1 model runner refuses DFlash 2's candidate head: GPUs only)."""
 
 
 KINDS: dict[str, DrafterKind] = {
     kind.name: kind
     for kind in (
-        DrafterKind("dflash", DFlashDrafter, "DFlashDraftModel", "dflash", "DFlashSpeculator", False),
+        DrafterKind(
+            "dflash",
+            DFlashDrafter,
+            "DFlashDraftModel",
+            "dflash",
+            "DFlashSpeculator",
+            False,
+            llamacpp_spec_type="draft-dflash",
+            vllm_cpu=True,
+        ),
         DrafterKind(
             "dflash2",
             DFlash2Drafter,
@@ -52,6 +65,8 @@ KINDS: dict[str, DrafterKind] = {
             "DFlash2DraftModel",
             True,
             ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+            # the same spec type: the server walks the selector when the GGUF's dflash.selector_top_k > 0
+            llamacpp_spec_type="draft-dflash",
         ),
     )
 }

@@ -1,0 +1,270 @@
+"""The served check's own arithmetic and its refusals (launch/bench/served), fast and without a server: the common
+schedule, the naming of the first difference, a target split told apart from a drafter's fault, llama-server's trace
+and Prometheus counters read right, and every "cannot run" ending in one line and exit 2. The servers themselves run in
+tests/test_served_llamacpp.py and tests/test_served_vllm.py (``pytest -m served``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launch.bench.served import __main__ as cli
+from launch.bench.served.llamacpp import EOG_HEADER, EOG_LINE, STEP_LINE
+from launch.bench.served.measure import difference, parse_metrics, spec_counters
+from launch.bench.served.schedule import (
+    PromptRun,
+    Side,
+    compare,
+    counts_of,
+    failures,
+    lengths_of,
+    steps_in_answer,
+    tau_of,
+    zlab_tau_of,
+)
+
+
+def test_counts_are_the_servers_per_position_counters():
+    # Four verify forwards that accepted 2, 0, 3 and 1 drafts of a block of 4 (3 drafted tokens each).
+    counts = counts_of([2, 0, 3, 1], block_size=4)
+    assert counts == {"drafts": 4, "draft_tokens": 12, "accepted_per_pos": [3, 2, 1]}
+    assert tau_of(counts) == 1 + 6 / 4
+
+
+def test_one_schedule_cuts_each_side_at_the_answers_end():
+    # 7 answer tokens: the prefill's token, then steps adding 3, 1 and (cut) 2 of the 4 the last block accepted.
+    ours = PromptRun(tokens=[5, 6, 7, 8, 9, 10, 11], accepted=[2, 0, 3])
+    assert lengths_of(ours) == [3, 1, 2]
+    # A side that ran further (a server given B - 1 more tokens) has steps past the answer: left out.
+    further = PromptRun(tokens=ours.tokens, accepted=[2, 0, 3, 3, 1])
+    assert lengths_of(further) == [3, 1, 2] and steps_in_answer(further) == [2, 0, 3]
+    # llama.cpp stops accepting at the end token: its last step counts 1, not 3; on the schedule it is the same.
+    stopped = PromptRun(tokens=ours.tokens, accepted=[2, 0, 1])
+    assert lengths_of(stopped) == lengths_of(ours)
+    assert zlab_tau_of([[3, 1, 2], [2]]) == (2 + 2) / 2
+
+
+def side(name: str, runs: list[tuple[list[int], list[int] | None]], reported=None) -> Side:
+    return Side(name, [PromptRun(t, a) for t, a in runs], block_size=4, reported=reported)
+
+
+def test_identical_sides_agree():
+    ours = side("evaluator", [([1, 2, 3, 4, 5], [1, 2]), ([7, 8], [3])])
+    assert compare(ours, side("llama.cpp", [([1, 2, 3, 4, 5], [1, 2, 0]), ([7, 8], [1])])) == []
+
+
+def test_the_first_differing_step_is_named():
+    ours = side("evaluator", [([1, 2, 3, 4, 5], [1, 2]), ([1, 2, 3, 4, 5, 6, 7], [1, 0, 2])])
+    other = side("llama.cpp", [([1, 2, 3, 4, 5], [1, 2]), ([1, 2, 3, 4, 5, 6, 7], [1, 1, 1])])
+    (found,) = compare(ours, other)
+    assert (found.prompt, found.what, found.step, found.position) == (1, "steps", 1, 3)
+    assert "prompt 1, step 1, token 3" in found.describe() and failures([found]) == [found]
+
+
+def test_a_near_tie_of_the_target_is_a_split_not_a_fault():
+    ours = side("evaluator", [([1, 2, 3, 4, 5, 6], [1, 1, 0])])
+    other = side("llama.cpp", [([1, 2, 3, 9, 9, 9], [1, 2])])  # the target chose 9 at token 3
+    (split,) = compare(ours, other, margin_at=lambda p, t: 0.004, tie_margin=0.01)
+    assert split.what == "tokens" and split.position == 3 and split.target_split
+    assert failures([split]) == [] and "near-tie" in split.describe() and "0.00400" in split.describe()
+    # the same split where the target's choice was clear: a fault, named with its margin
+    (fault,) = compare(ours, other, margin_at=lambda p, t: 2.5, tie_margin=0.01)
+    assert not fault.target_split and failures([fault]) == [fault] and "no tie" in fault.describe()
+
+
+def test_the_table_reads_each_side_as_it_counts_and_on_the_schedule():
+    from launch.bench.served.schedule import table
+
+    ours = side("evaluator", [([1, 2, 3, 4, 5], [1, 3])])  # the last block whole: 3 accepted, 1 of them in the answer
+    llama = side("llama.cpp", [([1, 2, 3, 4, 5], [1, 2])])  # stopped accepting at the end token
+    vllm = side("vLLM", [([1, 2, 3, 4, 5], None)], reported=counts_of([1, 3], 4))
+    text = table([llama, ours, vllm], ours, {"llama.cpp": compare(ours, llama), "vLLM": compare(ours, vllm)})
+    rows = {line[:30].strip(): line[30:].split() for line in text.splitlines()[1:]}
+    assert rows["accepted drafts, as run"] == ["3", "4", "4"] and rows["accepted drafts, schedule"] == ["2", "2", "-"]
+    assert rows["agrees"] == ["yes", "-", "yes"] and rows["accepted at position 3, as run"] == ["0", "1", "1"]
+
+
+def test_a_side_with_counters_only_is_compared_by_them():
+    ours = side("evaluator", [([1, 2, 3, 4, 5], [1, 2])])
+    same = side("vLLM", [([1, 2, 3, 4, 5], None)], reported=counts_of([1, 2], 4))
+    assert compare(ours, same) == []
+    shifted = side("vLLM", [([1, 2, 3, 4, 5], None)], reported=counts_of([1, 1], 4))
+    (found,) = compare(ours, shifted)
+    assert found.what == "counters" and "accepted_per_pos" in found.detail
+
+
+def test_llama_server_trace_lines_are_read():
+    assert STEP_LINE.search("0.01.2 I slot   operator(): id  0 | task 3 | accepted  5/15 draft tokens").groups()[
+        :2
+    ] == (
+        "5",
+        "15",
+    )
+    restored = STEP_LINE.search("slot operator(): id 0 | task 3 | accepted 2/ 7 draft tokens (restore checkpoint)")
+    assert restored.group(3) is not None
+    log = f"0.1 I load: {EOG_HEADER}\n0.1 I load:   - 0 ('<|endoftext|>')\n0.1 I load:   - 2 ('<|im_end|>')\n0.1 I x"
+    assert [int(EOG_LINE.search(line).group(1)) for line in log.splitlines()[1:3]] == [0, 2]
+
+
+LLAMACPP_METRICS = """# HELP llamacpp:spec_decode_num_drafts_total x
+llamacpp:spec_decode_num_drafts_total 10
+llamacpp:spec_decode_num_draft_tokens_total 70
+llamacpp:spec_decode_num_accepted_tokens_total 12
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 4
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 8
+"""
+VLLM_METRICS = """vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 45.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0
+"""
+SGLANG_METRICS = """sglang:spec_verify_calls_total{model_name="m"} 20
+sglang:generation_tokens_total{model_name="m"} 64
+sglang:spec_accept_length{model_name="m"} 3.1
+"""
+
+
+def test_each_servers_counters_are_read_alike():
+    llama = spec_counters(parse_metrics(LLAMACPP_METRICS))
+    assert llama == {"drafts": 10, "draft_tokens": 70, "accepted": 12, "accepted_per_pos": [8, 4]}
+    vllm = spec_counters(parse_metrics(VLLM_METRICS))
+    assert vllm["drafts"] == 3 and vllm["accepted_per_pos"] == [3, 2]
+    sglang = spec_counters(parse_metrics(SGLANG_METRICS))
+    assert sglang["drafts"] == 20 and sglang["generated"] == 64
+    later = spec_counters(parse_metrics(LLAMACPP_METRICS.replace(" 10\n", " 25\n").replace(' 8\n', " 18\n")))
+    assert difference(later, llama)["drafts"] == 15 and difference(later, llama)["accepted_per_pos"] == [10, 0]
+
+
+def test_prompt_formats(tmp_path):
+    from transformers import AutoTokenizer
+
+    from launch.bench.served.prompts import read_prompts
+    from tests.real_model import smollm2_folder
+
+    folder = smollm2_folder()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "\n".join(
+            [
+                json.dumps(
+                    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "dropped"}]}
+                ),
+                json.dumps({"prompt": "Once upon a time"}),
+                json.dumps({"prompt_token_ids": [1, 2, 3]}),
+                "a line of text",
+            ]
+        )
+        + "\n"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = read_prompts(prompts, folder, None)
+    assert ids[0] == tokenizer(chat, add_special_tokens=False)["input_ids"]
+    assert ids[1:] == [tokenizer("Once upon a time")["input_ids"], [1, 2, 3], tokenizer("a line of text")["input_ids"]]
+    assert read_prompts(prompts, folder, 2) == ids[:2]
+
+
+def write_export(folder: Path, kind: str = "dflash", block_size: int = 8, speculators: bool = False) -> Path:
+    """A config.json alone: the refusals come before any weight is read."""
+    folder.mkdir(parents=True)
+    architecture = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[kind]
+    config = {"architectures": [architecture], "block_size": block_size, "dflash_config": {}}
+    if speculators:
+        config = {"speculators_model_type": kind, "architectures": ["DFlashSpeculator"], "block_size": block_size}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "server, export, extra, says",
+    [
+        ("vllm", {"kind": "dflash2"}, [], "vLLM's CPU build does not serve dflash2"),
+        (
+            "llamacpp",
+            {"block_size": 8},
+            ["--block-size", "16"],
+            "--block-size 16 contradicts the export's block_size 8",
+        ),
+        ("llamacpp", {"speculators": True}, [], "z-lab format only"),
+    ],
+)
+def test_what_cannot_run_is_one_line_and_exit_2(tmp_path, capsys, server, export, extra, says):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
+    draft = write_export(tmp_path / "draft", **export)
+    argv = ["--server", server, "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), *extra]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_without_a_llamacpp_build_it_says_how_to_make_it(tmp_path, monkeypatch, capsys):
+    from common.llamacpp import HOME_ENV
+
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "nowhere"))
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
+    draft = write_export(tmp_path / "draft")
+    argv = ["--server", "llamacpp", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
+    assert cli.main(argv) == 2 and "run launch/setup_llamacpp.sh" in capsys.readouterr().err
+    from trainer.export import main as export_main
+
+    checkpoint = tmp_path / "step-1"
+    write_export(checkpoint / "drafter")
+    code = export_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "d.gguf"), "--format", "gguf"])
+    assert code == 2 and "--target" in capsys.readouterr().err
+
+
+def test_without_the_vllm_venv_it_says_how_to_make_it(tmp_path, monkeypatch, capsys):
+    from launch.bench.served import vllm_worker
+
+    monkeypatch.setattr(vllm_worker, "VLLM_PYTHON", tmp_path / "no-venv" / "python")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
+    draft = write_export(tmp_path / "draft")
+    argv = ["--server", "vllm", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
+    assert cli.main(argv) == 2 and "launch/setup_vllm.sh" in capsys.readouterr().err
+
+
+def test_measure_needs_one_prompt_source(capsys):
+    assert cli.main(["--url", "http://127.0.0.1:9"]) == 2
+    assert "--prompts or --run-dir" in capsys.readouterr().err
+
+
+def test_a_dequantized_target_folder_names_a_tokenizer_class_transformers_4_reads(tmp_path):
+    """llama.cpp's converter runs transformers 4.x, which does not know transformers 5's "TokenizersBackend": the
+    dequantized folder names "PreTrainedTokenizerFast" (which 5.x reads as the same class), and a folder written
+    before is rewritten when it is next asked for."""
+    from transformers import AutoTokenizer
+
+    from common.gguf import PORTABLE_TOKENIZER_CLASS, portable_tokenizer_config
+    from tests.real_model import smollm2_folder
+
+    folder = smollm2_folder()
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == PORTABLE_TOKENIZER_CLASS
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (old / name).write_bytes((folder / name).read_bytes())
+    settings = json.loads((old / "tokenizer_config.json").read_text())
+    (old / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": "TokenizersBackend"}))
+    portable_tokenizer_config(old)
+    assert json.loads((old / "tokenizer_config.json").read_text())["tokenizer_class"] == PORTABLE_TOKENIZER_CLASS
+    tokenizer, original = AutoTokenizer.from_pretrained(old), AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "user", "content": "hi"}]
+    assert tokenizer("hello world")["input_ids"] == original("hello world")["input_ids"]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == original.apply_chat_template(chat, tokenize=False)

@@ -1,0 +1,149 @@
+"""Our exports served by llama.cpp's llama-server (launch/setup_llamacpp.sh builds it into .llamacpp): for each kind
+it serves, ``trainer.export --format gguf`` writes the draft, and ``launch.bench.served --server llamacpp`` finds the
+server drafting, accepting and generating on the same schedule as our evaluator, live decoder and z-lab's decoder,
+with acceptances at positions 3 and beyond; ``--url`` then measures the running server from its own counters.
+
+The target is the small random-weight Llama of launch/bench/served/small_target.py (SmolLM2's tokenizer, head_dim
+64), and the drafter is trained for a minute on its greedy text. Marked ``served`` (minutes on two cores): ``pytest -m
+served tests/test_served_llamacpp.py``; skipped, saying why, without the build.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.llamacpp import LlamaCppMissing, converter_ready, server_binary
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 8
+NEW_TOKENS = 48
+QUESTIONS = [
+    "What is 17 times 23?",
+    "Write a haiku about autumn.",
+    "Explain recursion to a child.",
+    "List three prime numbers.",
+    "How do I reverse a list in Python?",
+    "Name a famous painter.",
+    "What is the capital of France?",
+    "Describe the colour blue.",
+    "Why is the sky blue?",
+    "Give me a word that rhymes with cat.",
+    "Translate 'thank you' into German.",
+    "What does a compiler do?",
+]
+
+pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def llamacpp_built():
+    try:
+        server_binary()
+        converter_ready()
+    except LlamaCppMissing as missing:
+        pytest.skip(str(missing))
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory) -> Path:
+    from launch.bench.served.small_target import make_small_target
+    from tests.real_model import smollm2_folder
+
+    return make_small_target(tmp_path_factory.mktemp("small") / "target", smollm2_folder())
+
+
+def chat_prompts(folder: Path, questions: list[str]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        for q in questions
+    ]
+
+
+def trained_checkpoint(kind: str, target_dir: Path, out: Path) -> Path:
+    """A drafter of ``kind`` trained for a minute on the target's greedy answers to the questions, as a checkpoint's
+    drafter/ folder (fp32)."""
+    from launch.bench.served.quick_drafter import quick_drafter
+
+    torch.set_num_threads(1)
+    fields = {"dflash2": dict(selector_rank=32, selector_top_k=8)}.get(kind, {})
+    return quick_drafter(target_dir, kind, chat_prompts(target_dir, QUESTIONS), out, new_tokens=2 * NEW_TOKENS,
+                         steps=150, layers=2, block_size=BLOCK, **fields)  # fmt: skip
+
+
+def run(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_llamacpp_serves_each_kind_as_our_decoders_do(tmp_path, small_target, kind):
+    checkpoint = trained_checkpoint(kind, small_target, tmp_path / "step-150")
+    draft = tmp_path / "draft.gguf"
+    exported = run(
+        "-m", "trainer.export", "--checkpoint", str(checkpoint), "--out", str(draft), "--format", "gguf",
+        "--target", str(small_target), "--dtype", "float32",
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert draft.is_file() and f"--spec-draft-n-max {BLOCK - 1}" in exported.stdout
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
+    out = tmp_path / "served.json"
+    checked = run(
+        "-m", "launch.bench.served", "--server", "llamacpp", "--target", str(small_target), "--draft",
+        str(checkpoint), "--prompts", str(prompts), "--max-new-tokens", str(NEW_TOKENS), "--json-out", str(out),
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout[-5000:] + checked.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["agrees"] and summary["kind"] == kind and summary["block_size"] == BLOCK
+    sides = summary["sides"]
+    llama, ours = sides["llama.cpp"], sides["evaluator"]
+    assert llama["on_schedule"] == ours["on_schedule"] == sides["live"]["on_schedule"] == sides["z-lab"]["on_schedule"]
+    assert all(p["llama.cpp"]["same_tokens"] for p in summary["per_prompt"])
+    per_pos = llama["on_schedule"]["accepted_per_pos"]
+    assert per_pos[2] > 0 and per_pos[4] > 0, f"positions 3 and 5 never accepted: {per_pos}"
+    assert llama["zlab_tau"] == pytest.approx(ours["zlab_tau"])
+
+
+def test_a_running_llama_server_is_measured_from_its_own_counters(tmp_path, small_target):
+    from common.llamacpp import target_gguf
+    from launch.bench.served.llamacpp import LlamaServer
+
+    checkpoint = trained_checkpoint("dflash", small_target, tmp_path / "step-150")
+    draft = tmp_path / "draft.gguf"
+    assert run(
+        "-m", "trainer.export", "--checkpoint", str(checkpoint), "--out", str(draft), "--format", "gguf",
+        "--target", str(small_target), "--dtype", "float32",
+    ).returncode == 0  # fmt: skip
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
+    out = tmp_path / "measured.json"
+    with LlamaServer(server_binary(), target_gguf(small_target), draft, BLOCK, tmp_path / "server.log") as server:
+        measured = run(
+            "-m", "launch.bench.served", "--url", server.url, "--prompts", str(prompts), "--concurrency", "2",
+            "--max-new-tokens", str(NEW_TOKENS), "--json-out", str(out),
+        )  # fmt: skip
+    assert measured.returncode == 0, measured.stdout[-3000:] + measured.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["server"] == "llama.cpp" and result["requests"] == len(QUESTIONS)
+    assert 0 < result["output_tokens"] <= len(QUESTIONS) * NEW_TOKENS and result["output_tokens_per_s"] > 0
+    counters = result["counters"]
+    assert counters["drafts"] > 0 and counters["draft_tokens"] <= counters["drafts"] * (BLOCK - 1)
+    assert result["mean_acceptance_length"] > 2, result  # the trained drafter: blocks, not single tokens
+    assert len(result["acceptance_per_position"]) == BLOCK - 1 and result["acceptance_per_position"][2] > 0
