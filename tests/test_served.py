@@ -268,3 +268,39 @@ def test_a_dequantized_target_folder_names_a_tokenizer_class_transformers_4_read
     chat = [{"role": "user", "content": "hi"}]
     assert tokenizer("hello world")["input_ids"] == original("hello world")["input_ids"]
     assert tokenizer.apply_chat_template(chat, tokenize=False) == original.apply_chat_template(chat, tokenize=False)
+
+
+def test_a_dflash2_drafter_llamacpp_cannot_load_is_refused_before_export(tmp_path, capsys):
+    """llama.cpp refuses a DFlash 2 draft whose hidden size is under selector_top_k * (selector_top_k + 1): the export
+    and the served check say so in one line, naming the keys, instead of a server that exits at load."""
+    from common.drafter.export import zlab_config
+    from common.drafter.kinds import selector_lattice_refusal
+    from tests.drafter_fixtures import tiny_config
+    from trainer.export import main as export_main
+
+    narrow = tiny_config(kind="dflash2", hidden_size=256, num_attention_heads=4, head_dim=64, selector_top_k=16)
+    assert "drafter.selector_top_k = 15" in selector_lattice_refusal(narrow)
+    assert selector_lattice_refusal(tiny_config(kind="dflash2", hidden_size=272, selector_top_k=16)) is None
+    checkpoint = tmp_path / "step-1"
+    (checkpoint / "drafter").mkdir(parents=True)
+    (checkpoint / "drafter" / "config.json").write_text(json.dumps(zlab_config(narrow)))
+    argv = ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "d.gguf"), "--format", "gguf", "--target", "x"]
+    assert export_main(argv) == 2 and "hidden_size 256 and selector_top_k 16" in capsys.readouterr().err
+
+
+def test_a_server_that_exits_is_explained_by_its_first_real_error():
+    from launch.bench.served.llamacpp import ServerError
+
+    log = "\n".join(
+        [
+            "0.00.1 I srv load_model: loading model",
+            "0.00.2 E llama_init_from_model: dflash requires ctx_other to be set (this warning is normal during fit)",
+            "0.00.3 E llama_model_load: error loading model: DFlash2 hidden size is too small for the selector lattice",
+            "0.00.4 E srv  llama_server: exiting due to model loading error",
+        ]
+    )
+    error = ServerError("llama-server exited with 1", log)
+    assert error.reason == (
+        "llama-server exited with 1: llama_model_load: error loading model: DFlash2 hidden size is too small for the "
+        "selector lattice"
+    )

@@ -80,9 +80,13 @@ def export_gguf(checkpoint: str | Path, out_file: str | Path, target: str | Path
     if out_file.suffix != ".gguf":
         raise ExportError(f"--out: a GGUF draft is one file; name it *.gguf, got {out_file}")
     source, _ = drafter_folder(Path(checkpoint))
-    kind = kind_of(config_from_export(json.loads((source / CONFIG_FILE).read_text()), own_checkpoint=True).kind)
+    config = config_from_export(json.loads((source / CONFIG_FILE).read_text()), own_checkpoint=True)
+    kind = kind_of(config.kind)
     if kind.llamacpp_spec_type is None:
         raise ExportError(f"llama.cpp serves no {kind.name} drafter: export the z-lab format for vLLM or SGLang")
+    refusal = kind.llamacpp_refusal(config) if kind.llamacpp_refusal is not None else None
+    if refusal is not None:
+        raise ExportError(refusal)
     target_dir = dequantized_folder(target) if is_gguf(target) else Path(target)
     if not (target_dir / "config.json").is_file():
         raise ExportError(f"--target: {target} is no model folder (no config.json) nor a .gguf file")

@@ -9,6 +9,7 @@ with its model class and one entry here.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,22 @@ class DrafterKind:
     """llama-server's ``--spec-type`` for a draft GGUF of this kind (None: llama.cpp does not serve it)."""
     vllm_cpu: bool = False
     """vLLM's CPU build serves it (its V1 model runner refuses DFlash 2's candidate head: GPUs only)."""
+    llamacpp_refusal: Callable[[DraftConfig], str | None] | None = None
+    """Why llama.cpp would refuse to load a drafter of this kind with this config (None: it loads it)."""
+
+
+def selector_lattice_refusal(config: DraftConfig) -> str | None:
+    """llama.cpp builds DFlash 2's selector walk on a lattice of top_k x (top_k + 1) slots of the hidden state and
+    refuses a draft whose hidden size is smaller ("DFlash2 hidden size is too small for the selector lattice")."""
+    top_k, hidden = config.selector_top_k, config.hidden_size
+    if hidden >= top_k * (top_k + 1):
+        return None
+    fits = max(k for k in range(1, top_k + 1) if hidden >= k * (k + 1))
+    return (
+        f"llama.cpp serves a DFlash 2 drafter only where hidden_size >= selector_top_k * (selector_top_k + 1) (its "
+        f"selector lattice): this one has hidden_size {hidden} and selector_top_k {top_k}; train it with "
+        f"drafter.selector_top_k = {fits} or less, or serve the z-lab export with vLLM or SGLang"
+    )
 
 
 KINDS: dict[str, DrafterKind] = {
@@ -67,6 +84,7 @@ KINDS: dict[str, DrafterKind] = {
             ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
             # the same spec type: the server walks the selector when the GGUF's dflash.selector_top_k > 0
             llamacpp_spec_type="draft-dflash",
+            llamacpp_refusal=selector_lattice_refusal,
         ),
     )
 }

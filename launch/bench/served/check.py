@@ -76,6 +76,12 @@ def kind_and_block(config_json: dict, server: str, asked_block: int | None):
             raise CannotRun(f"llama.cpp does not serve {kind.name} drafters")
         if "speculators_model_type" in config_json:
             raise CannotRun("llama.cpp's converter reads the z-lab format only: export with --format zlab")
+        if kind.llamacpp_refusal is not None:
+            from common.drafter.export import config_from_export
+
+            refusal = kind.llamacpp_refusal(config_from_export(config_json, own_checkpoint=True))
+            if refusal is not None:
+                raise CannotRun(refusal)
     return kind, block_size
 
 
@@ -142,7 +148,7 @@ def llamacpp_side(request: Request, draft_folder: Path, block_size: int, scratch
                 raw.append(server.complete(ids, request.max_new_tokens + block_size - 1))
             metrics = server.metrics()
     except ServerError as error:
-        raise CannotRun(f"llama-server: {str(error).splitlines()[0]} (log: {log_file})") from None
+        raise CannotRun(f"llama-server: {error.reason} (log: {log_file})") from None
     seconds = time.perf_counter() - started
 
     def side(stop_ids: list[int]) -> Side:

@@ -28,8 +28,22 @@ EOG_HEADER = "printing all EOG tokens:"
 EOG_LINE = re.compile(r":\s+-\s+(-?\d+) \(")
 
 
+ERROR_LINE = re.compile(r"^\S+ E (.*)$")
+
+
 class ServerError(RuntimeError):
-    """llama-server did not start or answer; the message ends with its log's last lines."""
+    """llama-server did not start or answer; the message ends with its log's last lines, ``reason`` is one line."""
+
+    def __init__(self, message: str, log: str = ""):
+        tail = "\n".join(log.splitlines()[-25:])
+        super().__init__(f"{message}:\n{tail}" if log else message)
+        errors = [
+            found.group(1).strip()
+            for line in log.splitlines()
+            if (found := ERROR_LINE.match(line)) and "normal" not in line  # "... (this warning is normal ...)"
+        ]
+        # the first error is the cause; the later ones are its consequences ("failed to load model", "exiting")
+        self.reason = f"{message}: {errors[0]}" if errors else message
 
 
 def free_port() -> int:
@@ -88,17 +102,17 @@ class LlamaServer:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServerError(f"llama-server exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise ServerError(f"llama-server exited with {self.process.returncode}", self.log_text())
             try:
                 if http_json(f"{self.url}/health", timeout_s=5).get("status") == "ok":
                     if "failed to initialize speculative decoding" in self.log_text():
                         # the server goes on without a draft: a check of nothing
-                        raise ServerError(f"llama-server could not use the draft:\n{self.log_tail()}")
+                        raise ServerError("llama-server could not use the draft", self.log_text())
                     return self
             except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
                 pass
             time.sleep(0.5)
-        raise ServerError(f"llama-server was not ready in {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
+        raise ServerError(f"llama-server was not ready in {self.start_timeout_s:.0f} s", self.log_text())
 
     def __exit__(self, *exc) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -113,9 +127,6 @@ class LlamaServer:
         with open(self.log_file, "rb") as f:
             f.seek(offset)
             return f.read().decode(errors="replace")
-
-    def log_tail(self, lines: int = 25) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def eog_tokens(self) -> list[int]:
         """The target's end-of-generation tokens, as the server listed them when it loaded (the first list: the
