@@ -881,5 +881,9 @@ def run_sources(
         return build_data_source(data), SubsetSource(extended, np.arange(data.num_samples, data.num_samples + count))
     source = build_data_source(data, tokenizer=tokenizer)
     if cfg.eval.paths:
-        return source, build_data_source(dataclasses.replace(data, paths=list(cfg.eval.paths)), tokenizer=tokenizer)
+        try:
+            held = build_data_source(dataclasses.replace(data, paths=list(cfg.eval.paths)), tokenizer=tokenizer)
+        except DataError as error:  # the same readers as data.paths: name the key the user wrote
+            raise DataError(str(error).replace("data.paths", "eval.paths", 1)) from None
+        return source, held
     return split_held_out(source, count, data.shuffle_seed, held_out_file)
