@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start, resume, re-tune, stop or inspect a run (docs/design.md "User surface").
+# Start, resume, re-tune, stop or inspect a run, and evaluate or export its drafter (README.md).
 #
 #   launch/run_all.sh [--run-dir DIR] [--config FILE] [key=value ...]   start (or resume DIR) in the foreground
 #   launch/run_all.sh restart-trainer --run-dir DIR [key=value ...]     replace the trainer, producers untouched
@@ -7,6 +7,8 @@
 #   launch/run_all.sh status --run-dir DIR [--json]                     the live state
 #   launch/run_all.sh check [--config FILE] [key=value ...]              what training would see of the data
 #   launch/run_all.sh synthesize [--run-dir DIR] [key=value ...]         the target writes on-policy training data
+#   launch/run_all.sh evaluate --checkpoint RUN/checkpoints/step-N       real acceptance of a checkpoint (launch.evaluate)
+#   launch/run_all.sh export --checkpoint CKPT --out DIR [--format F]    the drafter for serving (trainer.export)
 #
 # With no arguments: launch/tiny.toml into a fresh runs/<timestamp> (relative to the current folder).
 # On an existing DIR the run's own config.toml is the base; key=value overrides apply on top and are
@@ -26,6 +28,8 @@ case "${1:-}" in
   run | restart-trainer | stop | status) COMMAND=$1; shift ;;
   check) shift; exec "$PY" -m launch.check "$@" ;;
   synthesize) shift; exec "$PY" -m launch.synthesize "$@" ;;
+  evaluate) shift; exec "$PY" -m launch.evaluate "$@" ;;
+  export) shift; exec "$PY" -m trainer.export "$@" ;;
   -h | --help | help)
     cat <<'USAGE'
 usage: launch/run_all.sh [COMMAND] [options] [key=value ...]
@@ -37,6 +41,8 @@ commands:
   status           the live state of a pipeline                             --run-dir DIR [--json]
   check            what training would see of the config and the data        [--config FILE] [--sample N]
   synthesize       the target writes training data (its own answers)        [--run-dir DIR] [--config FILE]
+  evaluate         real acceptance of a checkpoint against the target       --checkpoint RUN/checkpoints/step-N
+  export           the drafter for serving (z-lab, speculators, gguf)       --checkpoint CKPT --out DIR [--format F]
 
 With no arguments: the tiny default (launch/tiny.toml) on CPU into runs/<timestamp>.
 'run_all.sh COMMAND --help' gives the options of one command.

@@ -415,8 +415,12 @@ def test_run_all_help_lists_the_commands():
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([str(root / "launch" / "run_all.sh"), "--help"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0
-    for command in ("run", "restart-trainer", "stop", "status", "check"):
+    for command in ("run", "restart-trainer", "stop", "status", "check", "synthesize", "evaluate", "export"):
         assert f"  {command} " in done.stdout, command
+    exported = subprocess.run(
+        [str(root / "launch" / "run_all.sh"), "export", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert exported.returncode == 0 and "--format" in exported.stdout and "gguf" in exported.stdout
 
 
 def test_readme_and_docs_link_nothing_outside_the_repository():
