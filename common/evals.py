@@ -111,6 +111,15 @@ def result(run: RunDir, step: int, incarnation: int) -> EvalResult | None:
     return EvalResult(**data) if data is not None else None
 
 
+def finished_at(run: RunDir, step: int) -> EvalResult | None:
+    """The evaluation of ``step`` that has figures, by whichever trainer incarnation asked (None: never evaluated)."""
+    for key_step, incarnation in reversed(_keys(run)):
+        found = result(run, key_step, incarnation) if key_step == step else None
+        if found is not None and found.lost is None and found.metrics:
+            return found
+    return None
+
+
 def mark_logged(run: RunDir, step: int, incarnation: int) -> None:
     """Note that a trainer logged this result (or its loss), so that no successor logs it again."""
     (folder(run, step, incarnation) / "logged").touch()

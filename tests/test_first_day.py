@@ -455,4 +455,7 @@ def test_a_finished_run_says_where_its_checkpoint_is_its_tau_and_commands_that_p
     done = subprocess.run(["bash", "-c", export], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert (run_dir / "export" / "config.json").is_file()
+    card = (run_dir / "export" / "README.md").read_text()  # the model card: what it is, its tau, how to serve it
+    assert "| block size | 4 " in card and "| steps | 8 |" in card and "| real acceptance | tau " in card
+    assert '"num_speculative_tokens": 3' in card
     assert "--speculative-config" in summary and '"num_speculative_tokens": 3' in summary

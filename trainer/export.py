@@ -120,6 +120,66 @@ def serving_commands(out: Path, fmt: str, block_size: int, target: str | None) -
     ]
 
 
+CARD_FILE = "README.md"
+
+
+def model_card(checkpoint: Path, out: Path, fmt: str, commands: list[str], target: str | None) -> str:
+    """The export's model card: what the drafter is, what it was trained on and for how long, the real acceptance
+    its run measured at this step (both conventions, on the run's held-out prompts), and the commands that serve it."""
+    import tomllib
+
+    from common import evals
+    from common.rundir import RunDir
+
+    source, _ = drafter_folder(checkpoint)
+    config = config_from_export(json.loads((source / CONFIG_FILE).read_text()), own_checkpoint=True)
+    run_root = checkpoint.resolve().parent.parent
+    state = checkpoint / "trainer_state.json"
+    step = json.loads(state.read_text()).get("step") if state.is_file() else None
+    settings = tomllib.loads((run_root / "config.toml").read_text()) if (run_root / "config.toml").is_file() else {}
+    data = settings.get("data", {})
+    found = evals.finished_at(RunDir(run_root), step) if step is not None else None
+    if found is not None:
+        metrics = found.metrics
+        acceptance = (
+            f"tau {metrics.get('eval/tau', float('nan')):.3f} (1 + accepted drafts per verify forward), "
+            f"{metrics.get('eval/zlab_tau', float('nan')):.3f} as z-lab's benchmark counts it (each prompt's mean "
+            f"tokens per verify forward, then the mean), on the run's held-out prompts, greedy, measured by the run "
+            f"at this step"
+        )
+    else:
+        acceptance = "not measured at this step: `launch/run_all.sh evaluate --checkpoint CHECKPOINT`"
+    lines = [
+        f"# A {config.kind} speculative-decoding drafter for {target or 'its target'}",
+        "",
+        "Trained by dflash-stream.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| format | {fmt} |",
+        f"| target | {target or 'not named'} |",
+        f"| block size | {config.block_size} (serve it with this block size) |",
+        f"| draft layers | {config.num_hidden_layers} x hidden {config.hidden_size}, over target layers "
+        f"{list(config.target_layer_ids)} |",
+        f"| mask token | {config.mask_token_id} |",
+        f"| in-block causality | {config.in_block_causality} |",
+        f"| data | {data.get('format', 'synthetic')}: {', '.join(map(str, data.get('paths', []))) or 'generated'} |",
+        f"| steps | {step if step is not None else 'unknown'} |",
+        f"| real acceptance | {acceptance} |",
+        "",
+        "Serve it:",
+        "",
+        "```bash",
+        *commands,
+        "```",
+        "",
+        "To publish it (nothing here reaches the hub by itself): `huggingface-cli upload ORG/NAME "
+        f"{out if out.is_dir() else out.parent}`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def _target_of_run(checkpoint: Path) -> str | None:
     """The run's ``target.path`` (RUN/config.toml beside RUN/checkpoints/step-N), if it names one."""
     import tomllib
@@ -188,8 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     source, _ = drafter_folder(args.checkpoint)
     block_size = json.loads((source / CONFIG_FILE).read_text())["block_size"]
     served_target = _verifier_name(args.target or run_target)
-    print(f"serve it (block size {block_size}):")
-    for command in serving_commands(out, args.format, block_size, served_target):
+    commands = serving_commands(out, args.format, block_size, served_target)
+    card = out / CARD_FILE if out.is_dir() else out.with_name(f"{out.stem}.{CARD_FILE}")
+    card.write_text(model_card(args.checkpoint, out, args.format, commands, served_target))
+    print(f"serve it (block size {block_size}; the model card: {card}):")
+    for command in commands:
         print(f"  {command}")
     return 0
 
