@@ -81,7 +81,7 @@ def test_the_table_reads_each_side_as_it_counts_and_on_the_schedule():
     llama = side("llama.cpp", [([1, 2, 3, 4, 5], [1, 2])])  # stopped accepting at the end token
     vllm = side("vLLM", [([1, 2, 3, 4, 5], None)], reported=counts_of([1, 3], 4))
     text = table([llama, ours, vllm], ours, {"llama.cpp": compare(ours, llama), "vLLM": compare(ours, vllm)})
-    rows = {line[:30].strip(): line[30:].split() for line in text.splitlines()[1:]}
+    rows = {line[:34].strip(): line[34:].split() for line in text.splitlines()[1:]}
     assert rows["accepted drafts, as run"] == ["3", "4", "4"] and rows["accepted drafts, schedule"] == ["2", "2", "-"]
     assert rows["agrees"] == ["yes", "-", "yes"] and rows["accepted at position 3, as run"] == ["0", "1", "1"]
 
@@ -180,6 +180,17 @@ def write_export(folder: Path, kind: str = "dflash", block_size: int = 8, specul
     return folder
 
 
+def check_argv(tmp_path: Path, server: str, export: dict | None = None) -> list[str]:
+    """A served check's command line over a target with an empty config, one prompt and an export's config."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
+    draft = write_export(tmp_path / "draft", **(export or {}))
+    return ["--server", server, "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
+
+
 @pytest.mark.parametrize(
     "server, export, extra, says",
     [
@@ -194,14 +205,7 @@ def write_export(folder: Path, kind: str = "dflash", block_size: int = 8, specul
     ],
 )
 def test_what_cannot_run_is_one_line_and_exit_2(tmp_path, capsys, server, export, extra, says):
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / "config.json").write_text("{}")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
-    draft = write_export(tmp_path / "draft", **export)
-    argv = ["--server", server, "--target", str(target), "--draft", str(draft), "--prompts", str(prompts), *extra]
-    assert cli.main(argv) == 2
+    assert cli.main(check_argv(tmp_path, server, export) + extra) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
@@ -210,14 +214,7 @@ def test_without_a_llamacpp_build_it_says_how_to_make_it(tmp_path, monkeypatch, 
     from common.llamacpp import HOME_ENV
 
     monkeypatch.setenv(HOME_ENV, str(tmp_path / "nowhere"))
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / "config.json").write_text("{}")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
-    draft = write_export(tmp_path / "draft")
-    argv = ["--server", "llamacpp", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
-    assert cli.main(argv) == 2 and "run launch/setup_llamacpp.sh" in capsys.readouterr().err
+    assert cli.main(check_argv(tmp_path, "llamacpp")) == 2 and "run launch/setup_llamacpp.sh" in capsys.readouterr().err
     from trainer.export import main as export_main
 
     checkpoint = tmp_path / "step-1"
@@ -230,14 +227,7 @@ def test_without_the_vllm_venv_it_says_how_to_make_it(tmp_path, monkeypatch, cap
     from launch.bench.served import vllm_worker
 
     monkeypatch.setattr(vllm_worker, "VLLM_PYTHON", tmp_path / "no-venv" / "python")
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / "config.json").write_text("{}")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
-    draft = write_export(tmp_path / "draft")
-    argv = ["--server", "vllm", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts)]
-    assert cli.main(argv) == 2 and "launch/setup_vllm.sh" in capsys.readouterr().err
+    assert cli.main(check_argv(tmp_path, "vllm")) == 2 and "launch/setup_vllm.sh" in capsys.readouterr().err
 
 
 def test_measure_needs_one_prompt_source(capsys):

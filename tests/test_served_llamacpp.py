@@ -62,11 +62,10 @@ def small_target(tmp_path_factory) -> Path:
 def chat_prompts(folder: Path, questions: list[str]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
+    from launch.bench.served.prompts import chat_ids
+
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        for q in questions
-    ]
+    return [chat_ids(tokenizer, [{"role": "user", "content": q}]) for q in questions]
 
 
 def trained_checkpoint(kind: str, target_dir: Path, out: Path) -> Path:

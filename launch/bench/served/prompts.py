@@ -57,6 +57,12 @@ def read_records(path: Path, limit: int | None = None) -> list[dict]:
     return records
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation rendered by the tokenizer's chat template with the generation prompt, as token ids."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def read_prompts(path: Path, tokenizer_dir: Path, limit: int | None) -> list[list[int]]:
     """The file's prompts as token ids."""
     tokenizer = None
@@ -70,8 +76,7 @@ def read_prompts(path: Path, tokenizer_dir: Path, limit: int | None) -> list[lis
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         if "messages" in record:
-            text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
-            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            prompts.append(chat_ids(tokenizer, record["messages"]))
         else:
             prompts.append(tokenizer(record["prompt"])["input_ids"])
     return prompts

@@ -75,14 +75,9 @@ def steps_in_answer(run: PromptRun) -> list[int]:
 def lengths_of(run: PromptRun) -> list[int]:
     """Tokens each verify forward added to the answer, cut at its end (the prefill's token is no step): z-lab's
     ``acceptance_lengths``. Steps past the answer's end (a side that ran further) are left out."""
-    lengths, generated = [], 1
-    for num_accepted in run.accepted or []:
-        if generated >= len(run.tokens):
-            break
-        produced = min(num_accepted + 1, len(run.tokens) - generated)
-        lengths.append(produced)
-        generated += produced
-    return lengths
+    from common.drafter.evaluate import Decoded, zlab_acceptance_lengths
+
+    return zlab_acceptance_lengths(Decoded(run.tokens, list(run.accepted or [])))
 
 
 def counts_of(accepted: list[int], block_size: int) -> dict:
@@ -243,10 +238,10 @@ def table(sides: list[Side], reference: Side, differences: dict[str, list[Differ
     with counters only), both taus, the share of prompts whose tokens equal the reference's and whether the side
     agrees with it."""
     width = 13
-    lines = ["".ljust(30) + "".join(s.name.rjust(width) for s in sides)]
+    lines = ["".ljust(34) + "".join(s.name.rjust(width) for s in sides)]
 
     def row(label: str, values: list) -> None:
-        lines.append(label.ljust(30) + "".join(str(v).rjust(width) for v in values))
+        lines.append(label.ljust(34) + "".join(str(v).rjust(width) for v in values))
 
     summaries = [summary_of(s) for s in sides]
     row("verify forwards", [s["as_run"]["drafts"] for s in summaries])
