@@ -84,6 +84,15 @@ def test_the_table_reads_each_side_as_it_counts_and_on_the_schedule():
     rows = {line[:34].strip(): line[34:].split() for line in text.splitlines()[1:]}
     assert rows["accepted drafts, as run"] == ["3", "4", "4"] and rows["accepted drafts, schedule"] == ["2", "2", "-"]
     assert rows["agrees"] == ["yes", "-", "yes"] and rows["accepted at position 3, as run"] == ["0", "1", "1"]
+    from launch.bench.served.check import per_prompt_lines
+
+    assert (
+        per_prompt_lines([llama, ours, vllm], ours)
+        .splitlines()[1]
+        .endswith("2 verify forwards,    2 accepted drafts; all equal")
+    )
+    other = side("llama.cpp", [([1, 2, 3, 9, 9], [1, 2])])
+    assert per_prompt_lines([other, ours], ours).splitlines()[1].endswith("differ: llama.cpp")
 
 
 def test_a_side_with_counters_only_is_compared_by_them():

@@ -229,6 +229,30 @@ def run_check(request: Request) -> tuple[list[Side], dict[str, list[Difference]]
     return sides, differences, facts
 
 
+def per_prompt_lines(sides: list[Side], evaluator: Side) -> str:
+    """One line a prompt: its answer's length, our verify forwards and accepted drafts on the schedule, and the sides
+    whose tokens or steps differ from ours there."""
+    from launch.bench.served.schedule import lengths_of
+
+    lines = ["per prompt (ours on the schedule; the sides that differ):"]
+    for p, run in enumerate(evaluator.runs):
+        lengths = lengths_of(run)
+        differing = [
+            side.name
+            for side in sides
+            if side is not evaluator
+            and (
+                side.runs[p].tokens != run.tokens
+                or (side.runs[p].accepted is not None and lengths_of(side.runs[p]) != lengths)
+            )
+        ]
+        lines.append(
+            f"  prompt {p:3d}: {len(run.tokens):4d} tokens, {len(lengths):4d} verify forwards, "
+            f"{sum(lengths) - len(lengths):4d} accepted drafts; {'differ: ' + ', '.join(differing) if differing else 'all equal'}"
+        )
+    return "\n".join(lines)
+
+
 def report(request: Request, sides: list[Side], differences: dict[str, list[Difference]], facts: dict) -> dict:
     evaluator = next(s for s in sides if s.name == "evaluator")
     print(
@@ -237,6 +261,7 @@ def report(request: Request, sides: list[Side], differences: dict[str, list[Diff
         f"stop tokens {facts['stop_token_ids']}, {request.dtype}"
     )
     print(table(sides, evaluator, differences))
+    print(per_prompt_lines(sides, evaluator))
     found = [d for per in differences.values() for d in per]
     for difference in found:
         print(("  " if difference.target_split else "  DIFFERENT ") + difference.describe())
