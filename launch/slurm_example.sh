@@ -7,7 +7,7 @@
 #
 # RUN_DIR must be on a file system both nodes see (the producers read config.toml and
 # secrets/curve.json from it). Without one, copy those two files to the same path on node 0 first,
-# keeping the key file's mode 0600 (see README "Multi-host").
+# keeping the key file's mode 0600 (see docs/operations.md "Multi-host").
 #
 #SBATCH --job-name=dflash
 #SBATCH --nodes=2
