@@ -180,6 +180,8 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
 
     tokenizer = _tokenizer(cfg)
     lines = [_drafter_summary(cfg, tokenizer)]
+    if cfg.training.optimizer_fallback:
+        lines.append(f"note: {cfg.training.optimizer_fallback}")
     data_cfg = cfg.data
     source, held_out = run_sources(
         cfg, int(build_target_config(cfg.target).vocab_size), tokenizer=tokenizer if data_cfg.format == "chat" else None

@@ -10,6 +10,13 @@ def test_new_runs_train_with_dpace_and_muon_and_fsdp_with_adamw():
     assert cfg.training.weighting == "dpace" and cfg.training.resolved_optimizer == "muon"
     assert load_config(None, ['training.parallelism="fsdp"']).training.resolved_optimizer == "adamw"
     assert load_config(None, ['training.optimizer="adamw"']).training.resolved_optimizer == "adamw"
+    # the fallback is said, where the trainer starts and in check, unless the run names its optimizer
+    assert "Muon is not sharded" in load_config(None, ['training.parallelism="fsdp"']).training.optimizer_fallback
+    assert (
+        load_config(None, ['training.parallelism="fsdp"', 'training.optimizer="adamw"']).training.optimizer_fallback
+        is None
+    )
+    assert load_config(None, []).training.optimizer_fallback is None
 
 
 def test_a_config_of_a_format_1_run_is_refused_naming_its_key(tmp_path):

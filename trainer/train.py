@@ -208,6 +208,8 @@ class Trainer:
     def _start_optimizer(self, start: build.DrafterStart) -> None:
         """The optimizer, the schedule, the RNGs and the bookkeeping: fresh, or those of the state resumed."""
         cfg, resumed = self.cfg, start.resumed
+        if cfg.training.optimizer_fallback and self.rank == 0:
+            log.warning(cfg.training.optimizer_fallback)
         self.budget = TimeBudget(cfg.training.max_minutes, resumed.meta.get("trained_s", 0.0) if resumed else 0.0)
         self.optimizer = build_optimizer(
             self.drafter,

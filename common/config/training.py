@@ -121,6 +121,18 @@ class TrainingConfig:
             return self.optimizer
         return "adamw" if self.parallelism == "fsdp" else "muon"
 
+    @property
+    def optimizer_fallback(self) -> str | None:
+        """Where ``auto`` trains another recipe than the default's, in words for the log and ``check`` (None: it
+        does not)."""
+        if self.optimizer != "auto" or self.parallelism != "fsdp":
+            return None
+        return (
+            "training.optimizer auto trains with AdamW under training.parallelism = fsdp (Muon is not sharded here), "
+            "not the default recipe's Muon: set training.optimizer = \"adamw\" to say so, or parallelism = \"ddp\" "
+            "to keep Muon"
+        )
+
     def __post_init__(self) -> None:
         require(self.lr > 0 and math.isfinite(self.lr), "lr", f"must be > 0, got {self.lr}")
         require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
