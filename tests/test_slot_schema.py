@@ -45,7 +45,8 @@ def test_a_tensor_added_to_the_schema_travels_through_a_real_ring(short_tmp, ext
                 client.ack(delivery)
                 client.grant(1)
         client.close()
-        assert len(got) == 3, f"received {len(got)} batches"
+        # one poll may bring two deliveries (two credits are granted), so the loop can end at 4
+        assert len(got) >= 3, f"received {len(got)} batches"
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
