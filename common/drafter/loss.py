@@ -171,8 +171,11 @@ def top_k_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
         maxima = torch.cat([maxima, logits[:, full * TOP_K_GROUP :].amax(-1, keepdim=True)], dim=1)
     groups = maxima.topk(k, dim=-1).indices  # [rows, k]
     columns = (groups[:, :, None] * TOP_K_GROUP + torch.arange(TOP_K_GROUP, device=logits.device)).view(rows, -1)
-    inside = columns < width  # the short last group's missing columns
-    values = logits.gather(1, columns.clamp_max(width - 1)).masked_fill(~inside, float("-inf"))
+    if width == full * TOP_K_GROUP:  # whole groups only (49,152 and 248,320 columns): no column to mask
+        values = logits.gather(1, columns)
+    else:
+        inside = columns < width  # the short last group's missing columns
+        values = logits.gather(1, columns.clamp_max(width - 1)).masked_fill(~inside, float("-inf"))
     return columns.gather(1, values.topk(k, dim=-1).indices)
 
 

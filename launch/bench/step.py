@@ -12,6 +12,13 @@ FLOPs, so a kind's extra modules show as a longer step and a lower MFU, not as m
     python -m launch.bench.step --tiny                # CPU smoke run
     python -m launch.bench.step --kinds dflash,dflash2 --variants compile-layers --draft qwen3.6-27b
     torchrun --nproc-per-node 2 -m launch.bench.step --variants compile-layers --master-fp32 --parallelism ddp
+    python -m launch.bench.step --kinds dflash,dflash2 --profile /tmp/prof   # + a torch.profiler table per row
+
+``--profile DIR`` runs ``--profile-steps`` more steps of each row under torch.profiler before the timed ones and writes
+DIR/profile_{draft}_{kind}_{variant}.txt: the operators and kernels by self time (device time on CUDA), and a
+summary per step: kernels launched, host-device synchronisations (cudaStreamSynchronize / cudaDeviceSynchronize /
+cudaMemcpy to the host, and the aten calls that cause them: item, nonzero, boolean-mask indexing), the device's busy
+time against the step's wall time (the rest are host gaps).
 
 Under torchrun every rank trains its own batch on its GPU (DDP or FSDP, as trainer.train does) and
 rank 0 prints the whole group's samples/s; divided by the single-GPU figure that is the scaling.
@@ -172,6 +179,9 @@ def bench_variant(
     for _ in range(args.warmup):
         prepared, metrics = step(prepared)
     synchronize(device)
+    if args.profile and (not dist.is_initialized() or dist.get_rank() == 0):
+        name = f"{'tiny' if args.tiny else args.draft}_{config.kind}_{variant}"
+        prepared = profile_steps(step, prepared, device, args.profile_steps, args.profile, name)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if ranks > 1:
@@ -202,6 +212,63 @@ def bench_variant(
     }
 
 
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+"""Runtime calls that make the host wait for the device."""
+SYNC_CAUSES = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::is_nonzero")
+"""Operators that read a device value on the host (each one a synchronisation on CUDA)."""
+
+
+def profile_steps(step, prepared, device: torch.device, steps: int, out_dir: str, name: str):
+    """``steps`` more training steps under torch.profiler; writes out_dir/profile_{name}.txt (the operators and kernels
+    by self time, after a per-step summary: kernels and synchronisations per step, device busy time against wall
+    time), prints the summary and returns the prepared blocks of the next step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            prepared, _ = step(prepared)
+        synchronize(device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    cuda = device.type == "cuda"
+    sort_key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = events.table(sort_by=sort_key, row_limit=60, max_name_column_width=70)
+    counts = {e.key: e.count for e in events}
+    kernel_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA] if cuda else []
+    busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kernel_events])
+    summary = {
+        "name": name,
+        "steps": steps,
+        "wall_ms_per_step": wall * 1e3 / steps,
+        "device_busy_ms_per_step": busy_us / 1e3 / steps if cuda else float("nan"),
+        "kernels_per_step": len(kernel_events) / steps if cuda else float("nan"),
+        "launches_per_step": sum(counts.get(k, 0) for k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+        / steps,
+        "aten_ops_per_step": sum(e.count for e in events if e.key.startswith("aten::")) / steps,
+        "syncs_per_step": {k: counts[k] / steps for k in SYNC_EVENTS + SYNC_CAUSES if counts.get(k)},
+        "memcpy_dtoh_per_step": sum(e.count for e in events if "Memcpy DtoH" in e.key) / steps,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"profile_{name}.txt"), "w") as handle:
+        handle.write(json.dumps(summary, indent=1) + "\n\n" + table + "\n")
+    print(json.dumps(summary))
+    return prepared
+
+
+def _union_us(ranges: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) ranges (the device's busy time, overlapping streams counted once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(ranges):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
@@ -220,6 +287,8 @@ def main() -> None:
         action="store_true",
         help="fp32 parameters and optimizer under bf16 autocast (what trainer.train does)",
     )
+    parser.add_argument("--profile", default=None, metavar="DIR", help="write a torch.profiler table per row to DIR")
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps profiled per row (--profile)")
     parser.add_argument("--matmul-size", type=int, default=None, help="size of the reference matmul (8192)")
     parser.add_argument(
         "--parallelism",
