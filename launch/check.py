@@ -73,7 +73,17 @@ def _drafter_summary(cfg: RunConfig, tokenizer: Any) -> str:
             if draft.kind == "dflash2"
             else ""
         )
+        + _serving_notes(draft)
     )
+
+
+def _serving_notes(draft) -> str:
+    """What a real server will refuse of this drafter, said before it is trained (the kind's table knows)."""
+    from common.drafter.kinds import kind_of
+
+    refusal = kind_of(draft.kind).llamacpp_refusal
+    reason = refusal(draft) if refusal is not None else None
+    return f"\nnote: {reason}" if reason else ""
 
 
 def marked(tokenizer: Any, input_ids: np.ndarray, loss_mask: np.ndarray, color: bool) -> str:

@@ -280,6 +280,9 @@ def test_a_dflash2_drafter_llamacpp_cannot_load_is_refused_before_export(tmp_pat
     narrow = tiny_config(kind="dflash2", hidden_size=256, num_attention_heads=4, head_dim=64, selector_top_k=16)
     assert "drafter.selector_top_k = 15" in selector_lattice_refusal(narrow)
     assert selector_lattice_refusal(tiny_config(kind="dflash2", hidden_size=272, selector_top_k=16)) is None
+    from launch.check import _serving_notes  # check says it before a drafter is trained
+
+    assert "selector_top_k = 15" in _serving_notes(narrow) and _serving_notes(tiny_config()) == ""
     checkpoint = tmp_path / "step-1"
     (checkpoint / "drafter").mkdir(parents=True)
     (checkpoint / "drafter" / "config.json").write_text(json.dumps(zlab_config(narrow)))
