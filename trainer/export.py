@@ -129,13 +129,12 @@ def model_card(checkpoint: Path, out: Path, fmt: str, commands: list[str], targe
     import tomllib
 
     from common import evals
-    from common.rundir import RunDir
+    from common.rundir import RunDir, read_json
 
     source, _ = drafter_folder(checkpoint)
     config = config_from_export(json.loads((source / CONFIG_FILE).read_text()), own_checkpoint=True)
     run_root = checkpoint.resolve().parent.parent
-    state = checkpoint / "trainer_state.json"
-    step = json.loads(state.read_text()).get("step") if state.is_file() else None
+    step = (read_json(checkpoint / "trainer_state.json") or {}).get("step")
     settings = tomllib.loads((run_root / "config.toml").read_text()) if (run_root / "config.toml").is_file() else {}
     data = settings.get("data", {})
     found = evals.finished_at(RunDir(run_root), step) if step is not None else None

@@ -49,7 +49,9 @@ def resolve_target(target: str) -> Path:
 
 def export_of(draft: Path) -> tuple[Path, dict]:
     """(the folder holding the drafter's config.json: an export, or a checkpoint's drafter/; that config)."""
-    folder = draft / "drafter" if (draft / "drafter" / "config.json").is_file() else draft
+    from common.drafter.export import drafter_folder
+
+    folder, _ = drafter_folder(draft)
     if not (folder / "config.json").is_file():
         raise CannotRun(f"--draft {draft}: no config.json (export it with python -m trainer.export)")
     return folder, json.loads((folder / "config.json").read_text())
