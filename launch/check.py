@@ -66,13 +66,7 @@ def _drafter_summary(cfg: RunConfig, tokenizer: Any) -> str:
             if tokenizer is not None and draft.mask_token_id < len(tokenizer)
             else ""
         )
-        + (
-            f"\nDFlash 2: convolutions of {draft.conv_kernel_size} taps in groups of {draft.conv_group_size}, a "
-            f"rank-{draft.selector_rank} selector over the top {draft.selector_top_k} of the full vocabulary "
-            f"({draft.vocab_size}; a target whose head was cut below its tokenizer cannot have one)"
-            if draft.kind == "dflash2"
-            else ""
-        )
+        + (f"\n{described}" if (described := draft.options.describe(draft)) else "")
         + _serving_notes(draft)
     )
 

@@ -10,7 +10,6 @@ On a terminal (tqdm, as the ecosystem's trainers draw it)::
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shlex
@@ -174,9 +173,9 @@ class ViewHandler(logging.Handler):
             self.handleError(record)
 
 
-def run_summary(run: RunDir, block_size: int, target: str | None) -> str:
+def run_summary(run: RunDir) -> str:
     """What a finished run leaves and what to do next: the last checkpoint, the final simulated (training) and real
-    tau, and the commands that evaluate, export and serve it, each ready to paste."""
+    tau, and the commands that evaluate and export it, each ready to paste."""
     status = TrainerStatus.read(run.trainer_status)
     checkpoint = run.latest_checkpoint()
     lines = [f"run finished at step {status.step}: {run.root}"]
@@ -191,11 +190,9 @@ def run_summary(run: RunDir, block_size: int, target: str | None) -> str:
         return "\n".join(lines)
     python = shlex.quote(sys.executable)
     export = run.root / "export"
-    speculative = json.dumps({"method": "dflash", "model": str(export), "num_speculative_tokens": block_size - 1})
     lines += [
-        "next:",
+        "next (the export prints the commands that serve it, for each server that serves its kind):",
         f"  {python} -m launch.evaluate --checkpoint {shlex.quote(str(checkpoint))}",
         f"  {python} -m trainer.export --checkpoint {shlex.quote(str(checkpoint))} --out {shlex.quote(str(export))}",
-        f"  vllm serve {shlex.quote(target or 'TARGET')} --speculative-config {shlex.quote(speculative)}",
     ]
     return "\n".join(lines)

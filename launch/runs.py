@@ -6,7 +6,15 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from common.config import ConfigError, RunConfig, fixed_while_producers_run, load_config, readers, to_dict
+from common.config import (
+    ConfigError,
+    RunConfig,
+    dotted_values,
+    fixed_while_producers_run,
+    load_config,
+    readers,
+    to_dict,
+)
 from common.rundir import RunDir
 from common.status import TrainerStatus
 
@@ -72,14 +80,10 @@ def resolve_run(run_dir: Path | None, config_file: Path | None, overrides: list[
 
 
 def changed_keys(old: RunConfig, new: RunConfig) -> list[str]:
-    """Dotted ``section.key`` names whose values differ."""
-    old_data, new_data = to_dict(old), to_dict(new)
-    return [
-        f"{section}.{key}"
-        for section, values in new_data.items()
-        for key, value in values.items()
-        if old_data[section][key] != value
-    ]
+    """Dotted ``section.key`` names whose values differ (a key of one side only, the other kind's, is left out: the
+    kind itself differs then)."""
+    old_data, new_data = dotted_values(old), dotted_values(new)
+    return [key for key, value in new_data.items() if key in old_data and old_data[key] != value]
 
 
 def refused_trainer_changes(

@@ -239,7 +239,7 @@ class Supervisor:
             self.state = self.outcome
             self._write_launcher_json(exit_code)
             if self.outcome == "finished":
-                print(run_summary(self.run, self.cfg.drafter.block_size, self.cfg.target.path), flush=True)
+                print(run_summary(self.run), flush=True)
         return exit_code
 
     # -- producers

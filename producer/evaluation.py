@@ -127,7 +127,7 @@ def build_evaluator(
         cfg.eval,
         list(layer_ids),
         num_anchors=cfg.drafter.num_anchors,
-        capture_last=cfg.training.label_mode != "data",
+        capture_last=cfg.ships_final_hidden,
         stop_token_ids=stop_tokens_of(target_model),
         make_target=make_target,
         skipped_records=held.skipped,

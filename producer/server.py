@@ -132,7 +132,7 @@ def load_target(
             raise ConfigError(f"{device_setting(cfg, producer_id)}: {exc}") from None
     layer_ids = feature_layer_ids(cfg, config.num_hidden_layers)
     with _unloadable_target_is_a_config_error(cfg):
-        target = Target.load(target_cfg, layer_ids, capture_last_hidden=cfg.training.label_mode != "data", group=group)
+        target = Target.load(target_cfg, layer_ids, capture_last_hidden=cfg.ships_final_hidden, group=group)
     if cfg.target.path is None:
         if group is None or group.rank == 0:
             export_target_head(target, run_dir.target_head)
@@ -208,7 +208,7 @@ class Producer:
         self.producer_id = producer_id
         self.group = group
         self.stop = threading.Event()
-        self.needs_last = cfg.training.label_mode != "data"
+        self.needs_last = cfg.ships_final_hidden
 
         started = time.monotonic()
         self.target = load_target(cfg, run_dir, producer_id, group.device if group is not None else device, group)

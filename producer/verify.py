@@ -22,6 +22,7 @@ from torch import nn
 
 from common.batch import Document
 from common.config import EvalConfig
+from common.drafter.base import Drafter
 from common.drafter.evaluate import (
     AcceptanceReport,
     Decoded,
@@ -36,6 +37,7 @@ from common.drafter.evaluate import (
     cut_answer,
     decoded_span,
     decoding_anchors,
+    drafts_per_accepted,
     greedy_text,
     prompt_of,
     reference_length,
@@ -49,7 +51,6 @@ from common.drafter.evaluate import (
     turn_documents,
     zlab_tau,
 )
-from common.drafter.model import DFlashDrafter
 from common.drafter.sampling import Sampling, rejection_sample, sample_from, sampling_probs
 from common.drafter.target_head import TargetHead
 
@@ -192,6 +193,10 @@ class GreedyTarget:
         itself = slot[None, :] == query_slot[:, None]
         return ((kv_valid[:, None, :] & (slot[None, :] <= query_slot[:, None])[None]) | itself[None])[:, None]
 
+    def last_rows(self) -> torch.Tensor | None:
+        """``[R, L, H]`` output of the last decoder layer of every row in the latest forward (None: not captured)."""
+        return self._outputs[self.last_layer] if self.last_layer is not None else None
+
     def last_hidden(self) -> torch.Tensor:
         """``[L, H]`` output of the last decoder layer in the latest forward (needs ``capture_last``)."""
         return self._outputs[self.last_layer][0]
@@ -272,12 +277,16 @@ def greedy_transcripts(
 def _greedy_one(target: GreedyTarget, prompt: torch.Tensor, length: int) -> Transcript:
     target.reset()
     greedy, features = target.forward(prompt, 0)
-    tokens, parts = [greedy[-1:]], [features]
+    tokens, parts, lasts = [greedy[-1:]], [features], [target.last_rows()]
     for step in range(length - 1):  # each token fed back gives its own features; the last is never fed
         greedy, features = target.forward(tokens[-1], prompt.numel() + step)
         tokens.append(greedy[-1:])
         parts.append(features)
-    return Transcript(prompt.numel(), prompt.tolist() + torch.cat(tokens).tolist(), _kept_on_host(torch.cat(parts)))
+        lasts.append(target.last_rows())
+    last = _kept_on_host(torch.cat([rows[0] for rows in lasts])) if lasts[0] is not None else None
+    return Transcript(
+        prompt.numel(), prompt.tolist() + torch.cat(tokens).tolist(), _kept_on_host(torch.cat(parts)), last
+    )
 
 
 def _greedy_rows(target: GreedyTarget, prompts: Sequence[torch.Tensor], length: int) -> list[Transcript]:
@@ -294,6 +303,7 @@ def _greedy_rows(target: GreedyTarget, prompts: Sequence[torch.Tensor], length: 
         kv_valid[r, width - lengths[r] :] = True
     target.reset()
     greedy, prefill = target.forward_rows(ids, positions, kv_valid, last_logits_only=True)
+    prefill_last, fed_last = target.last_rows(), []
     tokens, fed = [greedy[:, -1:]], []
     next_position = torch.tensor(lengths, device=device)[:, None]
     for step in range(length - 1):
@@ -301,11 +311,22 @@ def _greedy_rows(target: GreedyTarget, prompts: Sequence[torch.Tensor], length: 
         greedy, features = target.forward_rows(tokens[-1], next_position + step, kv_valid, last_logits_only=True)
         tokens.append(greedy[:, -1:])
         fed.append(features)
+        fed_last.append(target.last_rows())
     continuation = torch.cat(tokens, dim=1).tolist()
     fed_features = torch.cat(fed, dim=1) if fed else prefill[:, :0]
+
+    def last_of(r: int, n: int) -> torch.Tensor | None:
+        if prefill_last is None:
+            return None
+        later = [rows[r] for rows in fed_last]
+        return _kept_on_host(torch.cat([prefill_last[r, width - n :], *later]))
+
     return [
         Transcript(
-            n, prompt.tolist() + continuation[r], _kept_on_host(torch.cat([prefill[r, width - n :], fed_features[r]]))
+            n,
+            prompt.tolist() + continuation[r],
+            _kept_on_host(torch.cat([prefill[r, width - n :], fed_features[r]])),
+            last_of(r, n),
         )
         for r, (prompt, n) in enumerate(zip(prompts, lengths))
     ]
@@ -372,7 +393,7 @@ def speculative_decode(
         greedy, features = target.forward(prompt, 0)
         first = int(greedy[-1])
     context.extend(features)
-    tokens, accepted, replayed = [first], [], []
+    tokens, accepted, drafted_counts, replayed = [first], [], [], []
     while not answer_finished(tokens, max_new_tokens, stop_token_ids):
         anchor = prompt.shape[0] + len(tokens) - 1  # position of the last kept token
         if sampled:
@@ -393,6 +414,7 @@ def speculative_decode(
             num_accepted = int((drafted == verified[:-1]).long().cumprod(0).sum())
             next_token = int(verified[num_accepted])
         accepted.append(num_accepted)
+        drafted_counts.append(int(drafted.shape[0]))
         tokens += drafted[:num_accepted].tolist() + [next_token]
         kept = num_accepted + 1  # the anchor and the accepted drafts; the correction is the next anchor
         if target.recurrent and kept < block.shape[0]:
@@ -404,7 +426,7 @@ def speculative_decode(
         else:
             target.crop(anchor + kept)
         context.extend(features[:kept])
-    return Decoded(cut_answer(tokens, max_new_tokens, stop_token_ids), accepted, replayed)
+    return Decoded(cut_answer(tokens, max_new_tokens, stop_token_ids), accepted, drafted_counts, replayed)
 
 
 @torch.no_grad()
@@ -542,7 +564,7 @@ class Evaluator:
             costs[bucket] = self._target_costs[context, block_size]
         return costs
 
-    def round_costs(self, drafter: DFlashDrafter) -> dict[int, RoundCosts]:
+    def round_costs(self, drafter: Drafter) -> dict[int, RoundCosts]:
         """Per bucket, what a decoding round and a plain decoding step cost at its timing context (``RoundCosts``):
         the target's forwards timed once, the drafter's once per architecture (inside ``evaluation_context``)."""
         architecture = repr(drafter.config)
@@ -556,7 +578,7 @@ class Evaluator:
             costs[bucket] = RoundCosts(context, self._draft_costs[architecture, context], verify, decode)
         return costs
 
-    def evaluate(self, drafter: DFlashDrafter) -> AcceptanceReport:
+    def evaluate(self, drafter: Drafter) -> AcceptanceReport:
         if list(drafter.config.target_layer_ids) != self.target.layer_ids:
             raise ValueError(
                 f"drafter reads target layers {drafter.config.target_layer_ids}, "
@@ -569,11 +591,11 @@ class Evaluator:
             with self.evaluation_context():
                 reference, made = self.reference_for(drafter.config.block_size)
                 decode_started = time.perf_counter()
-                if self.sampling.greedy:
-                    decoded = self.decode(drafter, reference)  # its results are on the host: no work left queued
-                else:
-                    decoded = self.decode_sampled(drafter)
+                cut = self.config.confidence_min
+                decoded = self.decode_all(drafter, reference, cut)  # its results are on the host: nothing queued
                 decode_seconds = time.perf_counter() - decode_started
+                # a confidence cut is reported beside the same decoding without it
+                uncut = self.decode_all(drafter, reference, 0.0) if cut > 0 else None
                 features = self.record_features(reference)
                 spans, anchors = zip(
                     *(
@@ -615,7 +637,17 @@ class Evaluator:
             num_records=len(self.records),
             skipped_records=self.skipped_records,
             timing_seconds=timing_seconds,
+            confidence_min=self.config.confidence_min,
+            drafts_per_accepted=drafts_per_accepted(decoded, block_size),
+            uncut_tau=None if uncut is None else streak_figures([n for d in uncut for n in d.accepted], block_size)[0],
+            uncut_drafts_per_accepted=None if uncut is None else drafts_per_accepted(uncut, block_size),
         )
+
+    def decode_all(self, drafter: Drafter, reference: TargetReference, confidence_min: float) -> list[Decoded]:
+        """Every held-out prompt decoded as the evaluation's sampling says, with the confidence cut given."""
+        if self.sampling.greedy:
+            return self.decode(drafter, reference, confidence_min)
+        return self.decode_sampled(drafter, confidence_min)
 
     def record_features(self, reference: TargetReference) -> Iterable[DocumentFeatures]:
         """Each prompt's target features for its simulated acceptance: its record's (a turn's document is a prefix of
@@ -631,7 +663,7 @@ class Evaluator:
             yield kept
 
     def on_greedy_text(
-        self, drafter: DFlashDrafter, transcripts: Sequence[Transcript], decoded: Sequence[Decoded]
+        self, drafter: Drafter, transcripts: Sequence[Transcript], decoded: Sequence[Decoded]
     ) -> tuple[float, float]:
         """The training metric on the text the decoding produced: at every anchor, and at the decoding's own anchors
         (``AcceptanceReport.sim_tau_greedy`` and ``sim_tau_walk``). Data labels: that text is the target's argmax.
@@ -648,7 +680,13 @@ class Evaluator:
             if not every.numel():
                 continue  # a decoding that ended at its prefill started no block
             _, metrics = teacher_forced(
-                drafter, data_labels, greedy_text(transcript, r), DocumentFeatures(transcript.features), 0, None, every
+                drafter,
+                data_labels,
+                greedy_text(transcript, r),
+                DocumentFeatures(transcript.features, transcript.last_hidden),
+                0,
+                None,
+                every,
             )
             streaks = metrics["block_streaks"]
             walk = torch.as_tensor(decoding_anchors(transcript, one), device=streaks.device) - first
@@ -704,7 +742,7 @@ class Evaluator:
         width = len(self.target.layer_ids) + (1 if self.target.last_layer is not None else 0)
         return width * int(config.hidden_size) * next(self.target.model.parameters()).element_size()
 
-    def decode(self, drafter: DFlashDrafter, reference: TargetReference) -> list[Decoded]:
+    def decode(self, drafter: Drafter, reference: TargetReference, confidence_min: float = 0.0) -> list[Decoded]:
         """Every held-out prompt's speculative decoding, replayed from the reference: ``eval.batch_prompts`` prompts
         per drafter forward."""
         size, transcripts = self.config.batch_prompts, reference.transcripts
@@ -712,11 +750,14 @@ class Evaluator:
         for i in range(0, len(transcripts), size):
             group = transcripts[i : i + size]
             decoded += replay_rows(
-                DraftRows(drafter, [t.features for t in group]), group, self.config.max_new_tokens, self.stop_token_ids
+                DraftRows(drafter, [t.features for t in group], confidence_min),
+                group,
+                self.config.max_new_tokens,
+                self.stop_token_ids,
             )
         return decoded
 
-    def decode_sampled(self, drafter: DFlashDrafter) -> list[Decoded]:
+    def decode_sampled(self, drafter: Drafter, confidence_min: float = 0.0) -> list[Decoded]:
         """Every held-out prompt's sampled speculative decoding, live (the target verifies each block), one prompt at
         a time, prompt i drawing from a generator seeded by ``eval.seed`` and i (``sampling_seed``)."""
         decoded = []
@@ -724,7 +765,7 @@ class Evaluator:
             generator = torch.Generator(device=self.target.device).manual_seed(sampling_seed(self.config.seed, index))
             decoded.append(
                 speculative_decode(
-                    DraftContext(drafter),
+                    DraftContext(drafter, confidence_min),
                     self.target,
                     prompt_of(document, self.config.prompt_len),
                     self.config.max_new_tokens,

@@ -8,6 +8,8 @@ import torch
 
 from common.batch import PackedBatch
 from common.drafter.draft_config import DraftConfig
+from common.drafter.kind import DEFAULT_KIND
+from common.drafter.kinds import kind_of
 from common.drafter.target_head import TargetHead
 from launch.bench.served.quick_drafter import train_on_transcripts  # noqa: F401  (the tests' name for it)
 
@@ -28,6 +30,11 @@ def tiny_config(**overrides) -> DraftConfig:
         block_size=4,
     )
     values.update(overrides)
+    # The kind's own options may be given flat, as keywords of their own: they go to its options.
+    names = kind_of(values.get("kind", DEFAULT_KIND)).options.names()
+    options = {name: values.pop(name) for name in list(values) if name in names}
+    if options:
+        values["options"] = {**(values.get("options") or {}), **options}
     return DraftConfig(**values)
 
 

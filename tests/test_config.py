@@ -103,3 +103,69 @@ def test_a_saved_config_with_the_retired_pause_keys_still_resumes(tmp_path):
     assert load_config(saved).training.lr == 0.001
     with pytest.raises(ConfigError, match="unknown key training.stall_s"):
         load_config(None, ["training.stall_s=1.0"])
+
+
+def test_a_kinds_options_are_its_own_table_and_round_trip(tmp_path):
+    cfg = load_config(None, ['drafter.kind="dflash2"', "drafter.dflash2.selector_rank=64"])
+    assert cfg.drafter.options.selector_rank == 64 and cfg.drafter.options.selector_top_k == 16
+    save_config(cfg, tmp_path / "c.toml")
+    text = (tmp_path / "c.toml").read_text()
+    assert "[drafter.dflash2]\n" in text and "selector_rank = 64" in text
+    assert to_dict(load_config(tmp_path / "c.toml")) == to_dict(cfg)
+
+
+def test_a_run_saved_with_flat_kind_options_still_loads(tmp_path):
+    """Runs saved before the kinds had tables wrote every kind's options flat in [drafter], at their defaults for
+    the kinds they were not: each loads as it trained."""
+    saved = tmp_path / "old.toml"
+    saved.write_text(
+        '[drafter]\nkind = "dflash2"\nselector_rank = 32\nselector_top_k = 8\nconv_kernel_size = 2\n'
+        'selector_missing_gold = "exclude"\n'
+    )
+    options = load_config(saved).drafter.options
+    assert (options.selector_rank, options.selector_top_k, options.selector_missing_gold) == (32, 8, "exclude")
+    saved.write_text("[drafter]\nselector_rank = 256\nconv_group_size = 16\n")  # a DFlash run of then
+    assert load_config(saved).drafter.kind == "dflash"
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (['drafter.kind="dflash"', "drafter.dflash2.selector_rank=8"], "drafter.dflash2: options of the dflash2 kind"),
+        (["drafter.selector_rank=8"], "drafter.selector_rank: an option of the dflash2 kind, given to a dflash"),
+        (['drafter.kind="dflash2"', "drafter.dflash2.selector_rank=0"], "drafter.dflash2.selector_rank: must be"),
+        (['drafter.kind="dflash2"', "drafter.dflash2.selector_rnak=8"], "unknown key drafter.dflash2.selector_rnak"),
+        (['drafter.kind="dflash9"'], "drafter.kind: must be one of"),
+    ],
+)
+def test_a_kinds_options_given_wrong_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_restart_trainer_may_change_a_kinds_training_options_not_its_shape():
+    from launch import runs
+
+    old = load_config(None, ['drafter.kind="dflash2"'])
+    new = load_config(None, ['drafter.kind="dflash2"', "drafter.dflash2.selector_loss_alpha=0.5"])
+    assert runs.changed_keys(old, new) == ["drafter.dflash2.selector_loss_alpha"]
+    assert runs.refused_trainer_changes(runs.changed_keys(old, new)) == []
+    new = load_config(None, ['drafter.kind="dflash2"', "drafter.dflash2.selector_rank=64"])
+    assert "drafter.dflash2.selector_rank cannot change" in " ".join(
+        runs.refused_trainer_changes(runs.changed_keys(old, new))
+    )
+
+
+def test_a_saved_runs_kind_table_at_its_defaults_gives_way_to_another_kind(tmp_path):
+    """A run saved as DFlash 2 with its options at their defaults, resumed asking for DFlash: the table is dropped,
+    so that the checkpoint's own kind check names the key (trainer/build.py)."""
+    cfg = load_config(None, ['drafter.kind="dflash2"'])
+    save_config(cfg, tmp_path / "c.toml")
+    assert load_config(tmp_path / "c.toml", ['drafter.kind="dflash"']).drafter.kind == "dflash"
+    assert "[drafter.dflash]" not in to_toml_of(load_config(None))  # a kind without options writes no table
+
+
+def to_toml_of(cfg) -> str:
+    from common.config import to_toml
+
+    return to_toml(cfg)

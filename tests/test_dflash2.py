@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.drafter.blocks import build_blocks
-from common.drafter.dflash2 import DFlash2Drafter, GroupedDynamicCausalConv
+from common.drafter.dflash2.model import DFlash2Drafter, GroupedDynamicCausalConv
 from common.drafter.evaluate import draft_rows, propose_rows
 from common.drafter.export import (
     config_from_export,
@@ -21,7 +21,6 @@ from common.drafter.export import (
     zlab_config,
 )
 from common.drafter.kinds import build_drafter
-from common.drafter.loss import LossConfig
 from common.drafter.masks import build_masks
 from common.drafter.model import DFlashDrafter
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
@@ -133,8 +132,8 @@ def test_stop_gradient_leaves_the_backbone_to_the_dflash_loss():
     config = dflash2_config()
     head = random_head(config)
     torch.manual_seed(0)
-    stopped = trained_like(build_drafter(config, head, LossConfig(selector_stop_gradient=True)))
-    unary_only = build_drafter(config, head, LossConfig(selector_loss_alpha=0.0))
+    stopped = trained_like(build_drafter(dflash2_config(selector_stop_gradient=True), head))
+    unary_only = build_drafter(dflash2_config(selector_loss_alpha=0.0), head)
     unary_only.load_state_dict(stopped.state_dict())
     for drafter in (stopped, unary_only):
         loss, _ = _objective(drafter)
@@ -152,8 +151,8 @@ def test_missing_gold_injected_or_excluded():
     config = dflash2_config(selector_top_k=2)
     head = random_head(config)
     torch.manual_seed(0)
-    inject = trained_like(build_drafter(config, head, LossConfig(selector_missing_gold="inject")))
-    exclude = build_drafter(config, head, LossConfig(selector_missing_gold="exclude"))
+    inject = trained_like(build_drafter(config, head))
+    exclude = build_drafter(dflash2_config(selector_top_k=2, selector_missing_gold="exclude"), head)
     exclude.load_state_dict(inject.state_dict())
     _, injected = _objective(inject)
     _, excluded = _objective(exclude)
@@ -174,7 +173,7 @@ def test_teacher_forced_path_streak_equals_the_free_walk():
     blocks = build_blocks(batch, 12, config.block_size, config.mask_token_id, torch.Generator().manual_seed(0))
     hidden = drafter(batch.aux_hidden, blocks, build_masks(blocks, config, dense=True))
     _, metrics = drafter.objective(hidden, blocks)
-    walked = drafter.propose(hidden[:, 1:], blocks.block_ids[:, 0]).tokens
+    walked = drafter.propose(hidden, blocks.block_ids[:, 0]).tokens
     matches = ((walked == blocks.label_ids) & blocks.label_mask).long().cumprod(1).sum(1).float() * blocks.valid
     torch.testing.assert_close(metrics["block_streaks"], matches)
 
@@ -255,7 +254,7 @@ def test_our_forward_and_proposals_equal_the_reference_model_loaded_from_our_exp
             target_hidden=features,
             noise_embedding=head.embed(block),
         )[:, 1:]
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours[:, 1:], theirs, rtol=1e-4, atol=1e-4)
     output_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
     output_head.weight.data = head.lm_head_weight.clone()
     with torch.no_grad():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from common.drafter.dflash2 import DFlash2Drafter
+from common.drafter.dflash2.model import DFlash2Drafter
 from common.drafter.export import load_drafter
 from common.drafter.target_head import TargetHead
 from tests.drafter_fixtures import tiny_qwen3_target
@@ -19,7 +19,7 @@ from tests.test_first_day import stops_with_2
 from tests.test_pipeline import finish, start
 
 ROOT = Path(__file__).resolve().parents[1]
-DFLASH2 = ('drafter.kind="dflash2"', "drafter.selector_rank=16", "drafter.selector_top_k=8")
+DFLASH2 = ('drafter.kind="dflash2"', "drafter.dflash2.selector_rank=16", "drafter.dflash2.selector_top_k=8")
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:
@@ -86,8 +86,8 @@ def test_a_dflash2_run_trains_evaluates_exports_and_a_dflash_checkpoint_starts_o
 
 
 def test_a_selector_larger_than_the_vocabulary_stops_the_run_naming_the_key(short_tmp):
-    text, seconds = stops_with_2(short_tmp / "run", 'drafter.kind="dflash2"', "drafter.selector_top_k=1000000")
-    assert "drafter.selector_top_k 1000000 must be <= vocab_size" in text
+    text, seconds = stops_with_2(short_tmp / "run", 'drafter.kind="dflash2"', "drafter.dflash2.selector_top_k=1000000")
+    assert "drafter.dflash2.selector_top_k 1000000 must be <= vocab_size" in text
     assert seconds < 60
 
 
@@ -119,5 +119,5 @@ def test_check_describes_the_dflash2_drafter_and_its_vocabulary():
 
     summary = _drafter_summary(load_config(ROOT / "launch" / "tiny.toml", list(DFLASH2)), None)
     assert (
-        "DFlash 2: convolutions of 2 taps in groups of 16, a rank-16 selector over the top 8 of the full vocabulary (64;"
+        "DFlash 2: convolutions of 2 taps in groups of 16, a rank-16 selector over the top 8 of the full vocabulary (64)"
     ) in summary

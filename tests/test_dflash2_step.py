@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.drafter.blocks import build_blocks
-from common.drafter.dflash2 import CandidateSelector, GroupedDynamicCausalConv, causal_conv
+from common.drafter.dflash2.model import CandidateSelector, GroupedDynamicCausalConv, causal_conv
 from common.drafter.kinds import build_drafter
-from common.drafter.loss import LossConfig
 from common.drafter.masks import build_masks
 from tests.drafter_fixtures import random_batch, random_head
 from tests.test_dflash2 import dflash2_config, trained_like
@@ -143,9 +142,9 @@ def drafter_step(drafter, batch, blocks, masks):
 def test_the_dflash2_step_equals_the_tap_loop_and_indexed_codebooks(monkeypatch, missing_gold):
     """The whole step (layers, selector loss, metrics, every gradient), fp32: today's path against the convolution
     and the selector term as written before."""
-    config = dflash2_config(block_size=8, head_dim=16, conv_kernel_size=3)
+    config = dflash2_config(block_size=8, head_dim=16, conv_kernel_size=3, selector_missing_gold=missing_gold)
     torch.manual_seed(0)
-    drafter = trained_like(build_drafter(config, random_head(config), LossConfig(selector_missing_gold=missing_gold)))
+    drafter = trained_like(build_drafter(config, random_head(config)))
     batch = random_batch([300, 90, 200], config, seed=2, supervised_fraction=0.9)
     blocks = build_blocks(batch, 48, 8, config.mask_token_id, torch.Generator().manual_seed(0))
     masks = build_masks(blocks, config, form="dense")
@@ -168,7 +167,7 @@ def test_the_dflash2_step_equals_the_tap_loop_and_indexed_codebooks(monkeypatch,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_compiled_convolution_equals_the_eager_one(dtype):
     """On CUDA a training step runs the convolution compiled: the same output and gradients as the eager function."""
-    from common.drafter.dflash2 import _apply_conv
+    from common.drafter.dflash2.model import _apply_conv
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 16, 36, 16, device="cuda", generator=gen).to(dtype).requires_grad_()

@@ -488,8 +488,8 @@ def live_and_replayed_drafts(evaluator: Evaluator, drafter: DFlashDrafter, monke
     original_init = DraftRows.__init__
     groups = []
 
-    def init(self, drafter_, features):
-        original_init(self, drafter_, features)
+    def init(self, drafter_, features, confidence_min=0.0):
+        original_init(self, drafter_, features, confidence_min)
         self.first = sum(groups)
         groups.append(len(features))
 

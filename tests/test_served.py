@@ -272,13 +272,13 @@ def test_a_dequantized_target_folder_names_a_tokenizer_class_transformers_4_read
 def test_a_dflash2_drafter_llamacpp_cannot_load_is_refused_before_export(tmp_path, capsys):
     """llama.cpp refuses a DFlash 2 draft whose hidden size is under selector_top_k * (selector_top_k + 1): the export
     and the served check say so in one line, naming the keys, instead of a server that exits at load."""
+    from common.drafter.dflash2 import selector_lattice_refusal
     from common.drafter.export import zlab_config
-    from common.drafter.kinds import selector_lattice_refusal
     from tests.drafter_fixtures import tiny_config
     from trainer.export import main as export_main
 
     narrow = tiny_config(kind="dflash2", hidden_size=256, num_attention_heads=4, head_dim=64, selector_top_k=16)
-    assert "drafter.selector_top_k = 15" in selector_lattice_refusal(narrow)
+    assert "drafter.dflash2.selector_top_k = 15" in selector_lattice_refusal(narrow)
     assert selector_lattice_refusal(tiny_config(kind="dflash2", hidden_size=272, selector_top_k=16)) is None
     from launch.check import _serving_notes  # check says it before a drafter is trained
 

@@ -20,11 +20,11 @@ from safetensors.torch import load_file
 from common.codec import DTYPES
 from common.config import ConfigError, RunConfig
 from common.contract import Expectation
+from common.drafter.base import Drafter
 from common.drafter.draft_config import DraftConfig
 from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, config_from_export, drafter_folder, drafter_from_state
-from common.drafter.kinds import build_drafter
+from common.drafter.kinds import build_drafter, kind_of
 from common.drafter.loss import LossConfig
-from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead, load_target_head
 from common.hf import target_identity, text_config_of
 from common.naming import run_tag, sweep_stale_trainer_staging
@@ -66,15 +66,16 @@ def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> Draf
     has_tokenizer = any(
         (head_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     )
-    if has_tokenizer and (mask is None or d.kind == "dflash2"):
+    full_vocabulary = kind_of(d.kind).full_vocabulary
+    if has_tokenizer and (mask is None or full_vocabulary):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(head_dir)
-        if d.kind == "dflash2" and len(tokenizer) > int(target_config.vocab_size):
-            # The selector's codebooks, and the candidates servers compute, span the target's head; a head cut
-            # below its tokenizer (a pruned draft vocabulary) has no DFlash 2 form.
+        if full_vocabulary and len(tokenizer) > int(target_config.vocab_size):
+            # The kind's tables over the vocabulary, and what servers compute of them, span the target's head; a
+            # head cut below its tokenizer (a pruned draft vocabulary) has no form of this kind.
             raise ConfigError(
-                f"drafter.kind: dflash2 needs the target's full vocabulary: its tokenizer has "
+                f"drafter.kind: {d.kind} needs the target's full vocabulary: its tokenizer has "
                 f"{len(tokenizer)} tokens, its head {target_config.vocab_size}"
             )
     elif mask is None:
@@ -99,24 +100,21 @@ def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> Draf
 
 
 def loss_config_of(cfg: RunConfig) -> LossConfig:
-    """How the run supervises its drafter (the training section, and the drafter kind's own loss options)."""
+    """How the run supervises its drafter (the training section; the kind's own loss options are its options)."""
     return LossConfig(
         label_mode=cfg.training.label_mode,
         gamma=cfg.training.gamma,
         weighting=cfg.training.weighting,
         objective=cfg.training.objective,
         feature_noise=cfg.training.feature_noise,
-        selector_loss_alpha=cfg.drafter.selector_loss_alpha,
-        selector_missing_gold=cfg.drafter.selector_missing_gold,
-        selector_stop_gradient=cfg.drafter.selector_stop_gradient,
     )
 
 
 def fresh_drafter(
     cfg: RunConfig, config: DraftConfig, head: TargetHead, loss_config: LossConfig, device: torch.device | None = None
-) -> DFlashDrafter:
-    """The drafter a new run starts from: initialised, or ``drafter.init_from``'s weights (a DFlash 2 drafter from
-    a DFlash one gets identity convolutions and a no-op selector). ConfigError, naming the key, when they cannot be."""
+) -> Drafter:
+    """The drafter a new run starts from: initialised, or ``drafter.init_from``'s weights (of its own kind, or of a
+    kind it extends, with its additions at their no-op values). ConfigError, naming the key, when they cannot be."""
     drafter = build_drafter(config, head, loss_config, device=device)
     if cfg.drafter.init_from is None:
         return drafter
@@ -151,7 +149,7 @@ def compiles(cfg: RunConfig, device: torch.device) -> bool:
     return cfg.training.compile if cfg.training.compile is not None else device.type == "cuda"
 
 
-def compile_layers(drafter: DFlashDrafter) -> None:
+def compile_layers(drafter: Drafter) -> None:
     """Fuses norms, rotary and SwiGLU per layer. Batches are padded to the token budget (see pad_packed),
     so shapes are fixed and each kernel is compiled once. Under FSDP the compiled layer runs between
     FSDP's gather and reshard hooks, which dynamo leaves eager."""
@@ -169,7 +167,7 @@ class DrafterStart:
     loss_config: LossConfig
     expect: dict
     """The handshake's expectation of the producers (the target, its captured layers, dtype, labels)."""
-    drafter: DFlashDrafter
+    drafter: Drafter
     compiled: bool
     warmed: bool
     """The drafter is the warm start's (trainer/warm.py), built while the predecessor still trained."""
@@ -211,7 +209,7 @@ def start_drafter(
         target_identity=identity,
         layer_ids=list(draft_config.target_layer_ids),
         dtype=cfg.target.dtype,
-        last_hidden=cfg.training.label_mode != "data",
+        last_hidden=cfg.ships_final_hidden,
     ).to_wire()
 
     latest = run_dir.latest_checkpoint()
@@ -260,6 +258,8 @@ def start_drafter(
                 loss_config,
                 device=None if ranks.world_size > 1 else ranks.device,
             )
+        # The checkpoint fixes the kind's shape; its training options are the run's (restart-trainer may change them).
+        drafter.config.options = cfg.drafter.options.with_shape(drafter.config.options.shape())
     else:
         drafter = fresh_drafter(cfg, draft_config, head, loss_config)
     warmed = warm is not None and drafter is warm.drafter

@@ -38,8 +38,8 @@ import torch
 from safetensors.torch import load_file
 
 from common import evals, faults
+from common.drafter.base import Drafter
 from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_METADATA, export_zlab, write_config, zlab_config
-from common.drafter.model import DFlashDrafter
 from common.rundir import CheckpointError, RunDir, atomic_write_json, fsync_file, read_json, replace_dir
 from trainer.sharding import is_sharded
 from trainer.tensor_files import WRITE_THREADS, TensorFile, write_tensor_files
@@ -172,7 +172,7 @@ class Snapshot:
     """Everything one checkpoint folder holds, already on the host."""
 
     name: str
-    drafter: DFlashDrafter
+    drafter: Drafter
     """For the export's config only (read, never its weights)."""
     weights: dict[str, torch.Tensor]
     train_state: dict[str, Any]
@@ -323,7 +323,7 @@ class EvalExportWriter:
 
     def export(
         self,
-        drafter: DFlashDrafter,
+        drafter: Drafter,
         weights: dict[str, torch.Tensor],
         request: evals.EvalRequest,
         background: bool = True,
@@ -348,7 +348,7 @@ class EvalExportWriter:
             self._thread.join()
             self._thread = None
 
-    def _write(self, drafter: DFlashDrafter, weights: dict[str, torch.Tensor], request: evals.EvalRequest) -> None:
+    def _write(self, drafter: Drafter, weights: dict[str, torch.Tensor], request: evals.EvalRequest) -> None:
         try:
             served = torch.bfloat16 if drafter.fc.weight.device.type == "cuda" else None
             export_zlab(drafter, request.drafter, dtype=served, weights=weights)

@@ -13,8 +13,8 @@ from typing import IO, Any
 import torch
 
 from common import evals
+from common.drafter.base import Drafter
 from common.drafter.evaluate import by_length_summary, warn_if_gap
-from common.drafter.model import DFlashDrafter
 from common.rundir import RunDir
 from trainer.checkpoint import EvalExportWriter
 
@@ -77,7 +77,7 @@ class EvalClient:
                 [step for step, _ in adopted],
             )
 
-    def ask(self, step: int, drafter: DFlashDrafter, full_weights: dict[str, torch.Tensor] | None) -> None:
+    def ask(self, step: int, drafter: Drafter, full_weights: dict[str, torch.Tensor] | None) -> None:
         """Export the drafter (``full_weights``: its whole state where the drafter holds a shard of it) for producer 0
         to evaluate; training stands still only for the copy to host memory, the export is written in the
         background."""

@@ -31,6 +31,7 @@ from common.drafter.export import (
     write_export,
     zlab_config,
 )
+from common.drafter.kind import DrafterKind
 from common.drafter.kinds import kind_of
 from common.gguf import SOURCE_FILE as GGUF_SOURCE_FILE
 from common.gguf import GGUFError, dequantized_folder, is_gguf
@@ -74,8 +75,9 @@ GGUF_TYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"
 
 
 def export_gguf(checkpoint: str | Path, out_file: str | Path, target: str | Path, dtype: torch.dtype) -> Path:
-    """The checkpoint's drafter as llama.cpp's draft GGUF: the z-lab export, converted with the target's folder
-    (a GGUF target's dequantized folder; a tokenizer saved by transformers 5 is read through a portable copy)."""
+    """The checkpoint's drafter as llama.cpp's draft GGUF: the export in the format the converter reads for its kind,
+    converted with the target's folder (a GGUF target's dequantized folder; a tokenizer saved by transformers 5 is
+    read through a portable copy)."""
     out_file = Path(out_file)
     if out_file.suffix != ".gguf":
         raise ExportError(f"--out: a GGUF draft is one file; name it *.gguf, got {out_file}")
@@ -91,18 +93,21 @@ def export_gguf(checkpoint: str | Path, out_file: str | Path, target: str | Path
     if not (target_dir / "config.json").is_file():
         raise ExportError(f"--target: {target} is no model folder (no config.json) nor a .gguf file")
     with tempfile.TemporaryDirectory(prefix="export-gguf-") as scratch:
-        zlab = export_checkpoint(checkpoint, Path(scratch) / "zlab", "zlab", dtype=dtype)
+        # the format whose config keys and tensor names the converter maps for this kind (DSpark: speculators')
+        source_format = kind.llamacpp_format
+        verifier = str(target_dir) if source_format == "speculators" else None
+        draft = export_checkpoint(checkpoint, Path(scratch) / source_format, source_format, verifier, dtype=dtype)
         readable = readable_tokenizer_folder(target_dir, Path(scratch) / "target")
-        return convert(zlab, out_file, GGUF_TYPES[dtype], target_dir=readable)
+        return convert(draft, out_file, GGUF_TYPES[dtype], target_dir=readable)
 
 
-def serving_commands(out: Path, fmt: str, block_size: int, target: str | None) -> list[str]:
+def serving_commands(out: Path, fmt: str, kind: DrafterKind, block_size: int, target: str | None) -> list[str]:
     """The commands that serve this export, with its block size (vLLM's num_speculative_tokens is B - 1, SGLang's
     num-draft-tokens is B, llama.cpp's draft length B - 1: a DFlash 2 drafter served with another misplaces its
-    convolutions without an error)."""
+    convolutions without an error), for the servers that serve its kind."""
     target = target or "TARGET"
     if fmt == "gguf":
-        serve = f"--spec-type draft-dflash --spec-draft-n-max {block_size - 1}"
+        serve = f"--spec-type {kind.llamacpp_spec_type} --spec-draft-n-max {block_size - 1}"
         if is_gguf(target):
             return [f"llama-server -m {target} -md {out} {serve}"]
         return [  # the target as a GGUF first, by the same converter
@@ -112,12 +117,16 @@ def serving_commands(out: Path, fmt: str, block_size: int, target: str | None) -
         ]
     if fmt == "speculators":
         return [f"vllm serve {out}"]
-    return [
-        f"vllm serve {target} --speculative-config "
-        f"'{{\"method\": \"dflash\", \"model\": \"{out}\", \"num_speculative_tokens\": {block_size - 1}}}'",
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {block_size}",
-    ]
+    commands = []
+    if kind.vllm_method is not None:
+        speculative = {"method": kind.vllm_method, "model": str(out), "num_speculative_tokens": block_size - 1}
+        commands.append(f"vllm serve {target} --speculative-config '{json.dumps(speculative)}'")
+    if kind.sglang_algorithm is not None:
+        commands.append(
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {kind.sglang_algorithm} "
+            f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {block_size}"
+        )
+    return commands
 
 
 CARD_FILE = "README.md"
@@ -244,10 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, FileNotFoundError, GGUFError, ConversionError, LlamaCppMissing) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    source, _ = drafter_folder(args.checkpoint)
-    block_size = json.loads((source / CONFIG_FILE).read_text())["block_size"]
+    source, own = drafter_folder(args.checkpoint)
+    drafter = config_from_export(json.loads((source / CONFIG_FILE).read_text()), own)
+    block_size = drafter.block_size
     served_target = _verifier_name(args.target or run_target)
-    commands = serving_commands(out, args.format, block_size, served_target)
+    commands = serving_commands(out, args.format, kind_of(drafter.kind), block_size, served_target)
     card = out / CARD_FILE if out.is_dir() else out.with_name(f"{out.stem}.{CARD_FILE}")
     card.write_text(model_card(args.checkpoint, out, args.format, commands, served_target))
     print(f"serve it (block size {block_size}; the model card: {card}):")

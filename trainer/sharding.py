@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.drafter.model import DFlashDrafter
+from common.drafter.base import Drafter
 
 # FSDP, DTensor and distributed checkpointing are imported where a sharded trainer uses them: together
 # they take about 1 s to import, which every trainer start (and restart) would otherwise pay.
@@ -30,7 +30,7 @@ class TrainStep(nn.Module):
     """Routes DDP's forward to ``forward_train`` so gradients are all-reduced (FSDP's hooks are on
     the drafter and its layers themselves)."""
 
-    def __init__(self, drafter: DFlashDrafter) -> None:
+    def __init__(self, drafter: Drafter) -> None:
         super().__init__()
         self.drafter = drafter
 
@@ -38,7 +38,7 @@ class TrainStep(nn.Module):
         return self.drafter.forward_train(batch, num_anchors, generator, step_fraction, prepared=prepared)
 
 
-def parallelize(drafter: DFlashDrafter, device: torch.device, world_size: int, sharded: bool) -> nn.Module:
+def parallelize(drafter: Drafter, device: torch.device, world_size: int, sharded: bool) -> nn.Module:
     """The module a training step calls: the drafter alone (one rank), under DDP, or sharded in place
     by FSDP (``sharded``; pass the drafter still on the host, see ``shard_drafter``)."""
     step = TrainStep(drafter)
@@ -49,7 +49,7 @@ def parallelize(drafter: DFlashDrafter, device: torch.device, world_size: int, s
     return step
 
 
-def shard_drafter(drafter: DFlashDrafter, device: torch.device, world_size: int) -> None:
+def shard_drafter(drafter: Drafter, device: torch.device, world_size: int) -> None:
     """Shard each draft layer, then the rest (fc, hidden_norm, norm) at the drafter, over all ranks.
 
     Pass the drafter still on the host: each ``fully_shard`` moves only its own module's weights to
@@ -74,7 +74,7 @@ def shard_drafter(drafter: DFlashDrafter, device: torch.device, world_size: int)
     fully_shard(drafter, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
 
-def local_parameter_count(drafter: DFlashDrafter) -> int:
+def local_parameter_count(drafter: Drafter) -> int:
     """Trainable parameters whose values this rank holds (its shards under FSDP, all under DDP)."""
     return sum((p.to_local() if is_sharded(p) else p).numel() for p in drafter.parameters() if p.requires_grad)
 
@@ -84,12 +84,12 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if is_sharded(value) else value
 
 
-def _trainable_names(drafter: DFlashDrafter) -> list[str]:
+def _trainable_names(drafter: Drafter) -> list[str]:
     """Parameter names in the order the trainer's optimizer numbers its parameters."""
     return [name for name, p in drafter.named_parameters() if p.requires_grad]
 
 
-def full_model_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+def full_model_state(drafter: Drafter) -> dict[str, torch.Tensor]:
     """The drafter's whole fp32 weights on rank 0's host, named as in its export; {} on other ranks.
 
     A collective: every rank must call it.
@@ -100,7 +100,7 @@ def full_model_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
     return get_model_state_dict(drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_optimizer_state(drafter: DFlashDrafter, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_full_optimizer_state(drafter: Drafter, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load an ``Optimizer.state_dict()`` of the whole drafter (every rank passes it) into the
     optimizer of the sharded drafter: each rank keeps the slices of its own shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

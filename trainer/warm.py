@@ -24,10 +24,10 @@ import torch
 from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
 from common.codec import DTYPES
 from common.config import RunConfig
+from common.drafter.base import Drafter
 from common.drafter.draft_config import DraftConfig
 from common.drafter.kinds import build_drafter
 from common.drafter.loss import LossConfig
-from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead
 from common.hf import target_identity
 from common.rundir import RunDir
@@ -48,7 +48,7 @@ class WarmStart:
     target_identity: str
     """The head's part of the handshake (a hash of the whole embedding: seconds at a large vocabulary)."""
     draft_config: DraftConfig
-    drafter: DFlashDrafter
+    drafter: Drafter
     """On ``device``, in the dtype of a fresh drafter; compiled when ``compiled``."""
     compiled: bool
     seconds: float
@@ -64,7 +64,7 @@ class WarmStart:
 
     def drafter_for(
         self, config: DraftConfig, weights: dict[str, torch.Tensor], loss_config: LossConfig
-    ) -> DFlashDrafter | None:
+    ) -> Drafter | None:
         """The warm drafter holding ``weights``, if it has their architecture and dtype (else None)."""
         dtypes = {t.dtype for t in weights.values()}
         if config != self.drafter.config or dtypes != {self.drafter.fc.weight.dtype}:
@@ -89,7 +89,7 @@ def synthetic_batch(cfg: RunConfig, config: DraftConfig, device: torch.device) -
         }
     )
     dims = SlotDims(tokens=tokens, docs=1, aux_width=config.fused_feature_size, hidden_size=config.target_hidden_size)
-    shapes = slot_shapes(dims, DTYPES[cfg.target.dtype], {"last_hidden": cfg.training.label_mode != "data"})
+    shapes = slot_shapes(dims, DTYPES[cfg.target.dtype], {"last_hidden": cfg.ships_final_hidden})
     for name, (shape, dtype) in shapes.items():
         if name not in tensors:  # the target's features
             tensors[name] = torch.randn(shape).to(dtype)

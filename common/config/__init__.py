@@ -15,7 +15,17 @@ from .data import DataConfig
 from .drafter import DrafterConfig
 from .eval import EvalConfig
 from .launch import LaunchConfig
-from .load import apply_overrides, build, load_config, parse_override, save_config, to_dict, to_toml, unknown_key
+from .load import (
+    apply_overrides,
+    build,
+    dotted_values,
+    load_config,
+    parse_override,
+    save_config,
+    to_dict,
+    to_toml,
+    unknown_key,
+)
 from .logging import LoggingConfig
 from .ring import RingConfig
 from .run import RunConfig, fixed_while_producers_run, readers
@@ -46,6 +56,7 @@ __all__ = [
     "resolve_model_path",
     "save_config",
     "to_dict",
+    "dotted_values",
     "to_toml",
     "unknown_key",
 ]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
-from .base import require
+from common.drafter.kind import DEFAULT_KIND
+
+from .base import ConfigError, require
 
 
 @dataclass
@@ -25,20 +27,13 @@ class DrafterConfig:
         "num_attention_heads": "checkpoint",
         "num_key_value_heads": "checkpoint",
         "kind": "producer checkpoint",
-        "conv_kernel_size": "checkpoint",
-        "conv_group_size": "checkpoint",
-        "selector_rank": "checkpoint",
-        "selector_top_k": "checkpoint",
-        "selector_loss_alpha": "trainer",
-        "selector_missing_gold": "trainer",
-        "selector_stop_gradient": "trainer",
         "init_from": "trainer",
+        "options": "checkpoint trainer",
     }
 
-    kind: Literal["dflash", "dflash2"] = "dflash"
-    """The drafter kind: dflash, or dflash2 (DFlash 2: a grouped dynamic causal convolution around each draft
-    layer's attention and MLP, and a candidate selector that rescores the draft's top-K with a low-rank bilinear
-    term of the previous token; servers run it as vLLM method dflash). A checkpoint resumes only as its own kind."""
+    kind: str = DEFAULT_KIND
+    """The drafter kind, one of the kinds table's (common/drafter/kinds.py; listed below with their options). A
+    checkpoint resumes only as its own kind."""
     num_layers: int = 5
     """Number of draft decoder layers."""
     block_size: int = 16
@@ -65,42 +60,27 @@ class DrafterConfig:
     """Query heads; None: the target's."""
     num_key_value_heads: int | None = None
     """Key/value heads; None: the target's."""
-    conv_kernel_size: int = 2
-    """dflash2: taps of each dynamic convolution, looking back inside the block (1 is the position itself)."""
-    conv_group_size: int = 16
-    """dflash2: channels sharing one dynamic kernel delta; must divide the hidden size."""
-    selector_rank: int = 256
-    """dflash2: rank of the selector's bilinear term (codebooks of vocabulary x rank)."""
-    selector_top_k: int = 16
-    """dflash2: candidates per slot the selector rescores: the draft's top-K; at most the vocabulary."""
-    selector_loss_alpha: float = 1.0
-    """dflash2: weight of the selector's K-way cross-entropy beside the DFlash loss (0 trains no selector)."""
-    selector_missing_gold: Literal["inject", "exclude"] = "inject"
-    """dflash2: a slot whose gold token is not in the draft's top-K: inject it in place of the K-th candidate (as
-    speculators does), or leave the slot out of the selector loss (as NeMo does)."""
-    selector_stop_gradient: bool = False
-    """dflash2: stop the selector loss's gradient at the draft hidden state, so it trains the selector alone and
-    the backbone learns from the DFlash loss only (a SpecForge option)."""
     init_from: str | None = None
     """A DFlash or DFlash 2 checkpoint (checkpoints/step-N) or export to start a new run's drafter from: its
-    weights are loaded, and a dflash2 drafter from a DFlash one gets identity convolutions and a no-op selector,
-    so it first proposes exactly what the DFlash drafter did. Read at a fresh start only, never at a resume."""
+    weights are loaded; a kind that extends another (its ``warm_starts_from``) starts from that kind's drafter with
+    its additions at their no-op values, so it first proposes exactly what that drafter did. Read at a fresh start
+    only, never at a resume."""
+    options: Any = field(default=None, metadata={"table_named_by": "kind"})
+    """The kind's own options: the ``[drafter.<kind>]`` table (e.g. ``[drafter.dflash2]``), written below per kind.
+    Runs saved before the tables wrote them flat in ``[drafter]``, which is read too."""
 
     def __post_init__(self) -> None:
         require(self.num_layers >= 1, "num_layers", "must be >= 1")
-        require(self.kind in ("dflash", "dflash2"), "kind", f"must be dflash or dflash2, got {self.kind!r}")
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            require(getattr(self, name) >= 1, name, "must be >= 1")
+        from common.drafter.kinds import KINDS
+
+        from .load import build
+
+        require(self.kind in KINDS, "kind", f"must be one of {sorted(KINDS)}, got {self.kind!r}")
+        options_type = KINDS[self.kind].options
+        if self.options is None or isinstance(self.options, dict):
+            self.options = build(options_type, dict(self.options or {}), f"drafter.{self.kind}")
         require(
-            self.conv_kernel_size <= self.block_size,
-            "conv_kernel_size",
-            f"must be <= block_size ({self.block_size}): the taps look back inside the block only",
-        )
-        require(self.selector_loss_alpha >= 0, "selector_loss_alpha", "must be >= 0")
-        require(
-            self.selector_missing_gold in ("inject", "exclude"),
-            "selector_missing_gold",
-            f"must be inject or exclude, got {self.selector_missing_gold!r}",
+            isinstance(self.options, options_type), f"drafter.{self.kind}", f"must be a table, got {self.options!r}"
         )
         require(self.block_size >= 2, "block_size", "must be >= 2")
         require(self.num_anchors >= 1, "num_anchors", "must be >= 1")
@@ -131,16 +111,7 @@ class DrafterConfig:
         """The DraftConfig fields this section sets (``DraftConfig.from_target`` derives the rest from the target):
         the one mapping of the trainer's drafter and of what ``check`` describes."""
         overrides: dict[str, Any] = {
-            name: getattr(self, name)
-            for name in (
-                "block_size",
-                "in_block_causality",
-                "kind",
-                "conv_kernel_size",
-                "conv_group_size",
-                "selector_rank",
-                "selector_top_k",
-            )
+            name: getattr(self, name) for name in ("block_size", "in_block_causality", "kind", "options")
         }
         for name in ("target_layer_ids", "layer_types"):
             if getattr(self, name):
@@ -149,3 +120,57 @@ class DrafterConfig:
             if getattr(self, name) is not None:
                 overrides[name] = getattr(self, name)
         return overrides
+
+    @classmethod
+    def from_table(cls, data: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """The section's fields from its TOML table. The kind's options come from its ``[drafter.<kind>]`` table, or
+        flat in the section as runs saved before the tables wrote them; flat options of another kind, which those
+        runs wrote at their defaults, are dropped where they still hold those defaults, and so is another kind's table
+        at its defaults. A table or an option of another kind set otherwise is an error naming it."""
+        from common.drafter.kinds import KINDS
+
+        data = dict(data)
+        name = data.get("kind", DEFAULT_KIND)
+        if name not in KINDS:
+            raise ConfigError(f"{prefix}.kind: must be one of {sorted(KINDS)}, got {name!r}")
+        for other in KINDS:
+            if other != name and other in data:
+                table = data[other]
+                defaults = KINDS[other].options()
+                if isinstance(table, dict) and all(getattr(defaults, k, object()) == v for k, v in table.items()):
+                    del data[other]  # a saved run's table at its defaults, the run now asked to be another kind
+                    continue
+                raise ConfigError(
+                    f"{prefix}.{other}: options of the {other} kind given to a {name} drafter ({prefix}.kind = "
+                    f"{name!r}); remove the table, or set {prefix}.kind = {other!r}"
+                )
+        table = data.pop(name, None)
+        if "options" in data:  # the section as dataclasses.asdict writes it
+            table = {**data.pop("options"), **(table or {})}
+        if table is not None and not isinstance(table, dict):
+            raise ConfigError(f"{prefix}.{name}: must be a table, got {table!r}")
+        options = dict(table or {})
+        own = {f.name for f in fields(cls)}
+        for key in [k for k in data if k not in own]:
+            if key in KINDS[name].options.names():
+                if key in options and options[key] != data[key]:
+                    raise ConfigError(f"{prefix}.{key}: given both flat and as {prefix}.{name}.{key}")
+                options[key] = data.pop(key)
+                continue
+            owner = next((kind for kind in KINDS.values() if key in kind.options.names()), None)
+            if owner is not None:
+                if data[key] != getattr(owner.options(), key):
+                    raise ConfigError(
+                        f"{prefix}.{key}: an option of the {owner.name} kind, given to a {name} drafter "
+                        f"({prefix}.kind = {name!r})"
+                    )
+                del data[key]
+        data["options"] = options
+        return data
+
+    @classmethod
+    def table_readers(cls, table: str, name: str) -> set[str]:
+        """Who reads ``name`` of the kind table ``table`` (its options' ``READ_BY``)."""
+        from common.drafter.kinds import kind_of
+
+        return set(kind_of(table).options.READ_BY[name].split())

@@ -31,6 +31,7 @@ class EvalConfig:
         "every_turn": "producer",
         "max_turns": "producer",
         "timing_repeats": "producer",
+        "confidence_min": "producer",
     }
 
     every_steps: int = 0
@@ -99,7 +100,13 @@ class EvalConfig:
     one-token decode forward at each bucket's context, for the break-even tau (docs/evaluation.md); the fastest
     counts (other work on the machine only adds time). The target is timed once, with its reference; the drafter once per architecture. 0: no timing."""
 
+    confidence_min: float = 0.0
+    """A drafter with a confidence head (DSpark) has only its drafts before the first whose confidence is below this
+    verified, as llama.cpp's ``--spec-draft-p-min`` cuts a block; 0: every draft. The report gives tau and the drafts
+    verified per accepted draft with the cut and without it."""
+
     def __post_init__(self) -> None:
+        require(0.0 <= self.confidence_min <= 1.0, "confidence_min", f"must lie in [0, 1], got {self.confidence_min}")
         if isinstance(self.paths, str):
             self.paths = [self.paths]
         require(

@@ -82,6 +82,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def unknown_key(cls: type, data: dict, prefix: str = "", nested: bool = False) -> str | None:
     """The error for the first key of ``data`` that dataclass ``cls`` has no field for, naming the closest known
     key (a typo's likely meaning); with ``nested`` the sections' keys too. None when every key is known."""
+    if hasattr(cls, "from_table"):  # a section that reads sub-tables of its own (the drafter kind's options)
+        try:
+            data = cls.from_table(data, prefix)
+        except ConfigError as exc:
+            return str(exc)
     known = {f.name for f in dataclasses.fields(cls) if f.init}
     where = f"{prefix}." if prefix else ""
     unknown = sorted(set(data) - known)
@@ -104,12 +109,16 @@ def build(cls: type, data: dict, prefix: str = "") -> Any:
     unknown = unknown_key(cls, data, prefix)
     if unknown:
         raise ConfigError(unknown)
+    if hasattr(cls, "from_table"):
+        data = cls.from_table(data, prefix)
     kwargs = {name: _coerce(value, hints[name], f"{prefix}.{name}" if prefix else name) for name, value in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError as exc:
         # Sections raise "<field>: message"; prefix it with the section's own key.
-        raise ConfigError(f"{prefix}.{exc}" if prefix and not str(exc).startswith(prefix + ".") else str(exc)) from None
+        # (a sub-table's message names its own key under the section already)
+        named = str(exc).startswith((f"{prefix}.", f"unknown key {prefix}."))
+        raise ConfigError(f"{prefix}.{exc}" if prefix and not named else str(exc)) from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -161,6 +170,20 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def dotted_values(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf value of a config by its dotted key as a file writes it (``drafter.dflash2.selector_rank``)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        name = getattr(cfg, f.metadata["table_named_by"]) if "table_named_by" in f.metadata else f.name
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(value):
+            out.update(dotted_values(value, f"{key}."))
+        else:
+            out[key] = value
+    return out
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -182,7 +205,14 @@ def to_toml(cfg: Any) -> str:
     lines: list[str] = []
 
     def section(obj: Any, name: str) -> None:
-        scalars = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+        # a sub-table named by another field (the drafter's options, by its kind) is written under that name
+        scalars = [
+            (
+                getattr(obj, f.metadata["table_named_by"]) if "table_named_by" in f.metadata else f.name,
+                getattr(obj, f.name),
+            )
+            for f in dataclasses.fields(obj)
+        ]
         if name:
             lines.append(f"[{name}]")
         for key, value in scalars:
@@ -190,7 +220,7 @@ def to_toml(cfg: Any) -> str:
                 lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
         for key, value in scalars:
-            if dataclasses.is_dataclass(value):
+            if dataclasses.is_dataclass(value) and dataclasses.fields(value):  # an empty table says nothing
                 section(value, f"{name}.{key}" if name else key)
 
     section(cfg, "")

@@ -44,12 +44,24 @@ class RunConfig:
             "eval.every_steps",
             f"must be a multiple of logging.log_every ({self.logging.log_every}), got {self.eval.every_steps}",
         )
+        self.drafter.options.check_run(self)
+
+    @property
+    def ships_final_hidden(self) -> bool:
+        """The producers ship the target's final hidden state: for soft or target labels, or a kind whose objective
+        reads the target's distribution."""
+        from common.drafter.kinds import kind_of
+
+        return self.training.label_mode != "data" or kind_of(self.drafter.kind).needs_final_hidden
 
 
 def readers(key: str) -> set[str]:
     """Who reads ``section.field`` (its section's ``READ_BY``)."""
     section, _, name = key.partition(".")
     section_type = typing.get_type_hints(RunConfig)[section]
+    table, _, inner = name.partition(".")
+    if inner:  # a section's own sub-table (the drafter kind's options)
+        return section_type.table_readers(table, inner)
     return set(section_type.READ_BY[name].split())
 
 

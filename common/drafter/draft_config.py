@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.drafter.kind import DEFAULT_KIND
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -19,8 +21,6 @@ BIDIRECTIONAL = "bidirectional"
 CAUSAL = "causal"
 """Every layer causal inside the block."""
 IN_BLOCK_CAUSALITY = (SLIDING_CAUSAL, BIDIRECTIONAL, CAUSAL)
-DRAFTER_KINDS = ("dflash", "dflash2")
-"""The drafter kinds (common/drafter/kinds.py): DFlash, and DFlash 2 (dynamic convolutions and a candidate selector)."""
 # The hybrid Gated-DeltaNet Qwen family (Qwen3.5, Qwen3.6; dense and mixture-of-experts): drafts of the released shape.
 HYBRID_QWEN_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text"})
 
@@ -111,18 +111,11 @@ class DraftConfig:
     """MLP activation; only SwiGLU with silu is implemented."""
     attention_bias: bool = False
     """Bias on q/k/v/o projections (Qwen3: none)."""
-    kind: str = "dflash"
-    """The drafter kind: "dflash", or "dflash2" (the DFlash layers wrapped in dynamic convolutions, and a candidate
-    selector over the draft's top-K); the fields below shape DFlash 2 only."""
-    conv_kernel_size: int = 2
-    """DFlash 2: taps of each grouped dynamic causal convolution (offset 0 is the position itself; taps look back
-    inside the block only)."""
-    conv_group_size: int = 16
-    """DFlash 2: channels that share one dynamic kernel delta (hidden_size must be a multiple)."""
-    selector_rank: int = 256
-    """DFlash 2: rank r of the selector's bilinear term (predecessor and successor codebooks V x r)."""
-    selector_top_k: int = 16
-    """DFlash 2: candidates K the selector rescores, the draft's top-K per slot (<= vocab_size)."""
+    kind: str = DEFAULT_KIND
+    """The drafter kind (common/drafter/kinds.py)."""
+    options: Any = None
+    """The kind's own options (its ``KindOptions``, the ``[drafter.<kind>]`` table), or a dict of them; None: its
+    defaults."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -176,22 +169,17 @@ class DraftConfig:
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if self.kind not in DRAFTER_KINDS:
-            raise ValueError(f"kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.kind == "dflash2":
-            if self.hidden_size % self.conv_group_size:
-                raise ValueError(f"conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}")
-            if self.conv_kernel_size > self.block_size:
-                raise ValueError(
-                    f"conv_kernel_size {self.conv_kernel_size} must be <= block_size {self.block_size} "
-                    "(the taps look back inside the block only)"
-                )
-            if self.selector_top_k > self.vocab_size:
-                raise ValueError(f"selector_top_k {self.selector_top_k} must be <= vocab_size {self.vocab_size}")
+        from common.drafter.kinds import kind_of  # here: a kind's own module may import this one
+
+        options_type = kind_of(self.kind).options
+        if self.options is None or isinstance(self.options, dict):
+            self.options = options_type(**(self.options or {}))
+        if not isinstance(self.options, options_type):
+            raise ValueError(f"options of a {self.kind} drafter must be {options_type.__name__}, got {self.options!r}")
+        try:
+            self.options.check_shape(self)
+        except ValueError as exc:  # named as its key: drafter.<kind>.<option>
+            raise ValueError(f"{self.kind}.{exc}") from None
 
     @property
     def rope_theta(self) -> float:
@@ -216,7 +204,7 @@ class DraftConfig:
         return len(self.target_layer_ids) * self.target_hidden_size
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self)  # the options as a dict, which ``from_dict`` reads back
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DraftConfig:

@@ -65,10 +65,10 @@ import torch
 from torch import nn
 
 from common.batch import Document, PackedBatch
+from common.drafter.base import Drafter
 from common.drafter.blocks import DraftBlocks, build_blocks, valid_anchor_mask
 from common.drafter.loss import LossConfig
 from common.drafter.masks import build_masks, in_block_mask
-from common.drafter.model import DFlashDrafter
 from common.drafter.sampling import Proposal, Sampling
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,9 @@ class Transcript:
     """The prompt, then the target's greedy continuation (not stopped at a stop token: a block may run past it)."""
     features: torch.Tensor
     """``[len(tokens) - 1, n * H]``: the drafter's features of every token but the last, kept on the host."""
+    last_hidden: torch.Tensor | None = None
+    """``[len(tokens) - 1, H]``: the target's last layer's output at the same tokens, where it is captured (for an
+    objective that reads the target's distribution)."""
 
     @property
     def continuation(self) -> list[int]:
@@ -116,11 +119,13 @@ class DraftContext:
     """The drafter during live decoding of one prompt: the fused context of every kept token before the block.
 
     The context is cached fused (``hidden_norm(fc(features))``, one row per kept token); each proposal runs
-    the drafter's own layers on it, so decoding exercises exactly the trained forward.
+    the drafter's own layers on it, so decoding exercises exactly the trained forward. ``confidence_min``: a drafter
+    with a confidence head proposes only the drafts before its first below it (``Proposal.kept_drafts``).
     """
 
-    def __init__(self, drafter: DFlashDrafter) -> None:
+    def __init__(self, drafter: Drafter, confidence_min: float = 0.0) -> None:
         self.drafter = drafter
+        self.confidence_min = confidence_min
         config = drafter.config
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
@@ -131,8 +136,9 @@ class DraftContext:
         self.ctx = torch.cat([self.ctx, self.drafter.fuse_context(features)])
 
     def propose(self, token: int, position: int) -> torch.Tensor:
-        """Greedy draft tokens ``[B - 1]`` for slots 1.. of the block anchored at ``token``, at ``position``
-        (equal to the number of context tokens: the anchor's own features are never context)."""
+        """Greedy draft tokens ``[B - 1]`` (fewer where the confidence cut them) for slots 1.. of the block anchored at
+        ``token``, at ``position`` (equal to the number of context tokens: the anchor's own features are never
+        context)."""
         return self.proposal(token, position).tokens[0]
 
     def proposal(
@@ -143,38 +149,40 @@ class DraftContext:
         device = self.ctx.device
         anchor = torch.tensor([token], device=device)
         hidden = draft_rows(self.drafter, [self.ctx], anchor, torch.tensor([position], device=device))
-        return self.drafter.propose(hidden, anchor, sampling, generator)
+        proposal = self.drafter.propose(hidden, anchor, sampling, generator)
+        return proposal.first(int(proposal.kept_drafts(self.confidence_min)[0]))
 
 
 class DraftRows:
     """The drafter over several transcripts: each row's features fused once, and one drafter forward drafts a block
     for every row, over the context of its kept tokens (a prefix of its transcript)."""
 
-    def __init__(self, drafter: DFlashDrafter, features: Sequence[torch.Tensor]) -> None:
+    def __init__(self, drafter: Drafter, features: Sequence[torch.Tensor], confidence_min: float = 0.0) -> None:
         self.drafter = drafter
         self.block_size = drafter.config.block_size
+        self.confidence_min = confidence_min
         device = drafter.fc.weight.device
         lengths = [int(f.shape[0]) for f in features]
         fused = drafter.fuse_context(torch.cat([f.to(device, non_blocking=True) for f in features]))
         self.contexts = list(fused.split(lengths))
 
     def propose(self, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> list[list[int]]:
-        """Greedy drafts ``[len(rows)][B - 1]`` of the blocks anchored at ``tokens`` at ``positions``: row ``rows[i]``
-        drafts over the features of its first ``positions[i]`` tokens (the anchor's own are never context)."""
+        """Greedy drafts ``[len(rows)][B - 1]`` (fewer where the confidence cut them) of the blocks anchored at
+        ``tokens`` at ``positions``: row ``rows[i]`` drafts over the features of its first ``positions[i]`` tokens
+        (the anchor's own are never context)."""
         device = self.contexts[0].device
         contexts = [self.contexts[r][:p] for r, p in zip(rows, positions)]
-        drafts = propose_rows(
-            self.drafter,
-            contexts,
-            torch.tensor(list(tokens), device=device),
-            torch.tensor(list(positions), device=device),
+        anchors = torch.tensor(list(tokens), device=device)
+        proposal = self.drafter.propose(
+            draft_rows(self.drafter, contexts, anchors, torch.tensor(list(positions), device=device)), anchors
         )
-        return drafts.tolist()  # one copy to the host per round for all rows
+        kept = proposal.kept_drafts(self.confidence_min).tolist()
+        return [draft[:count] for draft, count in zip(proposal.tokens.tolist(), kept)]  # one copy for all rows
 
 
 @torch.no_grad()
 def propose_rows(
-    drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor
+    drafter: Drafter, contexts: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """Greedy draft tokens ``[R, B - 1]`` of one block per row in one drafter forward (see :func:`draft_rows`); the
     drafter's kind turns the slots' hidden states into tokens (DFlash: the argmax; DFlash 2: the selector's walk)."""
@@ -183,9 +191,9 @@ def propose_rows(
 
 @torch.no_grad()
 def draft_rows(
-    drafter: DFlashDrafter, contexts: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor
+    drafter: Drafter, contexts: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """Draft hidden states ``[R, B - 1, H]`` (after the final norm) of slots 1.. of one block per row, in one drafter
+    """Draft hidden states ``[R, B, H]`` (after the final norm) of the slots of one block per row, in one drafter
     forward: row r's block is anchored at ``tokens[r]``, at ``positions[r]``, over its fused context ``contexts[r]``
     ``[C_r, H]``. The rows are packed as in training (every block sees only its own row's context), with the
     training masks."""
@@ -220,7 +228,7 @@ def draft_rows(
         masks[layer_type] = torch.cat([context, own & (block_rows[:, None] == block_rows[None, :])], dim=1)
     for layer in drafter.layers:
         x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
-    return drafter.norm(x).view(num_rows, block_size, -1)[:, 1:]
+    return drafter.norm(x).view(num_rows, block_size, -1)
 
 
 # -- decoding -------------------------------------------------------------------------------------
@@ -234,6 +242,8 @@ class Decoded:
     """The generated tokens (prompt excluded), cut at max_new_tokens or after the first stop token."""
     accepted: list[int]
     """Per verify forward: how many drafted tokens the target accepted (0 .. B-1)."""
+    drafted: list[int] = field(default_factory=list)
+    """Per verify forward: how many drafted tokens it verified (B - 1 but where a confidence cut them)."""
     replayed: list[int] = field(default_factory=list)
     """Live decoding of a hybrid target only: per replay after a rejection, how many kept tokens ran again."""
 
@@ -269,6 +279,7 @@ def replay_rows(
     block_size = drafts.block_size
     kept = [1] * len(transcripts)  # the prefill's greedy token is the first kept token
     accepted: list[list[int]] = [[] for _ in transcripts]
+    drafted: list[list[int]] = [[] for _ in transcripts]
     while True:
         rows = [
             r
@@ -283,13 +294,21 @@ def replay_rows(
         proposed = drafts.propose(rows, [transcripts[r].tokens[a] for r, a in zip(rows, anchors)], anchors)
         for r, anchor, draft in zip(rows, anchors, proposed):
             truth = transcripts[r].tokens[anchor + 1 : anchor + block_size]
-            num_accepted = next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t), block_size - 1)
+            num_accepted = next((i for i, (d, t) in enumerate(zip(draft, truth)) if d != t), len(draft))
             accepted[r].append(num_accepted)
+            drafted[r].append(len(draft))
             kept[r] += num_accepted + 1  # the accepted drafts and the target's token after them
     return [
-        Decoded(cut_answer(t.continuation[: kept[r]], max_new_tokens, stop_token_ids), accepted[r])
+        Decoded(cut_answer(t.continuation[: kept[r]], max_new_tokens, stop_token_ids), accepted[r], drafted[r])
         for r, t in enumerate(transcripts)
     ]
+
+
+def drafts_per_accepted(decoded: Sequence[Decoded], block_size: int) -> float | None:
+    """Drafted tokens verified per drafted token accepted, over every verify forward (None: none accepted)."""
+    verified = sum(sum(d.drafted) if d.drafted else (block_size - 1) * len(d.accepted) for d in decoded)
+    accepted = sum(sum(d.accepted) for d in decoded)
+    return verified / accepted if accepted else None
 
 
 def zlab_acceptance_lengths(decoded: Decoded) -> list[int]:
@@ -325,7 +344,7 @@ def sampling_seed(seed: int, index: int) -> int:
 
 @torch.no_grad()
 def simulated_acceptance(
-    drafter: DFlashDrafter,
+    drafter: Drafter,
     documents: Sequence[Document],
     features: Iterable[DocumentFeatures],
     num_anchors: int,
@@ -362,7 +381,7 @@ def simulated_acceptance(
 
 
 def teacher_forced(
-    drafter: DFlashDrafter,
+    drafter: Drafter,
     loss_config: LossConfig,
     document: Document,
     kept: DocumentFeatures,
@@ -389,12 +408,12 @@ def teacher_forced(
     blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator, anchors)
     hidden = drafter(aux_hidden, blocks, build_masks(blocks, config, form="tiled"))
     target_hidden = None
-    if loss_config.label_mode != "data":
-        if kept.last_hidden is None:
-            raise ValueError(
-                f"label_mode {loss_config.label_mode!r}: this evaluator does not capture the "
-                "target's last layer (capture_last)"
-            )
+    if kept.last_hidden is None and loss_config.label_mode != "data":
+        raise ValueError(
+            f"label_mode {loss_config.label_mode!r}: this evaluator does not capture the target's last layer "
+            "(capture_last)"
+        )
+    if kept.last_hidden is not None:
         head = drafter.target_head
         target_hidden = head.final_norm(
             kept.last_hidden[: len(document)].to(device, head.norm_weight.dtype, non_blocking=True)
@@ -486,7 +505,7 @@ class _CachedProjection(nn.Module):
 
 
 @contextlib.contextmanager
-def _context_kv_cached(drafter: DFlashDrafter, context: torch.Tensor):
+def _context_kv_cached(drafter: Drafter, context: torch.Tensor):
     """The drafter's layers with their context keys and values projected once (``_CachedProjection``); the layers
     as they were afterwards."""
     attentions = [layer.self_attn for layer in drafter.layers]
@@ -502,7 +521,7 @@ def _context_kv_cached(drafter: DFlashDrafter, context: torch.Tensor):
 
 
 @torch.no_grad()
-def time_draft_round(drafter: DFlashDrafter, context: int, repeats: int) -> float:
+def time_draft_round(drafter: Drafter, context: int, repeats: int) -> float:
     """Seconds of the drafter's part of one decoding round at ``context`` tokens of context, as a server runs it (the
     fastest of ``repeats`` timed runs after a warm-up): the newly kept tokens' features fused and their keys and values
     projected (B of them, the most a round keeps), then one forward of the block over the context's cached keys and
@@ -719,6 +738,14 @@ class AcceptanceReport:
     """``file:line reason`` of each held-out record left out (bad, or turns that do not alternate)."""
     timing_seconds: float = 0.0
     """Of ``seconds``: timing the forwards for the break-even tau (the target's only at the first evaluation)."""
+    confidence_min: float = 0.0
+    """``eval.confidence_min``: a confidence head's cut of each block (0: none)."""
+    drafts_per_accepted: float | None = None
+    """Drafted tokens the target verified per drafted token it accepted (1: no draft verified in vain)."""
+    uncut_tau: float | None = None
+    """With a confidence cut: ``tau`` of the same decoding without it."""
+    uncut_drafts_per_accepted: float | None = None
+    """With a confidence cut: ``drafts_per_accepted`` of the same decoding without it."""
 
     @property
     def tau_gap(self) -> float:
@@ -760,7 +787,14 @@ class AcceptanceReport:
             "timing_seconds": self.timing_seconds,
             "num_records": self.num_records,
             "skipped_records": len(self.skipped_records),
+            "drafts_per_accepted": self.drafts_per_accepted,
         }
+        if self.confidence_min > 0:
+            out.update(
+                confidence_min=self.confidence_min,
+                uncut_tau=self.uncut_tau,
+                uncut_drafts_per_accepted=self.uncut_drafts_per_accepted,
+            )
         out = {key: value for key, value in out.items() if value is not None}
         if not self.sampling.greedy:
             out.update(
@@ -850,6 +884,12 @@ class AcceptanceReport:
                 f"  at the decoding's anchors  {self.sim_tau_walk:6.3f}   the blocks the decoding ran, in the training "
                 f"forward (anchors {self.sim_tau_walk - self.sim_tau_greedy:+.3f}, serving {self.tau - self.sim_tau_walk:+.3f})",
             ]
+        if self.confidence_min > 0 and self.uncut_tau is not None:
+            lines.append(
+                f"confidence cut   {self.confidence_min:6.3f}   tau {self.tau:.3f} against {self.uncut_tau:.3f} without it; "
+                f"drafts verified per accepted {_cell(self.drafts_per_accepted, 5, '.3f').strip()} against "
+                f"{_cell(self.uncut_drafts_per_accepted, 5, '.3f').strip()}"
+            )
         lines += [
             f"target forwards  {self.target_forwards:6d}   vs {self.greedy_forwards} for plain "
             f"{'greedy' if sampling.greedy else 'sampled'} decoding: {self.forwards_saved:.1%} saved",

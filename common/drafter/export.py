@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.codec import DTYPE_NAMES
+from common.drafter.base import Drafter
 from common.drafter.draft_config import (
     BIDIRECTIONAL,
     FULL_ATTENTION,
@@ -42,9 +43,9 @@ from common.drafter.draft_config import (
     causal_in_block,
     target_rope_parameters,
 )
-from common.drafter.kinds import build_drafter, kind_of, kind_of_export
+from common.drafter.kind import DEFAULT_KIND
+from common.drafter.kinds import KINDS, build_drafter, kind_of, kind_of_export
 from common.drafter.loss import LossConfig
-from common.drafter.model import DFlashDrafter
 from common.drafter.target_head import TargetHead
 
 WEIGHTS_FILE = "model.safetensors"
@@ -150,7 +151,7 @@ def zlab_config(config: DraftConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         "dflash_config": {
             "mask_token_id": config.mask_token_id,
             "target_layer_ids": list(config.target_layer_ids),
-            **{name: getattr(config, name) for name in kind.config_fields},
+            **config.options.export_fields(),
             **causality.get("dflash_config", {}),
         },
         "num_target_layers": config.num_target_layers,
@@ -170,7 +171,7 @@ def speculators_config(
     return {
         "speculators_model_type": kind.speculators_type,
         "architectures": [kind.speculators_architecture],
-        **{name: getattr(config, name) for name in kind.config_fields},
+        **config.options.export_fields(),
         "speculators_config": {
             "algorithm": kind.speculators_type,
             "proposal_methods": [
@@ -216,7 +217,7 @@ def write_config(config_json: dict[str, Any], out_dir: Path) -> None:
 
 
 def export_zlab(
-    drafter: DFlashDrafter,
+    drafter: Drafter,
     out_dir: str | Path,
     dtype: torch.dtype | None = torch.bfloat16,
     weights: dict[str, torch.Tensor] | None = None,
@@ -229,7 +230,7 @@ def export_zlab(
 
 
 def export_speculators(
-    drafter: DFlashDrafter,
+    drafter: Drafter,
     out_dir: str | Path,
     verifier_name_or_path: str,
     verifier_architectures: list[str] | None = None,
@@ -264,7 +265,7 @@ def _served_causality(config_json: dict[str, Any], layer_types: list[str]) -> li
     """Per layer, the in-block causality a config.json written elsewhere states, read as its format's own
     trainer reads it: z-lab ``is_causal``, else ``dflash_config.causal``, else the layer-type default;
     speculators: sliding layers causal unless ``sliding_window_non_causal``, full layers bidirectional (the flag left
-    out means False for dflash and True for dflash2, as speculators' own configs default it)."""
+    out means what the kind's ``speculators_sliding_non_causal`` says, as speculators' own configs default it)."""
     kind = kind_of_export(config_json)
     if kind is not None and "speculators_model_type" in config_json:
         non_causal = config_json.get("sliding_window_non_causal", kind.speculators_sliding_non_causal)
@@ -285,21 +286,22 @@ def config_from_export(config_json: dict[str, Any], own_checkpoint: bool = False
         fields = _draft_fields(config_json["transformer_layer_config"])
         layer_ids = [i - 1 for i in config_json["aux_hidden_state_layer_ids"]]
         mask_token_id = config_json["mask_token_id"]
-        kind_fields = {name: config_json[name] for name in kind.config_fields if name in config_json}
+        kind_fields = {name: config_json[name] for name in kind.options.names() if name in config_json}
     elif "dflash_config" in config_json:
-        kind = kind or kind_of("dflash")  # a config without architectures, as this project wrote before the kinds
+        kind = kind or kind_of(DEFAULT_KIND)  # a config without architectures, as this project wrote before the kinds
         fields = _draft_fields(config_json)
         layer_ids = list(config_json["dflash_config"]["target_layer_ids"])
         mask_token_id = config_json["dflash_config"]["mask_token_id"]
         kind_fields = {
             name: config_json["dflash_config"][name]
-            for name in kind.config_fields
+            for name in kind.options.names()
             if name in config_json["dflash_config"]
         }
     else:
         raise ValueError(
-            "config.json is neither a speculators dflash/dflash2 config nor a z-lab DFlashDraftModel or "
-            "DFlash2DraftModel config"
+            "config.json is neither a speculators config nor a z-lab config of a drafter kind this installation knows "
+            f"(speculators_model_type {sorted(k.speculators_type for k in KINDS.values())}, architectures "
+            f"{sorted(k.zlab_architecture for k in KINDS.values())})"
         )
     layer_types = fields["layer_types"] or [FULL_ATTENTION] * fields["num_hidden_layers"]
     if CAUSALITY_KEY in config_json:
@@ -317,7 +319,7 @@ def config_from_export(config_json: dict[str, Any], own_checkpoint: bool = False
         block_size=config_json["block_size"],
         in_block_causality=causality,
         kind=kind.name,
-        **kind_fields,
+        options=kind_fields,
     )
 
 
@@ -328,7 +330,7 @@ def load_drafter(
     attention_backend: str | None = None,
     own_checkpoint: bool = False,
     device: torch.device | str | None = None,
-) -> DFlashDrafter:
+) -> Drafter:
     """Rebuild a drafter from an export of either format (weights keep their stored dtype).
     ``own_checkpoint``: see :func:`config_from_export`. ``device``: built and read straight onto it (a drafter
     built on the host first spends its random initialisation there: 21 s for the Qwen3-8B draft on 2 cores)."""
@@ -354,7 +356,7 @@ def drafter_from_state(
     attention_backend: str | None = None,
     own_checkpoint: bool = True,
     device: torch.device | None = None,
-) -> DFlashDrafter:
+) -> Drafter:
     """A drafter from an export's config.json contents and its weights (copied: ``state`` stays the caller's).
     ``device``: built there (the weights are copied straight onto it); else on the default device."""
     config = config_from_export(config_json, own_checkpoint)

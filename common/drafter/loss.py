@@ -22,7 +22,6 @@ from common.drafter.blocks import DraftBlocks
 from common.drafter.draft_config import default_gamma
 
 LABEL_MODES = ("data", "target_hard", "target_soft")
-MISSING_GOLD_RULES = ("inject", "exclude")
 WEIGHTINGS = ("decay", "streak", "dpace")
 OBJECTIVES = ("ce", "lk", "lk_hybrid")
 
@@ -61,14 +60,6 @@ class LossConfig:
     chunk_rows: int = 1024
     """Rows of the head computed at once (memory ~ 4 x chunk_rows x vocab x 4 bytes; ~5 x for an LK
     objective on target_soft)."""
-    selector_loss_alpha: float = 1.0
-    """DFlash 2: weight of the selector's K-way cross-entropy (previous gold token teacher-forced) beside the
-    DFlash loss; both are normalised by the same slot weights."""
-    selector_missing_gold: str = "inject"
-    """DFlash 2, a slot whose gold token is not among the draft's top-K: "inject" puts it in place of the K-th
-    candidate; "exclude" leaves the slot out of the selector loss."""
-    selector_stop_gradient: bool = False
-    """DFlash 2: the selector loss trains the selector alone (its gradient stops at the draft hidden state)."""
 
     def __post_init__(self) -> None:
         if self.label_mode not in LABEL_MODES:
@@ -89,12 +80,6 @@ class LossConfig:
             raise ValueError(f"feature_noise must be >= 0, got {self.feature_noise}")
         if self.chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
-        if self.selector_loss_alpha < 0:
-            raise ValueError(f"selector_loss_alpha must be >= 0, got {self.selector_loss_alpha}")
-        if self.selector_missing_gold not in MISSING_GOLD_RULES:
-            raise ValueError(
-                f"selector_missing_gold must be one of {MISSING_GOLD_RULES}, got {self.selector_missing_gold!r}"
-            )
 
     def noise_scale(self, step_fraction: float) -> float:
         """Cosine-annealed feature noise at this point of training."""

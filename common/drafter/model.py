@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from common.batch import PackedBatch
+from common.drafter.base import Drafter
 from common.drafter.blocks import DraftBlocks, build_blocks, label_coverage
 from common.drafter.draft_config import DraftConfig
 from common.drafter.loss import LossConfig, draft_loss
@@ -204,21 +205,16 @@ class DraftDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDrafter(nn.Module):
-    """DFlash drafter with the target's frozen embedding / final norm / lm_head shared, not owned.
+class DFlashDrafter(Drafter):
+    """The DFlash drafter (common/drafter/base.py's interface), with the target's frozen embedding / final norm /
+    lm_head shared, not owned.
 
     The state dict holds only trainable weights, named as in the z-lab export
-    (``fc``, ``hidden_norm``, ``layers.{i}...``, ``norm``).
-
-    It is also the interface of a drafter kind (common/drafter/kinds.py): a kind subclasses it and overrides
-    ``make_layer`` (its decoder layer), ``objective`` (loss and metrics of the draft slots), ``propose`` (the
-    tokens decoding drafts from the slots' hidden states) and ``warm_start`` (loading another kind's weights);
-    the trainer, the evaluator and export call only these.
+    (``fc``, ``hidden_norm``, ``layers.{i}...``, ``norm``). Kinds built on the DFlash backbone extend it: their
+    decoder layer (``make_layer``), ``objective``, ``propose`` and ``warm_start``.
     """
 
     kind: ClassVar[str] = "dflash"
-    logged_metrics: ClassVar[tuple[str, ...]] = ()
-    """Scalar metrics of ``objective`` beyond the common ones (loss, tau, acc), logged by the trainer."""
 
     def __init__(
         self,
@@ -291,9 +287,10 @@ class DFlashDrafter(nn.Module):
         sampling: Sampling | None = None,
         generator: torch.Generator | None = None,
     ) -> Proposal:
-        """Draft tokens of slots 1..B-1 from their hidden states ``[R, B-1, H]`` (after the final norm); ``anchor_ids``
-        [R] are the blocks' given tokens. Greedy: the argmax; sampled: drawn from the sampling distribution, which
-        the proposal keeps for rejection sampling."""
+        """Draft tokens of slots 1..B-1 from the block's hidden states ``[R, B, H]`` (after the final norm);
+        ``anchor_ids`` [R] are the blocks' given tokens. Greedy: the argmax; sampled: drawn from the sampling
+        distribution, which the proposal keeps for rejection sampling."""
+        hidden = hidden[:, 1:]
         rows, slots, width = hidden.shape
         # Contiguous rows: a strided 3-d product runs as a batched matmul, several times slower at a vocabulary's width.
         logits = self.logits(hidden.reshape(rows * slots, width)).view(rows, slots, -1)
@@ -372,17 +369,14 @@ class DFlashDrafter(nn.Module):
         aux_hidden = self.noisy_features(batch.aux_hidden, generator, step_fraction)
         hidden = self(aux_hidden, blocks, masks)
         target_hidden = None
-        if self.loss_config.label_mode != "data":
-            if batch.last_hidden is None:
-                raise ValueError(f"label_mode {self.loss_config.label_mode!r} needs batch.last_hidden")
+        if batch.last_hidden is not None:
             target_hidden = self.target_head.final_norm(batch.last_hidden.to(self.target_head.norm_weight.dtype))
+        elif self.loss_config.label_mode != "data":
+            raise ValueError(f"label_mode {self.loss_config.label_mode!r} needs batch.last_hidden")
         loss, metrics = self.objective(hidden, blocks, target_hidden)
         metrics["coverage"] = label_coverage(blocks, batch.loss_mask)
         metrics["attention_pairs"] = visible_pairs(blocks, self.config)  # for the step's model FLOPs
         return loss, metrics
-
-    def num_trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
 
 def train_flops(

@@ -58,6 +58,28 @@ class Proposal:
     """Sampled only: [R, B-1, V] the distribution each token was drawn from, or [R, B-1, K] over ``candidates``."""
     candidates: torch.Tensor | None = None
     """[R, B-1, K] int64 when ``probs`` is over a candidate set (a DFlash 2 selector), else None."""
+    confidence: torch.Tensor | None = None
+    """[R, B-1] fp32 from a drafter with a confidence head: the probability that each token is accepted given that
+    the earlier ones are (what a server cuts a block short by, ``eval.confidence_min``), else None."""
+
+    def kept_drafts(self, confidence_min: float) -> torch.Tensor:
+        """[R] drafts a server verifies of each row: those before the first whose confidence is below
+        ``confidence_min``, as llama.cpp cuts a DSpark block (``--spec-draft-p-min``: each slot's own confidence, not
+        their product); every draft without a confidence head or at 0."""
+        rows, slots = self.tokens.shape
+        if self.confidence is None or confidence_min <= 0:
+            return torch.full((rows,), slots, dtype=torch.long, device=self.tokens.device)
+        return (self.confidence >= confidence_min).long().cumprod(1).sum(1)
+
+    def first(self, count: int) -> Proposal:
+        """The proposal of the first ``count`` drafts of each row."""
+        cut = slice(0, count)
+        return Proposal(
+            tokens=self.tokens[:, cut],
+            probs=None if self.probs is None else self.probs[:, cut],
+            candidates=None if self.candidates is None else self.candidates[:, cut],
+            confidence=None if self.confidence is None else self.confidence[:, cut],
+        )
 
     def dense(self, vocab_size: int) -> Proposal:
         """The same proposal with ``probs`` over the whole vocabulary (a candidate set scattered into it)."""

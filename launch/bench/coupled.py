@@ -29,9 +29,9 @@ from torch import nn
 from common.batch import PackedBatch, SlotDims, document_tensors, pad_packed, slot_shapes
 from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta
+from common.drafter.base import Drafter
 from common.drafter.evaluate import AcceptanceReport, warn_if_gap
 from common.drafter.kinds import build_drafter
-from common.drafter.model import DFlashDrafter
 from common.lifecycle import exit_process
 from common.rundir import RunDir
 from producer.batching import batch_stats
@@ -58,7 +58,7 @@ class CoupledSource:
             raise ConfigError("training.max_steps: the coupled baseline needs an explicit step count")
         target_cfg = dataclasses.replace(cfg.target, device=str(device))
         layer_ids = feature_layer_ids(cfg, build_target_config(target_cfg).num_hidden_layers)
-        self.target = Target.load(target_cfg, layer_ids, capture_last_hidden=cfg.training.label_mode != "data")
+        self.target = Target.load(target_cfg, layer_ids, capture_last_hidden=cfg.ships_final_hidden)
         if device.type == "cuda":
             self.target.warmup(min(4096, cfg.batching.token_budget))
         if rank == 0 and cfg.target.path is None:
@@ -155,7 +155,7 @@ class TrainingEvaluation:
                 self.disabled = True
                 log.exception("evaluation failed; it is off for the rest of this trainer's life")
 
-    def _check(self, drafter: DFlashDrafter) -> None:
+    def _check(self, drafter: Drafter) -> None:
         loaded, shared = target_head_of(self.target_model), drafter.target_head
         if not (
             torch.equal(loaded.embed_weight, shared.embed_weight)
@@ -164,9 +164,7 @@ class TrainingEvaluation:
             raise ValueError("the target of this evaluation is not the producers' (embedding or lm_head differ)")
         self.checked = True
 
-    def maybe_log(
-        self, step: int, drafter: DFlashDrafter, metrics_file: IO[str], wandb_run: Any
-    ) -> AcceptanceReport | None:
+    def maybe_log(self, step: int, drafter: Drafter, metrics_file: IO[str], wandb_run: Any) -> AcceptanceReport | None:
         """Evaluate when due and write ``eval/*`` at ``step``: a line of its own in metrics.jsonl, and into
         wandb's row of that step (next to the training tau). The report, or None when none was made."""
         if self.disabled or self.evaluator is None or step % self.cfg.eval.every_steps:
@@ -213,7 +211,7 @@ class InLoopEvaluations:
     def adopt(self, resumed_step: int) -> None:
         pass  # a baseline's run never survives its process: nothing was asked before it
 
-    def ask(self, step: int, drafter: DFlashDrafter, full_weights: dict[str, torch.Tensor] | None) -> None:
+    def ask(self, step: int, drafter: Drafter, full_weights: dict[str, torch.Tensor] | None) -> None:
         """Evaluate ``step`` now (a drafter holding a shard of itself is rebuilt whole from ``full_weights``)."""
         if self.evaluation is None:
             return

@@ -33,8 +33,8 @@ from launch.bench.side_by_side import SideBySide, quality_command, synthesize_on
 ROWS: dict[str, tuple[str, list[str]]] = {
     "dflash": ("dflash", []),
     "dflash2": ("dflash2", []),
-    "dflash2-exclude": ("dflash2", ['drafter.selector_missing_gold="exclude"']),
-    "dflash2-stopgrad": ("dflash2", ["drafter.selector_stop_gradient=true"]),
+    "dflash2-exclude": ("dflash2", ['drafter.dflash2.selector_missing_gold="exclude"']),
+    "dflash2-stopgrad": ("dflash2", ["drafter.dflash2.selector_stop_gradient=true"]),
 }
 """The kinds on the target's preset (launch/smollm2-135m.toml): DFlash; DFlash 2 with its defaults (the gold token
 injected among the selector's candidates where the top-K missed it, gradients through the candidates); DFlash 2

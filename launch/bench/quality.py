@@ -38,7 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common.drafter.draft_config import DRAFTER_KINDS
+from common.drafter.kinds import KINDS
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "launch" / "smollm2-135m.toml"
@@ -235,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--kind",
-        choices=DRAFTER_KINDS,
+        choices=sorted(KINDS),
         default="dflash",
         help="the drafter kind trained (drafter.kind; its options as overrides, e.g. "
-        "drafter.selector_missing_gold=exclude)",
+        "drafter.dflash2.selector_missing_gold=exclude)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (the recipe)")
     args = parser.parse_args(argv)

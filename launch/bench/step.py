@@ -36,10 +36,11 @@ import torch
 import torch.distributed as dist
 
 from common.batch import PackedBatch
-from common.drafter.draft_config import DRAFTER_KINDS, DraftConfig
-from common.drafter.kinds import build_drafter
+from common.drafter.base import Drafter
+from common.drafter.draft_config import DraftConfig
+from common.drafter.kinds import KINDS, build_drafter
 from common.drafter.loss import LossConfig
-from common.drafter.model import DFlashDrafter, train_flops
+from common.drafter.model import train_flops
 from common.drafter.target_head import TargetHead
 from common.lifecycle import exit_process
 from launch.bench.util import matmul_tflops, synchronize
@@ -136,7 +137,7 @@ def drafter_of_variant(
     chunk_rows: int,
     master_fp32: bool = False,
     parallelism: str = "single",
-) -> DFlashDrafter:
+) -> Drafter:
     """The drafter on ``device`` (on the host under FSDP, which moves each rank's shards itself), its
     layers or whole forward compiled as ``variant`` says."""
     head = TargetHead.random(config.vocab_size, config.hidden_size, torch.bfloat16, device)
@@ -274,7 +275,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--draft", choices=sorted(DRAFTS), default="qwen3-8b", help="draft shape")
     parser.add_argument("--variants", default="eager,compile-layers", help=f"comma list of {VARIANTS}")
-    parser.add_argument("--kinds", default="dflash", help=f"comma list of drafter kinds {DRAFTER_KINDS}")
+    parser.add_argument("--kinds", default="dflash", help=f"comma list of drafter kinds {sorted(KINDS)}")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per packed sequence (3072; tiny 256)")
@@ -315,14 +316,16 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if set(kinds) - set(DRAFTER_KINDS):
-        parser.error(f"unknown kinds {sorted(set(kinds) - set(DRAFTER_KINDS))}; choose from {DRAFTER_KINDS}")
+    if set(kinds) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(set(kinds) - set(KINDS))}; choose from {sorted(KINDS)}")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_tflops(device, args.matmul_size or (1024 if device.type == "cpu" else 8192))
 
     results = [
-        bench_variant(dataclasses.replace(config, kind=kind), v, args, device, peak) for kind in kinds for v in variants
+        bench_variant(dataclasses.replace(config, kind=kind, options=None), v, args, device, peak)
+        for kind in kinds
+        for v in variants
     ]
     baseline = {r["variant"]: r["step_ms"] for r in results if r["kind"] == kinds[0]}
     for r in results:

@@ -136,39 +136,57 @@ def _default(field: dataclasses.Field) -> str:
     return "unset" if value is None else f"`{_toml(value)}`"
 
 
+def section_of(module: types.ModuleType, name: str, cls: type, missing: list[str]) -> Section:
+    """The table of one section class (a config section, or a drafter kind's options) under the dotted ``name``;
+    what it lacks is added to ``missing``. A field holding a sub-table named by another field (the drafter's
+    options) is left to that sub-table's own section."""
+    class_doc, docs = docstrings(Path(inspect.getfile(cls)).read_text(), cls.__name__)
+    if not class_doc:
+        missing.append(f"{name}: no docstring of {cls.__name__}")
+    section_hints = typing.get_type_hints(cls)
+    read_by = getattr(cls, "READ_BY", {})
+    fields = []
+    for f in dataclasses.fields(cls):
+        if "table_named_by" in f.metadata:
+            continue
+        key = f"{name}.{f.name}"
+        if f.name not in docs:
+            missing.append(f"{key}: no docstring (a string literal on the line after the field)")
+        if f.name not in read_by:
+            missing.append(f"{key}: no READ_BY entry in {cls.__name__}")
+        if f.name not in docs or f.name not in read_by:
+            continue
+        restart = "refused" if module.fixed_while_producers_run(key) else "may change"
+        fields.append(
+            Field(
+                key,
+                type_words(section_hints[f.name]),
+                _default(f),
+                read_by[f.name].split(),
+                restart,
+                _one_line(docs[f.name]),
+            )
+        )
+    return Section(name, cls.__name__, _one_line(class_doc or ""), fields)
+
+
 def sections(module: types.ModuleType) -> list[Section]:
-    """RunConfig's sections of the config package ``module``, in order, with every field documented."""
+    """RunConfig's sections of the config package ``module``, in order, with every field documented; after the
+    drafter's, one per drafter kind with options: its ``[drafter.<kind>]`` table."""
+    from common.drafter.kinds import KINDS
+
     run_config = module.RunConfig
     hints = typing.get_type_hints(run_config)
-    out, missing = [], []
+    out: list[Section] = []
+    missing: list[str] = []
     for section_field in dataclasses.fields(run_config):
-        cls = hints[section_field.name]
-        class_doc, docs = docstrings(Path(inspect.getfile(cls)).read_text(), cls.__name__)
-        if not class_doc:
-            missing.append(f"{section_field.name}: no docstring of {cls.__name__}")
-        section_hints = typing.get_type_hints(cls)
-        read_by = getattr(cls, "READ_BY", {})
-        fields = []
-        for f in dataclasses.fields(cls):
-            key = f"{section_field.name}.{f.name}"
-            if f.name not in docs:
-                missing.append(f"{key}: no docstring (a string literal on the line after the field)")
-            if f.name not in read_by:
-                missing.append(f"{key}: no READ_BY entry in {cls.__name__}")
-            if f.name not in docs or f.name not in read_by:
-                continue
-            restart = "refused" if module.fixed_while_producers_run(key) else "may change"
-            fields.append(
-                Field(
-                    key,
-                    type_words(section_hints[f.name]),
-                    _default(f),
-                    read_by[f.name].split(),
-                    restart,
-                    _one_line(docs[f.name]),
-                )
-            )
-        out.append(Section(section_field.name, cls.__name__, _one_line(class_doc or ""), fields))
+        out.append(section_of(module, section_field.name, hints[section_field.name], missing))
+        if section_field.name == "drafter":
+            kinds = "; ".join(f"`{kind.name}`: {_one_line(kind.summary)}" for kind in KINDS.values())
+            out[-1].doc += f" The kinds (`drafter.kind`): {kinds}."
+            for kind in KINDS.values():
+                if dataclasses.fields(kind.options):
+                    out.append(section_of(module, f"drafter.{kind.name}", kind.options, missing))
     if missing:
         raise ConfigDocError("; ".join(missing))
     return out
@@ -194,7 +212,7 @@ def render(module: types.ModuleType) -> str:
         "|---|---|",
         *(f"| {name} | {_one_line(when)} |" for name, when in module.READERS.items()),
         "",
-        "Sections: " + ", ".join(f"[`{s.name}`](#{s.name})" for s in all_sections) + ".",
+        "Sections: " + ", ".join(f"[`{s.name}`](#{s.name.replace('.', '')})" for s in all_sections) + ".",
     ]
     for section in all_sections:
         lines += [

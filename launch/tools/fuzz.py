@@ -1031,14 +1031,14 @@ def fuzz_trainer(messages: int, seed: int) -> dict:
     )
     save_config(cfg, run.config)
     layer_ids = feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers)
-    target = Target.load(cfg.target, layer_ids, capture_last_hidden=cfg.training.label_mode != "data")
+    target = Target.load(cfg.target, layer_ids, capture_last_hidden=cfg.ships_final_hidden)
     export_target_head(target, run.target_head)
     describe = {
         "producer_id": 0,
         "target_identity": target.identity,
         "layer_ids": layer_ids,
         "dtype": cfg.target.dtype,
-        "last_hidden": cfg.training.label_mode != "data",
+        "last_hidden": cfg.ships_final_hidden,
         "hidden_size": target.hidden_size,
         "vocab_size": int(target.model.config.vocab_size),
         "token_budget": cfg.batching.token_budget,

@@ -58,9 +58,9 @@ def quick_drafter(
     mask_token_id: int | None = None,
     num_anchors: int = 96,
     log=print,
-    **kind_fields,
+    **options,
 ) -> Path:
-    """Train a drafter of ``kind`` (``kind_fields``: its own DraftConfig fields) on the target's greedy answers to
+    """Train a drafter of ``kind`` (``options``: the kind's own options) on the target's greedy answers to
     ``prompts``; write ``out/drafter``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,7 +73,7 @@ def quick_drafter(
     text = model.config
     # Two layers over a shallow target would be spread over [1, 1] by the default rule: name them.
     layer_ids = {"target_layer_ids": [1, text.num_hidden_layers // 2]} if text.num_hidden_layers < 8 else {}
-    overrides = {"kind": kind, "block_size": block_size, **layer_ids, **kind_fields}
+    overrides = {"kind": kind, "block_size": block_size, **layer_ids, "options": options}
     tokenizer = AutoTokenizer.from_pretrained(target_dir) if mask_token_id is None else None
     # the mask token as the trainer picks it (drafter.mask_token_id unset)
     config = DraftConfig.from_target(text, layers, tokenizer, mask_token_id, **overrides)

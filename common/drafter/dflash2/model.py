@@ -148,10 +148,11 @@ class DFlash2DecoderLayer(DraftDecoderLayer):
     def __init__(self, config: DraftConfig, layer_type: str) -> None:
         super().__init__(config, layer_type)
         self.block_size = config.block_size
+        options = config.options
         self.attention_conv = GroupedDynamicCausalConv(
-            config.hidden_size, config.conv_kernel_size, config.conv_group_size
+            config.hidden_size, options.conv_kernel_size, options.conv_group_size
         )
-        self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+        self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, options.conv_kernel_size, options.conv_group_size)
 
     def forward(
         self,
@@ -181,10 +182,11 @@ class CandidateSelector(nn.Module):
 
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
-        self.top_k = config.selector_top_k
-        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, config.selector_rank))
-        self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, config.selector_rank))
-        self.hidden_projection = nn.Linear(config.hidden_size, config.selector_rank, bias=False)
+        rank = config.options.selector_rank
+        self.top_k = config.options.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
+        self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Random predecessor codebook and projection, zero successor codebook: a no-op until it learns."""
@@ -263,20 +265,21 @@ class DFlash2Drafter(DFlashDrafter):
         loss_config: LossConfig | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         config = loss_config or self.loss_config
+        options = self.config.options
         selector = self.candidate_selector
         unary_loss, metrics, head, weights = draft_loss_parts(
             hidden, blocks, self.target_head.lm_head_weight, config, target_hidden, top_k=selector.top_k
         )
         num_blocks, block_size, width = hidden.shape
         rows = hidden[:, 1:].reshape(-1, width)
-        if config.selector_stop_gradient:
+        if options.selector_stop_gradient:
             rows = rows.detach()
         gold = head.label_used
         candidates = head.top_ids
         found = candidates == gold[:, None]
         recalled = found.any(-1)
         mask = blocks.label_mask.reshape(-1)
-        if config.selector_missing_gold == "inject":
+        if options.selector_missing_gold == "inject":
             candidates = candidates.clone()
             candidates[:, -1] = torch.where(recalled, candidates[:, -1], gold)
             found = candidates == gold[:, None]
@@ -294,7 +297,7 @@ class DFlash2Drafter(DFlashDrafter):
         row_ce = torch.logsumexp(scores, -1) - scores.gather(-1, gold_index[:, None]).squeeze(-1)
         selector_weights = weights.reshape(-1) * trained.float()
         selector_loss = (selector_weights * row_ce).sum() / selector_weights.sum().clamp_min(1e-6)
-        loss = unary_loss + config.selector_loss_alpha * selector_loss
+        loss = unary_loss + options.selector_loss_alpha * selector_loss
 
         # Teacher-forced, a path's streak equals the free walk's: while every earlier pick was right, the previous
         # token it conditions on is the gold one. A pick is right only if the gold really is among the top-K.
@@ -329,6 +332,7 @@ class DFlash2Drafter(DFlashDrafter):
     ) -> Proposal:
         """The selector's walk over slots 1..B-1 from each block's given token: the argmax of the rescored top-K
         (greedy), or a draw from their softmax at the temperature (kept in the proposal, over the candidates)."""
+        hidden = hidden[:, 1:]  # slot 0 is the given token
         rows, slots, width = hidden.shape
         selector = self.candidate_selector
         logits = self.logits(hidden.reshape(rows * slots, width)).view(rows, slots, -1)

@@ -1,0 +1,29 @@
+"""DFlash (z-lab, arXiv 2602.06036): the block drafter every kind builds on. Its model is common/drafter/model.py;
+it has no options of its own beyond the ``[drafter]`` section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.drafter.kind import DrafterKind, KindOptions
+
+
+@dataclass
+class DFlashOptions(KindOptions):
+    """DFlash has no options of its own."""
+
+
+KIND = DrafterKind(
+    name="dflash",
+    options=DFlashOptions,
+    model="common.drafter.model:DFlashDrafter",
+    zlab_architecture="DFlashDraftModel",
+    speculators_type="dflash",
+    speculators_architecture="DFlashSpeculator",
+    speculators_sliding_non_causal=False,
+    summary="draft layers fed the target's hidden states, a block of tokens per forward",
+    vllm_method="dflash",
+    sglang_algorithm="DFLASH",
+    llamacpp_spec_type="draft-dflash",
+    vllm_cpu=True,
+)
