@@ -20,6 +20,8 @@ os.environ.setdefault("DFLASH_PYTHON", sys.executable)  # launch/run_all.sh runs
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+if (ROOT / ".speculators").is_dir():  # launch/setup_speculators.sh: the reference DSpark, after the venv's packages
+    sys.path.append(str(ROOT / ".speculators"))
 
 
 def _cuda_count() -> int:

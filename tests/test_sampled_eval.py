@@ -72,7 +72,11 @@ def target_model(target_dir):
 
 def drafter_of(kind: str, target_model, block_size: int = BLOCK):
     """A random drafter whose proposals differ from the target's distribution (larger weights than at init)."""
-    extra = dict(kind="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=TOP_K) if kind == "dflash2" else {}
+    extra = {
+        "dflash": {},
+        "dflash2": dict(kind="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=TOP_K),
+        "dspark": dict(kind="dspark", markov_rank=8),
+    }[kind]
     config = tiny_config(
         vocab_size=VOCAB,
         mask_token_id=VOCAB - 1,
@@ -86,7 +90,11 @@ def drafter_of(kind: str, target_model, block_size: int = BLOCK):
     drafter = build_drafter(config, target_head_of(target_model)).eval()
     with torch.no_grad():
         for name, param in drafter.named_parameters():
-            if name.endswith("proj.weight") or name == "fc.weight" or "candidate_selector" in name or "conv" in name:
+            if (
+                name.endswith("proj.weight")
+                or name == "fc.weight"
+                or any(part in name for part in ("candidate_selector", "conv", "markov_head"))
+            ):
                 param.normal_(std=0.3)
     return drafter
 
@@ -182,7 +190,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert 0.1 < float(accepted.float().mean()) < 1.9  # the drafts are often rejected: the residual is exercised
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
 def test_sampled_speculative_decoding_samples_the_target(target_model, kind):
     """Every generated token of sampled speculative decoding, through the whole decoder (the drafter's proposal, the
     target's verify forward, rejection sampling, the KV cache), follows the target's own sampling distribution."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from common.drafter.dflash import KIND as DFLASH
 from common.drafter.dflash2 import KIND as DFLASH2
+from common.drafter.dspark import KIND as DSPARK
 from common.drafter.kind import DrafterKind
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 PLUGINS_ENV = "DFLASH_DRAFTER_KINDS"
 ENTRY_POINT_GROUP = "dflash_stream.drafter_kinds"
 
-KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in (DFLASH, DFLASH2)}
+KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in (DFLASH, DFLASH2, DSPARK)}
 
 
 def _load_plugins() -> None:

@@ -1,0 +1,280 @@
+"""The DSpark drafter: DFlash's backbone, a low-rank Markov head and a confidence head.
+
+Per drafted slot k (1..B-1) with hidden state h_k (after the final norm) and previous token t (the block's given token
+before slot 1, the token of slot k - 1 after it):
+
+- Markov head: e = W1[t] (its own table, vocabulary x r) and a feature u of r values: ``vanilla`` u = e; ``gated``
+  u = sigmoid(gate([h_k; e])) * e; ``rnn`` a gated recurrence over the block's slots (from the given token's, as speculators runs it), s_k = g s_{k-1} + (1 - g)
+  tanh(c), u = tanh(o), with (g, c, o) from joint([s_{k-1}; e; h_k]). The slot's logits are the target head's plus
+  W2 u (W2: vocabulary x r). W2 starts at zero, so a fresh head adds nothing and a drafter warm-started from DFlash
+  proposes what that drafter did.
+- Confidence head: sigmoid(proj([h_k; e])), the probability that slot k is accepted given that the earlier slots
+  were.
+
+Training (the objective of Model-Optimizer's DSpark recipe and Megatron-Bridge's design, with the previous tokens
+teacher-forced from the data as speculators does): per slot ``ce_alpha`` CE to the label + ``tv_alpha`` TV(q, p), with
+q the Markov-corrected draft distribution and p the target's, from its frozen head on its final hidden state; plus
+``confidence_alpha`` BCE of the confidence logit to the slot's acceptance rate 1 - TV (detached). Every term is
+weighted by the DFlash loss's slot weights (``training.weighting``) and normalised by their sum. The head's rows are
+computed chunk by chunk under activation checkpointing, so no N x B x vocabulary tensor is kept for the backward.
+
+Decoding walks the block from its given token, feeding each slot's token to the next slot's Markov head: the argmax
+(greedy) or a draw from the corrected distribution at the sampling settings (kept for rejection sampling), with each
+slot's confidence in the proposal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from common.drafter.blocks import DraftBlocks
+from common.drafter.draft_config import DraftConfig
+from common.drafter.loss import LossConfig, draft_metrics, slot_weights
+from common.drafter.model import DFlashDrafter
+from common.drafter.sampling import Proposal, Sampling, sample_from, sampling_probs
+
+
+class MarkovHead(nn.Module):
+    """The Markov head; tensor names as speculators saves them: ``markov_w1.weight`` [V, r], ``markov_w2.weight``
+    [V, r], and ``gate_proj`` [r, H + r] (gated) or ``joint_proj`` [3r, 2r + H] (rnn) with biases."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        rank, hidden = config.options.markov_rank, config.hidden_size
+        self.head_type = config.options.markov_head_type
+        self.rank = rank
+        self.markov_w1 = nn.Embedding(config.vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, config.vocab_size, bias=False)
+        if self.head_type == "gated":
+            self.gate_proj = nn.Linear(hidden + rank, rank)
+        elif self.head_type == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random table and gates, zero W2: no bias until it learns."""
+        with torch.no_grad():
+            nn.init.normal_(self.markov_w1.weight, std=std)
+            self.markov_w2.weight.zero_()
+            for name in ("gate_proj", "joint_proj"):
+                if name in self._modules:
+                    nn.init.normal_(self._modules[name].weight, std=std)
+                    nn.init.zeros_(self._modules[name].bias)
+
+    def step(
+        self, hidden: torch.Tensor, previous: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One slot: (feature u [R, r], e = W1[previous] [R, r], the next state) of hidden [R, H], previous [R]."""
+        e = self.markov_w1(previous)
+        if self.head_type == "vanilla":
+            return e, e, None
+        h = hidden.to(e.dtype)
+        if self.head_type == "gated":
+            return torch.sigmoid(self.gate_proj(torch.cat([h, e], -1))) * e, e, None
+        if state is None:
+            state = e.new_zeros(e.shape)
+        gate, candidate, out = self.joint_proj(torch.cat([state, e, h], -1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1.0 - gate) * torch.tanh(candidate)
+        return torch.tanh(out), e, state
+
+    def features(self, hidden: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(u, e) [N, S, r] of the slots' hidden states [N, S, H] and previous tokens [N, S] (teacher-forced); the
+        rnn's recurrence runs from the first slot given."""
+        if self.head_type != "rnn":
+            u, e, _ = self.step(hidden, previous, None)
+            return u, e
+        state, features, embeddings = None, [], []
+        for slot in range(hidden.shape[1]):  # the recurrence runs over the block's slots, r wide: cheap
+            u, e, state = self.step(hidden[:, slot], previous[:, slot], state)
+            features.append(u)
+            embeddings.append(e)
+        return torch.stack(features, 1), torch.stack(embeddings, 1)
+
+
+class ConfidenceHead(nn.Module):
+    """``proj`` [1, H + r] with bias: the logit of a slot's acceptance from [h; W1[previous]]."""
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size + config.options.markov_rank, 1)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.proj.weight, std=std)
+            nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.cat([hidden, embedding.to(hidden.dtype)], -1).to(self.proj.weight.dtype)).squeeze(-1)
+
+
+def _slot_rows(
+    hidden: torch.Tensor,
+    features: torch.Tensor,
+    markov_w2: torch.Tensor,
+    head_weight: torch.Tensor,
+    target_hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """Per row of a chunk: CE to the label, TV to the target, the label used, the corrected and the base argmax."""
+    base = (hidden.to(head_weight.dtype) @ head_weight.T).float()
+    logits = base + (features.to(markov_w2.dtype) @ markov_w2.T).float()
+    log_q = torch.log_softmax(logits, -1)
+    with torch.no_grad():
+        p = torch.softmax((target_hidden.to(head_weight.dtype) @ head_weight.T).float(), -1)
+        label = p.argmax(-1) if labels is None else labels
+    ce = -log_q.gather(-1, label[:, None]).squeeze(-1)
+    tv = 1.0 - torch.minimum(log_q.exp(), p).sum(-1)
+    return ce, tv, label, logits.detach().argmax(-1), base.detach().argmax(-1)
+
+
+class DSparkDrafter(DFlashDrafter):
+    """The DSpark drafter (see the module's doc). Its state dict adds ``markov_head.*`` and ``confidence_head.*`` to
+    DFlash's names."""
+
+    kind = "dspark"
+    logged_metrics = ("base_tau", "tv", "confidence/loss", "confidence/mean", "confidence/target")
+
+    def __init__(
+        self,
+        config: DraftConfig,
+        target_head,
+        loss_config: LossConfig | None = None,
+        attention_backend: str | None = None,
+    ) -> None:
+        super().__init__(config, target_head, loss_config, attention_backend)
+        self.markov_head = MarkovHead(config)
+        self.confidence_head = ConfidenceHead(config) if config.options.enable_confidence_head else None
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        super().reset_parameters(std)
+        if "markov_head" in self._modules:  # else still being built: the constructor calls this again
+            self.reset_heads()
+
+    def reset_heads(self, std: float = 0.02) -> None:
+        """A no-op Markov head (W2 zero) and a fresh confidence head: the drafter proposes what its backbone would."""
+        self.markov_head.reset_parameters(std)
+        if self.confidence_head is not None:
+            self.confidence_head.reset_parameters(std)
+
+    def warm_start(self, state: dict[str, torch.Tensor]) -> None:
+        """A DSpark drafter's weights, or a DFlash drafter's: its backbone, with a no-op Markov head (greedy and
+        sampled proposals equal the DFlash drafter's) and a fresh confidence head."""
+        if set(state) == set(self.state_dict()):
+            self.load_state_dict(state, strict=True)
+            return
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        added = ("markov_head.", "confidence_head.")
+        if unexpected or any(not name.startswith(added) for name in missing):
+            raise ValueError(
+                f"not a DFlash or DSpark drafter of this shape: unexpected {sorted(unexpected)[:3]}, "
+                f"missing {sorted(n for n in missing if not n.startswith(added))[:3]}"
+            )
+        self.reset_heads()
+
+    # -- training -------------------------------------------------------------------------------
+
+    def objective(
+        self,
+        hidden: torch.Tensor,
+        blocks: DraftBlocks,
+        target_hidden: torch.Tensor | None = None,
+        loss_config: LossConfig | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if target_hidden is None:
+            raise ValueError("a dspark drafter's objective needs the target's final hidden state (batch.last_hidden)")
+        config = loss_config or self.loss_config
+        options = self.config.options
+        num_blocks, _, width = hidden.shape
+        slots = hidden[:, 1:]
+        # The previous token of each slot, teacher-forced: the given token before slot 1, the data token after (and
+        # the given token at slot 0, where the rnn's recurrence starts).
+        previous = torch.cat([blocks.block_ids[:, :1], blocks.block_ids[:, :1], blocks.label_ids[:, :-1]], dim=1)
+        features, embeddings = self.markov_head.features(hidden, previous)
+        features, embeddings = features[:, 1:], embeddings[:, 1:]
+        rows, features = slots.reshape(-1, width), features.reshape(-1, features.shape[-1])
+        targets = target_hidden[(blocks.label_index - 1).reshape(-1)]  # the target predicts x_{a+k} at a + k - 1
+        labels = blocks.label_ids.reshape(-1) if config.label_mode == "data" else None
+        head_weight, markov_w2 = self.target_head.lm_head_weight, self.markov_head.markov_w2.weight
+        parts = []
+        for start in range(0, rows.shape[0], config.chunk_rows):
+            chunk = slice(start, start + config.chunk_rows)
+            args = (rows[chunk], features[chunk], markov_w2, head_weight, targets[chunk])
+            chunk_labels = None if labels is None else labels[chunk]
+            # recomputed in the backward: no chunk x vocabulary tensor outlives its chunk
+            parts.append(checkpoint(_slot_rows, *args, chunk_labels, use_reentrant=False))
+        ce, tv, label, picked, base_picked = (torch.cat(column) for column in zip(*parts))
+        acceptance = (1.0 - tv).detach()
+        weights = slot_weights(blocks, config, ce, acceptance).reshape(-1)
+        total = weights.sum().clamp_min(1e-6)
+        loss = (weights * (options.ce_alpha * ce + options.tv_alpha * tv)).sum() / total
+        mask = blocks.label_mask.reshape(-1).float()
+        supervised = mask.sum().clamp_min(1.0)
+        if self.confidence_head is not None:
+            logit = self.confidence_head(rows, embeddings.reshape(-1, embeddings.shape[-1])).float()
+            bce = F.binary_cross_entropy_with_logits(logit, acceptance, reduction="none")
+            confidence_loss = (weights * bce).sum() / total
+            loss = loss + options.confidence_alpha * confidence_loss
+            confidence_mean = (torch.sigmoid(logit.detach()) * mask).sum() / supervised
+        else:
+            confidence_loss, confidence_mean = (
+                torch.zeros((), device=hidden.device),
+                torch.ones((), device=hidden.device),
+            )
+        # Teacher-forced, a block's streak of right picks equals the free walk's: while every earlier pick was right,
+        # the previous token it conditions on is the data token (exact for data labels).
+        path = draft_metrics(blocks, ce.detach().view(num_blocks, -1), (picked == label).view(num_blocks, -1))
+        base = draft_metrics(blocks, ce.detach().view(num_blocks, -1), (base_picked == label).view(num_blocks, -1))
+        metrics = dict(path)
+        metrics.update(
+            loss=loss.detach(),
+            base_tau=base["tau"],
+            tv=(tv.detach() * mask).sum() / supervised,
+            **{
+                "confidence/loss": confidence_loss.detach(),
+                "confidence/mean": confidence_mean,
+                "confidence/target": (acceptance * mask).sum() / supervised,
+            },
+        )
+        return loss, metrics
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        sampling: Sampling | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        """The Markov walk over slots 1..B-1 from each block's given token: the argmax of the corrected logits
+        (greedy), or a draw from their sampling distribution (kept in the proposal), with each slot's confidence."""
+        previous = anchor_ids.long()
+        # the rnn's recurrence starts at the given token's slot, as speculators runs it
+        _, _, state = self.markov_head.step(hidden[:, 0], previous, None)
+        hidden = hidden[:, 1:]
+        rows, slots, width = hidden.shape
+        base = self.logits(hidden.reshape(rows * slots, width)).view(rows, slots, -1)
+        sampled = sampling is not None and not sampling.greedy
+        tokens, probs, confidence = [], [], []
+        for slot in range(slots):
+            features, embedding, state = self.markov_head.step(hidden[:, slot], previous, state)
+            logits = base[:, slot] + self.markov_head.markov_w2(features.to(self.markov_head.markov_w2.weight.dtype))
+            if self.confidence_head is not None:
+                confidence.append(torch.sigmoid(self.confidence_head(hidden[:, slot], embedding).float()))
+            if sampled:
+                q = sampling_probs(logits.float(), sampling)
+                previous = sample_from(q, generator)
+                probs.append(q)
+            else:
+                previous = logits.argmax(-1)
+            tokens.append(previous)
+        return Proposal(
+            tokens=torch.stack(tokens, 1),
+            probs=torch.stack(probs, 1) if sampled else None,
+            confidence=torch.stack(confidence, 1) if confidence else None,
+        )
