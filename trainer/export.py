@@ -93,7 +93,7 @@ def export_gguf(checkpoint: str | Path, out_file: str | Path, target: str | Path
     if not (target_dir / "config.json").is_file():
         raise ExportError(f"--target: {target} is no model folder (no config.json) nor a .gguf file")
     with tempfile.TemporaryDirectory(prefix="export-gguf-") as scratch:
-        # the format whose config keys and tensor names the converter maps for this kind (DSpark: speculators')
+        # the format whose config keys and tensor names the converter maps for this kind
         source_format = kind.llamacpp_format
         verifier = str(target_dir) if source_format == "speculators" else None
         draft = export_checkpoint(checkpoint, Path(scratch) / source_format, source_format, verifier, dtype=dtype)

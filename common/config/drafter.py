@@ -66,7 +66,7 @@ class DrafterConfig:
     its additions at their no-op values, so it first proposes exactly what that drafter did. Read at a fresh start
     only, never at a resume."""
     options: Any = field(default=None, metadata={"table_named_by": "kind"})
-    """The kind's own options: the ``[drafter.<kind>]`` table (e.g. ``[drafter.dflash2]``), written below per kind.
+    """The kind's own options: the ``[drafter.<kind>]`` table, written below per kind.
     Runs saved before the tables wrote them flat in ``[drafter]``, which is read too."""
 
     def __post_init__(self) -> None:

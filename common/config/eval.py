@@ -101,7 +101,7 @@ class EvalConfig:
     counts (other work on the machine only adds time). The target is timed once, with its reference; the drafter once per architecture. 0: no timing."""
 
     confidence_min: float = 0.0
-    """A drafter with a confidence head (DSpark) has only its drafts before the first whose confidence is below this
+    """A drafter whose proposals carry a confidence per draft has only its drafts before the first whose confidence is below this
     verified, as llama.cpp's ``--spec-draft-p-min`` cuts a block; 0: every draft. The report gives tau and the drafts
     verified per accepted draft with the cut and without it."""
 

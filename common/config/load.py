@@ -171,7 +171,7 @@ def to_dict(cfg: Any) -> dict:
 
 
 def dotted_values(cfg: Any, prefix: str = "") -> dict[str, Any]:
-    """Every leaf value of a config by its dotted key as a file writes it (``drafter.dflash2.selector_rank``)."""
+    """Every leaf value of a config by its dotted key as a file writes it (``drafter.<kind>.<option>``)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)

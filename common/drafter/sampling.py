@@ -64,7 +64,7 @@ class Proposal:
 
     def kept_drafts(self, confidence_min: float) -> torch.Tensor:
         """[R] drafts a server verifies of each row: those before the first whose confidence is below
-        ``confidence_min``, as llama.cpp cuts a DSpark block (``--spec-draft-p-min``: each slot's own confidence, not
+        ``confidence_min``, as llama.cpp cuts a block by its drafts' confidences (``--spec-draft-p-min``: each slot's own confidence, not
         their product); every draft without a confidence head or at 0."""
         rows, slots = self.tokens.shape
         if self.confidence is None or confidence_min <= 0:

@@ -1,7 +1,7 @@
-"""DFlash against DFlash 2 on a real model, at equal data and equal GPU time.
+"""The drafter kinds (DFlash, DFlash 2, DSpark) on a real model, at equal data and equal GPU time.
 
     python -m launch.bench.kinds --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR --minutes 4 --sampled-prompts 48 \\
-        dflash dflash2 dflash2-exclude dflash2-stopgrad dflash@1 dflash2@1 --warm
+        dflash dflash2 dspark dflash@1 dflash2@1 dspark@1 --warm
     python -m launch.bench.kinds --out DIR --table                                       # the table so far
 
 The data is synthesized once (``launch.bench.quality --synthesize-only``: the target's own Magpie prompts and
@@ -35,10 +35,13 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "dflash2": ("dflash2", []),
     "dflash2-exclude": ("dflash2", ['drafter.dflash2.selector_missing_gold="exclude"']),
     "dflash2-stopgrad": ("dflash2", ["drafter.dflash2.selector_stop_gradient=true"]),
+    "dspark": ("dspark", []),
+    "dspark-gated": ("dspark", ['drafter.dspark.markov_head_type="gated"']),
 }
 """The kinds on the target's preset (launch/smollm2-135m.toml): DFlash; DFlash 2 with its defaults (the gold token
 injected among the selector's candidates where the top-K missed it, gradients through the candidates); DFlash 2
-with the gold excluded instead; DFlash 2 with the selector's loss stopped at the candidate logits."""
+with the gold excluded instead; DFlash 2 with the selector's loss stopped at the candidate logits; DSpark with its
+defaults (a vanilla rank-256 Markov head, a confidence head); DSpark with the gated Markov head."""
 WARM = "dflash2-warm"
 WARM_SOURCE_CHECKPOINT_EVERY = 50
 
@@ -92,6 +95,7 @@ def table(out: Path) -> list[dict]:
             "busy_share": run.get("busy_share"),
             "selector_recall": run.get("kind_metrics", {}).get("selector/recall"),
             "selector_accuracy": run.get("kind_metrics", {}).get("selector/accuracy"),
+            "kind_metrics": run.get("kind_metrics", {}),
         }
         for name in ("held_out", "humaneval", "held_out_sampled", "humaneval_sampled"):
             if name in run:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from common.batch import PackedBatch
 from common.drafter.base import Drafter
 from common.drafter.draft_config import DraftConfig
-from common.drafter.kinds import KINDS, build_drafter
+from common.drafter.kinds import KINDS, build_drafter, kind_of
 from common.drafter.loss import LossConfig
 from common.drafter.model import train_flops
 from common.drafter.target_head import TargetHead
@@ -126,6 +126,10 @@ def random_batch(config: DraftConfig, seq_len: int, num_docs: int, device: torch
         cu_seqlens=cu,
         sample_ids=torch.arange(num_docs),
         aux_hidden=torch.randn(seq_len, config.fused_feature_size, generator=gen).to(torch.bfloat16),
+        # the target's final hidden state, which the producers ship for a kind whose objective reads it
+        last_hidden=torch.randn(seq_len, config.hidden_size, generator=gen).to(torch.bfloat16)
+        if kind_of(config.kind).needs_final_hidden
+        else None,
     )
     return batch.to(device)
 
