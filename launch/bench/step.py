@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from common.batch import PackedBatch
+from common.config.training import TrainingConfig
 from common.drafter.base import Drafter
 from common.drafter.draft_config import DraftConfig
 from common.drafter.kinds import KINDS, build_drafter, kind_of
@@ -95,6 +96,9 @@ def smollm2_draft(block_size: int) -> DraftConfig:
 
 
 DRAFTS = {"qwen3-8b": qwen3_8b_draft, "qwen3.6-27b": qwen36_27b_draft, "smollm2-135m": smollm2_draft}
+STEP_SHAPES = {"smollm2-135m": (65536, 2048, 160)}
+"""(tokens, anchors, documents) of a draft's step where its preset trains another one than the default 3,072 tokens,
+512 anchors and 4 documents: launch/smollm2-135m.toml's token_budget and num_anchors, ~160 documents of its data."""
 
 
 def tiny_draft(block_size: int) -> DraftConfig:
@@ -141,12 +145,15 @@ def drafter_of_variant(
     chunk_rows: int,
     master_fp32: bool = False,
     parallelism: str = "single",
+    weighting: str = TrainingConfig.weighting,
 ) -> Drafter:
     """The drafter on ``device`` (on the host under FSDP, which moves each rank's shards itself), its
     layers or whole forward compiled as ``variant`` says."""
     head = TargetHead.random(config.vocab_size, config.hidden_size, torch.bfloat16, device)
     param_dtype = torch.float32 if master_fp32 else torch.bfloat16
-    drafter = build_drafter(config, head, LossConfig(chunk_rows=chunk_rows)).to(dtype=param_dtype)
+    # The trainer's loss (trainer.build.loss_config_of): its slot weighting, LossConfig's chunk of head rows.
+    loss_config = LossConfig(chunk_rows=chunk_rows, weighting=weighting)
+    drafter = build_drafter(config, head, loss_config).to(dtype=param_dtype)
     if parallelism != "fsdp":
         drafter.to(device)  # FSDP moves each rank's shards to the device itself
     if variant == "compile-layers":
@@ -162,7 +169,9 @@ def bench_variant(
 ) -> dict:
     torch.manual_seed(0)
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    drafter = drafter_of_variant(config, variant, device, args.chunk_rows, args.master_fp32, args.parallelism)
+    drafter = drafter_of_variant(
+        config, variant, device, args.chunk_rows, args.master_fp32, args.parallelism, args.weighting
+    )
     model = parallelize(drafter, device, ranks, sharded=args.parallelism == "fsdp")  # as trainer.train does
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.master_fp32)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -282,11 +291,25 @@ def main() -> None:
     parser.add_argument("--kinds", default="dflash", help=f"comma list of drafter kinds {sorted(KINDS)}")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per packed sequence (3072; tiny 256)")
-    parser.add_argument("--num-anchors", type=int, default=None, help="blocks per sequence (512; tiny 32)")
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per packed sequence (3072; smollm2-135m 65536; tiny 256)"
+    )
+    parser.add_argument(
+        "--num-anchors", type=int, default=None, help="blocks per sequence (512; smollm2-135m 2048; tiny 32)"
+    )
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-docs", type=int, default=4, help="documents packed in the sequence")
-    parser.add_argument("--chunk-rows", type=int, default=2048, help="head/loss rows per chunk")
+    parser.add_argument(
+        "--num-docs", type=int, default=None, help="documents packed in the sequence (4; smollm2-135m 160)"
+    )
+    parser.add_argument(
+        "--chunk-rows", type=int, default=LossConfig.chunk_rows, help="head/loss rows per chunk (the trainer's)"
+    )
+    parser.add_argument(
+        "--weighting",
+        default=TrainingConfig.weighting,
+        choices=["decay", "streak", "dpace"],
+        help="slot weighting of the loss (training.weighting's default)",
+    )
     parser.add_argument(
         "--master-fp32",
         action="store_true",
@@ -313,8 +336,10 @@ def main() -> None:
     else:
         args.parallelism = "single"
     config = tiny_draft(args.block_size) if args.tiny else DRAFTS[args.draft](args.block_size)
-    args.seq_len = args.seq_len or (256 if args.tiny else 3072)
-    args.num_anchors = args.num_anchors or (32 if args.tiny else 512)
+    shape = (256, 32, 4) if args.tiny else STEP_SHAPES.get(args.draft, (3072, 512, 4))
+    args.seq_len = args.seq_len or shape[0]
+    args.num_anchors = args.num_anchors or shape[1]
+    args.num_docs = args.num_docs or shape[2]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -341,7 +366,7 @@ def main() -> None:
     print(
         f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
         f"measured bf16 matmul {peak:.1f} TFLOP/s, seq {args.seq_len}, anchors {args.num_anchors}, "
-        f"B {args.block_size}, docs {args.num_docs}"
+        f"B {args.block_size}, docs {args.num_docs}, chunk {args.chunk_rows} rows, {args.weighting} weighting"
     )
     header = (
         f"{'kind':<9}{'variant':<16}{'step ms':>10}{'x first':>9}{'samples/s':>11}{'tokens/s':>11}{'TFLOP/s':>9}"
@@ -363,6 +388,10 @@ def main() -> None:
                 "seq_len": args.seq_len,
                 "num_anchors": args.num_anchors,
                 "block_size": args.block_size,
+                "num_docs": args.num_docs,
+                "chunk_rows": args.chunk_rows,
+                "weighting": args.weighting,
+                "master_fp32": args.master_fp32,
                 "draft": "tiny" if args.tiny else args.draft,
                 "results": results,
             }
