@@ -45,13 +45,13 @@ class ToyDrafter(DFlashDrafter):
         super().__init__(config, target_head, loss_config, attention_backend)
         self.scale = nn.Parameter(torch.tensor(float(config.options.initial_scale)))
 
-    def objective(self, hidden, blocks, target_hidden=None, loss_config=None):
-        loss, metrics = super().objective(hidden * self.scale, blocks, target_hidden, loss_config)
+    def objective(self, hidden, blocks, target_hidden=None, loss_config=None, context=None):
+        loss, metrics = super().objective(hidden * self.scale, blocks, target_hidden, loss_config, context)
         metrics["toy/scale"] = self.scale.detach()
         return loss, metrics
 
-    def propose(self, hidden, anchor_ids, sampling=None, generator=None):
-        return super().propose(hidden * self.scale, anchor_ids, sampling, generator)
+    def propose(self, hidden, anchor_ids, sampling=None, generator=None, context=None):
+        return super().propose(hidden * self.scale, anchor_ids, sampling, generator, context)
 
     def warm_start(self, state: dict[str, torch.Tensor]) -> None:
         self.load_state_dict({**state, "scale": state.get("scale", torch.tensor(1.0))}, strict=True)

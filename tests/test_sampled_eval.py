@@ -76,6 +76,13 @@ def drafter_of(kind: str, target_model, block_size: int = BLOCK):
         "dflash": {},
         "dflash2": dict(kind="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=TOP_K),
         "dspark": dict(kind="dspark", markov_rank=8),
+        "lilicorr": dict(
+            kind="lilicorr",
+            lilicorr_candidate_topk=TOP_K,
+            lilicorr_hidden_size=16,
+            lilicorr_factor_dim=8,
+            lilicorr_num_heads=2,
+        ),
     }[kind]
     config = tiny_config(
         vocab_size=VOCAB,
@@ -190,7 +197,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert 0.1 < float(accepted.float().mean()) < 1.9  # the drafts are often rejected: the residual is exercised
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark", "lilicorr"])
 def test_sampled_speculative_decoding_samples_the_target(target_model, kind):
     """Every generated token of sampled speculative decoding, through the whole decoder (the drafter's proposal, the
     target's verify forward, rejection sampling, the KV cache), follows the target's own sampling distribution."""

@@ -33,6 +33,9 @@ class Drafter(nn.Module, ABC):
     """The kind's name, as in the kinds table."""
     logged_metrics: ClassVar[tuple[str, ...]] = ()
     """Scalar metrics of ``objective`` beyond the common ones (loss, tau, acc), logged by the trainer."""
+    reads_block_context: ClassVar[bool] = False
+    """``objective`` and ``propose`` read each block's context row: the fused target features of the token before
+    the block's given one (``block_context``; zeros where the block starts its document)."""
 
     config: DraftConfig
     loss_config: LossConfig
@@ -42,6 +45,10 @@ class Drafter(nn.Module, ABC):
     @abstractmethod
     def fuse_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[T, n * H_target] target features -> [T, H] context the layers attend to."""
+
+    @abstractmethod
+    def block_context(self, aux_hidden: torch.Tensor, blocks: DraftBlocks) -> torch.Tensor:
+        """[N, H] each block's context row (see ``reads_block_context``)."""
 
     @abstractmethod
     def prepare(self, batch: PackedBatch, num_anchors: int, generator: torch.Generator) -> tuple[DraftBlocks, dict]:
@@ -65,10 +72,12 @@ class Drafter(nn.Module, ABC):
         blocks: DraftBlocks,
         target_hidden: torch.Tensor | None = None,
         loss_config: LossConfig | None = None,
+        context: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss and metrics of the draft slots ``hidden`` [N, B, H]. ``tau``, ``acc`` and ``block_streaks`` describe
         the tokens ``propose`` would draft, teacher-forced; ``target_hidden`` [T, H] is the target's final-normed last
-        hidden state where the producers ship it."""
+        hidden state where the producers ship it; ``context`` [N, H] each block's context row, for a kind that
+        ``reads_block_context``."""
 
     @abstractmethod
     def propose(
@@ -77,10 +86,12 @@ class Drafter(nn.Module, ABC):
         anchor_ids: torch.Tensor,
         sampling: Sampling | None = None,
         generator: torch.Generator | None = None,
+        context: torch.Tensor | None = None,
     ) -> Proposal:
         """Draft tokens of slots 1..B-1 from the block's hidden states [R, B, H] (slot 0's is the given token's);
-        ``anchor_ids`` [R] are the blocks' given tokens. Sampled proposals keep the distribution they were drawn from,
-        for lossless rejection sampling."""
+        ``anchor_ids`` [R] are the blocks' given tokens, ``context`` [R, H] their context rows (a kind that
+        ``reads_block_context``). Sampled proposals keep the distribution they were drawn from, for lossless rejection
+        sampling."""
 
     @abstractmethod
     def warm_start(self, state: dict[str, torch.Tensor]) -> None:

@@ -149,7 +149,7 @@ class DraftContext:
         device = self.ctx.device
         anchor = torch.tensor([token], device=device)
         hidden = draft_rows(self.drafter, [self.ctx], anchor, torch.tensor([position], device=device))
-        proposal = self.drafter.propose(hidden, anchor, sampling, generator)
+        proposal = self.drafter.propose(hidden, anchor, sampling, generator, context_rows(self.drafter, [self.ctx]))
         return proposal.first(int(proposal.kept_drafts(self.confidence_min)[0]))
 
 
@@ -173,9 +173,8 @@ class DraftRows:
         device = self.contexts[0].device
         contexts = [self.contexts[r][:p] for r, p in zip(rows, positions)]
         anchors = torch.tensor(list(tokens), device=device)
-        proposal = self.drafter.propose(
-            draft_rows(self.drafter, contexts, anchors, torch.tensor(list(positions), device=device)), anchors
-        )
+        hidden = draft_rows(self.drafter, contexts, anchors, torch.tensor(list(positions), device=device))
+        proposal = self.drafter.propose(hidden, anchors, context=context_rows(self.drafter, contexts))
         kept = proposal.kept_drafts(self.confidence_min).tolist()
         return [draft[:count] for draft, count in zip(proposal.tokens.tolist(), kept)]  # one copy for all rows
 
@@ -186,7 +185,17 @@ def propose_rows(
 ) -> torch.Tensor:
     """Greedy draft tokens ``[R, B - 1]`` of one block per row in one drafter forward (see :func:`draft_rows`); the
     drafter's kind turns the slots' hidden states into tokens (DFlash: the argmax; DFlash 2: the selector's walk)."""
-    return drafter.propose(draft_rows(drafter, contexts, tokens, positions), tokens).tokens
+    hidden = draft_rows(drafter, contexts, tokens, positions)
+    return drafter.propose(hidden, tokens, context=context_rows(drafter, contexts)).tokens
+
+
+def context_rows(drafter: Drafter, contexts: list[torch.Tensor]) -> torch.Tensor | None:
+    """[R, H] each row's context row (its last fused context token; zeros for an empty context), for a kind that
+    reads it; else None."""
+    if not drafter.reads_block_context:
+        return None
+    width = drafter.config.hidden_size
+    return torch.stack([c[-1] if c.shape[0] else c.new_zeros(width) for c in contexts])
 
 
 @torch.no_grad()
@@ -418,7 +427,8 @@ def teacher_forced(
         target_hidden = head.final_norm(
             kept.last_hidden[: len(document)].to(device, head.norm_weight.dtype, non_blocking=True)
         )
-    _, metrics = drafter.objective(hidden, blocks, target_hidden, loss_config)
+    context = drafter.block_context(aux_hidden, blocks) if drafter.reads_block_context else None
+    _, metrics = drafter.objective(hidden, blocks, target_hidden, loss_config, context)
     return blocks, metrics
 
 
@@ -550,7 +560,9 @@ def time_draft_round(drafter: Drafter, context: int, repeats: int) -> float:
             for layer in drafter.layers:
                 layer.self_attn.k_proj(new)
                 layer.self_attn.v_proj(new)
-            drafter.propose(draft_rows(drafter, [fused], anchor, position), anchor)
+            drafter.propose(
+                draft_rows(drafter, [fused], anchor, position), anchor, context=context_rows(drafter, [fused])
+            )
             if repeat:
                 times.append(timer.now() - started)
     return min(times)

@@ -17,6 +17,7 @@ from common.drafter.dflash import KIND as DFLASH
 from common.drafter.dflash2 import KIND as DFLASH2
 from common.drafter.dspark import KIND as DSPARK
 from common.drafter.kind import DrafterKind
+from common.drafter.lilicorr import KIND as LILICORR
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 PLUGINS_ENV = "DFLASH_DRAFTER_KINDS"
 ENTRY_POINT_GROUP = "dflash_stream.drafter_kinds"
 
-KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in (DFLASH, DFLASH2, DSPARK)}
+KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in (DFLASH, DFLASH2, DSPARK, LILICORR)}
 
 
 def _load_plugins() -> None:

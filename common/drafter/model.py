@@ -267,6 +267,7 @@ class DFlashDrafter(Drafter):
         blocks: DraftBlocks,
         target_hidden: torch.Tensor | None = None,
         loss_config: LossConfig | None = None,
+        context: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss and metrics of the draft slots: ``hidden`` [N, B, H] after the final norm. ``tau``, ``acc`` and
         ``block_streaks`` describe the tokens ``propose`` would draft, teacher-forced."""
@@ -286,6 +287,7 @@ class DFlashDrafter(Drafter):
         anchor_ids: torch.Tensor,
         sampling: Sampling | None = None,
         generator: torch.Generator | None = None,
+        context: torch.Tensor | None = None,
     ) -> Proposal:
         """Draft tokens of slots 1..B-1 from the block's hidden states ``[R, B, H]`` (after the final norm);
         ``anchor_ids`` [R] are the blocks' given tokens. Greedy: the argmax; sampled: drawn from the sampling
@@ -337,6 +339,13 @@ class DFlashDrafter(Drafter):
         # by a sharded module would be lost to an in-place op on it.
         return self.norm(x.view(num_blocks, block_size, -1))
 
+    def block_context(self, aux_hidden: torch.Tensor, blocks: DraftBlocks) -> torch.Tensor:
+        """[N, H] each block's context row: the fused features of the token before its given one, zeros where the
+        block starts its document (the row before belongs to another)."""
+        before = (blocks.anchors - 1).clamp_min(0)
+        rows = self.fuse_context(aux_hidden[before])
+        return rows * (blocks.anchors > blocks.doc_start)[:, None].to(rows.dtype)
+
     def noisy_features(
         self, aux_hidden: torch.Tensor, generator: torch.Generator, step_fraction: float
     ) -> torch.Tensor:
@@ -373,7 +382,8 @@ class DFlashDrafter(Drafter):
             target_hidden = self.target_head.final_norm(batch.last_hidden.to(self.target_head.norm_weight.dtype))
         elif self.loss_config.label_mode != "data":
             raise ValueError(f"label_mode {self.loss_config.label_mode!r} needs batch.last_hidden")
-        loss, metrics = self.objective(hidden, blocks, target_hidden)
+        context = self.block_context(aux_hidden, blocks) if self.reads_block_context else None
+        loss, metrics = self.objective(hidden, blocks, target_hidden, context=context)
         metrics["coverage"] = label_coverage(blocks, batch.loss_mask)
         metrics["attention_pairs"] = visible_pairs(blocks, self.config)  # for the step's model FLOPs
         return loss, metrics

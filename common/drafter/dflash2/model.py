@@ -263,6 +263,7 @@ class DFlash2Drafter(DFlashDrafter):
         blocks: DraftBlocks,
         target_hidden: torch.Tensor | None = None,
         loss_config: LossConfig | None = None,
+        context: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         config = loss_config or self.loss_config
         options = self.config.options
@@ -329,6 +330,7 @@ class DFlash2Drafter(DFlashDrafter):
         anchor_ids: torch.Tensor,
         sampling: Sampling | None = None,
         generator: torch.Generator | None = None,
+        context: torch.Tensor | None = None,
     ) -> Proposal:
         """The selector's walk over slots 1..B-1 from each block's given token: the argmax of the rescored top-K
         (greedy), or a draw from their softmax at the temperature (kept in the proposal, over the candidates)."""

@@ -183,6 +183,7 @@ class DSparkDrafter(DFlashDrafter):
         blocks: DraftBlocks,
         target_hidden: torch.Tensor | None = None,
         loss_config: LossConfig | None = None,
+        context: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if target_hidden is None:
             raise ValueError("a dspark drafter's objective needs the target's final hidden state (batch.last_hidden)")
@@ -250,6 +251,7 @@ class DSparkDrafter(DFlashDrafter):
         anchor_ids: torch.Tensor,
         sampling: Sampling | None = None,
         generator: torch.Generator | None = None,
+        context: torch.Tensor | None = None,
     ) -> Proposal:
         """The Markov walk over slots 1..B-1 from each block's given token: the argmax of the corrected logits
         (greedy), or a draw from their sampling distribution (kept in the proposal), with each slot's confidence."""
