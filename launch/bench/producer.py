@@ -3,6 +3,8 @@
     python -m launch.bench.producer                # Qwen3-8B-shaped target on cuda:0, CUDA ring
     python -m launch.bench.producer --ring host    # page-locked host ring (copies on a side stream)
     python -m launch.bench.producer --tiny         # the tiny CPU default (smoke run)
+    python -m launch.bench.producer --kind dspark  # a kind whose objective reads the target's distribution: the
+                                                   # producer captures and ships the final hidden state too
 
 A real ``producer.server`` process fills its ring; a consumer in this process takes every batch,
 acks it at once (no training) and counts tokens. After a warm-up the rate over ``--seconds`` is
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="every document this many tokens (default: the chat length mix, mean 1,000)",
     )
+    parser.add_argument("--kind", default="dflash", help="drafter.kind: what the producer ships for it")
     parser.add_argument(
         "--peak-tflops", type=float, default=None, help="bf16 matmul rate for MFU (measured if omitted)"
     )
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run = RunDir(Path(tempfile.mkdtemp(prefix="df-prod-", dir="/tmp")) / "run")
     run.root.mkdir(parents=True)
-    overrides = ["launch.num_producers=1", "training.max_steps=1"]
+    overrides = ["launch.num_producers=1", "training.max_steps=1", f"drafter.kind={json.dumps(args.kind)}"]
     if not args.tiny:
         config_json = run.root / "qwen3-8b.json"
         config_json.write_text(json.dumps(QWEN3_8B))
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "producer",
         "tiny": args.tiny,
+        "kind": args.kind,
+        "ships_final_hidden": cfg.ships_final_hidden,
         "ring": ring,
         "budget": cfg.batching.token_budget,
         "ready_s": ready_s,
@@ -135,10 +140,14 @@ def main(argv: list[str] | None = None) -> int:
 
             peak = matmul_tflops(torch.device("cuda:0"), 8192)
         config = AutoConfig.for_model(**QWEN3_8B)
-        flops = sum(flops_per_document(config, 34, n) for n in lengths)  # layers 0..33 run
+        # layers 0..33 run for the features; every layer where the final hidden state is shipped too
+        layers_run = config.num_hidden_layers if cfg.ships_final_hidden else 34
+        flops = sum(flops_per_document(config, layers_run, n) for n in lengths)
         result.update({"peak_tflops": peak, "mfu": flops / args.seconds / 1e12 / peak})
     print(
-        f"\nproducer process ({ring} ring): {tokens_per_s:,.0f} tokens/s over {args.seconds:.0f} s, "
+        f"\nproducer process ({ring} ring, drafter kind {args.kind}"
+        + (", final hidden state shipped" if cfg.ships_final_hidden else "")
+        + f"): {tokens_per_s:,.0f} tokens/s over {args.seconds:.0f} s, "
         f"{batches} batches of {result['docs_per_batch']:.1f} docs (mean {result['mean_doc_len']:.0f} tokens)"
         + (f", MFU {result['mfu']:.1%}" if "mfu" in result else "")
         + f"; ready after {ready_s:.1f} s"
