@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch.bench.served import __main__ as cli
-from launch.bench.served.llamacpp import EOG_HEADER, EOG_LINE, STEP_LINE
+from launch.bench.served.llamacpp import EOG_HEADER, EOG_LINE, STEP_LINE, LlamaServer
 from launch.bench.served.measure import difference, parse_metrics, spec_counters
 from launch.bench.served.schedule import (
     PromptRun,
@@ -20,6 +20,7 @@ from launch.bench.served.schedule import (
     counts_of,
     failures,
     lengths_of,
+    scheduled_counts,
     steps_in_answer,
     tau_of,
     zlab_tau_of,
@@ -115,6 +116,57 @@ def test_llama_server_trace_lines_are_read():
     assert restored.group(3) is not None
     log = f"0.1 I load: {EOG_HEADER}\n0.1 I load:   - 0 ('<|endoftext|>')\n0.1 I load:   - 2 ('<|im_end|>')\n0.1 I x"
     assert [int(EOG_LINE.search(line).group(1)) for line in log.splitlines()[1:3]] == [0, 2]
+    # level 5 repeats each forward's acceptance in a debug line: not a second step
+    assert (
+        STEP_LINE.search("0.5 D slot operator(): id 0 | task 0 | accepted 7/7 draft tokens, new n_tokens = 48") is None
+    )
+
+
+def test_a_block_cut_to_no_draft_is_a_step_of_the_trace(tmp_path):
+    """With a confidence cut llama-server logs at level 5: a block the cut left without a draft is decoded as a plain
+    token ("slot decode token"), a verify forward of 0 of 0 drafts; the debug copy of each acceptance is no step."""
+    server = LlamaServer(Path("llama-server"), Path("t.gguf"), Path("d.gguf"), 8, tmp_path / "log", p_min=0.5)
+    assert server.command[server.command.index("--spec-draft-p-min") + 1] == "0.5"
+    assert server.command[server.command.index("-lv") + 1] == "5"
+    lines = [
+        "0.1 D slot handle_last_: id  0 | task 0 | generate_draft: id=0, #tokens=20, #draft=3, pos_next=20",
+        "0.2 I slot   operator(): id  0 | task 0 | accepted  2/ 3 draft tokens",
+        "0.2 D slot   operator(): id  0 | task 0 | accepted 2/3 draft tokens, new n_tokens = 23",
+        "0.3 D slot handle_last_: id  0 | task 0 | slot decode token, id=0, n_ctx = 512, n_tokens = 23, truncated = 0",
+        "0.4 I slot   operator(): id  0 | task 0 | accepted  7/ 7 draft tokens",
+        "0.5 I slot print_timing: id  0 | task 0 | ",
+        "       total time =      12.00 ms /    12 tokens",
+    ]
+    server.log_file.write_text("\n".join(lines) + "\n")
+    assert server._steps_since(0) == ([2, 0, 7], [3, 0, 7])
+    plain = LlamaServer(Path("llama-server"), Path("t.gguf"), Path("d.gguf"), 8, tmp_path / "log")
+    assert plain.command[plain.command.index("-lv") + 1] == "4" and "--spec-type" not in plain.command
+
+
+def test_a_block_cut_elsewhere_is_a_difference_even_where_the_acceptance_is_the_same():
+    """Where both sides say how many drafts each verify forward verified (a confidence cut), those counts are
+    compared too, and the pooled drafted tokens are theirs, not B - 1 a forward."""
+    ours = Side("evaluator", [PromptRun([1, 2, 3, 4, 5, 6], [1, 0, 2], [3, 0, 2])], block_size=4)
+    same = Side("llama.cpp", [PromptRun([1, 2, 3, 4, 5, 6], [1, 0, 2, 3], [3, 0, 2, 3])], block_size=4)
+    assert compare(ours, same) == []
+    assert ours.as_run()["draft_tokens"] == 5 and scheduled_counts(ours)["draft_tokens"] == 5
+    cut_later = Side("llama.cpp", [PromptRun([1, 2, 3, 4, 5, 6], [1, 0, 2], [3, 1, 2])], block_size=4)
+    (found,) = compare(ours, cut_later)
+    assert (found.what, found.step, found.position) == ("steps", 1, 3)
+    assert "evaluator verified 0 drafts, llama.cpp 1" in found.describe()
+    # a side that does not say (z-lab's decoder) is compared by its acceptances alone
+    assert compare(ours, Side("z-lab", [PromptRun([1, 2, 3, 4, 5, 6], [1, 0, 2])], block_size=4)) == []
+    # where the confidence of the first draft they disagree on lies at the cut, a near-tie of the cut: named, no fault
+    asked = []
+
+    def at_the_cut(prompt, position, draft):
+        asked.append((prompt, position, draft))
+        return 2e-6
+
+    (tie,) = compare(ours, cut_later, cut_margin_at=at_the_cut)
+    assert asked == [(0, 3, 0)] and tie.cut_tie and failures([tie]) == [] and "near-tie of the cut" in tie.describe()
+    (fault,) = compare(ours, cut_later, cut_margin_at=lambda p, t, d: 0.2)
+    assert not fault.cut_tie and failures([fault]) == [fault] and "2.00e-01 from the cut: no tie" in fault.describe()
 
 
 LLAMACPP_METRICS = """# HELP llamacpp:spec_decode_num_drafts_total x
@@ -181,7 +233,7 @@ def test_prompt_formats(tmp_path):
 def write_export(folder: Path, kind: str = "dflash", block_size: int = 8, speculators: bool = False) -> Path:
     """A config.json alone: the refusals come before any weight is read."""
     folder.mkdir(parents=True)
-    architecture = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[kind]
+    architecture = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}[kind]
     config = {"architectures": [architecture], "block_size": block_size, "dflash_config": {}}
     if speculators:
         config = {"speculators_model_type": kind, "architectures": ["DFlashSpeculator"], "block_size": block_size}
@@ -211,6 +263,7 @@ def check_argv(tmp_path: Path, server: str, export: dict | None = None) -> list[
             "--block-size 16 contradicts the export's block_size 8",
         ),
         ("llamacpp", {"speculators": True}, [], "z-lab format only"),
+        ("vllm", {}, ["--confidence-min", "1.5"], "--confidence-min must lie in [0, 1]"),
     ],
 )
 def test_what_cannot_run_is_one_line_and_exit_2(tmp_path, capsys, server, export, extra, says):
@@ -306,3 +359,70 @@ def test_a_server_that_exits_is_explained_by_its_first_real_error():
         "llama-server exited with 1: llama_model_load: error loading model: DFlash2 hidden size is too small for the "
         "selector lattice"
     )
+
+
+def test_a_dspark_drafter_reaches_llamacpps_converter_in_speculators_format(tmp_path):
+    """llama.cpp's converter reads a DSpark drafter's speculators names and keys (its kind's ``llamacpp_format``): the
+    check writes that format from a checkpoint's z-lab drafter/, and takes a speculators export as it is; a DFlash
+    drafter goes to the converter as its z-lab export."""
+    import torch
+    from safetensors.torch import load_file
+
+    from common.drafter.export import export_speculators, export_zlab
+    from common.drafter.kinds import build_drafter, kind_of
+    from launch.bench.served import ours
+    from launch.bench.served.check import converter_source, kind_and_block
+    from tests.drafter_fixtures import random_head, tiny_config
+
+    config = tiny_config(kind="dspark", markov_rank=8)
+    drafter = build_drafter(config, random_head(config))
+    checkpoint = tmp_path / "step-1"
+    export_zlab(drafter, checkpoint / "drafter", dtype=torch.float32)
+    config_json = json.loads((checkpoint / "drafter" / "config.json").read_text())
+    kind, block = kind_and_block(config_json, "llamacpp", None)
+    assert (kind.name, block) == ("dspark", 4)
+    source = converter_source(checkpoint, config_json, kind, tmp_path / "target", tmp_path / "scratch")
+    written = json.loads((source / "config.json").read_text())
+    assert written["speculators_model_type"] == "dspark" and written["markov_rank"] == 8
+    assert written["sample_from_anchor"] is False and written["confidence_head_with_markov"] is True
+    assert written["speculators_config"]["verifier"]["name_or_path"] == str(tmp_path / "target")
+    weights = load_file(str(source / "model.safetensors"))
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.bias"} <= set(weights)
+    assert all(t.dtype == torch.float32 for t in weights.values())
+
+    speculators = export_speculators(drafter, tmp_path / "spec", "target", dtype=torch.float32)
+    spec_json = json.loads((speculators / "config.json").read_text())
+    assert kind_and_block(spec_json, "llamacpp", None)[0].name == "dspark"
+    assert converter_source(speculators, spec_json, kind, tmp_path / "target", tmp_path / "s2") == speculators
+    dflash = tiny_config()
+    zlab = export_zlab(build_drafter(dflash, random_head(dflash)), tmp_path / "dflash", dtype=torch.float32)
+    zlab_json = json.loads((zlab / "config.json").read_text())
+    assert converter_source(zlab, zlab_json, kind_of("dflash"), tmp_path / "target", tmp_path / "s3") == zlab
+
+    # the confidence cut needs a confidence head; z-lab's decoder has no DSpark class
+    with_head = ours.Loaded(None, drafter.eval(), checkpoint / "drafter", 4, 0.0)
+    no_head = tiny_config(kind="dspark", markov_rank=8, enable_confidence_head=False)
+    without = ours.Loaded(None, build_drafter(no_head, random_head(no_head)).eval(), tmp_path, 4, 0.0)
+    plain = ours.Loaded(None, build_drafter(dflash, random_head(dflash)).eval(), zlab, 4, 0.0)
+    assert ours.has_confidence(with_head) and not ours.has_confidence(without) and not ours.has_confidence(plain)
+    assert not ours.zlab_serves(with_head) and ours.zlab_serves(plain)
+
+
+def test_the_cut_margin_is_the_nearest_confidence_that_decided_a_block():
+    """Our side's distance from the cut to the confidences it compared (up to the first below it): how near a tie
+    the cut came."""
+    import torch
+
+    from common.drafter.sampling import Proposal
+    from launch.bench.served.ours import CutMargin
+
+    class Fixed(torch.nn.Module):
+        def propose(self, hidden, anchor_ids, sampling=None, generator=None, context=None):
+            return Proposal(tokens=torch.zeros(2, 3, dtype=torch.long), confidence=torch.tensor(
+                [[0.9, 0.45, 0.5001], [0.7, 0.8, 0.6]]))  # fmt: skip
+
+    drafter = Fixed()
+    with CutMargin(drafter, 0.5) as cut:
+        drafter.propose(None, None)
+    # row 0 stops at 0.45 (0.05 away; 0.5001 is never compared), row 1 keeps all: 0.6 is 0.1 away
+    assert cut.margin == pytest.approx(0.05) and "propose" not in vars(drafter)

@@ -4,8 +4,11 @@ server drafting, accepting and generating on the same schedule as our evaluator,
 with acceptances at positions 3 and beyond; ``--url`` then measures the running server from its own counters.
 
 The target is the small random-weight Llama of launch/bench/served/small_target.py (SmolLM2's tokenizer, head_dim
-64), and the drafter is trained for a minute on its greedy text. Marked ``served`` (minutes on two cores): ``pytest -m
-served tests/test_served_llamacpp.py``; skipped, saying why, without the build.
+64), and the drafter is trained for a minute on its greedy text. A DSpark drafter (one, for both of its cases) is served
+without a confidence cut and with one (``--spec-draft-p-min`` and our ``eval.confidence_min``, 0.5, over a confidence
+head rescaled to spread about it, ``quick_drafter.spread_confidence``); z-lab's decoder has no DSpark and is left out.
+Marked ``served`` (minutes on two cores): ``pytest -m served tests/test_served_llamacpp.py``; skipped, saying why,
+without the build.
 """
 
 from __future__ import annotations
@@ -79,6 +82,20 @@ def trained_checkpoint(kind: str, target_dir: Path, out: Path) -> Path:
                          steps=150, layers=2, block_size=BLOCK, **fields)  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def dspark_checkpoint(tmp_path_factory, small_target) -> Path:
+    """A DSpark drafter (rank-32 Markov head, a confidence head) trained for about 100 s on the target's greedy answers
+    (fewer blocks a step than the other kinds: its rows span the vocabulary twice, for the target's distribution), its
+    confidence head rescaled so that a cut at 0.5 cuts about half of the slots."""
+    from launch.bench.served.quick_drafter import quick_drafter
+
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("dspark") / "step-100"
+    return quick_drafter(small_target, "dspark", chat_prompts(small_target, QUESTIONS), out, new_tokens=2 * NEW_TOKENS,
+                         steps=100, layers=2, block_size=BLOCK, num_anchors=32, chunk_rows=128,
+                         confidence_spread=2.0, markov_rank=32)  # fmt: skip
+
+
 def run(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *argv],
@@ -118,6 +135,49 @@ def test_llamacpp_serves_each_kind_as_our_decoders_do(tmp_path, small_target, ki
     per_pos = llama["on_schedule"]["accepted_per_pos"]
     assert per_pos[2] > 0 and per_pos[4] > 0, f"positions 3 and 5 never accepted: {per_pos}"
     assert llama["zlab_tau"] == pytest.approx(ours["zlab_tau"])
+
+
+@pytest.mark.parametrize("cut", [0.0, 0.5], ids=["no-cut", "cut-0.5"])
+def test_llamacpp_serves_dspark_as_our_decoders_do(tmp_path, small_target, dspark_checkpoint, cut):
+    """llama.cpp's draft-dspark (its Markov walk in the graph, the confidence cut before the first slot below P)
+    drafts, verifies and accepts at every verify forward what our evaluator and live decoder do; with the cut, blocks
+    cut to no draft are forwards of the given token alone on every side (llama.cpp's own counters leave them out)."""
+    if cut == 0.0:  # the export a user serves: its commands name draft-dspark and B - 1 drafts
+        draft = tmp_path / "draft.gguf"
+        exported = run(
+            "-m", "trainer.export", "--checkpoint", str(dspark_checkpoint), "--out", str(draft), "--format", "gguf",
+            "--target", str(small_target), "--dtype", "float32",
+        )  # fmt: skip
+        assert exported.returncode == 0, exported.stderr[-3000:]
+        assert draft.is_file() and f"--spec-type draft-dspark --spec-draft-n-max {BLOCK - 1}" in exported.stdout
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
+    out = tmp_path / "served.json"
+    checked = run(
+        "-m", "launch.bench.served", "--server", "llamacpp", "--target", str(small_target), "--draft",
+        str(dspark_checkpoint), "--prompts", str(prompts), "--max-new-tokens", str(NEW_TOKENS), "--json-out", str(out),
+        "--confidence-min", str(cut),
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout[-5000:] + checked.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["agrees"] and summary["kind"] == "dspark" and summary["block_size"] == BLOCK
+    assert summary["confidence_min"] == cut and "DSparkDraftModel" in summary["zlab"]
+    sides = summary["sides"]
+    assert set(sides) == {"llama.cpp", "evaluator", "live"}
+    llama, ours = sides["llama.cpp"], sides["evaluator"]
+    assert llama["on_schedule"] == ours["on_schedule"] == sides["live"]["on_schedule"]
+    assert ours["as_run"] == sides["live"]["as_run"]
+    assert all(p["llama.cpp"]["same_tokens"] and p["live"]["same_tokens"] for p in summary["per_prompt"])
+    per_pos = llama["on_schedule"]["accepted_per_pos"]
+    assert per_pos[2] > 0 and per_pos[4] > 0, f"positions 3 and 5 never accepted: {per_pos}"
+    forwards, drafted = llama["as_run"]["drafts"], llama["as_run"]["draft_tokens"]
+    if cut == 0.0:
+        assert drafted == forwards * (BLOCK - 1)
+    else:  # blocks cut short, some to nothing (forwards llama.cpp's own counters do not count)
+        assert drafted < forwards * (BLOCK - 1) / 2, (drafted, forwards)
+        assert llama["server_counters"]["drafts"] < forwards
+        assert ours["cut_margin"] > 0
 
 
 def test_a_running_llama_server_is_measured_from_its_own_counters(tmp_path, small_target):

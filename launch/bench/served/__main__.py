@@ -30,6 +30,14 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="check: both sides' dtype")
     parser.add_argument("--no-live", action="store_true", help="check: leave out our live decoder")
     parser.add_argument("--no-zlab", action="store_true", help="check: leave out z-lab's dflash_generate")
+    parser.add_argument(
+        "--confidence-min",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="check: cut each block before its first draft whose confidence is below P, on every side (llama-server's "
+        "--spec-draft-p-min, our eval.confidence_min; drafters with a confidence head, DSpark)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="check: llama-server's threads")
     parser.add_argument("--server-timeout", type=float, default=900.0, help="check: seconds the server may take")
     parser.add_argument("--server-log", type=Path, help="check: keep the server's output in this file")
@@ -43,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.max_new_tokens < 1:
         print("served: --max-new-tokens must be at least 1", file=sys.stderr)
+        return 2
+    if not 0.0 <= args.confidence_min <= 1.0:
+        print("served: --confidence-min must lie in [0, 1]", file=sys.stderr)
         return 2
     if args.server:
         missing = [f"--{name}" for name in ("target", "draft") if getattr(args, name) is None]

@@ -33,6 +33,9 @@ class Request:
     log_file: Path | None
     threads: int
     server_timeout_s: float
+    confidence_min: float = 0.0
+    """The confidence cut of every side: llama-server's ``--spec-draft-p-min`` and our ``eval.confidence_min`` (a
+    drafter with a confidence head only; 0: none)."""
 
 
 def resolve_target(target: str) -> Path:
@@ -76,8 +79,10 @@ def kind_and_block(config_json: dict, server: str, asked_block: int | None):
     if server == "llamacpp":
         if kind.llamacpp_spec_type is None:
             raise CannotRun(f"llama.cpp does not serve {kind.name} drafters")
-        if "speculators_model_type" in config_json:
-            raise CannotRun("llama.cpp's converter reads the z-lab format only: export with --format zlab")
+        if "speculators_model_type" in config_json and kind.llamacpp_format != "speculators":
+            raise CannotRun(
+                f"llama.cpp's converter reads {kind.name} drafters in the z-lab format only: export with --format zlab"
+            )
         if kind.llamacpp_refusal is not None:
             from common.drafter.export import config_from_export
 
@@ -116,9 +121,40 @@ def stop_token_ids(target_dir: Path, model) -> list[int]:
     return sorted(stops)
 
 
-def llamacpp_side(request: Request, draft_folder: Path, block_size: int, scratch: Path, stops: set[int]):
-    """Start llama-server with the draft's GGUF and decode every prompt; returns a function that, given the stop
-    tokens, makes its side (the server's own end-of-generation tokens are learnt first, as ``stops``)."""
+def converter_source(draft: Path, config_json: dict, kind, target_dir: Path, scratch: Path) -> Path:
+    """The drafter (an export or a checkpoint) in the export format llama.cpp's converter reads for its kind
+    (``kind.llamacpp_format``; DSpark: speculators' names and config keys): its own folder where it is one, else that
+    format written into ``scratch`` (fp32, the verifier named by its folder, as ``trainer.export --format gguf``
+    writes it; the tensor names are the same in both formats)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from common.drafter.export import (
+        WEIGHTS_FILE,
+        config_from_export,
+        drafter_folder,
+        speculators_config,
+        write_export,
+        zlab_config,
+    )
+
+    draft_folder, own_checkpoint = drafter_folder(draft)
+    is_speculators = "speculators_model_type" in config_json
+    if is_speculators == (kind.llamacpp_format == "speculators"):
+        return draft_folder
+    config = config_from_export(config_json, own_checkpoint=own_checkpoint)
+    if kind.llamacpp_format == "speculators":
+        written = speculators_config(config, str(target_dir), None, torch.float32)
+    else:
+        written = zlab_config(config, torch.float32)
+    weights = load_file(str(draft_folder / WEIGHTS_FILE))
+    return write_export(written, weights, scratch / kind.llamacpp_format, torch.float32)
+
+
+def llamacpp_side(request: Request, config_json: dict, kind, block_size: int, scratch: Path, stops: set[int]):
+    """Start llama-server with the draft's GGUF (converted from the format its converter reads for the kind) and
+    decode every prompt; returns a function that, given the stop tokens, makes its side (the server's own
+    end-of-generation tokens are learnt first, as ``stops``)."""
     from common.drafter.evaluate import cut_answer
     from common.llamacpp import (
         ConversionError,
@@ -134,7 +170,8 @@ def llamacpp_side(request: Request, draft_folder: Path, block_size: int, scratch
         binary = server_binary()
         target_file = target_gguf(request.target_dir)
         readable = readable_tokenizer_folder(request.target_dir, scratch / "target")
-        draft_file = convert(draft_folder, scratch / "draft.gguf", "f32", target_dir=readable)
+        source = converter_source(request.draft, config_json, kind, request.target_dir, scratch)
+        draft_file = convert(source, scratch / "draft.gguf", "f32", target_dir=readable)
     except (LlamaCppMissing, ConversionError) as error:
         raise CannotRun(str(error)) from None
     log_file = request.log_file or scratch / "llama-server.log"
@@ -143,7 +180,8 @@ def llamacpp_side(request: Request, draft_folder: Path, block_size: int, scratch
     try:
         with LlamaServer(binary, target_file, draft_file, block_size, log_file, threads=request.threads,
                          context=max(map(len, request.prompts)) + request.max_new_tokens + 4 * block_size,
-                         start_timeout_s=request.server_timeout_s) as server:  # fmt: skip
+                         start_timeout_s=request.server_timeout_s, spec_type=kind.llamacpp_spec_type,
+                         p_min=request.confidence_min) as server:  # fmt: skip
             stops |= set(server.eog_tokens())
             for ids in request.prompts:
                 # B - 1 tokens further than the answer: no block inside it is shortened (see schedule.py)
@@ -155,7 +193,8 @@ def llamacpp_side(request: Request, draft_folder: Path, block_size: int, scratch
 
     def side(stop_ids: list[int]) -> Side:
         runs = [
-            PromptRun(cut_answer(tokens, request.max_new_tokens, frozenset(stop_ids)), steps) for tokens, steps in raw
+            PromptRun(cut_answer(tokens, request.max_new_tokens, frozenset(stop_ids)), accepted, drafted)
+            for tokens, accepted, drafted in raw
         ]
         made = Side("llama.cpp", runs, block_size, seconds=seconds)
         made.notes["server_counters"] = server_counters(metrics)
@@ -205,29 +244,50 @@ def run_check(request: Request) -> tuple[list[Side], dict[str, list[Difference]]
     kind, block_size = kind_and_block(config_json, request.server, request.block_size)
     preflight(request.server)
     loaded = ours.load(request.target_dir, request.draft, request.dtype)
+    if request.confidence_min > 0:
+        if request.server != "llamacpp":
+            raise CannotRun("--confidence-min: this check passes a confidence cut to llama.cpp only")
+        if not ours.has_confidence(loaded):
+            raise CannotRun(
+                f"--confidence-min: this {kind.name} drafter has no confidence head (llama.cpp's --spec-draft-p-min "
+                "would cut its blocks by another rule than our decoders' eval.confidence_min)"
+            )
+    zlab_skipped = None
+    if request.zlab and not ours.zlab_serves(loaded):
+        zlab_skipped = f"z-lab's dflash_generate has no {kind.zlab_architecture} ({kind.name} drafters): left out"
     stops = set(stop_token_ids(request.target_dir, loaded.model))
     with tempfile.TemporaryDirectory(prefix="served-") as scratch:
         if request.server == "llamacpp":
-            make_side = llamacpp_side(request, draft_folder, block_size, Path(scratch), stops)  # learns its stops
+            make_side = llamacpp_side(request, config_json, kind, block_size, Path(scratch), stops)  # learns its stops
             stop_ids = sorted(stops)
             served_side = make_side(stop_ids)
         else:
             stop_ids = sorted(stops)
             served_side = vllm_side(request, draft_folder, block_size, stop_ids)
     evaluator, live, _ = ours.evaluator_and_live(
-        loaded, request.prompts, request.max_new_tokens, stop_ids, request.live
+        loaded, request.prompts, request.max_new_tokens, stop_ids, request.live, request.confidence_min
     )
     sides = [served_side, evaluator] + ([live] if live is not None else [])
-    if request.zlab:
+    if request.zlab and zlab_skipped is None:
         sides.append(ours.zlab_side(loaded, request.prompts, request.max_new_tokens, stop_ids, request.dtype))
     margin_at = ours.margin_function(loaded, request.prompts, evaluator)
-    differences = {side.name: compare(evaluator, side, margin_at) for side in sides if side is not evaluator}
+    cut_margin_at = None
+    if request.confidence_min > 0:
+        cut_margin_at = ours.cut_margin_function(loaded, request.prompts, evaluator, request.confidence_min)
+    differences = {
+        side.name: compare(evaluator, side, margin_at, cut_margin_at=cut_margin_at)
+        for side in sides
+        if side is not evaluator
+    }
     facts = {
         "kind": kind.name,
         "block_size": block_size,
         "stop_token_ids": stop_ids,
+        "confidence_min": request.confidence_min,
         "load_seconds": loaded.seconds,
     }
+    if zlab_skipped is not None:
+        facts["zlab"] = zlab_skipped
     return sides, differences, facts
 
 
@@ -246,6 +306,11 @@ def per_prompt_lines(sides: list[Side], evaluator: Side) -> str:
             and (
                 side.runs[p].tokens != run.tokens
                 or (side.runs[p].accepted is not None and lengths_of(side.runs[p]) != lengths)
+                or (
+                    side.runs[p].drafted is not None
+                    and run.drafted is not None
+                    and side.runs[p].drafted[: len(lengths)] != run.drafted[: len(lengths)]
+                )
             )
         ]
         lines.append(
@@ -261,14 +326,24 @@ def report(request: Request, sides: list[Side], differences: dict[str, list[Diff
         f"{request.server}: target {request.target_dir}, draft {request.draft} ({facts['kind']}, block size "
         f"{facts['block_size']}); {len(request.prompts)} prompts, greedy, max_new_tokens {request.max_new_tokens}, "
         f"stop tokens {facts['stop_token_ids']}, {request.dtype}"
+        + (f", confidence cut {request.confidence_min}" if request.confidence_min > 0 else "")
     )
+    if "zlab" in facts:
+        print(facts["zlab"])
+    if evaluator.notes.get("cut_margin") is not None:
+        print(
+            f"confidence cut {request.confidence_min}: the nearest confidence that decided a block (ours) lies "
+            f"{evaluator.notes['cut_margin']:.2e} from it"
+        )
     print(table(sides, evaluator, differences))
     print(per_prompt_lines(sides, evaluator))
     found = [d for per in differences.values() for d in per]
     for difference in found:
-        print(("  " if difference.target_split else "  DIFFERENT ") + difference.describe())
+        print(("  " if difference.target_split or difference.cut_tie else "  DIFFERENT ") + difference.describe())
     if not failures(found):
-        print("every side agrees with our evaluator" + (" (beside the target's own splits)" if found else ""))
+        print(
+            "every side agrees with our evaluator" + (" (beside near-ties of the target or the cut)" if found else "")
+        )
     per_prompt = [
         {
             "prompt": p,
@@ -308,6 +383,7 @@ def main_check(args) -> int:
         request = Request(
             args.server, target_dir, args.draft.resolve(), prompts, args.max_new_tokens, args.dtype, not args.no_live,
             not args.no_zlab, args.block_size, args.server_log, args.threads, args.server_timeout,
+            args.confidence_min,
         )  # fmt: skip
         sides, differences, facts = run_check(request)
     except (CannotRun, OSError, ValueError) as error:

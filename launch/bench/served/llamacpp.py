@@ -2,12 +2,16 @@
 converts; this module runs the server and reads what it did).
 
 The server runs on loopback with one slot (``-np 1``: one request at a time, so its log lines belong to that request),
-f32 KV caches for target and draft and flash attention off (its CPU path rounds queries to f16), drafts of B - 1
-tokens (``--spec-draft-n-max``; the default is 3) and no confidence cut (``--spec-draft-p-min 0``). ``LLAMA_TRACE=1``
-makes it log every verify forward as ``accepted A/N draft tokens``; a request's lines end with its ``total time``
-line; from log level 4 on the loader lists the vocabulary's end-of-generation tokens. A request is a prompt of token ids (no BOS added), greedy (temperature 0), ``return_tokens`` for the generated
-ids; the server stops at its vocabulary's end-of-generation tokens, which it lists when it loads (``eog_tokens``) and
-which the check then uses as every side's stop tokens.
+f32 KV caches for target and draft and flash attention off (its CPU path rounds queries to f16), the kind's
+``--spec-type``, drafts of B - 1 tokens (``--spec-draft-n-max``; the default is 3) and no confidence cut
+(``--spec-draft-p-min 0``) unless one is asked for (``p_min``: a DSpark block is cut before its first slot whose own
+confidence is below it). ``LLAMA_TRACE=1`` makes it log every verify forward as ``accepted A/N draft tokens``; a
+request's lines end with its ``total time`` line; from log level 4 on the loader lists the vocabulary's
+end-of-generation tokens. A block cut to no draft at all is decoded as a plain token, which the trace does not show:
+with a cut the server logs at level 5, where every such forward says ``slot decode token`` (a verify forward of the
+given token alone, 0/0). A request is a prompt of token ids (no BOS added), greedy (temperature 0),
+``return_tokens`` for the generated ids; the server stops at its vocabulary's end-of-generation tokens, which it lists
+when it loads (``eog_tokens``) and which the check then uses as every side's stop tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-STEP_LINE = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens( \(restore checkpoint\))?")
+# (not level 5's "accepted A/N draft tokens, new n_tokens = ..." of the same forward)
+STEP_LINE = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens( \(restore checkpoint\))?(?!,)")
+PLAIN_LINE = re.compile(r"slot decode token, id=")
+"""Level 5: a generating slot's forward of its last token with no draft (a block the confidence cut to nothing)."""
+SPEC_LINE = re.compile(r"adding speculative implementation '([\w-]+)'")
 END_LINE = re.compile(r"total time =\s*[\d.]+ ms /")
 EOG_HEADER = "printing all EOG tokens:"
 EOG_LINE = re.compile(r":\s+-\s+(-?\d+) \(")
@@ -74,22 +82,31 @@ class LlamaServer:
         threads: int = 1,
         extra_args: list[str] | None = None,
         start_timeout_s: float = 300,
+        spec_type: str | None = None,
+        p_min: float = 0.0,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = Path(log_file)
         self.start_timeout_s = start_timeout_s
+        self.spec_type = spec_type
+        self.p_min = p_min
+        # with a cut, a block may keep no draft: level 5 logs those forwards (``slot decode token``)
+        level = "5" if p_min > 0 else "4"
         self.command = [
             str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port),
             "-np", "1", "-c", str(context), "-t", str(threads), "-tb", str(threads),
             "-ctk", "f32", "-ctv", "f32", "-fa", "off", "--metrics", "--temp", "0", "--top-k", "1",
-            "-lv", "4",  # the loader's list of end-of-generation tokens is logged from level 4 on
+            "-lv", level,  # the loader's list of end-of-generation tokens is logged from level 4 on
         ]  # fmt: skip
         if draft_gguf is not None:
             self.command += [
                 "-md", str(draft_gguf), "--spec-draft-n-max", str(block_size - 1), "--spec-draft-n-min", "0",
-                "--spec-draft-p-min", "0", "-ctkd", "f32", "-ctvd", "f32", "-td", str(threads), "-tbd", str(threads),
+                "--spec-draft-p-min", str(p_min), "-ctkd", "f32", "-ctvd", "f32", "-td", str(threads),
+                "-tbd", str(threads),
             ]  # fmt: skip
+            if spec_type is not None:
+                self.command += ["--spec-type", spec_type]
         self.command += list(extra_args or [])
         self.process: subprocess.Popen | None = None
 
@@ -108,6 +125,7 @@ class LlamaServer:
                     if "failed to initialize speculative decoding" in self.log_text():
                         # the server goes on without a draft: a check of nothing
                         raise ServerError("llama-server could not use the draft", self.log_text())
+                    self._check_spec_type()
                     return self
             except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
                 pass
@@ -122,6 +140,14 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+    def _check_spec_type(self) -> None:
+        """ServerError unless the server drafts with the implementation asked for (``spec_type``)."""
+        if self.spec_type is None:
+            return
+        used = SPEC_LINE.findall(self.log_text())
+        if used != [self.spec_type]:
+            raise ServerError(f"llama-server drafts with {used or 'nothing'}, not {self.spec_type!r}", self.log_text())
 
     def log_text(self, offset: int = 0) -> str:
         with open(self.log_file, "rb") as f:
@@ -143,9 +169,11 @@ class LlamaServer:
             tokens.append(int(found.group(1)))
         return sorted(set(tokens))
 
-    def complete(self, prompt: list[int], n_predict: int, timeout_s: float = 600) -> tuple[list[int], list[int]]:
+    def complete(
+        self, prompt: list[int], n_predict: int, timeout_s: float = 600
+    ) -> tuple[list[int], list[int], list[int]]:
         """One greedy request: (the generated tokens, end-of-generation token included; each verify forward's
-        accepted drafts from the trace)."""
+        accepted drafts and verified drafts from the trace)."""
         offset = self.log_file.stat().st_size
         answer = http_json(
             f"{self.url}/completion",
@@ -160,29 +188,36 @@ class LlamaServer:
             },
             timeout_s,
         )
-        steps = self._steps_since(offset)
-        return [int(t) for t in answer["tokens"]], steps
+        accepted, drafted = self._steps_since(offset)
+        return [int(t) for t in answer["tokens"]], accepted, drafted
 
-    def _steps_since(self, offset: int, timeout_s: float = 10) -> list[int]:
-        """The verify forwards the log shows after ``offset``, once the request's closing line is there (the log is
-        written by a thread of its own, a moment after the answer)."""
+    def _steps_since(self, offset: int, timeout_s: float = 10) -> tuple[list[int], list[int]]:
+        """The verify forwards the log shows after ``offset`` (accepted and verified drafts of each), once the
+        request's closing line is there (the log is written by a thread of its own, a moment after the answer). With
+        a cut, a forward with no draft counts as a step of 0 of 0; without one the server logs no such line (it drafts
+        every block whole until ``n_predict`` nears, past the answer)."""
         deadline = time.monotonic() + timeout_s
         while True:
             text = self.log_text(offset)
             if END_LINE.search(text) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        steps, replaying = [], False
+        accepted, drafted, replaying = [], [], False
         for line in text.splitlines():
+            if PLAIN_LINE.search(line):
+                accepted.append(0)
+                drafted.append(0)
+                continue
             found = STEP_LINE.search(line)
             if not found:
                 continue
             if replaying:  # the replay of a step restored from a checkpoint (recurrent targets) logs it again
                 replaying = False
                 continue
-            steps.append(int(found.group(1)))
+            accepted.append(int(found.group(1)))
+            drafted.append(int(found.group(2)))
             replaying = found.group(3) is not None
-        return steps
+        return accepted, drafted
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:

@@ -14,7 +14,10 @@ Chat records go to ``/v1/chat/completions`` (the server applies the target's tem
              ``sglang:spec_accept_length`` is a gauge of its own recent window, reported as it reads).
 
 Mean acceptance length is 1 + accepted drafts per verify forward (the target's token after them included); output
-tokens/s is the answers' tokens (``usage.completion_tokens``) over the wall time of the whole set.
+tokens/s is the answers' tokens (``usage.completion_tokens``) over the wall time of the whole set. llama.cpp counts
+only the forwards that verified at least one draft: a DSpark server with a confidence cut (``--spec-draft-p-min``)
+decodes a block cut to no draft as a plain token, which its counters leave out, so its mean acceptance length there is
+over the forwards with a draft, above the served check's, which counts every forward.
 """
 
 from __future__ import annotations

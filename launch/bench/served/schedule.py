@@ -12,9 +12,12 @@ drafts each verify forward accepted. The sides count those steps differently at 
 So each side runs ``B - 1`` tokens further than the answer where it can (no block inside the answer is shortened) and
 the comparison reads every side on one schedule: the tokens each verify forward added to the answer, cut at its end
 (z-lab's ``acceptance_lengths``, ``lengths_of``). Two sides agree when their tokens and these lengths are equal for
-every prompt. Where the tokens differ, the target itself chose another token (a greedy target's text does not depend on
+every prompt, and, where both say how many drafts each verify forward verified (llama.cpp's trace, ours; fewer than
+B - 1 where a confidence head cut the block), those counts too. Where the tokens differ, the target itself chose another token (a greedy target's text does not depend on
 the drafter); when its top two logits there lie within ``tie_margin``, that is the target's arithmetic (a near-tie of
-two float implementations), a documented cause that is named but not counted as a difference.
+two float implementations), a documented cause that is named but not counted as a difference. Likewise where two sides
+cut a block at different drafts while the confidence of the first draft they disagree on lies within ``cut_tie`` of the
+cut (a near-tie of the cut: one arithmetic put it just above, the other just below).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class PromptRun:
     accepted: list[int] | None
     """Per verify forward, the drafts the target accepted as this side counts them; None where the side gives no
     per-step figures (vLLM: pooled counters only)."""
+    drafted: list[int] | None = None
+    """Per verify forward, the drafts it verified (B - 1 but where a confidence cut the block; 0: a forward of the
+    given token alone); None where the side does not say (z-lab's decoder, vLLM)."""
 
 
 @dataclass
@@ -54,7 +60,11 @@ class Side:
         each counted as the side counted it (the last block whole where it does)."""
         if self.reported is not None:
             return self.reported
-        return counts_of([n for run in self.runs for n in steps_in_answer(run)], self.block_size)
+        steps = [steps_in_answer(run) for run in self.runs]
+        drafted = None
+        if all(run.drafted is not None for run in self.runs):
+            drafted = [n for run, kept in zip(self.runs, steps) for n in run.drafted[: len(kept)]]
+        return counts_of([n for kept in steps for n in kept], self.block_size, drafted)
 
     def on_schedule(self) -> list[list[int]] | None:
         """Per prompt, the tokens each verify forward added to the answer (``lengths_of``); None without steps."""
@@ -80,11 +90,13 @@ def lengths_of(run: PromptRun) -> list[int]:
     return zlab_acceptance_lengths(Decoded(run.tokens, list(run.accepted or [])))
 
 
-def counts_of(accepted: list[int], block_size: int) -> dict:
-    """Verify forwards' acceptances as vLLM and llama.cpp count them: drafts (verify forwards), drafted tokens and,
-    per position k = 1 .. B - 1, the forwards that accepted at least k drafts."""
+def counts_of(accepted: list[int], block_size: int, drafted: list[int] | None = None) -> dict:
+    """Verify forwards' acceptances as vLLM and llama.cpp count them: drafts (verify forwards), drafted tokens (B - 1
+    a forward unless ``drafted`` says how many each verified) and, per position k = 1 .. B - 1, the forwards that
+    accepted at least k drafts."""
     per_pos = [sum(n >= k for n in accepted) for k in range(1, block_size)]
-    return {"drafts": len(accepted), "draft_tokens": len(accepted) * (block_size - 1), "accepted_per_pos": per_pos}
+    draft_tokens = len(accepted) * (block_size - 1) if drafted is None else sum(drafted)
+    return {"drafts": len(accepted), "draft_tokens": draft_tokens, "accepted_per_pos": per_pos}
 
 
 def tau_of(counts: dict) -> float:
@@ -103,7 +115,10 @@ def scheduled_counts(side: Side) -> dict | None:
     lengths = side.on_schedule()
     if lengths is None:
         return None
-    return counts_of([n - 1 for per in lengths for n in per], side.block_size)
+    drafted = None
+    if all(run.drafted is not None for run in side.runs):
+        drafted = [n for run, per in zip(side.runs, lengths) for n in run.drafted[: len(per)]]
+    return counts_of([n - 1 for per in lengths for n in per], side.block_size, drafted)
 
 
 @dataclass
@@ -113,7 +128,7 @@ class Difference:
     side: str
     prompt: int
     what: str
-    """"tokens", "steps" or "counters"."""
+    """"tokens", "steps" (accepted or verified drafts) or "counters"."""
     step: int | None = None
     position: int | None = None
     """Token index in the answer where the first differing step begins (steps) or the first differing token."""
@@ -122,6 +137,11 @@ class Difference:
     """For differing tokens: the target's top-two logit margin there (ours), when it was measured."""
     target_split: bool = False
     """Differing tokens at a near-tie of the target (margin <= tie_margin): the target's arithmetic, not the drafter."""
+    cut_margin: float | None = None
+    """For blocks cut at different drafts: the distance of the confidence of the first draft they disagree on from the
+    cut (ours, that block alone), when it was measured."""
+    cut_tie: bool = False
+    """Blocks cut differently at a near-tie of the cut (cut_margin <= cut_tie): the heads' arithmetic."""
 
     def describe(self) -> str:
         where = f"prompt {self.prompt}"
@@ -133,6 +153,9 @@ class Difference:
         if self.margin is not None:
             kind = "a near-tie of the target (its arithmetic, not the drafter's)" if self.target_split else "no tie"
             text += f"; the target's top-two logit margin there is {self.margin:.5f}: {kind}"
+        if self.cut_margin is not None:
+            kind = "a near-tie of the cut (the head's arithmetic, not its decision)" if self.cut_tie else "no tie"
+            text += f"; the confidence there lies {self.cut_margin:.2e} from the cut: {kind}"
         return text
 
 
@@ -144,10 +167,19 @@ def first_token_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(reference: Side, other: Side, margin_at=None, tie_margin: float = 1e-3) -> list[Difference]:
+def compare(
+    reference: Side,
+    other: Side,
+    margin_at=None,
+    tie_margin: float = 1e-3,
+    cut_margin_at=None,
+    cut_tie: float = 1e-4,
+) -> list[Difference]:
     """Where ``other`` differs from ``reference``, per prompt, on the common schedule: tokens first (then the steps
     before the first differing token still must agree), then the steps; sides without steps by their counters.
-    ``margin_at(prompt, position)`` gives the target's top-two logit margin before answer token ``position``."""
+    ``margin_at(prompt, position)`` gives the target's top-two logit margin before answer token ``position``;
+    ``cut_margin_at(prompt, position, draft)`` the distance from the cut of the confidence of draft ``draft`` (0-based)
+    of the block anchored at answer token ``position - 1``."""
     found: list[Difference] = []
     for p, (ref, run) in enumerate(zip(reference.runs, other.runs)):
         split = first_token_difference(ref.tokens, run.tokens)
@@ -184,6 +216,22 @@ def compare(reference: Side, other: Side, margin_at=None, tie_margin: float = 1e
                     )
                 )
                 break
+            verified = drafted_at(ref, step), drafted_at(run, step)
+            if None not in verified and verified[0] != verified[1]:  # the same acceptance of a differently cut block
+                cut = cut_margin_at(p, generated, min(verified)) if cut_margin_at is not None else None
+                found.append(
+                    Difference(
+                        other.name,
+                        p,
+                        "steps",
+                        step=step,
+                        position=generated,
+                        detail=f"{reference.name} verified {verified[0]} drafts, {other.name} {verified[1]}",
+                        cut_margin=cut,
+                        cut_tie=cut is not None and cut <= cut_tie,
+                    )
+                )
+                break
             generated += x
         else:
             if split is None and len(ref_lengths) != len(lengths):
@@ -211,9 +259,14 @@ def compare(reference: Side, other: Side, margin_at=None, tie_margin: float = 1e
     return found
 
 
+def drafted_at(run: PromptRun, step: int) -> int | None:
+    """The drafts verify forward ``step`` verified, where the side says."""
+    return run.drafted[step] if run.drafted is not None and step < len(run.drafted) else None
+
+
 def failures(found: list[Difference]) -> list[Difference]:
-    """The differences not explained by a documented cause (a target split)."""
-    return [d for d in found if not d.target_split]
+    """The differences not explained by a documented cause (a target split, a near-tie of the cut)."""
+    return [d for d in found if not d.target_split and not d.cut_tie]
 
 
 def summary_of(side: Side) -> dict:
@@ -246,6 +299,7 @@ def table(sides: list[Side], reference: Side, differences: dict[str, list[Differ
     summaries = [summary_of(s) for s in sides]
     row("verify forwards", [s["as_run"]["drafts"] for s in summaries])
     row("accepted drafts, as run", [sum(s["as_run"]["accepted_per_pos"]) for s in summaries])
+    row("drafted tokens, as run", [s["as_run"]["draft_tokens"] for s in summaries])
     row("tau, ours (as run)", [f"{s['tau']:.4f}" for s in summaries])
     row(
         "accepted drafts, schedule",
