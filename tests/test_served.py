@@ -233,7 +233,7 @@ def test_prompt_formats(tmp_path):
 def write_export(folder: Path, kind: str = "dflash", block_size: int = 8, speculators: bool = False) -> Path:
     """A config.json alone: the refusals come before any weight is read."""
     folder.mkdir(parents=True)
-    architecture = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}[kind]
+    architecture = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[kind]
     config = {"architectures": [architecture], "block_size": block_size, "dflash_config": {}}
     if speculators:
         config = {"speculators_model_type": kind, "architectures": ["DFlashSpeculator"], "block_size": block_size}
