@@ -11,10 +11,11 @@ import torch
 from common.config import ConfigError, load_config
 from common.drafter.blocks import build_blocks
 from common.drafter.draft_config import default_gamma
+from common.drafter.dspark.head_loss import markov_head_rows
 from common.drafter.evaluate import DraftRows, Transcript, replay_rows
 from common.drafter.export import config_from_export, export_speculators, export_zlab, load_drafter, speculators_config
 from common.drafter.kinds import build_drafter
-from common.drafter.loss import LossConfig
+from common.drafter.loss import LossConfig, slot_weights
 from common.drafter.masks import build_masks
 from common.drafter.sampling import Proposal, Sampling
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
@@ -100,7 +101,7 @@ def test_the_objective_trains_every_head_and_logs_its_metrics(variant):
 
 def test_the_loss_is_its_three_terms_and_chunks_change_nothing():
     """The loss equals ce_alpha CE + tv_alpha TV + confidence_alpha BCE, each weighted by the slot weights, written out
-    over whole logits; computed in chunks of 5 rows under checkpointing it is the same, gradients included."""
+    over whole logits; computed in chunks of 5 rows it is the same, gradients included."""
     config = dspark_config(markov_head_type="gated")
     torch.manual_seed(0)
     drafter = trained_like(build_drafter(config, random_head(config)))
@@ -131,6 +132,44 @@ def test_the_loss_is_its_three_terms_and_chunks_change_nothing():
     weights = torch.exp(-slot / default_gamma(config.block_size))[None] * blocks.label_mask
     terms = options.ce_alpha * ce + options.tv_alpha * tv + options.confidence_alpha * bce
     torch.testing.assert_close(losses[0], (weights * terms).sum() / weights.sum(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighting,label_mode", [("decay", "data"), ("dpace", "data"), ("streak", "target_hard")])
+def test_the_hand_written_gradient_is_autograds(weighting, label_mode):
+    """The objective's vocabulary-wide rows carry a hand-written gradient (head_loss.py); autograd over the same terms
+    written out gives the same gradients of the draft states, the Markov features and W2, under every weighting, in
+    blocks of chunks that split no block and in one chunk."""
+    config = dspark_config(markov_head_type="rnn")
+    torch.manual_seed(0)
+    drafter = trained_like(build_drafter(config, random_head(config)))
+    _, blocks, hidden, target_hidden = blocks_and_hidden(drafter)
+    loss_config = LossConfig(weighting=weighting, label_mode=label_mode)
+    slots = blocks.label_mask.shape[1]
+    rows = hidden.detach()[:, 1:].reshape(-1, hidden.shape[-1])
+    features = torch.randn(rows.shape[0], 8)
+    w2 = drafter.markov_head.markov_w2.weight.detach()
+    head = drafter.target_head.lm_head_weight
+    targets = target_hidden[(blocks.label_index - 1).reshape(-1)]
+    labels = blocks.label_ids.reshape(-1) if label_mode == "data" else None
+
+    def written_out(rows, features, w2):
+        logits = rows @ head.T + features @ w2.T
+        p = torch.softmax(targets @ head.T, -1)
+        label = p.argmax(-1) if labels is None else labels
+        ce = -torch.log_softmax(logits, -1).gather(-1, label[:, None]).squeeze(-1)
+        tv = 1.0 - torch.minimum(torch.softmax(logits, -1), p).sum(-1)
+        weights = slot_weights(blocks, loss_config, ce, 1.0 - tv).reshape(-1).detach()
+        return (weights * (0.1 * ce + 0.9 * tv)).sum()
+
+    inputs = [t.clone().requires_grad_() for t in (rows, features, w2)]
+    expected = torch.autograd.grad(written_out(*inputs), inputs)
+    for chunk_rows in (2 * slots + 1, 10_000):
+        inputs = [t.clone().requires_grad_() for t in (rows, features, w2)]
+        chunked = dataclasses.replace(loss_config, chunk_rows=chunk_rows)
+        out = markov_head_rows(*inputs, head, targets, labels, blocks.label_mask, chunked, 0.1, 0.9)
+        torch.testing.assert_close(out.weighted, written_out(rows, features, w2), rtol=1e-5, atol=1e-6)
+        for got, want in zip(torch.autograd.grad(3.0 * out.weighted, inputs), expected):
+            torch.testing.assert_close(got, 3.0 * want, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

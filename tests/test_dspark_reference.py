@@ -174,7 +174,7 @@ def our_objective(drafter, hidden, blocks, last) -> dict[str, torch.Tensor]:
     its features, the confidence logits, and its per-row CE / TV (kept from its own calls)."""
     kept: dict[str, object] = {}
     head = drafter.markov_head
-    features, slot_rows = head.features, dspark_model._slot_rows
+    features, head_rows = head.features, dspark_model.markov_head_rows
 
     def keep_features(slots, previous):
         kept["previous"] = previous
@@ -182,16 +182,15 @@ def our_objective(drafter, hidden, blocks, last) -> dict[str, torch.Tensor]:
         return kept["features"]
 
     def keep_rows(*args):
-        out = slot_rows(*args)
-        kept.setdefault("rows", []).append(out)
-        return out
+        kept["rows"] = head_rows(*args)
+        return kept["rows"]
 
     hook = drafter.confidence_head.register_forward_hook(lambda _m, _i, out: kept.__setitem__("confidence", out))
     try:
         with (
             torch.no_grad(),
             mock.patch.object(head, "features", keep_features),
-            mock.patch.object(dspark_model, "_slot_rows", keep_rows),
+            mock.patch.object(dspark_model, "markov_head_rows", keep_rows),
         ):
             drafter.objective(hidden, blocks, drafter.target_head.final_norm(last))
     finally:
@@ -201,7 +200,7 @@ def our_objective(drafter, hidden, blocks, last) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         logits = drafter.logits(hidden[:, 1:].reshape(num_blocks * slots, -1)).view(num_blocks, slots, -1)
         logits = logits + head.markov_w2(u)
-    ce, tv = (torch.cat(column).view(num_blocks, slots) for column in list(zip(*kept["rows"]))[:2])
+    ce, tv = kept["rows"].ce.view(num_blocks, slots), kept["rows"].tv.view(num_blocks, slots)
     confidence = kept["confidence"].view(num_blocks, slots)
     return {"previous": kept["previous"][:, 1:], "logits": logits, "confidence": confidence, "ce": ce, "tv": tv}
 

@@ -342,11 +342,19 @@ def slot_weights(
     row_ce: [M] per-row CE (KL for target_soft), read by "streak"; acceptance: [M] per-row acceptance
     rate (HeadRows.acceptance), read by "dpace".
     """
-    mask = blocks.label_mask.float()
+    return mask_weights(blocks.label_mask, config, row_ce, acceptance)
+
+
+def mask_weights(
+    label_mask: torch.Tensor, config: LossConfig, row_ce: torch.Tensor, acceptance: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`slot_weights` of blocks given by their label mask [N, B-1] alone: a block's weights read its own
+    rows only, so any whole blocks may be weighted apart."""
+    mask = label_mask.float()
     num_slots = mask.shape[1]
     if config.weighting == "streak":
         reach = (1.0 - config.streak_alpha) * torch.exp(-row_ce.detach().view_as(mask)) + config.streak_alpha
-        reach = torch.where(blocks.label_mask, reach, 1.0)
+        reach = torch.where(label_mask, reach, 1.0)
         prefix = torch.cumprod(reach, dim=1)
         weights = prefix.flip(1).cumsum(1).flip(1)  # w_k = sum_{m >= k} prod_{i <= m} q~_i
     elif config.weighting == "dpace":
@@ -354,7 +362,7 @@ def slot_weights(
             raise ValueError("weighting 'dpace' needs the rows' acceptance")
         confidence = (1.0 - config.dpace_alpha) * acceptance.detach().view_as(mask) + config.dpace_alpha
         # An unsupervised slot (prompt token) neither cuts nor scales the streak, and earns no weight.
-        confidence = torch.where(blocks.label_mask, confidence, 1.0)
+        confidence = torch.where(label_mask, confidence, 1.0)
         reach = torch.cumprod(confidence, dim=1) * mask  # C_m = prod_{i <= m} q~_i
         weights = reach.flip(1).cumsum(1).flip(1)  # w_k = sum_{m >= k} C_m
     else:

@@ -15,8 +15,9 @@ Training (the objective of Model-Optimizer's DSpark recipe and Megatron-Bridge's
 teacher-forced from the data as speculators does): per slot ``ce_alpha`` CE to the label + ``tv_alpha`` TV(q, p), with
 q the Markov-corrected draft distribution and p the target's, from its frozen head on its final hidden state; plus
 ``confidence_alpha`` BCE of the confidence logit to the slot's acceptance rate 1 - TV (detached). Every term is
-weighted by the DFlash loss's slot weights (``training.weighting``) and normalised by their sum. The head's rows are
-computed chunk by chunk under activation checkpointing, so no N x B x vocabulary tensor is kept for the backward.
+weighted by the DFlash loss's slot weights (``training.weighting``) and normalised by their sum. The vocabulary-wide
+rows are computed a few blocks at a time with their gradient written by hand (head_loss.py): three vocabulary-wide
+products per row, and no N x B x vocabulary tensor kept for the backward.
 
 Decoding walks the block from its given token, feeding each slot's token to the next slot's Markov head: the argmax
 (greedy) or a draw from the corrected distribution at the sampling settings (kept for rejection sampling), with each
@@ -28,11 +29,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from common.drafter.blocks import DraftBlocks
 from common.drafter.draft_config import DraftConfig
-from common.drafter.loss import LossConfig, draft_metrics, slot_weights
+from common.drafter.dspark.head_loss import markov_head_rows
+from common.drafter.loss import LossConfig, draft_metrics
 from common.drafter.model import DFlashDrafter
 from common.drafter.sampling import Proposal, Sampling, sample_from, sampling_probs
 
@@ -110,26 +111,6 @@ class ConfidenceHead(nn.Module):
         return self.proj(torch.cat([hidden, embedding.to(hidden.dtype)], -1).to(self.proj.weight.dtype)).squeeze(-1)
 
 
-def _slot_rows(
-    hidden: torch.Tensor,
-    features: torch.Tensor,
-    markov_w2: torch.Tensor,
-    head_weight: torch.Tensor,
-    target_hidden: torch.Tensor,
-    labels: torch.Tensor | None,
-) -> tuple[torch.Tensor, ...]:
-    """Per row of a chunk: CE to the label, TV to the target, the label used, the corrected and the base argmax."""
-    base = (hidden.to(head_weight.dtype) @ head_weight.T).float()
-    logits = base + (features.to(markov_w2.dtype) @ markov_w2.T).float()
-    log_q = torch.log_softmax(logits, -1)
-    with torch.no_grad():
-        p = torch.softmax((target_hidden.to(head_weight.dtype) @ head_weight.T).float(), -1)
-        label = p.argmax(-1) if labels is None else labels
-    ce = -log_q.gather(-1, label[:, None]).squeeze(-1)
-    tv = 1.0 - torch.minimum(log_q.exp(), p).sum(-1)
-    return ce, tv, label, logits.detach().argmax(-1), base.detach().argmax(-1)
-
-
 class DSparkDrafter(DFlashDrafter):
     """The DSpark drafter (see the module's doc). Its state dict adds ``markov_head.*`` and ``confidence_head.*`` to
     DFlash's names."""
@@ -199,19 +180,22 @@ class DSparkDrafter(DFlashDrafter):
         rows, features = slots.reshape(-1, width), features.reshape(-1, features.shape[-1])
         targets = target_hidden[(blocks.label_index - 1).reshape(-1)]  # the target predicts x_{a+k} at a + k - 1
         labels = blocks.label_ids.reshape(-1) if config.label_mode == "data" else None
-        head_weight, markov_w2 = self.target_head.lm_head_weight, self.markov_head.markov_w2.weight
-        parts = []
-        for start in range(0, rows.shape[0], config.chunk_rows):
-            chunk = slice(start, start + config.chunk_rows)
-            args = (rows[chunk], features[chunk], markov_w2, head_weight, targets[chunk])
-            chunk_labels = None if labels is None else labels[chunk]
-            # recomputed in the backward: no chunk x vocabulary tensor outlives its chunk
-            parts.append(checkpoint(_slot_rows, *args, chunk_labels, use_reentrant=False))
-        ce, tv, label, picked, base_picked = (torch.cat(column) for column in zip(*parts))
-        acceptance = (1.0 - tv).detach()
-        weights = slot_weights(blocks, config, ce, acceptance).reshape(-1)
+        head = markov_head_rows(
+            rows,
+            features,
+            self.markov_head.markov_w2.weight,
+            self.target_head.lm_head_weight,
+            targets,
+            labels,
+            blocks.label_mask,
+            config,
+            options.ce_alpha,
+            options.tv_alpha,
+        )
+        ce, tv, label, picked, base_picked, weights = head[1:]
+        acceptance = 1.0 - tv
         total = weights.sum().clamp_min(1e-6)
-        loss = (weights * (options.ce_alpha * ce + options.tv_alpha * tv)).sum() / total
+        loss = head.weighted / total
         mask = blocks.label_mask.reshape(-1).float()
         supervised = mask.sum().clamp_min(1.0)
         if self.confidence_head is not None:

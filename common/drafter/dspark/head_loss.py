@@ -1,0 +1,157 @@
+"""DSpark's objective over the vocabulary, with its gradient written by hand.
+
+Per drafted row m, with the draft's Markov-corrected logits z = H h_m + W2 u_m (H: the target's frozen head, W2 the
+Markov head's output table, u_m the row's Markov feature) and the target's distribution p from its final hidden
+state: CE(z, label) and TV(q, p) = 1 - sum_v min(q_v, p_v), q = softmax(z). The objective sums
+w_m (ce_alpha CE_m + tv_alpha TV_m) with w_m the loss's slot weights (detached; a block's weights read only that
+block's rows, so the rows are taken a few whole blocks at a time).
+
+Autograd over these rows kept a dozen chunk x vocabulary fp32 tensors per chunk and, under checkpointing, computed
+both head products twice. Here each chunk's gradient with respect to z is formed in place from q once,
+
+    d CE / d z = q - onehot(label),   d TV / d z_j = -q_j ([q_j < p_j] - s),   s = sum_v [q_v < p_v] q_v,
+
+and contracted at once into the gradients of h (with H), of u (with W2) and of W2 (with u): three vocabulary-wide
+products in all (the draft's logits, the target's, the gradient of h), none recomputed. The backward only scales
+them by the incoming gradient of the sum.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from common.drafter.loss import LossConfig, mask_weights
+
+
+class MarkovRows(NamedTuple):
+    """The objective's sum and its rows; only ``weighted`` is differentiable."""
+
+    weighted: torch.Tensor
+    """[] fp32: sum over rows of w (ce_alpha CE + tv_alpha TV), not yet divided by the weights' sum."""
+    ce: torch.Tensor
+    """[M] fp32: CE of the corrected logits to the label."""
+    tv: torch.Tensor
+    """[M] fp32: TV distance of the corrected draft distribution to the target's (1 - the acceptance rate)."""
+    label: torch.Tensor
+    """[M] int64: the label used (the data token, or the target's argmax)."""
+    picked: torch.Tensor
+    """[M] int64: the corrected logits' argmax."""
+    base_picked: torch.Tensor
+    """[M] int64: the argmax without the Markov term (the backbone's own pick)."""
+    weights: torch.Tensor
+    """[M] fp32: the slot weights w."""
+
+
+class _MarkovHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        features: torch.Tensor,
+        markov_w2: torch.Tensor,
+        head_weight: torch.Tensor,
+        target_hidden: torch.Tensor,
+        labels: torch.Tensor | None,
+        label_mask: torch.Tensor,
+        config: LossConfig,
+        ce_alpha: float,
+        tv_alpha: float,
+    ):
+        rows, slots = hidden.shape[0], label_mask.shape[1]
+        dtype = head_weight.dtype
+        w2 = markov_w2.to(dtype)
+        device = hidden.device
+        ce = torch.empty(rows, dtype=torch.float32, device=device)
+        tv = torch.empty_like(ce)
+        weights = torch.empty_like(ce)
+        label_used = torch.empty(rows, dtype=torch.long, device=device)
+        picked = torch.empty_like(label_used)
+        base_picked = torch.empty_like(label_used)
+        weighted = torch.zeros((), dtype=torch.float32, device=device)
+        needs = ctx.needs_input_grad
+        grad_hidden = torch.empty_like(hidden) if needs[0] else None
+        grad_features = torch.empty_like(features) if needs[1] else None
+        grad_w2 = torch.zeros(markov_w2.shape, dtype=torch.float32, device=device) if needs[2] else None
+        blocks_per_chunk = max(1, config.chunk_rows // slots)
+        for first in range(0, label_mask.shape[0], blocks_per_chunk):
+            block_range = slice(first, first + blocks_per_chunk)
+            mask = label_mask[block_range]
+            chunk = slice(first * slots, first * slots + mask.numel())
+            u = features[chunk].to(dtype)
+            logits = (hidden[chunk].to(dtype) @ head_weight.T).float()
+            base_picked[chunk] = logits.argmax(-1)
+            logits += (u @ w2.T).float()
+            picked[chunk] = logits.argmax(-1)
+            target_logits = (target_hidden[chunk].to(dtype) @ head_weight.T).float()
+            label = target_logits.argmax(-1) if labels is None else labels[chunk]
+            label_used[chunk] = label
+            p = target_logits.softmax(-1)
+            del target_logits
+            log_norm = torch.logsumexp(logits, -1)
+            chunk_ce = log_norm - logits.gather(-1, label[:, None]).squeeze(-1)
+            q = logits.sub_(log_norm[:, None]).exp_()  # in place: the logits are not needed past this point
+            below = q < p
+            captured = torch.where(below, q, 0.0).sum(-1)  # s
+            chunk_tv = 1.0 - torch.where(below, q, p).sum(-1)
+            del p
+            w = mask_weights(mask, config, chunk_ce.view_as(mask), (1.0 - chunk_tv).view_as(mask)).reshape(-1)
+            ce[chunk], tv[chunk], weights[chunk] = chunk_ce, chunk_tv, w
+            weighted += (w * (ce_alpha * chunk_ce + tv_alpha * chunk_tv)).sum()
+            if grad_hidden is None and grad_features is None and grad_w2 is None:
+                continue
+            # w (ce_alpha (q - onehot) - tv_alpha q ([q < p] - s)), in place over q
+            scale = below.to(q.dtype).sub_(captured[:, None]).mul_(-tv_alpha).add_(ce_alpha).mul_(w[:, None])
+            del below
+            grad_logits = q.mul_(scale)
+            del scale
+            grad_logits.scatter_add_(-1, label[:, None], (-ce_alpha * w)[:, None])
+            grad_logits = grad_logits.to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[chunk] = (grad_logits @ head_weight).to(hidden.dtype)
+            if grad_features is not None:
+                grad_features[chunk] = (grad_logits @ w2).to(features.dtype)
+            if grad_w2 is not None:
+                grad_w2 += (grad_logits.T @ u).float()
+        ctx.save_for_backward(
+            *(g if g is not None else torch.empty(0, device=device) for g in (grad_hidden, grad_features, grad_w2))
+        )
+        ctx.w2_dtype = markov_w2.dtype
+        ctx.mark_non_differentiable(ce, tv, label_used, picked, base_picked, weights)
+        return weighted, ce, tv, label_used, picked, base_picked, weights
+
+    @staticmethod
+    def backward(ctx, grad_weighted, *_unused):
+        grad_hidden, grad_features, grad_w2 = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        return (
+            grad_hidden * grad_weighted.to(grad_hidden.dtype) if needs[0] else None,
+            grad_features * grad_weighted.to(grad_features.dtype) if needs[1] else None,
+            (grad_w2 * grad_weighted).to(ctx.w2_dtype) if needs[2] else None,
+            *(None,) * 7,
+        )
+
+
+def markov_head_rows(
+    hidden: torch.Tensor,
+    features: torch.Tensor,
+    markov_w2: torch.Tensor,
+    head_weight: torch.Tensor,
+    target_hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    label_mask: torch.Tensor,
+    config: LossConfig,
+    ce_alpha: float,
+    tv_alpha: float,
+) -> MarkovRows:
+    """The objective over rows [M] = blocks x slots (label_mask [N, S], M = N S): hidden [M, H] after the final norm,
+    features [M, r], target_hidden [M, H] (the target's final states predicting each row's token), labels [M]
+    (None: the target's argmax)."""
+    if hidden.shape[0] != label_mask.numel():
+        raise ValueError(f"{hidden.shape[0]} rows for a label mask of {tuple(label_mask.shape)}")
+    return MarkovRows(
+        *_MarkovHeadLoss.apply(
+            hidden, features, markov_w2, head_weight, target_hidden, labels, label_mask, config, ce_alpha, tv_alpha
+        )
+    )
