@@ -15,7 +15,8 @@ from pathlib import Path
 
 from torch import nn
 
-from common import evals, faults
+from common import faults
+from common.acceptance import records
 from common.batch import Document
 from common.config import RunConfig
 from common.drafter.evaluate import by_length_summary
@@ -135,9 +136,9 @@ def build_evaluator(
 
 
 class EvaluationJob:
-    """Producer 0 answers the trainer's evaluation requests (common/evals.py), whatever eval.every_steps it started
-    with: that cadence is the trainer's, and restart-trainer may change it. A tensor-parallel producer evaluates with
-    its followers."""
+    """Producer 0 answers the trainer's evaluation requests (common/acceptance/records.py), whatever eval.every_steps it
+    started with: that cadence is the trainer's, and restart-trainer may change it. A tensor-parallel producer
+    evaluates with its followers."""
 
     name = "evaluating"
 
@@ -158,7 +159,7 @@ class EvaluationJob:
         self._evaluator: Evaluator | None = None
         self._reference_due = True
         self._next_check = 0.0
-        for step in evals.mark_abandoned_claims_lost(run_dir, producer_id):
+        for step in records.mark_abandoned_claims_lost(run_dir, producer_id):
             log.warning("evaluation of step %d was lost: this producer was restarted during it", step)
 
     def status(self) -> int | None:
@@ -173,7 +174,7 @@ class EvaluationJob:
         if time.monotonic() < self._next_check:
             return
         self._next_check = time.monotonic() + EVAL_POLL_S
-        pending = evals.open_requests(self.run_dir)
+        pending = records.open_requests(self.run_dir)
         if not pending:
             return
         # With a share below 1, the newest weights only: requests that came while this producer evaluated or
@@ -181,9 +182,9 @@ class EvaluationJob:
         share = self.cfg.eval.producer_share
         request = pending[0] if share >= 1 else pending[-1]
         for stale in pending[:-1] if share < 1 else []:
-            evals.finish(
+            records.finish(
                 self.run_dir,
-                evals.EvalResult(
+                records.EvalResult(
                     step=stale.step,
                     incarnation=stale.incarnation,
                     producer=self.producer_id,
@@ -191,14 +192,14 @@ class EvaluationJob:
                     f"and step {request.step} came since",
                 ),
             )
-        evals.claim(self.run_dir, request, self.producer_id, os.getpid())
+        records.claim(self.run_dir, request, self.producer_id, os.getpid())
         self.evaluating = request.step
         self.on_change()
         started = time.monotonic()
         faults.point("producer.evaluate")
         try:
             metrics = self._evaluate(request)
-            result = evals.EvalResult(
+            result = records.EvalResult(
                 step=request.step, metrics=metrics, incarnation=request.incarnation, producer=self.producer_id
             )
             took = time.monotonic() - started
@@ -224,13 +225,13 @@ class EvaluationJob:
                 log.info("step %d, tau by context length: %s", request.step, by_length)
         except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
             log.exception("evaluation of step %d failed", request.step)
-            result = evals.EvalResult(
+            result = records.EvalResult(
                 step=request.step,
                 lost=f"{type(exc).__name__}: {exc}",
                 incarnation=request.incarnation,
                 producer=self.producer_id,
             )
-        evals.finish(self.run_dir, result)
+        records.finish(self.run_dir, result)
         self.evaluating = None
         self.on_change()
         # Batches again for long enough that evaluating takes at most eval.producer_share of this producer's time.
@@ -249,7 +250,7 @@ class EvaluationJob:
             except Exception:  # auxiliary: the data keeps flowing whatever happens here
                 log.exception("could not prepare the evaluation reference; the first evaluation will make it")
 
-    def _evaluate(self, request: evals.EvalRequest) -> dict[str, float]:
+    def _evaluate(self, request: records.EvalRequest) -> dict[str, float]:
         """Real and simulated acceptance of the exported drafter against this producer's target."""
         from common.drafter.export import load_drafter
         from common.drafter.loss import LossConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 
-from common import evals
+from common.acceptance import records as evals
 from common.rundir import read_json
 from tests.test_checkpoint import make_trainer
 

@@ -103,7 +103,7 @@ def test_a_trainer_killed_during_its_export_loses_that_evaluation_and_leaves_no_
 def test_evaluations_asked_faster_than_they_run_never_stop_producer_zero(short_tmp):
     """A request every 4 steps, an evaluation that takes longer: producer 0 evaluates the newest, answers the
     others as skipped and makes batches in between (it used to evaluate back to back and make none)."""
-    from common import evals
+    from common.acceptance import records as evals
 
     run_dir = short_tmp / "run"
     finish(
@@ -133,7 +133,7 @@ def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_c
     the request comes only once the export is whole, and an export that cannot be written is a lost evaluation."""
     import torch
 
-    from common import evals
+    from common.acceptance import records as evals
     from common.drafter.export import load_drafter
     from common.drafter.loss import LossConfig
     from common.drafter.model import DFlashDrafter

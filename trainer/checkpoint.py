@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from common import evals, faults
+from common import faults
+from common.acceptance import records
 from common.drafter.base import Drafter
 from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_METADATA, export_zlab, write_config, zlab_config
 from common.rundir import CheckpointError, RunDir, atomic_write_json, fsync_file, read_json, replace_dir
@@ -307,7 +308,8 @@ class CheckpointWriter:
 
 
 class EvalExportWriter:
-    """Exports the drafter for an evaluation request (common/evals.py) from host copies, in a background thread.
+    """Exports the drafter for an evaluation request (common/acceptance/records.py) from host copies, in a background
+    thread.
 
     Training stands still only for the copy to host buffers (page-locked, reused); the export and then the
     request are written while the next steps train. A drafter trained under bf16 autocast (on a GPU) is exported
@@ -325,7 +327,7 @@ class EvalExportWriter:
         self,
         drafter: Drafter,
         weights: dict[str, torch.Tensor],
-        request: evals.EvalRequest,
+        request: records.EvalRequest,
         background: bool = True,
     ) -> float:
         """Copy ``weights`` to the host and write them with ``request`` (at once without ``background``).
@@ -348,17 +350,17 @@ class EvalExportWriter:
             self._thread.join()
             self._thread = None
 
-    def _write(self, drafter: Drafter, weights: dict[str, torch.Tensor], request: evals.EvalRequest) -> None:
+    def _write(self, drafter: Drafter, weights: dict[str, torch.Tensor], request: records.EvalRequest) -> None:
         try:
             served = torch.bfloat16 if drafter.fc.weight.device.type == "cuda" else None
             export_zlab(drafter, request.drafter, dtype=served, weights=weights)
             faults.point("trainer.export")
-            evals.request(self.run_dir, request)
+            records.request(self.run_dir, request)
         except Exception as exc:  # auxiliary: a full disk costs this evaluation, never the run
             log.error("cannot export the drafter for the evaluation of step %d: %s", request.step, exc)
-            evals.finish(
+            records.finish(
                 self.run_dir,
-                evals.EvalResult(
+                records.EvalResult(
                     step=request.step, lost=f"the export could not be written: {exc}", incarnation=request.incarnation
                 ),
             )

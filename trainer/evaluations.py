@@ -1,6 +1,7 @@
-"""The trainer's side of producer 0's evaluations (common/evals.py is the contract, producer/evaluation.py the other
-side): ask for one at a step, log each result at the step it belongs to when it comes back, and take over those a
-trainer before this one asked for. Training never waits for a result, except a finished run for its last step's."""
+"""The trainer's side of producer 0's evaluations (common/acceptance/records.py is the contract, producer/evaluation.py
+the other side): ask for one at a step, log each result at the step it belongs to when it comes back, and take over
+those a trainer before this one asked for. Training never waits for a result, except a finished run for its last
+step's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import IO, Any
 
 import torch
 
-from common import evals
+from common.acceptance import records
 from common.drafter.base import Drafter
 from common.drafter.evaluate import by_length_summary, warn_if_gap
 from common.rundir import RunDir
@@ -54,23 +55,23 @@ class EvalClient:
     def adopt(self, resumed_step: int) -> None:
         """Take over the evaluations the trainers before asked for, up to the step this one resumed at: their results
         are logged here when they come. Those past it measured weights this lineage never had: written as lost."""
-        for step in evals.mark_abandoned_exports_lost(self.run_dir, self.incarnation):
+        for step in records.mark_abandoned_exports_lost(self.run_dir, self.incarnation):
             log.warning(
                 "evaluation of step %d lost: the trainer that asked for it stopped before its export was complete", step
             )
-        adopted, superseded = evals.adoptable(self.run_dir, resumed_step, self.incarnation)
+        adopted, superseded = records.adoptable(self.run_dir, resumed_step, self.incarnation)
         self.in_flight.update(adopted)
         for step, incarnation in superseded:
-            if evals.result(self.run_dir, step, incarnation) is None:
-                evals.finish(
+            if records.result(self.run_dir, step, incarnation) is None:
+                records.finish(
                     self.run_dir,
-                    evals.EvalResult(
+                    records.EvalResult(
                         step=step,
                         incarnation=incarnation,
                         lost=f"superseded: the trainer resumed at step {resumed_step}",
                     ),
                 )
-            evals.mark_logged(self.run_dir, step, incarnation)
+            records.mark_logged(self.run_dir, step, incarnation)
         if adopted:
             log.info(
                 "adopted the evaluations of steps %s asked for before this trainer started",
@@ -81,8 +82,8 @@ class EvalClient:
         """Export the drafter (``full_weights``: its whole state where the drafter holds a shard of it) for producer 0
         to evaluate; training stands still only for the copy to host memory, the export is written in the
         background."""
-        export = evals.folder(self.run_dir, step, self.incarnation) / "drafter"
-        request = evals.EvalRequest(step=step, drafter=str(export), incarnation=self.incarnation)
+        export = records.folder(self.run_dir, step, self.incarnation) / "drafter"
+        request = records.EvalRequest(step=step, drafter=str(export), incarnation=self.incarnation)
         weights = full_weights if full_weights is not None else drafter.state_dict()
         stall_s = self.exports.export(drafter, weights, request, background=self.background_export)
         log.info("evaluation of step %d asked for; training stood still %.2f s for its export", step, stall_s)
@@ -95,7 +96,7 @@ class EvalClient:
         came = False
         while self.in_flight:
             for step, incarnation in sorted(self.in_flight):
-                result = evals.result(self.run_dir, step, incarnation)
+                result = records.result(self.run_dir, step, incarnation)
                 if result is None:
                     continue
                 came = True
@@ -104,7 +105,7 @@ class EvalClient:
                     log.warning("evaluation of step %d lost: %s", step, result.lost)
                 else:
                     self.record(step, result.metrics, now_step)
-                evals.mark_logged(self.run_dir, step, incarnation)
+                records.mark_logged(self.run_dir, step, incarnation)
             if not self.in_flight or time.monotonic() >= deadline or stop():
                 break
             time.sleep(0.2)

@@ -137,7 +137,7 @@ def model_card(checkpoint: Path, out: Path, fmt: str, commands: list[str], targe
     its run measured at this step (both conventions, on the run's held-out prompts), and the commands that serve it."""
     import tomllib
 
-    from common import evals
+    from common.acceptance import records
     from common.rundir import RunDir, read_json
 
     source, _ = drafter_folder(checkpoint)
@@ -146,7 +146,7 @@ def model_card(checkpoint: Path, out: Path, fmt: str, commands: list[str], targe
     step = (read_json(checkpoint / "trainer_state.json") or {}).get("step")
     settings = tomllib.loads((run_root / "config.toml").read_text()) if (run_root / "config.toml").is_file() else {}
     data = settings.get("data", {})
-    found = evals.finished_at(RunDir(run_root), step) if step is not None else None
+    found = records.finished_at(RunDir(run_root), step) if step is not None else None
     if found is not None:
         metrics = found.metrics
         acceptance = (

@@ -1,4 +1,5 @@
-"""Evaluations the trainer asks of a producer: requests and results through the run directory.
+"""The records of the evaluations the trainer asks of a producer: requests, claims and results through the run
+directory.
 
 The trainer never loads a target. At an evaluation step it exports the drafter it wants evaluated into
 ``evals/step-N-I/drafter`` (the z-lab format, as a checkpoint's; I is the asking trainer's incarnation) and then

@@ -135,7 +135,7 @@ class CoupledSource:
 class TrainingEvaluation:
     """The coupled baseline's periodic evaluation (rank 0, every ``eval.every_steps`` steps): in its loop, on
     the target in its own process, as today's online trainers evaluate. The decoupled trainer asks producer 0
-    instead (common/evals.py). Evaluation is auxiliary: if it fails (e.g. the drafter's head is not this
+    instead (common/acceptance/records.py). Evaluation is auxiliary: if it fails (e.g. the drafter's head is not this
     target's) the error is logged once, evaluation is switched off, and training goes on.
     """
 
