@@ -25,9 +25,9 @@ from common.drafter.loss import LossConfig
 from common.drafter.target_head import load_target_head
 from common.lifecycle import EXIT_CONFIG_ERROR
 from common.rundir import RunDir
-from producer.evaluation import build_evaluator
+from producer.acceptance.job import build_evaluator
+from producer.acceptance.verifier import target_head_of
 from producer.target import load_target_model
-from producer.verify import target_head_of
 
 
 def _run_dir_of(checkpoint: Path) -> Path | None:

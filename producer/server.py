@@ -53,9 +53,9 @@ from common.slots import SlotState
 from common.sockets import CurveKeys, SecretsError, ipc_endpoint
 from common.status import ProducerStatus
 from common.transport import RingServer
+from producer.acceptance.job import EvaluationJob
 from producer.batching import BatchPlan, RunningBatchStats, batch_stats
 from producer.data import DataError, run_sources
-from producer.evaluation import EvaluationJob
 from producer.jobs import ProducerJob
 from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed

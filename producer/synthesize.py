@@ -42,6 +42,7 @@ from common.config import ConfigError, RunConfig, SynthesizeConfig
 from common.lifecycle import exit_process, run_role
 from common.rundir import RunDir, fsync_file
 from common.status import SynthesisStatus
+from producer.acceptance.verifier import stop_tokens_of
 from producer.conversation import (
     Conversation,
     ConversationWriter,
@@ -53,7 +54,6 @@ from producer.conversation import (
 )
 from producer.data import BadRecord, DataError, expand_paths, record_tools
 from producer.generate import GenerationConfig, GenerationMemoryError, Generator
-from producer.verify import stop_tokens_of
 
 log = logging.getLogger(__name__)
 

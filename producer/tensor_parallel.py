@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import ConfigError
-from producer.verify import GreedyTarget
+from producer.acceptance.verifier import GreedyTarget
 
 if TYPE_CHECKING:
     from producer.target import Target

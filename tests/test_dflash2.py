@@ -9,9 +9,9 @@ import importlib.util
 import pytest
 import torch
 
+from common.acceptance.arithmetic import draft_rows, propose_rows
 from common.drafter.blocks import build_blocks
 from common.drafter.dflash2.model import DFlash2Drafter, GroupedDynamicCausalConv
-from common.drafter.evaluate import draft_rows, propose_rows
 from common.drafter.export import (
     config_from_export,
     export_speculators,

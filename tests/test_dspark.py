@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from common.acceptance.arithmetic import DraftRows, Transcript, replay_rows
 from common.config import ConfigError, load_config
 from common.drafter.blocks import build_blocks
 from common.drafter.draft_config import default_gamma
 from common.drafter.dspark.head_loss import markov_head_rows
-from common.drafter.evaluate import DraftRows, Transcript, replay_rows
 from common.drafter.export import config_from_export, export_speculators, export_zlab, load_drafter, speculators_config
 from common.drafter.kinds import build_drafter
 from common.drafter.loss import LossConfig, slot_weights

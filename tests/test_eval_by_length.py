@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.batch import Document
-from common.config import ConfigError, EvalConfig, load_config, save_config
-from common.drafter.evaluate import (
+from common.acceptance.arithmetic import (
     DraftContext,
     acceptance_by_length,
     block_contexts,
@@ -22,12 +20,14 @@ from common.drafter.evaluate import (
     prompt_of,
     turn_documents,
 )
+from common.batch import Document
+from common.config import ConfigError, EvalConfig, load_config, save_config
 from common.drafter.export import export_zlab
 from common.drafter.model import DFlashDrafter
 from common.rundir import RunDir
 from launch.evaluate import main
-from producer.evaluation import build_evaluator
-from producer.verify import Evaluator, speculative_decode, target_head_of
+from producer.acceptance.job import build_evaluator
+from producer.acceptance.verifier import Evaluator, speculative_decode, target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 from tests.test_data_sources import PLAIN_TEMPLATE, tiny_tokenizer
 
@@ -140,7 +140,7 @@ def test_buckets_hold_the_verify_forwards_of_their_context_and_pool_to_the_whole
 def test_zlab_tau_per_bucket_averages_each_prompts_steps_there():
     """z-lab's convention per bucket: a prompt's steps in the bucket (cut at max_new_tokens), averaged per prompt, then
     over prompts; ours pools verify forwards whole."""
-    from common.drafter.evaluate import Decoded
+    from common.acceptance.arithmetic import Decoded
 
     decoded = [Decoded(tokens=list(range(10)), accepted=[3, 0, 3, 3]), Decoded(tokens=list(range(4)), accepted=[1, 3])]
     # Prompt 0 (10 tokens): steps 4, 1, 4 (the fourth block adds nothing); contexts 5, 9, 10, 14.
@@ -314,7 +314,7 @@ def test_command_prints_the_by_length_table_and_writes_it_in_json(tmp_path, targ
 def test_the_trainer_logs_one_series_per_bucket(tmp_path, trained, caplog):
     """The result of producer 0, through the trainer's evaluation client: metrics.jsonl and wandb get each bucket's
     tau as a series of its own (against eval/step), buckets no verify forward reached get no point."""
-    from trainer.evaluations import EvalClient
+    from trainer.acceptance import EvalClient
 
     _, _, report = trained
     logged = []
@@ -357,8 +357,8 @@ def test_length_bucket_settings_are_checked_naming_the_key():
 def test_the_timed_draft_round_drafts_what_decoding_drafts(target_model, kind):
     """The timed round reads the context's keys and values projected once, as a server's draft cache holds them: its
     drafts are the evaluator's, for either kind, and the drafter's layers are as they were afterwards."""
+    from common.acceptance.arithmetic import _context_kv_cached, draft_rows, time_draft_round
     from common.drafter.dflash2.model import DFlash2Drafter
-    from common.drafter.evaluate import _context_kv_cached, draft_rows, time_draft_round
     from tests.test_dflash2 import dflash2_config, trained_like
 
     torch.manual_seed(0)

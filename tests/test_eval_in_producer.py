@@ -170,7 +170,7 @@ def test_the_trainer_warns_when_a_result_shows_a_real_and_simulated_gap(tmp_path
     """The result of producer 0 goes through the trainer's own logging, which warns past eval.gap_tolerance."""
     from common.config import load_config
     from common.rundir import RunDir
-    from trainer.evaluations import EvalClient
+    from trainer.acceptance import EvalClient
 
     metrics_file = open(tmp_path / "metrics.jsonl", "w")
     client = EvalClient(
@@ -260,7 +260,7 @@ def test_a_new_trainer_adopts_the_evaluations_of_its_lineage_and_asks_again_past
 
 def test_no_evaluation_reference_is_made_ahead_for_a_run_that_never_reaches_an_evaluation():
     from common.config import load_config
-    from producer.evaluation import evaluations_expected
+    from producer.acceptance.job import evaluations_expected
 
     assert evaluations_expected(load_config(None, ["eval.every_steps=10", "training.max_steps=20"]))
     assert not evaluations_expected(load_config(None, ["eval.every_steps=300", "training.max_steps=40"]))

@@ -10,18 +10,17 @@ import numpy as np
 import pytest
 import torch
 
+from common.acceptance.arithmetic import DraftContext, DraftRows, prompt_of, replay_rows
 from common.batch import Document, PackedBatch
 from common.config import ConfigError, RunConfig, load_config, save_config
 from common.drafter.blocks import build_blocks
-from common.drafter.evaluate import DraftContext, DraftRows, prompt_of, replay_rows
 from common.drafter.export import export_zlab
 from common.drafter.masks import build_masks
 from common.drafter.model import DFlashDrafter
 from launch.bench.coupled import TrainingEvaluation
 from launch.evaluate import main
-from producer.data import build_data_source
-from producer.evaluation import build_evaluator, held_out_documents
-from producer.verify import (
+from producer.acceptance.job import build_evaluator, held_out_documents
+from producer.acceptance.verifier import (
     Evaluator,
     GreedyTarget,
     greedy_decode,
@@ -29,6 +28,7 @@ from producer.verify import (
     speculative_decode,
     target_head_of,
 )
+from producer.data import build_data_source
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
 LAYER_IDS = [1, 3]
@@ -597,8 +597,8 @@ def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model,
     """Real decoding of a held-out prompt stops at eval.max_new_tokens; the simulation scores blocks at the anchors
     of the same span of each document (from the prefill's token to the one before the max_new_tokens-th), not at
     the rest of a longer answer."""
-    from common.drafter.evaluate import decoded_span, simulated_acceptance
-    from producer.verify import document_features
+    from common.acceptance.arithmetic import decoded_span, simulated_acceptance
+    from producer.acceptance.verifier import document_features
 
     cfg = load_config(
         None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4", "eval.max_new_tokens=8"]
@@ -624,7 +624,7 @@ def test_the_last_blocks_of_the_decoded_span_are_scored_whole():
     """The decoding's last block counts its acceptance whole, past eval.max_new_tokens; so does the simulation's:
     a block anchored near the span's end keeps every label the document has (cutting them capped its streak, and
     a perfect drafter scored 14.3 of 16)."""
-    from common.drafter.evaluate import decoded_span
+    from common.acceptance.arithmetic import decoded_span
 
     block, max_new = 4, 8
     document = Document(0, np.arange(105, dtype=np.int32), np.r_[np.zeros(5), np.ones(100)].astype(np.uint8))
@@ -673,7 +673,7 @@ def test_the_simulated_tau_counts_each_blocks_own_streak():
 def test_decoding_anchors_are_where_the_replay_started_its_blocks(target):
     """The walk of anchors that the simulation re-scores is the replay's own: the prefill's token first, then each
     round's anchor after its kept drafts and the target's token (acceptance lengths of every size)."""
-    from common.drafter.evaluate import decoding_anchors
+    from common.acceptance.arithmetic import decoding_anchors
 
     prompts = [prompt(40, 7), prompt(41, 12)]
     transcripts = greedy_transcripts(target, prompts, 40 + BLOCK - 1, 2)

@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
+from common.acceptance.arithmetic import DraftContext
 from common.batch import PackedBatch
 from common.config import ConfigError, load_config
 from common.drafter.blocks import build_blocks
-from common.drafter.evaluate import DraftContext
 from common.drafter.export import config_from_export, export_speculators, export_zlab, load_drafter, zlab_config
 from common.drafter.kinds import build_drafter
 from common.drafter.lilicorr.model import LiLiCorrDrafter, LiLiCorrHead, LogSumExpRows, chain_rows
@@ -552,7 +552,7 @@ def test_sampled_speculative_decoding_with_lilicorr_samples_the_target(tmp_path)
     target's own sampling distribution (q over the reranker's candidates, scattered into the vocabulary)."""
     from transformers import Qwen3ForCausalLM
 
-    from producer.verify import GreedyTarget, speculative_decode, target_head_of
+    from producer.acceptance.verifier import GreedyTarget, speculative_decode, target_head_of
     from tests import test_sampled_eval as sampled
     from tests.drafter_fixtures import tiny_qwen3_target
 

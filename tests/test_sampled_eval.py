@@ -24,12 +24,12 @@ import math
 import pytest
 import torch
 
+from common.acceptance.arithmetic import DraftContext, zlab_acceptance_lengths
 from common.config import load_config
-from common.drafter.evaluate import DraftContext, zlab_acceptance_lengths
 from common.drafter.kinds import build_drafter
 from common.drafter.sampling import Sampling, rejection_sample, sample_from, sampling_probs
-from producer.evaluation import build_evaluator
-from producer.verify import GreedyTarget, speculative_decode, target_head_of
+from producer.acceptance.job import build_evaluator
+from producer.acceptance.verifier import GreedyTarget, speculative_decode, target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
 
 VOCAB = 16
@@ -241,7 +241,7 @@ def test_sampled_decoding_is_seeded_and_greedy_at_temperature_zero(target_model)
 
 
 def test_zlab_acceptance_lengths_cut_the_last_step():
-    from common.drafter.evaluate import Decoded, zlab_tau
+    from common.acceptance.arithmetic import Decoded, zlab_tau
 
     # max_new_tokens 7: the prefill's token, then steps of 3 and 2 tokens, then a full block of 3 cut to the 1 left.
     decoded = Decoded(tokens=[1, 2, 3, 4, 5, 6, 7], accepted=[2, 1, 2])

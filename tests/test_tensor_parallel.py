@@ -40,9 +40,9 @@ from common.naming import process_alive
 from common.rundir import RunDir, read_json
 from common.status import ProducerStatus
 from launch import processes
+from producer.acceptance.verifier import GreedyTarget
 from producer.target import Target, check_tensor_parallel
 from producer.tensor_parallel import MirroredTarget, TensorParallelGroup, follow, split_devices
-from producer.verify import GreedyTarget
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER_IDS = [1, 3]
@@ -89,7 +89,7 @@ def eval_reports(model, head: dict[str, torch.Tensor], make_target=GreedyTarget)
     from common.drafter.draft_config import DraftConfig
     from common.drafter.model import DFlashDrafter
     from common.drafter.target_head import TargetHead
-    from producer.verify import Evaluator
+    from producer.acceptance.verifier import Evaluator
 
     vocab = int(model.config.vocab_size)
     config = DraftConfig.from_target(

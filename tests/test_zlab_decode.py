@@ -18,10 +18,10 @@ import importlib.util
 import pytest
 import torch
 
-from common.drafter.evaluate import DraftContext, zlab_acceptance_lengths
+from common.acceptance.arithmetic import DraftContext, zlab_acceptance_lengths
 from common.drafter.export import export_zlab
 from common.drafter.kinds import build_drafter
-from producer.verify import GreedyTarget, greedy_transcripts, speculative_decode, target_head_of
+from producer.acceptance.verifier import GreedyTarget, greedy_transcripts, speculative_decode, target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
 pytestmark = pytest.mark.skipif(

@@ -12,7 +12,7 @@ from typing import IO, Any, Protocol
 
 from common.config import RunConfig
 from common.rundir import RunDir
-from trainer.evaluations import EvalClient
+from trainer.acceptance import EvalClient
 from trainer.feeder import Commits, Feeder
 from trainer.ranks import Ranks
 
@@ -28,7 +28,7 @@ class BatchSource(Protocol):
 
     def evaluations(self, incarnation: int, block_size: int, metrics_file: IO[str] | None, wandb_run: Any) -> Any:
         """What the loop asks evaluations of and logs their results through: ``adopt``, ``ask``, ``collect``,
-        ``in_flight``, ``status``, ``close`` (as ``trainer.evaluations.EvalClient``)."""
+        ``in_flight``, ``status``, ``close`` (as ``trainer.acceptance.EvalClient``)."""
         ...
 
 

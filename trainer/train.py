@@ -751,7 +751,7 @@ def import_what_a_start_needs() -> None:
     import wandb  # noqa: F401
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
-    import common.drafter.evaluate  # noqa: F401
+    import common.acceptance.arithmetic  # noqa: F401
     import common.drafter.target_head  # noqa: F401
 
 

@@ -26,19 +26,19 @@ from typing import IO, Any
 import torch
 from torch import nn
 
+from common.acceptance.arithmetic import AcceptanceReport, warn_if_gap
 from common.batch import PackedBatch, SlotDims, document_tensors, pad_packed, slot_shapes
 from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta
 from common.drafter.base import Drafter
-from common.drafter.evaluate import AcceptanceReport, warn_if_gap
 from common.drafter.kinds import build_drafter
 from common.lifecycle import exit_process
 from common.rundir import RunDir
+from producer.acceptance.job import build_evaluator
+from producer.acceptance.verifier import Evaluator, target_head_of
 from producer.batching import batch_stats
-from producer.evaluation import build_evaluator
 from producer.server import build_plan, export_target_head, feature_layer_ids
 from producer.target import Target, build_target_config
-from producer.verify import Evaluator, target_head_of
 from trainer.feeder import Commits, Received
 from trainer.ranks import Ranks
 from trainer.train import run_trainer

@@ -26,8 +26,8 @@ from common.drafter.model import DFlashDrafter
 from launch.bench.step import qwen3_8b_draft, tiny_draft
 from launch.bench.target import QWEN3_8B_SHAPE
 from launch.bench.util import synchronize
+from producer.acceptance.verifier import Evaluator, target_head_of
 from producer.target import load_target_model
-from producer.verify import Evaluator, target_head_of
 
 TINY_TARGET = {
     "model_type": "qwen3",

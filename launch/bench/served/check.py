@@ -111,7 +111,7 @@ def preflight(server: str) -> None:
 
 def stop_token_ids(target_dir: Path, model) -> list[int]:
     """What a server stops at: the target config's end-of-sequence ids and its generation config's."""
-    from producer.verify import stop_tokens_of
+    from producer.acceptance.verifier import stop_tokens_of
 
     stops = set(stop_tokens_of(model))
     generation = target_dir / "generation_config.json"
@@ -155,7 +155,7 @@ def llamacpp_side(request: Request, config_json: dict, kind, block_size: int, sc
     """Start llama-server with the draft's GGUF (converted from the format its converter reads for the kind) and
     decode every prompt; returns a function that, given the stop tokens, makes its side (the server's own
     end-of-generation tokens are learnt first, as ``stops``)."""
-    from common.drafter.evaluate import cut_answer
+    from common.acceptance.arithmetic import cut_answer
     from common.llamacpp import (
         ConversionError,
         LlamaCppMissing,

@@ -40,8 +40,8 @@ def load(target_dir: Path, draft: Path, dtype: str) -> Loaded:
     from common.config import TargetConfig
     from common.drafter.export import drafter_folder, load_drafter
     from common.drafter.loss import LossConfig
+    from producer.acceptance.verifier import target_head_of
     from producer.target import load_target_model
-    from producer.verify import target_head_of
 
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -58,7 +58,7 @@ def load(target_dir: Path, draft: Path, dtype: str) -> Loaded:
 def has_confidence(loaded: Loaded) -> bool:
     """Whether the drafter proposes with a per-slot confidence (a confidence head), from one proposal over a context
     of one token of zero features."""
-    from common.drafter.evaluate import DraftContext
+    from common.acceptance.arithmetic import DraftContext
 
     weight = loaded.drafter.fc.weight
     context = DraftContext(loaded.drafter)
@@ -127,10 +127,10 @@ def evaluator_and_live(
     ``confidence_min`` cuts each block as ``eval.confidence_min`` does."""
     import numpy as np
 
+    from common.acceptance.arithmetic import DraftContext
     from common.batch import Document
     from common.config import EvalConfig
-    from common.drafter.evaluate import DraftContext
-    from producer.verify import Evaluator, GreedyTarget, speculative_decode
+    from producer.acceptance.verifier import Evaluator, GreedyTarget, speculative_decode
 
     block_size, drafter = loaded.block_size, loaded.drafter
     # Each prompt is a document whose one supervised token follows it (prompt_len 0 reads the prompt back).
@@ -171,7 +171,7 @@ def zlab_side(loaded: Loaded, prompts: list[list[int]], max_new_tokens: int, sto
     import dflash.model
     from dflash.model import DFlash2DraftModel, DFlashDraftModel, dflash_generate
 
-    from common.drafter.evaluate import cut_answer
+    from common.acceptance.arithmetic import cut_answer
 
     if not torch.cuda.is_available():
         dflash.model._cuda_time = time.perf_counter  # its statistics time through CUDA otherwise
@@ -213,8 +213,8 @@ def cut_margin_function(loaded: Loaded, prompts: list[list[int]], reference: Sid
     """``cut_margin_at(prompt, position, draft)``: the distance from the cut of the confidence of draft ``draft``
     (0-based) of the block anchored at answer token ``position - 1`` of the reference side, that block proposed alone
     (the live decoder's arithmetic) over the target's features of the text before it."""
-    from common.drafter.evaluate import DraftContext
-    from producer.verify import GreedyTarget
+    from common.acceptance.arithmetic import DraftContext
+    from producer.acceptance.verifier import GreedyTarget
 
     layer_ids = list(loaded.drafter.config.target_layer_ids)
 

@@ -60,7 +60,7 @@ def spread_confidence(drafter, transcripts, spread: float, every: int = 4, rows_
     but a cut at 0.5 then cuts about half of them. A head trained for minutes predicts nearly one value (0.84 to 0.88
     on the small target after 100 steps), which a served check of the cut would barely exercise. Returns the logit's
     (median, standard deviation) before."""
-    from common.drafter.evaluate import context_rows, draft_rows
+    from common.acceptance.arithmetic import context_rows, draft_rows
 
     head = getattr(drafter, "confidence_head", None)
     if head is None:
@@ -116,7 +116,7 @@ def quick_drafter(
     from common.drafter.export import export_zlab
     from common.drafter.kinds import build_drafter, kind_of
     from common.drafter.loss import LossConfig
-    from producer.verify import GreedyTarget, greedy_transcripts, target_head_of
+    from producer.acceptance.verifier import GreedyTarget, greedy_transcripts, target_head_of
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     text = model.config

@@ -85,7 +85,7 @@ def steps_in_answer(run: PromptRun) -> list[int]:
 def lengths_of(run: PromptRun) -> list[int]:
     """Tokens each verify forward added to the answer, cut at its end (the prefill's token is no step): z-lab's
     ``acceptance_lengths``. Steps past the answer's end (a side that ran further) are left out."""
-    from common.drafter.evaluate import Decoded, zlab_acceptance_lengths
+    from common.acceptance.arithmetic import Decoded, zlab_acceptance_lengths
 
     return zlab_acceptance_lengths(Decoded(run.tokens, list(run.accepted or [])))
 

@@ -20,10 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.batch import Document
-from common.config import EvalConfig
-from common.drafter.base import Drafter
-from common.drafter.evaluate import (
+from common.acceptance.arithmetic import (
     AcceptanceReport,
     Decoded,
     DocumentFeatures,
@@ -51,6 +48,9 @@ from common.drafter.evaluate import (
     turn_documents,
     zlab_tau,
 )
+from common.batch import Document
+from common.config import EvalConfig
+from common.drafter.base import Drafter
 from common.drafter.sampling import Sampling, rejection_sample, sample_from, sampling_probs
 from common.drafter.target_head import TargetHead
 

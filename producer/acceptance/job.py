@@ -17,10 +17,11 @@ from torch import nn
 
 from common import faults
 from common.acceptance import records
+from common.acceptance.arithmetic import by_length_summary
 from common.batch import Document
 from common.config import RunConfig
-from common.drafter.evaluate import by_length_summary
 from common.rundir import RunDir
+from producer.acceptance.verifier import Evaluator, GreedyTarget, stop_tokens_of
 from producer.data import (
     BadRecord,
     ChatJsonlSource,
@@ -33,7 +34,6 @@ from producer.data import (
 )
 from producer.target import Target
 from producer.tensor_parallel import MirroredTarget, TensorParallelGroup
-from producer.verify import Evaluator, GreedyTarget, stop_tokens_of
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class EvaluationJob:
         from common.drafter.export import load_drafter
         from common.drafter.loss import LossConfig
         from common.drafter.target_head import load_target_head
-        from producer.verify import target_head_of
+        from producer.acceptance.verifier import target_head_of
 
         model = self.target.model
         if self.group is None:

@@ -14,8 +14,8 @@ from typing import IO, Any
 import torch
 
 from common.acceptance import records
+from common.acceptance.arithmetic import by_length_summary, warn_if_gap
 from common.drafter.base import Drafter
-from common.drafter.evaluate import by_length_summary, warn_if_gap
 from common.rundir import RunDir
 from trainer.checkpoint import EvalExportWriter
 
