@@ -16,6 +16,11 @@ An entry with seconds holds instead of killing: ``trainer.batch:10=120`` holds t
 up to 120 s, or until the process is asked to stop (a test's restart-trainer at a known step, whatever the
 machine's speed). Like a kill it fires once in the run: the successor does not hold again.
 
+An entry ``=oom`` raises ``torch.OutOfMemoryError`` at the point instead, as a step that does not fit the GPU
+would (only where a real one would surface: ``OOM_POINTS``). ``trainer.step:5=oom,trainer.step:5=oom`` makes the
+first trainer and its successor each run out of memory in their fifth step: an out-of-memory error that repeats
+at the same step, on the CPU.
+
 A point can also be slowed at every reach, or at every N-th, to hold a window open (a checkpoint write in flight
 when a restart comes) or to stand in for the pauses of real training in a benchmark:
 
@@ -65,6 +70,9 @@ POINTS = {
     "producer.publish": "right after announcing a batch (the slot is READY, possibly leased at once)",
     "producer.evaluate": "evaluating a drafter for the trainer: the request claimed, no result written",
 }
+OOM_POINTS = ("trainer.step",)
+"""Points where ``=oom`` may stand: where a step's memory runs out (its forward and backward are done there)."""
+OOM = "oom"
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,8 @@ class Fault:
     count: int
     hold_s: float | None = None
     """Hold this long at the point instead of a kill (None: kill)."""
+    oom: bool = False
+    """Raise torch.OutOfMemoryError at the point instead of a kill."""
 
 
 @dataclass(frozen=True)
@@ -91,26 +101,31 @@ def _seconds(text: str) -> float:
 
 
 def parse_plan(text: str) -> list[Fault]:
-    """``"point:count,point:count=seconds"`` as Faults; unknown points, counts below 1 and negative holds are
-    errors."""
+    """``"point:count,point:count=seconds,point:count=oom"`` as Faults; unknown points, counts below 1, negative holds
+    and ``=oom`` outside ``OOM_POINTS`` are errors."""
     plan = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         kill, equals, hold = item.partition("=")
         name, colon, count = kill.rpartition(":")
+        oom = bool(equals) and hold == OOM
         if not colon or not count.isdigit() or int(count) < 1:
             raise ValueError(f"{PLAN_ENV}: {item!r} is not point:count with a count >= 1")
-        if equals and _seconds(hold) < 0:
-            raise ValueError(f"{PLAN_ENV}: {item!r} holds for {hold!r}, not seconds >= 0")
+        if equals and not oom and _seconds(hold) < 0:
+            raise ValueError(f"{PLAN_ENV}: {item!r} holds for {hold!r}, not seconds >= 0 (or {OOM})")
         if name not in POINTS:
             raise ValueError(f"{PLAN_ENV}: unknown fault point {name!r} in {item!r}; known: {', '.join(POINTS)}")
-        plan.append(Fault(name, int(count), _seconds(hold) if equals else None))
+        if oom and name not in OOM_POINTS:
+            raise ValueError(f"{PLAN_ENV}: {item!r}: ={OOM} only at {', '.join(OOM_POINTS)}")
+        plan.append(Fault(name, int(count), _seconds(hold) if equals and not oom else None, oom=oom))
     return plan
 
 
 def format_plan(plan: list[Fault]) -> str:
     """The DFLASH_FAULT value of ``plan``."""
     return ",".join(
-        f"{fault.point}:{fault.count}" + (f"={fault.hold_s}" if fault.hold_s is not None else "") for fault in plan
+        f"{fault.point}:{fault.count}"
+        + (f"={OOM}" if fault.oom else f"={fault.hold_s}" if fault.hold_s is not None else "")
+        for fault in plan
     )
 
 
@@ -147,8 +162,8 @@ class _Injector:
         self._current = 0
         self._reached = 0
 
-    def reach(self, name: str, victim: int | None) -> float | None:
-        """Count a reach of ``name``; kills when the plan says so, or returns the seconds to hold."""
+    def reach(self, name: str, victim: int | None) -> Fault | None:
+        """Count a reach of ``name``; kills when the plan says so, or returns the hold or out-of-memory that fired."""
         with self._lock:
             self._refresh()
             if self._current >= len(self.plan) or self.plan[self._current].point != name:
@@ -173,7 +188,7 @@ class _Injector:
         if fired != self._current:
             self._current, self._reached = fired, 0
 
-    def _fire(self, name: str, victim: int | None) -> float | None:
+    def _fire(self, name: str, victim: int | None) -> Fault | None:
         pid = os.getpid() if victim is None else victim
         with open(self.log_path, "a+") as log:
             fcntl.flock(log, fcntl.LOCK_EX)  # another process may be firing the same entry right now
@@ -197,6 +212,7 @@ class _Injector:
                         "by": os.getpid(),
                         "time": time.time(),
                         **({"hold_s": fault.hold_s} if fault.hold_s is not None else {}),
+                        **({OOM: True} if fault.oom else {}),
                     }
                 )
                 + "\n"
@@ -204,8 +220,8 @@ class _Injector:
             log.flush()
             os.fsync(log.fileno())
             self._advance_to(self._current + 1)
-            if fault.hold_s is not None:
-                return fault.hold_s
+            if fault.hold_s is not None or fault.oom:
+                return fault
             os.kill(pid, signal.SIGKILL)
             return None
 
@@ -226,13 +242,18 @@ _REACHED: dict[str, int] = {}
 
 def point(name: str, victim: int | None = None, stop: Callable[[], bool] | None = None) -> None:
     """A fault point: sleep here if DFLASH_FAULT_DELAY says so, then SIGKILL (of this process, or of
-    ``victim``) or hold when the plan says so. ``stop``: a hold ends early once it returns True."""
+    ``victim``), hold, or raise torch.OutOfMemoryError when the plan says so. ``stop``: a hold ends early once it
+    returns True."""
     if _DELAYS and name in _DELAYS:
         _REACHED[name] = _REACHED.get(name, 0) + 1
         if _REACHED[name] % _DELAYS[name].every == 0:
             time.sleep(_DELAYS[name].seconds)
-    hold_s = _INJECTOR.reach(name, victim) if _INJECTOR is not None else None
-    if hold_s is not None:
-        until = time.monotonic() + hold_s
+    fault = _INJECTOR.reach(name, victim) if _INJECTOR is not None else None
+    if fault is not None and fault.oom:
+        import torch  # only a process that has it reaches an =oom point (OOM_POINTS)
+
+        raise torch.OutOfMemoryError(f"out of memory, injected by {PLAN_ENV} ({name}:{fault.count}={OOM})")
+    if fault is not None and fault.hold_s is not None:
+        until = time.monotonic() + fault.hold_s
         while time.monotonic() < until and not (stop is not None and stop()):
             time.sleep(min(0.05, max(0.0, until - time.monotonic())))

@@ -14,7 +14,10 @@ Lifecycle of ``run``:
 3. Start the trainer (torchrun when launch.trainer_devices lists several devices).
 4. Poll every 0.2 s. A crashed process is restarted after launch.restart_backoff_s, doubling per
    crash in a row (the count resets after a minute of uptime, or for the trainer after a new checkpoint); after launch.max_restarts crashes
-   in a row the run stops. Producers are never restarted because of the trainer.
+   in a row the run stops. Producers are never restarted because of the trainer. A trainer whose step ran out
+   of memory (logs/out-of-memory.jsonl, common/lifecycle.py) is restarted once, like a crash; out of memory
+   again at a step that ran out before is what the config does on this card at every try: the run stops with
+   exit 2, naming the peak memory seen, the card's and the keys that lower it.
 5. Trainer exit 0 with trainer.json state "finished": stop the producers and exit 0. A trainer
    that stopped with a checkpoint (state "stopped") without being asked is replaced at once.
    Exit 2 from any child is a configuration error: stop everything and exit 2.
@@ -25,7 +28,7 @@ Lifecycle of ``run``:
    from the kernel if the launcher itself dies (PR_SET_PDEATHSIG), so none is left behind.
 
 Exit codes: 0 finished or stopped, 1 gave up (crash loop, producer never ready), 2 configuration
-error or launcher already running, 129/130 hang-up/interrupted.
+error, out of memory at the same step twice, or launcher already running, 129/130 hang-up/interrupted.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from pathlib import Path
 
 from common.config import ConfigError, RunConfig, load_config, save_config
 from common.control import HandoverRequest, RestartRequest, RestartResult, StandbyGo
-from common.lifecycle import EXIT_CONFIG_ERROR
+from common.lifecycle import EXIT_CONFIG_ERROR, OUT_OF_MEMORY_LOG, OutOfMemory
 from common.naming import process_alive, process_start_ticks, run_tag, sweep_stale, sweep_stale_trainer_staging
 from common.rundir import RunDir, read_json
 from common.status import LauncherRecord, ProducerStatus, TrainerStatus
@@ -78,6 +81,11 @@ STOP_SIGNAL_EXIT_CODES = {signal.SIGTERM: 0, signal.SIGINT: 130, signal.SIGHUP: 
 TRAINER_STOP_TIMEOUT_S = 60.0  # time for the trainer's final checkpoint before SIGKILL
 RESTART_RESULT_TIMEOUT_S = TRAINER_STOP_TIMEOUT_S + 60.0
 STOP_TIMEOUT_S = TRAINER_STOP_TIMEOUT_S + PRODUCER_STOP_TIMEOUT_S + 30.0
+MEMORY_KEYS = (
+    "batching.token_budget or drafter.num_anchors (what one step holds), launch.num_producers (or the entries of "
+    "launch.producer_devices that share the trainer's GPU), or spread the trainer over more GPUs "
+    "(launch.trainer_devices)"
+)
 
 
 def _sm_cap(percent: int | None, shared_devices: set[str]) -> dict[str, str]:
@@ -123,6 +131,8 @@ class Supervisor:
         self.trainer_started_once = False
         self.trainer_checkpoint_at_start = -1
         """The latest checkpoint's step when the current trainer started (a crash after a newer one is progress)."""
+        self.out_of_memory: dict[int, list[OutOfMemory]] = {}
+        """The trainer's out-of-memory records by the step that failed, since this launcher (or its config) started."""
         self.state = "starting"
         self.outcome = "stopped"  # the state launcher.json keeps once everything is stopped
         self.started_wall = time.time()
@@ -393,6 +403,9 @@ class Supervisor:
             log.info("training finished at step %s: stopping the producers", status.step)
             self.outcome = "finished"
             return 0
+        ran_out = OutOfMemory.since(self.run, self.trainer.status_since)
+        if ran_out:  # whatever the exit code: under torchrun the group exits 1
+            return self._after_out_of_memory(ran_out, returncode)
         if state == "stopped" and returncode != EXIT_CONFIG_ERROR:
             # Stopped from outside (SIGTERM to its pid): it checkpointed; replace it at once. Any exit
             # code: torchrun reports the SIGTERM it forwarded to its ranks as exit 1.
@@ -417,6 +430,34 @@ class Supervisor:
             self.trainer, returncode, made_progress=self._checkpoint_step() > self.trainer_checkpoint_at_start
         )
 
+    def _after_out_of_memory(self, records: list[OutOfMemory], returncode: int) -> int | None:
+        """A trainer whose step ran out of memory: restarted once (a fragmented allocator need not fail again), or,
+        at a step that ran out before, the run stops with exit 2 (it would at every restart)."""
+        step = min(r.step for r in records)
+        before = self.out_of_memory.get(step, [])
+        self.out_of_memory.setdefault(step, []).extend(records)
+        if before:
+            log.error(
+                "trainer: out of memory at step %d again, after a restart (%s): it would be at every restart, so the "
+                "run stops. Lower %s. See %s and logs/%s%s",
+                step,
+                memory_seen([*before, *records]),
+                MEMORY_KEYS,
+                self.trainer.log_path,
+                OUT_OF_MEMORY_LOG,
+                log_tail(self.trainer.log_path),
+            )
+            self.outcome = "failed"
+            return EXIT_CONFIG_ERROR
+        log.warning(
+            "trainer: out of memory at step %d (%s); restarted once, as it may not repeat: a second one at step %d "
+            "stops the run",
+            step,
+            memory_seen(records),
+            step,
+        )
+        return self._after_crash(self.trainer, returncode)
+
     def _handle_restart_request(self) -> None:
         """Apply a restart-trainer request: validate, save config.toml, replace the trainer."""
         self.restart_requested = False
@@ -439,6 +480,7 @@ class Supervisor:
             return
         save_config(new_cfg, self.run.config)
         self.cfg = new_cfg
+        self.out_of_memory.clear()  # a step that ran out of memory may fit the new config
         log.info("restart-trainer: %s", ", ".join(overrides) if changed else "no config change")
         old = self.trainer if self.trainer.proc is not None else None
         successor = self._make_trainer()  # devices may have changed
@@ -564,6 +606,11 @@ class Supervisor:
         if record != self._last_record:  # written when something changed, stamped with when
             self._last_record = record
             record.write(self.run.launcher)
+
+
+def memory_seen(records: list[OutOfMemory]) -> str:
+    """The largest peak memory of ``records`` and its device's memory, in words."""
+    return max(records, key=lambda r: r.peak_reserved or r.peak_allocated or 0).seen()
 
 
 # -- entry points --------------------------------------------------------------------------------

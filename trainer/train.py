@@ -39,6 +39,7 @@ from trainer import build
 from trainer.budget import TimeBudget
 from trainer.checkpoint import CheckpointWriter, Snapshot
 from trainer.feeder import Commits, Received
+from trainer.oom import out_of_memory
 from trainer.optim import build_optimizer
 from trainer.ranks import Ranks, resolve_device
 from trainer.sharding import (
@@ -560,8 +561,8 @@ class Trainer:
         return self.state
 
     def evaluate(self) -> None:
-        """Ask for an acceptance evaluation of this step's weights and go on training (trainer/evaluations.py: producer
-        0 evaluates them between two of its batches). Under FSDP every rank helps gather the weights."""
+        """Ask for an acceptance evaluation of this step's weights and go on training (trainer/acceptance.py: producer 0
+        evaluates them between two of its batches). Under FSDP every rank helps gather the weights."""
         weights = full_model_state(self.drafter) if self.sharded else None
         if self.rank != 0:
             return
@@ -751,7 +752,7 @@ def import_what_a_start_needs() -> None:
     import wandb  # noqa: F401
     from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
-    import common.acceptance.arithmetic  # noqa: F401
+    import common.acceptance.report  # noqa: F401
     import common.drafter.target_head  # noqa: F401
 
 
@@ -835,6 +836,8 @@ def run_trainer(run_dir: str | Path, source: SourceFactory = RingSource, warm_st
         log.error("%s", exc)
         trainer.state = "stopped"
         return EXIT_CONFIG_ERROR
+    except torch.OutOfMemoryError as exc:  # recorded for the launcher, which stops a run whose step never fits
+        return out_of_memory(root, trainer.step + 1, trainer.rank, trainer.device, exc)
     finally:
         trainer.close()
     log.info("trainer %s at step %d", state, trainer.step)
