@@ -16,6 +16,10 @@ Runs: the probe alone; the hog alone, uncapped and at each ``--hog-percents``; t
 under the run's own MPS daemon (``launch/mps.py``), uncapped and at each cap. (MPS client priority,
 ``CUDA_MPS_CLIENT_PRIORITY``, was measured here before and changed nothing: BENCHMARKS.md.)
 Prints a table and JSON.
+
+The daemon quits however the benchmark ends (its end, an error, Ctrl-C, a TERM to its process group); its pipe
+directory is the same for every run of the benchmark, so that a run killed with -9 leaves a daemon the next run finds
+and stops.
 """
 
 from __future__ import annotations
@@ -110,24 +114,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from launch.mps import MpsDaemon
 
-    with tempfile.TemporaryDirectory(prefix="df-mps-") as tmp:
-        daemon = MpsDaemon(Path(tmp), Path(tmp))
-        daemon.start()
-        try:
-            rows = [{"run": "probe alone", **result_of(run_role("probe", args.seconds, daemon.env))}]
-            # The hog starts first and outlasts the probe, which starts once the hog's matmuls run.
-            for percent in [100, *(int(p) for p in args.hog_percents.split(","))]:
-                hog_env = {**daemon.env, **({SM_PERCENT_ENV: str(percent)} if percent < 100 else {})}
-                rows.append(
-                    {"run": f"hog alone, {percent}% of the SMs", **result_of(run_role("hog", args.seconds, hog_env))}
-                )
-                hog_proc = run_role("hog", args.seconds + 4, hog_env)
-                probe_proc = run_role("probe", args.seconds, daemon.env, delay_s=2.0)
-                rows.append(
-                    {"run": f"probe beside a hog of {percent}%", **result_of(probe_proc), **result_of(hog_proc)}
-                )
-        finally:
-            daemon.quit()
+    home = Path(tempfile.gettempdir()) / "dflash-bench-mps"  # one pipe directory for every run (see above)
+    with MpsDaemon(home, home / "logs") as daemon:
+        rows = [{"run": "probe alone", **result_of(run_role("probe", args.seconds, daemon.env))}]
+        # The hog starts first and outlasts the probe, which starts once the hog's matmuls run.
+        for percent in [100, *(int(p) for p in args.hog_percents.split(","))]:
+            hog_env = {**daemon.env, **({SM_PERCENT_ENV: str(percent)} if percent < 100 else {})}
+            rows.append(
+                {"run": f"hog alone, {percent}% of the SMs", **result_of(run_role("hog", args.seconds, hog_env))}
+            )
+            hog_proc = run_role("hog", args.seconds + 4, hog_env)
+            probe_proc = run_role("probe", args.seconds, daemon.env, delay_s=2.0)
+            rows.append({"run": f"probe beside a hog of {percent}%", **result_of(probe_proc), **result_of(hog_proc)})
     print(f"{'run':<42} {'probe ms/round':>15} {'hog TFLOP/s':>12}")
     for row in rows:
         ms, tf = row.get("ms_per_round"), row.get("tflops")
