@@ -183,7 +183,7 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
     from producer.target import build_target_config
 
     tokenizer = _tokenizer(cfg)
-    lines = [_drafter_summary(cfg, tokenizer)]
+    lines = [_drafter_summary(cfg, tokenizer), f"optimizer: {cfg.training.optimizer_reason}"]
     if cfg.training.optimizer_fallback:
         lines.append(f"note: {cfg.training.optimizer_fallback}")
     data_cfg = cfg.data
@@ -205,6 +205,7 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
         "bad": dict(stats.bad),
         "first_bad": list(stats.first_bad),
         "truncated": stats.truncated,
+        "optimizer": cfg.training.resolved_optimizer,
     }
     lines.append(
         f"data: {len(source)} records in {data_cfg.format} format; sampled {len(ids)}: {len(documents)} good, "

@@ -40,6 +40,37 @@ def test_every_preset_reads_the_users_data_with_only_target_and_data_paths_chang
         pytest.skip("the embedded default makes its own data: no data.paths to give")
     train, held = run_sources(cfg, 49152)
     assert len(train) + len(held) == 200 and len(held) > 0
+    # and `check`, the walkthrough's first step, reports on it: the drafter, the optimizer, good records
+    from launch.check import check
+
+    report, figures = check(cfg, sample=50, color=False)
+    assert figures["good"] == 50 and figures["held_out"] == len(held)
+    assert f"optimizer: {cfg.training.resolved_optimizer} (" in report
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_preset_of_several_trainer_ranks_names_the_optimizer_it_runs(preset):
+    """training.optimizer "auto" resolves by the parallelism (adamw under FSDP): a preset of several trainer ranks
+    says which it runs, so that no text credits it with a recipe it does not train."""
+    import tomllib
+
+    settings = tomllib.loads((ROOT / "launch" / preset).read_text())
+    if len(settings.get("launch", {}).get("trainer_devices", [])) > 1:
+        assert settings.get("training", {}).get("optimizer") in ("adamw", "muon"), preset
+
+
+def test_check_names_the_optimizer_an_fsdp_config_runs_and_why(capsys, chat_file):
+    from launch.check import main
+    from tests.real_model import smollm2_folder
+
+    common = [f'target.path="{smollm2_folder()}"', f'data.paths=["{chat_file}"]', "--sample", "20"]
+    assert main(["--config", str(ROOT / "launch" / "qwen3-8b-1gpu.toml"), *common, 'training.parallelism="fsdp"']) == 0
+    out = capsys.readouterr().out
+    assert "optimizer: adamw (AdamW for every trained weight)" in out and "Muon is not sharded" in out
+    assert main(["--config", str(ROOT / "launch" / "qwen3-8b-8gpu.toml"), *common]) == 0
+    assert 'optimizer: adamw (AdamW for every trained weight): training.optimizer = "adamw"' in capsys.readouterr().out
+    assert main(["--config", str(ROOT / "launch" / "qwen3-8b-1gpu.toml"), *common]) == 0
+    assert "optimizer: muon (Muon for the drafter's weight matrices" in capsys.readouterr().out
 
 
 def test_a_missing_held_out_file_is_named_as_eval_paths(tmp_path, chat_file):

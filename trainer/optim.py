@@ -34,6 +34,7 @@ gradients and so compute the same update).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -58,6 +59,8 @@ NS_EPS = 1e-7
 RULE_KEY = "rule"
 """The param-group key naming the update rule of the group: "muon" or "adamw"."""
 
+log = logging.getLogger(__name__)
+
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, fused: bool) -> torch.optim.Optimizer:
     """The optimizer of ``model``'s trainable parameters: ``name`` "adamw" or "muon" (see the module's doc).
@@ -66,10 +69,24 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     """
     if name == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
+        _say(f"optimizer adamw: AdamW for every trained tensor ({len(params)})")
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=ADAMW_BETAS, fused=fused)
     if name == "muon":
-        return MuonAdamW(muon_param_groups(model), lr=lr, weight_decay=weight_decay, fused=fused)
+        groups = muon_param_groups(model)
+        matrices = sum(len(g["params"]) for g in groups if g[RULE_KEY] == "muon")
+        others = sum(len(g["params"]) for g in groups if g[RULE_KEY] == "adamw")
+        _say(f"optimizer muon: Muon for {matrices} weight matrices, AdamW for {others} other trained tensors")
+        return MuonAdamW(groups, lr=lr, weight_decay=weight_decay, fused=fused)
     raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+
+
+def _say(line: str) -> None:
+    """Log which optimizer was built, once per trainer (rank 0 of a group); why is training.optimizer's (check says
+    it, and the trainer warns where auto falls back to AdamW under FSDP)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        log.info(line)
 
 
 def is_muon_parameter(module_name: str, module: nn.Module, param: torch.Tensor) -> bool:

@@ -47,7 +47,8 @@ class TrainingConfig:
     optimizer: Literal["auto", "adamw", "muon"] = "auto"
     """muon: Muon (momentum orthogonalised by Newton-Schulz) for the drafter's weight matrices, AdamW for norms
     and the rest (trainer/optim.py); not with parallelism fsdp, whose shards cannot be orthogonalised one by one.
-    adamw: AdamW for every trained weight. auto: muon, or adamw with fsdp."""
+    adamw: AdamW for every trained weight. auto: muon, or adamw with fsdp (launch/run_all.sh check prints which a
+    config runs and why; the trainer logs the one it built and warns where auto falls back to adamw)."""
     schedule: Literal["cosine", "wsd"] = "cosine"
     """After the linear warmup: cosine, a cosine decay to ``min_lr_ratio`` over the remaining steps; wsd
     (warmup-stable-decay), the peak held until the last ``decay_ratio`` of the steps, then a linear decay."""
@@ -120,6 +121,24 @@ class TrainingConfig:
         if self.optimizer != "auto":
             return self.optimizer
         return "adamw" if self.parallelism == "fsdp" else "muon"
+
+    @property
+    def optimizer_reason(self) -> str:
+        """The optimizer the trainer runs and why, in words for ``check`` (every run; the trainer logs which it built)."""
+        rules = {
+            "muon": "Muon for the drafter's weight matrices, AdamW for norms and the rest",
+            "adamw": "AdamW for every trained weight",
+        }
+        used = self.resolved_optimizer
+        if self.optimizer != "auto":
+            why = f"training.optimizer = \"{self.optimizer}\""
+        elif used == "adamw":
+            why = "training.optimizer = \"auto\" under training.parallelism = \"fsdp\": Muon is not sharded here"
+        else:
+            why = (
+                f"training.optimizer = \"auto\" with training.parallelism = \"{self.parallelism}\", the default recipe"
+            )
+        return f"{used} ({rules[used]}): {why}"
 
     @property
     def optimizer_fallback(self) -> str | None:
