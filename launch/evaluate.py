@@ -1,6 +1,6 @@
 """Acceptance evaluation of a checkpoint or an export, offline: real speculative decoding of the run's target
 with the drafter (greedy, or sampled with lossless rejection sampling at eval.temperature > 0), on the held-out
-split of the run's data (common/drafter/evaluate.py).
+split of the run's data (producer/acceptance/).
 
     python -m launch.evaluate --checkpoint RUN/checkpoints/step-N     # the run's target and held-out data
     python -m launch.evaluate --checkpoint DIR --target HF_DIR [--config FILE] [key=value ...]
@@ -25,7 +25,7 @@ from common.drafter.loss import LossConfig
 from common.drafter.target_head import load_target_head
 from common.lifecycle import EXIT_CONFIG_ERROR
 from common.rundir import RunDir
-from producer.acceptance.job import build_evaluator
+from producer.acceptance.evaluator import build_evaluator
 from producer.acceptance.verifier import target_head_of
 from producer.target import load_target_model
 

@@ -2,7 +2,7 @@
 
 The serving loop (producer/server.py) fills the ring; a job gets the target when the loop asks it, and must
 return soon enough that the trainer never runs dry (the ring's ready batches keep being leased meanwhile). The
-evaluation of the trainer's drafters (producer/evaluation.py) is one. Synthesis is a process role of its own
+evaluation of the trainer's drafters (producer/acceptance/job.py) is one. Synthesis is a process role of its own
 (producer/synthesize.py), and regeneration a data source (producer/regenerate.py): both feed the data, not the
 loop.
 """

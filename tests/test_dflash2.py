@@ -9,7 +9,6 @@ import importlib.util
 import pytest
 import torch
 
-from common.acceptance.arithmetic import draft_rows, propose_rows
 from common.drafter.blocks import build_blocks
 from common.drafter.dflash2.model import DFlash2Drafter, GroupedDynamicCausalConv
 from common.drafter.export import (
@@ -23,6 +22,7 @@ from common.drafter.export import (
 from common.drafter.kinds import build_drafter
 from common.drafter.masks import build_masks
 from common.drafter.model import DFlashDrafter
+from producer.acceptance.decoder import draft_rows, propose_rows
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
 
 

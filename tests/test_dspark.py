@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from common.acceptance.arithmetic import DraftRows, Transcript, replay_rows
+from common.acceptance.arithmetic import Transcript, replay_rows
 from common.config import ConfigError, load_config
 from common.drafter.blocks import build_blocks
 from common.drafter.draft_config import default_gamma
@@ -18,6 +18,7 @@ from common.drafter.kinds import build_drafter
 from common.drafter.loss import LossConfig, slot_weights
 from common.drafter.masks import build_masks
 from common.drafter.sampling import Proposal, Sampling
+from producer.acceptance.decoder import DraftRows
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
 
 VARIANTS = ("vanilla", "gated", "rnn")

@@ -11,23 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from common.acceptance.arithmetic import (
-    DraftContext,
-    acceptance_by_length,
-    block_contexts,
-    bucket_labels,
-    bucket_of,
-    prompt_of,
-    turn_documents,
-)
+from common.acceptance.arithmetic import acceptance_by_length, block_contexts, bucket_labels, bucket_of
 from common.batch import Document
 from common.config import ConfigError, EvalConfig, load_config, save_config
 from common.drafter.export import export_zlab
 from common.drafter.model import DFlashDrafter
 from common.rundir import RunDir
 from launch.evaluate import main
-from producer.acceptance.job import build_evaluator
-from producer.acceptance.verifier import Evaluator, speculative_decode, target_head_of
+from producer.acceptance.decoder import DraftContext, speculative_decode
+from producer.acceptance.evaluator import Evaluator, build_evaluator
+from producer.acceptance.held_out import prompt_of, turn_documents
+from producer.acceptance.verifier import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 from tests.test_data_sources import PLAIN_TEMPLATE, tiny_tokenizer
 
@@ -357,8 +351,9 @@ def test_length_bucket_settings_are_checked_naming_the_key():
 def test_the_timed_draft_round_drafts_what_decoding_drafts(target_model, kind):
     """The timed round reads the context's keys and values projected once, as a server's draft cache holds them: its
     drafts are the evaluator's, for either kind, and the drafter's layers are as they were afterwards."""
-    from common.acceptance.arithmetic import _context_kv_cached, draft_rows, time_draft_round
     from common.drafter.dflash2.model import DFlash2Drafter
+    from producer.acceptance.decoder import draft_rows
+    from producer.acceptance.timing import _context_kv_cached, time_draft_round
     from tests.test_dflash2 import dflash2_config, trained_like
 
     torch.manual_seed(0)

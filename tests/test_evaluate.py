@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.acceptance.arithmetic import DraftContext, DraftRows, prompt_of, replay_rows
+from common.acceptance.arithmetic import replay_rows
 from common.batch import Document, PackedBatch
 from common.config import ConfigError, RunConfig, load_config, save_config
 from common.drafter.blocks import build_blocks
@@ -19,15 +19,10 @@ from common.drafter.masks import build_masks
 from common.drafter.model import DFlashDrafter
 from launch.bench.coupled import TrainingEvaluation
 from launch.evaluate import main
-from producer.acceptance.job import build_evaluator, held_out_documents
-from producer.acceptance.verifier import (
-    Evaluator,
-    GreedyTarget,
-    greedy_decode,
-    greedy_transcripts,
-    speculative_decode,
-    target_head_of,
-)
+from producer.acceptance.decoder import DraftContext, DraftRows, greedy_decode, speculative_decode
+from producer.acceptance.evaluator import Evaluator, build_evaluator
+from producer.acceptance.held_out import held_out_documents, prompt_of
+from producer.acceptance.verifier import GreedyTarget, greedy_transcripts, target_head_of
 from producer.data import build_data_source
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
@@ -597,7 +592,7 @@ def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model,
     """Real decoding of a held-out prompt stops at eval.max_new_tokens; the simulation scores blocks at the anchors
     of the same span of each document (from the prefill's token to the one before the max_new_tokens-th), not at
     the rest of a longer answer."""
-    from common.acceptance.arithmetic import decoded_span, simulated_acceptance
+    from producer.acceptance.simulated import decoded_span, simulated_acceptance
     from producer.acceptance.verifier import document_features
 
     cfg = load_config(
@@ -624,7 +619,7 @@ def test_the_last_blocks_of_the_decoded_span_are_scored_whole():
     """The decoding's last block counts its acceptance whole, past eval.max_new_tokens; so does the simulation's:
     a block anchored near the span's end keeps every label the document has (cutting them capped its streak, and
     a perfect drafter scored 14.3 of 16)."""
-    from common.acceptance.arithmetic import decoded_span
+    from producer.acceptance.simulated import decoded_span
 
     block, max_new = 4, 8
     document = Document(0, np.arange(105, dtype=np.int32), np.r_[np.zeros(5), np.ones(100)].astype(np.uint8))

@@ -215,7 +215,8 @@ def remembering_target(path):
 def test_speculative_decoding_against_a_hybrid_target_is_lossless(tmp_path):
     """Rejected drafts ran through the linear layers' state, which cannot be cropped like a KV cache: the
     state before the block is kept and the kept tokens replayed, so the text equals plain greedy decoding."""
-    from producer.acceptance.verifier import GreedyTarget, greedy_decode, speculative_decode
+    from producer.acceptance.decoder import greedy_decode, speculative_decode
+    from producer.acceptance.verifier import GreedyTarget
     from tests.test_evaluate import OracleContext
 
     target = GreedyTarget(remembering_target(tiny_qwen35(tmp_path, "text")), [1, 3])
@@ -251,7 +252,7 @@ def test_the_evaluator_on_a_hybrid_target_drafts_what_live_decoding_drafts(tmp_p
     from common.batch import Document
     from common.config import EvalConfig
     from common.drafter.model import DFlashDrafter
-    from producer.acceptance.verifier import Evaluator
+    from producer.acceptance.evaluator import Evaluator
     from tests.test_evaluate import live_and_replayed_drafts
 
     path = tiny_qwen35(tmp_path, "multimodal")

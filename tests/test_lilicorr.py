@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 import torch
 
-from common.acceptance.arithmetic import DraftContext
 from common.batch import PackedBatch
 from common.config import ConfigError, load_config
 from common.drafter.blocks import build_blocks
@@ -21,6 +20,7 @@ from common.drafter.loss import LossConfig, chunked_head_rows, draft_loss
 from common.drafter.masks import build_masks
 from common.drafter.model import DFlashDrafter
 from common.drafter.sampling import Sampling
+from producer.acceptance.decoder import DraftContext
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
 
 HEAD_NAMES = {
@@ -552,7 +552,8 @@ def test_sampled_speculative_decoding_with_lilicorr_samples_the_target(tmp_path)
     target's own sampling distribution (q over the reranker's candidates, scattered into the vocabulary)."""
     from transformers import Qwen3ForCausalLM
 
-    from producer.acceptance.verifier import GreedyTarget, speculative_decode, target_head_of
+    from producer.acceptance.decoder import speculative_decode
+    from producer.acceptance.verifier import GreedyTarget, target_head_of
     from tests import test_sampled_eval as sampled
     from tests.drafter_fixtures import tiny_qwen3_target
 

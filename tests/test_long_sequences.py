@@ -442,10 +442,10 @@ def test_the_evaluators_teacher_forced_pass_builds_no_dense_mask(monkeypatch):
     import numpy as np
 
     import common.drafter.masks as masks
-    from common.acceptance import arithmetic as evaluate
-    from common.acceptance.arithmetic import DocumentFeatures
     from common.batch import Document
     from common.drafter.loss import LossConfig
+    from producer.acceptance import simulated as evaluate
+    from producer.acceptance.verifier import DocumentFeatures
 
     config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=64)
     drafter = DFlashDrafter(config, random_head(config)).eval()

@@ -24,12 +24,13 @@ import math
 import pytest
 import torch
 
-from common.acceptance.arithmetic import DraftContext, zlab_acceptance_lengths
+from common.acceptance.arithmetic import zlab_acceptance_lengths
 from common.config import load_config
 from common.drafter.kinds import build_drafter
 from common.drafter.sampling import Sampling, rejection_sample, sample_from, sampling_probs
-from producer.acceptance.job import build_evaluator
-from producer.acceptance.verifier import GreedyTarget, speculative_decode, target_head_of
+from producer.acceptance.decoder import DraftContext, speculative_decode
+from producer.acceptance.evaluator import build_evaluator
+from producer.acceptance.verifier import GreedyTarget, target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
 
 VOCAB = 16

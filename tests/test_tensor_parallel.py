@@ -89,7 +89,7 @@ def eval_reports(model, head: dict[str, torch.Tensor], make_target=GreedyTarget)
     from common.drafter.draft_config import DraftConfig
     from common.drafter.model import DFlashDrafter
     from common.drafter.target_head import TargetHead
-    from producer.acceptance.verifier import Evaluator
+    from producer.acceptance.evaluator import Evaluator
 
     vocab = int(model.config.vocab_size)
     config = DraftConfig.from_target(

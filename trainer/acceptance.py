@@ -1,7 +1,7 @@
-"""The trainer's side of producer 0's evaluations (common/acceptance/records.py is the contract, producer/evaluation.py
-the other side): ask for one at a step, log each result at the step it belongs to when it comes back, and take over
-those a trainer before this one asked for. Training never waits for a result, except a finished run for its last
-step's."""
+"""The trainer's side of producer 0's evaluations (common/acceptance/records.py is the contract,
+producer/acceptance/job.py the other side): ask for one at a step, log each result at the step it belongs to when it
+comes back, and take over those a trainer before this one asked for. Training never waits for a result, except a
+finished run for its last step's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import IO, Any
 import torch
 
 from common.acceptance import records
-from common.acceptance.arithmetic import by_length_summary, warn_if_gap
+from common.acceptance.report import by_length_summary, warn_if_gap
 from common.drafter.base import Drafter
 from common.rundir import RunDir
 from trainer.checkpoint import EvalExportWriter

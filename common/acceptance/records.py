@@ -54,7 +54,7 @@ class EvalResult:
 
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
-    """``eval/*`` figures of common.acceptance.arithmetic.AcceptanceReport.metrics()."""
+    """``eval/*`` figures of common.acceptance.report.AcceptanceReport.metrics()."""
     lost: str | None = None
     """Why there is no figure (the producer died during it, the export could not be read, ...)."""
     incarnation: int = 0

@@ -10,8 +10,8 @@ from .base import require
 
 @dataclass
 class EvalConfig:
-    """Acceptance evaluation by real speculative decoding against the target (producer/verify.py runs it; the
-    arithmetic is common/drafter/evaluate.py's)."""
+    """Acceptance evaluation by real speculative decoding against the target (producer/acceptance/ runs it; the
+    arithmetic is common/acceptance/'s)."""
 
     READ_BY: ClassVar[dict[str, str]] = {  # who reads each field (see READERS)
         "every_steps": "trainer",

@@ -2,6 +2,6 @@
 
 ``draft_config`` (shape and the target-layer rule), ``blocks`` and ``masks`` (what a training step sees),
 ``loss``, ``model`` (DFlashDrafter), ``target_head`` (the target's frozen embedding, norm and lm_head),
-``export`` (the serving formats, and loading them back) and ``evaluate`` (speculative decoding against a
-target). Nothing here imports producer/ or trainer/.
+``export`` (the serving formats, and loading them back); speculative decoding against a target is
+common/acceptance/'s and producer/acceptance/'s. Nothing here imports producer/ or trainer/.
 """

@@ -26,7 +26,7 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-from common.acceptance.arithmetic import AcceptanceReport, warn_if_gap
+from common.acceptance.report import AcceptanceReport, warn_if_gap
 from common.batch import PackedBatch, SlotDims, document_tensors, pad_packed, slot_shapes
 from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta
@@ -34,8 +34,8 @@ from common.drafter.base import Drafter
 from common.drafter.kinds import build_drafter
 from common.lifecycle import exit_process
 from common.rundir import RunDir
-from producer.acceptance.job import build_evaluator
-from producer.acceptance.verifier import Evaluator, target_head_of
+from producer.acceptance.evaluator import Evaluator, build_evaluator
+from producer.acceptance.verifier import target_head_of
 from producer.batching import batch_stats
 from producer.server import build_plan, export_target_head, feature_layer_ids
 from producer.target import Target, build_target_config
@@ -196,7 +196,7 @@ class TrainingEvaluation:
 
 
 class InLoopEvaluations:
-    """The trainer's evaluation interface (trainer/evaluations.py ``EvalClient``: ``adopt``, ``ask``, ``collect``,
+    """The trainer's evaluation interface (trainer/acceptance.py ``EvalClient``: ``adopt``, ``ask``, ``collect``,
     ``status``, ``close``, ``in_flight``) for the coupled baseline: ``ask`` evaluates at once, in the loop, so
     nothing is ever in flight and nothing is adopted."""
 

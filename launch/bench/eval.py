@@ -1,4 +1,4 @@
-"""Benchmark producer 0's acceptance evaluation (common/drafter/evaluate.py) at the Qwen3-8B shapes, alone.
+"""Benchmark producer 0's acceptance evaluation (producer/acceptance/evaluator.py) at the Qwen3-8B shapes, alone.
 
 Random weights: a Qwen3-8B-shaped target and the 8B draft (5 layers, block 16); random held-out documents
 whose prompt is their first ``--prompt-len`` tokens. The first evaluation makes the target's reference (the
@@ -26,7 +26,8 @@ from common.drafter.model import DFlashDrafter
 from launch.bench.step import qwen3_8b_draft, tiny_draft
 from launch.bench.target import QWEN3_8B_SHAPE
 from launch.bench.util import synchronize
-from producer.acceptance.verifier import Evaluator, target_head_of
+from producer.acceptance.evaluator import Evaluator
+from producer.acceptance.verifier import target_head_of
 from producer.target import load_target_model
 
 TINY_TARGET = {

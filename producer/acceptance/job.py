@@ -1,6 +1,6 @@
 """Producer 0's evaluations for a training run: the trainer's exported drafters decoded against this producer's
-target on the held-out split of the run's data (the decoding itself: common/drafter/evaluate.py), as one of the
-producer's jobs (producer/jobs.py)."""
+target on the held-out split of the run's data (the decoding itself: producer/acceptance/evaluator.py), as one of
+the producer's jobs (producer/jobs.py)."""
 
 from __future__ import annotations
 
@@ -8,34 +8,20 @@ import functools
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-
-from torch import nn
 
 from common import faults
 from common.acceptance import records
-from common.acceptance.arithmetic import by_length_summary
-from common.batch import Document
+from common.acceptance.report import by_length_summary
 from common.config import RunConfig
 from common.rundir import RunDir
-from producer.acceptance.verifier import Evaluator, GreedyTarget, stop_tokens_of
-from producer.data import (
-    BadRecord,
-    ChatJsonlSource,
-    DataError,
-    DataSource,
-    SubsetSource,
-    check_turn_order,
-    run_sources,
-    validate_messages,
-)
+from producer.acceptance.evaluator import Evaluator, build_evaluator
+from producer.acceptance.verifier import GreedyTarget
 from producer.target import Target
 from producer.tensor_parallel import MirroredTarget, TensorParallelGroup
 
 log = logging.getLogger(__name__)
+
 
 EVAL_POLL_S = 0.25  # how often producer 0 looks for the trainer's evaluation requests (a directory listing)
 
@@ -46,93 +32,6 @@ def evaluations_expected(cfg: RunConfig) -> bool:
     restarted with more steps still gets its evaluations: the first request makes the reference."""
     every, max_steps = cfg.eval.every_steps, cfg.training.max_steps
     return bool(every) and not (max_steps and every > max_steps)
-
-
-@dataclass
-class HeldOut:
-    """The held-out records an evaluation decodes, and those it left out."""
-
-    documents: list[Document]
-    skipped: list[str] = field(default_factory=list)
-    """``file:line reason`` of each record left out: bad (the data source's reason), or a conversation whose turns do
-    not alternate."""
-
-
-def _chat_records(source: DataSource) -> DataSource | None:
-    """A source whose records are conversations that ``read_json`` reads, or None (tokenized or synthetic data)."""
-    base = source.source if isinstance(source, SubsetSource) else source
-    return source if isinstance(base, ChatJsonlSource) else None
-
-
-def held_out_records(cfg: RunConfig, vocab_size: int, held_out_file: Path | None = None) -> HeldOut:
-    """The first ``eval.num_prompts`` good documents of the run's held-out split (producer/data.py run_sources:
-    ``eval.paths``, the synthetic documents after ``data.num_samples``, or records of the data never trained on,
-    those the run's ``held_out_file`` names when given), and the records left out on the way, each counted and logged
-    with its ``file:line``: bad ones, and, for an evaluation at each assistant turn, conversations whose turns do not
-    alternate. None of them stops the evaluation."""
-    _, source = run_sources(cfg, vocab_size, held_out_file=held_out_file)
-    chat = _chat_records(source) if cfg.eval.every_turn else None
-    held = HeldOut([])
-    for sample_id in range(len(source)):
-        rejected_before = Counter(source.stats.bad)
-        document = source.get(sample_id)
-        if document is None:
-            reason = ", ".join(source.stats.bad - rejected_before) or "bad record"
-            held.skipped.append(f"{source.location(sample_id)} {reason}")
-            continue
-        if chat is not None:
-            try:  # the rule synthesize.turns = "all" writes conversations by: each assistant turn answers a real one
-                check_turn_order(validate_messages(chat.read_json(sample_id)))
-            except BadRecord as bad:
-                held.skipped.append(f"{source.location(sample_id)} {bad}")
-                log.warning("held-out record %s skipped: %s", source.location(sample_id), bad)
-                continue
-        held.documents.append(document)
-        if len(held.documents) == cfg.eval.num_prompts:
-            break
-    if not held.documents:
-        raise DataError(
-            f"eval: no held-out document to evaluate on ({len(source)} held-out records, none usable"
-            + (f"; {'; '.join(held.skipped[:3])}" if held.skipped else "")
-            + "); a data set of fewer than 10 records holds none out: give eval.paths"
-        )
-    return held
-
-
-def held_out_documents(cfg: RunConfig, vocab_size: int, held_out_file: Path | None = None) -> list[Document]:
-    """The documents of ``held_out_records``."""
-    return held_out_records(cfg, vocab_size, held_out_file).documents
-
-
-def build_evaluator(
-    cfg: RunConfig,
-    target_model: nn.Module,
-    layer_ids: list[int],
-    make_target: Callable[..., GreedyTarget] = GreedyTarget,
-    held_out_file: Path | None = None,
-) -> Evaluator:
-    """An evaluator of the run's drafters (reading target layers ``layer_ids``) on the held-out split of ``cfg``'s
-    data (``make_target``: see Evaluator), greedy or sampled as ``cfg.eval`` says (temperature, top_p, top_k, seed)."""
-    held = held_out_records(cfg, int(target_model.config.vocab_size), held_out_file)
-    if len(held.documents) < cfg.eval.num_prompts:
-        log.warning(
-            "eval.num_prompts is %d, the run's held-out split has %d usable documents: evaluating on those",
-            cfg.eval.num_prompts,
-            len(held.documents),
-        )
-    if held.skipped:
-        log.warning("%d held-out records skipped, the first: %s", len(held.skipped), "; ".join(held.skipped[:3]))
-    return Evaluator(
-        target_model,
-        held.documents,
-        cfg.eval,
-        list(layer_ids),
-        num_anchors=cfg.drafter.num_anchors,
-        capture_last=cfg.ships_final_hidden,
-        stop_token_ids=stop_tokens_of(target_model),
-        make_target=make_target,
-        skipped_records=held.skipped,
-    )
 
 
 class EvaluationJob:

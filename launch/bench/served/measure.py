@@ -133,11 +133,11 @@ def held_out_records(run_dir: Path, limit: int | None) -> list[dict]:
     supervised token: the chat template already applied, as our evaluator sends them)."""
     import dataclasses
 
-    from common.acceptance.arithmetic import prompt_of
     from common.config import load_config
     from common.gguf import dequantized_folder, is_gguf
     from common.rundir import RunDir
-    from producer.acceptance.job import held_out_records as run_held_out
+    from producer.acceptance.held_out import held_out_records as run_held_out
+    from producer.acceptance.held_out import prompt_of
     from producer.target import build_target_config
 
     run = RunDir(run_dir)

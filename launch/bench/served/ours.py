@@ -58,7 +58,7 @@ def load(target_dir: Path, draft: Path, dtype: str) -> Loaded:
 def has_confidence(loaded: Loaded) -> bool:
     """Whether the drafter proposes with a per-slot confidence (a confidence head), from one proposal over a context
     of one token of zero features."""
-    from common.acceptance.arithmetic import DraftContext
+    from producer.acceptance.decoder import DraftContext
 
     weight = loaded.drafter.fc.weight
     context = DraftContext(loaded.drafter)
@@ -127,10 +127,11 @@ def evaluator_and_live(
     ``confidence_min`` cuts each block as ``eval.confidence_min`` does."""
     import numpy as np
 
-    from common.acceptance.arithmetic import DraftContext
     from common.batch import Document
     from common.config import EvalConfig
-    from producer.acceptance.verifier import Evaluator, GreedyTarget, speculative_decode
+    from producer.acceptance.decoder import DraftContext, speculative_decode
+    from producer.acceptance.evaluator import Evaluator
+    from producer.acceptance.verifier import GreedyTarget
 
     block_size, drafter = loaded.block_size, loaded.drafter
     # Each prompt is a document whose one supervised token follows it (prompt_len 0 reads the prompt back).
@@ -213,7 +214,7 @@ def cut_margin_function(loaded: Loaded, prompts: list[list[int]], reference: Sid
     """``cut_margin_at(prompt, position, draft)``: the distance from the cut of the confidence of draft ``draft``
     (0-based) of the block anchored at answer token ``position - 1`` of the reference side, that block proposed alone
     (the live decoder's arithmetic) over the target's features of the text before it."""
-    from common.acceptance.arithmetic import DraftContext
+    from producer.acceptance.decoder import DraftContext
     from producer.acceptance.verifier import GreedyTarget
 
     layer_ids = list(loaded.drafter.config.target_layer_ids)

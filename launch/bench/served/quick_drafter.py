@@ -60,7 +60,7 @@ def spread_confidence(drafter, transcripts, spread: float, every: int = 4, rows_
     but a cut at 0.5 then cuts about half of them. A head trained for minutes predicts nearly one value (0.84 to 0.88
     on the small target after 100 steps), which a served check of the cut would barely exercise. Returns the logit's
     (median, standard deviation) before."""
-    from common.acceptance.arithmetic import context_rows, draft_rows
+    from producer.acceptance.decoder import context_rows, draft_rows
 
     head = getattr(drafter, "confidence_head", None)
     if head is None:

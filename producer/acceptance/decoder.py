@@ -1,0 +1,234 @@
+"""The drafter's side of speculative decoding, as a server runs it: its proposals over the kept tokens' features
+(``DraftContext`` for one prompt; ``DraftRows`` for several, one drafter forward for all: ``draft_rows``), and the
+live decoding loop against the target (``speculative_decode``, greedy or sampled; ``greedy_decode``, plain decoding,
+is the text it must equal).
+
+A server decodes a prompt in rounds: the drafter fills the block ``[last kept token, MASK x (B-1)]`` from the
+features (outputs of the captured target layers) of every kept token before it; the target verifies the block
+in one forward and keeps the drafted tokens that equal its own greedy tokens, plus its token after them (the
+correction, or a bonus when all B-1 were right); the kept tokens' features from that forward extend the
+drafter's context. Rejected tokens never enter it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from common.acceptance.arithmetic import Decoded, answer_finished, cut_answer
+from common.drafter.base import Drafter
+from common.drafter.masks import in_block_mask
+from common.drafter.sampling import Proposal, Sampling, rejection_sample, sample_from, sampling_probs
+from producer.acceptance.verifier import GreedyTarget
+
+
+class DraftContext:
+    """The drafter during live decoding of one prompt: the fused context of every kept token before the block.
+
+    The context is cached fused (``hidden_norm(fc(features))``, one row per kept token); each proposal runs
+    the drafter's own layers on it, so decoding exercises exactly the trained forward. ``confidence_min``: a drafter
+    with a confidence head proposes only the drafts before its first below it (``Proposal.kept_drafts``).
+    """
+
+    def __init__(self, drafter: Drafter, confidence_min: float = 0.0) -> None:
+        self.drafter = drafter
+        self.confidence_min = confidence_min
+        config = drafter.config
+        self.block_size = config.block_size
+        self.mask_token_id = config.mask_token_id
+        self.ctx = torch.empty(0, config.hidden_size, device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
+
+    def extend(self, features: torch.Tensor) -> None:
+        """Append the target features ``[n, n_layers * H]`` of newly kept tokens."""
+        self.ctx = torch.cat([self.ctx, self.drafter.fuse_context(features)])
+
+    def propose(self, token: int, position: int) -> torch.Tensor:
+        """Greedy draft tokens ``[B - 1]`` (fewer where the confidence cut them) for slots 1.. of the block anchored at
+        ``token``, at ``position`` (equal to the number of context tokens: the anchor's own features are never
+        context)."""
+        return self.proposal(token, position).tokens[0]
+
+    def proposal(
+        self, token: int, position: int, sampling: Sampling | None = None, generator: torch.Generator | None = None
+    ) -> Proposal:
+        """The drafter kind's proposal of the same block (one row), greedy or under ``sampling``: the tokens and, when
+        sampled, the distribution they were drawn from (DFlash 2: over its candidates)."""
+        device = self.ctx.device
+        anchor = torch.tensor([token], device=device)
+        hidden = draft_rows(self.drafter, [self.ctx], anchor, torch.tensor([position], device=device))
+        proposal = self.drafter.propose(hidden, anchor, sampling, generator, context_rows(self.drafter, [self.ctx]))
+        return proposal.first(int(proposal.kept_drafts(self.confidence_min)[0]))
+
+
+class DraftRows:
+    """The drafter over several transcripts: each row's features fused once, and one drafter forward drafts a block
+    for every row, over the context of its kept tokens (a prefix of its transcript)."""
+
+    def __init__(self, drafter: Drafter, features: Sequence[torch.Tensor], confidence_min: float = 0.0) -> None:
+        self.drafter = drafter
+        self.block_size = drafter.config.block_size
+        self.confidence_min = confidence_min
+        device = drafter.fc.weight.device
+        lengths = [int(f.shape[0]) for f in features]
+        fused = drafter.fuse_context(torch.cat([f.to(device, non_blocking=True) for f in features]))
+        self.contexts = list(fused.split(lengths))
+
+    def propose(self, rows: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> list[list[int]]:
+        """Greedy drafts ``[len(rows)][B - 1]`` (fewer where the confidence cut them) of the blocks anchored at
+        ``tokens`` at ``positions``: row ``rows[i]`` drafts over the features of its first ``positions[i]`` tokens
+        (the anchor's own are never context)."""
+        device = self.contexts[0].device
+        contexts = [self.contexts[r][:p] for r, p in zip(rows, positions)]
+        anchors = torch.tensor(list(tokens), device=device)
+        hidden = draft_rows(self.drafter, contexts, anchors, torch.tensor(list(positions), device=device))
+        proposal = self.drafter.propose(hidden, anchors, context=context_rows(self.drafter, contexts))
+        kept = proposal.kept_drafts(self.confidence_min).tolist()
+        return [draft[:count] for draft, count in zip(proposal.tokens.tolist(), kept)]  # one copy for all rows
+
+
+@torch.no_grad()
+def propose_rows(
+    drafter: Drafter, contexts: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Greedy draft tokens ``[R, B - 1]`` of one block per row in one drafter forward (see :func:`draft_rows`); the
+    drafter's kind turns the slots' hidden states into tokens (DFlash: the argmax; DFlash 2: the selector's walk)."""
+    hidden = draft_rows(drafter, contexts, tokens, positions)
+    return drafter.propose(hidden, tokens, context=context_rows(drafter, contexts)).tokens
+
+
+def context_rows(drafter: Drafter, contexts: list[torch.Tensor]) -> torch.Tensor | None:
+    """[R, H] each row's context row (its last fused context token; zeros for an empty context), for a kind that
+    reads it; else None."""
+    if not drafter.reads_block_context:
+        return None
+    width = drafter.config.hidden_size
+    return torch.stack([c[-1] if c.shape[0] else c.new_zeros(width) for c in contexts])
+
+
+@torch.no_grad()
+def draft_rows(
+    drafter: Drafter, contexts: list[torch.Tensor], tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Draft hidden states ``[R, B, H]`` (after the final norm) of the slots of one block per row, in one drafter
+    forward: row r's block is anchored at ``tokens[r]``, at ``positions[r]``, over its fused context ``contexts[r]``
+    ``[C_r, H]``. The rows are packed as in training (every block sees only its own row's context), with the
+    training masks."""
+    config = drafter.config
+    block_size, device = config.block_size, contexts[0].device
+    num_rows = len(contexts)
+    ctx = torch.cat(contexts)
+    lengths = torch.tensor([c.shape[0] for c in contexts], device=device)
+    context_rows = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)
+    context_positions = torch.arange(ctx.shape[0], device=device) - torch.repeat_interleave(
+        lengths.cumsum(0) - lengths, lengths
+    )
+    block_ids = torch.full((num_rows, block_size), config.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, 0] = tokens
+    block_positions = (positions[:, None] + torch.arange(block_size, device=device)).reshape(-1)
+    block_rows = torch.arange(num_rows, device=device).repeat_interleave(block_size)
+    slot = torch.arange(block_size, device=device).repeat(num_rows)
+    x = drafter.target_head.embed(block_ids.reshape(-1)).to(ctx.dtype)
+    block_rope = drafter.rotary(block_positions, ctx.dtype)
+    context_rope = drafter.rotary(context_positions, ctx.dtype)
+    masks = {}
+    for layer_type in dict.fromkeys(config.layer_types):
+        # The training mask of common.drafter.masks for one block per document: the row's whole context (a windowed
+        # layer only the window before each slot), and its own block as the layer type trained it.
+        window = config.window_of(layer_type)
+        context = block_rows[:, None] == context_rows[None, :]
+        if window is not None:
+            context &= (block_positions[:, None] - context_positions[None, :]) < window
+        own = in_block_mask(block_size, config.causal_in_block(layer_type), window, device)[
+            slot[:, None], slot[None, :]
+        ]
+        masks[layer_type] = torch.cat([context, own & (block_rows[:, None] == block_rows[None, :])], dim=1)
+    for layer in drafter.layers:
+        x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
+    return drafter.norm(x).view(num_rows, block_size, -1)
+
+
+@torch.no_grad()
+def speculative_decode(
+    context: DraftContext,
+    target: GreedyTarget,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    stop_token_ids: frozenset[int] = frozenset(),
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
+) -> Decoded:
+    """Live greedy speculative decoding of ``prompt`` ``[P]`` with a fresh drafter ``context``, as a server runs it
+    (one prompt; the reference ``replay_rows`` must equal): the target's greedy text, and what was accepted.
+    With ``sampling`` at a temperature above 0, sampled speculative decoding instead (``generator`` draws every
+    token): the prefill's token is drawn from the target, the drafter's kind draws the block from its proposal q,
+    and ``rejection_sample`` verifies it against the target's distribution p of the same forward, so the text is
+    distributed as the target's own sampling.
+
+      1. the target prefills the prompt into its KV cache: the first new token, and the features of every
+         prompt token;
+      2. the drafter fills the block from the features of every kept token before it;
+      3. the target verifies the block in one forward;
+      4. the KV cache is cropped to the kept tokens, and the drafter's context is extended with the kept
+         tokens' features from that same forward. Back to 2.
+    A hybrid target's Gated-DeltaNet layers hold a recurrent state and a convolution window that cannot be
+    cropped: their state before the block is kept, and when a draft token was rejected it is put back and the
+    kept tokens are run again (``Decoded.replayed``).
+    """
+    sampled = sampling is not None and not sampling.greedy
+    target.reset()
+    if sampled:
+        logits, features = target.forward_logits(prompt, 0)
+        first = int(sample_from(sampling_probs(logits[-1], sampling), generator))
+    else:
+        greedy, features = target.forward(prompt, 0)
+        first = int(greedy[-1])
+    context.extend(features)
+    tokens, accepted, drafted_counts, replayed = [first], [], [], []
+    while not answer_finished(tokens, max_new_tokens, stop_token_ids):
+        anchor = prompt.shape[0] + len(tokens) - 1  # position of the last kept token
+        if sampled:
+            proposal = context.proposal(tokens[-1], anchor, sampling, generator)
+            drafted = proposal.tokens[0]
+            block = torch.cat([drafted.new_tensor([tokens[-1]]), drafted])
+            target.save_state()
+            logits, features = target.forward_logits(block, anchor)
+            target_probs = sampling_probs(logits, sampling)
+            draft_probs = proposal.dense(target_probs.shape[-1]).probs
+            kept_drafts, after = rejection_sample(drafted[None], target_probs[None], draft_probs, generator)
+            num_accepted, next_token = int(kept_drafts[0]), int(after[0])
+        else:
+            drafted = context.propose(tokens[-1], anchor)
+            block = torch.cat([drafted.new_tensor([tokens[-1]]), drafted])
+            target.save_state()  # a hybrid target's recurrent state before the block
+            verified, features = target.forward(block, anchor)  # verified[i]: the target's token after block[:i + 1]
+            num_accepted = int((drafted == verified[:-1]).long().cumprod(0).sum())
+            next_token = int(verified[num_accepted])
+        accepted.append(num_accepted)
+        drafted_counts.append(int(drafted.shape[0]))
+        tokens += drafted[:num_accepted].tolist() + [next_token]
+        kept = num_accepted + 1  # the anchor and the accepted drafts; the correction is the next anchor
+        if target.recurrent and kept < block.shape[0]:
+            # The state ran over rejected tokens and cannot be cropped: back to before the block, run the kept again.
+            target.restore_state()
+            target.crop(anchor)
+            _, features = target.forward(block[:kept], anchor, logits=False)
+            replayed.append(kept)
+        else:
+            target.crop(anchor + kept)
+        context.extend(features[:kept])
+    return Decoded(cut_answer(tokens, max_new_tokens, stop_token_ids), accepted, drafted_counts, replayed)
+
+
+@torch.no_grad()
+def greedy_decode(
+    target: GreedyTarget, prompt: torch.Tensor, max_new_tokens: int, stop_token_ids: frozenset[int] = frozenset()
+) -> list[int]:
+    """Plain greedy decoding, one target forward per token: the reference speculative decoding must equal."""
+    target.reset()
+    greedy, _ = target.forward(prompt, 0)
+    tokens = [int(greedy[-1])]
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_token_ids:
+        greedy, _ = target.forward(greedy[-1:], prompt.shape[0] + len(tokens) - 1)
+        tokens.append(int(greedy[-1]))
+    return tokens
