@@ -1,12 +1,12 @@
 """``launch/run_all.sh check``: what training would see, without starting a run.
 
 Loads the config (``--config`` or the tiny default, with ``key=value`` overrides), the target's config
-and tokenizer (no weights), the drafter it implies, and a sample of the data, then prints: the counts
-of good and bad records (with ``file:line`` of the first bad ones), the conversations a synthesis cut short and,
-with ``synthesize.turns = "all"``, the records the target cannot write turn by turn, token length statistics, the
-share of supervised tokens, and one rendered sample with its supervised tokens marked. Exit 0 when the data
-has good records, 2 on a configuration or data error (one line naming the key or file), or when no
-record of the sample is usable.
+and tokenizer (no weights), the drafter it implies, and a sample of the data, then prints: what each entry of
+data.paths is read as (chat data: container, split, layout), the counts of good and bad records (with ``file:line``
+of the first bad ones), the conversations a synthesis cut short and, with ``synthesize.turns = "all"``, the records
+the target cannot write turn by turn, token length statistics, the share of supervised tokens, and one rendered
+sample with its supervised tokens marked. Exit 0 when the data has good records, 2 on a configuration or data
+error (one line naming the key or file), or when no record of the sample is usable.
 
     launch/run_all.sh check --config my.toml target.path=/models/Qwen3-8B data.paths='["train.jsonl"]'
 """
@@ -177,6 +177,14 @@ def conversations(cfg: RunConfig, source: Any, ids: np.ndarray, tokenizer: Any) 
     return lines, figures
 
 
+def _read_as(source: Any) -> list[str]:
+    """What each entry of data.paths is read as (container, split, layout: producer/data_files.py), for chat data;
+    [] for the others."""
+    base = getattr(source, "source", source)  # the training records of the held-out split
+    describe = getattr(base, "describe", None)
+    return describe() if describe is not None else []
+
+
 def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]]:
     """The report (text) and its figures of what training would see of ``cfg``'s data."""
     from producer.data import run_sources
@@ -211,6 +219,10 @@ def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]
         f"data: {len(source)} records in {data_cfg.format} format; sampled {len(ids)}: {len(documents)} good, "
         f"{sum(stats.bad.values())} bad {dict(stats.bad) or ''}".rstrip()
     )
+    read_as = _read_as(source)
+    if read_as:
+        figures["read_as"] = read_as
+        lines += [f"  from {line}" for line in read_as]
     lines += [f"  bad record {where}" for where in stats.first_bad]
     held_stats = held_out.stats
     figures.update(

@@ -3,13 +3,15 @@
 Every source maps a sample id (0 .. len-1) to a :class:`Document` (token ids + loss mask) and
 can re-read any id at random, which the producer needs to recompute batches on replay:
 
-- ``chat``: JSONL, one ``{"messages": [{"role", "content"}, ...]}`` per line (and the record's ``tools``, if
-  any), rendered with the target tokenizer's chat template; the loss mask covers the assistant turns only.
+- ``chat``: conversations, one a record (OpenAI ``{"messages": [{"role", "content"}, ...]}`` and the record's
+  ``tools``, ShareGPT, UltraChat, or keys the config names: ``ChatLayout``) in JSONL, Parquet or Arrow files or a
+  Hugging Face dataset folder (producer/data_files.py), rendered with the target tokenizer's chat template; the loss
+  mask covers the assistant turns only.
 - ``tokenized``: JSONL or parquet rows with ``input_ids`` and an optional ``loss_mask``.
 - ``synthetic``: a generator with learnable structure; sample i is a pure function of (seed, i).
 
 For files, the sample id is the record index across the listed files in order (line i of a
-JSONL file is one record, blank lines included, so ids never shift when a line is bad).
+JSONL file is one record, blank lines included, so ids never shift when a line is bad; row i of a table).
 A bad record (invalid JSON, wrong types, empty, too long with the ``drop`` policy, no loss
 tokens) is logged with its file and line, counted in :class:`DataStats` and skipped: ``get``
 returns ``None``. It never stops the producer.
@@ -30,13 +32,16 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from common.batch import Document
 from common.config import DataConfig, RunConfig
 from common.rundir import atomic_write_json, read_json
+
+if TYPE_CHECKING:
+    from producer.data_files import ChatRecords
 
 log = logging.getLogger(__name__)
 
@@ -224,8 +229,9 @@ class DataSource(ABC):
 # Files
 
 
-def expand_paths(paths: list[str]) -> list[str]:
-    """Paths in the given order, each glob pattern replaced by its sorted matches."""
+def expand_paths(paths: list[str], folders: bool = False) -> list[str]:
+    """Paths in the given order, each glob pattern replaced by its sorted matches; with ``folders`` a path may be a
+    folder (a dataset folder of chat data, producer/data_files.py)."""
     expanded: list[str] = []
     for path in paths:
         if glob.has_magic(path):
@@ -233,7 +239,7 @@ def expand_paths(paths: list[str]) -> list[str]:
             if not matches:
                 raise DataError(f"data.paths: no file matches {path!r}")
             expanded.extend(matches)
-        elif not os.path.isfile(path):
+        elif not (os.path.isfile(path) or (folders and os.path.isdir(path))):
             raise DataError(f"data.paths: data file not found: {path!r}")
         else:
             expanded.append(path)
@@ -273,31 +279,60 @@ class _RecordFiles:
         return file_index, sample_id - self.starts[file_index]
 
 
-class JsonlSource(DataSource):
-    """JSONL records read at random through an index of line byte offsets."""
+_SAMPLED_RECORDS = 100
+"""How many records ``Records.sample`` looks at for one that is an object (bad first lines do not hide the layout)."""
 
-    def __init__(self, config: DataConfig, paths: list[str]):
-        super().__init__(config)
-        self._offsets = [index_line_offsets(p) for p in paths]
-        for path, offsets in zip(paths, self._offsets):
-            if len(offsets) < 2:
-                raise DataError(f"data.paths: {path} is empty (no records)")
-        self._files = _RecordFiles(paths, [len(o) - 1 for o in self._offsets])
+
+class Records(ABC):
+    """The records of one file, read at random by their index in it (JSON values: objects for chat data)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def read(self, index: int) -> Any:
+        """The record; raises BadRecord."""
+
+    @abstractmethod
+    def location(self, index: int) -> str:
+        """Where the record lives, for messages (``file:line``, ``file:row N``)."""
+
+    def sample(self) -> dict[str, Any] | None:
+        """The first record that is an object, for the checks at start (None when the first records are not)."""
+        for index in range(min(len(self), _SAMPLED_RECORDS)):
+            with contextlib.suppress(BadRecord):
+                record = self.read(index)
+                if isinstance(record, dict):
+                    return record
+        return None
+
+    def project(self, columns: list[str]) -> None:
+        """Read only these columns of a table from now on; a JSON line is read whole."""
+
+
+class JsonlRecords(Records):
+    """The lines of a JSONL file, read at random through an index of line byte offsets (blank lines count)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self._offsets = index_line_offsets(path)
+        if len(self._offsets) < 2:
+            raise DataError(f"data.paths: {path} is empty (no records)")
         # pread on a kept descriptor: no seek state, so reads are safe from several threads.
-        self._fds = [os.open(p, os.O_RDONLY) for p in paths]
+        self._fd: int | None = os.open(path, os.O_RDONLY)
 
     def __len__(self) -> int:
-        return len(self._files)
+        return len(self._offsets) - 1
 
-    def location(self, sample_id: int) -> str:
-        file_index, line = self._files.locate(sample_id)
-        return f"{self._files.paths[file_index]}:{line + 1}"
+    def location(self, index: int) -> str:
+        return f"{self.path}:{index + 1}"
 
-    def read_json(self, sample_id: int) -> Any:
-        file_index, line = self._files.locate(sample_id)
-        offsets = self._offsets[file_index]
-        start, end = int(offsets[line]), int(offsets[line + 1])
-        raw = os.pread(self._fds[file_index], end - start, start)
+    def read(self, index: int) -> Any:
+        start, end = int(self._offsets[index]), int(self._offsets[index + 1])
+        raw = os.pread(self._fd, end - start, start)
         if not raw.strip():
             raise BadRecord("empty", "blank line")
         try:
@@ -306,13 +341,32 @@ class JsonlSource(DataSource):
             raise BadRecord("invalid_json", str(error)) from None
 
     def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __del__(self) -> None:
-        if getattr(self, "_fds", None):
+        if getattr(self, "_fd", None) is not None:
             self.close()
+
+
+class FileRecords:
+    """The records of several files as one sequence: a sample id is the record's index across the files in order."""
+
+    def __init__(self, files: list[Records]):
+        self.files = files
+        self._index = _RecordFiles([f.path for f in files], [len(f) for f in files])
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def read(self, sample_id: int) -> Any:
+        file_index, index = self._index.locate(sample_id)
+        return self.files[file_index].read(index)
+
+    def location(self, sample_id: int) -> str:
+        file_index, index = self._index.locate(sample_id)
+        return self.files[file_index].location(index)
 
 
 def _token_array(value: Any, name: str) -> np.ndarray:
@@ -343,11 +397,21 @@ def validate_tokenized(record: Any, vocab_size: int | None) -> tuple[np.ndarray,
     return input_ids, loss_mask
 
 
-class TokenizedJsonlSource(JsonlSource):
+class TokenizedJsonlSource(DataSource):
     """JSONL lines ``{"input_ids": [...], "loss_mask": [...]}`` (loss_mask optional)."""
 
+    def __init__(self, config: DataConfig, paths: list[str]):
+        super().__init__(config)
+        self.records = FileRecords([JsonlRecords(p) for p in paths])
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def location(self, sample_id: int) -> str:
+        return self.records.location(sample_id)
+
     def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
-        return validate_tokenized(self.read_json(sample_id), self.config.vocab_size)
+        return validate_tokenized(self.records.read(sample_id), self.config.vocab_size)
 
 
 class ParquetSource(DataSource):
@@ -407,21 +471,33 @@ def _common_prefix_length(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
 
-# ShareGPT speakers -> OpenAI roles.
-_SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
+DEFAULT_ROLE_NAMES = {
     "system": "system",
+    "developer": "developer",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
     "tool": "tool",
     "observation": "tool",
     "function_response": "tool",
+    "function_call": "tool_call",
 }
+"""The speakers of the common layouts (OpenAI, ShareGPT and its variants) and the role each is; ``data.role_names``
+adds to them (``tool_call``: an assistant turn whose text is a JSON tool call)."""
+
+CONVERSATION_KEYS = ("messages", "conversations", "conversation", "data")
+"""Where a record keeps its conversation, looked for in this order unless ``data.messages_key`` names it: OpenAI and
+UltraChat 200k (messages), ShareGPT (conversations), LMSYS-Chat (conversation), the original UltraChat (data)."""
+
 _FORMATS = (
     "expected {\"messages\": [{\"role\", \"content\"}, ...]} (OpenAI) or "
-    "{\"conversations\": [{\"from\", \"value\"}, ...]} (ShareGPT)"
+    "{\"conversations\": [{\"from\", \"value\"}, ...]} (ShareGPT); data.messages_key, data.role_key and "
+    "data.content_key name other keys"
 )
 
 
@@ -448,44 +524,173 @@ def _text_of(content: Any, where: str) -> str:
     raise BadRecord("wrong_type", f"{where} must be a string, a list of content parts or null")
 
 
-def validate_messages(record: Any) -> list[dict[str, Any]]:
-    """The conversation of a record in the OpenAI form (tool calls, tool results and content parts included)
-    or the ShareGPT form, as OpenAI messages with text content."""
-    if not isinstance(record, dict):
-        raise BadRecord("wrong_type", f"record must be an object, got {type(record).__name__}; {_FORMATS}")
-    if "messages" in record:
-        raw, key = record["messages"], "messages"
-    elif "conversations" in record:
-        raw, key = record["conversations"], "conversations"
-    else:
-        raise BadRecord(
-            "unknown_format", f"no 'messages' or 'conversations' key (keys: {sorted(record)[:6]}); {_FORMATS}"
-        )
-    if not isinstance(raw, list) or not raw:
-        raise BadRecord("wrong_type", f"{key} must be a non-empty list")
-    messages = []
-    for i, message in enumerate(raw):
-        where = f"{key}[{i}]"
+def _json_value(value: Any, where: str) -> Any:
+    """``value``, or what it holds when it is JSON text (tables often keep a conversation or tools as a string)."""
+    if not isinstance(value, str):
+        return value
+    if not value.strip():
+        return None
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        raise BadRecord("wrong_type", f"{where} is text that is not JSON") from None
+
+
+def _without_nulls(value: Any) -> Any:
+    """An object without its null entries: a table gives every row each key that any row has, null where absent,
+    and a template tests whether a key is there, not whether it is null."""
+    return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+
+
+def _tool_calls_in_text(text: Any, where: str) -> list[dict[str, Any]]:
+    """The calls a ShareGPT ``function_call`` turn writes as JSON (``{"name", "arguments"}`` or a list of them), as
+    OpenAI tool calls."""
+    try:
+        value = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError:
+        value = None
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):
+        raise BadRecord("wrong_type", f"{where} must be a JSON tool call {{\"name\", \"arguments\"}} or a list of them")
+    return [
+        {
+            "type": "function",
+            "function": {"name": item["name"], "arguments": item.get("arguments", item.get("parameters", {}))},
+        }
+        for item in items
+    ]
+
+
+@dataclass(frozen=True)
+class ChatLayout:
+    """Where a chat record keeps its conversation and what its messages call the speaker and the text
+    (``data.messages_key``, ``data.role_key``, ``data.content_key``, ``data.role_names``); None: found by itself."""
+
+    messages_key: str | None = None
+    role_key: str | None = None
+    content_key: str | None = None
+    role_names: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_NAMES))
+
+    @classmethod
+    def of(cls, config: DataConfig) -> ChatLayout:
+        names = {**DEFAULT_ROLE_NAMES, **{name.lower(): role for name, role in config.role_names.items()}}
+        return cls(config.messages_key, config.role_key, config.content_key, names)
+
+    def conversation_key(self, record: dict[str, Any]) -> str | None:
+        """The key of ``record`` that holds its conversation, or None."""
+        if self.messages_key is not None:
+            return self.messages_key if self.messages_key in record else None
+        return next((key for key in CONVERSATION_KEYS if key in record), None)
+
+    def message_keys(self, message: dict[str, Any]) -> tuple[str | None, str]:
+        """(speaker key, text key) of a message: the configured ones, else role and content or from and value."""
+        role_key = self.role_key or ("role" if "role" in message else "from" if "from" in message else None)
+        return role_key, self.content_key or ("value" if role_key == "from" else "content")
+
+    def openai_record(self, record: Any) -> dict[str, Any]:
+        """The record with its conversation as OpenAI messages under ``messages`` (text content; tool calls, tool
+        results and reasoning kept) and its ``tools`` as a list; raises BadRecord. A prompt may have no assistant
+        turn yet: ``validate_messages`` asks for one."""
+        if not isinstance(record, dict):
+            raise BadRecord("wrong_type", f"record must be an object, got {type(record).__name__}; {_FORMATS}")
+        key = self.conversation_key(record)
+        if key is None:
+            wanted = repr(self.messages_key) if self.messages_key else " or ".join(map(repr, CONVERSATION_KEYS))
+            raise BadRecord("unknown_format", f"no {wanted} key (keys: {sorted(record)[:6]}); {_FORMATS}")
+        raw = _json_value(record[key], key)
+        if not isinstance(raw, list) or not raw:
+            raise BadRecord("wrong_type", f"{key} must be a non-empty list")
+        if self.role_key is None and all(isinstance(m, str) for m in raw):  # the original UltraChat: turns in order
+            messages = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(raw)]
+        else:
+            messages = [self._message(message, f"{key}[{i}]") for i, message in enumerate(raw)]
+        converted = {k: v for k, v in record.items() if k not in (key, "tools")}
+        converted["messages"] = messages
+        tools = _json_value(record.get("tools"), "tools")
+        if tools:
+            converted["tools"] = tools
+        return converted
+
+    def _message(self, message: Any, where: str) -> dict[str, Any]:
         if not isinstance(message, dict):
             raise BadRecord("wrong_type", f"{where} must be an object")
-        if key == "conversations":  # ShareGPT: {"from": "human" | "gpt" | ..., "value": "..."}
-            for field_name in ("from", "value"):
-                if field_name not in message:
-                    raise BadRecord("missing_key", f"{where}.{field_name}")
-            role = _SHAREGPT_ROLES.get(str(message["from"]).lower())
-            if role is None:
-                raise BadRecord("wrong_type", f"{where}.from: unknown speaker {message['from']!r}")
-            messages.append({"role": role, "content": _text_of(message["value"], f"{where}.value")})
-            continue
-        if "role" not in message:
-            raise BadRecord("missing_key", f"{where}.role")
-        if not isinstance(message["role"], str):
-            raise BadRecord("wrong_type", f"{where}.role must be a string")
-        if "content" not in message and not message.get("tool_calls"):
-            raise BadRecord("missing_key", f"{where}.content")
-        converted = dict(message)  # tool_calls, tool_call_id, name, reasoning_content go to the template as they are
-        converted["content"] = _text_of(message.get("content"), f"{where}.content")
-        messages.append(converted)
+        role_key, content_key = self.message_keys(message)
+        if role_key is None or role_key not in message:
+            raise BadRecord("missing_key", f"{where}.{role_key or 'role'}")
+        name = message[role_key]
+        if not isinstance(name, str):
+            raise BadRecord("wrong_type", f"{where}.{role_key} must be a string")
+        role = self.role_names.get(name.lower())
+        if role == "tool_call":
+            calls = _tool_calls_in_text(message.get(content_key), f"{where}.{content_key}")
+            return {"role": "assistant", "content": "", "tool_calls": calls}
+        if role is None:
+            if role_key != "role":
+                raise BadRecord(
+                    "wrong_type", f"{where}.{role_key}: unknown speaker {name!r} (data.role_names maps it to a role)"
+                )
+            role = name  # an OpenAI role of the template's own (ipython, function, ...)
+        if content_key not in message and not message.get("tool_calls"):
+            raise BadRecord("missing_key", f"{where}.{content_key}")
+        converted = {"role": role, "content": _text_of(message.get(content_key), f"{where}.{content_key}")}
+        if role_key == "role":  # tool_calls, tool_call_id, name, reasoning_content go to the template as they are
+            for k, v in message.items():
+                if v is not None and k not in (role_key, content_key, "role", "content"):
+                    converted[k] = v
+            if isinstance(converted.get("tool_calls"), list):
+                converted["tool_calls"] = [
+                    {**_without_nulls(call), "function": _without_nulls(call.get("function"))}
+                    if isinstance(call, dict) and "function" in call
+                    else _without_nulls(call)
+                    for call in converted["tool_calls"]
+                ]
+        return converted
+
+    def check(self, record: dict[str, Any], where: str) -> str:
+        """How this layout reads records like ``record`` (the first of a file), in words; DataError naming the keys
+        found and the ``data.*`` keys that fix it when it cannot."""
+        key = self.conversation_key(record)
+        if key is None:
+            named = (
+                f"data.messages_key = {self.messages_key!r} is none of them"
+                if self.messages_key
+                else f"none is {', '.join(CONVERSATION_KEYS)}: data.messages_key names the one that holds the messages"
+            )
+            raise DataError(
+                f"data.paths: {where}: no conversation in its records, whose keys are {sorted(record)}; {named}"
+            )
+        try:
+            raw = _json_value(record[key], key)
+        except BadRecord:
+            raw = record[key]
+        first = raw[0] if isinstance(raw, list) and raw else None
+        if first is None:
+            return f"conversations in {key!r}"
+        if isinstance(first, str) and self.role_key is None:
+            return f"conversations in {key!r} as user and assistant turns in order"
+        if isinstance(first, dict):
+            role_key, content_key = self.message_keys(first)
+            if role_key in first and (content_key in first or "tool_calls" in first):
+                return f"conversations in {key!r}, messages {{{role_key!r}, {content_key!r}}}"
+            raise DataError(
+                f"data.paths: {where}: the messages in {key!r} have the keys {sorted(first)}: data.role_key and "
+                "data.content_key name the speaker's and the text's (found by themselves: role and content, or from "
+                "and value)"
+            )
+        raise DataError(
+            f"data.paths: {where}: {key!r} holds {type(raw).__name__} values, not lists of messages; "
+            "data.messages_key names the key that holds the messages"
+        )
+
+
+_DEFAULT_LAYOUT = ChatLayout()
+
+
+def validate_messages(record: Any) -> list[dict[str, Any]]:
+    """The conversation of a record in any layout that ``ChatLayout`` reads by itself (OpenAI, ShareGPT, UltraChat)
+    as OpenAI messages with text content (tool calls, tool results and content parts included); it must have an
+    assistant turn."""
+    messages = _DEFAULT_LAYOUT.openai_record(record)["messages"]
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no_loss_tokens", "no assistant message")
     return messages
@@ -654,18 +859,34 @@ def template_errors() -> Iterator[None]:
         raise BadRecord("template", f"{type(error).__name__}: {error}") from None
 
 
-class ChatJsonlSource(JsonlSource):
-    """JSONL lines ``{"messages": [...]}`` rendered with the target's chat template (with their ``tools``)."""
+class ChatSource(DataSource):
+    """Chat records (JSONL lines, Parquet or Arrow rows: producer/data_files.py) rendered with the target's chat
+    template (with their ``tools``)."""
 
-    def __init__(self, config: DataConfig, paths: list[str], tokenizer: Any):
+    def __init__(self, config: DataConfig, records: ChatRecords, tokenizer: Any):
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("chat data needs a tokenizer with a chat_template")
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("chat data needs a fast tokenizer (character offsets locate the assistant turns)")
-        super().__init__(config, paths)
+        super().__init__(config)
+        self.records = records
         self.tokenizer = tokenizer
         self._rendered: dict[int, tuple[np.ndarray, np.ndarray] | BadRecord] = {}
         """The window announced last (``prefetch``), rendered and tokenized together, until ``_read`` takes it."""
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def location(self, sample_id: int) -> str:
+        return self.records.location(sample_id)
+
+    def read_json(self, sample_id: int) -> dict[str, Any]:
+        """The record, its conversation as OpenAI messages under ``messages`` whatever its layout; raises BadRecord."""
+        return self.records.read(sample_id)
+
+    def describe(self) -> list[str]:
+        """What each entry of the paths is read as, for ``check``."""
+        return self.records.describe()
 
     def _read(self, sample_id: int) -> tuple[np.ndarray, np.ndarray]:
         rendered = self._rendered.pop(sample_id, None)
@@ -707,6 +928,10 @@ class ChatJsonlSource(JsonlSource):
             self._rendered[sample_id] = tokens_with_mask(
                 {"input_ids": encoded["input_ids"][i], "offset_mapping": encoded["offset_mapping"][i]}, spans
             )
+
+
+ChatJsonlSource = ChatSource
+"""The chat source's former name, which the evaluation's held-out records still import."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -839,8 +1064,8 @@ def build_data_source(config: DataConfig, tokenizer: Any = None) -> DataSource:
         if config.vocab_size is None:
             raise ValueError("data.vocab_size must be set for synthetic data (the producer sets it from the target)")
         return SyntheticSource(config)
-    paths = expand_paths(config.paths)
     if config.format == "tokenized":
+        paths = expand_paths(config.paths)
         parquet = [p.endswith(".parquet") for p in paths]
         if all(parquet):
             return ParquetSource(config, paths)
@@ -853,7 +1078,9 @@ def build_data_source(config: DataConfig, tokenizer: Any = None) -> DataSource:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-    return ChatJsonlSource(config, paths, tokenizer)
+    from producer.data_files import chat_records  # the container readers build on this module
+
+    return ChatSource(config, chat_records(config, expand_paths(config.paths, folders=True)), tokenizer)
 
 
 def run_sources(

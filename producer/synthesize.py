@@ -53,6 +53,7 @@ from producer.conversation import (
     tool_call_format,
 )
 from producer.data import BadRecord, DataError, expand_paths, record_tools
+from producer.data_files import chat_records
 from producer.generate import GenerationConfig, GenerationMemoryError, Generator
 
 log = logging.getLogger(__name__)
@@ -76,33 +77,32 @@ class Prompt:
 
 
 def data_prompts(cfg: RunConfig, tool_format: ToolCallFormat | None = None) -> list[Prompt]:
-    """The chat records of data.paths as conversations to write (``synthesize.turns``): one that cannot be written
-    is a prompt marked skipped, naming its file:line. A line that is not JSON, or data without a record to write,
-    stops the run (DataError): it would fail every try."""
+    """The chat records of data.paths, read as training reads them (producer/data_files.py: any container and layout),
+    as conversations to write (``synthesize.turns``): one that cannot be written is a prompt marked skipped, naming
+    its file:line. A line that is not JSON, or data without a record to write, stops the run (DataError): it would
+    fail every try."""
     if cfg.data.format != "chat":
         raise ConfigError(
             f"data.format: synthesize.prompts={cfg.synthesize.prompts!r} answers the user turns of chat "
             f"records, got data.format={cfg.data.format!r}"
         )
+    records = chat_records(cfg.data, expand_paths(cfg.data.paths, folders=True))  # what training reads, as it does
     prompts: list[Prompt] = []
-    for path in expand_paths(cfg.data.paths):
-        with open(path, "rb") as f:
-            for line_number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{where}: not a JSON line ({exc.msg} at column {exc.colno})") from None
-                prompt_id, index = f"data:{len(prompts)}", len(prompts)
-                try:
-                    script = conversation_script(record, cfg.synthesize.turns, tool_format)
-                    tools = record_tools(record)
-                except BadRecord as bad:
-                    prompts.append(Prompt(prompt_id, index, None, where, skipped=str(bad)))
-                    continue
-                prompts.append(Prompt(prompt_id, index, tuple(script), where, tuple(tools) if tools else None))
+    for sample_id in range(len(records)):
+        where = records.location(sample_id)
+        prompt_id, index = f"data:{len(prompts)}", len(prompts)
+        try:
+            record = records.read(sample_id)
+            script = conversation_script(record, cfg.synthesize.turns, tool_format)
+            tools = record_tools(record)
+        except BadRecord as bad:
+            if bad.reason == "empty":  # a blank line: no prompt, so the ids of the others stay as they were
+                continue
+            if bad.reason == "invalid_json":
+                raise DataError(f"{where}: not a JSON line ({bad.detail})") from None
+            prompts.append(Prompt(prompt_id, index, None, where, skipped=str(bad)))
+            continue
+        prompts.append(Prompt(prompt_id, index, tuple(script), where, tuple(tools) if tools else None))
     skipped = [p for p in prompts if p.skipped is not None]
     if len(skipped) == len(prompts):
         first = f"; first: {skipped[0].source} {skipped[0].skipped}" if skipped else ""

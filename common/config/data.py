@@ -13,6 +13,11 @@ SourceFormat = Literal["chat", "tokenized", "synthetic"]
 LengthMode = Literal["chat", "fixed"]
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "tool_call")
+"""What ``data.role_names`` maps a speaker to: a chat template's roles, and ``tool_call`` for an assistant turn whose
+text is a JSON tool call (ShareGPT's ``function_call``)."""
+
+
 @dataclass
 class DataConfig:
     """Where documents come from and how they are cut to length."""
@@ -34,12 +39,20 @@ class DataConfig:
         "tokenizer": "producer launcher",
         "regenerate": "producer",
         "cache_mb": "producer",
+        "messages_key": "producer",
+        "role_key": "producer",
+        "content_key": "producer",
+        "role_names": "producer",
+        "split": "producer",
     }
 
     format: SourceFormat = "synthetic"
-    """"chat" (JSONL messages), "tokenized" (JSONL or parquet input_ids) or "synthetic"."""
+    """"chat" (conversations in JSONL, Parquet or a Hugging Face dataset folder), "tokenized" (JSONL or parquet
+    input_ids) or "synthetic"."""
     paths: list[str] = field(default_factory=list)
-    """Files for chat/tokenized, in order; glob patterns expand to their sorted matches."""
+    """Files for chat/tokenized, in order; glob patterns expand to their sorted matches. Chat data may also name a
+    folder: one written by datasets' save_to_disk (Dataset or DatasetDict), or of Parquet, Arrow or JSONL files (a
+    hub snapshot); docs/conversations.md "Datasets as you hold them"."""
     max_seq_len: int = 3072
     """Longest document in tokens; longer ones are truncated or dropped (see too_long). Long contexts (32K to 128K,
     thinking and agentic traces) train in linear time and memory with sliding draft layers
@@ -74,6 +87,22 @@ class DataConfig:
     cache_mb: int = 1024
     """Host memory (MiB, per producer) for documents already read and rendered, reused by later epochs and replays
     instead of reading and rendering them again; the first records read are kept until it is full. 0: none kept."""
+    messages_key: str | None = None
+    """Chat only: the key (JSONL) or column (Parquet, Arrow) holding a record's conversation; None: the first of
+    messages, conversations, conversation and data that the record has."""
+    role_key: str | None = None
+    """Chat only: the key of a message's speaker; None: role (OpenAI), else from (ShareGPT)."""
+    content_key: str | None = None
+    """Chat only: the key of a message's text; None: content with role, value with from."""
+    role_names: dict[str, str] = field(default_factory=dict)
+    """Chat only: speaker names (matched without case) mapped to system, developer, user, assistant, tool or
+    tool_call (an assistant turn whose text is a JSON tool call), over the defaults: human -> user; gpt, chatgpt,
+    bing, bard, model -> assistant; observation, function_response -> tool; function_call -> tool_call. With role, a
+    name neither maps is passed to the chat template as it is; with any other key it makes the record bad."""
+    split: str | None = None
+    """Chat only: the split read from a dataset folder of paths (a DatasetDict, or files named
+    <split>-00000-of-00002.parquet); None: train, or the folder's only split. eval.paths names a split's folder or
+    files."""
 
     def __post_init__(self) -> None:
         if isinstance(self.paths, str):
@@ -97,6 +126,25 @@ class DataConfig:
         require(self.max_step >= 1, "max_step", "must be >= 1")
         require(self.cache_mb >= 0, "cache_mb", f"must be >= 0, got {self.cache_mb}")
         require(not self.regenerate or self.format == "chat", "regenerate", f"needs format='chat', got {self.format!r}")
+        for key in ("messages_key", "role_key", "content_key", "split"):
+            value = getattr(self, key)
+            require(
+                value is None or (isinstance(value, str) and value != ""),
+                key,
+                f"must be a non-empty string, got {value!r}",
+            )
+            require(value is None or self.format == "chat", key, f"is read for format='chat' only, got {self.format!r}")
+        require(
+            isinstance(self.role_names, dict)
+            and all(isinstance(name, str) and role in CHAT_ROLES for name, role in self.role_names.items()),
+            "role_names",
+            f"must map speaker names to one of {', '.join(CHAT_ROLES)}, got {self.role_names!r}",
+        )
+        require(
+            not self.role_names or self.format == "chat",
+            "role_names",
+            f"is read for format='chat' only, got {self.format!r}",
+        )
         if self.format == "synthetic":
             require(self.num_samples >= 1, "num_samples", f"must be >= 1, got {self.num_samples}")
             require(
