@@ -2,7 +2,8 @@
 records written and read in one place. The launcher's command line asks the running launcher for a
 restart-trainer (``RestartRequest``) and reads its answer (``RestartResult``); the launcher tells a standby
 trainer to take over (``StandbyGo``) and asks a running one to hand its state over (``HandoverRequest``); a trainer
-that ends leaves its ``HandoverMark`` for its successor.
+that ends leaves its ``HandoverMark`` for its successor, and a trainer started by restart-trainer is told the one it
+replaces through ``PREDECESSOR_ENV``.
 
 Each is a ``JsonRecord`` (common/records.py): written whole and durably; ``read`` returns None where there is none
 (or what is there is not such a record).
@@ -15,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.records import JsonRecord
+
+PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"
+"""Set by the launcher on restart-trainer: ``pid:start_ticks`` of the trainer this one replaces."""
 
 
 @dataclass

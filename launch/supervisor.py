@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.config import ConfigError, RunConfig, load_config, save_config
-from common.control import HandoverRequest, RestartRequest, RestartResult, StandbyGo
+from common.control import PREDECESSOR_ENV, HandoverRequest, RestartRequest, RestartResult, StandbyGo
 from common.lifecycle import EXIT_CONFIG_ERROR, OUT_OF_MEMORY_LOG, OutOfMemory
 from common.naming import process_alive, process_start_ticks, run_tag, sweep_stale, sweep_stale_trainer_staging
 from common.rundir import RunDir, read_json
@@ -76,7 +76,6 @@ log = logging.getLogger(__name__)
 
 TRAINER_DEVICES_ENV = "DFLASH_TRAINER_DEVICES"
 POLL_INTERVAL_S = 0.2
-PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"  # trainer.train.PREDECESSOR_ENV (the launcher imports no trainer code)
 STOP_SIGNAL_EXIT_CODES = {signal.SIGTERM: 0, signal.SIGINT: 130, signal.SIGHUP: 129}  # SIGTERM: asked to stop
 TRAINER_STOP_TIMEOUT_S = 60.0  # time for the trainer's final checkpoint before SIGKILL
 RESTART_RESULT_TIMEOUT_S = TRAINER_STOP_TIMEOUT_S + 60.0

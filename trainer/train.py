@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from common import faults
 from common.config import ConfigError, RunConfig, load_config
-from common.control import HandoverMark, StandbyGo
+from common.control import PREDECESSOR_ENV, HandoverMark, StandbyGo
 from common.drafter.export import zlab_config
 from common.drafter.model import train_flops
 from common.lifecycle import EXIT_CONFIG_ERROR, die_with_parent, end_now, exit_process, start_role, stop_on_signals
@@ -55,9 +55,6 @@ from trainer.warm import WarmStart
 from trainer.warm import prepare as prepare_warm_start
 
 log = logging.getLogger(__name__)
-"""Builds a batch source in the trainer's process (launch/bench/coupled.py); see ``Trainer``."""
-PREDECESSOR_ENV = "DFLASH_TRAINER_AFTER"
-"""Set by the launcher on restart-trainer: ``pid:start_ticks`` of the trainer this one replaces."""
 EVAL_RESULT_WAIT_S = 300.0  # how long a finished trainer waits for the evaluation of its last step
 
 
