@@ -40,6 +40,8 @@ from producer.data import ChatLayout, DataError, FileRecords, JsonlRecords, Reco
 _TABLE_SUFFIXES = {".parquet": "Parquet", ".arrow": "Arrow"}
 _FOLDER_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
 """The files a folder without datasets' own files is read from."""
+_METADATA = frozenset({"dataset_info.json", "dataset_infos.json", "state.json", "dataset_dict.json"})
+"""datasets' descriptions of a data set, which a hub snapshot may hold beside its data: never records."""
 
 _SHARD_NAME = re.compile(r"^(?P<split>.+?)-\d{5}-of-\d{5}(?=[-.])")
 """``<split>-00000-of-00002.parquet``: how the hub and ``push_to_hub`` name a split's files."""
@@ -199,6 +201,7 @@ def dataset_folder(folder: str, split: str | None) -> tuple[str, list[str]]:
         path
         for path in root.rglob("*")
         if path.suffix.lower() in _FOLDER_SUFFIXES
+        and path.name not in _METADATA
         and path.is_file()
         and not any(part.startswith(".") for part in path.relative_to(root).parts)  # a download's .cache
     )
