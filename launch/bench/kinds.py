@@ -10,6 +10,12 @@ answers, HumanEval's prompts answered too). Then every ROW (a name of ``ROWS``, 
 for the same wall-clock budget (training.max_minutes) while the others run, so a kind whose step costs more trains
 fewer steps, and is then evaluated by real decoding (greedy, and sampled with ``--sampled-prompts``).
 
+The rows are sized to the card first (``plan``): each row needs its producers, its trainer and its standby trainer
+(launch/memory.py estimates them from the preset), and rows that do not fit the card together run in waves of rows
+that do (as even as can be, in the order given: list the rows compared side by side next to each other). A row that
+does not fit the card alone stops the benchmark with exit 2, saying what would fit, before anything starts.
+``--card-gib`` gives the card's memory instead of asking the GPU; ``--plan`` prints the waves and stops.
+
 ``--warm``: DFlash 2 warm-started from DFlash at the same total budget. The first DFlash row keeps a checkpoint
 every 50 steps; once it and the first DFlash 2 row have trained, a DFlash 2 drafter starts from the DFlash
 checkpoint nearest half the budget (``drafter.init_from``) and trains half the steps the DFlash 2 row trained
@@ -22,13 +28,16 @@ Prints a table and one JSON line (DIR/kinds.json).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from launch.bench.side_by_side import SideBySide, quality_command, synthesize_once
+from launch.memory import GIB, MemoryEstimate
 
 ROWS: dict[str, tuple[str, list[str]]] = {
     "dflash": ("dflash", []),
@@ -44,6 +53,8 @@ with the gold excluded instead; DFlash 2 with the selector's loss stopped at the
 defaults (a vanilla rank-256 Markov head, a confidence head); DSpark with the gated Markov head."""
 WARM = "dflash2-warm"
 WARM_SOURCE_CHECKPOINT_EVERY = 50
+CARD_RESERVE = 0.05
+"""The share of the card no row may plan on: the MPS server's own memory, and the estimate's error."""
 
 
 def row_of(spec: str) -> tuple[str, tuple[str, list[str]]]:
@@ -54,6 +65,119 @@ def row_of(spec: str) -> tuple[str, tuple[str, list[str]]]:
         sys.exit(2)
     kind, overrides = ROWS[name]
     return f"{name}-s{int(seed or 0)}", (kind, [*overrides, f"training.seed={int(seed or 0)}"])
+
+
+@functools.cache
+def _estimate(gguf: Path, kind: str, overrides: tuple[str, ...]) -> tuple[MemoryEstimate, bool]:
+    """The preset's estimate with a row's kind and overrides, and whether its run starts a standby trainer."""
+    from common.config import load_config
+    from launch.bench.quality import PRESET
+    from launch.memory import estimate
+
+    cfg = load_config(PRESET, [f"target.path={json.dumps(str(gguf.resolve()))}", f"drafter.kind={kind}", *overrides])
+    return estimate(cfg), cfg.launch.standby_trainer_after_s >= 0
+
+
+def row_needs(gguf: Path, runs: dict[str, tuple[str, list[str]]], producers: int) -> dict[str, tuple[int, str]]:
+    """Each row's bytes on the card, with how they add up: ``producers`` producers, the trainer and its standby, of
+    the preset with the row's kind and overrides (launch/memory.py)."""
+    needs: dict[str, tuple[int, str]] = {}
+    for name, (kind, overrides) in runs.items():
+        same_memory = tuple(o for o in overrides if not o.startswith("training.seed="))  # the seed changes nothing
+        e, has_standby = _estimate(gguf, kind, same_memory)
+        standby = e.standby if has_standby else 0
+        total = producers * e.producer + e.trainer + standby
+        needs[name] = (
+            total,
+            f"{total / GIB:.1f} GiB: {producers} producers of {e.producer / GIB:.1f}, a trainer of {e.trainer / GIB:.1f} "
+            f"and its standby of {standby / GIB:.1f}",
+        )
+    return needs
+
+
+def plan_waves(needs: dict[str, int], usable: int) -> list[list[str]]:
+    """The rows, in their order, in the fewest waves whose rows fit ``usable`` bytes together, the waves as even as
+    can be (their sizes differ by one at most). ValueError naming a row that does not fit alone."""
+    names = list(needs)
+    for name in names:
+        if needs[name] > usable:
+            raise ValueError(name)
+    for count in range(1, len(names) + 1):
+        size, extra = divmod(len(names), count)
+        waves, start = [], 0
+        for index in range(count):
+            end = start + size + (index < extra)
+            waves.append(names[start:end])
+            start = end
+        if all(sum(needs[n] for n in wave) <= usable for wave in waves):
+            return waves
+    raise AssertionError("one row per wave fits")  # every row fits alone (checked above)
+
+
+def card_bytes(card_gib: float | None) -> int:
+    """The card's memory: ``--card-gib``, else what the GPU says (exit 2 without one)."""
+    if card_gib is not None:
+        return int(card_gib * GIB)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA GPU to size the rows for: give its memory with --card-gib, or --smoke", file=sys.stderr)
+        sys.exit(2)
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def plan(args: argparse.Namespace, runs: dict[str, tuple[str, list[str]]]) -> list[list[str]]:
+    """The waves of ``runs`` on the card, printed; exit 2 naming a row that cannot fit alone and what would fit.
+
+    The warm row trains a number of steps, not minutes, and starts once its source rows trained: it goes into their
+    wave where it fits there (it then trains while they evaluate, as without waves), else into a wave of its own at
+    the end, never beside rows that train on the clock."""
+    card = card_bytes(args.card_gib)
+    usable = int(card * (1 - CARD_RESERVE))
+    rows = {**runs, **({f"{WARM}-s0": runs["dflash2-s0"]} if args.warm else {})}
+    needs = row_needs(args.gguf, rows, args.producers)
+    try:
+        waves = plan_waves({name: needs[name][0] for name in runs}, usable)
+        if args.warm:
+            warm = f"{WARM}-s0"
+            if needs[warm][0] > usable:
+                raise ValueError(warm)
+            home = max(i for i, wave in enumerate(waves) if {"dflash-s0", "dflash2-s0"} & set(wave))
+            if sum(needs[n][0] for n in waves[home]) + needs[warm][0] <= usable:
+                waves[home].append(warm)
+            else:
+                waves.append([warm])
+    except ValueError as exc:
+        name = str(exc)
+        fewer = [
+            p
+            for p in range(args.producers - 1, 0, -1)
+            if row_needs(args.gguf, {name: rows[name]}, p)[name][0] <= usable
+        ]
+        print(
+            f"error: row {name} needs {needs[name][1]}; the card has {card / GIB:.1f} GiB, {usable / GIB:.1f} of which "
+            f"rows may use ({CARD_RESERVE:.0%} kept free). "
+            + (
+                f"It fits with --producers {fewer[0]}."
+                if fewer
+                else "It does not fit with one producer either: lower batching.token_budget or drafter.num_anchors "
+                "in launch/smollm2-135m.toml, or use a larger card."
+            ),
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    print(f"card: {card / GIB:.1f} GiB, rows may use {usable / GIB:.1f}", flush=True)
+    for name, (_, how) in needs.items():
+        print(f"  {name} needs {how}", flush=True)
+    for index, wave in enumerate(waves, 1):
+        total = sum(needs[n][0] for n in wave)
+        print(f"wave {index}: {', '.join(wave)} ({total / GIB:.1f} GiB)", flush=True)
+    if len(waves) > 1:
+        print(
+            f"the rows do not fit the card together: {len(waves)} waves, each row beside those of its wave only",
+            flush=True,
+        )
+    return waves
 
 
 def checkpoint_nearest(run_dir: Path, seconds: float) -> Path:
@@ -152,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         "--producers", type=int, default=2, help="producers of every row, all on the one GPU (launch.producer_devices)"
     )
     parser.add_argument("--warm", action="store_true", help="also DFlash 2 warm-started from the first DFlash row")
+    parser.add_argument(
+        "--card-gib", type=float, help="the GPU's memory in GiB, to size the rows for (default: what the GPU says)"
+    )
+    parser.add_argument("--plan", action="store_true", help="print the rows' waves on the card and stop")
     parser.add_argument("--smoke", action="store_true", help="on the CPU, a few prompts and seconds: the pipeline only")
     parser.add_argument("--table", action="store_true", help="print the table of the runs in --out and stop")
     parser.add_argument("rows", nargs="*", metavar="ROW", help=f"name[@seed], names: {', '.join(ROWS)}")
@@ -163,8 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         runs = dict(row_of(spec) for spec in args.rows)
         if args.warm and not {"dflash-s0", "dflash2-s0"} <= set(runs):
             parser.error("--warm needs the rows dflash and dflash2 (seed 0): its source and its step count")
+        if args.card_gib is not None and args.card_gib <= 0:
+            parser.error(f"--card-gib must be > 0, got {args.card_gib}")
+        waves = [[*runs, *([f"{WARM}-s0"] if args.warm else [])]] if args.smoke else plan(args, runs)
+        if args.plan:
+            return 0
         started = time.monotonic()
-        train_side_by_side(args, out, runs)
+        train_side_by_side(args, out, runs, waves)
         print(f"all rows in {(time.monotonic() - started) / 60:.1f} min from the GGUF file", flush=True)
     rows = table(out)
     print_table(rows)
@@ -173,9 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, tuple[str, list[str]]]) -> None:
-    """Synthesize the data (once per --out), then train and evaluate every row at the same time; with --warm, the
-    warm-started row once its source and its step count are known."""
+def train_side_by_side(
+    args: argparse.Namespace, out: Path, runs: dict[str, tuple[str, list[str]]], waves: list[list[str]]
+) -> None:
+    """Synthesize the data (once per --out), then train and evaluate the rows of each wave at the same time, one wave
+    after the other; with --warm, the warm-started row once its source and its step count are known."""
     out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.smoke else "cuda:0"
     quality = quality_command(
@@ -191,29 +326,43 @@ def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, tupl
     def command(name: str, kind: str, options: list[str], overrides: list[str]) -> list[str]:
         return [*quality, "--reuse-data", "--name", name, "--kind", kind, *options, *overrides, producers]
 
-    processes = len(runs) * (args.producers + 1)
-    with SideBySide(out, "kinds", processes, smoke=args.smoke) as rows:
-        for name, (kind, overrides) in runs.items():
-            if args.warm and name == "dflash-s0":  # the warm row's source: checkpoints to pick half the budget from
-                overrides = [
-                    *overrides,
-                    f"training.checkpoint_every={WARM_SOURCE_CHECKPOINT_EVERY}",
-                    "training.keep_last=100000",
-                ]
-            rows.launch(name, command(name, kind, ["--minutes", str(args.minutes)], overrides))
-        if args.warm:
-            while not (trained(out, "dflash-s0") and trained(out, "dflash2-s0")):
-                if any(rows.children[n].poll() not in (None, 0) for n in ("dflash-s0", "dflash2-s0")):
-                    sys.exit(
-                        "the warm row's source or step count failed; see kinds-dflash-s0.log, kinds-dflash2-s0.log"
-                    )
-                time.sleep(5)
-            source = checkpoint_nearest(out / "dflash-s0", 30 * args.minutes)
-            steps = max(1, trained(out, "dflash2-s0")["steps"] // 2)
-            print(f"{WARM}: from {source.name} of dflash-s0, {steps} steps", flush=True)
-            overrides = [f"drafter.init_from={json.dumps(str(source))}", "training.seed=0"]
-            rows.launch(f"{WARM}-s0", command(f"{WARM}-s0", "dflash2", ["--steps", str(steps)], overrides))
-        rows.wait()
+    processes = max(len(wave) for wave in waves) * (args.producers + 1)
+    with SideBySide(out, "kinds", processes, smoke=args.smoke) as rows:  # one MPS daemon for every wave
+        for index, wave in enumerate(waves, 1):
+            if len(waves) > 1:
+                print(f"wave {index} of {len(waves)}: {', '.join(wave)}", flush=True)
+            for name in wave:
+                if name == f"{WARM}-s0":
+                    continue
+                kind, overrides = runs[name]
+                if args.warm and name == "dflash-s0":  # the warm row's source: checkpoints to pick half the budget from
+                    overrides = [
+                        *overrides,
+                        f"training.checkpoint_every={WARM_SOURCE_CHECKPOINT_EVERY}",
+                        "training.keep_last=100000",
+                    ]
+                rows.launch(name, command(name, kind, ["--minutes", str(args.minutes)], overrides))
+            if f"{WARM}-s0" in wave:  # its source and step count ran in this wave or an earlier one
+                while not (trained(out, "dflash-s0") and trained(out, "dflash2-s0")):
+                    if any(rows.children[n].poll() not in (None, 0) for n in ("dflash-s0", "dflash2-s0")):
+                        sys.exit(
+                            "the warm row's source or step count failed; see kinds-dflash-s0.log, kinds-dflash2-s0.log"
+                        )
+                    time.sleep(5)
+                source = checkpoint_nearest(out / "dflash-s0", 30 * args.minutes)
+                steps = max(1, trained(out, "dflash2-s0")["steps"] // 2)
+                print(f"{WARM}: from {source.name} of dflash-s0, {steps} steps", flush=True)
+                overrides = [f"drafter.init_from={json.dumps(str(source))}", "training.seed=0"]
+                rows.launch(f"{WARM}-s0", command(f"{WARM}-s0", "dflash2", ["--steps", str(steps)], overrides))
+            wait_for_wave(rows.children, wave, rows.started)
+
+
+def wait_for_wave(children: dict[str, subprocess.Popen], wave: list[str], started: float) -> None:
+    """Wait for every row of ``wave``, saying how each ended and when (the next wave needs their memory)."""
+    for name in wave:
+        code = children[name].wait()
+        ended = "done" if code == 0 else f"failed (exit {code}), see kinds-{name}.log"
+        print(f"{name}: {ended} after {time.monotonic() - started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
