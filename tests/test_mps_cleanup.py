@@ -168,3 +168,30 @@ def test_a_daemon_left_by_a_benchmark_killed_with_9_is_cleared_by_the_next_start
     stale_quit, new = fake_mps.started()[0], fake_mps.started()[1]
     assert stale_quit == stale and fake_mps.quit_pids() == [stale, new], fake_mps.lines()
     assert not alive(new)
+
+
+def test_a_term_to_the_kinds_benchmarks_group_while_its_rows_run_quits_its_daemon(fake_mps, short_tmp):
+    """The case that left MPS behind: launch.bench.kinds, its rows running under its daemon, killed with a TERM to
+    its process group."""
+    from launch.bench.served.prompts import smollm2_gguf
+
+    out = short_tmp / "out"
+    out.mkdir()
+    (out / "quality-data.json").write_text("{}")  # the data of an earlier call: the rows start at once
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.bench.kinds", "--gguf", str(smollm2_gguf()), "--out", str(out)]
+        + ["--card-gib", "139.8", "dflash", "dflash2"],
+        cwd=ROOT,
+        env=fake_mps.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        process_group=0,
+    )
+    wait_for(lambda: (out / "kinds-dflash2-s0.log").exists() or proc.poll() is not None, "the rows' start", 120)
+    (daemon,) = fake_mps.started()
+    os.killpg(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, output
+    assert fake_mps.quit_pids() == [daemon], fake_mps.lines()
+    wait_for(lambda: not alive(daemon), "the daemon's exit", 10)
