@@ -118,12 +118,13 @@ def card_bytes(card_gib: float | None) -> int:
     """The card's memory: ``--card-gib``, else what the GPU says (exit 2 without one)."""
     if card_gib is not None:
         return int(card_gib * GIB)
-    import torch
-
-    if not torch.cuda.is_available():
+    # Asked in a process of its own, so that no CUDA state of this one outlives the question beside the rows.
+    ask = "import torch; print(torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0)"
+    total = int(subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True).stdout)
+    if not total:
         print("error: no CUDA GPU to size the rows for: give its memory with --card-gib, or --smoke", file=sys.stderr)
         sys.exit(2)
-    return torch.cuda.get_device_properties(0).total_memory
+    return total
 
 
 def plan(args: argparse.Namespace, runs: dict[str, tuple[str, list[str]]]) -> list[list[str]]:
