@@ -5,6 +5,10 @@ configuration error: a degree that does not divide the target's heads, a missing
 torchrun exits 1 for any failed rank, which the launcher takes for a crash and retries with backoff
 until launch.max_restarts; this exits 2, so the launcher stops the run at once and shows the error,
 as it does for a producer or trainer on one device.
+
+The launcher starts it with ``--standalone`` (launch/processes.py): a trainer's ranks, like a tensor-parallel
+producer's, are GPUs of one node; a trainer spread over several nodes is not supported (docs/operations.md
+"Multi-host").
 """
 
 from __future__ import annotations

@@ -36,9 +36,8 @@ One TOML file plus dotted overrides, for example
 (`launch/run_all.sh [--config FILE] [key=value ...]`). Errors name the key
 (`training.lr: must be > 0, got -1.0`); unknown keys are errors, never silently ignored. The resolved
 config, every value written out, is saved into the run directory as `config.toml`; running again on that
-directory resumes with it. Example files: `launch/tiny.toml` (the default), `launch/qwen3-8b-1gpu.toml`,
-`launch/qwen3-8b-8gpu.toml`, `launch/llama-3.1-8b-instruct.toml`, `launch/qwen3.6-27b-1gpu.toml`,
-`launch/qwen3.6-27b-8gpu.toml`.
+directory resumes with it. The presets, `launch/tiny.toml` the default (the README's table says what each is for
+and which have been run): {presets}.
 
 Every field says who reads it (its section's `READ_BY`, in `common/config/`). `restart-trainer` accepts changes of
 what only the trainer or the launcher reads and refuses, naming the key, what a producer read at its start
@@ -204,7 +203,7 @@ def render(module: types.ModuleType) -> str:
         "fails when this page differs from what the generator writes. Edit the field's docstring in its section's",
         "module and rerun it.",
         "",
-        INTRO,
+        INTRO.replace("{presets}", ", ".join(f"`launch/{p.name}`" for p in sorted((ROOT / "launch").glob("*.toml")))),
         "",
         "## Who reads a field",
         "",
