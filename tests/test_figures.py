@@ -194,7 +194,9 @@ def unquoted(root: Path) -> list[str]:
                     if numbers and names_benchmarks:
                         problems.append(f"{name}:{line}: quotes BENCHMARKS.md without naming the section: {sentence}")
                     elif numbers and (MEASURED.search(CODE_SPAN.sub(" ", sentence)) or "launch.bench." in sentence):
-                        problems.append(f"{name}:{line}: a measured figure without its BENCHMARKS.md section: {sentence}")
+                        problems.append(
+                            f"{name}:{line}: a measured figure without its BENCHMARKS.md section: {sentence}"
+                        )
                     continue
                 missing = [a for a in anchors if a not in sections]
                 if missing:
