@@ -264,35 +264,45 @@ def test_our_forward_and_proposals_equal_the_reference_model_loaded_from_our_exp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_compiled_dflash2_step_equals_the_dense_eager_step():
-    """The trainer's CUDA path for DFlash 2 (compiled layers, compiled flex attention, block masks) against the eager
-    layers with the dense masks: the same loss, selector metrics and gradients."""
+def test_gpu_compiled_dflash2_step_equals_the_dense_eager_step(monkeypatch):
+    """The trainer's CUDA path for DFlash 2 (compiled layers, compiled flex attention, block masks) and the eager
+    CUDA layers with the dense masks (the convolution compiled alone) against the CPU's eager step: the same loss,
+    selector metrics and gradients."""
     from common.batch import PackedBatch
 
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # a benchmark run in-process may set it
     config = dflash2_config(
         layer_types=["sliding_attention", "full_attention"], sliding_window=6, block_size=8, head_dim=16
     )
     torch.manual_seed(0)
-    eager = trained_like(build_drafter(config, random_head(config))).cuda()
-    compiled = build_drafter(config, random_head(config)).cuda()
-    compiled.load_state_dict(eager.state_dict())
-    for layer in compiled.layers:
-        layer.compile(dynamic=False)
-    batch = random_batch([300, 90, 500], config, seed=2, supervised_fraction=0.9)
-    batch = PackedBatch(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in vars(batch).items()})
-    blocks = build_blocks(batch, 64, 8, config.mask_token_id, torch.Generator(device="cuda").manual_seed(0))
+    reference = trained_like(build_drafter(config, random_head(config)))
+    drafters = []
+    for compile_layers in (False, True):
+        drafter = build_drafter(config, random_head(config)).cuda()
+        drafter.load_state_dict(reference.state_dict())
+        if compile_layers:
+            for layer in drafter.layers:
+                layer.compile(dynamic=False)
+        drafters.append(drafter)
+    host_batch = random_batch([300, 90, 500], config, seed=2, supervised_fraction=0.9)
     results = []
-    for drafter, dense in ((eager, True), (compiled, False)):
+    for drafter, dense in ((reference, True), (drafters[0], True), (drafters[1], False)):
+        device = next(drafter.parameters()).device
+        batch = PackedBatch(
+            **{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(host_batch).items()}
+        )
+        blocks = build_blocks(batch, 64, 8, config.mask_token_id, torch.Generator().manual_seed(0))
         hidden = drafter(batch.aux_hidden, blocks, build_masks(blocks, config, dense=dense))
         loss, metrics = drafter.objective(hidden, blocks)
         loss.backward()
-        results.append((loss, metrics, {n: p.grad for n, p in drafter.named_parameters()}))
-    (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = results
-    torch.testing.assert_close(loss_b, loss_a, rtol=2e-3, atol=2e-3)
-    for key in ("tau", "unary_tau", "selector/recall"):
-        torch.testing.assert_close(metrics_b[key], metrics_a[key], rtol=0.02, atol=0.02)
-    for name, grad in grads_a.items():
-        torch.testing.assert_close(grads_b[name], grad, rtol=2e-2, atol=2e-3, msg=name)
+        results.append((loss.cpu(), metrics, {n: p.grad.cpu() for n, p in drafter.named_parameters()}))
+    loss_a, metrics_a, grads_a = results[0]
+    for loss_b, metrics_b, grads_b in results[1:]:
+        torch.testing.assert_close(loss_b, loss_a, rtol=2e-3, atol=2e-3)
+        for key in ("tau", "unary_tau", "selector/recall"):
+            torch.testing.assert_close(metrics_b[key].cpu(), metrics_a[key], rtol=0.02, atol=0.02)
+        for name, grad in grads_a.items():
+            torch.testing.assert_close(grads_b[name], grad, rtol=2e-2, atol=2e-3, msg=name)
 
 
 @pytest.mark.parametrize("width", [64, 151936, 49152, 5000])

@@ -162,28 +162,57 @@ def test_the_dflash2_step_equals_the_tap_loop_and_indexed_codebooks(monkeypatch,
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_the_traced_convolution_is_the_functions():
+    """What a compiler traces (the convolution out of place, differentiated by autograd) equals CausalConvFunction,
+    its output and the three gradients, in float64."""
+    from common.drafter.dflash2.model import CausalConvFunction, _conv_traced
+
+    gen = torch.Generator().manual_seed(0)
+    x, base, deltas, grad = (
+        torch.randn(shape, generator=gen, dtype=torch.float64)
+        for shape in ((4, 9, 3, 5), (3, 3, 5), (4, 9, 3, 3), (4, 9, 3, 5))
+    )
+    results = []
+    for fn in (_conv_traced, CausalConvFunction.apply):
+        inputs = [t.clone().requires_grad_() for t in (x, base, deltas)]
+        out = fn(*inputs)
+        results.append((out, *torch.autograd.grad(out, inputs, grad)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_compiled_convolution_equals_the_eager_one(dtype):
-    """On CUDA a training step runs the convolution compiled: the same output and gradients as the eager function."""
+    """On CUDA a training step runs the convolution compiled: its output and gradients are as close to the exact ones
+    (float64) as the eager function's. Compiled and eager differ by rounding alone (the compiled kernels keep fused
+    sums in fp32 where the eager ones round after each op), so each is held to the exact values, not to the other:
+    where terms cancel, two correct roundings of a sum differ by more than a tolerance relative to the sum."""
     from common.drafter.dflash2.model import _apply_conv
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(64, 16, 36, 16, device="cuda", generator=gen).to(dtype).requires_grad_()
-    kernel = torch.randn(2, 2, 576, device="cuda", generator=gen).requires_grad_()  # fp32, as master weights are
-    deltas = torch.randn(64, 16, 2, 2, 36, device="cuda", generator=gen).to(dtype).requires_grad_()
+    x = torch.randn(64, 16, 36, 16, device="cuda", generator=gen).to(dtype)
+    kernel = torch.randn(2, 2, 576, device="cuda", generator=gen)  # fp32, as master weights are
+    deltas = torch.randn(64, 16, 2, 2, 36, device="cuda", generator=gen).to(dtype)
     grad = torch.randn(64, 16, 36, 16, device="cuda", generator=gen).to(dtype)
-    results = []
+    names = ("out", "x", "base", "deltas")
+
+    def run(fn, *inputs):
+        inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        out = fn(*inputs, side)
+        return (out, *torch.autograd.grad(out, inputs, grad.to(out.dtype)))
+
+    floor = 1e-6 if dtype == torch.float32 else 1e-2  # relative to each result's largest value
     for side in (0, 1):
-        for fn in (causal_conv, _apply_conv):
-            out = fn(x, kernel, deltas, side)
-            results.append((out, *torch.autograd.grad(out, (x, kernel, deltas), grad)))
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    for name, a, b in zip(("out", "x", "base", "deltas"), *results[:2]):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tolerance, atol=tolerance, msg=name)
-    for name, a, b in zip(("out", "x", "base", "deltas"), *results[2:]):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tolerance, atol=tolerance, msg=name)
+        exact = run(_apply_conv, x.double(), kernel.double(), deltas.double())
+        eager, compiled = run(_apply_conv, x, kernel, deltas), run(causal_conv, x, kernel, deltas)
+        for name, want, a, b in zip(names, exact, eager, compiled):
+            scale = want.detach().abs().max()
+            eager_error = float((a.detach().double() - want).abs().max() / scale)
+            compiled_error = float((b.detach().double() - want).abs().max() / scale)
+            assert b.dtype == a.dtype, name
+            assert compiled_error <= max(2 * eager_error, floor), (side, name, compiled_error, eager_error)
 
 
 def test_the_step_benchmark_writes_a_profile(tmp_path, monkeypatch, capsys):

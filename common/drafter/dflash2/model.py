@@ -117,9 +117,21 @@ class CausalConvFunction(torch.autograd.Function):
         return _conv_backward(grad_out.contiguous(), x, base, deltas, tuple(ctx.needs_input_grad[:3]))
 
 
+def _conv_traced(x: torch.Tensor, base: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+    """:func:`_conv_forward` out of place, for a compiler to fuse and differentiate itself: traced through
+    ``CausalConvFunction``, the compiled backward returned a zero gradient of x on CUDA (torch 2.13)."""
+    out = (base[0] + deltas[:, :, 0, :, None]) * x
+    for offset in range(1, base.shape[0]):
+        term = (base[offset] + deltas[:, offset:, offset, :, None]) * x[:, :-offset]
+        out = out + F.pad(term, (0, 0, 0, 0, offset, 0))  # nothing before the block's first slot
+    return out
+
+
 def _apply_conv(x: torch.Tensor, base_kernel: torch.Tensor, deltas: torch.Tensor, side: int) -> torch.Tensor:
     taps, groups, group_size = base_kernel.shape[1], x.shape[2], x.shape[3]
     base = base_kernel[side].to(x.dtype).view(taps, groups, group_size)
+    if torch.compiler.is_compiling():
+        return _conv_traced(x, base, deltas[:, :, side].to(x.dtype))
     return CausalConvFunction.apply(x, base, deltas[:, :, side].to(x.dtype))
 
 
@@ -133,7 +145,8 @@ def causal_conv(x: torch.Tensor, base_kernel: torch.Tensor, deltas: torch.Tensor
 
     A training step on CUDA outside a compiled region runs it compiled (one fused kernel forward and a few backward,
     the side's selection and the dtype casts inside, where the eager taps launch dozens); inside a compiled layer
-    the layer's graph takes it in; without autograd (decoding, whose shapes vary) it runs eager."""
+    the layer's graph takes it in. Compiled, the convolution is traced out of place and differentiated by the
+    compiler; eager (the CPU, and decoding, whose shapes vary) it runs ``CausalConvFunction``."""
     global _compiled_conv
     if x.is_cuda and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         if _compiled_conv is None:
