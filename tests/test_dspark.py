@@ -12,7 +12,7 @@ from common.acceptance.arithmetic import Transcript, replay_rows
 from common.config import ConfigError, load_config
 from common.drafter.blocks import build_blocks
 from common.drafter.draft_config import default_gamma
-from common.drafter.dspark.head_loss import markov_head_rows
+from common.drafter.dspark.head_loss import MarkovRows, markov_head_rows
 from common.drafter.export import config_from_export, export_speculators, export_zlab, load_drafter, speculators_config
 from common.drafter.kinds import build_drafter
 from common.drafter.loss import LossConfig, slot_weights
@@ -250,3 +250,30 @@ def test_bad_dspark_options_name_the_key(overrides, message):
 def test_a_rank_above_the_vocabulary_names_the_key():
     with pytest.raises(ValueError, match=r"dspark\.markov_rank 65 must be <= vocab_size 64"):
         dspark_config(markov_rank=65)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("label_mode", ["data", "target_hard"])
+def test_gpu_compiled_head_rows_equal_the_eager_ones(label_mode, monkeypatch):
+    """On CUDA the objective's per-chunk work runs compiled: in fp32 the same rows, sum and gradients as the CPU's eager
+    code, over chunks of unequal sizes (the last chunk's rows are a new shape)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # a benchmark run in-process may set it
+    gen = torch.Generator().manual_seed(0)
+    blocks, slots, width, vocab, rank = 9, 7, 32, 1000, 8
+    rows = torch.randn(blocks * slots, width, generator=gen)
+    features = torch.randn(blocks * slots, rank, generator=gen)
+    w2 = torch.randn(vocab, rank, generator=gen) * 0.1
+    head = torch.randn(vocab, width, generator=gen) * 0.3
+    targets = torch.randn(blocks * slots, width, generator=gen)
+    labels = torch.randint(vocab, (blocks * slots,), generator=gen) if label_mode == "data" else None
+    mask = torch.rand(blocks, slots, generator=gen) > 0.2
+    config = LossConfig(weighting="dpace", label_mode=label_mode, chunk_rows=4 * slots)
+    results = []
+    for device in ("cpu", "cuda"):
+        inputs = [t.to(device).requires_grad_() for t in (rows, features, w2)]
+        fixed = [None if t is None else t.to(device) for t in (head, targets, labels, mask)]
+        out = markov_head_rows(*inputs, *fixed, config, 0.1, 0.9)
+        results.append([t.cpu() for t in (*out, *torch.autograd.grad(out.weighted, inputs))])
+    for name, cpu, cuda in zip((*MarkovRows._fields, "grad_rows", "grad_features", "grad_w2"), *results):
+        torch.testing.assert_close(cuda, cpu, rtol=1e-4, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")

@@ -13,7 +13,7 @@ both head products twice. Here each chunk's gradient with respect to z is formed
 
 and contracted at once into the gradients of h (with H), of u (with W2) and of W2 (with u): three vocabulary-wide
 products in all (the draft's logits, the target's, the gradient of h), none recomputed. The backward only scales
-them by the incoming gradient of the sum.
+them by the incoming gradient of the sum. On CUDA the elementwise work of a chunk runs compiled.
 """
 
 from __future__ import annotations
@@ -44,6 +44,57 @@ class MarkovRows(NamedTuple):
     """[M] fp32: the slot weights w."""
 
 
+def _rows(
+    base: torch.Tensor, markov: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """Per row of a chunk, from the backbone's logits, the Markov term's and the target's [c, V]: the backbone's and
+    the corrected argmax, the label, the log-normalisers of q and p, CE, TV and s = sum_v [q_v < p_v] q_v."""
+    logits, target_logits = base.float() + markov.float(), target.float()
+    label = target_logits.argmax(-1) if labels is None else labels
+    log_norm, target_log_norm = logits.logsumexp(-1), target_logits.logsumexp(-1)
+    ce = log_norm - logits.gather(-1, label[:, None]).squeeze(-1)
+    q, p = (logits - log_norm[:, None]).exp(), (target_logits - target_log_norm[:, None]).exp()
+    below = q < p
+    captured = torch.where(below, q, 0.0).sum(-1)
+    tv = 1.0 - torch.where(below, q, p).sum(-1)
+    return base.argmax(-1), logits.argmax(-1), label, log_norm, target_log_norm, ce, tv, captured
+
+
+def _grad_logits(
+    base: torch.Tensor,
+    markov: torch.Tensor,
+    target: torch.Tensor,
+    log_norm: torch.Tensor,
+    target_log_norm: torch.Tensor,
+    captured: torch.Tensor,
+    label: torch.Tensor,
+    weights: torch.Tensor,
+    ce_alpha: float,
+    tv_alpha: float,
+) -> torch.Tensor:
+    """d/dz of sum_m w_m (ce_alpha CE_m + tv_alpha TV_m) per row [c, V], in the logits' dtype:
+    w (ce_alpha (q - onehot) - tv_alpha q ([q < p] - s))."""
+    q = (base.float() + markov.float() - log_norm[:, None]).exp()
+    p = (target.float() - target_log_norm[:, None]).exp()
+    scale = weights[:, None] * (ce_alpha - tv_alpha * ((q < p).float() - captured[:, None]))
+    grad = (q * scale).scatter_add(-1, label[:, None], (-ce_alpha * weights)[:, None])
+    return grad.to(base.dtype)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _chunk_functions(device: torch.device) -> tuple:
+    """(_rows, _grad_logits), compiled on CUDA: there each is a few fused kernels that read the chunk's three logit
+    tensors, where eager runs two dozen vocabulary-wide kernels a chunk (launches, and fp32 traffic that took more
+    time than the products themselves). Eager elsewhere."""
+    if device.type != "cuda":
+        return _rows, _grad_logits
+    if not _compiled:
+        _compiled.update(rows=torch.compile(_rows, dynamic=True), grad=torch.compile(_grad_logits, dynamic=True))
+    return _compiled["rows"], _compiled["grad"]
+
+
 class _MarkovHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -63,6 +114,7 @@ class _MarkovHeadLoss(torch.autograd.Function):
         dtype = head_weight.dtype
         w2 = markov_w2.to(dtype)
         device = hidden.device
+        row_values, grad_of_logits = _chunk_functions(device)
         ce = torch.empty(rows, dtype=torch.float32, device=device)
         tv = torch.empty_like(ce)
         weights = torch.empty_like(ce)
@@ -76,38 +128,25 @@ class _MarkovHeadLoss(torch.autograd.Function):
         grad_w2 = torch.zeros(markov_w2.shape, dtype=torch.float32, device=device) if needs[2] else None
         blocks_per_chunk = max(1, config.chunk_rows // slots)
         for first in range(0, label_mask.shape[0], blocks_per_chunk):
-            block_range = slice(first, first + blocks_per_chunk)
-            mask = label_mask[block_range]
+            mask = label_mask[first : first + blocks_per_chunk]
             chunk = slice(first * slots, first * slots + mask.numel())
             u = features[chunk].to(dtype)
-            logits = (hidden[chunk].to(dtype) @ head_weight.T).float()
-            base_picked[chunk] = logits.argmax(-1)
-            logits += (u @ w2.T).float()
-            picked[chunk] = logits.argmax(-1)
-            target_logits = (target_hidden[chunk].to(dtype) @ head_weight.T).float()
-            label = target_logits.argmax(-1) if labels is None else labels[chunk]
-            label_used[chunk] = label
-            p = target_logits.softmax(-1)
-            del target_logits
-            log_norm = torch.logsumexp(logits, -1)
-            chunk_ce = log_norm - logits.gather(-1, label[:, None]).squeeze(-1)
-            q = logits.sub_(log_norm[:, None]).exp_()  # in place: the logits are not needed past this point
-            below = q < p
-            captured = torch.where(below, q, 0.0).sum(-1)  # s
-            chunk_tv = 1.0 - torch.where(below, q, p).sum(-1)
-            del p
+            base = hidden[chunk].to(dtype) @ head_weight.T
+            markov = u @ w2.T
+            target = target_hidden[chunk].to(dtype) @ head_weight.T
+            chunk_labels = None if labels is None else labels[chunk]
+            base_picked[chunk], picked[chunk], label, log_norm, target_log_norm, chunk_ce, chunk_tv, captured = (
+                row_values(base, markov, target, chunk_labels)
+            )
             w = mask_weights(mask, config, chunk_ce.view_as(mask), (1.0 - chunk_tv).view_as(mask)).reshape(-1)
-            ce[chunk], tv[chunk], weights[chunk] = chunk_ce, chunk_tv, w
+            label_used[chunk], ce[chunk], tv[chunk], weights[chunk] = label, chunk_ce, chunk_tv, w
             weighted += (w * (ce_alpha * chunk_ce + tv_alpha * chunk_tv)).sum()
             if grad_hidden is None and grad_features is None and grad_w2 is None:
                 continue
-            # w (ce_alpha (q - onehot) - tv_alpha q ([q < p] - s)), in place over q
-            scale = below.to(q.dtype).sub_(captured[:, None]).mul_(-tv_alpha).add_(ce_alpha).mul_(w[:, None])
-            del below
-            grad_logits = q.mul_(scale)
-            del scale
-            grad_logits.scatter_add_(-1, label[:, None], (-ce_alpha * w)[:, None])
-            grad_logits = grad_logits.to(dtype)
+            grad_logits = grad_of_logits(
+                base, markov, target, log_norm, target_log_norm, captured, label, w, ce_alpha, tv_alpha
+            )
+            del base, markov, target
             if grad_hidden is not None:
                 grad_hidden[chunk] = (grad_logits @ head_weight).to(hidden.dtype)
             if grad_features is not None:
