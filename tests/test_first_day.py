@@ -460,3 +460,41 @@ def test_a_finished_run_says_where_its_checkpoint_is_its_tau_and_commands_that_p
     assert '"num_speculative_tokens": 3' in card
     # the serving commands are the export's, for the kind's servers and its block size
     assert "--speculative-config" in done.stdout and '"num_speculative_tokens": 3' in done.stdout
+
+
+def test_the_readmes_walkthrough_names_a_model_folder_a_preset_and_commands_that_exist():
+    """The README's "Your own model", as a user pastes it: its MODEL= line prints the packaged SmolLM2 GGUF's
+    dequantized folder (a Hugging Face folder), its preset is a file, and every launch/run_all.sh line names a command
+    of run_all.sh with options that command takes."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.real_model import smollm2_folder, smollm2_gguf
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    start = text.index("## Your own model")
+    lines = text[start : text.index("\n## ", start + 1)].splitlines()
+    preset = next(line for line in lines if line.startswith("PRESET=")).split("=", 1)[1].split()[0]
+    assert (root / preset).is_file(), preset
+    model = next(line for line in lines if line.startswith("MODEL=$("))
+    command = model.removeprefix("MODEL=$(").removesuffix(")").replace(".venv/bin/python", sys.executable, 1)
+    env = {**os.environ, "GGUF": str(smollm2_gguf())}
+    printed = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=root, env=env, timeout=300)
+    assert printed.returncode == 0, printed.stderr
+    assert Path(printed.stdout.strip()) == smollm2_folder() and (smollm2_folder() / "config.json").is_file()
+    runs = [shlex.split(line.split("#", 1)[0]) for line in lines if line.startswith("launch/run_all.sh ")]
+    assert {words[1] for words in runs} >= {"check", "synthesize", "--run-dir", "evaluate", "export"}
+    helps: dict[str, str] = {}
+    for words in runs:
+        name = "run" if words[1].startswith("--") else words[1]
+        if name not in helps:
+            shown = subprocess.run(
+                [str(root / "launch" / "run_all.sh"), name, "--help"], capture_output=True, text=True, timeout=120
+            )
+            assert shown.returncode == 0, (name, shown.stderr)
+            helps[name] = shown.stdout
+        for option in (word for word in words[1:] if word.startswith("--")):
+            assert option in helps[name], (name, option)
