@@ -51,7 +51,7 @@ class LaunchConfig:
     """Run the run's processes as clients of a CUDA MPS daemon of the run's own (started and stopped by
     the launcher; needs nvidia-cuda-mps-control on PATH). Where a producer and trainer ranks share a
     GPU their kernels then run side by side; without MPS the GPU time-slices between the processes.
-    See the README's placement section."""
+    See docs/operations.md "Placement: who shares which GPU"."""
     mps_producer_sm_percent: int | None = None
     """Under launch.mps: the share of a GPU's SMs (1-100) that a producer may use where it shares a GPU
     with a trainer rank (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of its processes). It reserves the rest for
