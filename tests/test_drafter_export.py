@@ -128,3 +128,23 @@ def test_target_head_is_bit_identical(tmp_path, tied):
         hook.remove()
     logits = head.final_norm(captured[0].reshape(9, -1)) @ head.lm_head_weight.T
     torch.testing.assert_close(logits, out.logits[0])
+
+
+def test_the_printed_serving_commands_name_paths_that_serve(tmp_path, monkeypatch):
+    """llama.cpp's command names the server where launch/setup_llamacpp.sh builds it; with a GGUF target, vLLM's and
+    SGLang's commands name the Hugging Face folder training read (neither loads the target from the GGUF file)."""
+    from common.drafter.kinds import kind_of
+    from trainer import export
+
+    gguf = tmp_path / "target.gguf"
+    gguf.write_bytes(b"GGUF")
+    folder = tmp_path / "cache" / "target-hf"
+    monkeypatch.setattr(export, "dequantized_folder", lambda path: folder)
+    served = export.serving_commands(tmp_path / "draft.gguf", "gguf", kind_of("dflash"), 16, str(gguf))
+    assert served == [
+        f".llamacpp/build/bin/llama-server -m {gguf} -md {tmp_path / 'draft.gguf'} --spec-type draft-dflash "
+        "--spec-draft-n-max 15"
+    ]
+    vllm, sglang = export.serving_commands(tmp_path / "draft", "zlab", kind_of("dflash"), 16, str(gguf))
+    assert vllm.startswith(f"vllm serve {folder} ") and f"--model-path {folder} " in sglang
+    assert str(gguf) not in vllm + sglang

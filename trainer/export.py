@@ -101,6 +101,10 @@ def export_gguf(checkpoint: str | Path, out_file: str | Path, target: str | Path
         return convert(draft, out_file, GGUF_TYPES[dtype], target_dir=readable)
 
 
+LLAMA_SERVER = ".llamacpp/build/bin/llama-server"
+"""Where launch/setup_llamacpp.sh builds llama.cpp's server (the printed commands run from the repository root)."""
+
+
 def serving_commands(out: Path, fmt: str, kind: DrafterKind, block_size: int, target: str | None) -> list[str]:
     """The commands that serve this export, with its block size (vLLM's num_speculative_tokens is B - 1, SGLang's
     num-draft-tokens is B, llama.cpp's draft length B - 1: a DFlash 2 drafter served with another misplaces its
@@ -109,14 +113,16 @@ def serving_commands(out: Path, fmt: str, kind: DrafterKind, block_size: int, ta
     if fmt == "gguf":
         serve = f"--spec-type {kind.llamacpp_spec_type} --spec-draft-n-max {block_size - 1}"
         if is_gguf(target):
-            return [f"llama-server -m {target} -md {out} {serve}"]
+            return [f"{LLAMA_SERVER} -m {target} -md {out} {serve}"]
         return [  # the target as a GGUF first, by the same converter
             f"PYTHONPATH=.llamacpp/llama.cpp/gguf-py .llamacpp/venv/bin/python .llamacpp/llama.cpp/convert_hf_to_gguf.py "
             f"{target} --outfile TARGET.gguf --outtype bf16",
-            f"llama-server -m TARGET.gguf -md {out} {serve}",
+            f"{LLAMA_SERVER} -m TARGET.gguf -md {out} {serve}",
         ]
     if fmt == "speculators":
         return [f"vllm serve {out}"]
+    if is_gguf(target) and Path(target).is_file():
+        target = str(dequantized_folder(target))  # vLLM and SGLang load the target as the folder training read
     commands = []
     if kind.vllm_method is not None:
         speculative = {"method": kind.vllm_method, "model": str(out), "num_speculative_tokens": block_size - 1}
