@@ -11,20 +11,19 @@ Errors name the dotted key (``training.lr: must be > 0``); unknown keys are erro
 
 from .base import READERS, ConfigError
 from .batching import BatchingConfig
+from .build import build, unknown_key
 from .data import DataConfig
 from .drafter import DrafterConfig
 from .eval import EvalConfig
 from .launch import LaunchConfig
 from .load import (
     apply_overrides,
-    build,
     dotted_values,
     load_config,
     parse_override,
     save_config,
     to_dict,
     to_toml,
-    unknown_key,
 )
 from .logging import LoggingConfig
 from .ring import RingConfig

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 from common.drafter.kind import DEFAULT_KIND
 
 from .base import ConfigError, require
+from .build import build
 
 
 @dataclass
@@ -72,8 +73,6 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         require(self.num_layers >= 1, "num_layers", "must be >= 1")
         from common.drafter.kinds import KINDS
-
-        from .load import build
 
         require(self.kind in KINDS, "kind", f"must be one of {sorted(KINDS)}, got {self.kind!r}")
         options_type = KINDS[self.kind].options
