@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import statistics
@@ -29,6 +28,7 @@ import torch
 from common.config import load_config, save_config
 from common.lifecycle import exit_process
 from common.rundir import RunDir
+from launch.bench.harness import emit
 from producer.server import load_target
 from trainer.train import Trainer
 
@@ -157,17 +157,15 @@ def main(argv: list[str] | None = None) -> int:
         ratios["write_threads_over_one_thread"] = by_mode["background"]["write_s"] / by_mode["one-thread"]["write_s"]
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.3f}")
-    print(
-        json.dumps(
-            {
-                "bench": "checkpoint",
-                "device": args.device,
-                "parallelism": args.parallelism,
-                "world_size": int(os.environ.get("WORLD_SIZE", "1")),
-                "rows": rows,
-                **ratios,
-            }
-        )
+    emit(
+        {
+            "bench": "checkpoint",
+            "device": args.device,
+            "parallelism": args.parallelism,
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "rows": rows,
+            **ratios,
+        }
     )
     return 0
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from common.config import BatchingConfig, DataConfig
+from launch.bench.harness import emit
 from producer.batching import BatchCursor, BatchPlan
 from producer.data import build_data_source
 from producer.order import OrderConfig, ShardOrder
@@ -115,18 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         f"cores {os.cpu_count()}; first epoch: windows {first['windows'] / first[base]:.2f}x the time of one at a time; "
         f"all {args.epochs} epochs: windows, kept {seconds['windows, kept'] / seconds[base]:.2f}x"
     )
-    print(
-        json.dumps(
-            {
-                "bench": "data",
-                "records": args.records,
-                "epochs": args.epochs,
-                "cores": os.cpu_count(),
-                "runs": results,
-                "first_epoch_ratio": first["windows"] / first[base],
-                "all_epochs_ratio": seconds["windows, kept"] / seconds[base],
-            }
-        )
+    emit(
+        {
+            "bench": "data",
+            "records": args.records,
+            "epochs": args.epochs,
+            "cores": os.cpu_count(),
+            "runs": results,
+            "first_epoch_ratio": first["windows"] / first[base],
+            "all_epochs_ratio": seconds["windows, kept"] / seconds[base],
+        }
     )
     return 0
 

@@ -25,7 +25,6 @@ Prints the tables, then one JSON line. The files are removed after each measurem
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import threading
@@ -36,6 +35,7 @@ import torch
 from safetensors.torch import save_file
 
 from common.rundir import atomic_write_json, fsync_file
+from launch.bench.harness import emit
 from trainer.tensor_files import TensorFile, write_tensor_files
 
 GB = 1 << 30
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['status write']:<14}{row['writes']:>8}{row['median_ms']:>11.2f}{row['p90_ms']:>9.2f}"
             f"{row['max_ms']:>9.1f}{row['total_s']:>9.2f}"
         )
-    print(json.dumps({"bench": "disk", "dir": args.dir, "rows": rows, "status_writes": status}))
+    emit({"bench": "disk", "dir": args.dir, "rows": rows, "status_writes": status})
     return 0
 
 

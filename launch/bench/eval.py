@@ -14,7 +14,6 @@ operators of a later evaluation that took the most time, host and device.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -23,9 +22,8 @@ import torch
 from common.batch import Document
 from common.config import EvalConfig, TargetConfig
 from common.drafter.model import DFlashDrafter
+from launch.bench.harness import QWEN3_8B, add_json_argument, emit, synchronize
 from launch.bench.step import qwen3_8b_draft, tiny_draft
-from launch.bench.target import QWEN3_8B_SHAPE
-from launch.bench.util import synchronize
 from producer.acceptance.evaluator import Evaluator
 from producer.acceptance.verifier import target_head_of
 from producer.target import load_target_model
@@ -60,13 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--json", help="write the figures here")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
 
     device = torch.device("cpu" if args.tiny else "cuda")
     if device.type == "cpu":
         torch.set_num_threads(1)  # as evaluate runs on a CPU
-    shape = TINY_TARGET if args.tiny else QWEN3_8B_SHAPE
+    shape = TINY_TARGET if args.tiny else QWEN3_8B
     model = load_target_model(
         TargetConfig(
             config_overrides=dict(shape), dtype="float32" if args.tiny else "bfloat16", device=str(device), seed=0
@@ -129,10 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         kernels = sum(e.count for e in events if e.device_type.name == "CUDA") if device.type == "cuda" else 0
         print(f"device busy {cuda_total:.2f} s of one evaluation; {kernels} kernels launched")
         rows.append({"profile_device_s": cuda_total, "kernels": kernels})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    print(json.dumps(rows))
+    emit(rows, args.json)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ matmuls took 40x longer (48 ms a step of the tiny model, against 1.3 ms), which 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from launch.bench.util import synchronize
+from launch.bench.harness import QWEN3_8B, Table, add_device_argument, add_json_argument, emit, gpu_name, synchronize
 from producer.generate import GenerationConfig, Generator, Request
 
 # Random weights at the named real shapes.
@@ -47,20 +46,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": True,
     },
-    "qwen3-8b": {
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 40960,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-    },
+    "qwen3-8b": QWEN3_8B,
     "tiny": {
         "model_type": "llama",
         "vocab_size": 512,
@@ -196,10 +182,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=48)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--eager", action="store_true", help="the engine without CUDA graphs")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="also write the result here")
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     prompt_count = args.prompts or 2 * args.rows
@@ -214,20 +200,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.model}{' from ' + args.path if args.path else ' (random weights)'} on {device} in {args.dtype}: "
         f"{prompt_count} prompts of {args.prompt_len} tokens, {args.max_new_tokens} new tokens each, rows {args.rows}"
     )
-    print(f"{'engine':36s} {'new tok/s':>10s} {'seconds':>8s} {'steps':>6s} {'occupancy':>9s} {'warm-up s':>9s}")
-    for run in (plain, engine):
-        rate = run["new_tokens"] / run["seconds"]
-        print(
-            f"{run['engine']:36s} {rate:10.0f} {run['seconds']:8.2f} {run['steps']:6d} {run['occupancy']:9.3f} "
-            f"{run['warmup_seconds']:9.2f}"
-        )
+    table = Table(
+        [
+            ("engine", "36s"),
+            ("new tok/s", "10.0f"),
+            ("seconds", "8.2f"),
+            ("steps", "6d"),
+            ("occupancy", "9.3f"),
+            ("warm-up s", "9.2f"),
+        ]
+    )
+    print(table.header())
     for run in (plain, engine):
         run["tokens_per_s"] = run["new_tokens"] / run["seconds"]
+        print(
+            table.row(
+                run["engine"],
+                run["tokens_per_s"],
+                run["seconds"],
+                run["steps"],
+                run["occupancy"],
+                run["warmup_seconds"],
+            )
+        )
     result = {
         "model": args.model,
         "path": args.path,
         "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "gpu": gpu_name(device),
         "dtype": args.dtype,
         "rows": args.rows,
         "prompts": prompt_count,
@@ -238,9 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio": engine["tokens_per_s"] / plain["tokens_per_s"],
         f"agree_first_{AGREEMENT_TOKENS}": agree,
     }
-    print(json.dumps(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    emit(result, args.json)
     return result
 
 

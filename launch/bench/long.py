@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from launch.bench.util import synchronize
+from launch.bench.harness import emit, synchronize
 
 KINDS = {
     "sliding": ["sliding_attention", "sliding_attention"],
@@ -191,22 +191,20 @@ def main(argv: list[str] | None = None) -> int:
         last = mine[-1]
         if "error" not in last:
             ratios[kind] = {"time": round(last["time_ratio"], 3), "memory": round(last["memory_ratio"], 3)}
-    print(
-        json.dumps(
-            {
-                "bench": "long",
-                "device": args.device,
-                "tokens_per_step": args.tokens,
-                "anchors": args.anchors,
-                "window": args.window,
-                "hidden": args.hidden,
-                "memory": "peak RSS above the step's start, a process per case"
-                if args.device == "cpu"
-                else "peak allocated above the step's start",
-                f"ratio_{doc_lens[-1]}_to_{doc_lens[0]}": ratios,
-                "rows": rows,
-            }
-        )
+    emit(
+        {
+            "bench": "long",
+            "device": args.device,
+            "tokens_per_step": args.tokens,
+            "anchors": args.anchors,
+            "window": args.window,
+            "hidden": args.hidden,
+            "memory": "peak RSS above the step's start, a process per case"
+            if args.device == "cpu"
+            else "peak allocated above the step's start",
+            f"ratio_{doc_lens[-1]}_to_{doc_lens[0]}": ratios,
+            "rows": rows,
+        }
     )
     return 0
 

@@ -13,7 +13,6 @@ ranges as seen: a tile too many is slower, never wrong).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -22,6 +21,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from common.batch import PackedBatch
 from common.drafter.blocks import build_blocks
 from common.drafter.masks import FLEX_BLOCK, flex_block_mask
+from launch.bench.harness import add_device_argument, emit
 
 MASK_TOKEN = 0
 
@@ -59,7 +59,7 @@ def timed(build, device: torch.device, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--sizes", default="512x16384,2048x65536,4096x16384", help="ANCHORSxTOKENS,...")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['anchors']:7d} {row['tokens']:7d} {row['queries']:>7}x{row['keys']:<8} {tiles['seconds']:9.4f} "
             f"{gib(tiles):>6} {tail}"
         )
-    print(json.dumps({"bench": "masks", "device": str(device), "rows": rows}))
+    emit({"bench": "masks", "device": str(device), "rows": rows})
     return 0
 
 

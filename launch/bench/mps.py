@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from launch.bench.harness import add_json_argument, emit
+
 ROOT = Path(__file__).resolve().parents[2]
 SM_PERCENT_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # an MPS client's cap on the SMs it may use
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", choices=["hog", "probe"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--delay-s", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--hog-percents", default="90,80", help="SM caps of the hog to measure (comma list)")
-    parser.add_argument("--json", type=Path, default=None)
+    add_json_argument(parser)
     args = parser.parse_args(argv)
     if args.role:
         time.sleep(args.delay_s)
@@ -131,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         ms, tf = row.get("ms_per_round"), row.get("tflops")
         print(f"{row['run']:<42} {'' if ms is None else f'{ms:.1f}':>15} {'' if tf is None else f'{tf:.0f}':>12}")
     record = {"bench": "mps_sm_cap", "seconds": args.seconds, "runs": rows}
-    if args.json:
-        args.json.write_text(json.dumps(record))
-    print(json.dumps(record))
+    emit(record, args.json)
     return 0
 
 

@@ -58,9 +58,8 @@ from common.faults import DELAY_ENV
 from common.naming import run_tag, sweep_stale_segments, sweep_stale_trainer_staging
 from common.rundir import RunDir, read_json
 from common.status import LauncherRecord, ProducerStatus
-from launch.bench.restart import QWEN3_8B, wait_for
+from launch.bench.harness import QWEN3_8B, ROOT, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 JSON_ONLY = ("timeline", "ledger", "windows", "evaluation_spans")  # a run's series: in --json, not printed
 AFTER_EVAL_S = 3.0  # seconds after an evaluation's result reported as a phase of their own
 EVAL_LOG_EVERY = 5  # steps per metrics window of the *-evals runs: fine enough to tell windows during an evaluation

@@ -26,9 +26,7 @@ from common.config import load_config, save_config
 from common.rundir import RunDir
 from common.status import ProducerStatus
 from common.transport import RingClient
-from launch.bench.restart import QWEN3_8B
-
-ROOT = Path(__file__).resolve().parents[2]
+from launch.bench.harness import QWEN3_8B, ROOT, emit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         if peak is None:
             import torch
 
-            from launch.bench.util import matmul_tflops
+            from launch.bench.harness import matmul_tflops
 
             peak = matmul_tflops(torch.device("cuda:0"), 8192)
         config = AutoConfig.for_model(**QWEN3_8B)
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f", MFU {result['mfu']:.1%}" if "mfu" in result else "")
         + f"; ready after {ready_s:.1f} s"
     )
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

@@ -33,28 +33,14 @@ from pathlib import Path
 from common.faults import DELAY_ENV
 from common.rundir import RunDir, read_json
 from common.status import LauncherRecord, ProducerStatus
+from launch.bench.harness import QWEN3_8B, ROOT, emit, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 # One checkpoint before the restart, as in any run that trained a while (the restart turns them off). At the
 # Qwen3-8B shapes a write takes 15-22 s on an H200 host: 100 steps apart, so that none is in flight when the
 # restart comes (one would be waited for).
 CHECKPOINT_EVERY = {True: 8, False: 100}
 TINY_WRITE_S = 5.0
 WARM_LINE = "warm start: head, drafter"  # the standby's log line once its warm start is built
-QWEN3_8B = {
-    "model_type": "qwen3",
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
 
 
 def overrides_for(tiny: bool, run_dir: Path) -> list[str]:
@@ -92,16 +78,6 @@ def overrides_for(tiny: bool, run_dir: Path) -> list[str]:
         'launch.trainer_devices=["cuda:0"]',
         "training.lr=6e-4",
     ]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def trainer(run: RunDir) -> dict:
@@ -264,17 +240,15 @@ def main(argv: list[str] | None = None) -> int:
             launcher.kill()
     speedup = results["full_restart_to_first_step_s"] / results["restart_trainer_to_first_step_s"]
     print(f"{'full restart / restart-trainer':40s} {speedup:9.1f}x")
-    print(
-        json.dumps(
-            {
-                "bench": "restart",
-                "tiny": args.tiny,
-                "during_write": args.during_write,
-                **results,
-                "speedup": speedup,
-                "log": str(log_path),
-            }
-        )
+    emit(
+        {
+            "bench": "restart",
+            "tiny": args.tiny,
+            "during_write": args.during_write,
+            **results,
+            "speedup": speedup,
+            "log": str(log_path),
+        }
     )
     return 0
 

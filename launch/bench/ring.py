@@ -37,6 +37,7 @@ from common.codec import TensorSpec
 from common.ring import create_ring
 from common.sockets import ipc_endpoint
 from common.transport import RingClient, RingServer
+from launch.bench.harness import emit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -284,9 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         this, base = (rows[-2]["gap_us_p50"], rows[-1]["gap_us_p50"])
         payload["latency_p50_ratio"] = this / base
         print(f"latency p50: {this:.0f} us here, {base:.0f} us baseline ({args.baseline}): {this / base:.2f}x")
-    print(json.dumps(payload))
-    if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=1))
+    emit(payload, args.json)
     return 0
 
 

@@ -15,7 +15,6 @@ Needs CUDA. Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import sys
@@ -23,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from launch.bench.harness import emit
 
 SHM = Path("/dev/shm")
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{mode:10s} {r['make_s']:8.2f} {r['copy_s']:8.2f} {r['total_s']:8.2f} {total_gb / r['total_s']:7.1f}",
             flush=True,
         )
-    print(json.dumps({"bench": "staging", "gb": args.gb, "device": torch.cuda.get_device_name(), **rows}))
+    emit({"bench": "staging", "gb": args.gb, "device": torch.cuda.get_device_name(), **rows})
     return 0
 
 

@@ -44,7 +44,7 @@ from common.drafter.loss import LossConfig
 from common.drafter.model import train_flops
 from common.drafter.target_head import TargetHead
 from common.lifecycle import exit_process
-from launch.bench.util import matmul_tflops, synchronize
+from launch.bench.harness import Table, emit, gpu_name, matmul_tflops, synchronize
 from trainer.sharding import full_tensor, parallelize
 
 VARIANTS = ("eager", "compile-layers", "compile-model")
@@ -364,38 +364,44 @@ def main() -> None:
         if int(os.environ["RANK"]) != 0:
             return
     print(
-        f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
+        f"device {gpu_name(device) or 'cpu'}, "
         f"measured bf16 matmul {peak:.1f} TFLOP/s, seq {args.seq_len}, anchors {args.num_anchors}, "
         f"B {args.block_size}, docs {args.num_docs}, chunk {args.chunk_rows} rows, {args.weighting} weighting"
     )
-    header = (
-        f"{'kind':<9}{'variant':<16}{'step ms':>10}{'x first':>9}{'samples/s':>11}{'tokens/s':>11}{'TFLOP/s':>9}"
-        f"{'MFU':>7}{'peak GiB':>10}{'params M':>10}"
+    table = Table(
+        [
+            ("kind", "<9"),
+            ("variant", "<16"),
+            ("step ms", ">10.1f"),
+            ("x first", ">9.3f"),
+            ("samples/s", ">11.2f"),
+            ("tokens/s", ">11.0f"),
+            ("TFLOP/s", ">9.1f"),
+            ("MFU", ">7.1%"),
+            ("peak GiB", ">10.1f"),
+            ("params M", ">10.1f"),
+        ],
+        gap="",
     )
-    print(header)
-    print("-" * len(header))
+    print(table.header())
+    print("-" * len(table.header()))
     for r in results:
-        print(
-            f"{r['kind']:<9}{r['variant']:<16}{r['step_ms']:>10.1f}{r['step_vs_first_kind']:>9.3f}"
-            f"{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>11.0f}{r['achieved_tflops']:>9.1f}{r['mfu']:>7.1%}"
-            f"{r['peak_mem_gib']:>10.1f}{r['trainable_params'] / 1e6:>10.1f}"
-        )
-    print(
-        json.dumps(
-            {
-                "bench": "dflash_train_step",
-                "matmul_tflops": peak,
-                "seq_len": args.seq_len,
-                "num_anchors": args.num_anchors,
-                "block_size": args.block_size,
-                "num_docs": args.num_docs,
-                "chunk_rows": args.chunk_rows,
-                "weighting": args.weighting,
-                "master_fp32": args.master_fp32,
-                "draft": "tiny" if args.tiny else args.draft,
-                "results": results,
-            }
-        )
+        cells = (r["step_ms"], r["step_vs_first_kind"], r["samples_per_s"], r["tokens_per_s"], r["achieved_tflops"])
+        print(table.row(r["kind"], r["variant"], *cells, r["mfu"], r["peak_mem_gib"], r["trainable_params"] / 1e6))
+    emit(
+        {
+            "bench": "dflash_train_step",
+            "matmul_tflops": peak,
+            "seq_len": args.seq_len,
+            "num_anchors": args.num_anchors,
+            "block_size": args.block_size,
+            "num_docs": args.num_docs,
+            "chunk_rows": args.chunk_rows,
+            "weighting": args.weighting,
+            "master_fp32": args.master_fp32,
+            "draft": "tiny" if args.tiny else args.draft,
+            "results": results,
+        }
     )
 
 

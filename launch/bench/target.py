@@ -21,10 +21,8 @@ document (2 * L(L+1) * heads * head_dim per layer); norms, rotary and embedding 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -33,7 +31,7 @@ from common.batch import PackedBatch
 from common.codec import DTYPES
 from common.config import TargetConfig
 from common.drafter.draft_config import build_target_layer_ids
-from launch.bench.util import matmul_tflops, synchronize
+from launch.bench.harness import QWEN3_8B, Table, add_json_argument, emit, gpu_name, matmul_tflops, synchronize, timed
 from producer.target import (
     TINY_TARGET_CONFIG,
     Target,
@@ -41,22 +39,6 @@ from producer.target import (
     load_target_model,
     resolve_device,
 )
-
-QWEN3_8B_SHAPE = {
-    "model_type": "qwen3",
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
-
 
 # Qwen3.6-27B / Qwen3.5-27B (random weights): 48 Gated-DeltaNet and 16 gated full-attention layers.
 QWEN36_27B_SHAPE = {
@@ -84,7 +66,7 @@ QWEN36_27B_SHAPE = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
-SHAPES = {"qwen3-8b": QWEN3_8B_SHAPE, "qwen3.6-27b": QWEN36_27B_SHAPE}
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.6-27b": QWEN36_27B_SHAPE}
 
 
 def chat_lengths(count: int, seed: int, mean: float, low: int, high: int, sigma: float = 1.0) -> list[int]:
@@ -128,24 +110,14 @@ def pack_token_budget(lengths: list[int], budget: int, vocab: int, seed: int) ->
 
 
 def peak_gib(device: torch.device) -> float:
-    """GPU memory allocated at most since the last ``timed`` began (0 on the CPU)."""
+    """GPU memory allocated at most since the last ``reset_peak`` (0 on the CPU)."""
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
-def timed(step: Callable[[int], None], count: int, warmup: int, device: torch.device) -> tuple[float, float]:
-    """(seconds for ``count`` steps after ``warmup`` steps, seconds of the warmup)."""
+def reset_peak(device: torch.device) -> None:
+    """Start ``peak_gib``'s count afresh (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    for index in range(warmup):
-        step(index)
-    synchronize(device)
-    warm = time.perf_counter() - start
-    start = time.perf_counter()
-    for index in range(count):
-        step(index)
-    synchronize(device)
-    return time.perf_counter() - start, warm
 
 
 def bench_hf(model: nn.Module, cut_after: int | None, rows: int, length: int, count: int, warmup: int) -> dict:
@@ -158,6 +130,7 @@ def bench_hf(model: nn.Module, cut_after: int | None, rows: int, length: int, co
     if cut_after is not None:
         base.layers = nn.ModuleList(list(all_layers)[: cut_after + 1])
     forward = model if cut_after is None else base
+    reset_peak(device)
     try:
         with torch.inference_mode():
             seconds, warm = timed(
@@ -187,6 +160,7 @@ def bench_packed(target: Target, batches: list[PackedBatch], budget: int, count:
         last = last_slot[:total] if target.capture_last_hidden else None
         target.capture(batch, out_aux=aux_slot[:total], out_last=last)
 
+    reset_peak(target.device)
     seconds, warm = timed(step, count, warmup, target.device)
     used = [batches[i % len(batches)] for i in range(count)]
     config = target.model.config
@@ -233,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=None, help="timed batches per variant (default 16)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches per variant (compilation happens here)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json-out", default=None, help="also write the JSON line to this file")
+    add_json_argument(parser, "--json-out")
     args = parser.parse_args(argv)
 
     if args.tiny:
@@ -304,10 +278,18 @@ def main(argv: list[str] | None = None) -> None:
                 results[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
             print(f"  done {name}", flush=True)
 
-    print(
-        f"\n{'variant':<24}{'tokens/s':>12}{'MFU':>8}{'TFLOP/s':>10}{'warmup s':>10}{'peak GiB':>10}"
-        "  rel err per layer vs sdpa"
+    table = Table(
+        [
+            ("variant", "<24"),
+            ("tokens/s", ">12,.0f"),
+            ("MFU", ">8.1%"),
+            ("TFLOP/s", ">10.1f"),
+            ("warmup s", ">10.1f"),
+            ("peak GiB", ">10.1f"),
+        ],
+        gap="",
     )
+    print(f"\n{table.header()}  rel err per layer vs sdpa")
     for name, result in results.items():
         if "error" in result:
             print(f"{name:<24}  ERROR {result['error']}")
@@ -316,25 +298,20 @@ def main(argv: list[str] | None = None) -> None:
         result["tflops"] = result["flops"] / result["seconds"] / 1e12
         result["mfu"] = result["flops"] / result["seconds"] / peak
         errors = " ".join(f"{e:.0e}" for e in result.get("rel_err_vs_sdpa", []))
-        print(
-            f"{name:<24}{result['tokens_per_s']:>12,.0f}{result['mfu']:>8.1%}{result['tflops']:>10.1f}"
-            f"{result['warmup_s']:>10.1f}{result['peak_gib']:>10.1f}  {errors}"
-        )
-    line = json.dumps(
+        cells = (result["tokens_per_s"], result["mfu"], result["tflops"], result["warmup_s"], result["peak_gib"])
+        print(f"{table.row(name, *cells)}  {errors}")
+    emit(
         {
             "bench": "target",
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "device": gpu_name(device) or "cpu",
             "matmul_tflops": peak / 1e12,
             "layer_ids": layer_ids,
             "budget": budget,
             "fill": fill,
             "results": results,
-        }
+        },
+        args.json_out,
     )
-    print(line)
-    if args.json_out:
-        with open(args.json_out, "w") as handle:
-            handle.write(line + "\n")
 
 
 if __name__ == "__main__":
