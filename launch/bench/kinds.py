@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.bench.side_by_side import SideBySide, quality_command, synthesize_once
+from launch.bench.side_by_side import SideBySide, save_and_emit, synthesized_quality_command
 from launch.memory import GIB, MemoryEstimate
 
 ROWS: dict[str, tuple[str, list[str]]] = {
@@ -302,8 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"all rows in {(time.monotonic() - started) / 60:.1f} min from the GGUF file", flush=True)
     rows = table(out)
     print_table(rows)
-    (out / "kinds.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print(json.dumps({"bench": "kinds", "minutes": args.minutes, "rows": rows}))
+    save_and_emit(out, "kinds", rows, minutes=args.minutes)
     return 0
 
 
@@ -312,16 +311,14 @@ def train_side_by_side(
 ) -> None:
     """Synthesize the data (once per --out), then train and evaluate the rows of each wave at the same time, one wave
     after the other; with --warm, the warm-started row once its source and its step count are known."""
-    out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.smoke else "cuda:0"
-    quality = quality_command(
+    quality = synthesized_quality_command(
         args.gguf,
         out,
         args.magpie,
         *("--held-out", str(args.held_out), "--eval-every", "0", "--sampled-prompts", str(args.sampled_prompts)),
         smoke=args.smoke,
     )
-    synthesize_once(quality, out)
     producers = f"launch.producer_devices={json.dumps([device] * args.producers)}"
 
     def command(name: str, kind: str, options: list[str], overrides: list[str]) -> list[str]:
@@ -355,15 +352,7 @@ def train_side_by_side(
                 print(f"{WARM}: from {source.name} of dflash-s0, {steps} steps", flush=True)
                 overrides = [f"drafter.init_from={json.dumps(str(source))}", "training.seed=0"]
                 rows.launch(f"{WARM}-s0", command(f"{WARM}-s0", "dflash2", ["--steps", str(steps)], overrides))
-            wait_for_wave(rows.children, wave, rows.started)
-
-
-def wait_for_wave(children: dict[str, subprocess.Popen], wave: list[str], started: float) -> None:
-    """Wait for every row of ``wave``, saying how each ended and when (the next wave needs their memory)."""
-    for name in wave:
-        code = children[name].wait()
-        ended = "done" if code == 0 else f"failed (exit {code}), see kinds-{name}.log"
-        print(f"{name}: {ended} after {time.monotonic() - started:.0f} s", flush=True)
+            rows.wait(wave)
 
 
 if __name__ == "__main__":

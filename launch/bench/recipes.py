@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from launch.bench.side_by_side import SideBySide, quality_command, synthesize_once
+from launch.bench.side_by_side import SideBySide, save_and_emit, synthesized_quality_command
 
 RECIPES: dict[str, list[str]] = {
     "default": [],
@@ -130,15 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         train_side_by_side(args, out, runs)
     rows = table(out)
     print_table(rows)
-    (out / "recipes.json").write_text(json.dumps(rows, indent=2) + "\n")
-    print(json.dumps({"bench": "recipes", "rows": rows}))
+    save_and_emit(out, "recipes", rows)
     return 0
 
 
 def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, list[str]]) -> None:
     """Synthesize the data (once per --out), then run every recipe's training and evaluation at the same time."""
-    out.mkdir(parents=True, exist_ok=True)
-    quality = quality_command(
+    quality = synthesized_quality_command(
         args.gguf,
         out,
         args.magpie,
@@ -146,7 +144,6 @@ def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, list
         *(["--rows", str(args.rows)] if args.rows else []),
         smoke=args.smoke,
     )
-    synthesize_once(quality, out)
     with SideBySide(out, "recipe", processes=2 * len(runs), smoke=args.smoke) as runs_on_the_gpu:
         for name, overrides in runs.items():
             runs_on_the_gpu.launch(name, [*quality, "--reuse-data", "--name", name, *overrides])

@@ -1,14 +1,17 @@
 """Quality runs side by side on one GPU (launch.bench.recipes, launch.bench.kinds): the data synthesized once, then
-every run a ``launch.bench.quality --reuse-data`` child, all under one MPS daemon."""
+every run a ``launch.bench.quality --reuse-data`` child, all under one MPS daemon, and the runs' table saved and
+printed as one JSON line."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from launch.bench.harness import emit
 from launch.mps import MpsDaemon
 
 
@@ -18,12 +21,22 @@ def quality_command(gguf: Path, out: Path, magpie: int, *options: str, smoke: bo
     return [*command, "--magpie", str(magpie), *options, *(["--smoke"] if smoke else [])]
 
 
-def synthesize_once(quality: list[str], out: Path) -> None:
-    """The data every run of ``out`` trains on (``quality --synthesize-only``), unless an earlier call made it."""
+def synthesized_quality_command(gguf: Path, out: Path, magpie: int, *options: str, smoke: bool = False) -> list[str]:
+    """``quality_command`` for the runs of ``out``, once the data they all train on is there: made by
+    ``quality --synthesize-only`` unless an earlier call made it."""
+    out.mkdir(parents=True, exist_ok=True)
+    quality = quality_command(gguf, out, magpie, *options, smoke=smoke)
     if not (out / "quality-data.json").exists():
         started = time.monotonic()
         subprocess.run([*quality, "--synthesize-only"], check=True, stdout=subprocess.DEVNULL)
         print(f"data synthesized in {time.monotonic() - started:.0f} s", flush=True)
+    return quality
+
+
+def save_and_emit(out: Path, bench: str, rows: list[dict], **fields: object) -> None:
+    """The table's rows in ``out/BENCH.json``, and as the benchmark's JSON line (its name, ``fields``, the rows)."""
+    (out / f"{bench}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    emit({"bench": bench, **fields, "rows": rows})
 
 
 class SideBySide:
@@ -58,9 +71,9 @@ class SideBySide:
         self.children[name] = child
         return child
 
-    def wait(self) -> None:
-        """Wait for every run, saying how each ended and when."""
-        for name, child in self.children.items():
-            code = child.wait()
+    def wait(self, names: list[str] | None = None) -> None:
+        """Wait for the runs ``names`` (every run when None), saying how each ended and when."""
+        for name in self.children if names is None else names:
+            code = self.children[name].wait()
             ended = "done" if code == 0 else f"failed (exit {code}), see {self.prefix}-{name}.log"
             print(f"{name}: {ended} after {time.monotonic() - self.started:.0f} s", flush=True)
