@@ -39,6 +39,14 @@ QWEN3_8B: dict[str, Any] = {
 Value = TypeVar("Value")
 
 
+def qwen3_8b_target(folder: Path) -> list[str]:
+    """The config overrides of a run whose target is Qwen3-8B-shaped with random bf16 weights (its configuration
+    written to ``folder``/qwen3-8b.json)."""
+    config_json = folder / "qwen3-8b.json"
+    config_json.write_text(json.dumps(QWEN3_8B))
+    return [f'target.config_json="{config_json}"', 'target.dtype="bfloat16"', "target.config_overrides={}"]
+
+
 def add_device_argument(parser: argparse.ArgumentParser, default: str | None = None, help: str | None = None) -> None:
     """``--device``: the first GPU where there is one, else the CPU, unless ``default`` names one."""
     if default is None:

@@ -58,7 +58,7 @@ from common.faults import DELAY_ENV
 from common.naming import run_tag, sweep_stale_segments, sweep_stale_trainer_staging
 from common.rundir import RunDir, read_json
 from common.status import LauncherRecord, ProducerStatus
-from launch.bench.harness import QWEN3_8B, ROOT, wait_for
+from launch.bench.harness import ROOT, qwen3_8b_target, wait_for
 
 JSON_ONLY = ("timeline", "ledger", "windows", "evaluation_spans")  # a run's series: in --json, not printed
 AFTER_EVAL_S = 3.0  # seconds after an evaluation's result reported as a phase of their own
@@ -93,12 +93,8 @@ def base_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
     ]
     if args.tiny:
         return common + ["data.mean_len=48", "data.max_seq_len=64", "batching.token_budget=64", "ring.num_slots=8"]
-    config_json = run_dir.parent / "qwen3-8b.json"
-    config_json.write_text(json.dumps(QWEN3_8B))
     return common + [
-        f'target.config_json="{config_json}"',
-        'target.dtype="bfloat16"',
-        "target.config_overrides={}",
+        *qwen3_8b_target(run_dir.parent),
         "data.num_samples=1000000",
         f"data.mean_len={args.length}",
         f"data.max_seq_len={args.length}",

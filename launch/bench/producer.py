@@ -26,7 +26,7 @@ from common.config import load_config, save_config
 from common.rundir import RunDir
 from common.status import ProducerStatus
 from common.transport import RingClient
-from launch.bench.harness import QWEN3_8B, ROOT, emit
+from launch.bench.harness import QWEN3_8B, ROOT, emit, qwen3_8b_target
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,12 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     run.root.mkdir(parents=True)
     overrides = ["launch.num_producers=1", "training.max_steps=1", f"drafter.kind={json.dumps(args.kind)}"]
     if not args.tiny:
-        config_json = run.root / "qwen3-8b.json"
-        config_json.write_text(json.dumps(QWEN3_8B))
         overrides += [
-            f'target.config_json="{config_json}"',
-            'target.dtype="bfloat16"',
-            "target.config_overrides={}",
+            *qwen3_8b_target(run.root),
             "data.num_samples=100000",
             f"data.mean_len={args.fixed_len or 1000}",
             "data.min_len=32",

@@ -33,7 +33,7 @@ from pathlib import Path
 from common.faults import DELAY_ENV
 from common.rundir import RunDir, read_json
 from common.status import LauncherRecord, ProducerStatus
-from launch.bench.harness import QWEN3_8B, ROOT, emit, wait_for
+from launch.bench.harness import ROOT, emit, qwen3_8b_target, wait_for
 
 # One checkpoint before the restart, as in any run that trained a while (the restart turns them off). At the
 # Qwen3-8B shapes a write takes 15-22 s on an H200 host: 100 steps apart, so that none is in flight when the
@@ -54,12 +54,8 @@ def overrides_for(tiny: bool, run_dir: Path) -> list[str]:
     ]
     if tiny:
         return common
-    config_json = run_dir.parent / "qwen3-8b.json"
-    config_json.write_text(json.dumps(QWEN3_8B))
     return common + [
-        f'target.config_json="{config_json}"',
-        'target.dtype="bfloat16"',
-        "target.config_overrides={}",
+        *qwen3_8b_target(run_dir.parent),
         "data.num_samples=100000",
         "data.mean_len=1000",
         "data.min_len=32",
