@@ -671,9 +671,8 @@ def compiles_by_default(model: nn.Module, device: torch.device, host_loop: bool,
 def has_experts(model: nn.Module) -> bool:
     """Whether ``model`` has mixture-of-experts blocks (transformers' experts modules; Qwen3.5/3.6-MoE, Qwen3-MoE).
 
-    Such a target is not compiled unless asked: on an H200 (torch 2.11, transformers 5.24) the compiled
-    decoder layer of the tiny Qwen3.5-MoE target was still compiling after minutes, with transformers' grouped_mm
-    experts and with them kept out of the graph alike, where uncompiled it captured at once."""
+    Such a target is not compiled unless asked: compiling its decoder layer takes minutes (torch 2.11), with the
+    experts in the graph or kept out of it, where uncompiled it captures at once."""
     return any(hasattr(module, "num_experts") and hasattr(module, "gate_up_proj") for module in model.modules())
 
 

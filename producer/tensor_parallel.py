@@ -37,16 +37,14 @@ import signal
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from common.config import ConfigError
 from producer.acceptance.verifier import GreedyTarget
-
-if TYPE_CHECKING:
-    from producer.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +216,20 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
 
-def follow(group: TensorParallelGroup, target: Target) -> int:
+class FollowerTarget(Protocol):
+    """What a follower runs rank 0's forwards on: this rank's shards of the target (``producer.target.Target``)."""
+
+    model: nn.Module
+    layer_ids: list[int]
+    capture_last_hidden: bool
+    device: torch.device
+
+    def capture_tokens(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> object:
+        """The capture forward on bare token ids and document bounds, its features unused."""
+        ...
+
+
+def follow(group: TensorParallelGroup, target: FollowerTarget) -> int:
     """Run every forward rank 0 asks for until it says STOP; the process's exit code.
 
     The loop runs in a thread: a Python signal handler runs only in the main thread and only between
