@@ -19,10 +19,8 @@ returns ``None``. It never stops the producer.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
-import glob
 import json
 import logging
 import os
@@ -32,36 +30,30 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from common.batch import Document
 from common.config import DataConfig, RunConfig
 from common.rundir import atomic_write_json, read_json
-
-if TYPE_CHECKING:
-    from producer.data_files import ChatRecords
+from producer.data_files import (
+    BadRecord,
+    DataError,
+    FileRecords,
+    JsonlRecords,
+    RecordFiles,
+    Records,
+    entry_files,
+    expand_paths,
+    open_records,
+)
 
 log = logging.getLogger(__name__)
 
 
 # Enough to diagnose a broken file without flooding the log of a long-lived producer.
 _MAX_LOGGED_BAD_RECORDS = 100
-
-
-class DataError(ValueError):
-    """The data cannot be used as configured (a missing or empty file, nothing usable in it): it would fail
-    the same way on every try, so the run stops (exit 2). The message names the key and the file."""
-
-
-class BadRecord(Exception):
-    """A record that cannot become a document; the message says why."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass
@@ -229,146 +221,6 @@ class DataSource(ABC):
 # Files
 
 
-def expand_paths(paths: list[str], folders: bool = False) -> list[str]:
-    """Paths in the given order, each glob pattern replaced by its sorted matches; with ``folders`` a path may be a
-    folder (a dataset folder of chat data, producer/data_files.py)."""
-    expanded: list[str] = []
-    for path in paths:
-        if glob.has_magic(path):
-            matches = sorted(glob.glob(path))
-            if not matches:
-                raise DataError(f"data.paths: no file matches {path!r}")
-            expanded.extend(matches)
-        elif not (os.path.isfile(path) or (folders and os.path.isdir(path))):
-            raise DataError(f"data.paths: data file not found: {path!r}")
-        else:
-            expanded.append(path)
-    return expanded
-
-
-def index_line_offsets(path: str, chunk_bytes: int = 1 << 24) -> np.ndarray:
-    """Byte offsets of line starts plus the file size: line i is ``[off[i], off[i+1])``.
-
-    A final line without a newline is a line; a trailing newline does not start an empty one.
-    """
-    newline_ends = []
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            newline_ends.append(np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 0x0A) + (size + 1))
-            size += len(chunk)
-    ends = np.concatenate([np.zeros(1, np.int64), *newline_ends]).astype(np.int64)
-    if ends[-1] != size:
-        ends = np.append(ends, size)
-    return ends
-
-
-class _RecordFiles:
-    """Global record index over several files, given each file's record count."""
-
-    def __init__(self, paths: list[str], counts: list[int]):
-        self.paths = paths
-        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64).tolist()
-
-    def __len__(self) -> int:
-        return self.starts[-1]
-
-    def locate(self, sample_id: int) -> tuple[int, int]:
-        """(file index, record index inside that file)."""
-        file_index = bisect.bisect_right(self.starts, sample_id) - 1
-        return file_index, sample_id - self.starts[file_index]
-
-
-_SAMPLED_RECORDS = 100
-"""How many records ``Records.sample`` looks at for one that is an object (bad first lines do not hide the layout)."""
-
-
-class Records(ABC):
-    """The records of one file, read at random by their index in it (JSON values: objects for chat data)."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    @abstractmethod
-    def __len__(self) -> int: ...
-
-    @abstractmethod
-    def read(self, index: int) -> Any:
-        """The record; raises BadRecord."""
-
-    @abstractmethod
-    def location(self, index: int) -> str:
-        """Where the record lives, for messages (``file:line``, ``file:row N``)."""
-
-    def sample(self) -> dict[str, Any] | None:
-        """The first record that is an object, for the checks at start (None when the first records are not)."""
-        for index in range(min(len(self), _SAMPLED_RECORDS)):
-            with contextlib.suppress(BadRecord):
-                record = self.read(index)
-                if isinstance(record, dict):
-                    return record
-        return None
-
-    def project(self, columns: list[str]) -> None:
-        """Read only these columns of a table from now on; a JSON line is read whole."""
-
-
-class JsonlRecords(Records):
-    """The lines of a JSONL file, read at random through an index of line byte offsets (blank lines count)."""
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._offsets = index_line_offsets(path)
-        if len(self._offsets) < 2:
-            raise DataError(f"data.paths: {path} is empty (no records)")
-        # pread on a kept descriptor: no seek state, so reads are safe from several threads.
-        self._fd: int | None = os.open(path, os.O_RDONLY)
-
-    def __len__(self) -> int:
-        return len(self._offsets) - 1
-
-    def location(self, index: int) -> str:
-        return f"{self.path}:{index + 1}"
-
-    def read(self, index: int) -> Any:
-        start, end = int(self._offsets[index]), int(self._offsets[index + 1])
-        raw = os.pread(self._fd, end - start, start)
-        if not raw.strip():
-            raise BadRecord("empty", "blank line")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise BadRecord("invalid_json", str(error)) from None
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __del__(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            self.close()
-
-
-class FileRecords:
-    """The records of several files as one sequence: a sample id is the record's index across the files in order."""
-
-    def __init__(self, files: list[Records]):
-        self.files = files
-        self._index = _RecordFiles([f.path for f in files], [len(f) for f in files])
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def read(self, sample_id: int) -> Any:
-        file_index, index = self._index.locate(sample_id)
-        return self.files[file_index].read(index)
-
-    def location(self, sample_id: int) -> str:
-        file_index, index = self._index.locate(sample_id)
-        return self.files[file_index].location(index)
-
-
 def _token_array(value: Any, name: str) -> np.ndarray:
     if not isinstance(value, (list, np.ndarray)):
         raise BadRecord("wrong_type", f"{name} must be a list of ints, got {type(value).__name__}")
@@ -437,7 +289,7 @@ class ParquetSource(DataSource):
             wanted = [n for n in ("input_ids", "loss_mask") if n in names]
             table = pq.read_table(path, columns=wanted)
             self._columns.append({name: table.column(name).combine_chunks() for name in wanted})
-        self._files = _RecordFiles(paths, [len(c["input_ids"]) for c in self._columns])
+        self._files = RecordFiles(paths, [len(c["input_ids"]) for c in self._columns])
 
     def __len__(self) -> int:
         return len(self._files)
@@ -859,6 +711,57 @@ def template_errors() -> Iterator[None]:
         raise BadRecord("template", f"{type(error).__name__}: {error}") from None
 
 
+def _opens_a_json_array(path: str) -> bool:
+    """Whether the file is one JSON document that opens with ``[`` (a list of records, not one record a line)."""
+    with open(path, "rb") as f:
+        return f.read(4096).lstrip().startswith(b"[")
+
+
+class ChatRecords(FileRecords):
+    """The records of chat data's files as one sequence, each read as OpenAI messages by the data's layout."""
+
+    def __init__(self, files: list[Records], layout: ChatLayout, described: list[str]):
+        super().__init__(files)
+        self.layout = layout
+        self._described = described
+
+    def read(self, sample_id: int) -> dict[str, Any]:
+        """The record with its conversation as OpenAI messages under ``messages``; raises BadRecord."""
+        return self.layout.openai_record(super().read(sample_id))
+
+    def describe(self) -> list[str]:
+        """One line per entry of the paths: what it is and how its records are read."""
+        return list(self._described)
+
+
+def chat_records(config: DataConfig, paths: list[str]) -> ChatRecords:
+    """The chat records of ``paths`` (files and dataset folders: producer/data_files.py) as ``config`` lays them out;
+    DataError when a file cannot be read or its first record not as configured."""
+    layout = ChatLayout.of(config)
+    files: list[Records] = []
+    described = []
+    for entry in paths:
+        container, names = entry_files(entry, config.split)
+        layouts: dict[str, None] = {}  # the distinct ones, in order
+        opened = [open_records(name) for name in names]
+        for records in opened:
+            sample = records.sample()
+            if sample is None:
+                if isinstance(records, JsonlRecords) and _opens_a_json_array(records.path):
+                    raise DataError(
+                        f"data.paths: {records.path} is one JSON array of records, not JSON lines: write one record "
+                        "a line (jq -c '.[]' file.json > file.jsonl)"
+                    )
+                continue  # its first records are all bad: each is reported as one
+            layouts[layout.check(sample, records.path)] = None
+            records.project([layout.conversation_key(sample), "tools"])
+        if not sum(len(records) for records in opened):
+            raise DataError(f"data.paths: {entry} is empty (no records)")
+        files += opened
+        described.append(f"{entry}: {container}; {', '.join(layouts) or 'no record read yet'}")
+    return ChatRecords(files, layout, described)
+
+
 class ChatSource(DataSource):
     """Chat records (JSONL lines, Parquet or Arrow rows: producer/data_files.py) rendered with the target's chat
     template (with their ``tools``)."""
@@ -1078,7 +981,6 @@ def build_data_source(config: DataConfig, tokenizer: Any = None) -> DataSource:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-    from producer.data_files import chat_records  # the container readers build on this module
 
     return ChatSource(config, chat_records(config, expand_paths(config.paths, folders=True)), tokenizer)
 

@@ -52,8 +52,7 @@ from producer.conversation import (
     magpie_prefix,
     tool_call_format,
 )
-from producer.data import BadRecord, DataError, expand_paths, record_tools
-from producer.data_files import chat_records
+from producer.data import BadRecord, DataError, chat_records, expand_paths, record_tools
 from producer.generate import GenerationConfig, GenerationMemoryError, Generator
 
 log = logging.getLogger(__name__)

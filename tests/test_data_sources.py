@@ -13,7 +13,8 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from common.config import DataConfig
-from producer.data import build_data_source, index_line_offsets, render_chat
+from producer.data import build_data_source, render_chat
+from producer.data_files import index_line_offsets
 
 # Qwen-style: <|im_start|>role\n...<|im_end|>\n, with a default system prompt when none is given.
 PLAIN_TEMPLATE = (
