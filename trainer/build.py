@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -30,8 +31,11 @@ from common.hf import target_identity, text_config_of
 from common.naming import run_tag, sweep_stale_trainer_staging
 from common.rundir import RunDir, read_json
 from trainer import handover
-from trainer.checkpoint import load_checkpoint
+from trainer.checkpoint import TrainerState, load_checkpoint
 from trainer.ranks import Ranks
+
+if TYPE_CHECKING:
+    from trainer.warm import WarmStart  # which builds with this module
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +161,23 @@ def compile_layers(drafter: Drafter) -> None:
         layer.compile(dynamic=False)
 
 
+class StartClock:
+    """Seconds of each part of a trainer's start, for its first log line."""
+
+    def __init__(self) -> None:
+        self.laps: list[tuple[str, float]] = []
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps.append((name, now - self.last))
+        self.last = now
+
+    def __str__(self) -> str:
+        total = sum(s for _, s in self.laps)
+        return f"{total:.1f} s (" + ", ".join(f"{name} {s:.1f}" for name, s in self.laps) + ")"
+
+
 @dataclass
 class DrafterStart:
     """What a trainer starts from, as plain state: the drafter on its device, what it was built from, and the
@@ -171,11 +192,11 @@ class DrafterStart:
     compiled: bool
     warmed: bool
     """The drafter is the warm start's (trainer/warm.py), built while the predecessor still trained."""
-    resumed: Any | None
+    resumed: TrainerState | None
     """The checkpoint resumed, or the state handed over by restart-trainer (weights, train_state, meta)."""
-    handed: Any | None
+    handed: TrainerState | None
     """The state handed over, when it is the one resumed (its disk checkpoint is still to write)."""
-    staging: Any | None
+    staging: handover.SharedStaging | None
     """A single process's shared staging: its checkpoints' host buffers, which restart-trainer hands over."""
     origin: str
     """How it started, for the log: a fresh start, the checkpoint resumed, or the state taken over."""
@@ -186,7 +207,7 @@ def start_drafter(
     run_dir: RunDir,
     ranks: Ranks,
     handed_over: dict | None,
-    warm: Any | None,
+    warm: WarmStart | None,
     wait_for: Callable[[Callable[[], bool], str], None],
     lap: Callable[[str], None],
 ) -> DrafterStart:
@@ -211,23 +232,11 @@ def start_drafter(
         dtype=cfg.target.dtype,
         last_hidden=cfg.ships_final_hidden,
     ).to_wire()
-
     latest = run_dir.latest_checkpoint()
     # A single process stages its checkpoints in /dev/shm, so that restart-trainer can hand them over; a successor
     # adopts the segments handed to it as its own staging.
     staging = handover.SharedStaging(run_tag(run_dir.root)) if ranks.world_size == 1 else None
-    handed = handover.take(handed_over, staging, pin=ranks.device.type == "cuda") if handed_over and staging else None
-    if (
-        handed is not None
-        and latest is not None
-        and handed.meta["step"] < read_json(latest / "trainer_state.json")["step"]
-    ):
-        log.warning(
-            "the state handed over (step %d) is older than %s; resuming from the checkpoint",
-            handed.meta["step"],
-            latest.name,
-        )
-        handed = None
+    handed = _handed_state(handed_over, staging, latest, ranks)
     resumed = handed or (load_checkpoint(latest) if latest is not None else None)
     if ranks.rank == 0:
         # A successor handed a state over reads no checkpoint: the superseded write's folder it would remove
@@ -236,13 +245,53 @@ def start_drafter(
             log.warning("cleaned up %s, left by a trainer killed while checkpointing", leftover.name)
         sweep_stale_trainer_staging(run_tag(run_dir.root))
     lap("state")
-    torch.manual_seed(cfg.training.seed)
-    # Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the device, FSDP keeps
-    # each rank's shards of it. A fresh one is the same on every rank (same seed). A single process resumes on its
-    # device: no host copy of the weights.
+    drafter = _drafter_for(cfg, ranks, resumed, warm, head, draft_config, loss_config)
+    warmed = warm is not None and drafter is warm.drafter
     compiled = compiles(cfg, ranks.device)
-    drafter = None
-    if resumed is not None:
+    if compiled and not warmed:
+        compile_layers(drafter)
+    lap("drafter")
+    origin = "took over the state handed over" if handed else f"resumed from {latest.name}" if latest else "fresh start"
+    return DrafterStart(
+        head, draft_config, loss_config, expect, drafter, compiled, warmed, resumed, handed, staging, origin
+    )
+
+
+def _handed_state(
+    handed_over: dict | None, staging: handover.SharedStaging | None, latest: Path | None, ranks: Ranks
+) -> TrainerState | None:
+    """The state the predecessor handed over, unless the latest checkpoint is later (then it resumes instead)."""
+    handed = handover.take(handed_over, staging, pin=ranks.device.type == "cuda") if handed_over and staging else None
+    if handed is None or latest is None:
+        return handed
+    if handed.meta["step"] < read_json(latest / "trainer_state.json")["step"]:
+        log.warning(
+            "the state handed over (step %d) is older than %s; resuming from the checkpoint",
+            handed.meta["step"],
+            latest.name,
+        )
+        return None
+    return handed
+
+
+def _drafter_for(
+    cfg: RunConfig,
+    ranks: Ranks,
+    resumed: TrainerState | None,
+    warm: WarmStart | None,
+    head: TargetHead,
+    draft_config: DraftConfig,
+    loss_config: LossConfig,
+) -> Drafter:
+    """The drafter on its device: the state resumed (in the warm start's drafter where it fits), or a fresh one.
+
+    Every rank builds (or loads) the same whole drafter on the host: DDP copies it to the device, FSDP keeps
+    each rank's shards of it. A fresh one is the same on every rank (same seed). A single process resumes on its
+    device: no host copy of the weights."""
+    torch.manual_seed(cfg.training.seed)
+    if resumed is None:
+        drafter = fresh_drafter(cfg, draft_config, head, loss_config)
+    else:
         config = config_from_export(resumed.drafter_config, own_checkpoint=True)
         if config.kind != cfg.drafter.kind:
             raise ConfigError(
@@ -260,15 +309,6 @@ def start_drafter(
             )
         # The checkpoint fixes the kind's shape; its training options are the run's (restart-trainer may change them).
         drafter.config.options = cfg.drafter.options.with_shape(drafter.config.options.shape())
-    else:
-        drafter = fresh_drafter(cfg, draft_config, head, loss_config)
-    warmed = warm is not None and drafter is warm.drafter
     if not ranks.sharded:
         drafter.to(ranks.device)
-    if compiled and not warmed:
-        compile_layers(drafter)
-    lap("drafter")
-    origin = "took over the state handed over" if handed else f"resumed from {latest.name}" if latest else "fresh start"
-    return DrafterStart(
-        head, draft_config, loss_config, expect, drafter, compiled, warmed, resumed, handed, staging, origin
-    )
+    return drafter
