@@ -5,7 +5,7 @@ import math
 import pytest
 
 from common.config import ConfigError, load_config
-from trainer.train import lr_lambda
+from trainer.optim import lr_lambda
 
 
 def factors(*overrides: str, steps: int = 100) -> list[float]:

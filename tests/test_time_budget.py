@@ -15,7 +15,7 @@ from common.rundir import RunDir, read_json
 from launch.progress import eta_s
 from tests.test_pipeline import finish, start, trainer_step, wait_for
 from trainer.budget import TimeBudget
-from trainer.train import lr_lambda
+from trainer.optim import lr_lambda
 
 
 def test_the_schedule_is_as_far_along_as_the_larger_of_steps_and_clock(monkeypatch):

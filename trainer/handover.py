@@ -24,6 +24,8 @@ import math
 import mmap
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +33,87 @@ import torch
 
 from common import faults
 from common.codec import DTYPE_NAMES, DTYPES
-from common.naming import SHM_DIR, TRAINER_ROLE_PREFIX, segment_name
-from trainer.checkpoint import HostStaging, TrainerState, map_tensors
+from common.control import HandoverMark
+from common.drafter.base import Drafter
+from common.drafter.draft_config import DraftConfig
+from common.drafter.export import zlab_config
+from common.naming import SHM_DIR, TRAINER_ROLE_PREFIX, process_start_ticks, segment_name
+from common.rundir import RunDir
+from trainer.checkpoint import CheckpointWriter, HostStaging, TrainerState, map_tensors
 
 log = logging.getLogger(__name__)
 ALIGN = 4096  # each tensor on its own page boundary
 SHM_RESERVE = 1 << 30  # left free in /dev/shm (producers' host rings live there too)
+
+
+class Handover:
+    """The old trainer's side of restart-trainer (a single process): its final state into the shared staging
+    segments (``stage``), and at its very end the handover mark that names them to its successor (``leave``)."""
+
+    def __init__(self, run_dir: RunDir, checkpoints: CheckpointWriter, single_process: bool) -> None:
+        self.run_dir, self.checkpoints, self.single_process = run_dir, checkpoints, single_process
+        self.state: dict[str, Any] | None = None
+        """What the mark hands over: the segments' trees and layouts, the checkpoint meta, the drafter's config."""
+
+    def requested(self) -> bool:
+        """The launcher asked for this trainer's state (``control/handover-<pid>.json``) and it can hand it over: a
+        single process, its staging in shared memory. The request is taken (removed)."""
+        request = self.run_dir.handover_request(os.getpid())
+        if not (request.is_file() and self.single_process and self.checkpoints.staging.shared):
+            return False
+        request.unlink()
+        return True
+
+    def stage(
+        self,
+        drafter: Drafter,
+        draft_config: DraftConfig,
+        optimizer: torch.optim.Optimizer,
+        train_state: Callable[[dict], dict],
+        meta: dict,
+    ) -> None:
+        """Copy the final state into the shared staging segments instead of writing a disk checkpoint; ``leave``
+        names them in the mark and the successor writes the checkpoint. ``train_state(optimizer_state)``: the
+        train state around the optimizer's (trainer/optim.py)."""
+        started = time.perf_counter()
+        staging = self.checkpoints.staging
+        superseded = None
+        if self.checkpoints.writing and staging.room_for_another_set():
+            # A background write still reads the staging: the state goes into new segments instead of waiting
+            # for it (up to 20 s for a Qwen3-8B draft). The successor writes this later state's checkpoint; the
+            # earlier write is left to end or not as this process exits (like a kill there, which loses nothing).
+            superseded = self.checkpoints.supersede()
+            staging.detach()
+        else:
+            self.checkpoints.wait()  # an earlier write reads the same buffers
+        faults.point("trainer.stage")
+        weights = staging.copy(drafter.state_dict(), "drafter")
+        state = train_state(staging.copy(optimizer.state_dict(), "optimizer"))
+        state.update(staging.copy({k: v for k, v in state.items() if k != "optimizer"}, "extras"))
+        self.state = {
+            "trees": {"weights": staging.describe(weights), "train_state": staging.describe(state)},
+            "segments": staging.layouts(),
+            "meta": meta,
+            "drafter_config": zlab_config(draft_config, drafter.fc.weight.dtype),
+        }
+        log.info(
+            "state of step %d handed over in shared memory in %.2f s%s",
+            meta["step"],
+            time.perf_counter() - started,
+            f" (new segments: checkpoint {superseded} was still being written, and is superseded)"
+            if superseded
+            else "",
+        )
+
+    def leave(self, step: int) -> None:
+        """The last of a single process's close, after which nothing of the run is touched: the staging goes
+        unless it was handed over, and the mark says this process is done (a successor waits for it, or for the
+        process to be gone; a torchrun group's successor waits for its exit instead)."""
+        if self.state is None:
+            self.checkpoints.staging.release()  # nobody takes them over
+        faults.point("trainer.handover")
+        mark = HandoverMark(os.getpid(), process_start_ticks(os.getpid()), step, time.time(), self.state)
+        mark.write(self.run_dir.trainer_handover)
 
 
 class SharedStaging(HostStaging):

@@ -1,4 +1,6 @@
-"""The trainer's optimizer (``training.optimizer``): AdamW, or Muon for the drafter's weight matrices.
+"""The trainer's optimizer (``training.optimizer``): AdamW, or Muon for the drafter's weight matrices; its
+learning-rate schedule (``lr_lambda``); and ``Optimization``, the trainer's component that holds both with the RNGs
+and saves and restores their state.
 
 ``build_optimizer(model, "adamw", ...)`` is torch's AdamW over every trainable parameter, betas (0.9, 0.95).
 
@@ -34,16 +36,20 @@ gradients and so compute the same update).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.adamw import adamw as adamw_functional  # in every torch this project allows (>= 2.6)
 
-from trainer.sharding import is_sharded
+from common.config import RunConfig
+from trainer.budget import TimeBudget
+from trainer.ranks import Ranks
+from trainer.sharding import full_tensor, is_sharded, load_full_optimizer_state
 
 OPTIMIZERS = ("adamw", "muon")
 ADAMW_BETAS = (0.9, 0.95)
@@ -278,3 +284,105 @@ class MuonAdamW(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def lr_lambda(cfg: RunConfig, max_steps: int, budget: TimeBudget | None = None) -> Callable[[int], float]:
+    """Linear warmup, then a cosine decay to ``min_lr_ratio`` of the peak, or with ``schedule = "wsd"`` the peak held
+    until the last ``decay_ratio`` of the steps and a linear decay to the floor over them. Under a time budget the
+    schedule is as far along as the larger of the steps and the clock, so a run the clock ends still decays."""
+    warmup = max(1, int(cfg.training.warmup_ratio * max_steps))
+    floor = cfg.training.min_lr_ratio
+    decay_start = max(warmup, max_steps - int(round(cfg.training.decay_ratio * max_steps)))
+
+    def cosine(step: int) -> float:
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def warmup_stable_decay(step: int) -> float:
+        progress = min(1.0, max(0.0, (step - decay_start) / max(1, max_steps - decay_start)))
+        return floor + (1 - floor) * (1 - progress)
+
+    after_warmup = warmup_stable_decay if cfg.training.schedule == "wsd" else cosine
+
+    def factor(step: int) -> float:
+        if budget is not None:
+            step = max(step, int(budget.fraction * max_steps))
+        return (step + 1) / warmup if step < warmup else after_warmup(step)
+
+    return factor
+
+
+class Optimization:
+    """The trainer's optimizer component: the optimizer, its learning-rate schedule and the RNGs a step draws from;
+    their state is a checkpoint's ``train_state/``."""
+
+    def __init__(self, cfg: RunConfig, drafter: nn.Module, ranks: Ranks, max_steps: int, budget: TimeBudget) -> None:
+        self.cfg, self.drafter, self.ranks, self.max_steps, self.budget = cfg, drafter, ranks, max_steps, budget
+        self.device = ranks.device
+        self.optimizer = build_optimizer(
+            drafter,
+            cfg.training.resolved_optimizer,
+            cfg.training.lr,
+            cfg.training.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, max_steps, budget))
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + ranks.rank)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def step(self, clip: float) -> torch.Tensor:
+        """Clip the gradients to ``clip``, step the optimizer and the schedule; the gradient norm before clipping
+        (under FSDP reduced over every rank's shards and replicated)."""
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def state_dict(self, optimizer_state: dict | None) -> dict:
+        """A checkpoint's train state: ``optimizer_state`` (of the whole drafter), the schedule and the RNGs."""
+        return {
+            "optimizer": optimizer_state,
+            "optimizer_name": self.cfg.training.resolved_optimizer,
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()),  # its lists are the scheduler's own
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.empty(0),
+        }
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        """The optimizer's moments, the schedule's position and the RNGs of a checkpoint (or a state handed over) at
+        ``step``. The settings of the optimizer's groups, the peak and the shape of the schedule stay this config's
+        (a restart may change training.lr, weight_decay or the schedule; the device decides fused AdamW)."""
+        trained_with, configured_optimizer = state["optimizer_name"], self.cfg.training.resolved_optimizer
+        configured = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        if trained_with != configured_optimizer:
+            log.warning(
+                "training.optimizer is %s, the checkpoint's was %s: the weights and the schedule carry on, "
+                "the optimizer state starts anew",
+                configured_optimizer,
+                trained_with,
+            )
+        elif self.ranks.sharded:
+            load_full_optimizer_state(self.drafter, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        for group, settings in zip(self.optimizer.param_groups, configured):
+            group.update(settings)
+        self.scheduler.load_state_dict(state["scheduler"])
+        # The optimizer may have another number of parameter groups: the schedule keeps its step, its peak and
+        # shape are the new ones.
+        groups, lr = self.optimizer.param_groups, self.cfg.training.lr
+        self.scheduler.base_lrs = [lr] * len(groups)
+        self.scheduler.lr_lambdas = [lr_lambda(self.cfg, self.max_steps, self.budget)] * len(groups)
+        for group in groups:
+            group["initial_lr"] = lr
+            group["lr"] = lr * self.scheduler.lr_lambdas[0](step)
+        # Copies: a state handed over is views into shared pages, which the RNG setters do not take.
+        self.generator.set_state(state["generator"].clone())
+        torch.set_rng_state(state["torch_rng"].clone())
+        if self.device.type == "cuda" and state["cuda_rng"].numel():
+            torch.cuda.set_rng_state(state["cuda_rng"].clone(), self.device)

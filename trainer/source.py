@@ -1,4 +1,5 @@
-"""Where the trainer's batches come from and where its evaluations run: one interface, so the loop has one path.
+"""Where the trainer's batches come from and where its evaluations run: one interface, so the loop has one path;
+and ``Batches``, the loop's view of them: the next batch, agreed between the ranks so that none is trained twice.
 
 The run's source is the producers' rings (``RingSource``): the feeder thread takes their batches and producer 0
 evaluates what the trainer asks for. The coupled baseline (launch/bench/coupled.py) is another source, which runs
@@ -7,14 +8,20 @@ the target in the trainer's own process and evaluates in its loop.
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from collections.abc import Callable
 from typing import IO, Any, Protocol
 
-from common.config import RunConfig
+from common.batch import PackedBatch
+from common.config import ConfigError, RunConfig
 from common.rundir import RunDir
 from trainer.acceptance import EvalClient
-from trainer.feeder import Commits, Feeder
+from trainer.feeder import Commits, Feeder, Received
 from trainer.ranks import Ranks
+
+log = logging.getLogger(__name__)
 
 
 class BatchSource(Protocol):
@@ -71,3 +78,106 @@ class RingSource:
             metrics_file=metrics_file,
             wandb_run=wandb_run,
         )
+
+
+Claim = tuple[int, int, list, int, list[int]]
+"""What a rank shows of the batch it would train: (producer, ordinal, cursor, epoch, sample ids)."""
+
+
+class Batches:
+    """The loop's batches: the feeder's, the next one prepared while this step's backward runs, each step's agreed
+    between the ranks and recorded as trained (``Commits``, and rank 0's ledger line)."""
+
+    def __init__(
+        self, feeder: Any, ranks: Ranks, commits: Commits, ledger: IO[str] | None, stop: Callable[[], bool]
+    ) -> None:
+        """``feeder``: the source's (``start``, ``get``, ``refusal``, ``error``, ``producer_stats``, ``close``);
+        ``stop``: whether the trainer is asked to stop (it then takes no new batch)."""
+        self.feeder, self.ranks, self.commits, self.ledger, self.stop = feeder, ranks, commits, ledger, stop
+        self.upcoming: Received | None = None
+
+    def next(self) -> tuple[Received | None, float]:
+        """The next staged batch and the seconds waited for it (starved time); None once a stop is asked."""
+        if self.upcoming is not None:
+            received, self.upcoming = self.upcoming, None
+            return received, 0.0
+        started = time.perf_counter()
+        while not self.stop():
+            received = self.feeder.get(timeout=0.5)
+            if received is not None:
+                return received, time.perf_counter() - started
+            if self.feeder.refusal:
+                raise ConfigError(f"a producer refused this trainer: {self.feeder.refusal}")
+            if self.feeder.error is not None:
+                raise RuntimeError("the feeder thread failed") from self.feeder.error
+        return None, time.perf_counter() - started
+
+    def prepare_upcoming(self, prepare: Callable[[PackedBatch], object]) -> None:
+        """Build the next batch's anchors and block masks (``prepare``) while the GPU still runs this step's
+        backward, so mask building is off the critical path."""
+        if self.upcoming is None:
+            self.upcoming = self.feeder.get(timeout=0)
+        if self.upcoming is not None and self.upcoming.prepared is None:
+            self.upcoming.prepared = prepare(self.upcoming.batch)
+
+    def claim(self) -> tuple[Received | None, float, list[Claim]]:
+        """This step's batch, agreed with the other ranks; (None, ...) when any rank stops.
+
+        Every rank shows the batch it would train (one object collective on the CPU group, no GPU
+        sync); a batch already trained, or shown by a lower rank too, is dropped by its rank, which
+        shows its next one. So no batch is trained twice whatever the producers send (a restarted
+        producer only knows what the ranks that said HELLO to it had received), and all ranks stop
+        together. Returns the batch, the seconds waited for data, and every rank's claim.
+        """
+        received, waited = None, 0.0
+        while True:
+            if received is None and not self.stop():
+                received, starved = self.next()
+                waited += starved
+            mine = None if received is None else _claim_of(received)
+            everyone = self.ranks.gather(mine)
+            if any(claim is None for claim in everyone):
+                return None, waited, everyone
+            seen: set[tuple[int, int]] = set()
+            losers = set()
+            for rank, (producer, ordinal, *_) in enumerate(everyone):
+                if (producer, ordinal) in seen or self.commits.is_trained(producer, ordinal):
+                    losers.add(rank)
+                seen.add((producer, ordinal))
+            if not losers:
+                return received, waited, everyone
+            if self.ranks.rank in losers:
+                log.error(
+                    "batch %d of producer %d was trained or taken by another rank; dropped",
+                    received.ordinal,
+                    received.producer,
+                )
+                received = None
+
+    def record(self, step: int, incarnation: int, everyone: list[Claim]) -> None:
+        """Mark the step's batches trained (on every rank) and append the ledger line (rank 0)."""
+        for producer, ordinal, cursor, _, _ in everyone:
+            self.commits.mark_trained(producer, ordinal, cursor)
+            # Another rank's batch counts as received here too: a HELLO of ours must say so, or a
+            # restarted producer would compute it again.
+            self.commits.mark_received(producer, ordinal, cursor)
+        if self.ledger is None:
+            return
+        line = {
+            "step": step,
+            "incarnation": incarnation,
+            "samples": [[p, epoch, s] for p, _, _, epoch, ids in everyone for s in ids],
+            "batches": [[p, o] for p, o, _, _, _ in everyone],
+            "time": time.time(),
+        }
+        self.ledger.write(json.dumps(line) + "\n")
+        self.ledger.flush()
+
+    def close(self) -> None:
+        self.feeder.close()
+        if self.ledger is not None:
+            self.ledger.close()
+
+
+def _claim_of(received: Received) -> Claim:
+    return (received.producer, received.ordinal, received.cursor, received.batch.epoch, received.sample_ids)
