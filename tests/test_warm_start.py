@@ -13,8 +13,9 @@ from common.drafter.export import drafter_from_state, zlab_config
 from common.drafter.loss import LossConfig
 from common.drafter.model import DFlashDrafter
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
+from trainer.build import WarmStart
 from trainer.wandb_run import BackgroundRun
-from trainer.warm import WarmStart, synthetic_batch
+from trainer.warm import synthetic_batch
 
 
 def warm_start(cfg=None) -> WarmStart:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -33,9 +33,6 @@ from common.rundir import RunDir, read_json
 from trainer import handover
 from trainer.checkpoint import TrainerState, load_checkpoint
 from trainer.ranks import Ranks
-
-if TYPE_CHECKING:
-    from trainer.warm import WarmStart  # which builds with this module
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +156,43 @@ def compile_layers(drafter: Drafter) -> None:
     FSDP's gather and reshard hooks, which dynamo leaves eager."""
     for layer in drafter.layers:
         layer.compile(dynamic=False)
+
+
+@dataclass
+class WarmStart:
+    """A head and a drafter built ahead of a takeover, and the configuration they were built from."""
+
+    cfg: RunConfig
+    device: torch.device
+    target_config: Any
+    head: TargetHead
+    target_identity: str
+    """The head's part of the handshake (a hash of the whole embedding: seconds at a large vocabulary)."""
+    draft_config: DraftConfig
+    drafter: Drafter
+    """On ``device``, in the dtype of a fresh drafter; compiled when ``compiled``."""
+    compiled: bool
+    seconds: float
+
+    def fits(self, cfg: RunConfig, device: torch.device) -> bool:
+        """Whether a trainer with ``cfg`` on ``device`` would have built this head and drafter."""
+        return (
+            device == self.device
+            and cfg.target == self.cfg.target
+            and cfg.drafter == self.cfg.drafter
+            and compiles(cfg, device) == self.compiled
+        )
+
+    def drafter_for(
+        self, config: DraftConfig, weights: dict[str, torch.Tensor], loss_config: LossConfig
+    ) -> Drafter | None:
+        """The warm drafter holding ``weights``, if it has their architecture and dtype (else None)."""
+        dtypes = {t.dtype for t in weights.values()}
+        if config != self.drafter.config or dtypes != {self.drafter.fc.weight.dtype}:
+            return None
+        self.drafter.load_state_dict(weights, strict=True)  # copied onto the device
+        self.drafter.loss_config = loss_config
+        return self.drafter
 
 
 class StartClock:

@@ -19,8 +19,8 @@ from common.control import PREDECESSOR_ENV, HandoverMark, StandbyGo
 from common.lifecycle import end_now
 from common.naming import process_start_ticks
 from common.rundir import RunDir
+from trainer.build import WarmStart
 from trainer.ranks import resolve_device
-from trainer.warm import WarmStart
 from trainer.warm import prepare as prepare_warm_start
 
 log = logging.getLogger(__name__)

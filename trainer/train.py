@@ -35,6 +35,7 @@ from common.rundir import CheckpointError, RunDir
 from common.status import ProducerStatus, TrainerStatus
 from trainer import build
 from trainer.budget import TimeBudget
+from trainer.build import WarmStart
 from trainer.checkpoint import CheckpointWriter, Snapshot
 from trainer.feeder import Commits, Received
 from trainer.handover import Handover
@@ -45,7 +46,6 @@ from trainer.ranks import Ranks
 from trainer.sharding import full_model_state, local_parameter_count, parallelize
 from trainer.source import Batches, BatchSource, RingSource, SourceFactory
 from trainer.takeover import wait_for_predecessor, wait_for_takeover
-from trainer.warm import WarmStart
 
 log = logging.getLogger(__name__)
 EVAL_RESULT_WAIT_S = 300.0  # how long a finished trainer waits for the evaluation of its last step

@@ -16,62 +16,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
 from common.codec import DTYPES
 from common.config import RunConfig
-from common.drafter.base import Drafter
 from common.drafter.draft_config import DraftConfig
 from common.drafter.kinds import build_drafter
-from common.drafter.loss import LossConfig
-from common.drafter.target_head import TargetHead
 from common.hf import target_identity
 from common.rundir import RunDir
 from trainer import build
+from trainer.build import WarmStart
 from trainer.sharding import parallelize
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WarmStart:
-    """A head and a drafter built ahead of a takeover, and the configuration they were built from."""
-
-    cfg: RunConfig
-    device: torch.device
-    target_config: Any
-    head: TargetHead
-    target_identity: str
-    """The head's part of the handshake (a hash of the whole embedding: seconds at a large vocabulary)."""
-    draft_config: DraftConfig
-    drafter: Drafter
-    """On ``device``, in the dtype of a fresh drafter; compiled when ``compiled``."""
-    compiled: bool
-    seconds: float
-
-    def fits(self, cfg: RunConfig, device: torch.device) -> bool:
-        """Whether a trainer with ``cfg`` on ``device`` would have built this head and drafter."""
-        return (
-            device == self.device
-            and cfg.target == self.cfg.target
-            and cfg.drafter == self.cfg.drafter
-            and build.compiles(cfg, device) == self.compiled
-        )
-
-    def drafter_for(
-        self, config: DraftConfig, weights: dict[str, torch.Tensor], loss_config: LossConfig
-    ) -> Drafter | None:
-        """The warm drafter holding ``weights``, if it has their architecture and dtype (else None)."""
-        dtypes = {t.dtype for t in weights.values()}
-        if config != self.drafter.config or dtypes != {self.drafter.fc.weight.dtype}:
-            return None
-        self.drafter.load_state_dict(weights, strict=True)  # copied onto the device
-        self.drafter.loss_config = loss_config
-        return self.drafter
 
 
 def synthetic_batch(cfg: RunConfig, config: DraftConfig, device: torch.device) -> PackedBatch:
