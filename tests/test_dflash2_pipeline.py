@@ -16,7 +16,7 @@ from common.drafter.export import load_drafter
 from common.drafter.target_head import TargetHead
 from tests.drafter_fixtures import tiny_qwen3_target
 from tests.test_first_day import stops_with_2
-from tests.test_pipeline import finish, start
+from tests.test_pipeline import ONE_PRODUCER, finish, start
 
 ROOT = Path(__file__).resolve().parents[1]
 DFLASH2 = ('drafter.kind="dflash2"', "drafter.dflash2.selector_rank=16", "drafter.dflash2.selector_top_k=8")
@@ -28,13 +28,14 @@ def _checkpoints(run_dir: Path) -> list[Path]:
 
 def test_a_dflash2_run_trains_evaluates_exports_and_a_dflash_checkpoint_starts_one(short_tmp):
     dflash_run = short_tmp / "dflash"
-    finish(start(dflash_run, "training.max_steps=8", "eval.every_steps=0"), dflash_run)
+    finish(start(dflash_run, *ONE_PRODUCER, "training.max_steps=8", "eval.every_steps=0"), dflash_run)
     dflash_checkpoint = _checkpoints(dflash_run)[-1]
 
     run_dir = short_tmp / "run"
     finish(
         start(
             run_dir,
+            *ONE_PRODUCER,
             *DFLASH2,
             "training.max_steps=16",
             "eval.every_steps=16",

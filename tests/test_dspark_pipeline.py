@@ -12,7 +12,7 @@ from pathlib import Path
 from common.drafter.dspark.model import DSparkDrafter
 from tests.drafter_fixtures import tiny_qwen3_target
 from tests.test_first_day import stops_with_2
-from tests.test_pipeline import finish, start
+from tests.test_pipeline import ONE_PRODUCER, finish, start
 
 ROOT = Path(__file__).resolve().parents[1]
 DSPARK = ('drafter.kind="dspark"', "drafter.dspark.markov_rank=16")
@@ -21,7 +21,7 @@ DSPARK = ('drafter.kind="dspark"', "drafter.dspark.markov_rank=16")
 def test_a_dspark_run_trains_evaluates_with_a_confidence_cut_and_exports(short_tmp):
     run_dir = short_tmp / "run"
     overrides = ("training.max_steps=16", "eval.every_steps=16", "eval.num_prompts=2", "eval.max_new_tokens=8")
-    finish(start(run_dir, *DSPARK, *overrides, "eval.confidence_min=0.5"), run_dir)
+    finish(start(run_dir, *ONE_PRODUCER, *DSPARK, *overrides, "eval.confidence_min=0.5"), run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if "loss" in m]
     for key in DSparkDrafter.logged_metrics:

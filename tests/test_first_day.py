@@ -11,13 +11,14 @@ import pytest
 from common.drafter.draft_config import DraftConfig, build_target_layer_ids
 from common.status import ProducerStatus
 from tests.drafter_fixtures import tiny_qwen3_target
-from tests.test_pipeline import start
+from tests.test_pipeline import ONE_PRODUCER, start
 
 
 def stops_with_2(run_dir: Path, *overrides: str) -> tuple[str, float]:
-    """Start a run that must stop by itself with exit 2 and without a restart: (launcher output and logs, seconds)."""
+    """Start a run that must stop by itself with exit 2 and without a restart: (launcher output and logs, seconds).
+    One producer: the launcher's stop of every child on a child's exit 2 is test_launcher.py's."""
     began = time.monotonic()
-    launcher = start(run_dir, "training.max_steps=8", "eval.every_steps=0", *overrides)
+    launcher = start(run_dir, "training.max_steps=8", "eval.every_steps=0", *ONE_PRODUCER, *overrides)
     code = launcher.wait(timeout=150)
     seconds = time.monotonic() - began
     text = (run_dir.parent / "launcher.out").read_text()
@@ -389,7 +390,9 @@ def test_a_first_start_that_failed_does_not_lock_the_run_directorys_config(short
     config = root / "launch" / "tiny.toml"
     text, _ = stops_with_2(run_dir, "--config", str(config), 'data.format="tokenized"', 'data.paths=["/nope.jsonl"]')
     assert "data file not found" in text
-    finish(start(run_dir, "--config", str(config), "training.max_steps=4", "eval.every_steps=0"), run_dir)
+    finish(
+        start(run_dir, "--config", str(config), *ONE_PRODUCER, "training.max_steps=4", "eval.every_steps=0"), run_dir
+    )
     assert "differs from the config" not in (run_dir.parent / "launcher.out").read_text()
 
 
@@ -444,7 +447,14 @@ def test_a_finished_run_says_where_its_checkpoint_is_its_tau_and_commands_that_p
 
     run_dir = short_tmp / "run with space"
     finish(
-        start(run_dir, "training.max_steps=8", "eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8"),
+        start(
+            run_dir,
+            *ONE_PRODUCER,
+            "training.max_steps=8",
+            "eval.every_steps=8",
+            "eval.num_prompts=2",
+            "eval.max_new_tokens=8",
+        ),
         run_dir,
     )
     output = (run_dir.parent / "launcher.out").read_text()

@@ -322,7 +322,7 @@ def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):
     from transformers import AutoConfig as Auto
     from transformers import AutoModelForCausalLM
 
-    from tests.test_pipeline import start
+    from tests.test_pipeline import ONE_PRODUCER, start
 
     config = Auto.for_model(
         "lfm2",
@@ -337,7 +337,7 @@ def test_pipeline_stops_at_once_for_a_target_it_cannot_capture(short_tmp):
     AutoModelForCausalLM.from_config(config).save_pretrained(short_tmp / "lfm2")
     run_dir = short_tmp / "run"
     began = time.monotonic()
-    launcher = start(run_dir, f"target.path={short_tmp / 'lfm2'}", "target.config_overrides={}")
+    launcher = start(run_dir, *ONE_PRODUCER, f"target.path={short_tmp / 'lfm2'}", "target.config_overrides={}")
     code = launcher.wait(timeout=120)
     output = (run_dir.parent / "launcher.out").read_text()
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("producer*.log"))

@@ -70,12 +70,12 @@ KIND = DrafterKind(
 
 
 def test_a_kind_from_one_file_trains_evaluates_and_exports(short_tmp):
-    from tests.test_pipeline import finish, start
+    from tests.test_pipeline import ONE_PRODUCER, finish, start
 
     env = {**os.environ, "DFLASH_DRAFTER_KINDS": "tests.test_kind_plugin"}
     run_dir = short_tmp / "run"
     overrides = ('drafter.kind="toy"', "drafter.toy.initial_scale=0.5", "training.max_steps=8", "eval.every_steps=8")
-    finish(start(run_dir, *overrides, "eval.num_prompts=2", "eval.max_new_tokens=8", env=env), run_dir)
+    finish(start(run_dir, *ONE_PRODUCER, *overrides, "eval.num_prompts=2", "eval.max_new_tokens=8", env=env), run_dir)
 
     assert "[drafter.toy]\ninitial_scale = 0.5" in (run_dir / "config.toml").read_text()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -666,7 +666,7 @@ def test_a_lilicorr_run_trains_evaluates_and_exports(short_tmp):
     import subprocess
     import sys
 
-    from tests.test_pipeline import ROOT, finish, start
+    from tests.test_pipeline import ONE_PRODUCER, ROOT, finish, start
 
     run_dir = short_tmp / "run"
     overrides = (
@@ -678,7 +678,7 @@ def test_a_lilicorr_run_trains_evaluates_and_exports(short_tmp):
         "training.max_steps=8",
         "eval.every_steps=8",
     )
-    finish(start(run_dir, *overrides, "eval.num_prompts=2", "eval.max_new_tokens=8"), run_dir)
+    finish(start(run_dir, *ONE_PRODUCER, *overrides, "eval.num_prompts=2", "eval.max_new_tokens=8"), run_dir)
 
     assert "[drafter.lilicorr]" in (run_dir / "config.toml").read_text()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_pipeline import finish, start
+from test_pipeline import ONE_PRODUCER, finish, start
 
 from common.faults import LOG_ENV, PLAN_ENV, Fault, format_plan, parse_plan, read_log
 from common.lifecycle import EXIT_CONFIG_ERROR, EXIT_OUT_OF_MEMORY, OutOfMemory
@@ -33,7 +33,7 @@ def test_out_of_memory_again_at_the_same_step_stops_the_run_with_exit_2(short_tm
     run_dir, fault_log = short_tmp / "run", short_tmp / "faults.jsonl"
     # Three entries: a launcher that kept restarting would meet the third (and a fourth trainer would train on).
     plan = "trainer.step:5=oom,trainer.step:5=oom,trainer.step:5=oom"
-    launcher = start(run_dir, "training.max_steps=40", env=_injected(fault_log, plan))
+    launcher = start(run_dir, *ONE_PRODUCER, "training.max_steps=40", env=_injected(fault_log, plan))
     code = launcher.wait(timeout=300)
     output = (short_tmp / "launcher.out").read_text()
 
@@ -57,7 +57,12 @@ def test_out_of_memory_again_at_the_same_step_stops_the_run_with_exit_2(short_tm
 def test_out_of_memory_at_different_steps_is_restarted_and_the_run_finishes(short_tmp):
     """Not the same step twice (memory that grew, fragmentation): each is restarted as a crash, as before."""
     run_dir, fault_log = short_tmp / "run", short_tmp / "faults.jsonl"
-    launcher = start(run_dir, "training.max_steps=8", env=_injected(fault_log, "trainer.step:3=oom,trainer.step:5=oom"))
+    launcher = start(
+        run_dir,
+        *ONE_PRODUCER,
+        "training.max_steps=8",
+        env=_injected(fault_log, "trainer.step:3=oom,trainer.step:5=oom"),
+    )
     finish(launcher, run_dir, timeout=300)
     output = (short_tmp / "launcher.out").read_text()
 

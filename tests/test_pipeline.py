@@ -46,6 +46,11 @@ SMALL = [
 # wandb as a run has it by default: where a test reads wandb's files, and in one kill -9 and one restart-trainer
 # test, so that a trainer resuming its wandb run after either stays covered.
 WANDB = "logging.wandb_mode=offline"
+# One producer, for a test whose guarantee is not about two (a kind's run, a run that must stop at once, a trainer's
+# fault): each producer start is about 5 s of CPU (torch, transformers with torch._dynamo, the target, its warm-up).
+# The guarantees of two producers (both feed the trainer, a kill -9 of one, exactly once across shards) are this
+# file's and test_faults.py's.
+ONE_PRODUCER = ("launch.num_producers=1", 'launch.producer_devices=["cpu"]')
 
 
 def held_at_batch(fault_log: Path, batch: int) -> dict[str, str]:
