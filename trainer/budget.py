@@ -25,10 +25,12 @@ class TimeBudget:
 
     def tick(self, agree: Callable[[float], float] = lambda seconds: seconds) -> None:
         """Read the clock after a step; the first call starts it. ``agree`` makes every rank use rank 0's reading
-        (the schedule follows the clock, and ranks must step with the same learning rate)."""
+        (the schedule follows the clock, and ranks must step with the same learning rate); only a budget reads the
+        clock, so only then is it agreed (a collective)."""
         if self._started is None:
             self._started = time.monotonic()
-        self.seconds = agree(self.carried_s + time.monotonic() - self._started)
+        seconds = self.carried_s + time.monotonic() - self._started
+        self.seconds = agree(seconds) if self.minutes else seconds
 
     @property
     def fraction(self) -> float:
@@ -38,3 +40,7 @@ class TimeBudget:
     @property
     def spent(self) -> bool:
         return self.minutes > 0 and self.fraction >= 1.0
+
+    def line(self) -> str:
+        """trainer.log's part: the minutes trained of the budget (nothing without one)."""
+        return f"  {self.seconds / 60:.1f}/{self.minutes:g} min" if self.minutes else ""

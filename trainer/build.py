@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch.utils._pytree import tree_map
 
 from common.codec import DTYPES
 from common.config import ConfigError, RunConfig
@@ -195,6 +196,17 @@ class WarmStart:
         return self.drafter
 
 
+def fitting_warm_start(
+    warm: WarmStart | None, cfg: RunConfig, ranks: Ranks, takes_warm_start: bool
+) -> WarmStart | None:
+    """``warm`` if it fits this start: a single process, on a source that takes one (``takes_warm_start``), with
+    the configuration it was built for; else None."""
+    if warm is None or (ranks.world_size == 1 and takes_warm_start and warm.fits(cfg, ranks.device)):
+        return warm
+    log.info("the warm start does not fit the configuration of this start; building anew")
+    return None
+
+
 class StartClock:
     """Seconds of each part of a trainer's start, for its first log line."""
 
@@ -234,6 +246,14 @@ class DrafterStart:
     """A single process's shared staging: its checkpoints' host buffers, which restart-trainer hands over."""
     origin: str
     """How it started, for the log: a fresh start, the checkpoint resumed, or the state taken over."""
+
+    def train_state_to_load(self, device: torch.device) -> dict[str, Any]:
+        """The resumed train state, for the optimizer to load. On a GPU the optimizer copies it to the device; on the
+        CPU it would keep a handed-over state's shared pages as its own and change them under the background write
+        of their checkpoint, so it gets a copy."""
+        if device.type == "cuda" or self.resumed is not self.handed:
+            return self.resumed.train_state
+        return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, self.resumed.train_state)
 
 
 def start_drafter(

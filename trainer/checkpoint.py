@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file
@@ -40,8 +40,10 @@ from safetensors.torch import load_file
 from common import faults
 from common.acceptance import records
 from common.drafter.base import Drafter
+from common.drafter.draft_config import DraftConfig
 from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_METADATA, export_zlab, write_config, zlab_config
 from common.rundir import CheckpointError, RunDir, atomic_write_json, fsync_file, read_json, replace_dir
+from trainer.ranks import Ranks
 from trainer.sharding import is_sharded
 from trainer.tensor_files import WRITE_THREADS, TensorFile, write_tensor_files
 
@@ -168,6 +170,23 @@ def _join_tensors(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return value
 
 
+class Checkpointed(Protocol):
+    """What a checkpoint (or restart-trainer's handover, trainer/handover.py) is taken of: the trainer's state
+    (trainer/train.py ``Trainer``)."""
+
+    drafter: Drafter
+    draft_config: DraftConfig
+    optimizer: torch.optim.Optimizer
+
+    def state_dict(self, optimizer_state: dict | None) -> dict:
+        """The train state around ``optimizer_state`` (of the whole drafter): the schedule and the RNGs."""
+        ...
+
+    def checkpoint_meta(self) -> dict:
+        """trainer_state.json: the step and the batches it committed."""
+        ...
+
+
 @dataclass
 class Snapshot:
     """Everything one checkpoint folder holds, already on the host."""
@@ -196,15 +215,50 @@ class CheckpointRecord:
 class CheckpointWriter:
     """Writes snapshots into the run's checkpoints/ (atomically, keep-last-k), in a background thread when asked."""
 
-    def __init__(self, run_dir: RunDir, keep_last: int, staging: HostStaging | None = None) -> None:
+    def __init__(
+        self, run_dir: RunDir, keep_last: int, staging: HostStaging | None = None, in_background: bool = True
+    ) -> None:
+        """``in_background``: whether ``save`` writes in the background unless asked to block
+        (``training.async_checkpoint``)."""
         self.run_dir, self.root, self.keep_last = run_dir, run_dir.checkpoints, keep_last
         self.staging = staging or HostStaging()
+        self.in_background = in_background
         self.write_threads = WRITE_THREADS
         """Threads writing a checkpoint's tensors (launch.bench.checkpoint sets 1 for its baseline)."""
         self.last: CheckpointRecord | None = None
         self._thread: threading.Thread | None = None
         self._writing_name: str | None = None
         self._error: CheckpointError | None = None
+
+    def save(self, trained: Checkpointed, ranks: Ranks, blocking: bool, show: Callable[[str], None]) -> float:
+        """Checkpoint ``checkpoints/step-N`` of ``trained``'s step, on every rank. Training stands still only while the
+        state is copied into the staging's host buffers, reused between checkpoints; the write runs in the background
+        unless ``blocking`` or not ``in_background``. Under FSDP every rank joins the gathers of the sharded tensors and rank 0 keeps the whole
+        state (the same checkpoint as an unsharded trainer's); under DDP rank 0 holds it all already. A write that
+        fails raises CheckpointError (here, or at a later step) and leaves the previous checkpoint and latest.json
+        untouched. ``show(state)``: rank 0's status. Returns the seconds training stood still (the previous write's included)."""
+        started = time.perf_counter()
+        keep = ranks.rank == 0
+        if keep:
+            self.wait()  # one write at a time; its host buffers are then free again
+            show("checkpointing")
+        weights = optimizer_state = None
+        if keep or ranks.sharded:
+            weights = self.staging.copy(trained.drafter.state_dict(), "drafter", keep)
+            optimizer_state = self.staging.copy(trained.optimizer.state_dict(), "optimizer", keep)
+        if keep:
+            state, meta = trained.state_dict(optimizer_state), trained.checkpoint_meta()
+            stall_s = time.perf_counter() - started
+            snapshot = Snapshot(f"step-{meta['step']:08d}", trained.drafter, weights, state, meta, stall_s)
+            self.write(snapshot, background=self.in_background and not blocking)
+            show("training")  # now, not at the next log line: the launcher starts a standby only on "training"
+        ranks.barrier()
+        return time.perf_counter() - started
+
+    def write_handed_over(self, drafter: Drafter, handed: TrainerState) -> None:
+        """The disk checkpoint of a state handed over (trainer/handover.py), from its pages, while training goes on."""
+        name = f"step-{handed.meta['step']:08d}"
+        self.write(Snapshot(name, drafter, handed.weights, handed.train_state, handed.meta), background=True)
 
     def write(self, snapshot: Snapshot, background: bool) -> None:
         """Write ``snapshot``; with ``background`` return at once (see ``wait`` and ``raise_failure``)."""
@@ -227,6 +281,10 @@ class CheckpointWriter:
     def writing_name(self) -> str | None:
         """The checkpoint being written in the background, if any (for the status file)."""
         return self._writing_name if self.writing else None
+
+    def status(self) -> dict[str, Any]:
+        """The status file's part: the last checkpoint written and the one being written."""
+        return {"last_checkpoint": vars(self.last) if self.last else None, "checkpoint_writing": self.writing_name}
 
     def supersede(self) -> str | None:
         """Stop waiting for the write in flight: restart-trainer hands over a later state than the write's, and

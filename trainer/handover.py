@@ -25,7 +25,6 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,10 @@ import torch
 from common import faults
 from common.codec import DTYPE_NAMES, DTYPES
 from common.control import HandoverMark
-from common.drafter.base import Drafter
-from common.drafter.draft_config import DraftConfig
 from common.drafter.export import zlab_config
 from common.naming import SHM_DIR, TRAINER_ROLE_PREFIX, process_start_ticks, segment_name
 from common.rundir import RunDir
-from trainer.checkpoint import CheckpointWriter, HostStaging, TrainerState, map_tensors
+from trainer.checkpoint import Checkpointed, CheckpointWriter, HostStaging, TrainerState, map_tensors
 
 log = logging.getLogger(__name__)
 ALIGN = 4096  # each tensor on its own page boundary
@@ -64,17 +61,9 @@ class Handover:
         request.unlink()
         return True
 
-    def stage(
-        self,
-        drafter: Drafter,
-        draft_config: DraftConfig,
-        optimizer: torch.optim.Optimizer,
-        train_state: Callable[[dict], dict],
-        meta: dict,
-    ) -> None:
+    def stage(self, trained: Checkpointed) -> None:
         """Copy the final state into the shared staging segments instead of writing a disk checkpoint; ``leave``
-        names them in the mark and the successor writes the checkpoint. ``train_state(optimizer_state)``: the
-        train state around the optimizer's (trainer/optim.py)."""
+        names them in the mark and the successor writes the checkpoint."""
         started = time.perf_counter()
         staging = self.checkpoints.staging
         superseded = None
@@ -87,14 +76,15 @@ class Handover:
         else:
             self.checkpoints.wait()  # an earlier write reads the same buffers
         faults.point("trainer.stage")
-        weights = staging.copy(drafter.state_dict(), "drafter")
-        state = train_state(staging.copy(optimizer.state_dict(), "optimizer"))
+        weights = staging.copy(trained.drafter.state_dict(), "drafter")
+        state = trained.state_dict(staging.copy(trained.optimizer.state_dict(), "optimizer"))
         state.update(staging.copy({k: v for k, v in state.items() if k != "optimizer"}, "extras"))
+        meta = trained.checkpoint_meta()
         self.state = {
             "trees": {"weights": staging.describe(weights), "train_state": staging.describe(state)},
             "segments": staging.layouts(),
             "meta": meta,
-            "drafter_config": zlab_config(draft_config, drafter.fc.weight.dtype),
+            "drafter_config": zlab_config(trained.draft_config, trained.drafter.fc.weight.dtype),
         }
         log.info(
             "state of step %d handed over in shared memory in %.2f s%s",

@@ -8,17 +8,23 @@ each producer's statistics. The record is one line of metrics.jsonl, the same fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import time
 from typing import Any
 
 import torch
 
 from common.config import RunConfig
+from common.drafter.base import Drafter
 from common.drafter.draft_config import DraftConfig
 from common.drafter.model import train_flops
 from common.rundir import RunDir
+from common.status import TrainerStatus
 from trainer.feeder import Received
+from trainer.ranks import Ranks
+from trainer.sharding import local_parameter_count
 from trainer.wandb_run import BackgroundRun, run_id_of, start_run
 
 STEP_METRICS = ("loss", "tau", "grad_norm", "acc", "coverage")
@@ -158,6 +164,17 @@ class Metrics:
             )
         self.last = record
 
+    def log_window(self, step: int, lr: float, device: torch.device, producer_stats: dict[int, dict]) -> dict[str, Any]:
+        """Log the window's record at ``step``: its training figures, the producers' statistics; the record."""
+        record = {"step": step, "lr": lr, **self.window.summary(), "time": time.time()}
+        if device.type == "cuda":
+            # Since the start: a count that rises means the caching allocator had to free its cache and try again
+            # (memory pressure, e.g. from a producer sharing the GPU), which costs a synchronisation each time.
+            record["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        record.update(producer_metrics(producer_stats))
+        self.log(record)
+        return record
+
     def line(self, record: dict[str, Any]) -> str:
         """The record's figures for trainer.log (the step and the budget are the caller's)."""
         return (
@@ -176,3 +193,29 @@ class Metrics:
             self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class StatusFile:
+    """Rank 0's trainer.json (common/status.py ``TrainerStatus``): what stays the same for a trainer's life, written
+    with each write's figures."""
+
+    def __init__(self, run_dir: RunDir, incarnation: int, cfg: RunConfig, ranks: Ranks, drafter: Drafter) -> None:
+        self.path = run_dir.trainer_status
+        self.fixed = TrainerStatus(
+            incarnation=incarnation,
+            kind=cfg.drafter.kind,
+            max_minutes=cfg.training.max_minutes,
+            parallelism=ranks.parallelism,
+            drafter_params_total=drafter.num_trainable_parameters(),
+            drafter_params_per_rank=ranks.gather(local_parameter_count(drafter)),  # shows the sharding
+        )
+
+    def sharding(self, rank: int) -> str:
+        """The drafter's size and ``rank``'s share of it, for the start's log line."""
+        total, held = self.fixed.drafter_params_total, self.fixed.drafter_params_per_rank[rank]
+        return f"drafter {total / 1e6:.1f}M parameters, {held / total:.0%} of them on this rank"
+
+    def write(self, state: str, step: int, start_step: int, max_steps: int, trained_s: float, **parts: Any) -> None:
+        """``parts``: the components' own fields (the last metrics', the evaluations', the checkpoints')."""
+        figures = dict(state=state, step=step, start_step=start_step, max_steps=max_steps, trained_s=trained_s)
+        dataclasses.replace(self.fixed, pid=os.getpid(), updated=time.time(), **figures, **parts).write(self.path)

@@ -328,6 +328,8 @@ class Optimization:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, max_steps, budget))
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.training.seed * 1000 + ranks.rank)
+        if cfg.training.optimizer_fallback and ranks.rank == 0:
+            log.warning(cfg.training.optimizer_fallback)
 
     @property
     def lr(self) -> float:

@@ -73,3 +73,19 @@ class Ranks:
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, value, group=self.cpu_group)
         return everyone
+
+    def barrier(self) -> None:
+        """Wait for every rank (a checkpoint's end: no rank trains on while rank 0 still takes it)."""
+        if self.world_size > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Leave the process group (the trainer's end)."""
+        if self.world_size > 1:
+            dist.destroy_process_group()
+
+    def autocast(self) -> torch.autocast:
+        """The steps' autocast: bf16 on a GPU (fp32 parameters and optimizer), none on the CPU."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)

@@ -12,11 +12,13 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any, Protocol
 
 from common.batch import PackedBatch
 from common.config import ConfigError, RunConfig
 from common.rundir import RunDir
+from common.status import ProducerStatus
 from trainer.acceptance import EvalClient
 from trainer.feeder import Commits, Feeder, Received
 from trainer.ranks import Ranks
@@ -80,6 +82,28 @@ class RingSource:
         )
 
 
+def wait_until(ready: Callable[[], bool], what: str, timeout_s: float, stop: Callable[[], bool]) -> None:
+    """Wait until ``ready()`` (what the producers write: the target's head, their epoch sizes); TimeoutError after
+    ``timeout_s``, KeyboardInterrupt once ``stop()``."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what} after {timeout_s:.0f}s")
+        if stop():
+            raise KeyboardInterrupt
+        time.sleep(0.2)
+
+
+def epoch_batches(run_dir: RunDir, producers: int, wait_for: Callable[[Callable[[], bool], str], None]) -> int:
+    """The batches of one epoch over the shards of the run's ``producers``, once each has counted its shard into its
+    status file."""
+    wait_for(
+        lambda: len([s for s in ProducerStatus.read_all(run_dir) if s.epoch_batches is not None]) >= producers,
+        "the producers' epoch sizes",
+    )
+    return sum(s.epoch_batches or 0 for s in ProducerStatus.read_all(run_dir))
+
+
 Claim = tuple[int, int, list, int, list[int]]
 """What a rank shows of the batch it would train: (producer, ordinal, cursor, epoch, sample ids)."""
 
@@ -88,12 +112,12 @@ class Batches:
     """The loop's batches: the feeder's, the next one prepared while this step's backward runs, each step's agreed
     between the ranks and recorded as trained (``Commits``, and rank 0's ledger line)."""
 
-    def __init__(
-        self, feeder: Any, ranks: Ranks, commits: Commits, ledger: IO[str] | None, stop: Callable[[], bool]
-    ) -> None:
+    def __init__(self, feeder: Any, ranks: Ranks, commits: Commits, ledger: Path, stop: Callable[[], bool]) -> None:
         """``feeder``: the source's (``start``, ``get``, ``refusal``, ``error``, ``producer_stats``, ``close``);
-        ``stop``: whether the trainer is asked to stop (it then takes no new batch)."""
-        self.feeder, self.ranks, self.commits, self.ledger, self.stop = feeder, ranks, commits, ledger, stop
+        ``ledger``: the run's, which rank 0 appends to; ``stop``: whether the trainer is asked to stop (it then takes
+        no new batch)."""
+        self.feeder, self.ranks, self.commits, self.stop = feeder, ranks, commits, stop
+        self.ledger = open(ledger, "a") if ranks.rank == 0 else None
         self.upcoming: Received | None = None
 
     def next(self) -> tuple[Received | None, float]:

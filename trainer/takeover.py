@@ -16,7 +16,7 @@ import time
 from common import faults
 from common.config import ConfigError, load_config
 from common.control import PREDECESSOR_ENV, HandoverMark, StandbyGo
-from common.lifecycle import end_now
+from common.lifecycle import die_with_parent, end_now
 from common.naming import process_start_ticks
 from common.rundir import RunDir
 from trainer.build import WarmStart
@@ -107,6 +107,21 @@ def wait_for_takeover(run_dir: RunDir) -> WarmStart | None:
     log.info("taking over as the run's trainer")
     faults.point("trainer.takeover")
     return warm_start
+
+
+def start_as_standby(run_dir: RunDir, role: str) -> WarmStart | None:
+    """``trainer.train --standby``: build ahead and wait for the launcher's word (``wait_for_takeover``), dying
+    with the launcher. It writes into trainer.log beside the running trainer until it takes over: its lines say so."""
+    die_with_parent()
+    _log_as(f"standby-{role}")
+    warm_start = wait_for_takeover(run_dir)
+    _log_as(role)
+    return warm_start
+
+
+def _log_as(role: str) -> None:
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(message)s"))
 
 
 def _stop_standby(_signum: int, _frame: object) -> None:
