@@ -52,7 +52,7 @@ class RunConfig:
         reads the target's distribution."""
         from common.drafter.kinds import kind_of
 
-        return self.training.label_mode != "data" or kind_of(self.drafter.kind).needs_final_hidden
+        return self.training.labels_from_target or kind_of(self.drafter.kind).needs_final_hidden
 
 
 def readers(key: str) -> set[str]:

@@ -141,6 +141,11 @@ class TrainingConfig:
         return f"{used} ({rules[used]}): {why}"
 
     @property
+    def labels_from_target(self) -> bool:
+        """The labels are the target's (target_hard, target_soft): the producers ship its last hidden state."""
+        return self.label_mode != "data"
+
+    @property
     def optimizer_fallback(self) -> str | None:
         """Where ``auto`` trains another recipe than the default's, in words for the log and ``check`` (None: it
         does not)."""

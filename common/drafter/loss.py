@@ -61,6 +61,11 @@ class LossConfig:
     """Rows of the head computed at once (memory ~ 4 x chunk_rows x vocab x 4 bytes; ~5 x for an LK
     objective on target_soft)."""
 
+    @property
+    def labels_from_target(self) -> bool:
+        """The labels are the target's (target_hard, target_soft): the loss needs its last hidden state."""
+        return self.label_mode != "data"
+
     def __post_init__(self) -> None:
         if self.label_mode not in LABEL_MODES:
             raise ValueError(f"label_mode must be one of {LABEL_MODES}, got {self.label_mode!r}")
@@ -407,7 +412,7 @@ def draft_loss_parts(
         chunk_rows=config.chunk_rows,
         top_k=top_k,
     )
-    if config.label_mode == "data":
+    if not config.labels_from_target:
         head = chunked_head_rows(rows, head_weight, labels=blocks.label_ids.reshape(-1), **options)
     else:
         if target_hidden is None:

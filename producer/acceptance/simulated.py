@@ -91,7 +91,7 @@ def teacher_forced(
     blocks = build_blocks(batch, num_anchors, config.block_size, config.mask_token_id, generator, anchors)
     hidden = drafter(aux_hidden, blocks, build_masks(blocks, config, form="tiled"))
     target_hidden = None
-    if kept.last_hidden is None and loss_config.label_mode != "data":
+    if kept.last_hidden is None and loss_config.labels_from_target:
         raise ValueError(
             f"label_mode {loss_config.label_mode!r}: this evaluator does not capture the target's last layer "
             "(capture_last)"
