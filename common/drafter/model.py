@@ -380,7 +380,7 @@ class DFlashDrafter(Drafter):
         target_hidden = None
         if batch.last_hidden is not None:
             target_hidden = self.target_head.final_norm(batch.last_hidden.to(self.target_head.norm_weight.dtype))
-        elif self.loss_config.label_mode != "data":
+        elif self.loss_config.labels_from_target:
             raise ValueError(f"label_mode {self.loss_config.label_mode!r} needs batch.last_hidden")
         context = self.block_context(aux_hidden, blocks) if self.reads_block_context else None
         loss, metrics = self.objective(hidden, blocks, target_hidden, context=context)

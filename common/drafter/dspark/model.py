@@ -179,7 +179,7 @@ class DSparkDrafter(DFlashDrafter):
         features, embeddings = features[:, 1:], embeddings[:, 1:]
         rows, features = slots.reshape(-1, width), features.reshape(-1, features.shape[-1])
         targets = target_hidden[(blocks.label_index - 1).reshape(-1)]  # the target predicts x_{a+k} at a + k - 1
-        labels = blocks.label_ids.reshape(-1) if config.label_mode == "data" else None
+        labels = None if config.labels_from_target else blocks.label_ids.reshape(-1)
         head = markov_head_rows(
             rows,
             features,
