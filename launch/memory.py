@@ -91,8 +91,8 @@ def estimate(cfg: RunConfig) -> MemoryEstimate:
 
     from common.batch import SlotDims, slot_shapes
     from common.codec import DTYPES, bytes_needed
+    from common.drafter.base import build_drafter
     from common.drafter.draft_config import DraftConfig
-    from common.drafter.kinds import build_drafter
     from common.drafter.loss import LossConfig
     from common.drafter.target_head import TargetHead
     from producer.target import build_target_config

@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 import torch
 
+from common.drafter.base import build_drafter
 from common.drafter.blocks import build_blocks
 from common.drafter.dflash2.model import DFlash2Drafter, GroupedDynamicCausalConv
 from common.drafter.export import (
@@ -19,7 +20,6 @@ from common.drafter.export import (
     speculators_config,
     zlab_config,
 )
-from common.drafter.kinds import build_drafter
 from common.drafter.masks import build_masks
 from common.drafter.model import DFlashDrafter
 from producer.acceptance.decoder import draft_rows, propose_rows

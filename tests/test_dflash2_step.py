@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from common.drafter.base import build_drafter
 from common.drafter.blocks import build_blocks
 from common.drafter.dflash2.model import CandidateSelector, GroupedDynamicCausalConv, causal_conv
-from common.drafter.kinds import build_drafter
 from common.drafter.masks import build_masks
 from tests.drafter_fixtures import random_batch, random_head
 from tests.test_dflash2 import dflash2_config, trained_like

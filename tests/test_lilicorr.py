@@ -12,9 +12,9 @@ import torch
 
 from common.batch import PackedBatch
 from common.config import ConfigError, load_config
+from common.drafter.base import build_drafter
 from common.drafter.blocks import build_blocks
 from common.drafter.export import config_from_export, export_speculators, export_zlab, load_drafter, zlab_config
-from common.drafter.kinds import build_drafter
 from common.drafter.lilicorr.model import LiLiCorrDrafter, LiLiCorrHead, LogSumExpRows, chain_rows
 from common.drafter.loss import LossConfig, chunked_head_rows, draft_loss
 from common.drafter.masks import build_masks

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from common.acceptance.arithmetic import zlab_acceptance_lengths
+from common.drafter.base import build_drafter
 from common.drafter.export import export_zlab
-from common.drafter.kinds import build_drafter
 from producer.acceptance.decoder import DraftContext, speculative_decode
 from producer.acceptance.verifier import GreedyTarget, greedy_transcripts, target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts

@@ -10,6 +10,7 @@ runs ``forward_train``: ``prepare`` (anchors, blocks, masks), the backbone, then
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -19,6 +20,7 @@ from torch import nn
 from common.batch import PackedBatch
 from common.drafter.blocks import DraftBlocks
 from common.drafter.draft_config import DraftConfig
+from common.drafter.kinds import kind_of
 from common.drafter.loss import LossConfig
 from common.drafter.sampling import Proposal, Sampling
 from common.drafter.target_head import TargetHead
@@ -100,3 +102,15 @@ class Drafter(nn.Module, ABC):
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def build_drafter(
+    config: DraftConfig,
+    target_head: TargetHead,
+    loss_config: LossConfig | None = None,
+    attention_backend: str | None = None,
+    device: torch.device | None = None,
+) -> Drafter:
+    """A fresh drafter of ``config.kind`` (built on ``device`` when given)."""
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return kind_of(config.kind).model_class()(config, target_head, loss_config, attention_backend)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.drafter.kind import DEFAULT_KIND
+from common.drafter.kinds import kind_of
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -169,8 +170,6 @@ class DraftConfig:
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        from common.drafter.kinds import kind_of  # here: a kind's own module may import this one
-
         options_type = kind_of(self.kind).options
         if self.options is None or isinstance(self.options, dict):
             self.options = options_type(**(self.options or {}))

@@ -16,14 +16,19 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
-
-if TYPE_CHECKING:
-    from common.drafter.base import Drafter
-    from common.drafter.draft_config import DraftConfig
+from typing import Any, ClassVar, Protocol
 
 DEFAULT_KIND = "dflash"
 """The kind of a run that names none, and of an export written before config.json named its kind."""
+
+
+class DraftShape(Protocol):
+    """What a kind's hooks read of a drafter's config (a ``common.drafter.draft_config.DraftConfig``)."""
+
+    hidden_size: int
+    vocab_size: int
+    block_size: int
+    options: KindOptions
 
 
 @dataclass
@@ -57,10 +62,10 @@ class KindOptions:
     def check_run(self, run: Any) -> None:
         """ConfigError naming the key where another section of the run (a ``RunConfig``) contradicts the kind."""
 
-    def check_shape(self, config: DraftConfig) -> None:
+    def check_shape(self, config: DraftShape) -> None:
         """ValueError where the options do not fit the drafter's shape (its hidden size, vocabulary, block)."""
 
-    def describe(self, config: DraftConfig) -> str:
+    def describe(self, config: DraftShape) -> str:
         """One line for ``check``: what the kind adds to the DFlash backbone, in this drafter's sizes ("" for none)."""
         return ""
 
@@ -95,7 +100,7 @@ class DrafterKind:
     """vLLM's CPU build serves it."""
     llamacpp_format: str = "zlab"
     """The export format llama.cpp's converter reads for this kind (its tensor names and config keys)."""
-    llamacpp_refusal: Callable[[DraftConfig], str | None] | None = None
+    llamacpp_refusal: Callable[[DraftShape], str | None] | None = None
     """Why llama.cpp would refuse to load a drafter of this kind with this config (None: it loads it)."""
     full_vocabulary: bool = False
     """The kind's own tables span the target's whole vocabulary: a target whose head was cut below its tokenizer
@@ -105,6 +110,7 @@ class DrafterKind:
     warm_starts_from: tuple[str, ...] = ()
     """Other kinds whose weights start a drafter of this kind (``Drafter.warm_start``), besides its own."""
 
-    def model_class(self) -> type[Drafter]:
+    def model_class(self) -> type:
+        """The kind's ``common.drafter.base.Drafter`` subclass."""
         module, _, name = self.model.partition(":")
         return getattr(importlib.import_module(module), name)

@@ -7,11 +7,10 @@ process of a run inherits it) or installed under the entry-point group ``dflash_
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
+from collections.abc import Iterator, Mapping
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING
 
 from common.drafter.dflash import KIND as DFLASH
 from common.drafter.dflash2 import KIND as DFLASH2
@@ -19,33 +18,46 @@ from common.drafter.dspark import KIND as DSPARK
 from common.drafter.kind import DrafterKind
 from common.drafter.lilicorr import KIND as LILICORR
 
-if TYPE_CHECKING:
-    import torch
-
-    from common.drafter.base import Drafter
-    from common.drafter.draft_config import DraftConfig
-    from common.drafter.loss import LossConfig
-    from common.drafter.target_head import TargetHead
-
 PLUGINS_ENV = "DFLASH_DRAFTER_KINDS"
 ENTRY_POINT_GROUP = "dflash_stream.drafter_kinds"
 
-KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in (DFLASH, DFLASH2, DSPARK, LILICORR)}
+
+class KindTable(Mapping[str, DrafterKind]):
+    """The kinds by name: the built-in ones, and the plugins, imported on the first lookup rather than with this
+    module, since a plugin's module may import the drafter code, which reads this table."""
+
+    def __init__(self, builtin: tuple[DrafterKind, ...]) -> None:
+        self._kinds = {kind.name: kind for kind in builtin}
+        self._plugins_loaded = False
+
+    def _all(self) -> dict[str, DrafterKind]:
+        if not self._plugins_loaded:
+            self._plugins_loaded = True
+            self._load_plugins()
+        return self._kinds
+
+    def _load_plugins(self) -> None:
+        modules = [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
+        found = [importlib.import_module(name).KIND for name in modules]
+        found += [entry.load() for entry in entry_points(group=ENTRY_POINT_GROUP)]
+        for kind in found:
+            if not isinstance(kind, DrafterKind):
+                raise TypeError(f"{PLUGINS_ENV} / {ENTRY_POINT_GROUP}: {kind!r} is not a DrafterKind")
+            if kind.name in self._kinds and self._kinds[kind.name] is not kind:
+                raise ValueError(f"drafter kind {kind.name!r} is defined twice")
+            self._kinds[kind.name] = kind
+
+    def __getitem__(self, name: str) -> DrafterKind:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
-def _load_plugins() -> None:
-    modules = [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
-    found = [importlib.import_module(name).KIND for name in modules]
-    found += [entry.load() for entry in entry_points(group=ENTRY_POINT_GROUP)]
-    for kind in found:
-        if not isinstance(kind, DrafterKind):
-            raise TypeError(f"{PLUGINS_ENV} / {ENTRY_POINT_GROUP}: {kind!r} is not a DrafterKind")
-        if kind.name in KINDS and KINDS[kind.name] is not kind:
-            raise ValueError(f"drafter kind {kind.name!r} is defined twice")
-        KINDS[kind.name] = kind
-
-
-_load_plugins()
+KINDS = KindTable((DFLASH, DFLASH2, DSPARK, LILICORR))
 
 
 def kind_of(name: str) -> DrafterKind:
@@ -64,17 +76,3 @@ def kind_of_export(config_json: dict) -> DrafterKind | None:
         ):
             return kind
     return None
-
-
-def build_drafter(
-    config: DraftConfig,
-    target_head: TargetHead,
-    loss_config: LossConfig | None = None,
-    attention_backend: str | None = None,
-    device: torch.device | None = None,
-) -> Drafter:
-    """A fresh drafter of ``config.kind`` (built on ``device`` when given)."""
-    import torch
-
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        return kind_of(config.kind).model_class()(config, target_head, loss_config, attention_backend)

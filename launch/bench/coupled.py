@@ -30,8 +30,7 @@ from common.acceptance.report import AcceptanceReport, warn_if_gap
 from common.batch import PackedBatch, SlotDims, document_tensors, pad_packed, slot_shapes
 from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta
-from common.drafter.base import Drafter
-from common.drafter.kinds import build_drafter
+from common.drafter.base import Drafter, build_drafter
 from common.lifecycle import exit_process
 from common.rundir import RunDir
 from producer.acceptance.evaluator import Evaluator, build_evaluator

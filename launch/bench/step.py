@@ -37,9 +37,9 @@ import torch.distributed as dist
 
 from common.batch import PackedBatch
 from common.config.training import TrainingConfig
-from common.drafter.base import Drafter
+from common.drafter.base import Drafter, build_drafter
 from common.drafter.draft_config import DraftConfig
-from common.drafter.kinds import KINDS, build_drafter, kind_of
+from common.drafter.kinds import KINDS, kind_of
 from common.drafter.loss import LossConfig
 from common.drafter.model import train_flops
 from common.drafter.target_head import TargetHead

@@ -6,13 +6,10 @@ Its options are the ``[drafter.dflash2]`` table; its line of the kinds table is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from common.config.base import require
-from common.drafter.kind import DrafterKind, KindOptions
-
-if TYPE_CHECKING:
-    from common.drafter.draft_config import DraftConfig
+from common.drafter.kind import DrafterKind, DraftShape, KindOptions
 
 
 @dataclass
@@ -58,7 +55,7 @@ class DFlash2Options(KindOptions):
             f"must be inject or exclude, got {self.selector_missing_gold!r}",
         )
 
-    def check_shape(self, config: DraftConfig) -> None:
+    def check_shape(self, config: DraftShape) -> None:
         if config.hidden_size % self.conv_group_size:
             raise ValueError(f"conv_group_size {self.conv_group_size} must divide hidden_size {config.hidden_size}")
         if self.conv_kernel_size > config.block_size:
@@ -69,7 +66,7 @@ class DFlash2Options(KindOptions):
         if self.selector_top_k > config.vocab_size:
             raise ValueError(f"selector_top_k {self.selector_top_k} must be <= vocab_size {config.vocab_size}")
 
-    def describe(self, config: DraftConfig) -> str:
+    def describe(self, config: DraftShape) -> str:
         return (
             f"DFlash 2: convolutions of {self.conv_kernel_size} taps in groups of {self.conv_group_size}, a "
             f"rank-{self.selector_rank} selector over the top {self.selector_top_k} of the full vocabulary "
@@ -77,7 +74,7 @@ class DFlash2Options(KindOptions):
         )
 
 
-def selector_lattice_refusal(config: DraftConfig) -> str | None:
+def selector_lattice_refusal(config: DraftShape) -> str | None:
     """llama.cpp builds DFlash 2's selector walk on a lattice of top_k x (top_k + 1) slots of the hidden state and
     refuses a draft whose hidden size is smaller ("DFlash2 hidden size is too small for the selector lattice")."""
     top_k, hidden = config.options.selector_top_k, config.hidden_size

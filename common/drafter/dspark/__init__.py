@@ -9,13 +9,10 @@ llama.cpp and vLLM serve): tau and the block size mean the same for every kind, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from common.config.base import require
-from common.drafter.kind import DrafterKind, KindOptions
-
-if TYPE_CHECKING:
-    from common.drafter.draft_config import DraftConfig
+from common.drafter.kind import DrafterKind, DraftShape, KindOptions
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -74,7 +71,7 @@ class DSparkOptions(KindOptions):
             f"{run.training.objective!r}: leave training.objective = \"ce\"",
         )
 
-    def check_shape(self, config: DraftConfig) -> None:
+    def check_shape(self, config: DraftShape) -> None:
         if self.markov_rank > config.vocab_size:
             raise ValueError(f"markov_rank {self.markov_rank} must be <= vocab_size {config.vocab_size}")
 
@@ -83,7 +80,7 @@ class DSparkOptions(KindOptions):
         # [h; W1[prev]], as every server's loader expects
         return {**self.shape(), "sample_from_anchor": False, "confidence_head_with_markov": True}
 
-    def describe(self, config: DraftConfig) -> str:
+    def describe(self, config: DraftShape) -> str:
         confidence = ", a confidence head" if self.enable_confidence_head else ", no confidence head"
         return (
             f"DSpark: a {self.markov_head_type} rank-{self.markov_rank} Markov head over the full vocabulary "
@@ -92,7 +89,7 @@ class DSparkOptions(KindOptions):
         )
 
 
-def markov_head_refusal(config: DraftConfig) -> str | None:
+def markov_head_refusal(config: DraftShape) -> str | None:
     """llama.cpp's converter refuses a Markov head other than vanilla ("only markov_head_type=vanilla")."""
     if config.options.markov_head_type == "vanilla":
         return None

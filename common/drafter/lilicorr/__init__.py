@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from common.config.base import require
-from common.drafter.kind import DrafterKind, KindOptions
-
-if TYPE_CHECKING:
-    from common.drafter.draft_config import DraftConfig
+from common.drafter.kind import DrafterKind, DraftShape, KindOptions
 
 NUM_CANDIDATE_FEATURES = 5
 """Per candidate: its log-probability, probability, gap to the slot's best, rank fraction and top-1 flag."""
@@ -110,15 +107,15 @@ class LiLiCorrOptions(KindOptions):
             f"must be > 0 where lilicorr_w_margin > 0 ({self.lilicorr_w_margin}), got {self.lilicorr_margin}",
         )
 
-    def head_width(self, config: DraftConfig) -> int:
+    def head_width(self, config: DraftShape) -> int:
         """The reranker's width h on this drafter: ``lilicorr_hidden_size``, or the draft's hidden size for 0."""
         return self.lilicorr_hidden_size or config.hidden_size
 
-    def mlp_width(self, config: DraftConfig) -> int:
+    def mlp_width(self, config: DraftShape) -> int:
         """Width of each reranker layer's MLP, int(h x ``lilicorr_mlp_ratio``) as the reference rounds it."""
         return int(self.head_width(config) * self.lilicorr_mlp_ratio)
 
-    def check_shape(self, config: DraftConfig) -> None:
+    def check_shape(self, config: DraftShape) -> None:
         if self.lilicorr_candidate_topk > config.vocab_size:
             raise ValueError(
                 f"lilicorr_candidate_topk {self.lilicorr_candidate_topk} must be <= vocab_size {config.vocab_size}"
@@ -137,7 +134,7 @@ class LiLiCorrOptions(KindOptions):
         # on projector_type or lilicorr_enabled.
         return {**self.shape(), "projector_type": "lilicorr", "lilicorr_enabled": True}
 
-    def describe(self, config: DraftConfig) -> str:
+    def describe(self, config: DraftShape) -> str:
         width = self.head_width(config)
         loss = f"{self.lilicorr_w_ce} CE + {self.lilicorr_w_pen} penalty"
         if self.lilicorr_w_margin:

@@ -112,9 +112,10 @@ def quick_drafter(
     what it starts from at a tenth of the default)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from common.drafter.base import build_drafter
     from common.drafter.draft_config import DraftConfig
     from common.drafter.export import export_zlab
-    from common.drafter.kinds import build_drafter, kind_of
+    from common.drafter.kinds import kind_of
     from common.drafter.loss import LossConfig
     from producer.acceptance.verifier import GreedyTarget, greedy_transcripts, target_head_of
 
