@@ -29,6 +29,7 @@ from typing import ClassVar
 import msgpack
 
 from common.codec import ALIGN, LayoutError, TensorSpec
+from common.metrics import ProducerStats
 from common.naming import SEGMENT_PREFIX, SHM_DIR
 
 PROTOCOL_VERSION = 2
@@ -153,25 +154,6 @@ def _ring_spec(value: object) -> None:
         _str("ring.gpu_uuid", value.get("gpu_uuid"), 64)
     else:
         raise ProtocolError(f"field 'ring.backend' must be 'host', 'cuda' or 'frames', got {repr(backend)[:32]}")
-
-
-# Keys of a producer's HEARTBEAT statistics that consumers read, with the types they must have.
-_STATS_NUMBERS = ("tokens_per_s", "blocked_fraction", "blocked_s")
-_STATS_MAPS_OF_NUMBERS = ("ring", "batching")
-
-
-def _stats(value: object) -> None:
-    _map("stats", value)
-    for key in _STATS_NUMBERS:
-        if key in value:
-            _float(f"stats.{key}", value[key], 0.0, 1e15)
-    for key in _STATS_MAPS_OF_NUMBERS:
-        if key in value:
-            inner = value[key]
-            if type(inner) is not dict:
-                raise ProtocolError(f"field 'stats.{key}' must be a map")
-            for inner_key, number in inner.items():
-                _float(f"stats.{key}.{inner_key}", number, 0.0, 1e15)
 
 
 # -- messages -----------------------------------------------------------------------------------
@@ -315,9 +297,14 @@ class Heartbeat(Message):
 
     TYPE: ClassVar[str] = "heartbeat"
     stats: dict = field(default_factory=dict)
+    """A producer's ``ProducerStats`` (common/metrics.py) as its wire map; empty in a consumer's."""
 
     def check(self) -> None:
-        _stats(self.stats)
+        _map("stats", self.stats)
+        try:
+            ProducerStats.from_wire(self.stats)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from exc
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from common.metrics import ProducerStats
 from common.records import JsonRecord, known_fields
 from common.rundir import RunDir
 
@@ -116,6 +117,15 @@ class ProducerStatus(JsonRecord):
     """The ring server's counters (published, reclaimed, consumers, dropped messages, ...)."""
 
     DURABLE: ClassVar[bool] = False  # rewritten every second
+
+    @classmethod
+    def showing(cls, stats: ProducerStats, ring: dict[str, Any], **fields: Any) -> ProducerStatus:
+        """A status with ``fields`` that shows ``stats``: each statistic this record has a field of in that field (the
+        ring's counts beside the other keys of ``ring``), the others (the ring server's counters) in ``server``."""
+        wire = stats.to_wire()
+        shown = known_fields(cls, wire)
+        server = {key: value for key, value in wire.items() if key not in shown}
+        return cls(**fields, **shown | {"ring": {**shown["ring"], **ring}}, server=server)
 
     @classmethod
     def read_all(cls, run: RunDir) -> list[ProducerStatus]:

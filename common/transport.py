@@ -27,12 +27,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import zmq
 
 from common.codec import DTYPES, LayoutError, TensorSpec, read_tensors
 from common.contract import mismatch
+from common.metrics import ProducerStats, RingCounts
 from common.protocol import (
     MAX_FRAME_BYTES,
     PAYLOAD_FRAMES,
@@ -123,6 +125,8 @@ class RateLimitedLog:
 
 HelloCheck = Callable[[Hello], "str | None"]
 WelcomeHook = Callable[[Hello, bool], None]
+ProducerFigures = Callable[[], dict[str, Any]]
+"""What a producer adds to the server's statistics: values of ``ProducerStats`` fields, by name."""
 DeliveryCheck = Callable[["Delivery", dict], None]
 """Checks a delivered batch against the producer's WELCOME description (e.g.
 ``common.batchcheck.check_batch``); raising ValueError drops the batch (see RingClient)."""
@@ -142,7 +146,7 @@ class RingServer:
         heartbeat_timeout_s: float = 10.0,
         check_hello: HelloCheck | None = None,
         on_welcome: WelcomeHook | None = None,
-        stats: Callable[[], dict] | None = None,
+        stats: ProducerFigures | None = None,
         curve: CurveKeys | None = None,
         ctx: zmq.Context | None = None,
     ) -> None:
@@ -461,33 +465,32 @@ class RingServer:
                 self.counters.consumers_expired += 1
                 self._drop(consumer.identity, reason=f"silent for {now - consumer.last_seen:.1f}s")
 
-    def stats(self) -> dict:
+    def stats(self) -> ProducerStats:
+        """The ring's counts, the server's counters and what the producer adds (``stats``)."""
         counts = self.slots.counts()
-        out = {
-            "producer_id": self.producer_id,
-            "ring": {"slots": self.slots.num_slots, **counts},
-            "blocked_s": round(self.slots.counters.blocked_s, 4),
-            "published": self.slots.counters.published,
-            "reclaimed": self.slots.counters.reclaimed,
-            "released": self.slots.counters.released,
-            "stale_acks": self.slots.counters.stale_acks,
-            "consumers": len(self._consumers),
-            "messages": self.counters.messages,
-            "dropped_malformed": self.counters.dropped_malformed,
-            "dropped_unknown_peer": self.counters.dropped_unknown_peer,
-            "refused": self.counters.refused,
-            "socket_blocked": self.counters.socket_blocked,
-            "internal_errors": self.counters.internal_errors,
-            "max_busy_s": round(self.counters.max_busy_s, 4),
-        }
-        if self._stats is not None:
-            out.update(self._stats())
-        return out
+        return ProducerStats(
+            producer_id=self.producer_id,
+            ring=RingCounts(slots=self.slots.num_slots, **counts),
+            blocked_s=round(self.slots.counters.blocked_s, 4),
+            published=self.slots.counters.published,
+            reclaimed=self.slots.counters.reclaimed,
+            released=self.slots.counters.released,
+            stale_acks=self.slots.counters.stale_acks,
+            consumers=len(self._consumers),
+            messages=self.counters.messages,
+            dropped_malformed=self.counters.dropped_malformed,
+            dropped_unknown_peer=self.counters.dropped_unknown_peer,
+            refused=self.counters.refused,
+            socket_blocked=self.counters.socket_blocked,
+            internal_errors=self.counters.internal_errors,
+            max_busy_s=round(self.counters.max_busy_s, 4),
+            **(self._stats() if self._stats is not None else {}),
+        )
 
     def _beat(self, sock: zmq.Socket) -> None:
         if not self._consumers:
             return
-        frame = Heartbeat(stats=self.stats()).encode()
+        frame = Heartbeat(stats=self.stats().to_wire()).encode()
         for identity in list(self._consumers):
             if not send_nowait(sock, [identity, frame]):
                 self.counters.send_failures += 1

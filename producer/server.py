@@ -35,6 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -322,7 +323,8 @@ class Producer:
 
     # -- statistics ------------------------------------------------------------------------------
 
-    def _throughput_stats(self) -> dict:
+    def _throughput_stats(self) -> dict[str, Any]:
+        """The producer's figures of its ``ProducerStats`` (common/metrics.py), by field."""
         now = time.monotonic()
         with self._lock:
             while self._published_tokens and now - self._published_tokens[0][0] > 10.0:
@@ -343,9 +345,10 @@ class Producer:
         }
 
     def write_status(self, ready: bool) -> None:
-        stats = self.server.stats()  # the ring's counts, the server's counters and this producer's throughput
         group = self.group  # the launcher knows a tensor-parallel producer by the pid of its torchrun
-        ProducerStatus(
+        ProducerStatus.showing(
+            self.server.stats(),  # the ring's counts, the server's counters and this producer's throughput
+            ring={"backend": self.ring.backend, "slot_bytes": self.slot_bytes},
             id=self.producer_id,
             pid=os.getpid(),
             torchrun_pid=group.torchrun_pid if group else None,
@@ -361,14 +364,7 @@ class Producer:
                 "compiled": self.target.compiled,
             },
             jobs={job.name: job.status() for job in self.jobs},
-            ring={**stats.pop("ring"), "backend": self.ring.backend, "slot_bytes": self.slot_bytes},
             epoch_batches=self.epoch_batches,
-            tokens_per_s=stats.pop("tokens_per_s"),
-            blocked_fraction=stats.pop("blocked_fraction"),
-            batching=stats.pop("batching"),
-            data=stats.pop("data"),
-            stream=stats.pop("stream"),
-            server=stats,
         ).write(self.run_dir.producer_status(self.producer_id))
 
     def _status_loop(self) -> None:

@@ -25,6 +25,7 @@ from common.batchcheck import check_delivery
 from common.committed import OrdinalSet
 from common.config import load_config
 from common.contract import BatchMeta
+from common.metrics import ProducerStats
 from common.naming import process_start_ticks
 from common.protocol import PAYLOAD_FRAMES, Welcome
 from common.ring import RingMemoryError
@@ -93,6 +94,14 @@ class Received:
     """Its anchors and block masks, once the trainer built them ahead of its step."""
 
 
+@dataclass(frozen=True)
+class ProducerReport:
+    """A producer as the trainer sees it at a log window: its last heartbeat's statistics, whether it is connected."""
+
+    stats: ProducerStats
+    up: bool
+
+
 def _remote_producers(run_dir: RunDir) -> dict[int, str]:
     """Producer id -> endpoint of the run's producers on other hosts, from its config.toml (the file
     the trainer runs with). Their status files are on their hosts (or, on a shared file system, name
@@ -109,6 +118,7 @@ class _Link:
     pid: int | None = None
     down_since: float | None = None
     stats: dict = field(default_factory=dict)
+    """Its last heartbeat's statistics as they came (``ProducerStats``' wire map)."""
     endpoint: str | None = None
     """A producer on another host (launch.remote_producers); None: found by its status file."""
     pending: RingClient | None = None
@@ -167,9 +177,11 @@ class Feeder:
         except queue.Empty:
             return None
 
-    def producer_stats(self) -> dict[int, dict]:
+    def producer_stats(self) -> dict[int, ProducerReport]:
+        """Each producer's last statistics and whether it is connected, by id."""
         with self._lock:
-            return {p: {**link.stats, "up": link.client is not None} for p, link in self.links.items()}
+            seen = {p: (link.stats, link.client is not None) for p, link in self.links.items()}
+        return {p: ProducerReport(ProducerStats.from_wire(stats), up) for p, (stats, up) in seen.items()}
 
     def close(self) -> None:
         """Stop the thread and say BYE to every producer (their leases go back at once)."""

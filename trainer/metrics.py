@@ -20,9 +20,10 @@ from common.config import RunConfig
 from common.drafter.base import Drafter
 from common.drafter.draft_config import DraftConfig
 from common.drafter.model import train_flops
+from common.metrics import ProducerStats
 from common.rundir import RunDir
 from common.status import TrainerStatus
-from trainer.feeder import Received
+from trainer.feeder import ProducerReport, Received
 from trainer.ranks import Ranks
 from trainer.sharding import local_parameter_count
 from trainer.wandb_run import BackgroundRun, run_id_of, start_run
@@ -33,8 +34,6 @@ STATUS_METRICS = ("loss", "tau", "lr", "tokens_per_s", "samples_per_s", "steps_p
 """The figures of the last record that the status file shows (beside the kind's own)."""
 PRODUCER_BATCHING = ("padding_efficiency", "mean_seq_len", "mean_batch_docs", "mean_batch_tokens")
 """A producer's batching statistics that are logged, as ``data/<producer>/<key>``."""
-RING_STATES = ("free", "filling", "ready", "leased")
-"""A producer's ring slots by state, logged as a share of its slots (``ring/<producer>/<state>``)."""
 
 
 def wandb_key(key: str) -> str:
@@ -116,22 +115,21 @@ class Window:
         return out
 
 
-def producer_metrics(producer_stats: dict[int, dict]) -> dict[str, float]:
-    """Each producer's statistics (its last heartbeat's, ``up`` whether it is connected) as metrics.jsonl keys."""
+def producer_metrics(producers: dict[int, ProducerReport]) -> dict[str, float]:
+    """Each producer's statistics as metrics.jsonl keys: whether it is connected, its ring's slots by state as a share
+    of its slots, the statistics ``ProducerStats`` marks as logged and its batching's ``PRODUCER_BATCHING``."""
     record: dict[str, float] = {}
-    for producer, stats in sorted(producer_stats.items()):
-        ring = stats.get("ring", {})
-        slots = max(1, ring.get("slots", 1))
+    for producer, report in sorted(producers.items()):
+        stats = report.stats
         prefix = f"producer/{producer}"
-        record[f"{prefix}/up"] = int(stats.get("up", False))
-        for key in RING_STATES:
-            record[f"ring/{producer}/{key}"] = ring.get(key, 0) / slots
-        record[f"{prefix}/tokens_per_s"] = stats.get("tokens_per_s", 0.0)
-        record[f"{prefix}/blocked_fraction"] = stats.get("blocked_fraction", 0.0)
-        batching = stats.get("batching", {})
+        record[f"{prefix}/up"] = int(report.up)
+        for state, share in stats.ring.shares().items():
+            record[f"ring/{producer}/{state}"] = share
+        for name in ProducerStats.logged():
+            record[f"{prefix}/{name}"] = getattr(stats, name)
         for key in PRODUCER_BATCHING:  # as the producers send them
-            if key in batching:
-                record[f"data/{producer}/{key}"] = batching[key]
+            if key in stats.batching:
+                record[f"data/{producer}/{key}"] = stats.batching[key]
     return record
 
 
@@ -164,14 +162,16 @@ class Metrics:
             )
         self.last = record
 
-    def log_window(self, step: int, lr: float, device: torch.device, producer_stats: dict[int, dict]) -> dict[str, Any]:
+    def log_window(
+        self, step: int, lr: float, device: torch.device, producers: dict[int, ProducerReport]
+    ) -> dict[str, Any]:
         """Log the window's record at ``step``: its training figures, the producers' statistics; the record."""
         record = {"step": step, "lr": lr, **self.window.summary(), "time": time.time()}
         if device.type == "cuda":
             # Since the start: a count that rises means the caching allocator had to free its cache and try again
             # (memory pressure, e.g. from a producer sharing the GPU), which costs a synchronisation each time.
             record["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-        record.update(producer_metrics(producer_stats))
+        record.update(producer_metrics(producers))
         self.log(record)
         return record
 

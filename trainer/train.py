@@ -246,8 +246,8 @@ class Trainer:
     def log_metrics(self) -> None:
         """The window's record: a line of metrics.jsonl, a wandb step, the status file and a line of trainer.log."""
         if self.rank == 0:
-            stats = self.batches.feeder.producer_stats()
-            record = self.metrics.log_window(self.step, self.optim.lr, self.device, stats)
+            producers = self.batches.feeder.producer_stats()
+            record = self.metrics.log_window(self.step, self.optim.lr, self.device, producers)
             self.write_status()
             print(f"step {self.step}/{self.max_steps}{self.budget.line()}{self.metrics.line(record)}", flush=True)
 

@@ -89,7 +89,7 @@ def run_producer(args: argparse.Namespace) -> int:
         while not stop["now"] and server.slots.counts()["free"] < ring.num_slots:
             time.sleep(0.01)
         time.sleep(args.linger)  # keep heartbeating a moment so consumers see the final statistics
-        print(json.dumps({"event": "done", "published": published, "stats": server.stats()}), flush=True)
+        print(json.dumps({"event": "done", "published": published, "stats": server.stats().to_wire()}), flush=True)
     finally:
         server.close()
         ring.close()
