@@ -185,7 +185,7 @@ class _Filled:
     slot: int
     planned: PlannedBatch
     layout: list
-    meta: dict
+    meta: BatchMeta
     done: torch.cuda.Event | None
     keepalive: tuple
 
@@ -423,7 +423,7 @@ class Producer:
             docs=batch.num_docs,
             max_doc_len=stats.max_doc_len,
             replay=planned.replay,
-        ).to_wire()
+        )
         self.batch_stats.update(stats)
         return _Filled(slot, planned, layout, meta, done, keepalive)
 
@@ -436,13 +436,13 @@ class Producer:
                 filled.done.synchronize()
             published = self.stream.publish(
                 filled.planned.ordinal,
-                publish=lambda: self.server.publish(filled.slot, filled.layout, filled.meta),
+                publish=lambda: self.server.publish(filled.slot, filled.layout, filled.meta.to_wire()),
                 drop=lambda: self.server.abort(filled.slot),  # a trainer committed it while we computed it
             )
             if published:
                 with self._lock:
                     self._published_tokens.append(
-                        (time.monotonic(), filled.meta["tokens"], self.server.slots.counters.blocked_s)
+                        (time.monotonic(), filled.meta.tokens, self.server.slots.counters.blocked_s)
                     )
                 faults.point("producer.publish")
 

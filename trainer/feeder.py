@@ -32,7 +32,7 @@ from common.ring import RingMemoryError
 from common.rundir import RunDir
 from common.sockets import CurveKeys, SecretsError
 from common.status import ProducerStatus
-from common.transport import HandshakeRefused, RateLimitedLog, RingClient
+from common.transport import Delivery, HandshakeRefused, RateLimitedLog, RingClient
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Received:
     producer: int
     ordinal: int
     cursor: list
-    meta: dict
+    meta: BatchMeta
     sample_ids: list[int]
     """The batch's documents (``batch`` may carry one more: the padding)."""
     num_tokens: int
@@ -353,7 +353,7 @@ class Feeder:
                 client.ack(delivery)
                 client.grant(1)
                 continue
-            received = self._copy_out(link.producer, delivery)
+            received = self._copy_out(link.producer, delivery, meta)
             client.ack(delivery)
             while not self._stop.is_set():
                 try:
@@ -368,9 +368,8 @@ class Feeder:
             client.grant(1)
         return bool(deliveries)
 
-    def _copy_out(self, producer: int, delivery) -> Received:
+    def _copy_out(self, producer: int, delivery: Delivery, meta: BatchMeta) -> Received:
         """Copy the slot's tensors into our memory and wait for the copy: after this the slot is free."""
-        meta = delivery.meta
         sample_ids = delivery.tensors["sample_ids"].tolist()
         num_tokens = int(delivery.tensors["input_ids"].numel())
         if self._copy_stream is not None:
@@ -388,6 +387,5 @@ class Feeder:
             tensors = {k: v.clone() for k, v in delivery.tensors.items()}
             if self.pad_to:
                 tensors = pad_packed(tensors, self.pad_to)
-        announced = BatchMeta.from_wire(meta)
-        batch = PackedBatch.from_tensors(tensors, epoch=announced.epoch, meta=meta)
-        return Received(batch, producer, announced.ordinal, announced.cursor, meta, sample_ids, num_tokens)
+        batch = PackedBatch.from_tensors(tensors, epoch=meta.epoch, meta=meta.to_wire())
+        return Received(batch, producer, meta.ordinal, meta.cursor, meta, sample_ids, num_tokens)
