@@ -38,7 +38,7 @@ from producer.acceptance.verifier import target_head_of
 from producer.batching import batch_stats
 from producer.server import build_plan, export_target_head, feature_layer_ids
 from producer.target import Target, build_target_config
-from trainer.feeder import Commits, Received
+from trainer.feeder import Commits, ProducerReport, Received
 from trainer.ranks import Ranks
 from trainer.train import run_trainer
 
@@ -106,10 +106,10 @@ class CoupledSource:
             tokens=batch.num_tokens,
             docs=batch.num_docs,
             max_doc_len=stats.max_doc_len,
-        ).to_wire()
+        )
         self.commits.mark_received(self.rank, ordinal, list(cursor))
         return Received(
-            PackedBatch.from_tensors(tensors, epoch=cursor.epoch, meta=meta),
+            PackedBatch.from_tensors(tensors, epoch=cursor.epoch, meta=meta.to_wire()),
             self.rank,
             ordinal,
             list(cursor),
@@ -124,7 +124,7 @@ class CoupledSource:
         """The trainer's evaluation client for this baseline: in its loop, on this process's target."""
         return InLoopEvaluations(self.evaluation, metrics_file, wandb_run)
 
-    def producer_stats(self) -> dict[int, dict]:
+    def producer_stats(self) -> dict[int, ProducerReport]:
         return {}
 
     def close(self) -> None:
