@@ -105,8 +105,14 @@ def fake_mps(short_tmp):
             os.kill(pid, signal.SIGKILL)
 
 
+def _interruptible() -> None:
+    # A shell's foreground command takes Ctrl-C; a test run started in the background inherits SIGINT ignored
+    # (POSIX, for asynchronous commands without job control), and Python keeps an ignored SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def bench_mps(fake: FakeMps, **env: str) -> subprocess.Popen:
-    """``python -m launch.bench.mps`` in a process group of its own (as a shell runs a command)."""
+    """``python -m launch.bench.mps`` in a process group of its own, as a shell runs a command in the foreground."""
     return subprocess.Popen(
         [sys.executable, "-m", "launch.bench.mps", "--seconds", "1", "--hog-percents", "90"],
         cwd=ROOT,
@@ -115,6 +121,7 @@ def bench_mps(fake: FakeMps, **env: str) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
         process_group=0,
+        preexec_fn=_interruptible,
     )
 
 
