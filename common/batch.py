@@ -19,6 +19,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from common.codec import TensorSpec, bytes_needed, plan_layout, read_tensors
+
 Rows = Literal["tokens", "docs", "boundaries"]
 
 
@@ -101,6 +103,39 @@ def slot_shapes(
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of every tensor a batch of ``dims`` carries, in slot order."""
     return {t.name: (t.shape(dims), t.dtype or feature_dtype) for t in slot_tensors() if t.present(announced)}
+
+
+@dataclass(frozen=True)
+class SlotFormat:
+    """What a producer's slots hold besides the documents: the features' widths and dtype, and whether the
+    last hidden state travels. With a batch's tokens and documents it gives every tensor's shape."""
+
+    aux_width: int
+    hidden_size: int
+    feature_dtype: torch.dtype
+    last_hidden: bool
+
+    def shapes(self, tokens: int, docs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every tensor a batch of ``tokens`` in ``docs`` documents carries, in slot order."""
+        dims = SlotDims(tokens=tokens, docs=docs, aux_width=self.aux_width, hidden_size=self.hidden_size)
+        return slot_shapes(dims, self.feature_dtype, {"last_hidden": self.last_hidden})
+
+    def slot_bytes(self, tokens: int, docs: int) -> int:
+        """Bytes of a slot that holds any batch of at most ``tokens`` in ``docs`` documents."""
+        return bytes_needed(self.shapes(tokens, docs))
+
+    def lay_out(
+        self, slot: torch.Tensor, batch: PackedBatch, non_blocking: bool = False
+    ) -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
+        """Lay ``batch`` out in the flat uint8 ``slot`` and copy its documents tensors in: the layout, and views
+        of every tensor (the target's features are still to be written). SlotOverflow names the bytes needed."""
+        shapes = self.shapes(batch.num_tokens, batch.num_docs)
+        documents = document_tensors(batch.tensors())
+        layout = plan_layout(shapes, slot.numel())
+        views = read_tensors(slot, layout)
+        for name, tensor in documents.items():
+            views[name].copy_(tensor, non_blocking=non_blocking)
+        return layout, views
 
 
 def document_tensors(loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -186,6 +221,10 @@ class PackedBatch:
         fields = {name: tensors.get(name) for name in _FIELDS}
         extra = {name: t for name, t in tensors.items() if name not in _FIELDS}
         return cls(**fields, epoch=epoch, meta=dict(meta or {}), extra=extra)
+
+    def pin_memory(self) -> PackedBatch:
+        """This batch in page-locked host memory, for copies to a GPU that do not wait."""
+        return PackedBatch.from_tensors({k: v.pin_memory() for k, v in self.tensors().items()}, self.epoch, self.meta)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors().items()}

@@ -89,8 +89,8 @@ def estimate(cfg: RunConfig) -> MemoryEstimate:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.batch import SlotDims, slot_shapes
-    from common.codec import DTYPES, bytes_needed
+    from common.batch import SlotFormat
+    from common.codec import DTYPES
     from common.drafter.base import build_drafter
     from common.drafter.draft_config import DraftConfig
     from common.drafter.loss import LossConfig
@@ -109,18 +109,10 @@ def estimate(cfg: RunConfig) -> MemoryEstimate:
         trained = sum(p.numel() for p in build_drafter(draft, head).parameters() if p.requires_grad)
 
     tokens = cfg.batching.token_budget
-    slot_bytes = bytes_needed(
-        slot_shapes(
-            SlotDims(
-                tokens=tokens,
-                docs=cfg.batching.max_docs_per_batch or tokens,
-                aux_width=len(draft.target_layer_ids) * int(target.hidden_size),
-                hidden_size=int(target.hidden_size),
-            ),
-            dtype,
-            {"last_hidden": cfg.ships_final_hidden},
-        )
+    slot = SlotFormat(
+        len(draft.target_layer_ids) * int(target.hidden_size), int(target.hidden_size), dtype, cfg.ships_final_hidden
     )
+    slot_bytes = slot.slot_bytes(tokens, cfg.batching.max_docs_per_batch or tokens)
     intermediate = int(getattr(target, "intermediate_size", None) or 4 * target.hidden_size)
     forward = tokens * (4 * int(target.hidden_size) + 3 * intermediate) * dtype.itemsize
     queries = d.num_anchors * draft.block_size

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from common import faults
-from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
-from common.codec import DTYPE_NAMES, bytes_needed, plan_layout, read_tensors
+from common.batch import SlotFormat
+from common.codec import DTYPE_NAMES
 from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta, Features, mismatch
 from common.drafter.draft_config import build_target_layer_ids
@@ -241,7 +241,8 @@ class Producer:
 
         self.dtype = self.target.dtype
         self.max_docs = cfg.batching.max_docs_per_batch or cfg.batching.token_budget
-        self.slot_bytes = bytes_needed(self._slot_shapes(cfg.batching.token_budget, self.max_docs))
+        self.slot_format = SlotFormat(self.target.aux_width, self.target.hidden_size, self.dtype, self.needs_last)
+        self.slot_bytes = self.slot_format.slot_bytes(cfg.batching.token_budget, self.max_docs)
         backend = cfg.ring.backend
         if backend == "auto":
             # Consumers on other hosts need the bytes in host memory (sent as frames from there).
@@ -383,18 +384,13 @@ class Producer:
 
     # -- compute ---------------------------------------------------------------------------------
 
-    def _slot_shapes(self, tokens: int, docs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        dims = SlotDims(tokens=tokens, docs=docs, aux_width=self.target.aux_width, hidden_size=self.target.hidden_size)
-        return slot_shapes(dims, self.dtype, {"last_hidden": self.needs_last})
-
     def _fill(self, slot: int, planned: PlannedBatch) -> _Filled:
         batch = self.plan.materialize(planned.cursor, planned.sample_ids)
+        stats = batch_stats(batch)
+        self.batch_stats.update(stats)
         if self.target.device.type == "cuda":
-            batch = PackedBatch.from_tensors({k: v.pin_memory() for k, v in batch.tensors().items()}, batch.epoch)
-        layout = plan_layout(self._slot_shapes(batch.num_tokens, batch.num_docs), self.slot_bytes)
-        views = read_tensors(self.server.slot_view(slot), layout)
-        for name, tensor in document_tensors(batch.tensors()).items():
-            views[name].copy_(tensor, non_blocking=True)
+            batch = batch.pin_memory()
+        layout, views = self.slot_format.lay_out(self.server.slot_view(slot), batch, non_blocking=True)
         done = None
         keepalive: tuple = (batch,)
         if self.ring_on_target_device:
@@ -413,7 +409,6 @@ class Producer:
                 done = torch.cuda.Event()
                 done.record()
             keepalive = (batch, features)
-        stats = batch_stats(batch)
         meta = BatchMeta(
             producer=self.producer_id,
             ordinal=planned.ordinal,
@@ -424,7 +419,6 @@ class Producer:
             max_doc_len=stats.max_doc_len,
             replay=planned.replay,
         )
-        self.batch_stats.update(stats)
         return _Filled(slot, planned, layout, meta, done, keepalive)
 
     def _publish_loop(self) -> None:

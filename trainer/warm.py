@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from common.batch import PackedBatch, SlotDims, document_tensors, slot_shapes
+from common.batch import PackedBatch, SlotFormat, document_tensors
 from common.codec import DTYPES
 from common.config import RunConfig
 from common.drafter.base import build_drafter
@@ -47,9 +47,10 @@ def synthetic_batch(cfg: RunConfig, config: DraftConfig, device: torch.device) -
             "sample_ids": torch.zeros(1, dtype=torch.int64),
         }
     )
-    dims = SlotDims(tokens=tokens, docs=1, aux_width=config.fused_feature_size, hidden_size=config.target_hidden_size)
-    shapes = slot_shapes(dims, DTYPES[cfg.target.dtype], {"last_hidden": cfg.ships_final_hidden})
-    for name, (shape, dtype) in shapes.items():
+    slot = SlotFormat(
+        config.fused_feature_size, config.target_hidden_size, DTYPES[cfg.target.dtype], cfg.ships_final_hidden
+    )
+    for name, (shape, dtype) in slot.shapes(tokens, 1).items():
         if name not in tensors:  # the target's features
             tensors[name] = torch.randn(shape).to(dtype)
     return PackedBatch.from_tensors(tensors).to(device)

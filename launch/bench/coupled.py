@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from common.acceptance.report import AcceptanceReport, warn_if_gap
-from common.batch import PackedBatch, SlotDims, document_tensors, pad_packed, slot_shapes
+from common.batch import PackedBatch, SlotFormat, document_tensors, pad_packed
 from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta
 from common.drafter.base import Drafter, build_drafter
@@ -87,10 +87,8 @@ class CoupledSource:
         batch = self.plan.materialize(cursor, sample_ids)
         # Outputs made here, outside capture's inference mode, so that autograd may use them.
         target = self.target
-        dims = SlotDims(
-            tokens=batch.num_tokens, docs=batch.num_docs, aux_width=target.aux_width, hidden_size=target.hidden_size
-        )
-        shapes = slot_shapes(dims, target.dtype, {"last_hidden": target.capture_last_hidden})
+        slot = SlotFormat(target.aux_width, target.hidden_size, target.dtype, target.capture_last_hidden)
+        shapes = slot.shapes(batch.num_tokens, batch.num_docs)
         tensors = {name: torch.empty(shape, dtype=dtype, device=self.device) for name, (shape, dtype) in shapes.items()}
         for name, tensor in document_tensors(batch.tensors()).items():
             tensors[name].copy_(tensor, non_blocking=True)
