@@ -498,6 +498,9 @@ class Producer:
         finally:
             self._filled.put(None)
             threads[0].join(timeout=30)
+            if self.stop.is_set():  # a clean stop: the last figures stay for `status` (a run may end within a period)
+                threads[1].join(timeout=5)
+                self.write_status(ready=True)
             self.close()
 
     def _may_fill(self) -> bool:
