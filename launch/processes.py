@@ -25,6 +25,7 @@ from typing import Any
 from common.config import RunConfig
 from common.naming import process_start_ticks
 from common.status import ChildRecord
+from launch.preload import PreloadedProcess, Preloader
 from launch.runs import REPO_ROOT
 
 log = logging.getLogger("launch.supervisor")  # the launcher's log names its children's restarts
@@ -35,8 +36,15 @@ HEALTHY_UPTIME_S = 60.0  # a process up this long has recovered: its crash count
 PRODUCER_STOP_TIMEOUT_S = 30.0
 
 
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+"""A machine without any of these (NVIDIA's driver, WSL's, ROCm's) has no GPU that torch could see."""
+
+
 def detect_cuda() -> bool:
-    """Whether torch sees a CUDA device; asked in a subprocess so the supervisor never holds torch or a CUDA context."""
+    """Whether torch sees a CUDA device; asked in a subprocess so the supervisor never holds torch or a CUDA context,
+    and only where a GPU driver's device file exists (importing torch to learn there is none costs a second or more)."""
+    if not any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+        return False
     try:
         result = subprocess.run(
             [sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"],
@@ -175,7 +183,7 @@ _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _terminate_with_parent(parent_pid: int) -> Callable[[], None]:
+def terminate_with_parent(parent_pid: int) -> Callable[[], None]:
     """preexec_fn: the child gets SIGTERM if the supervisor dies (even by SIGKILL), so no orphans hold GPUs."""
 
     def preexec() -> None:
@@ -207,13 +215,23 @@ def log_tail(path: Path, lines: int = 5) -> str:
 class ManagedProcess:
     """One supervised child: command, log file, process group, crash count and backoff."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path, devices: list[str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        devices: list[str],
+        preloader: Preloader | None = None,
+    ) -> None:
         self.name = name
         self.command = command
         self.devices = devices
         self.env = env
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.preloader = preloader
+        """Where it is forked from instead of started as a fresh interpreter (``launch.preload``), if anywhere."""
+        self.proc: subprocess.Popen | PreloadedProcess | None = None
         self.start_ticks: int | None = None
         self.started_wall = 0.0
         self.started_mono = 0.0
@@ -246,14 +264,15 @@ class ManagedProcess:
             log_file.flush()
             # Own process group: a Ctrl-C in the terminal reaches only the supervisor, which then
             # stops the children in order (trainer first). Same session, so /dev/tty stays usable.
-            self.proc = subprocess.Popen(
+            preloaded = self.preloader.spawn(self.command, self.env, log_file) if self.preloader else None
+            self.proc = preloaded or subprocess.Popen(
                 self.command,
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 process_group=0,
-                preexec_fn=_terminate_with_parent(os.getpid()),
+                preexec_fn=terminate_with_parent(os.getpid()),
             )
         self.start_ticks = process_start_ticks(self.proc.pid)
 

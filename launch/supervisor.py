@@ -51,6 +51,7 @@ from common.naming import process_alive, process_start_ticks, run_tag, sweep_sta
 from common.rundir import RunDir, read_json
 from common.status import LauncherRecord, ProducerStatus, TrainerStatus
 from launch.mps import MpsDaemon
+from launch.preload import Preloader
 from launch.processes import (
     PRODUCER_STOP_TIMEOUT_S,
     TRAINER_CMD_ENV,
@@ -64,6 +65,7 @@ from launch.processes import (
     producer_command,
     producer_devices,
     producer_environment,
+    terminate_with_parent,
     thread_environment,
     threads_message,
     trainer_command,
@@ -109,6 +111,8 @@ class Supervisor:
         )
         self.cpu_threads = cpu_threads(self.cpu_processes)
         """Torch threads of each child that computes on the CPU (None: the user's OMP_NUM_THREADS, or no such child)."""
+        self.preloader: Preloader | None = None
+        """Where children on the CPU are forked from (launch.preload), made at the first such start."""
         self.producers = [
             ManagedProcess(
                 f"producer-{i}",
@@ -121,6 +125,7 @@ class Supervisor:
                 },
                 run.log(f"producer-{i}"),
                 device.split(","),
+                self._preloader_for(device.split(",")),
             )
             for i, device in enumerate(producer_devices(cfg, self.has_cuda))
         ]
@@ -141,6 +146,15 @@ class Supervisor:
         self.restart_requested = False
         self._last_record: LauncherRecord | None = None
         self.view = ProgressView(run, enabled=cfg.logging.progress)
+
+    def _preloader_for(self, devices: list[str]) -> Preloader | None:
+        """The preloader that starts a child on ``devices`` under launch.preload: children on the CPU alone, without
+        MPS (launch/preload.py); None otherwise."""
+        if not self.cfg.launch.preload or self.mps or any(d != "cpu" for d in devices):
+            return None
+        if self.preloader is None:
+            self.preloader = Preloader(child_environment(self._thread_env(["cpu"])), terminate_with_parent(os.getpid()))
+        return self.preloader
 
     def _thread_env(self, devices: list[str]) -> dict[str, str]:
         """The torch thread limit of a child on ``devices``, when it computes on the CPU."""
@@ -179,6 +193,7 @@ class Supervisor:
             child_environment(extra),
             self.run.log("trainer"),
             devices,
+            self._preloader_for(devices),
         )
 
     # signals only set flags; the poll loop acts on them
@@ -243,6 +258,8 @@ class Supervisor:
             # last one of the run would otherwise keep its weights and optimizer state in /dev/shm until reboot.
             for leftover in sweep_stale_trainer_staging(run_tag(self.run.root)):
                 log.info("removed %s, the staging of a trainer that did not exit cleanly", leftover.name)
+            if self.preloader:
+                self.preloader.close()
             if self.mps:
                 self.mps.quit()
             self.state = self.outcome

@@ -1,0 +1,126 @@
+"""launch.preload: a CPU run's producers and trainers are forked from one preloaded interpreter, and what the
+launcher knows of them (pids, exit codes, kill -9, its own death) is what it knows of children it started itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from peers import wait_for
+from test_pipeline import (
+    assert_exactly_once,
+    epochs_trained,
+    finish,
+    producer_pids,
+    start,
+    stop_and_finish,
+    trainer_step,
+)
+
+from common.rundir import RunDir, read_json
+from launch import processes
+from launch.preload import Preloader
+from launch.processes import child_environment
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def command_of(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+@pytest.fixture
+def run_dir(short_tmp) -> Path:
+    return short_tmp / "run"
+
+
+def test_a_kill_9_of_a_preloaded_trainer_and_of_the_preloader_itself_loses_nothing(run_dir):
+    """The roles are forked from the preloader and named for ps. A kill -9 of the trainer reaches the launcher as
+    SIGKILL (the preloader reports its children's exits) and it is restarted; a kill -9 of the preloader takes its
+    children down with it (SIGTERM), and the launcher starts a new preloader and all of them again. Every sample
+    of epoch 0 is trained exactly once."""
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", "training.checkpoint_every=10")
+    run = RunDir(run_dir)
+    wait_for(lambda: trainer_step(run) >= 6, "step 6", 120)
+    trainer = read_json(run.trainer_status)["pid"]
+    producers = producer_pids(run)
+    preloader = parent_of(trainer)
+    assert command_of(preloader)[1:3] == ["-m", "launch.preload"], command_of(preloader)
+    assert {parent_of(pid) for pid in producers.values()} == {preloader}
+    assert Path(f"/proc/{producers[0]}/comm").read_text().strip() == "producer.server"
+
+    os.kill(trainer, signal.SIGKILL)
+    launcher_out = run_dir.parent / "launcher.out"
+    wait_for(lambda: "trainer crashed (killed by SIGKILL)" in launcher_out.read_text(), "the trainer's crash", 60)
+    step = trainer_step(run)
+    wait_for(lambda: read_json(run.trainer_status)["pid"] != trainer and trainer_step(run) > step + 2, "training", 120)
+
+    killed_at_us = time.time() * 1e6
+    os.kill(preloader, signal.SIGKILL)
+    wait_for(
+        lambda: all(
+            pid not in producers.values() and (read_json(run.producer_status(i)) or {}).get("ready")
+            for i, pid in producer_pids(run).items()
+        ),
+        "both producers started again",
+        120,
+    )
+    now = producer_pids(run)[0]
+    assert command_of(parent_of(now))[1:3] == ["-m", "launch.preload"] and parent_of(now) != preloader
+    wait_for(
+        lambda: (
+            min(epochs_trained(run, since_incarnation=killed_at_us).values(), default=-1) >= 2
+            and len(epochs_trained(run, since_incarnation=killed_at_us)) == 2
+        ),
+        "epoch 2 of both producers after the preloader's death",
+        180,
+    )
+    stop_and_finish(launcher, run_dir)
+    assert_exactly_once(run, must_reach={0, 1})
+
+
+def test_without_preload_the_roles_are_fresh_interpreters(run_dir):
+    """launch.preload=false (and every GPU run): python -m producer.server and -m trainer.train, as before."""
+    launcher = start(
+        run_dir,
+        "training.max_steps=30",
+        "launch.preload=false",
+        "launch.num_producers=1",
+        'launch.producer_devices=["cpu"]',
+    )
+    run = RunDir(run_dir)
+    wait_for(lambda: producer_pids(run), "the producer", 60)
+    assert command_of(producer_pids(run)[0])[1:3] == ["-m", "producer.server"]
+    finish(launcher, run_dir)
+
+
+def test_a_preloaded_role_reports_its_exit_code_and_its_signal(short_tmp):
+    """The preloader reports a role's exit 2 (a configuration error, as it logs it) and a kill -9 as
+    ``Popen.returncode`` has them; a command that is not a role is left to a fresh interpreter."""
+    preloader = Preloader(child_environment())
+    log_path = short_tmp / "role.log"
+    command = [sys.executable, "-m", "trainer.train", "--run-dir", str(short_tmp / "none")]
+    try:
+        with log_path.open("ab") as log:
+            assert preloader.spawn(command, child_environment(), log).wait(timeout=120) == 2
+            assert "config file" in log_path.read_text() and "does not exist" in log_path.read_text()
+            killed = preloader.spawn(command, child_environment(), log)
+            os.kill(killed.pid, signal.SIGKILL)  # long before it could read its run directory
+            assert killed.wait(timeout=60) == -signal.SIGKILL
+            assert preloader.spawn([sys.executable, "-m", "launch.check"], child_environment(), log) is None
+    finally:
+        preloader.close()
+    assert preloader.current is None
+
+
+def test_without_a_gpu_driver_the_launcher_does_not_import_torch_to_learn_it(monkeypatch):
+    """No device file of a GPU driver: no CUDA, answered without the subprocess that imports torch (seconds)."""
+    monkeypatch.setattr(processes, "GPU_DEVICE_FILES", ("/nonexistent/nvidiactl",))
+    monkeypatch.setattr(processes.subprocess, "run", lambda *a, **k: pytest.fail("torch was asked"))
+    assert processes.detect_cuda() is False
