@@ -8,7 +8,8 @@ the fork takes its environment, log file, process group and command line (``ps``
 ``python -m producer.server ...``), imports the project's own modules (never preloaded, so that what they read at
 import time is read in the child, as in a fresh interpreter) and runs the role's module as ``__main__``. The
 preloader reaps its children and reports each exit code, so the launcher sees a crash, a kill -9 or a clean exit
-as it sees those of a child it started itself. A child gets SIGTERM when the preloader dies, as the preloader does
+as it sees those of a child it started itself. (One thing differs from a fresh interpreter: /proc/PID/environ, which
+the kernel keeps from the exec, shows the preloader's environment; the role's own is its os.environ.) A child gets SIGTERM when the preloader dies, as the preloader does
 when the launcher dies; the launcher then starts a new preloader and restarts the children as after any crash.
 
 Only for processes on the CPU: a process must fork before anything has touched CUDA (the preloader checks that
