@@ -266,12 +266,9 @@ def _run_child(request: dict, preloader_pid: int) -> None:
 
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        from common.lifecycle import end_now  # the project's, imported here in the child (never preloaded)
+
+        end_now(code)
 
 
 def main() -> None:
