@@ -92,7 +92,10 @@ def draft_config_for(cfg: RunConfig, target_config: Any, head_dir: Path) -> Draf
         message = str(exc)
         raise ConfigError(message if message.startswith("drafter.") else f"drafter.{message}") from None
     if d.mask_token_id is None:
-        name = f" {tokenizer.convert_ids_to_tokens(config.mask_token_id)!r}" if tokenizer is not None else ""
+        token = tokenizer.convert_ids_to_tokens(config.mask_token_id) if tokenizer is not None else None
+        name = f" {token!r}" if token is not None else ""
+        if tokenizer is not None and token is None:
+            name = f", the first id past the tokenizer's {len(tokenizer)} tokens"
         log.info(
             "drafter.mask_token_id unset: the mask token is %d%s (set drafter.mask_token_id to choose another)",
             config.mask_token_id,
