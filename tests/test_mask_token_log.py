@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
+from test_target import tiny_qwen3_config
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config
+from transformers import PreTrainedTokenizerFast
 
 from common.config import load_config
 from trainer.build import draft_config_for
@@ -16,15 +17,7 @@ def test_a_mask_past_the_tokenizer_is_said_so_not_printed_as_none(tmp_path, capl
     backend = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(62)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|eot|>").save_pretrained(tmp_path)
-    target = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
+    target = tiny_qwen3_config(vocab_size=64)
     with caplog.at_level(logging.INFO, logger="trainer.build"):
         config = draft_config_for(load_config(None, ["drafter.num_layers=1"]), target, tmp_path)
     line = next(r.getMessage() for r in caplog.records if "mask token is" in r.getMessage())
