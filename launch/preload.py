@@ -12,13 +12,21 @@ as it sees those of a child it started itself. (One thing differs from a fresh i
 the kernel keeps from the exec, shows the preloader's environment; the role's own is its os.environ.) A child gets SIGTERM when the preloader dies, as the preloader does
 when the launcher dies; the launcher then starts a new preloader and restarts the children as after any crash.
 
-Only for processes on the CPU: a process must fork before anything has touched CUDA (the preloader checks that
-nothing did), and a GPU process's start is dominated by loading weights anyway. Other commands (torchrun, the
-testing hooks) start as fresh interpreters.
+A group of ranks (``python -m launch.torchrun --standalone --nproc-per-node N -m ROLE ...``: a tensor-parallel
+producer's, a trainer's) is forked as well. The fork, shown with torchrun's command line, is the group's leader and
+does what torchrun --standalone does for one node: it holds the group's store (TORCHELASTIC_USE_AGENT_STORE), forks
+the N ranks with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), ends them all
+(the same signal, then SIGKILL after TORCH_ELASTIC_SHUTDOWN_TIMEOUT) when one fails or it is told to stop, and exits
+as launch.torchrun does: 0, 2 when a rank exited 2, 1 for another failure, 128 + N after signal N. Its ranks get
+SIGTERM when it dies.
 
-Protocol (JSON lines): the launcher writes ``{"module", "args", "env", "cwd", "log"}`` to the preloader's stdin; the
-preloader answers ``{"pid": N}`` (or ``{"error": "..."}``) on its stdout, and later ``{"exit": N, "code": C}`` with C
-as ``Popen.returncode`` has it (negative: the signal).
+Only for processes on the CPU: a process must fork before anything has touched CUDA (the preloader checks that
+nothing did), and a GPU process's start is dominated by loading weights anyway. Other commands (the testing hooks,
+torchrun with other options) start as fresh interpreters.
+
+Protocol (JSON lines): the launcher writes ``{"module", "args", "env", "cwd", "log"}`` (and ``"ranks"`` and
+``"command"`` for a group) to the preloader's stdin; the preloader answers ``{"pid": N}`` (or ``{"error": "..."}``)
+on its stdout, and later ``{"exit": N, "code": C}`` with C as ``Popen.returncode`` has it (negative: the signal).
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from pathlib import Path
 from typing import IO
 
 PRELOADED_ROLES = ("producer.server", "trainer.train")
-"""The modules the preloader starts; any other command is started as a fresh process."""
+"""The modules the preloader starts, alone or as a group of ranks; any other command is started as a fresh
+process."""
 
 LIBRARIES = (
     "numpy",
@@ -157,6 +166,25 @@ class _PreloaderProcess:
         return None
 
 
+def _request_for(command: list[str]) -> dict | None:
+    """What the preloader is asked to start for ``command``: ``python -m ROLE ARGS``, or ``python -m
+    launch.torchrun --standalone --nproc-per-node N -m ROLE ARGS`` (N ranks, forked); None for anything else."""
+    if command[:2] != [sys.executable, "-m"] or len(command) < 3:
+        return None
+    if command[2] in PRELOADED_ROLES:
+        return {"module": command[2], "args": command[3:]}
+    head = command[2:8]
+    if (
+        len(head) == 6
+        and head[:3] == ["launch.torchrun", "--standalone", "--nproc-per-node"]
+        and head[3].isdigit()
+        and head[4] == "-m"
+        and head[5] in PRELOADED_ROLES
+    ):
+        return {"module": head[5], "args": command[8:], "ranks": int(head[3]), "command": command}
+    return None
+
+
 class Preloader:
     """The launcher's preloader: started at the first start it is asked for, again after it died, closed with
     the run."""
@@ -170,11 +198,12 @@ class Preloader:
         """Start ``command`` (``python -m ROLE ARGS``) forked from the preloader, its output appended to
         ``log_file``; None when it is not a role the preloader starts, or the preloader failed (logged: the
         caller starts a fresh interpreter)."""
-        if command[:2] != [sys.executable, "-m"] or len(command) < 3 or command[2] not in PRELOADED_ROLES:
+        request = _request_for(command)
+        if request is None:
             return None
         if self.current is None or self.current.proc.poll() is not None:
             self.current = _PreloaderProcess(self.env, self.preexec)
-        request = {"module": command[2], "args": command[3:], "env": env, "cwd": os.getcwd(), "log": log_file.name}
+        request.update(env=env, cwd=os.getcwd(), log=log_file.name)
         try:
             return PreloadedProcess(self.current.fork(request), self.current)
         except (OSError, queue.Empty) as exc:
@@ -217,22 +246,13 @@ def _show_command(words: list[str]) -> None:
 
 
 def _run_child(request: dict, preloader_pid: int) -> None:
-    """In the forked child: become the role's process as a fresh interpreter would be, run it, never return."""
-    import ctypes
-    import runpy
-
+    """In the forked child: become the role's process (or a group of ranks' leader) as a fresh interpreter would
+    be, run it, never return."""
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        _become("launch.torchrun" if request.get("ranks") else request["module"], preloader_pid)
         os.setpgid(0, 0)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # the preloader's children die with it
-        libc.prctl(_PR_SET_NAME, request["module"].encode()[:15])  # what ps -o comm and top show
-        _show_command([sys.executable, "-m", request["module"], *request["args"]])
-        if os.getppid() != preloader_pid:
-            os._exit(128 + signal.SIGTERM)
+        _show_command(request.get("command") or [sys.executable, "-m", request["module"], *request["args"]])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -243,30 +263,186 @@ def _run_child(request: dict, preloader_pid: int) -> None:
         os.dup2(log, 2)
         os.close(log)
         os.close(null)
-        import torch
-
-        threads = request["env"].get("OMP_NUM_THREADS", "").strip()
-        if threads.isdigit():  # read by OpenMP when torch was loaded: the preloader's, not this child's
-            torch.set_num_threads(int(threads))
-        sys.argv = [request["module"], *request["args"]]
-        try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            if exc.code is None or isinstance(exc.code, int):
-                code = exc.code or 0
-            else:
-                print(exc.code, file=sys.stderr)
-                code = 1
-        import atexit
-
-        atexit._run_exitfuncs()
+        code = _lead_ranks(request) if request.get("ranks") else _run_role(request["module"], request["args"])
     except BaseException:
         import traceback
 
         traceback.print_exc()
     finally:
         from common.lifecycle import end_now  # the project's, imported here in the child (never preloaded)
+
+        end_now(code)
+
+
+def _become(name: str, parent: int) -> None:
+    """The first steps of a forked child: default signal handling, SIGTERM when ``parent`` dies, ``name`` for
+    ps; leave at once if ``parent`` is already gone."""
+    import ctypes
+
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # a forked child dies with the process it was forked from
+    libc.prctl(_PR_SET_NAME, name.encode()[:15])  # what ps -o comm and top show
+    if os.getppid() != parent:
+        os._exit(128 + signal.SIGTERM)
+
+
+def _run_role(module: str, args: list[str]) -> int:
+    """Run ``module`` as ``__main__`` with ``args``, as ``python -m module args`` would; its exit code."""
+    import atexit
+    import runpy
+
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if threads.isdigit():  # read by OpenMP when torch was loaded: the preloader's, not this child's
+        torch.set_num_threads(int(threads))
+    sys.argv = [module, *args]
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    atexit._run_exitfuncs()
+    return code
+
+
+# -- a group of ranks: torchrun --standalone, forked ------------------------------------------------------
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _lead_ranks(request: dict) -> int:
+    """Do what ``launch.torchrun --standalone --nproc-per-node N -m ROLE`` does, with the ranks forked from this
+    process: host the group's store, start N ranks with torchrun's environment, end them all when one fails or
+    this process is told to stop, and exit as launch.torchrun would (0; 2 when a rank exited 2; 1 for any other
+    failure; 128 + N after signal N)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from common.lifecycle import EXIT_CONFIG_ERROR
+
+    leader, count = os.getpid(), request["ranks"]
+    # A stop signal that comes while the ranks start waits for the handlers below, in the leader and in each rank
+    # (whose default handling it then gets), instead of being lost or taken by the wrong one.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    told: list[int] = []
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, lambda received, _: told.append(received))
+    ranks: list[int] = []
+    port_writers: list[int] = []
+    for rank in range(count):
+        reader, writer = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            for other in port_writers + [writer]:
+                os.close(other)
+            _run_rank(request, rank, reader, leader)
+        os.close(reader)
+        ranks.append(pid)
+        port_writers.append(writer)
+    # The ranks are forked before the store starts its thread; they wait for its port. torchrun's agent holds
+    # the store the same way (TORCHELASTIC_USE_AGENT_STORE): every rank is its client.
+    store = TCPStore("127.0.0.1", 0, count, True, timedelta(seconds=900), wait_for_workers=False)
+    for writer in port_writers:
+        os.write(writer, f"{store.port}\n".encode())
+        os.close(writer)
+
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    codes: dict[int, int] = {}
+    os.set_blocking(wake_r, False)
+    while not told and not any(codes.values()) and len(codes) < count:
+        select.select([wake_r], [], [], 1.0)  # woken by SIGCHLD and by the stop signals
+        try:
+            os.read(wake_r, 4096)
+        except BlockingIOError:
+            pass
+        _reap(codes)
+    failures = [code for code in codes.values() if code != 0]
+    if len(codes) < count:
+        _stop_ranks(set(ranks) - set(codes), told[0] if told else signal.SIGTERM, codes)
+    if told:
+        return 128 + told[0]
+    if failures:
+        return EXIT_CONFIG_ERROR if EXIT_CONFIG_ERROR in failures else 1
+    return 0
+
+
+def _reap(codes: dict[int, int]) -> None:
+    """Record the exit codes of the children that have exited."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        codes[pid] = _returncode(status)
+
+
+def _stop_ranks(running: set[int], sig: int, codes: dict[int, int]) -> None:
+    """Send ``sig`` to the ranks still running, give them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 by default,
+    as torchrun), then SIGKILL."""
+    for pid in running:
+        os.kill(pid, sig)
+    deadline = time.monotonic() + float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    while not running <= set(codes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        _reap(codes)
+    for pid in running - set(codes):
+        os.kill(pid, signal.SIGKILL)
+        codes[pid] = _returncode(os.waitpid(pid, 0)[1])
+
+
+def _run_rank(request: dict, rank: int, port_reader: int, leader: int) -> None:
+    """In a rank forked from the group's leader: torchrun's environment for ``rank``, then the role."""
+    code = 1
+    try:
+        _become(request["module"], leader)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        _show_command([sys.executable, "-u", "-m", request["module"], *request["args"]])  # as torchrun starts it
+        port = os.read(port_reader, 64).decode().strip()
+        os.close(port_reader)
+        if not port:  # the leader failed before its store started
+            os._exit(1)
+        count = str(request["ranks"])
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            ROLE_RANK=str(rank),
+            ROLE_NAME="default",
+            WORLD_SIZE=count,
+            LOCAL_WORLD_SIZE=count,
+            GROUP_WORLD_SIZE="1",
+            ROLE_WORLD_SIZE=count,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+            TORCHELASTIC_RUN_ID=f"preloaded-{leader}",
+            TORCHELASTIC_USE_AGENT_STORE="True",
+        )
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks on one node
+        code = _run_role(request["module"], request["args"])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        from common.lifecycle import end_now
 
         end_now(code)
 

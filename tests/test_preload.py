@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from test_pipeline import (
     trainer_step,
 )
 
+from common.naming import process_alive
 from common.rundir import RunDir, read_json
 from launch import processes
 from launch.preload import Preloader
@@ -33,6 +35,10 @@ def parent_of(pid: int) -> int:
 
 def command_of(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 @pytest.fixture
@@ -83,6 +89,86 @@ def test_a_kill_9_of_a_preloaded_trainer_and_of_the_preloader_itself_loses_nothi
     )
     stop_and_finish(launcher, run_dir)
     assert_exactly_once(run, must_reach={0, 1})
+
+
+def test_a_group_of_ranks_is_forked_and_a_kill_9_of_its_leader_takes_its_ranks_down(run_dir):
+    """A two-rank trainer and a tensor-parallel producer on the CPU: the preloader forks each group's leader
+    (launch.torchrun's command line), which holds the group's store and forks the ranks, as torchrun starts
+    them. kill -9 of the trainer's leader: its ranks get SIGTERM and leave, and the launcher starts the trainer
+    again. The stop reaches the producer's ranks through their leader and they stop cleanly. Every sample
+    trained exactly once."""
+    launcher = start(
+        run_dir,
+        "training.max_steps=0",
+        "training.epochs=1000",
+        "training.checkpoint_every=10",
+        'launch.trainer_devices=["cpu", "cpu"]',
+        'launch.producer_devices=["cpu,cpu"]',
+    )
+    run = RunDir(run_dir)
+    wait_for(lambda: trainer_step(run) >= 6, "step 6", 180)
+    rank_zero = read_json(run.trainer_status)["pid"]
+    leader = parent_of(rank_zero)
+    preloader = parent_of(leader)
+    assert command_of(preloader)[1:3] == ["-m", "launch.preload"], command_of(preloader)
+    assert command_of(leader)[1:8] == [
+        "-m",
+        "launch.torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "trainer.train",
+    ]
+    assert command_of(rank_zero)[1:4] == ["-u", "-m", "trainer.train"], command_of(rank_zero)
+    ranks = children_of(leader)
+    assert len(ranks) == 2 and rank_zero in ranks
+    producer = read_json(run.producer_status(0))
+    producer_leader = producer["torchrun_pid"]
+    assert parent_of(producer_leader) == preloader
+    assert {parent_of(pid) for pid in producer["tensor_parallel"]["pids"]} == {producer_leader}
+
+    killed_at_us = time.time() * 1e6
+    os.kill(leader, signal.SIGKILL)
+    wait_for(lambda: not any(process_alive(pid) for pid in ranks), "the killed leader's ranks to leave", 60)
+    wait_for(
+        lambda: max(epochs_trained(run, since_incarnation=killed_at_us).values(), default=-1) >= 2,
+        "epoch 2 trained by the trainer started again",
+        240,
+    )
+    stop_and_finish(launcher, run_dir)
+    assert read_json(run.producer_status(0))["torchrun_pid"] == producer_leader, "the producer was never restarted"
+    log = (run.logs / "producer-0.log").read_text()
+    assert "producer 0 stopped cleanly" in log and "rank 1: STOP from rank 0" in log, "a clean stop of both ranks"
+    assert_exactly_once(run, must_reach={0})
+
+
+def test_a_forked_group_exits_as_torchrun_does(short_tmp):
+    """A rank's exit 2 (a configuration error) ends the group with exit 2 under torchrun (launch.torchrun, whose
+    ranks here are argparse's usage error) and forked by the preloader alike (a trainer's missing config);
+    SIGTERM to a forked group's leader stops its ranks and it exits 128 + 15, as torchrun does."""
+    group = [sys.executable, "-m", "launch.torchrun", "--standalone", "--nproc-per-node", "2", "-m"]
+    torchrun = subprocess.run(
+        [*group, "json.tool", "--no-such-option"], env=child_environment(), capture_output=True, text=True, timeout=120
+    )
+    assert torchrun.returncode == 2, torchrun.stdout + torchrun.stderr
+    command = [*group, "trainer.train", "--run-dir", str(short_tmp / "none")]
+    preloader = Preloader(child_environment())
+    log_path = short_tmp / "group.log"
+    try:
+        with log_path.open("ab") as log:
+            assert preloader.spawn(command, child_environment(), log).wait(timeout=120) == 2
+            assert "does not exist" in log_path.read_text(), log_path.read_text()
+            (short_tmp / "waits").mkdir()
+            waiting = [*group, "trainer.train", "--run-dir", str(short_tmp / "waits"), "--standby"]  # waits its turn
+            leader = preloader.spawn(waiting, child_environment(), log)
+            wait_for(lambda: len(children_of(leader.pid)) == 2, "the two ranks", 60)
+            ranks = children_of(leader.pid)
+            leader.send_signal(signal.SIGTERM)
+            assert leader.wait(timeout=60) == 128 + signal.SIGTERM
+            assert not any(process_alive(pid) for pid in ranks)
+    finally:
+        preloader.close()
 
 
 def test_without_preload_the_roles_are_fresh_interpreters(run_dir):

@@ -47,10 +47,11 @@ class LaunchConfig:
     """Seconds a single-process trainer trains before the launcher starts a standby trainer beside it (imported
     and waiting, it makes restart-trainer take seconds); negative: never."""
     preload: bool = True
-    """Start the producers and single-process trainers that run on the CPU (without MPS) by forking one interpreter
-    that has torch and transformers imported (launch/preload.py), not a fresh Python each: a start then costs a
-    fraction of a second of CPU instead of about 3.5 s of imports. Processes on a GPU, and torchrun's, always
-    start as fresh interpreters."""
+    """Start the producers and trainers that run on the CPU (without MPS) by forking one interpreter that has torch
+    and transformers imported (launch/preload.py), not a fresh Python each: a start then costs a fraction of a
+    second of CPU instead of about 3.5 s of imports. A group of ranks on the CPU is forked too, its leader doing
+    what torchrun --standalone does. Processes on a GPU always start as fresh interpreters (under torchrun where
+    they are several ranks)."""
     ready_timeout_s: float = 600.0
     """How long the launcher waits for a producer to load its target and report ready."""
     mps: bool = False
