@@ -1,16 +1,17 @@
-"""Preloaded starts: the producers and trainers that run on the CPU, forked from one interpreter that has torch
-and transformers imported instead of started as a fresh Python each (``launch.preload``).
+"""The preloader (``python -m launch.preload``): the producers and trainers that run on the CPU, forked from one
+interpreter that has torch and transformers imported instead of started as a fresh Python each (``launch.preload``;
+the launcher's side is launch/preload_client.py).
 
 Importing torch, transformers and the torch._dynamo that both pull in is about 3.5 s of CPU at every producer and
-trainer start; on a machine of two cores that is most of what a start costs. The launcher keeps one child, the
-preloader (``python -m launch.preload``), that imports those libraries once and waits. To start a role it forks:
-the fork takes its environment, log file, process group and command line (``ps`` and ``pgrep -f`` show
-``python -m producer.server ...``), imports the project's own modules (never preloaded, so that what they read at
-import time is read in the child, as in a fresh interpreter) and runs the role's module as ``__main__``. The
-preloader reaps its children and reports each exit code, so the launcher sees a crash, a kill -9 or a clean exit
-as it sees those of a child it started itself. (One thing differs from a fresh interpreter: /proc/PID/environ, which
-the kernel keeps from the exec, shows the preloader's environment; the role's own is its os.environ.) A child gets SIGTERM when the preloader dies, as the preloader does
-when the launcher dies; the launcher then starts a new preloader and restarts the children as after any crash.
+trainer start; on a machine of two cores that is most of what a start costs. The launcher keeps one preloader that
+imports those libraries once and waits. To start a role it forks: the fork takes its environment, log file, process
+group and command line (``ps`` and ``pgrep -f`` show ``python -m producer.server ...``), imports the project's own
+modules (never preloaded, so that what they read at import time is read in the child, as in a fresh interpreter) and
+runs the role's module as ``__main__``. The preloader reaps its children and reports each exit code, so the launcher
+sees a crash, a kill -9 or a clean exit as it sees those of a child it started itself. (One thing differs from a
+fresh interpreter: /proc/PID/environ, which the kernel keeps from the exec, shows the preloader's environment; the
+role's own is its os.environ.) A child gets SIGTERM when the preloader dies, as the preloader does when the launcher
+dies; the launcher then starts a new preloader and restarts the children as after any crash.
 
 A group of ranks (``python -m launch.torchrun --standalone --nproc-per-node N -m ROLE ...``: a tensor-parallel
 producer's, a trainer's) is forked as well. The fork, shown with torchrun's command line, is the group's leader and
@@ -24,30 +25,25 @@ Only for processes on the CPU: a process must fork before anything has touched C
 nothing did), and a GPU process's start is dominated by loading weights anyway. Other commands (the testing hooks,
 torchrun with other options) start as fresh interpreters.
 
+``python -m launch.preload --serve PATH`` is a preloader server: it imports once and forks a preloader for each
+launcher that connects to the Unix socket PATH (DFLASH_PRELOAD_SERVER), which serves that launcher over the
+connection. The test suite runs one per test process; its launchers then start no import of their own.
+
 Protocol (JSON lines): the launcher writes ``{"module", "args", "env", "cwd", "log"}`` (and ``"ranks"`` and
 ``"command"`` for a group) to the preloader's stdin; the preloader answers ``{"pid": N}`` (or ``{"error": "..."}``)
-on its stdout, and later ``{"exit": N, "code": C}`` with C as ``Popen.returncode`` has it (negative: the signal).
+on its stdout, and later ``{"exit": N, "code": C}`` with C as ``Popen.returncode`` has it (negative: the signal). A
+server's fork first says ``{"preloader": PID, "env": {...}}``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import queue
 import select
 import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO
-
-PRELOADED_ROLES = ("producer.server", "trainer.train")
-"""The modules the preloader starts, alone or as a group of ranks; any other command is started as a fresh
-process."""
 
 LIBRARIES = (
     "numpy",
@@ -68,159 +64,8 @@ LIBRARIES = (
 """What the preloader imports: third-party libraries only (their import-time reads of the environment see the
 launcher's, which every child shares). The project's modules are imported in each child."""
 
-log = logging.getLogger("launch.supervisor")
-
-COMMAND_ROOM = 8192
-"""Bytes of blank command line the preloader is started with, so that each child can show its own command there
-(``ps``, ``pgrep -f``: ``python -m producer.server --run-dir ...``, as a fresh interpreter would)."""
-
-SPAWN_TIMEOUT_S = 120.0
-"""How long a start waits for the preloader (its first start waits for the imports)."""
-
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
-
-
-# -- the launcher's side ---------------------------------------------------------------------------------
-
-
-class PreloadedProcess:
-    """A role process the preloader forked, seen through the part of ``subprocess.Popen`` the launcher uses."""
-
-    def __init__(self, pid: int, parent: _PreloaderProcess) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-        self._parent = parent
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._parent.exit_code(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-
-class _PreloaderProcess:
-    """One preloader process, and the starts and exits it reported."""
-
-    def __init__(self, env: dict[str, str], preexec: Callable[[], None] | None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launch.preload", " " * COMMAND_ROOM],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            process_group=0,  # a Ctrl-C reaches the launcher only, as with its other children
-            preexec_fn=preexec,
-        )
-        self.answers: queue.Queue[dict] = queue.Queue()
-        self.exits: dict[int, int] = {}
-        self.gone = False
-        self.lock = threading.Lock()
-        threading.Thread(target=self._read, name="preloader", daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            message = json.loads(line)
-            if "exit" in message:
-                with self.lock:
-                    self.exits[message["exit"]] = message["code"]
-            else:
-                self.answers.put(message)
-        with self.lock:
-            self.gone = True
-        self.answers.put({"error": "the preloader exited"})
-
-    def fork(self, request: dict) -> int:
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
-        answer = self.answers.get(timeout=SPAWN_TIMEOUT_S)
-        if "error" in answer:
-            raise OSError(answer["error"])
-        return answer["pid"]
-
-    def exit_code(self, pid: int) -> int | None:
-        """A child's exit code once reported; after the preloader died, SIGTERM's once the child is gone (it got
-        SIGTERM when its parent died)."""
-        with self.lock:
-            if pid in self.exits:
-                return self.exits.pop(pid)
-            if not self.gone:
-                return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return -signal.SIGTERM
-        return None
-
-
-def _request_for(command: list[str]) -> dict | None:
-    """What the preloader is asked to start for ``command``: ``python -m ROLE ARGS``, or ``python -m
-    launch.torchrun --standalone --nproc-per-node N -m ROLE ARGS`` (N ranks, forked); None for anything else."""
-    if command[:2] != [sys.executable, "-m"] or len(command) < 3:
-        return None
-    if command[2] in PRELOADED_ROLES:
-        return {"module": command[2], "args": command[3:]}
-    head = command[2:8]
-    if (
-        len(head) == 6
-        and head[:3] == ["launch.torchrun", "--standalone", "--nproc-per-node"]
-        and head[3].isdigit()
-        and head[4] == "-m"
-        and head[5] in PRELOADED_ROLES
-    ):
-        return {"module": head[5], "args": command[8:], "ranks": int(head[3]), "command": command}
-    return None
-
-
-class Preloader:
-    """The launcher's preloader: started at the first start it is asked for, again after it died, closed with
-    the run."""
-
-    def __init__(self, env: dict[str, str], preexec: Callable[[], None] | None = None) -> None:
-        self.env = env
-        self.preexec = preexec
-        self.current: _PreloaderProcess | None = None
-
-    def spawn(self, command: list[str], env: dict[str, str], log_file: IO[bytes]) -> PreloadedProcess | None:
-        """Start ``command`` (``python -m ROLE ARGS``) forked from the preloader, its output appended to
-        ``log_file``; None when it is not a role the preloader starts, or the preloader failed (logged: the
-        caller starts a fresh interpreter)."""
-        request = _request_for(command)
-        if request is None:
-            return None
-        if self.current is None or self.current.proc.poll() is not None:
-            self.current = _PreloaderProcess(self.env, self.preexec)
-        request.update(env=env, cwd=os.getcwd(), log=log_file.name)
-        try:
-            return PreloadedProcess(self.current.fork(request), self.current)
-        except (OSError, queue.Empty) as exc:
-            log.warning("the preloader could not start %s (%s): starting a fresh interpreter", command[2], exc)
-            return None
-
-    def close(self) -> None:
-        """End the preloader (after the run's processes have stopped): it exits when its stdin closes."""
-        if self.current is None:
-            return
-        proc, self.current = self.current.proc, None
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # -- the preloader -----------------------------------------------------------------------------------
@@ -447,7 +292,7 @@ def _run_rank(request: dict, rank: int, port_reader: int, leader: int) -> None:
         end_now(code)
 
 
-def main() -> None:
+def _import_libraries() -> None:
     import importlib
 
     for name in LIBRARIES:
@@ -459,6 +304,11 @@ def main() -> None:
 
     if torch.cuda.is_initialized():
         raise SystemExit("launch.preload: CUDA was initialized while preloading; a fork could not use it")
+
+
+def serve() -> None:
+    """The preloader's loop: fork what is asked on stdin, answer and report exits on stdout, until stdin ends (the
+    launcher closed it, or died: the children still running then get SIGTERM as the preloader exits)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -478,7 +328,7 @@ def main() -> None:
             _send({"exit": pid, "code": _returncode(status)})
         if 0 in readable:
             data = os.read(0, 1 << 20)
-            if not data:  # the launcher closed us (or died): children still running get SIGTERM as we exit
+            if not data:
                 return
             requests += data
             while b"\n" in requests:
@@ -497,5 +347,49 @@ def main() -> None:
                 _send({"pid": pid})
 
 
+def serve_preloaders(path: str) -> None:
+    """``python -m launch.preload --serve PATH``: import the libraries once, then fork a preloader for each launcher
+    that connects to the Unix socket PATH (DFLASH_PRELOAD_SERVER), until this process's parent is gone. A fork
+    first says its pid and the environment it imported with, then serves its launcher over the connection as a
+    launcher's own preloader serves it over its pipes."""
+    import socket
+
+    imported_with = dict(os.environ)  # libraries add to it as they import (torch: TORCHINDUCTOR_CACHE_DIR)
+    _import_libraries()
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    listener.settimeout(1.0)
+    while os.getppid() == parent:
+        while True:  # the preloaders whose launchers are done
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        try:
+            connection, _ = listener.accept()
+        except TimeoutError:
+            continue
+        if os.fork() == 0:
+            listener.close()
+            os.dup2(connection.fileno(), 0)
+            os.dup2(connection.fileno(), 1)
+            connection.close()
+            _send({"preloader": os.getpid(), "env": imported_with})
+            serve()
+            os._exit(0)
+        connection.close()
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--serve"]:
+        serve_preloaders(argv[1])
+        return
+    _import_libraries()
+    serve()
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

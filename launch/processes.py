@@ -25,7 +25,7 @@ from typing import Any
 from common.config import RunConfig
 from common.naming import process_start_ticks
 from common.status import ChildRecord
-from launch.preload import PreloadedProcess, Preloader
+from launch.preload_client import PreloadedProcess, Preloader
 from launch.runs import REPO_ROOT
 
 log = logging.getLogger("launch.supervisor")  # the launcher's log names its children's restarts

@@ -51,7 +51,7 @@ from common.naming import process_alive, process_start_ticks, run_tag, sweep_sta
 from common.rundir import RunDir, read_json
 from common.status import LauncherRecord, ProducerStatus, TrainerStatus
 from launch.mps import MpsDaemon
-from launch.preload import Preloader
+from launch.preload_client import Preloader
 from launch.processes import (
     PRODUCER_STOP_TIMEOUT_S,
     TRAINER_CMD_ENV,

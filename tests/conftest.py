@@ -54,6 +54,39 @@ def _child_pids(parent: int) -> list[int]:
     return children
 
 
+_SESSION_PROCESSES: set[int] = set()
+"""Children of this test process that serve every test (the preloader server), spared by ``no_orphan_processes``."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preload_server():
+    """One preloader server per test process (``python -m launch.preload --serve``, DFLASH_PRELOAD_SERVER): the
+    launchers the tests start have it fork their preloaders instead of importing torch and transformers each
+    (about 4 s of CPU per launcher, over 50 launchers). A launcher whose environment would import differently
+    starts its own (launch/preload_client.py)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from launch.preload_client import PRELOAD_SERVER_ENV, preload_server_command
+    from launch.processes import child_environment, terminate_with_parent
+
+    folder = Path(tempfile.mkdtemp(prefix="df-preload-", dir="/tmp"))
+    server = subprocess.Popen(
+        preload_server_command(folder / "socket"),
+        env=child_environment(),
+        cwd=ROOT,
+        preexec_fn=terminate_with_parent(os.getpid()),
+    )
+    _SESSION_PROCESSES.add(server.pid)
+    os.environ[PRELOAD_SERVER_ENV] = str(folder / "socket")
+    yield
+    os.environ.pop(PRELOAD_SERVER_ENV, None)
+    server.terminate()
+    server.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def no_orphan_processes():
     """Whatever a test started and did not stop (say, after a failed assertion) is killed here,
@@ -61,7 +94,7 @@ def no_orphan_processes():
     yield
     import signal
 
-    for pid in _child_pids(os.getpid()):
+    for pid in set(_child_pids(os.getpid())) - _SESSION_PROCESSES:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -25,7 +25,7 @@ from test_pipeline import (
 from common.naming import process_alive
 from common.rundir import RunDir, read_json
 from launch import processes
-from launch.preload import Preloader
+from launch.preload_client import PRELOAD_SERVER_ENV, Preloader, imports_alike
 from launch.processes import child_environment
 
 
@@ -203,6 +203,35 @@ def test_a_preloaded_role_reports_its_exit_code_and_its_signal(short_tmp):
     finally:
         preloader.close()
     assert preloader.current is None
+
+
+def test_the_preload_server_forks_a_launchers_preloader_only_where_it_imported_alike(short_tmp):
+    """With DFLASH_PRELOAD_SERVER (the suite's server), the launcher's preloader is the server's fork, also where
+    only thread counts and the project's own variables differ; where a variable a library may read at import time
+    differs, the launcher starts its own preloader."""
+    command = [sys.executable, "-m", "trainer.train", "--run-dir", str(short_tmp / "none")]
+
+    def preloader_of(env: dict[str, str]) -> tuple[int, int]:
+        """The preloader's pid and its parent's."""
+        preloader = Preloader(env)
+        try:
+            with (short_tmp / "role.log").open("ab") as log:
+                assert preloader.spawn(command, child_environment(), log).wait(timeout=120) == 2
+            return preloader.current.pid, parent_of(preloader.current.pid)
+        finally:
+            preloader.close()
+
+    served, server = preloader_of(child_environment({"OMP_NUM_THREADS": "3", "DFLASH_FAULT": "none"}))
+    assert command_of(server)[1:5] == ["-m", "launch.preload", "--serve", os.environ[PRELOAD_SERVER_ENV]]
+    assert not process_alive(served), "a served preloader ends with its launcher's connection"
+    assert "TRANSFORMERS_VERBOSITY" not in os.environ
+    own, parent = preloader_of(child_environment({"TRANSFORMERS_VERBOSITY": "error"}))
+    assert parent == os.getpid() and not process_alive(own)
+
+    base = {"PATH": "/bin", "PYTHONPATH": "/a:/b", "_": "/bin/bash"}
+    assert imports_alike(base, {**base, "PYTHONPATH": "/b:/a:/a", "SHLVL": "2", "_": "/usr/bin/env", "DFLASH_X": "1"})
+    assert not imports_alike(base, {**base, "PYTHONPATH": "/a:/b:/c"})
+    assert not imports_alike(base, {**base, "HF_HOME": "/elsewhere"})
 
 
 def test_without_a_gpu_driver_the_launcher_does_not_import_torch_to_learn_it(monkeypatch):
