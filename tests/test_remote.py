@@ -432,7 +432,8 @@ def test_training_from_a_local_and_a_remote_producer_exactly_once(short_tmp):
         return "producer 1 back after" in trainer_log.read_text()
 
     try:
-        _wait(lambda: _step(run) >= 4, "step 4")
+        # Step 4 with the remote producer connected: the local one may be ready seconds before it.
+        _wait(lambda: _step(run) >= 4 and "connected to producer 1" in trainer_log.read_text(), "step 4, both")
         producer.send_signal(signal.SIGKILL)  # the producer on the other host dies, and its host restarts it
         producer.wait()
         killed_at = _step(run)
