@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from common.naming import process_alive
+
 PRELOADED_ROLES = ("producer.server", "trainer.train")
 """The modules the preloader starts, alone or as a group of ranks; any other command is started as a fresh
 process."""
@@ -221,15 +223,19 @@ class _PreloaderProcess:
         except OSError:
             pass
         deadline = time.monotonic() + 10
-        while self.alive() and time.monotonic() < deadline:
+        while self._running() and time.monotonic() < deadline:
             time.sleep(0.02)
-        if self.alive():
+        if self._running():
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         if self.child is not None:
             self.child.wait()
+
+    def _running(self) -> bool:
+        """Whether the process runs: a served preloader's connection ends a moment before its process does."""
+        return self.child.poll() is None if self.child is not None else process_alive(self.pid)
 
 
 class Preloader:

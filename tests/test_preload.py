@@ -210,6 +210,8 @@ def test_the_preload_server_forks_a_launchers_preloader_only_where_it_imported_a
     only thread counts and the project's own variables differ; where a variable a library may read at import time
     differs, the launcher starts its own preloader."""
     command = [sys.executable, "-m", "trainer.train", "--run-dir", str(short_tmp / "none")]
+    server_socket = Path(os.environ[PRELOAD_SERVER_ENV])
+    wait_for(server_socket.exists, "the server's imports (it binds its socket after them)", 120)
 
     def preloader_of(env: dict[str, str]) -> tuple[int, int]:
         """The preloader's pid and its parent's."""
@@ -222,7 +224,7 @@ def test_the_preload_server_forks_a_launchers_preloader_only_where_it_imported_a
             preloader.close()
 
     served, server = preloader_of(child_environment({"OMP_NUM_THREADS": "3", "DFLASH_FAULT": "none"}))
-    assert command_of(server)[1:5] == ["-m", "launch.preload", "--serve", os.environ[PRELOAD_SERVER_ENV]]
+    assert command_of(server)[1:5] == ["-m", "launch.preload", "--serve", str(server_socket)]
     assert not process_alive(served), "a served preloader ends with its launcher's connection"
     assert "TRANSFORMERS_VERBOSITY" not in os.environ
     own, parent = preloader_of(child_environment({"TRANSFORMERS_VERBOSITY": "error"}))
