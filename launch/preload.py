@@ -43,6 +43,7 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 LIBRARIES = (
@@ -93,8 +94,8 @@ def _show_command(words: list[str]) -> None:
 def _run_child(request: dict, preloader_pid: int) -> None:
     """In the forked child: become the role's process (or a group of ranks' leader) as a fresh interpreter would
     be, run it, never return."""
-    code = 1
-    try:
+
+    def become_and_run() -> int:
         _become("launch.torchrun" if request.get("ranks") else request["module"], preloader_pid)
         os.setpgid(0, 0)
         _show_command(request.get("command") or [sys.executable, "-m", request["module"], *request["args"]])
@@ -108,7 +109,16 @@ def _run_child(request: dict, preloader_pid: int) -> None:
         os.dup2(log, 2)
         os.close(log)
         os.close(null)
-        code = _lead_ranks(request) if request.get("ranks") else _run_role(request["module"], request["args"])
+        return _lead_ranks(request) if request.get("ranks") else _run_role(request["module"], request["args"])
+
+    _end_with(become_and_run)
+
+
+def _end_with(body: Callable[[], int]) -> None:
+    """End this forked process with ``body``'s exit code (1 after printing what it raised), never returning."""
+    code = 1
+    try:
+        code = body()
     except BaseException:
         import traceback
 
@@ -214,7 +224,7 @@ def _lead_ranks(request: dict) -> int:
             os.read(wake_r, 4096)
         except BlockingIOError:
             pass
-        _reap(codes)
+        codes.update(_reap())
     failures = [code for code in codes.values() if code != 0]
     if len(codes) < count:
         _stop_ranks(set(ranks) - set(codes), told[0] if told else signal.SIGTERM, codes)
@@ -225,15 +235,16 @@ def _lead_ranks(request: dict) -> int:
     return 0
 
 
-def _reap(codes: dict[int, int]) -> None:
-    """Record the exit codes of the children that have exited."""
+def _reap() -> dict[int, int]:
+    """The exit codes of the children that have exited since the last call, by pid (without waiting)."""
+    codes: dict[int, int] = {}
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return codes
         if pid == 0:
-            return
+            return codes
         codes[pid] = _returncode(status)
 
 
@@ -245,7 +256,7 @@ def _stop_ranks(running: set[int], sig: int, codes: dict[int, int]) -> None:
     deadline = time.monotonic() + float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
     while not running <= set(codes) and time.monotonic() < deadline:
         time.sleep(0.05)
-        _reap(codes)
+        codes.update(_reap())
     for pid in running - set(codes):
         os.kill(pid, signal.SIGKILL)
         codes[pid] = _returncode(os.waitpid(pid, 0)[1])
@@ -253,15 +264,15 @@ def _stop_ranks(running: set[int], sig: int, codes: dict[int, int]) -> None:
 
 def _run_rank(request: dict, rank: int, port_reader: int, leader: int) -> None:
     """In a rank forked from the group's leader: torchrun's environment for ``rank``, then the role."""
-    code = 1
-    try:
+
+    def become_rank_and_run() -> int:
         _become(request["module"], leader)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         _show_command([sys.executable, "-u", "-m", request["module"], *request["args"]])  # as torchrun starts it
         port = os.read(port_reader, 64).decode().strip()
         os.close(port_reader)
         if not port:  # the leader failed before its store started
-            os._exit(1)
+            return 1
         count = str(request["ranks"])
         os.environ.update(
             RANK=str(rank),
@@ -281,15 +292,9 @@ def _run_rank(request: dict, rank: int, port_reader: int, leader: int) -> None:
             TORCHELASTIC_USE_AGENT_STORE="True",
         )
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks on one node
-        code = _run_role(request["module"], request["args"])
-    except BaseException:
-        import traceback
+        return _run_role(request["module"], request["args"])
 
-        traceback.print_exc()
-    finally:
-        from common.lifecycle import end_now
-
-        end_now(code)
+    _end_with(become_rank_and_run)
 
 
 def _import_libraries() -> None:
@@ -313,19 +318,14 @@ def serve() -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: set[int] = set()
     requests = b""
     me = os.getpid()
     while True:
         readable, _, _ = select.select([0, wake_r], [], [])
         if wake_r in readable:
             os.read(wake_r, 4096)
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            children.discard(pid)
-            _send({"exit": pid, "code": _returncode(status)})
+        for pid, code in _reap().items():
+            _send({"exit": pid, "code": code})
         if 0 in readable:
             data = os.read(0, 1 << 20)
             if not data:
@@ -343,7 +343,6 @@ def serve() -> None:
                     os.close(wake_r)
                     os.close(wake_w)
                     _run_child(request, me)
-                children.add(pid)
                 _send({"pid": pid})
 
 
@@ -362,12 +361,7 @@ def serve_preloaders(path: str) -> None:
     listener.listen(64)
     listener.settimeout(1.0)
     while os.getppid() == parent:
-        while True:  # the preloaders whose launchers are done
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
-                break
+        _reap()  # the preloaders whose launchers are done
         try:
             connection, _ = listener.accept()
         except TimeoutError:
