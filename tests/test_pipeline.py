@@ -158,6 +158,14 @@ def epochs_trained(run: RunDir, since_incarnation: float = 0.0) -> dict[int, int
     return reached
 
 
+def every_producer_reached(run: RunDir, epoch: int, since_incarnation: float = 0.0, producers: int = 2) -> bool:
+    """Whether each of ``producers`` producers has a sample of ``epoch`` or later in ledger lines of incarnations
+    after ``since_incarnation``. One read of the ledger: two reads race the trainer, and a first one that holds
+    only producer 1 at epoch 2 with a second that adds producer 0's first line of epoch 1 passed as both."""
+    reached = epochs_trained(run, since_incarnation)
+    return len(reached) == producers and min(reached.values()) >= epoch
+
+
 def shard(producer: int, epoch: int) -> set[int]:
     order = ShardOrder(NUM_SAMPLES, OrderConfig(seed=0, num_shards=2, shard_index=producer))
     return {int(i) for i in order.epoch_ids(epoch)}
@@ -189,6 +197,34 @@ def assert_exactly_once(run: RunDir, must_reach: set[int] | None = None) -> Coun
 @pytest.fixture
 def run_dir(short_tmp) -> Path:
     return short_tmp / "run"
+
+
+def test_every_producer_reached_reads_the_ledger_once(tmp_path):
+    """The trainer appends between two reads: a wait that read the ledger twice saw producer 1 alone at epoch 2
+    in the first and producer 0 at epoch 1 joining in the second, and passed as though both were at epoch 2."""
+
+    def line(step: int, producer: int, epoch: int) -> str:
+        return json.dumps({"step": step, "incarnation": 1, "samples": [[producer, epoch, step]], "batches": []}) + "\n"
+
+    class GrowingRun(RunDir):
+        """Each read of the ledger finds one more line, as a trainer appends them."""
+
+        reads = 0
+
+        @property
+        def ledger(self) -> Path:
+            self.reads += 1
+            path = self.root / f"ledger-{self.reads}.jsonl"
+            path.write_text(line(1, 1, 2) + line(2, 0, 1) * (self.reads > 1))
+            return path
+
+    run = GrowingRun(tmp_path)
+    assert not every_producer_reached(run, 2)
+    assert run.reads == 1
+    both = RunDir(tmp_path)
+    both.ledger.write_text(line(1, 1, 2) + line(2, 0, 3))
+    assert every_producer_reached(both, 2) and not every_producer_reached(both, 3)
+    assert not every_producer_reached(both, 2, since_incarnation=1)
 
 
 def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
@@ -315,10 +351,7 @@ def test_two_ranks_two_producers_kill9_of_each_exactly_once(run_dir):
     killed_at_us = time.time() * 1e6
     os.kill(trainer_pid, signal.SIGKILL)  # rank 0; torchrun takes rank 1 down, the supervisor restarts both
     wait_for(
-        lambda: (
-            min(epochs_trained(run, since_incarnation=killed_at_us).values(), default=-1) >= 2
-            and len(epochs_trained(run, since_incarnation=killed_at_us)) == 2
-        ),
+        lambda: every_producer_reached(run, 2, since_incarnation=killed_at_us),
         "the restarted trainer to train epoch 2 of both producers",
         240,
     )
@@ -362,7 +395,7 @@ def test_a_hung_producer_does_not_slow_training_on_the_other(run_dir):
 
     wait_for(trained_from_hung_after_resume, "a batch of the resumed producer trained", 90)
     wait_for(
-        lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
+        lambda: every_producer_reached(run, 2),
         "both producers at epoch 2",
         180,
     )
@@ -398,7 +431,7 @@ def test_a_hung_trainer_goes_on_exactly_once_after_sigcont(run_dir):
     step = trainer_step(run)
     wait_for(lambda: trainer_step(run) >= step + 20, "training after SIGCONT", 120)
     wait_for(
-        lambda: min(epochs_trained(run).values(), default=-1) >= 2 and len(epochs_trained(run)) == 2,
+        lambda: every_producer_reached(run, 2),
         "both producers at epoch 2",
         180,
     )

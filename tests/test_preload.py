@@ -15,6 +15,7 @@ from peers import wait_for
 from test_pipeline import (
     assert_exactly_once,
     epochs_trained,
+    every_producer_reached,
     finish,
     producer_pids,
     start,
@@ -80,10 +81,7 @@ def test_a_kill_9_of_a_preloaded_trainer_and_of_the_preloader_itself_loses_nothi
     now = producer_pids(run)[0]
     assert command_of(parent_of(now))[1:3] == ["-m", "launch.preload"] and parent_of(now) != preloader
     wait_for(
-        lambda: (
-            min(epochs_trained(run, since_incarnation=killed_at_us).values(), default=-1) >= 2
-            and len(epochs_trained(run, since_incarnation=killed_at_us)) == 2
-        ),
+        lambda: every_producer_reached(run, 2, since_incarnation=killed_at_us),
         "epoch 2 of both producers after the preloader's death",
         180,
     )

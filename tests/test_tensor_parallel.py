@@ -25,6 +25,7 @@ from peers import wait_for
 from test_pipeline import (
     assert_exactly_once,
     epochs_trained,
+    every_producer_reached,
     finish,
     producer_pids,
     run_all,
@@ -327,10 +328,7 @@ def test_pipeline_with_a_tensor_parallel_producer_exactly_once_and_kill9_of_the_
     killed_at_us = time.time() * 1e6
     os.kill(victim, signal.SIGKILL)
     wait_for(
-        lambda: (
-            len(epochs_trained(run, since_incarnation=killed_at_us)) == 2
-            and min(epochs_trained(run, since_incarnation=killed_at_us).values()) >= 2
-        ),
+        lambda: every_producer_reached(run, 2, since_incarnation=killed_at_us),
         "the new trainer to train epoch 2 of both producers",
         240,
     )
