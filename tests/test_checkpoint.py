@@ -98,6 +98,31 @@ def test_blocking_and_synchronous_checkpoints_are_written_before_the_next_step(s
         trainer.close()
 
 
+def test_a_stop_right_after_a_periodic_checkpoint_waits_for_it_and_writes_no_second(short_tmp):
+    """A stop that comes in the step of a periodic checkpoint: that background write holds the very state the
+    stop's blocking checkpoint would take, so the stop waits for it instead of writing the folder again."""
+    trainer = make_trainer(short_tmp / "run")
+    try:
+        writes, release, original = [], threading.Event(), trainer.checkpoints._write
+        trainer.checkpoints._write = lambda snapshot: (
+            writes.append(snapshot.name),
+            release.wait(60),
+            original(snapshot),
+        )
+        trainer.step = 10
+        trainer.save_checkpoint()  # the periodic one, in the background
+        assert trainer.checkpoints.writing
+        threading.Timer(0.3, release.set).start()
+        trainer.save_checkpoint(blocking=True)  # the stop's
+        assert writes == ["step-00000010"] and not trainer.checkpoints.writing
+        assert trainer.run_dir.latest_checkpoint().name == "step-00000010", "the stop returned after the write"
+        trainer.step = 11
+        trainer.save_checkpoint(blocking=True)
+        assert writes == ["step-00000010", "step-00000011"]
+    finally:
+        trainer.close()
+
+
 def assert_same_tree(got, expected, where="train_state"):
     """Bitwise equal trees of dicts, lists and tensors (dtype and shape included)."""
     if isinstance(expected, torch.Tensor):

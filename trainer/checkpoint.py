@@ -177,6 +177,7 @@ class Checkpointed(Protocol):
     drafter: Drafter
     draft_config: DraftConfig
     optimizer: torch.optim.Optimizer
+    step: int
 
     def state_dict(self, optimizer_state: dict | None) -> dict:
         """The train state around ``optimizer_state`` (of the whole drafter): the schedule and the RNGs."""
@@ -226,6 +227,8 @@ class CheckpointWriter:
         self.write_threads = WRITE_THREADS
         """Threads writing a checkpoint's tensors (launch.bench.checkpoint sets 1 for its baseline)."""
         self.last: CheckpointRecord | None = None
+        self.saved_step: int | None = None
+        """The step ``save`` last took a checkpoint of, on every rank (rank 0 forgets it when that write fails)."""
         self._thread: threading.Thread | None = None
         self._writing_name: str | None = None
         self._error: CheckpointError | None = None
@@ -236,9 +239,16 @@ class CheckpointWriter:
         unless ``blocking`` or not ``in_background``. Under FSDP every rank joins the gathers of the sharded tensors and rank 0 keeps the whole
         state (the same checkpoint as an unsharded trainer's); under DDP rank 0 holds it all already. A write that
         fails raises CheckpointError (here, or at a later step) and leaves the previous checkpoint and latest.json
-        untouched. ``show(state)``: rank 0's status. Returns the seconds training stood still (the previous write's included)."""
+        untouched. ``show(state)``: rank 0's status. Returns the seconds training stood still (the previous write's included).
+        A step saved already (a stop right after its periodic checkpoint) is not written again: ``blocking`` waits
+        for that write."""
         started = time.perf_counter()
         keep = ranks.rank == 0
+        if trained.step == self.saved_step:
+            if blocking and keep:
+                self.wait()
+            return time.perf_counter() - started
+        self.saved_step = trained.step
         if keep:
             self.wait()  # one write at a time; its host buffers are then free again
             show("checkpointing")
@@ -350,6 +360,7 @@ class CheckpointWriter:
             )
             log.error("%s", message)
             self._error = CheckpointError(message)
+            self.saved_step = None  # not saved: the same step may be saved again once there is room
             return
         kept = sorted(p for p in self.root.glob("step-*") if p.is_dir())
         for old in kept[: -self.keep_last]:
