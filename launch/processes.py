@@ -110,13 +110,16 @@ def producer_environment(device: str) -> dict[str, str]:
     if "," not in device:
         return child_environment()
     # torchrun gives its ranks this long after forwarding SIGTERM; keep it below our own wait.
-    return child_environment(
-        {
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get(
-                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(PRODUCER_STOP_TIMEOUT_S) - 5)
-            )
-        }
-    )
+    extra = {
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": os.environ.get(
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(PRODUCER_STOP_TIMEOUT_S) - 5)
+        )
+    }
+    if set(device.split(",")) == {"cpu"}:
+        # transformers puts rank r of a group on accelerator r wherever it sees one: a CPU group on a GPU host must
+        # see none from its first import, before anything has asked CUDA how many devices there are.
+        extra["CUDA_VISIBLE_DEVICES"] = ""
+    return child_environment(extra)
 
 
 def trainer_command(run_dir: Path, devices: list[str]) -> list[str]:

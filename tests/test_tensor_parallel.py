@@ -157,7 +157,8 @@ def start_capture(
     ]
     if target_path is not None:
         command += ["--target-path", str(target_path)]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = processes.producer_environment(devices)  # a producer's: a CPU group sees no GPU
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_capture(proc: subprocess.Popen, out: Path, timeout_s: float = 180.0) -> dict:
@@ -248,6 +249,10 @@ def test_a_multi_device_entry_runs_under_torchrun(monkeypatch):
     shutdown = int(processes.producer_environment("cuda:2,cuda:3")["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
     assert 0 < shutdown < processes.PRODUCER_STOP_TIMEOUT_S
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in processes.producer_environment("cuda:1")
+    # A group on the CPU sees no GPU from its start (this module's import asks CUDA before its capture joins).
+    assert processes.producer_environment("cpu,cpu")["CUDA_VISIBLE_DEVICES"] == ""
+    gpus = processes.producer_environment("cuda:2,cuda:3")
+    assert gpus.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 # -- the sharded capture ------------------------------------------------------------------------------
