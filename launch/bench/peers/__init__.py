@@ -1,0 +1,1 @@
+"""python -m launch.bench.peers: our trainer beside SpecForge and speculators (see __main__.py)."""
