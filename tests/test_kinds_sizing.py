@@ -1,4 +1,4 @@
-"""launch.bench.kinds sizes its rows to the card before it starts anything (launch/memory.py estimates them).
+"""launch.bench.kinds sizes its rows to the card before it starts anything (launch/bench/memory.py estimates them).
 
 The card's memory is given with --card-gib (on a GPU the benchmark asks torch), so the plans of an H100 80 GB and an
 H200 run here on the CPU, for the real target's preset (SmolLM2's packaged GGUF file).
@@ -16,7 +16,7 @@ import pytest
 from test_mps_cleanup import FakeMps, fake_mps  # noqa: F401  (the fixture: MPS must not start)
 
 from launch.bench.kinds import plan_waves
-from launch.memory import GIB, estimate
+from launch.bench.memory import GIB, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ["dflash", "dflash2", "dflash@1", "dflash2@1"]

@@ -49,8 +49,13 @@ def imported_instruments(path: Path, package: tuple[str, ...] | None = None) -> 
 
 
 def user_commands() -> list[Path]:
-    """The modules directly in launch/: what the user runs (and what those import)."""
-    return sorted((ROOT / "launch").glob("*.py"))
+    """The modules of launch/ outside its instruments: what the user runs (and what those import)."""
+    instruments = [ROOT / "launch" / "bench", ROOT / "launch" / "tools"]
+    return sorted(p for p in (ROOT / "launch").rglob("*.py") if not any(p.is_relative_to(i) for i in instruments))
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 
 def test_benchmarks_and_demo_programs_are_outside_the_library_packages():
@@ -69,6 +74,19 @@ def test_no_instrument_lies_beside_the_users_commands():
     assert (ROOT / "launch" / "bench" / "__init__.py").is_file() and (
         ROOT / "launch" / "tools" / "__init__.py"
     ).is_file()
+
+
+def test_every_module_beside_the_users_commands_serves_them():
+    """A module of launch/ outside the instruments is a command (it runs as ``python -m``) or what a command or the
+    library imports; one that only an instrument imports (as launch/memory.py was, for the kinds benchmark alone)
+    belongs beside it, in launch/bench/ or launch/tools/."""
+    modules = [p for p in user_commands() if p.name != "__init__.py"]
+    served = {name for p in modules for name in imported_modules(p)}
+    served |= {name for package in LIBRARY for p in (ROOT / package).rglob("*.py") for name in imported_modules(p)}
+    stray = [
+        str(p.relative_to(ROOT)) for p in modules if "__main__" not in p.read_text() and module_name(p) not in served
+    ]
+    assert not stray, f"modules of launch/ that no command uses (move them beside their instrument): {stray}"
 
 
 def test_library_packages_do_not_import_launch():

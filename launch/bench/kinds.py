@@ -11,7 +11,7 @@ for the same wall-clock budget (training.max_minutes) while the others run, so a
 fewer steps, and is then evaluated by real decoding (greedy, and sampled with ``--sampled-prompts``).
 
 The rows are sized to the card first (``plan``): each row needs its producers, its trainer and its standby trainer
-(launch/memory.py estimates them from the preset), and rows that do not fit the card together run in waves of rows
+(launch/bench/memory.py estimates them from the preset), and rows that do not fit the card together run in waves of rows
 that do (as even as can be, in the order given: list the rows compared side by side next to each other). A row that
 does not fit the card alone stops the benchmark with exit 2, saying what would fit, before anything starts.
 ``--card-gib`` gives the card's memory instead of asking the GPU; ``--plan`` prints the waves and stops.
@@ -36,8 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from launch.bench.memory import GIB, MemoryEstimate
 from launch.bench.side_by_side import SideBySide, save_and_emit, synthesized_quality_command
-from launch.memory import GIB, MemoryEstimate
 
 ROWS: dict[str, tuple[str, list[str]]] = {
     "dflash": ("dflash", []),
@@ -71,8 +71,8 @@ def row_of(spec: str) -> tuple[str, tuple[str, list[str]]]:
 def _estimate(gguf: Path, kind: str, overrides: tuple[str, ...]) -> tuple[MemoryEstimate, bool]:
     """The preset's estimate with a row's kind and overrides, and whether its run starts a standby trainer."""
     from common.config import load_config
+    from launch.bench.memory import estimate
     from launch.bench.quality import PRESET
-    from launch.memory import estimate
 
     cfg = load_config(PRESET, [f"target.path={json.dumps(str(gguf.resolve()))}", f"drafter.kind={kind}", *overrides])
     return estimate(cfg), cfg.launch.standby_trainer_after_s >= 0
@@ -80,7 +80,7 @@ def _estimate(gguf: Path, kind: str, overrides: tuple[str, ...]) -> tuple[Memory
 
 def row_needs(gguf: Path, runs: dict[str, tuple[str, list[str]]], producers: int) -> dict[str, tuple[int, str]]:
     """Each row's bytes on the card, with how they add up: ``producers`` producers, the trainer and its standby, of
-    the preset with the row's kind and overrides (launch/memory.py)."""
+    the preset with the row's kind and overrides (launch/bench/memory.py)."""
     needs: dict[str, tuple[int, str]] = {}
     for name, (kind, overrides) in runs.items():
         same_memory = tuple(o for o in overrides if not o.startswith("training.seed="))  # the seed changes nothing
