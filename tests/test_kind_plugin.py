@@ -64,6 +64,7 @@ KIND = DrafterKind(
     zlab_architecture="ToyDraftModel",
     speculators_type="toy",
     speculators_architecture="ToySpeculator",
+    step_memory_factor=1.0,
     summary="a test's kind",
     warm_starts_from=("dflash",),
 )

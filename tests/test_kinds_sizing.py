@@ -66,6 +66,26 @@ def test_the_estimate_of_the_smollm2_preset_matches_what_its_processes_held():
     assert dflash.ring == 2 * dflash.staged_batches, "ring.num_slots = 4 slots on the GPU, ring.credits = 2 leased"
 
 
+def test_a_kinds_step_is_dflashs_times_the_factor_its_table_row_states(monkeypatch):
+    """The factor is read from the kind's row (common/drafter/kinds.py), so a kind not measured says so there rather
+    than getting a default here."""
+    import dataclasses
+
+    from common.config import load_config
+    from common.drafter.kinds import KINDS, kind_of
+    from launch.bench.quality import PRESET
+
+    def step(kind: str) -> int:
+        cfg = load_config(PRESET, [f"target.path={json.dumps(str(_gguf()))}", f"drafter.kind={kind}"])
+        return estimate(cfg).step_activations
+
+    monkeypatch.setitem(KINDS._all(), "lilicorr", dataclasses.replace(kind_of("lilicorr"), step_memory_factor=2.0))
+    dflash = step("dflash")
+    for kind in ("dflash2", "dspark", "lilicorr"):
+        assert step(kind) == pytest.approx(kind_of(kind).step_memory_factor * dflash, rel=1e-6), kind
+    assert step("lilicorr") == pytest.approx(2.0 * dflash, rel=1e-6)
+
+
 def test_the_four_rows_go_in_two_waves_on_an_h100_and_together_on_an_h200(short_tmp):
     out = short_tmp / "out"
     h100 = kinds(out, "--card-gib", H100, "--plan", *ROWS)

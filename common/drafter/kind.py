@@ -86,6 +86,9 @@ class DrafterKind:
     """config.json ``speculators_model_type`` of the speculators format."""
     speculators_architecture: str
     """config.json ``architectures`` of the speculators format."""
+    step_memory_factor: float
+    """Its training step's activations over DFlash's at equal shapes (what its own modules keep for the backward),
+    measured on a GPU where it can be: the kinds benchmark sizes its rows to the card with it."""
     speculators_sliding_non_causal: bool = False
     """What speculators assumes of ``sliding_window_non_causal`` when a config of this kind leaves it out."""
     summary: str = ""
@@ -109,6 +112,13 @@ class DrafterKind:
     """Its objective reads the target's distribution, so the producers ship the target's final hidden state."""
     warm_starts_from: tuple[str, ...] = ()
     """Other kinds whose weights start a drafter of this kind (``Drafter.warm_start``), besides its own."""
+
+    def __post_init__(self) -> None:
+        if not self.step_memory_factor >= 1.0:
+            raise ValueError(
+                f"drafter kind {self.name!r}: step_memory_factor must be >= 1.0 (DFlash's step is the least a kind "
+                f"keeps), got {self.step_memory_factor!r}"
+            )
 
     def model_class(self) -> type:
         """The kind's ``common.drafter.base.Drafter`` subclass."""

@@ -12,7 +12,8 @@ vocabulary (common/drafter/loss.py). Every process adds its CUDA context; what t
 peak times ``ALLOCATOR_SLACK``.
 
 A kind with modules beside DFlash's (DFlash 2's selector, DSpark's heads) keeps more per query than its parameters
-say: its step's activations are DFlash's times ``KIND_STEP_FACTOR``, from the measured steps.
+say: its step's activations are DFlash's times its row's ``step_memory_factor`` (common/drafter/kind.py), from the
+measured steps.
 
 Checked against measured peaks (BENCHMARKS.md, launch.bench.step on one H200): the SmolLM2 preset's DFlash step
 allocated 9.5 GiB, estimated here 8.7 GiB before context and slack (its batch, weights, optimizer and step); DFlash
@@ -36,11 +37,6 @@ OPTIMIZER_BYTES = 16
 QUERY_VALUES_PER_LAYER = (10, 4)
 """Values a query token keeps per drafter layer for the backward: 10 x hidden (norms, attention's q, k, v and output,
 residuals) + 4 x intermediate (the MLP's gate, up, activation and down input)."""
-
-KIND_STEP_FACTOR = {"dflash": 1.0, "dflash2": 1.3, "dspark": 1.3}
-"""A kind's step activations over DFlash's at equal shapes: DFlash 2 12.0 / 9.5 GiB at the SmolLM2 preset's step,
-DSpark 30.7 / 24.5 GiB at Qwen3-8B's (BENCHMARKS.md), rounded up. A kind not measured counts as ``UNMEASURED``."""
-UNMEASURED_KIND_STEP_FACTOR = 1.3
 
 
 @dataclass(frozen=True)
@@ -93,6 +89,7 @@ def estimate(cfg: RunConfig) -> MemoryEstimate:
     from common.codec import DTYPES
     from common.drafter.base import build_drafter
     from common.drafter.draft_config import DraftConfig
+    from common.drafter.kinds import kind_of
     from common.drafter.loss import LossConfig
     from common.drafter.target_head import TargetHead
     from producer.target import build_target_config
@@ -119,7 +116,7 @@ def estimate(cfg: RunConfig) -> MemoryEstimate:
     per_query = QUERY_VALUES_PER_LAYER[0] * draft.hidden_size + QUERY_VALUES_PER_LAYER[1] * draft.intermediate_size
     context_kv = 2 * draft.num_key_value_heads * draft.head_dim
     bf16 = 2
-    activations = KIND_STEP_FACTOR.get(d.kind, UNMEASURED_KIND_STEP_FACTOR) * (
+    activations = kind_of(d.kind).step_memory_factor * (
         queries * draft.num_hidden_layers * per_query * bf16
         + tokens * draft.num_hidden_layers * context_kv * bf16
         + tokens * (draft.fused_feature_size + draft.hidden_size) * bf16

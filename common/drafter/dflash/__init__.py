@@ -20,6 +20,7 @@ KIND = DrafterKind(
     zlab_architecture="DFlashDraftModel",
     speculators_type="dflash",
     speculators_architecture="DFlashSpeculator",
+    step_memory_factor=1.0,
     speculators_sliding_non_causal=False,
     summary="draft layers fed the target's hidden states, a block of tokens per forward",
     vllm_method="dflash",

@@ -95,6 +95,8 @@ KIND = DrafterKind(
     zlab_architecture="DFlash2DraftModel",
     speculators_type="dflash2",
     speculators_architecture="DFlash2DraftModel",
+    # its step allocated 12.0 GiB against DFlash's 9.5 at the SmolLM2 preset's (launch.bench.step, one H200), rounded up
+    step_memory_factor=1.3,
     speculators_sliding_non_causal=True,
     summary=(
         "DFlash 2: a grouped dynamic causal convolution around each draft layer's attention and MLP, and a candidate "

@@ -106,6 +106,8 @@ KIND = DrafterKind(
     zlab_architecture="DSparkDraftModel",
     speculators_type="dspark",
     speculators_architecture="DSparkSpeculator",
+    # its step allocated 30.7 GiB against DFlash's 24.5 at Qwen3-8B's (launch.bench.step, one H100), rounded up
+    step_memory_factor=1.3,
     speculators_sliding_non_causal=False,
     summary=(
         "DSpark: the DFlash backbone plus a low-rank Markov head that biases each slot's logits by the previous "

@@ -165,6 +165,8 @@ KIND = DrafterKind(
     # so that its exports load back; no server reads them.
     speculators_type="lilicorr",
     speculators_architecture="LiLiCorrSpeculator",
+    # not measured: DSpark's, the other head over the whole vocabulary that reads the target's distribution
+    step_memory_factor=1.3,
     speculators_sliding_non_causal=False,
     summary=(
         "LiLiCorr: the DFlash backbone plus a small bidirectional transformer over the draft's top-K candidates of every "
