@@ -25,6 +25,8 @@ HOME_ENV = "DFLASH_LLAMACPP"
 """Environment variable naming the llama.cpp folder (default ``.llamacpp`` at the repository root)."""
 
 SETUP = "launch/setup_llamacpp.sh"
+DRAFT_FILE = "draft.gguf"
+"""The draft's file in a GGUF export's folder (trainer/export.py): the folder is the unit, its card beside the file."""
 OUTTYPES = ("f32", "f16", "bf16")
 """Float GGUF types the converter writes that this project checks (quantized drafts are the server's business)."""
 

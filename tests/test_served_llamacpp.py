@@ -110,13 +110,14 @@ def run(*argv: str, timeout: float = 900) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 def test_llamacpp_serves_each_kind_as_our_decoders_do(tmp_path, small_target, kind):
     checkpoint = trained_checkpoint(kind, small_target, tmp_path / "step-150")
-    draft = tmp_path / "draft.gguf"
+    draft = tmp_path / "draft-gguf"
     exported = run(
         "-m", "trainer.export", "--checkpoint", str(checkpoint), "--out", str(draft), "--format", "gguf",
         "--target", str(small_target), "--dtype", "float32",
     )  # fmt: skip
     assert exported.returncode == 0, exported.stderr[-3000:]
-    assert draft.is_file() and f"--spec-draft-n-max {BLOCK - 1}" in exported.stdout
+    assert {p.name for p in draft.iterdir()} == {"draft.gguf", "README.md"}, "the unit: the draft and its card"
+    assert f"--spec-draft-n-max {BLOCK - 1} --port 8080 --metrics" in exported.stdout
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
@@ -143,13 +144,14 @@ def test_llamacpp_serves_dspark_as_our_decoders_do(tmp_path, small_target, dspar
     drafts, verifies and accepts at every verify forward what our evaluator and live decoder do; with the cut, blocks
     cut to no draft are forwards of the given token alone on every side (llama.cpp's own counters leave them out)."""
     if cut == 0.0:  # the export a user serves: its commands name draft-dspark and B - 1 drafts
-        draft = tmp_path / "draft.gguf"
+        draft = tmp_path / "draft-gguf"
         exported = run(
             "-m", "trainer.export", "--checkpoint", str(dspark_checkpoint), "--out", str(draft), "--format", "gguf",
             "--target", str(small_target), "--dtype", "float32",
         )  # fmt: skip
         assert exported.returncode == 0, exported.stderr[-3000:]
-        assert draft.is_file() and f"--spec-type draft-dspark --spec-draft-n-max {BLOCK - 1}" in exported.stdout
+        assert (draft / "draft.gguf").is_file()
+        assert f"--spec-type draft-dspark --spec-draft-n-max {BLOCK - 1}" in exported.stdout
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
@@ -185,7 +187,7 @@ def test_a_running_llama_server_is_measured_from_its_own_counters(tmp_path, smal
     from launch.bench.served.llamacpp import LlamaServer
 
     checkpoint = trained_checkpoint("dflash", small_target, tmp_path / "step-150")
-    draft = tmp_path / "draft.gguf"
+    draft = tmp_path / "draft-gguf"
     assert run(
         "-m", "trainer.export", "--checkpoint", str(checkpoint), "--out", str(draft), "--format", "gguf",
         "--target", str(small_target), "--dtype", "float32",
@@ -193,7 +195,9 @@ def test_a_running_llama_server_is_measured_from_its_own_counters(tmp_path, smal
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
     out = tmp_path / "measured.json"
-    with LlamaServer(server_binary(), target_gguf(small_target), draft, BLOCK, tmp_path / "server.log") as server:
+    with LlamaServer(
+        server_binary(), target_gguf(small_target), draft / "draft.gguf", BLOCK, tmp_path / "server.log"
+    ) as server:
         measured = run(
             "-m", "launch.bench.served", "--url", server.url, "--prompts", str(prompts), "--concurrency", "2",
             "--max-new-tokens", str(NEW_TOKENS), "--json-out", str(out),

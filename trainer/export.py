@@ -1,11 +1,13 @@
 """Export a checkpoint's drafter for serving (the formats: common/drafter/export.py; GGUF: common/llamacpp.py).
 
 python -m trainer.export --checkpoint RUN/checkpoints/step-N --out DIR [--format zlab|speculators]
-python -m trainer.export --checkpoint RUN/checkpoints/step-N --out DRAFT.gguf --format gguf [--target TARGET]
+python -m trainer.export --checkpoint RUN/checkpoints/step-N --out DIR --format gguf [--target TARGET]
 
-The GGUF draft is llama.cpp's converter's work on the z-lab export, with the target's folder beside it (its vocabulary
-goes into the draft); it needs launch/setup_llamacpp.sh. Every export ends by printing the commands that serve it,
-with its own block size.
+Every export is a folder of its own, the unit to publish: the drafter's files (config.json and model.safetensors, or
+draft.gguf) and its model card, README.md, and nothing else; a folder holding anything else (a run's folder, with its
+secrets/) is refused. The GGUF draft is llama.cpp's converter's work on the z-lab export, with the target's folder
+beside it (its vocabulary goes into the draft); it needs launch/setup_llamacpp.sh. Every export ends by printing the
+commands that serve it, with its own block size, and the one that publishes it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +39,7 @@ from common.drafter.kinds import kind_of
 from common.gguf import SOURCE_FILE as GGUF_SOURCE_FILE
 from common.gguf import GGUFError, dequantized_folder, is_gguf
 from common.lifecycle import EXIT_CONFIG_ERROR
+from common.llamacpp import DRAFT_FILE as GGUF_FILE
 from common.llamacpp import ConversionError, LlamaCppMissing, convert, readable_tokenizer_folder
 
 log = logging.getLogger(__name__)
@@ -72,15 +76,40 @@ def export_checkpoint(
 
 
 GGUF_TYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+CARD_FILE = "README.md"
+EXPORT_FILES = {
+    "zlab": {CONFIG_FILE, WEIGHTS_FILE, CARD_FILE},
+    "speculators": {CONFIG_FILE, WEIGHTS_FILE, CARD_FILE},
+    "gguf": {GGUF_FILE, CARD_FILE},
+}
+"""What an export's folder holds, by format: all of it is published, so nothing else may be in it."""
 
 
-def export_gguf(checkpoint: str | Path, out_file: str | Path, target: str | Path, dtype: torch.dtype) -> Path:
-    """The checkpoint's drafter as llama.cpp's draft GGUF: the export in the format the converter reads for its kind,
-    converted with the target's folder (a GGUF target's dequantized folder; a tokenizer saved by transformers 5 is
-    read through a portable copy)."""
-    out_file = Path(out_file)
-    if out_file.suffix != ".gguf":
-        raise ExportError(f"--out: a GGUF draft is one file; name it *.gguf, got {out_file}")
+def export_folder(out: Path, fmt: str) -> Path:
+    """``--out`` as the export's folder, or ExportError where it is not one of its own: a file, a ``.gguf`` name
+    (an export is a folder since its card is a file beside the draft), or a folder holding anything but an export of
+    this format (a run's folder with its secrets/, a checkout), which ``huggingface-cli upload`` would publish too."""
+    if out.suffix == ".gguf":
+        raise ExportError(
+            f"--out {out}: an export is a folder, the unit you publish ({GGUF_FILE} and its model card {CARD_FILE}); "
+            f"give the folder, e.g. --out {out.with_suffix('')}-gguf"
+        )
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out}: a file; an export is a folder of its own (the unit you publish)")
+    others = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES[fmt]) if out.is_dir() else []
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise ExportError(
+            f"--out {out} holds {shown}: an export is a folder of its own, the unit you publish, holding only "
+            f"{', '.join(sorted(EXPORT_FILES[fmt]))}; give a new folder, e.g. --out {out / 'draft'}"
+        )
+    return out
+
+
+def export_gguf(checkpoint: str | Path, out_dir: str | Path, target: str | Path, dtype: torch.dtype) -> Path:
+    """The checkpoint's drafter as llama.cpp's draft GGUF, ``out_dir/draft.gguf``: the export in the format the
+    converter reads for its kind, converted with the target's folder (a GGUF target's dequantized folder; a tokenizer
+    saved by transformers 5 is read through a portable copy). Returns the folder."""
     source, _ = drafter_folder(Path(checkpoint))
     config = config_from_export(json.loads((source / CONFIG_FILE).read_text()), own_checkpoint=True)
     kind = kind_of(config.kind)
@@ -98,26 +127,38 @@ def export_gguf(checkpoint: str | Path, out_file: str | Path, target: str | Path
         verifier = str(target_dir) if source_format == "speculators" else None
         draft = export_checkpoint(checkpoint, Path(scratch) / source_format, source_format, verifier, dtype=dtype)
         readable = readable_tokenizer_folder(target_dir, Path(scratch) / "target")
-        return convert(draft, out_file, GGUF_TYPES[dtype], target_dir=readable)
+        convert(draft, Path(out_dir) / GGUF_FILE, GGUF_TYPES[dtype], target_dir=readable)
+    return Path(out_dir)
 
 
 LLAMA_SERVER = ".llamacpp/build/bin/llama-server"
 """Where launch/setup_llamacpp.sh builds llama.cpp's server (the printed commands run from the repository root)."""
+LLAMA_SERVER_PORT = 8080
+"""The port of the printed llama-server line: README step 7 measures it at http://localhost:8080."""
 
 
 def serving_commands(out: Path, fmt: str, kind: DrafterKind, block_size: int, target: str | None) -> list[str]:
-    """The commands that serve this export, with its block size (vLLM's num_speculative_tokens is B - 1, SGLang's
-    num-draft-tokens is B, llama.cpp's draft length B - 1: a DFlash 2 drafter served with another misplaces its
-    convolutions without an error), for the servers that serve its kind."""
+    """The commands that serve this export (its folder), with its block size (vLLM's num_speculative_tokens is
+    B - 1, SGLang's num-draft-tokens is B, llama.cpp's draft length B - 1: a DFlash 2 drafter served with another
+    misplaces its convolutions without an error), for the servers that serve its kind.
+
+    llama.cpp serves a target given as a GGUF file as that file: the drafter learned the hidden states of its
+    dequantized weights, which are the file's own values, and it is what a llama.cpp user runs. A target folder is
+    converted first (bf16, beside the export's folder). llama-server listens where README step 7 measures it and
+    serves the counters that measurement reads (``--metrics``)."""
     target = target or "TARGET"
     if fmt == "gguf":
-        serve = f"--spec-type {kind.llamacpp_spec_type} --spec-draft-n-max {block_size - 1}"
+        serve = (
+            f"-md {shlex.quote(str(out / GGUF_FILE))} --spec-type {kind.llamacpp_spec_type} "
+            f"--spec-draft-n-max {block_size - 1} --port {LLAMA_SERVER_PORT} --metrics"
+        )
         if is_gguf(target):
-            return [f"{LLAMA_SERVER} -m {target} -md {out} {serve}"]
+            return [f"{LLAMA_SERVER} -m {shlex.quote(target)} {serve}"]
+        target_file = shlex.quote(str(out.parent / "target.gguf"))
         return [  # the target as a GGUF first, by the same converter
             f"PYTHONPATH=.llamacpp/llama.cpp/gguf-py .llamacpp/venv/bin/python .llamacpp/llama.cpp/convert_hf_to_gguf.py "
-            f"{target} --outfile TARGET.gguf --outtype bf16",
-            f"{LLAMA_SERVER} -m TARGET.gguf -md {out} {serve}",
+            f"{shlex.quote(target)} --outfile {target_file} --outtype bf16",
+            f"{LLAMA_SERVER} -m {target_file} {serve}",
         ]
     if fmt == "speculators":
         return [f"vllm serve {out}"]
@@ -135,7 +176,9 @@ def serving_commands(out: Path, fmt: str, kind: DrafterKind, block_size: int, ta
     return commands
 
 
-CARD_FILE = "README.md"
+def upload_command(out: Path) -> str:
+    """The command that publishes the export: its folder, nothing beside it."""
+    return f"huggingface-cli upload ORG/NAME {shlex.quote(str(out))}"
 
 
 def model_card(checkpoint: Path, out: Path, fmt: str, commands: list[str], target: str | None) -> str:
@@ -187,8 +230,7 @@ def model_card(checkpoint: Path, out: Path, fmt: str, commands: list[str], targe
         *commands,
         "```",
         "",
-        "To publish it (nothing here reaches the hub by itself): `huggingface-cli upload ORG/NAME "
-        f"{out if out.is_dir() else out.parent}`.",
+        f"To publish it (nothing here reaches the hub by itself): `{upload_command(out)}`.",
         "",
     ]
     return "\n".join(lines)
@@ -232,7 +274,7 @@ def _architectures_of(verifier: str | None) -> list[str] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoints/step-N")
-    parser.add_argument("--out", required=True, type=Path, help="folder to write the export into")
+    parser.add_argument("--out", required=True, type=Path, help="the export's own folder (the unit to publish)")
     parser.add_argument("--format", default="zlab", choices=["zlab", "speculators", "gguf"])
     parser.add_argument("--verifier", help="speculators: the target's hub id or path (default: the run's target.path)")
     parser.add_argument(
@@ -245,14 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     target = args.verifier or (run_target if args.format == "speculators" else None)
     dtype = getattr(torch, args.dtype)
     try:
+        out = export_folder(args.out, args.format)
         if args.format == "gguf":
             if not (args.target or run_target):
                 raise ExportError("--target: the run names no target.path; give the target's folder or .gguf file")
-            out = export_gguf(args.checkpoint, args.out, args.target or run_target, dtype)
-            log.info("wrote %s (llama.cpp draft GGUF, %s)", out, GGUF_TYPES[dtype])
+            export_gguf(args.checkpoint, out, args.target or run_target, dtype)
+            log.info("wrote %s (llama.cpp draft GGUF, %s)", out / GGUF_FILE, GGUF_TYPES[dtype])
         else:
-            out = export_checkpoint(
-                args.checkpoint, args.out, args.format, _verifier_name(target), _architectures_of(target), dtype=dtype
+            export_checkpoint(
+                args.checkpoint, out, args.format, _verifier_name(target), _architectures_of(target), dtype=dtype
             )
             config = json.loads((out / CONFIG_FILE).read_text())
             log.info("wrote %s (%s format, in-block causality %s)", out, args.format, config[CAUSALITY_KEY])
@@ -264,11 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     block_size = drafter.block_size
     served_target = _verifier_name(args.target or run_target)
     commands = serving_commands(out, args.format, kind_of(drafter.kind), block_size, served_target)
-    card = out / CARD_FILE if out.is_dir() else out.with_name(f"{out.stem}.{CARD_FILE}")
+    card = out / CARD_FILE
     card.write_text(model_card(args.checkpoint, out, args.format, commands, served_target))
     print(f"serve it (block size {block_size}; the model card: {card}):")
     for command in commands:
         print(f"  {command}")
+    print(f"publish it (the folder {out}, nothing beside it):\n  {upload_command(out)}")
     return 0
 
 

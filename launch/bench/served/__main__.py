@@ -15,7 +15,7 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m launch.bench.served",
         description="Serve an exported drafter with a real server and check its speculative decoding against our "
         "evaluator, live decoder and z-lab's decoder (--server; exit 1 when they differ, 2 when it cannot run), or "
-        "measure a running server (--url).",
+        "measure a running server (--url; exit 2 when it cannot measure: the server down, or without /metrics).",
     )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--server", choices=SERVERS, help="check an export served by this server")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_measure(args) -> int:
-    from launch.bench.served.measure import held_out_records, measure, print_measurement
+    from launch.bench.served.measure import CannotMeasure, held_out_records, measure, print_measurement
     from launch.bench.served.prompts import read_records
 
     if (args.prompts is None) == (args.run_dir is None):
@@ -87,9 +87,9 @@ def main_measure(args) -> int:
         return 2
     try:
         result = measure(args.url, records, args.concurrency, args.max_new_tokens, args.temperature)
-    except OSError as error:  # the server is down or refused: worth another try later
+    except (CannotMeasure, OSError) as error:  # exit 2 as the check's where it cannot run; 1 is its "they differ"
         print(f"served: {args.url}: {error}", file=sys.stderr)
-        return 1
+        return 2
     print_measurement(result)
     print(json.dumps(result))
     if args.json_out:

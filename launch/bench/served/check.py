@@ -53,8 +53,14 @@ def resolve_target(target: str) -> Path:
 def export_of(draft: Path) -> tuple[Path, dict]:
     """(the folder holding the drafter's config.json: an export, or a checkpoint's drafter/; that config)."""
     from common.drafter.export import drafter_folder
+    from common.llamacpp import DRAFT_FILE
 
     folder, _ = drafter_folder(draft)
+    if (draft / DRAFT_FILE).is_file():
+        raise CannotRun(
+            f"--draft {draft}: a GGUF export; the check converts the drafter itself: give its z-lab export or its "
+            "checkpoint (the GGUF export's llama-server line serves it, and --url measures that server)"
+        )
     if not (folder / "config.json").is_file():
         raise CannotRun(f"--draft {draft}: no config.json (export it with python -m trainer.export)")
     return folder, json.loads((folder / "config.json").read_text())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -100,9 +101,24 @@ def difference(after: dict, before: dict) -> dict:
     return out
 
 
+class CannotMeasure(RuntimeError):
+    """The server cannot be measured as it runs (no /metrics): the same on every try until it is restarted."""
+
+
 def read_metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-        return parse_metrics(response.read().decode())
+    """The server's Prometheus counters; CannotMeasure where it serves none (llama-server answers 501 Not Implemented
+    without ``--metrics``)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+            return parse_metrics(response.read().decode())
+    except urllib.error.HTTPError as error:
+        if error.code not in (404, 501):
+            raise
+        raise CannotMeasure(
+            f"/metrics answered {error.code} {error.reason}: the server serves no metrics, and acceptance is "
+            "read from its own counters. Restart it with them: llama-server --metrics (the line the export prints "
+            "has it), SGLang --enable-metrics; vLLM serves them by default"
+        ) from None
 
 
 def model_name(url: str) -> str | None:
