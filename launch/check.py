@@ -160,10 +160,10 @@ def conversations(cfg: RunConfig, source: Any, ids: np.ndarray, tokenizer: Any) 
             if tool_format is not None
             else "writes no tool call the target's turns can be read back from: tool records are skipped"
         )
+        reasons = f" ({', '.join(f'{reason} {n}' for reason, n in skipped.most_common())})" if skipped else ""
         lines.append(
             f'synthesize.turns = "all": of the {len(ids)} sampled, {sum(skipped.values())} cannot be written turn '
-            f"by turn and are skipped {dict(skipped) or ''}; {with_tool_calls} of the others call tools (the template "
-            f"{writes})"
+            f"by turn and are skipped{reasons}; {with_tool_calls} of the others call tools (the template {writes})"
         )
         lines += [f"  skipped {where}" for where in skipped_where]
     figures = {

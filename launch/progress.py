@@ -15,6 +15,7 @@ import math
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from common.rundir import RunDir
@@ -188,11 +189,18 @@ def run_summary(run: RunDir) -> str:
         lines.append(f"  real tau         {evaluation['tau']:.3f} at step {evaluation['step']}{simulated} (held out)")
     if checkpoint is None:
         return "\n".join(lines)
-    python = shlex.quote(sys.executable)
-    export = run.root / "export"
+    run_all, export = run_all_command(), run.root / "export"
     lines += [
         "next (the export prints the commands that serve it, for each server that serves its kind):",
-        f"  {python} -m launch.evaluate --checkpoint {shlex.quote(str(checkpoint))}",
-        f"  {python} -m trainer.export --checkpoint {shlex.quote(str(checkpoint))} --out {shlex.quote(str(export))}",
+        f"  {run_all} evaluate --checkpoint {shlex.quote(str(checkpoint))}",
+        f"  {run_all} export --checkpoint {shlex.quote(str(checkpoint))} --out {shlex.quote(str(export))}",
     ]
     return "\n".join(lines)
+
+
+def run_all_command() -> str:
+    """``launch/run_all.sh`` as the README writes it, from the repository root; elsewhere its whole path, so that
+    the printed commands paste as they are."""
+    run_all = Path(__file__).resolve().with_name("run_all.sh")
+    inside = Path.cwd().resolve() == run_all.parents[1]
+    return shlex.quote(str(run_all.relative_to(run_all.parents[1]) if inside else run_all))

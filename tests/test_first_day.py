@@ -461,8 +461,12 @@ def test_a_finished_run_says_where_its_checkpoint_is_its_tau_and_commands_that_p
     summary = output[output.index("run finished at step 8") :]
     assert "last checkpoint" in summary and "step-00000008" in summary
     assert "simulated tau" in summary and "real tau" in summary
-    export = next(line for line in summary.splitlines() if "-m trainer.export" in line)
-    done = subprocess.run(["bash", "-c", export], capture_output=True, text=True, timeout=120)
+    # the README's commands (launch/run_all.sh evaluate|export), as the launcher started from the repository root
+    evaluate = next(line for line in summary.splitlines() if " evaluate --checkpoint " in line)
+    export = next(line for line in summary.splitlines() if " export --checkpoint " in line)
+    assert evaluate.startswith("  launch/run_all.sh evaluate ") and export.startswith("  launch/run_all.sh export ")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", "-c", export], cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert (run_dir / "export" / "config.json").is_file()
     card = (run_dir / "export" / "README.md").read_text()  # the model card: what it is, its tau, how to serve it
@@ -470,6 +474,21 @@ def test_a_finished_run_says_where_its_checkpoint_is_its_tau_and_commands_that_p
     assert '"num_speculative_tokens": 3' in card
     # the serving commands are the export's, for the kind's servers and its block size
     assert "--speculative-config" in done.stdout and '"num_speculative_tokens": 3' in done.stdout
+
+
+def test_what_the_readmes_walkthrough_writes_stays_out_of_git_status():
+    """The walkthrough's data (my-data/) and runs (runs/) are ignored, so that git status shows the user's own work."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    readme = (root / "README.md").read_text()
+    for path in ("my-data/chat.jsonl", "runs/my/draft/README.md", "runs/my-data/synthesized/p0-0.jsonl"):
+        assert path.split("/")[0] + "/" in readme, path
+        done = subprocess.run(["git", "check-ignore", "-q", path], cwd=root, timeout=30)
+        assert done.returncode == 0, f"{path} would show in git status"
 
 
 def test_the_readmes_walkthrough_names_a_model_folder_a_preset_and_commands_that_exist():

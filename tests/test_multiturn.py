@@ -267,6 +267,28 @@ def test_tool_calls_are_read_back_in_the_form_the_template_writes_them():
     assert content == "" and calls == [{"name": "weather", "arguments": {"city": "Oslo"}}]
 
 
+def test_check_says_no_record_is_skipped_without_an_empty_list():
+    """check's turns = "all" line where every sampled record can be written: the count, and no empty reasons."""
+    import numpy as np
+
+    from launch.check import conversations
+
+    class Records:
+        def read_json(self, sample_id: int) -> dict:
+            return {"messages": TARGET_PLAIN_CONVERSATION}
+
+        def location(self, sample_id: int) -> str:
+            return f"data.jsonl:{sample_id + 1}"
+
+    cfg = load_config(None, ['synthesize.turns="all"'])
+    lines, figures = conversations(cfg, Records(), np.arange(2), tiny_tokenizer(QWEN_TOOL_TEMPLATE))
+    assert figures["turns_all_skipped"] == {}
+    assert (
+        'synthesize.turns = "all": of the 2 sampled, 0 cannot be written turn by turn and are skipped; 0 of '
+        in (lines[0])
+    )
+
+
 def test_smollm2s_template_writes_no_tool_call_so_its_tool_records_are_skipped():
     from transformers import AutoTokenizer
 
@@ -348,7 +370,7 @@ def test_synthesis_writes_every_turn_cuts_where_a_call_changed_and_regeneration_
     assert where.startswith(str(folder / "p0-")) and " tool_call_changed after assistant turn 1 of 3: " in where
     checked = check(tool_target, f"data.paths={json.dumps([str(data)])}", 'synthesize.turns="all"')
     assert (
-        "cannot be written turn by turn and are skipped {'turn_order': 1, 'tool_result_without_call': 1}"
+        "cannot be written turn by turn and are skipped (turn_order 1, tool_result_without_call 1); 2 of the others"
         in checked.stdout
     )
     assert "2 of the others call tools (the template writes a call as JSON after '<tool_call>')" in checked.stdout
