@@ -202,7 +202,7 @@ def test_an_export_is_a_folder_of_its_own_with_its_card(tmp_path, target_dir, ca
     assert export_main(["--checkpoint", str(checkpoint), "--out", str(out)]) == 0, "an export is written again"
 
     for refused, says in [
-        (run, "holds checkpoints, draft, secrets: an export is a folder of its own"),
+        (run, "holds secrets, checkpoints, draft: an export is a folder of its own"),
         (
             run / "draft.gguf",
             f"an export is a folder, the unit you publish (draft.gguf and its model card README.md); "

@@ -96,7 +96,8 @@ def export_folder(out: Path, fmt: str) -> Path:
         )
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out}: a file; an export is a folder of its own (the unit you publish)")
-    others = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES[fmt]) if out.is_dir() else []
+    others = [p.name for p in out.iterdir() if p.name not in EXPORT_FILES[fmt]] if out.is_dir() else []
+    others.sort(key=lambda name: (name != "secrets", name))  # a run's keys first: the reason above all others
     if others:
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         raise ExportError(
