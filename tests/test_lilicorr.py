@@ -527,10 +527,11 @@ def test_bad_lilicorr_options_name_the_key(overrides, message):
 def test_the_recipe_defaults_load_and_ship_the_final_hidden_state():
     cfg = load_config(None, ['drafter.kind="lilicorr"'])
     options = cfg.drafter.options
+    # the widths are derived per drafter: the reference's 1024 on a draft at least that wide
     assert (options.lilicorr_candidate_topk, options.lilicorr_hidden_size, options.lilicorr_factor_dim) == (
         8,
-        1024,
-        1024,
+        None,
+        None,
     )
     assert (options.lilicorr_w_ce, options.lilicorr_w_margin, options.lilicorr_w_pen) == (0.25, 0.0, 0.25)
     assert cfg.ships_final_hidden
@@ -669,11 +670,8 @@ def test_a_lilicorr_run_trains_evaluates_and_exports(short_tmp):
     from tests.test_pipeline import ONE_PRODUCER, ROOT, finish, start
 
     run_dir = short_tmp / "run"
-    overrides = (
+    overrides = (  # the reranker at its defaults, derived from the tiny target (hidden size 64)
         'drafter.kind="lilicorr"',
-        "drafter.lilicorr.lilicorr_hidden_size=32",
-        "drafter.lilicorr.lilicorr_factor_dim=16",
-        "drafter.lilicorr.lilicorr_num_heads=2",
         "drafter.lilicorr.lilicorr_w_margin=0.125",
         "training.max_steps=8",
         "eval.every_steps=8",
@@ -701,5 +699,6 @@ def test_a_lilicorr_run_trains_evaluates_and_exports(short_tmp):
     assert config["architectures"] == ["LiLiCorrDraftModel"]
     assert (
         config["dflash_config"]["projector_type"] == "lilicorr"
-        and config["dflash_config"]["lilicorr_hidden_size"] == 32
+        and config["dflash_config"]["lilicorr_hidden_size"] == 64
+        and config["dflash_config"]["lilicorr_factor_dim"] == 64
     )

@@ -175,6 +175,7 @@ class DraftConfig:
             self.options = options_type(**(self.options or {}))
         if not isinstance(self.options, options_type):
             raise ValueError(f"options of a {self.kind} drafter must be {options_type.__name__}, got {self.options!r}")
+        self.options = self.options.resolved(self)
         try:
             self.options.check_shape(self)
         except ValueError as exc:  # named as its key: drafter.<kind>.<option>

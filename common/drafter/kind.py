@@ -38,7 +38,8 @@ class KindOptions:
     ``READ_BY`` names each field's readers as the config sections do: "checkpoint" fields shape the drafter (they are
     written into its checkpoint and exports, and fixed by them); "trainer" fields shape only its training, and a
     restart-trainer may change them. ``__post_init__`` validates what can be checked without the target (raising
-    ``common.config.ConfigError`` naming the field), ``check_shape`` what needs the drafter's shape too.
+    ``common.config.ConfigError`` naming the field), ``resolved`` derives the defaults that depend on the drafter's
+    shape, and ``check_shape`` checks what needs that shape too.
     """
 
     READ_BY: ClassVar[dict[str, str]] = {}
@@ -61,6 +62,12 @@ class KindOptions:
 
     def check_run(self, run: Any) -> None:
         """ConfigError naming the key where another section of the run (a ``RunConfig``) contradicts the kind."""
+
+    def resolved(self, config: DraftShape) -> KindOptions:
+        """These options with every default that depends on the drafter's shape (a field left None, such as a rank
+        bounded by the vocabulary) derived from it; the drafter's config holds these, so its checkpoint and exports
+        name concrete values. The run's own options are left as given."""
+        return self
 
     def check_shape(self, config: DraftShape) -> None:
         """ValueError where the options do not fit the drafter's shape (its hidden size, vocabulary, block)."""

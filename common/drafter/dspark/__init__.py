@@ -8,6 +8,7 @@ llama.cpp and vLLM serve): tau and the block size mean the same for every kind, 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -15,6 +16,8 @@ from common.config.base import require
 from common.drafter.kind import DrafterKind, DraftShape, KindOptions
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+DEFAULT_MARKOV_RANK = 256
+"""The references' rank (DeepSeek's and speculators'), kept wherever the vocabulary allows it."""
 
 
 @dataclass
@@ -31,9 +34,10 @@ class DSparkOptions(KindOptions):
         "confidence_alpha": "trainer",
     }
 
-    markov_rank: int = 256
+    markov_rank: int | None = None
     """Rank r of the Markov head: its own table of the previous token (vocabulary x r) and its map back to the
-    vocabulary (vocabulary x r)."""
+    vocabulary (vocabulary x r); at most the vocabulary. None: min(256, the vocabulary), the references' 256 on any
+    real target."""
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
     """vanilla: bias = W2 W1[previous token]; gated: the same with W1[previous] gated by sigmoid(gate([h; W1[prev]]));
     rnn: a gated recurrence over the block's slots (state, W1[prev], h). llama.cpp and vLLM serve vanilla only."""
@@ -49,10 +53,11 @@ class DSparkOptions(KindOptions):
     """Weight of the confidence head's binary cross-entropy to the slot's acceptance rate (detached)."""
 
     def __post_init__(self) -> None:
+        rank = self.markov_rank
         require(
-            isinstance(self.markov_rank, int) and self.markov_rank >= 1,
+            rank is None or (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1),
             "markov_rank",
-            f"must be an integer >= 1, got {self.markov_rank!r}",
+            f"must be an integer >= 1, got {rank!r}",
         )
         require(
             self.markov_head_type in MARKOV_HEAD_TYPES,
@@ -70,6 +75,11 @@ class DSparkOptions(KindOptions):
             f"a dspark drafter trains its own objective ([drafter.dspark] ce_alpha, tv_alpha), not "
             f"{run.training.objective!r}: leave training.objective = \"ce\"",
         )
+
+    def resolved(self, config: DraftShape) -> DSparkOptions:
+        if self.markov_rank is not None:
+            return self
+        return dataclasses.replace(self, markov_rank=min(DEFAULT_MARKOV_RANK, config.vocab_size))
 
     def check_shape(self, config: DraftShape) -> None:
         if self.markov_rank > config.vocab_size:

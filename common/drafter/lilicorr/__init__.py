@@ -10,6 +10,7 @@ read; the loss weights are Model-Optimizer's ``dflash_lilicorr_w_*`` and ``dflas
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -19,6 +20,8 @@ from common.drafter.kind import DrafterKind, DraftShape, KindOptions
 
 NUM_CANDIDATE_FEATURES = 5
 """Per candidate: its log-probability, probability, gap to the slot's best, rank fraction and top-1 flag."""
+REFERENCE_WIDTH = 1024
+"""Model-Optimizer's reranker width and factor width, kept on any draft at least this wide."""
 
 
 @dataclass
@@ -44,11 +47,13 @@ class LiLiCorrOptions(KindOptions):
     lilicorr_candidate_topk: int = 8
     """Candidates K per slot: the draft's top-K tokens over the target's whole vocabulary, most likely first. SGLang's
     and vLLM's kernels take a power of two up to 16."""
-    lilicorr_hidden_size: int = 1024
+    lilicorr_hidden_size: int | None = None
     """Width h of the reranker's transformer (0: the draft's hidden size, where ``token_proj`` is the identity and
-    has no weights); a multiple of ``lilicorr_num_heads``."""
-    lilicorr_factor_dim: int = 1024
-    """Width F of the out / in / anchor vectors whose cosines are the factors."""
+    has no weights); a multiple of ``lilicorr_num_heads``. None: min(1024, the draft's hidden size), the reference's
+    1024 on any draft at least that wide, never a head wider than the drafter it reranks."""
+    lilicorr_factor_dim: int | None = None
+    """Width F of the out / in / anchor vectors whose cosines are the factors. None: min(1024, the draft's hidden
+    size), as ``lilicorr_hidden_size``."""
     lilicorr_num_layers: int = 2
     """Layers of the reranker's bidirectional transformer over the slots x K candidates of a block."""
     lilicorr_num_heads: int = 8
@@ -80,11 +85,19 @@ class LiLiCorrOptions(KindOptions):
             "lilicorr_num_heads",
         ):
             value = getattr(self, name)
-            require(_is_int(value) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+            require(
+                (value is None and name == "lilicorr_factor_dim") or (_is_int(value) and value >= 1),
+                name,
+                f"must be an integer >= 1, got {value!r}",
+            )
         hidden = self.lilicorr_hidden_size
-        require(_is_int(hidden) and hidden >= 0, "lilicorr_hidden_size", f"must be an integer >= 0, got {hidden!r}")
         require(
-            hidden == 0 or hidden % self.lilicorr_num_heads == 0,
+            hidden is None or (_is_int(hidden) and hidden >= 0),
+            "lilicorr_hidden_size",
+            f"must be an integer >= 0, got {hidden!r}",
+        )
+        require(
+            not hidden or hidden % self.lilicorr_num_heads == 0,
             "lilicorr_hidden_size",
             f"{hidden} must be a multiple of lilicorr_num_heads ({self.lilicorr_num_heads})",
         )
@@ -105,6 +118,14 @@ class LiLiCorrOptions(KindOptions):
             self.lilicorr_w_margin == 0 or self.lilicorr_margin > 0,
             "lilicorr_margin",
             f"must be > 0 where lilicorr_w_margin > 0 ({self.lilicorr_w_margin}), got {self.lilicorr_margin}",
+        )
+
+    def resolved(self, config: DraftShape) -> LiLiCorrOptions:
+        derived = min(REFERENCE_WIDTH, config.hidden_size)
+        return dataclasses.replace(
+            self,
+            lilicorr_hidden_size=derived if self.lilicorr_hidden_size is None else self.lilicorr_hidden_size,
+            lilicorr_factor_dim=derived if self.lilicorr_factor_dim is None else self.lilicorr_factor_dim,
         )
 
     def head_width(self, config: DraftShape) -> int:
