@@ -316,6 +316,24 @@ class ManagedProcess:
         self._kill_group()
         return self.proc.wait()
 
+    def stop(self, timeout_s: float, on_poll: Callable[[], None] = lambda: None) -> None:
+        """SIGTERM, then wait for the exit (SIGKILL of the group after ``timeout_s``)."""
+        self.send(signal.SIGTERM)
+        self.await_exit(timeout_s, on_poll)
+
+    def await_exit(self, timeout_s: float, on_poll: Callable[[], None] = lambda: None) -> None:
+        """Wait up to ``timeout_s`` for a process already told to stop, then SIGKILL its group; forget it.
+
+        Never a second SIGTERM: one arriving while Python shuts down (handlers back to default)
+        kills a process that was exiting cleanly.
+        """
+        returncode = self.wait(timeout_s, on_poll=on_poll)
+        if returncode is None:
+            log.warning("%s pid %d did not exit in time: SIGKILL", self.name, self.pid)
+            returncode = self.kill()
+        log.info("%s pid %d exited (%s)", self.name, self.pid, describe_exit(returncode))
+        self.clear()
+
     def clear(self) -> None:
         """Forget the exited process (its pid no longer describes anything)."""
         self.proc = None
@@ -383,6 +401,3 @@ class ManagedProcess:
             restarts=self.restarts,
             **role,
         )
-
-
-# -- the supervisor ------------------------------------------------------------------------------

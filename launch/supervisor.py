@@ -1,8 +1,10 @@
 """The launcher: start the producers once, supervise the trainer, restart what crashes.
 
 Its command line is launch/commands.py (``launch/run_all.sh`` the user-facing wrapper); the run directory and
-configuration a command resolves, launch/runs.py; its children's commands and processes, launch/processes.py.
-Lifecycle of ``run``:
+configuration a command resolves, launch/runs.py; its children's commands and processes, launch/processes.py, and
+where they compute, launch/placement.py. The loop here drives two roles: the producers' pool
+(launch/producer_pool.py) and the trainer's slot (launch/trainer_slot.py: its restarts, the standby trainer, the
+out-of-memory stop, restart-trainer). Lifecycle of ``run``:
 
 1. Resolve the config (the run dir's config.toml when resuming, else --config or launch/tiny.toml,
    then the overrides) and save it. A ConfigError prints its message and exits 2; nothing starts.
@@ -33,7 +35,6 @@ error, out of memory at the same step twice, or launcher already running, 129/13
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import shlex
@@ -44,99 +45,37 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from common.config import ConfigError, RunConfig, load_config, save_config
-from common.control import PREDECESSOR_ENV, HandoverRequest, RestartRequest, RestartResult, StandbyGo
-from common.lifecycle import EXIT_CONFIG_ERROR, OUT_OF_MEMORY_LOG, OutOfMemory
+from common.config import ConfigError, RunConfig, save_config
+from common.control import RestartRequest, RestartResult
+from common.lifecycle import EXIT_CONFIG_ERROR
 from common.naming import process_alive, process_start_ticks, run_tag, sweep_stale, sweep_stale_trainer_staging
-from common.rundir import RunDir, read_json
-from common.status import LauncherRecord, ProducerStatus, TrainerStatus
-from launch.mps import MpsDaemon
-from launch.preload_client import Preloader
-from launch.processes import (
-    PRODUCER_STOP_TIMEOUT_S,
-    TRAINER_CMD_ENV,
-    ManagedProcess,
-    child_environment,
-    cpu_processes,
-    cpu_threads,
-    describe_exit,
-    detect_cuda,
-    log_tail,
-    producer_command,
-    producer_devices,
-    producer_environment,
-    terminate_with_parent,
-    thread_environment,
-    threads_message,
-    trainer_command,
-    trainer_devices,
-)
+from common.rundir import RunDir
+from common.status import LauncherRecord
+from launch.placement import Placement
+from launch.processes import PRODUCER_STOP_TIMEOUT_S, detect_cuda, threads_message
+from launch.producer_pool import ProducerPool
 from launch.progress import ProgressView, ViewHandler, run_summary
-from launch.runs import UsageError, changed_keys, refused_trainer_changes, resolve_run
+from launch.runs import UsageError, resolve_run
+from launch.trainer_slot import TRAINER_STOP_TIMEOUT_S, TrainerSlot
 
 log = logging.getLogger(__name__)
 
-TRAINER_DEVICES_ENV = "DFLASH_TRAINER_DEVICES"
 POLL_INTERVAL_S = 0.2
 STOP_SIGNAL_EXIT_CODES = {signal.SIGTERM: 0, signal.SIGINT: 130, signal.SIGHUP: 129}  # SIGTERM: asked to stop
-TRAINER_STOP_TIMEOUT_S = 60.0  # time for the trainer's final checkpoint before SIGKILL
 RESTART_RESULT_TIMEOUT_S = TRAINER_STOP_TIMEOUT_S + 60.0
 STOP_TIMEOUT_S = TRAINER_STOP_TIMEOUT_S + PRODUCER_STOP_TIMEOUT_S + 30.0
-MEMORY_KEYS = (
-    "batching.token_budget or drafter.num_anchors (what one step holds), launch.num_producers (or the entries of "
-    "launch.producer_devices that share the trainer's GPU), or spread the trainer over more GPUs "
-    "(launch.trainer_devices)"
-)
-
-
-def _sm_cap(percent: int | None, shared_devices: set[str]) -> dict[str, str]:
-    """The MPS client setting that caps a process at ``percent`` of a GPU's SMs, where it shares a GPU."""
-    if percent is None or not any(d.startswith("cuda") for d in shared_devices):
-        return {}
-    return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percent)}
 
 
 class Supervisor:
-    """Starts the producers, then the trainer, and keeps them running until the run ends."""
+    """The launcher's loop over the run's two roles: the producers' pool and the trainer's slot, on one placement.
+    It starts them, polls their health, serves restart-trainer, and stops them in order."""
 
     def __init__(self, run: RunDir, cfg: RunConfig, has_cuda: Callable[[], bool] = detect_cuda) -> None:
         self.run = run
-        self.cfg = cfg
-        self.producers_cfg = cfg
-        """The config the producers were started with (restart-trainer may change only the trainer's)."""
-        self.has_cuda = functools.cache(has_cuda)  # asked at most once: detection imports torch (seconds)
-        self.mps = MpsDaemon(run.root, run.logs) if cfg.launch.mps else None
-        self.cpu_processes = cpu_processes(
-            [*producer_devices(cfg, self.has_cuda), ",".join(trainer_devices(cfg, self.has_cuda))]
-        )
-        self.cpu_threads = cpu_threads(self.cpu_processes)
-        """Torch threads of each child that computes on the CPU (None: the user's OMP_NUM_THREADS, or no such child)."""
-        self.preloader: Preloader | None = None
-        """Where children on the CPU are forked from (launch.preload), made at the first such start."""
-        self.producers = [
-            ManagedProcess(
-                f"producer-{i}",
-                producer_command(run.root, i, device),
-                {
-                    **producer_environment(device),
-                    **self._mps_env(),
-                    **self._producer_mps_limit(device),
-                    **self._thread_env(device.split(",")),
-                },
-                run.log(f"producer-{i}"),
-                device.split(","),
-                self._preloader_for(device.split(",")),
-            )
-            for i, device in enumerate(producer_devices(cfg, self.has_cuda))
-        ]
-        self.trainer = self._make_trainer()
-        self.spare: ManagedProcess | None = None
-        """A trainer started ahead (``--standby``): imported and waiting, it takes over at restart-trainer."""
-        self.trainer_started_once = False
-        self.trainer_checkpoint_at_start = -1
-        """The latest checkpoint's step when the current trainer started (a crash after a newer one is progress)."""
-        self.out_of_memory: dict[int, list[OutOfMemory]] = {}
-        """The trainer's out-of-memory records by the step that failed, since this launcher (or its config) started."""
+        self.placement = Placement(run.root, run.logs, cfg, has_cuda)
+        self.producers = ProducerPool(run, cfg, self.placement)
+        self.trainer = TrainerSlot(run, cfg, self.placement, while_waiting=self._say_still_stopping)
+        self.view = ProgressView(run, enabled=cfg.logging.progress)
         self.state = "starting"
         self.outcome = "stopped"  # the state launcher.json keeps once everything is stopped
         self.started_wall = time.time()
@@ -145,56 +84,6 @@ class Supervisor:
         self._signals_answered = 0
         self.restart_requested = False
         self._last_record: LauncherRecord | None = None
-        self.view = ProgressView(run, enabled=cfg.logging.progress)
-
-    def _preloader_for(self, devices: list[str]) -> Preloader | None:
-        """The preloader that starts a child on ``devices`` under launch.preload: children on the CPU alone, without
-        MPS (launch/preload.py); None otherwise."""
-        if not self.cfg.launch.preload or self.mps or any(d != "cpu" for d in devices):
-            return None
-        if self.preloader is None:
-            self.preloader = Preloader(child_environment(self._thread_env(["cpu"])), terminate_with_parent(os.getpid()))
-        return self.preloader
-
-    def _thread_env(self, devices: list[str]) -> dict[str, str]:
-        """The torch thread limit of a child on ``devices``, when it computes on the CPU."""
-        return thread_environment(self.cpu_threads) if "cpu" in devices else {}
-
-    def _mps_env(self) -> dict[str, str]:
-        """What makes a child a client of the run's MPS daemon (nothing without launch.mps)."""
-        return self.mps.env if self.mps else {}
-
-    def _producer_mps_limit(self, device: str) -> dict[str, str]:
-        """launch.mps_producer_sm_percent for a producer that shares a GPU with a trainer rank."""
-        shared = set(device.split(",")) & set(trainer_devices(self.cfg, self.has_cuda))
-        return _sm_cap(self.cfg.launch.mps_producer_sm_percent, shared)
-
-    def _trainer_mps_limit(self, devices: list[str]) -> dict[str, str]:
-        """launch.mps_trainer_sm_percent for a trainer whose ranks share a GPU with a producer."""
-        producing = {d for entry in producer_devices(self.cfg, self.has_cuda) for d in entry.split(",")}
-        return _sm_cap(self.cfg.launch.mps_trainer_sm_percent, set(devices) & producing)
-
-    def _make_trainer(self) -> ManagedProcess:
-        devices = trainer_devices(self.cfg, self.has_cuda)
-        extra = {
-            TRAINER_DEVICES_ENV: ",".join(devices),
-            **self._mps_env(),
-            **self._trainer_mps_limit(devices),
-            **self._thread_env(devices),
-        }
-        if len(devices) > 1:
-            # torchrun gives its ranks this long after forwarding SIGTERM; keep it below our own wait.
-            extra["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = os.environ.get(
-                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(TRAINER_STOP_TIMEOUT_S) - 5)
-            )
-        return ManagedProcess(
-            "trainer",
-            trainer_command(self.run.root, devices),
-            child_environment(extra),
-            self.run.log("trainer"),
-            devices,
-            self._preloader_for(devices),
-        )
 
     # signals only set flags; the poll loop acts on them
     def _on_stop_signal(self, signum: int, _frame: object) -> None:
@@ -225,30 +114,19 @@ class Supervisor:
         removed = sweep_stale(self.run.sockets)
         if removed:
             log.info("removed %d stale socket(s) of dead processes in %s", len(removed), self.run.sockets)
-        if self.cpu_threads is not None:
-            log.info("%s", threads_message(self.cpu_processes, self.cpu_threads))
+        if self.placement.cpu_threads is not None:
+            log.info("%s", threads_message(self.placement.cpu_processes, self.placement.cpu_threads))
         exit_code: int | None = None
         try:
-            if self.mps:
-                self.mps.start()
-            for producer in self.producers:
-                producer.start()
-                log.info("started %s pid %d on %s", producer.name, producer.pid, ",".join(producer.devices))
+            self.placement.start()
+            self.producers.start()
             self._write_launcher_json()
             while exit_code is None:
                 if self.signals:
-                    name = signal.Signals(self.signals[0]).name
-                    log.info("received %s: stopping the run", name)
+                    log.info("received %s: stopping the run", signal.Signals(self.signals[0]).name)
                     exit_code = STOP_SIGNAL_EXIT_CODES[self.signals[0]]
                     break
-                exit_code = self._check_producers()
-                if exit_code is None:
-                    exit_code = self._check_trainer()
-                if exit_code is None and self.restart_requested:
-                    self._handle_restart_request()
-                self._write_launcher_json()
-                self._maybe_start_spare()
-                self.view.update(self.trainer.status_since, self.trainer.proc is not None)
+                exit_code = self._poll()
                 if exit_code is None:
                     time.sleep(POLL_INTERVAL_S)
         finally:
@@ -258,354 +136,51 @@ class Supervisor:
             # last one of the run would otherwise keep its weights and optimizer state in /dev/shm until reboot.
             for leftover in sweep_stale_trainer_staging(run_tag(self.run.root)):
                 log.info("removed %s, the staging of a trainer that did not exit cleanly", leftover.name)
-            if self.preloader:
-                self.preloader.close()
-            if self.mps:
-                self.mps.quit()
+            self.placement.close()
             self.state = self.outcome
             self._write_launcher_json(exit_code)
             if self.outcome == "finished":
                 print(run_summary(self.run), flush=True)
         return exit_code
 
-    # -- producers
-
-    def _check_producers(self) -> int | None:
-        for i, producer in enumerate(self.producers):
-            if producer.proc is None:
-                producer.restart_if_due()
-                continue
-            returncode = producer.poll()
-            if returncode is None:
-                if not producer.ready:
-                    result = self._check_producer_ready(i, producer)
-                    if result is not None:
-                        return result
-                continue
-            producer.clear()
-            self._mark_not_ready(i)
-            if returncode == EXIT_CONFIG_ERROR:
-                log.error(
-                    "%s: configuration error (exit 2); stopping the run. See %s%s",
-                    producer.name,
-                    producer.log_path,
-                    log_tail(producer.log_path),
-                )
-                self.outcome = "failed"
-                return EXIT_CONFIG_ERROR
-            # Exit 0 too: the launcher did not ask it to stop, and the run still needs it.
-            result = self._after_crash(producer, returncode)
-            if result is not None:
-                return result
-        if not self.trainer_started_once and all(p.ready for p in self.producers):
+    def _poll(self) -> int | None:
+        """One round: the producers' health, the trainer's start once they are ready, its health, a restart-trainer
+        request, launcher.json, the standby trainer, the progress view. The run's exit code where it ends."""
+        exit_code = self.producers.check(mid_run=self.trainer.started_once)
+        if exit_code is None and not self.trainer.started_once and self.producers.ready:
             self.state = "running"
-            self._start_trainer()
-        return None
+            self.trainer.start()
+        if exit_code is None:
+            exit_code = self.trainer.check()
+        if exit_code is not None:
+            self.outcome = "finished" if exit_code == 0 else "failed"
+        if exit_code is None and self.restart_requested:
+            self._serve_restart_request()
+        self._write_launcher_json()
+        self.trainer.keep_standby()
+        trainer = self.trainer.process
+        self.view.update(trainer.status_since, trainer.proc is not None)
+        return exit_code
 
-    def _mark_not_ready(self, producer_id: int) -> None:
-        """Make a dead producer's status file say so. It still says ready, with the dead endpoint:
-        a trainer would connect there and wait for a WELCOME that never comes (its other producers
-        waiting too) until the replacement is ready and rewrites the file."""
-        path = self.run.producer_status(producer_id)
-        status = ProducerStatus.read(path)
-        if status is not None and status.ready:
-            status.ready = False
-            status.write(path)
-
-    def _check_producer_ready(self, producer_id: int, producer: ManagedProcess) -> int | None:
-        status = ProducerStatus.read(self.run.producer_status(producer_id))
-        if status is not None and status.written_by(producer.pid) and status.ready:
-            producer.ready = True
-            log.info("%s ready in %.1f s (%s)", producer.name, producer.uptime_s, status.endpoint or "?")
-            return None
-        if producer.uptime_s <= self.cfg.launch.ready_timeout_s:
-            return None
-        if not self.trainer_started_once:
-            log.error(
-                "%s not ready after %.0f s (launch.ready_timeout_s); stopping the run. See %s%s",
-                producer.name,
-                self.cfg.launch.ready_timeout_s,
-                producer.log_path,
-                log_tail(producer.log_path),
-            )
-            self.outcome = "failed"
-            return 1
-        # Mid-run a producer that hangs while loading is treated like a crashed one.
-        log.warning("%s not ready after %.0f s: killing it", producer.name, self.cfg.launch.ready_timeout_s)
-        returncode = producer.kill()
-        producer.clear()
-        return self._after_crash(producer, returncode)
-
-    def _after_crash(self, process: ManagedProcess, returncode: int, made_progress: bool = False) -> int | None:
-        """Schedule the restart of a crashed process, or give up on the run (exit 1)."""
-        launch = self.cfg.launch
-        if process.after_crash(returncode, launch.restart_backoff_s, launch.max_restarts, made_progress):
-            return None
-        self.outcome = "failed"
-        return 1
-
-    # -- trainer
-
-    def _note_checkpoint_at_start(self) -> None:
-        """A trainer that writes a checkpoint past this one made progress: its crash count starts again."""
-        self.trainer_checkpoint_at_start = self._checkpoint_step()
-
-    def _checkpoint_step(self) -> int:
-        """The step of the run's latest checkpoint (-1: none)."""
-        pointer = read_json(self.run.checkpoints / "latest.json") or {}
-        step = pointer.get("step")
-        return step if isinstance(step, int) else -1
-
-    def _maybe_start_spare(self) -> None:
-        """Start a trainer ahead of need (``trainer.train --standby``) once the current one has trained for
-        ``launch.standby_trainer_after_s`` (so that its imports slow neither that one's start nor a short
-        run): a restart-trainer then costs no imports. Only for a single-process trainer of the real program
-        (a torchrun group's successor starts as before)."""
-        if self.spare is not None and self.spare.poll() is not None:
-            log.warning(
-                "the standby trainer pid %d exited (%s); another is started later",
-                self.spare.pid,
-                describe_exit(self.spare.poll()),
-            )
-            self.spare.clear()
-            self.spare = None
-        after = self.cfg.launch.standby_trainer_after_s
-        if (
-            self.spare is not None
-            or self.trainer.proc is None
-            or len(self.trainer.devices) > 1
-            or after < 0
-            or self.trainer.uptime_s < after
-            or os.environ.get(TRAINER_CMD_ENV, "").strip()
-        ):
-            return
-        status = self._trainer_final_state()  # this trainer's own status: it has trained, so its start is over
-        if not status.step or status.state != "training":
-            return
-        spare = self._make_trainer()
-        spare.name = "standby trainer"  # in the launcher's log; its output goes to trainer.log, which it takes over
-        spare.command = [*spare.command, "--standby"]
-        spare.start()
-        self.spare = spare
-        log.info("started a standby trainer pid %d (it takes over at the next restart-trainer)", spare.pid)
-
-    def _start_trainer(self) -> None:
-        self.trainer_checkpoint_at_start = self._checkpoint_step()
-        self.trainer.start()
-        self.trainer_started_once = True
-        log.info("started trainer pid %d on %s", self.trainer.pid, ",".join(self.trainer.devices))
-
-    def _trainer_final_state(self) -> TrainerStatus:
-        """trainer.json, if this incarnation wrote it (under torchrun its pid is rank 0's, so compare times); else
-        an empty record."""
-        status = TrainerStatus.read(self.run.trainer_status)
-        if status.pid == self.trainer.pid or status.updated >= self.trainer.status_since:
-            return status
-        return TrainerStatus()
-
-    def _check_trainer(self) -> int | None:
-        if not self.trainer_started_once:
-            return None
-        if self.trainer.proc is None:
-            self.trainer.restart_if_due(before=self._note_checkpoint_at_start)
-            return None
-        returncode = self.trainer.poll()
-        if returncode is None:
-            return None
-        status = self._trainer_final_state()
-        self.trainer.clear()
-        state = status.state
-        if returncode == 0 and state == "finished":
-            log.info("training finished at step %s: stopping the producers", status.step)
-            self.outcome = "finished"
-            return 0
-        ran_out = OutOfMemory.since(self.run, self.trainer.status_since)
-        if ran_out:  # whatever the exit code: under torchrun the group exits 1
-            return self._after_out_of_memory(ran_out, returncode)
-        if state == "stopped" and returncode != EXIT_CONFIG_ERROR:
-            # Stopped from outside (SIGTERM to its pid): it checkpointed; replace it at once. Any exit
-            # code: torchrun reports the SIGTERM it forwarded to its ranks as exit 1.
-            log.info(
-                "trainer stopped with a checkpoint at step %s without being asked: starting a new one",
-                status.step,
-            )
-            self.trainer.restart_at = time.monotonic()
-            self.trainer.restarts += 1
-            return None
-        if returncode == EXIT_CONFIG_ERROR:
-            log.error(
-                "trainer: configuration error (exit 2); stopping the run. See %s%s",
-                self.trainer.log_path,
-                log_tail(self.trainer.log_path),
-            )
-            self.outcome = "failed"
-            return EXIT_CONFIG_ERROR
-        # A trainer killed again and again that checkpoints in between is no crash loop (e.g. a
-        # flaky node, preemptions): it resumes further on each time.
-        return self._after_crash(
-            self.trainer, returncode, made_progress=self._checkpoint_step() > self.trainer_checkpoint_at_start
-        )
-
-    def _after_out_of_memory(self, records: list[OutOfMemory], returncode: int) -> int | None:
-        """A trainer whose step ran out of memory: restarted once (a fragmented allocator need not fail again), or,
-        at a step that ran out before, the run stops with exit 2 (it would at every restart)."""
-        step = min(r.step for r in records)
-        before = self.out_of_memory.get(step, [])
-        self.out_of_memory.setdefault(step, []).extend(records)
-        if before:
-            log.error(
-                "trainer: out of memory at step %d again, after a restart (%s): it would be at every restart, so the "
-                "run stops. Lower %s. See %s and logs/%s%s",
-                step,
-                memory_seen([*before, *records]),
-                MEMORY_KEYS,
-                self.trainer.log_path,
-                OUT_OF_MEMORY_LOG,
-                log_tail(self.trainer.log_path),
-            )
-            self.outcome = "failed"
-            return EXIT_CONFIG_ERROR
-        log.warning(
-            "trainer: out of memory at step %d (%s); restarted once, as it may not repeat: a second one at step %d "
-            "stops the run",
-            step,
-            memory_seen(records),
-            step,
-        )
-        return self._after_crash(self.trainer, returncode)
-
-    def _handle_restart_request(self) -> None:
-        """Apply a restart-trainer request: validate, save config.toml, replace the trainer."""
+    def _serve_restart_request(self) -> None:
+        """Answer a restart-trainer request: the trainer's slot applies it; the producers follow the new config's
+        launcher settings."""
         self.restart_requested = False
         request = RestartRequest.read(self.run.restart_request)
         if request is None:
             return
-        request_id = request.request_id
-        overrides = [str(o) for o in request.overrides]
-        try:
-            new_cfg = load_config(self.run.config, overrides)
-        except ConfigError as exc:
-            self._answer_restart(request_id, error=str(exc))
-            return
-        changed = changed_keys(self.cfg, new_cfg)
-        refusals = refused_trainer_changes(changed, self.producers_cfg, new_cfg)
-        if refusals:
-            self._answer_restart(
-                request_id, error="; ".join(refusals) + ". Stop the run and resume it with the new value instead."
-            )
-            return
-        save_config(new_cfg, self.run.config)
-        self.cfg = new_cfg
-        self.out_of_memory.clear()  # a step that ran out of memory may fit the new config
-        log.info("restart-trainer: %s", ", ".join(overrides) if changed else "no config change")
-        old = self.trainer if self.trainer.proc is not None else None
-        successor = self._make_trainer()  # devices may have changed
-        if old is not None:
-            # One process to one process: the old trainer hands its state over in shared memory
-            # (trainer/handover.py) and its successor writes the checkpoint; a torchrun group on either side
-            # checkpoints to disk first. The word is a file, read once the step in flight is done: unlike a
-            # signal it needs no handler to be installed in time and is not lost while the process is busy.
-            hand_over = len(old.devices) == 1 and len(successor.devices) == 1
-            if hand_over:
-                HandoverRequest(successor.devices).write(self.run.handover_request(old.pid))
-            log.info(
-                "stopping trainer pid %d (waiting up to %.0f s for its %s)",
-                old.pid,
-                TRAINER_STOP_TIMEOUT_S,
-                "handover" if hand_over else "checkpoint",
-            )
-            old.send(signal.SIGTERM)
-        successor.restarts = old_restarts = (old or self.trainer).restarts
-        if self.trainer_started_once:
-            successor.restarts = old_restarts + 1
-            # The successor waits for the old one's handover (its checkpoint, leases and status done) before
-            # it reads the checkpoint (trainer.train.wait_for_predecessor); meanwhile it imports, or it did
-            # already, as the spare started ahead.
-            predecessor = f"{old.pid}:{old.start_ticks}" if old is not None else None
-            spare, self.spare = self.spare, None
-            if (
-                spare is not None
-                and spare.proc is not None
-                and spare.poll() is None
-                and spare.devices == successor.devices
-            ):
-                StandbyGo(predecessor).write(self.run.standby_go(spare.pid))
-                spare.command = successor.command  # a crash restart of it is an ordinary trainer start
-                spare.name = successor.name
-                spare.restarts = successor.restarts
-                self.trainer = spare
-                self.trainer_checkpoint_at_start = self._checkpoint_step()
-                log.info("trainer pid %d, started ahead, takes over", spare.pid)
-            else:
-                if spare is not None:
-                    self._stop_process(spare, 10.0)
-                if predecessor:
-                    successor.env = {**successor.env, PREDECESSOR_ENV: predecessor}
-                self.trainer = successor
-                self._start_trainer()
-        else:
-            self.trainer = successor
-        if old is not None:
-            self._await_exit(old, TRAINER_STOP_TIMEOUT_S)
-            self.run.handover_request(old.pid).unlink(missing_ok=True)  # unread if it died first
-            self.trainer_checkpoint_at_start = (
-                self._checkpoint_step()
-            )  # the old one's final checkpoint counts as before
-            self.trainer.status_since = time.time()  # trainer.json was the old one's until now
-        self._write_launcher_json()
-        self._answer_restart(request_id, trainer_pid=self.trainer.pid, changed=changed)
-
-    def _answer_restart(
-        self,
-        request_id: str,
-        error: str | None = None,
-        trainer_pid: int | None = None,
-        changed: list[str] | None = None,
-    ) -> None:
-        if error:
-            log.error("restart-trainer refused: %s", error)
-        RestartResult(request_id, error is None, error, trainer_pid, changed or []).write(self.run.restart_result)
-
-    # -- shutdown
-
-    def _stop_process(self, process: ManagedProcess, timeout_s: float) -> None:
-        """SIGTERM, then wait for the exit (SIGKILL of the group after ``timeout_s``)."""
-        process.send(signal.SIGTERM)
-        self._await_exit(process, timeout_s)
-
-    def _await_exit(self, process: ManagedProcess, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for a process already told to stop, then SIGKILL its group.
-
-        Never a second SIGTERM: one arriving while Python shuts down (handlers back to default)
-        kills a process that was exiting cleanly.
-        """
-        returncode = process.wait(timeout_s, on_poll=self._say_still_stopping)
-        if returncode is None:
-            log.warning("%s pid %d did not exit in time: SIGKILL", process.name, process.pid)
-            returncode = process.kill()
-        log.info("%s pid %d exited (%s)", process.name, process.pid, describe_exit(returncode))
-        process.clear()
+        result = self.trainer.restart(request, self.producers.started_with)
+        if result.ok:
+            self.producers.cfg = self.trainer.cfg
+            self._write_launcher_json()
+        result.write(self.run.restart_result)
 
     def _stop_all(self) -> None:
         """Trainer first (so it checkpoints while the producers still answer), then all producers at once."""
         self.state = "stopping"
         self._write_launcher_json()
-        if self.spare is not None and self.spare.proc is not None:
-            self._stop_process(self.spare, 10.0)
-            self.spare = None
-        if self.trainer.proc is not None:
-            log.info(
-                "stopping trainer pid %d (waiting up to %.0f s for its checkpoint)",
-                self.trainer.pid,
-                TRAINER_STOP_TIMEOUT_S,
-            )
-            self._stop_process(self.trainer, TRAINER_STOP_TIMEOUT_S)
-        running = [p for p in self.producers if p.proc is not None]
-        for producer in running:
-            producer.send(signal.SIGTERM)
-        deadline = time.monotonic() + PRODUCER_STOP_TIMEOUT_S
-        for producer in running:
-            self._await_exit(producer, max(0.0, deadline - time.monotonic()))
+        self.trainer.stop()
+        self.producers.stop(on_poll=self._say_still_stopping)
 
     def _write_launcher_json(self, exit_code: int | None = None) -> None:
         record = LauncherRecord(
@@ -615,18 +190,13 @@ class Supervisor:
             run_dir=str(self.run.root),
             state=self.state,
             exit_code=exit_code,
-            producers=[p.record(id=i, device=",".join(p.devices), ready=p.ready) for i, p in enumerate(self.producers)],
-            trainer=self.trainer.record(devices=self.trainer.devices),
-            standby_trainer=self.spare.record() if self.spare is not None and self.spare.proc is not None else None,
+            producers=self.producers.records(),
+            trainer=self.trainer.record(),
+            standby_trainer=self.trainer.standby_record(),
         )
         if record != self._last_record:  # written when something changed, stamped with when
             self._last_record = record
             record.write(self.run.launcher)
-
-
-def memory_seen(records: list[OutOfMemory]) -> str:
-    """The largest peak memory of ``records`` and its device's memory, in words."""
-    return max(records, key=lambda r: r.peak_reserved or r.peak_allocated or 0).seen()
 
 
 # -- entry points --------------------------------------------------------------------------------

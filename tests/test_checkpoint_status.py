@@ -1,5 +1,5 @@
 """trainer.json says "training" again as soon as a checkpoint's synchronous part is done: the launcher starts
-a standby trainer only when it reads that state (launch/supervisor.py), and with a status written only every
+a standby trainer only when it reads that state (launch/trainer_slot.py), and with a status written only every
 logging.log_every steps it read "checkpointing" until then. A real Trainer on the tiny config."""
 
 from __future__ import annotations

@@ -105,10 +105,12 @@ def test_only_producers_that_share_a_gpu_with_a_trainer_rank_get_the_sm_share(sh
         ],
     )
     supervisor = Supervisor(LaunchRunDir(short_tmp / "run"), cfg, has_cuda=lambda: True)
-    shares = [p.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") for p in supervisor.producers]
+    shares = [p.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") for p in supervisor.producers.processes]
     assert shares == [None, "45", "45"]
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in supervisor.trainer.env
-    assert all(p.env["CUDA_MPS_PIPE_DIRECTORY"] == str(supervisor.mps.pipe) for p in supervisor.producers)
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in supervisor.trainer.process.env
+    assert all(
+        p.env["CUDA_MPS_PIPE_DIRECTORY"] == str(supervisor.placement.mps.pipe) for p in supervisor.producers.processes
+    )
 
 
 def test_a_trainer_that_shares_a_gpu_with_a_producer_gets_the_sm_cap(short_tmp, monkeypatch):
@@ -131,6 +133,6 @@ def test_a_trainer_that_shares_a_gpu_with_a_producer_gets_the_sm_cap(short_tmp, 
             ],
         )
         supervisor = Supervisor(LaunchRunDir(short_tmp / "run"), cfg, has_cuda=lambda: True)
-        caps.append(supervisor.trainer.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
-        assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env for p in supervisor.producers)
+        caps.append(supervisor.trainer.process.env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+        assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in p.env for p in supervisor.producers.processes)
     assert caps == ["80", None, None]
