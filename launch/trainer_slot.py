@@ -249,8 +249,9 @@ class TrainerSlot:
         else:
             self.process = successor
         if old is not None:
+            handover_request = self.run.handover_request(old.pid)  # named before the exit, which forgets the pid
             old.await_exit(TRAINER_STOP_TIMEOUT_S, self.while_waiting)
-            self.run.handover_request(old.pid).unlink(missing_ok=True)  # unread if it died first
+            handover_request.unlink(missing_ok=True)  # unread if it died first
             self.checkpoint_at_start = self._checkpoint_step()  # the old one's final checkpoint counts as before
             self.process.status_since = time.time()  # trainer.json was the old one's until now
 

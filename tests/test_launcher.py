@@ -213,6 +213,9 @@ def test_restart_trainer_applies_training_change_and_keeps_producers(pipeline):
     assert status["lr"] == 1e-4 and status["incarnation"] == 2
     assert pipeline.producer_pids() == producers
     assert f"trainer pid {old_trainer} exited (exit 0)" in pipeline.run.log("launcher").read_text()
+    # The stand-in never reads the handover request it was sent: the launcher removes it once that trainer exited.
+    assert not pipeline.run.handover_request(old_trainer).exists()
+    assert not list(pipeline.run.control.glob("handover-*"))
 
 
 @pytest.mark.parametrize(
