@@ -173,6 +173,19 @@ SMOKE_SIZES = {
     "humaneval_prompts": 4,
 }
 """With --smoke: what the CPU runs in minutes."""
+SMOKE_OVERRIDES = [
+    "target.dtype=float32",
+    'launch.producer_devices=["cpu"]',
+    'launch.trainer_devices=["cpu"]',
+    "launch.mps=false",
+    "synthesize.rows=8",
+    "batching.token_budget=2048",
+    "data.max_seq_len=1024",
+    "drafter.num_anchors=64",
+    "eval.max_new_tokens=32",
+    "training.checkpoint_every=20",
+]
+"""With --smoke: the preset's settings every step runs with on the CPU (launch.bench.peers renders its rows so too)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,20 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    common = [f"target.path={json.dumps(str(args.gguf.resolve()))}"]
-    if args.smoke:
-        common += [
-            "target.dtype=float32",
-            'launch.producer_devices=["cpu"]',
-            'launch.trainer_devices=["cpu"]',
-            "launch.mps=false",
-            "synthesize.rows=8",
-            "batching.token_budget=2048",
-            "data.max_seq_len=1024",
-            "drafter.num_anchors=64",
-            "eval.max_new_tokens=32",
-            "training.checkpoint_every=20",
-        ]
+    common = [f"target.path={json.dumps(str(args.gguf.resolve()))}", *(SMOKE_OVERRIDES if args.smoke else [])]
     result: dict = {
         "bench": "quality",
         "kind": args.kind,

@@ -1,0 +1,220 @@
+"""The peers benchmark's run: the data once, then per view ours and each peer alone on the card, each evaluated by
+our evaluator on the same held-out records. Every row's figures go to ``out/peers-VIEW-ROW.json`` as soon as they
+are known, for the table (launch/bench/peers/table.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from launch.bench.peers.common import Budget, PeakGpuMemory, Peer, PeerRun, TrainingRow
+from launch.bench.peers.features import (
+    TargetCapture,
+    epoch_order,
+    first_batches,
+    rows_of,
+    run_config,
+    tokens_of,
+    training_source,
+)
+from launch.bench.peers.plan import bytes_per_token, default_max_tokens, draft_shape, pick_peers
+from launch.bench.quality import evaluate
+from launch.bench.side_by_side import synthesized_quality_command
+
+HUMANEVAL_PROMPTS = {False: 164, True: 4}
+"""HumanEval prompts evaluated (launch.bench.quality's sizes), on a GPU and with --smoke."""
+
+
+def known_peers(cfg, smoke: bool) -> dict[str, Peer]:
+    """Every peer this benchmark knows, built for the preset's step (a peer whose module is not there yet is
+    reported missing)."""
+    shape = dict(token_budget=cfg.batching.token_budget, anchors=cfg.drafter.num_anchors, max_len=cfg.data.max_seq_len)
+    peers: dict[str, Peer] = {}
+    for name, cls in (("specforge", "SpecForge"), ("speculators", "Speculators")):
+        try:
+            peers[name] = getattr(importlib.import_module(f"launch.bench.peers.{name}"), cls)(**shape, smoke=smoke)
+        except (ImportError, AttributeError) as exc:
+            peers[name] = _Absent(name, f"{name}: launch/bench/peers/{name}.py cannot be used here ({exc})")
+    return peers
+
+
+@dataclasses.dataclass
+class _Absent:
+    name: str
+    line: str
+
+    def missing(self) -> str:
+        return self.line
+
+
+def evaluations(held_out: int, humaneval: Path, humaneval_prompts: int, sampled: int) -> dict[str, list[str]]:
+    """``launch.bench.quality``'s evaluations: held-out and HumanEval, greedy, and sampled on ``sampled`` prompts."""
+    paths = f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}"
+    runs = {"held_out": [f"eval.num_prompts={held_out}"], "humaneval": [paths, f"eval.num_prompts={humaneval_prompts}"]}
+    if sampled:
+        options = ["--temperature", "1.0", "--top-p", "0.95", "--seed", "0"]
+        runs["held_out_sampled"] = [*options, f"eval.num_prompts={min(held_out, sampled)}"]
+        runs["humaneval_sampled"] = [*options, paths, f"eval.num_prompts={sampled}"]
+    return runs
+
+
+def evaluate_export(export: Path, run_dir: Path, out: Path, name: str, runs: dict[str, list[str]]) -> dict:
+    """Every evaluation of ``runs`` on ``export`` against ``run_dir``'s target and held-out records, two at a time
+    (as launch.bench.quality does)."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            what: pool.submit(evaluate, export, run_dir, out / f"eval-{what}-{name}.log", *overrides)
+            for what, overrides in runs.items()
+        }
+        reports = {what: future.result() for what, future in futures.items()}
+    return {
+        what: {key: e[key] for key in ("tau", "zlab_tau", "sim_tau") if key in e} | {"prompts": e["num_prompts"]}
+        for what, e in reports.items()
+    }
+
+
+def done(out: Path, view: str, row: str) -> dict | None:
+    """A row an earlier call of this --out trained and evaluated (a call may run some rows, the next the others)."""
+    path = out / f"peers-{view}-{row}.json"
+    record = json.loads(path.read_text()) if path.is_file() else None
+    return record if record is not None and "held_out" in record else None
+
+
+def save(out: Path, view: str, row: str, record: dict) -> None:
+    (out / f"peers-{view}-{row}.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def train_ours(args: argparse.Namespace, out: Path, quality: list[str], view: str, budget: list[str]) -> dict:
+    """Our row: ``launch.bench.quality --reuse-data`` with ``budget`` (--minutes or --steps), alone on the card,
+    evaluated by it; its figures, and the card's peak memory while it trained and evaluated."""
+    name = f"ours-{view}"
+    started = time.monotonic()
+    with PeakGpuMemory() as peak, open(out / f"peers-{name}.log", "w") as log:
+        done = subprocess.run([*quality, "--reuse-data", "--name", name, *budget], stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        sys.exit(f"our row failed with exit {done.returncode}; see {out / f'peers-{name}.log'}")
+    result = json.loads((out / f"quality-{name}.json").read_text())
+    ledger = [json.loads(line) for line in (out / name / "ledger.jsonl").read_text().splitlines()]
+    record = {
+        "row": "ours",
+        "view": view,
+        "dump_s": 0.0,
+        "train_s": result["train_s"],
+        "trained_s": result.get("trained_s"),
+        "steps": result["steps"],
+        "samples": result["trained_samples"],
+        "sample_ids": [i for entry in ledger for i in entry["samples"]],
+        "peak_gpu_bytes": peak.peak_bytes,
+        "disk_bytes": 0,
+        "wall_s": time.monotonic() - started,
+    }
+    for what in ("held_out", "humaneval", "held_out_sampled", "humaneval_sampled"):
+        if what in result:
+            record[what] = result[what]
+    return record
+
+
+def run_peer(peer: Peer, out: Path, view: str, rows: list[TrainingRow], ctx: dict, budget: Budget) -> dict:
+    """One peer's row: its dump and training to ``budget``, its export evaluated; its features deleted after, so
+    that the next peer has the disk."""
+    work = out / f"{peer.name}-{view}"
+    if work.exists():
+        shutil.rmtree(work)
+    capture = TargetCapture(ctx["cfg"], ctx["device"])
+    started = time.monotonic()
+    run: PeerRun = peer.run(work, rows, capture, ctx["draft"], budget, out / f"peers-{peer.name}-{view}.log")
+    capture.close()
+    shutil.rmtree(work / "features", ignore_errors=True)
+    record = {"row": peer.name, "view": view, "wall_s": time.monotonic() - started}
+    record |= {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(run).items()}
+    record["samples"], record["rows"] = run.samples_trained, len(rows)
+    record["row_tokens"] = sum(len(r.input_ids) for r in rows)
+    record |= evaluate_export(run.export, ctx["run_dir"], out, f"{peer.name}-{view}", ctx["evaluations"])
+    return record
+
+
+def views(args: argparse.Namespace, cfg, source) -> list[tuple[str, list[str], Budget | None]]:
+    """(name, our row's budget options, the peers' budget; None: the samples ours trained, one epoch) per view."""
+    if args.smoke:
+        return [("smoke", ["--steps", "2"], None)]
+    planned = []
+    if args.minutes:
+        planned.append((f"m{args.minutes:g}", ["--minutes", str(args.minutes)], Budget(seconds=60 * args.minutes)))
+    if args.equal_data:
+        batches, ids = first_batches(cfg, source, args.equal_data)
+        print(f"equal data: our first {batches} batches hold {len(ids)} samples (>= {args.equal_data})", flush=True)
+        planned.append((f"d{args.equal_data}", ["--steps", str(batches)], None))
+    return planned
+
+
+def check_held_out(run_dir: Path, source) -> None:
+    """Our run held out the records the peers' rows leave out (none of the rows is a held-out record)."""
+    stored = json.loads((run_dir / "held_out.json").read_text())
+    if set(stored["ids"]) & {int(i) for i in source.ids} or len(stored["ids"]) + len(source) != stored["num_records"]:
+        sys.exit(f"{run_dir / 'held_out.json'} holds out other records than the peers' rows leave out")
+
+
+def run(args: argparse.Namespace, out: Path) -> int:
+    """Synthesize, then every view: ours, then each peer set up, each evaluated. 2 when no peer asked is set up."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = run_config(args.gguf, out, args.held_out, args.smoke)
+    try:
+        peers, missing = pick_peers(args.peers, known_peers(cfg, args.smoke))
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    for line in missing:
+        print(f"missing peer: {line}", flush=True)
+    if args.peers and not peers:
+        print(
+            "error: none of the peers asked for is set up (see above); ours alone: launch.bench.quality",
+            file=sys.stderr,
+        )
+        return 2
+    options = ["--held-out", str(args.held_out), "--eval-every", "0", "--sampled-prompts", str(args.sampled_prompts)]
+    quality = synthesized_quality_command(args.gguf, out, args.magpie, *options, smoke=args.smoke)
+    source = training_source(cfg)
+    draft = draft_shape(cfg, out / "draft")
+    max_tokens = args.peer_max_tokens or default_max_tokens(
+        out, bytes_per_token(draft, draft.config.target_hidden_size)
+    )
+    print(f"the peers' disk cap: {max_tokens:,} tokens of rows", flush=True)
+    humaneval = HUMANEVAL_PROMPTS[args.smoke]
+    for view, ours_budget, budget in views(args, cfg, source):
+        ours = done(out, view, "ours")
+        if ours is None:
+            ours = train_ours(args, out, quality, view, ours_budget)
+            ours["tokens_trained"] = tokens_of(source, ours["sample_ids"])
+            save(out, view, "ours", {**ours, "peer_max_tokens": max_tokens})
+        print(f"{view}: ours trained {ours['samples']} samples in {ours['train_s']:.0f} s", flush=True)
+        check_held_out(out / f"ours-{view}", source)
+        context = {
+            "cfg": cfg,
+            "device": "cpu" if args.smoke else "cuda:0",
+            "draft": draft,
+            "run_dir": out / f"ours-{view}",
+            "evaluations": evaluations(args.held_out, out / "humaneval", humaneval, args.sampled_prompts),
+        }
+        if budget is None:  # the samples ours trained, in its order, one epoch
+            ids, rows = rows_of(source, ours["sample_ids"], max_tokens)
+            if len(ids) < len(ours["sample_ids"]):
+                print(f"{view}: the peers' disk cap holds {len(ids)} of the {ours['samples']} samples ours trained")
+            budget = Budget(samples=len(rows))
+        else:
+            ids, rows = rows_of(source, epoch_order(cfg, source), max_tokens)
+        for peer in peers:
+            if done(out, view, peer.name) is not None:
+                print(f"{view}: {peer.name} done in an earlier call", flush=True)
+                continue
+            record = run_peer(peer, out, view, rows, context, budget)
+            save(out, view, peer.name, {**record, "peer_max_tokens": max_tokens})
+            print(f"{view}: {peer.name} trained {record['samples']} samples, {record['steps']} steps", flush=True)
+    return 0
