@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -104,8 +105,23 @@ def epoch_batches(run_dir: RunDir, producers: int, wait_for: Callable[[Callable[
     return sum(s.epoch_batches or 0 for s in ProducerStatus.read_all(run_dir))
 
 
-Claim = tuple[int, int, list, int, list[int]]
-"""What a rank shows of the batch it would train: (producer, ordinal, cursor, epoch, sample ids)."""
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What a rank shows the others of the batch it would train (``Batches.claim``): where the batch stands in its
+    producer's stream, which the committed state counts, and its documents, which the ledger records."""
+
+    producer: int
+    ordinal: int
+    """The batch's position in its producer's stream."""
+    cursor: list[int]
+    """[epoch, window, index] of the batch in the data order."""
+    epoch: int
+    sample_ids: list[int]
+    """The batch's documents, padding excluded."""
+
+    @classmethod
+    def of(cls, received: Received) -> Claim:
+        return cls(received.producer, received.ordinal, received.cursor, received.batch.epoch, received.sample_ids)
 
 
 class Batches:
@@ -158,16 +174,16 @@ class Batches:
             if received is None and not self.stop():
                 received, starved = self.next()
                 waited += starved
-            mine = None if received is None else _claim_of(received)
+            mine = None if received is None else Claim.of(received)
             everyone = self.ranks.gather(mine)
             if any(claim is None for claim in everyone):
                 return None, waited, everyone
             seen: set[tuple[int, int]] = set()
             losers = set()
-            for rank, (producer, ordinal, *_) in enumerate(everyone):
-                if (producer, ordinal) in seen or self.commits.is_trained(producer, ordinal):
+            for rank, claim in enumerate(everyone):
+                if (claim.producer, claim.ordinal) in seen or self.commits.is_trained(claim.producer, claim.ordinal):
                     losers.add(rank)
-                seen.add((producer, ordinal))
+                seen.add((claim.producer, claim.ordinal))
             if not losers:
                 return received, waited, everyone
             if self.ranks.rank in losers:
@@ -180,18 +196,18 @@ class Batches:
 
     def record(self, step: int, incarnation: int, everyone: list[Claim]) -> None:
         """Mark the step's batches trained (on every rank) and append the ledger line (rank 0)."""
-        for producer, ordinal, cursor, _, _ in everyone:
-            self.commits.mark_trained(producer, ordinal, cursor)
+        for claim in everyone:
+            self.commits.mark_trained(claim.producer, claim.ordinal, claim.cursor)
             # Another rank's batch counts as received here too: a HELLO of ours must say so, or a
             # restarted producer would compute it again.
-            self.commits.mark_received(producer, ordinal, cursor)
+            self.commits.mark_received(claim.producer, claim.ordinal, claim.cursor)
         if self.ledger is None:
             return
         line = {
             "step": step,
             "incarnation": incarnation,
-            "samples": [[p, epoch, s] for p, _, _, epoch, ids in everyone for s in ids],
-            "batches": [[p, o] for p, o, _, _, _ in everyone],
+            "samples": [[c.producer, c.epoch, s] for c in everyone for s in c.sample_ids],
+            "batches": [[c.producer, c.ordinal] for c in everyone],
             "time": time.time(),
         }
         self.ledger.write(json.dumps(line) + "\n")
@@ -201,7 +217,3 @@ class Batches:
         self.feeder.close()
         if self.ledger is not None:
             self.ledger.close()
-
-
-def _claim_of(received: Received) -> Claim:
-    return (received.producer, received.ordinal, received.cursor, received.batch.epoch, received.sample_ids)
