@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, RunConfig, load_config
 from common.drafter.export import drafter_folder, load_drafter
 from common.drafter.loss import LossConfig
-from common.drafter.target_head import load_target_head
+from common.drafter.target_head import TargetHead, load_target_head
 from common.lifecycle import EXIT_CONFIG_ERROR
 from common.rundir import RunDir
 from producer.acceptance.evaluator import build_evaluator
@@ -35,7 +35,7 @@ def _run_dir_of(checkpoint: Path) -> Path | None:
     return next((p for p in checkpoint.resolve().parents if (p / "config.toml").is_file()), None)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Real speculative decoding of the target with an exported drafter (greedy, or sampled with "
         "lossless rejection sampling): tau (ours and z-lab's), per-position acceptance and target "
@@ -67,10 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         "the break-even tau there, timed in this run",
     )
     parser.add_argument("overrides", nargs="*", help="config overrides key=value, e.g. eval.num_prompts=32")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    return parser
 
-    run_dir = args.run_dir or (None if args.config else _run_dir_of(args.checkpoint))
+
+def _config(args: argparse.Namespace, run_dir: Path | None) -> RunConfig:
+    """The run's config (or --config's) with the command's overrides, its target on the device it is drawn on;
+    ConfigError naming the key."""
     config_file = args.config or (run_dir / "config.toml" if run_dir else None)
     overrides = list(args.overrides)
     if args.target:
@@ -83,33 +85,49 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if value is not None:
             overrides.append(f"eval.{key}={value}")
+    cfg = load_config(config_file, overrides)
+    # Random target weights depend on the device type they are drawn on: by default the producers'
+    # (a tensor-parallel producer's entry names several devices; its rank 0 draws them on the first).
+    device = args.device if args.device != "auto" else next(iter(cfg.launch.producer_devices), "auto").split(",")[0]
+    cfg.target = dataclasses.replace(cfg.target, device=device)
+    return cfg
+
+
+def _not_the_runs_target(run_dir: Path | None, cfg: RunConfig, head: TargetHead) -> str | None:
+    """Why the target built here is not the one the run's producers built (None: it is, or nothing tells)."""
+    produced = RunDir(run_dir).target_head if run_dir is not None and cfg.target.path is None else None
+    if produced is None or not (produced / "config.json").is_file():
+        return None
+    shipped = load_target_head(produced, device=head.embed_weight.device)
+    differs = [
+        name
+        for name in ("embed_weight", "lm_head_weight", "norm_weight")
+        if not torch.equal(getattr(shipped, name), getattr(head, name))
+    ]
+    if not differs:  # the drafter shares all three: each must be the producers' bit for bit
+        return None
+    return (
+        f"the target built here is not the run's (its {', '.join(differs)} differ from the head in "
+        f"{produced}): try --device cpu or the producers' device"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    run_dir = args.run_dir or (None if args.config else _run_dir_of(args.checkpoint))
     try:
-        cfg = load_config(config_file, overrides)
-        # Random target weights depend on the device type they are drawn on: by default the producers'
-        # (a tensor-parallel producer's entry names several devices; its rank 0 draws them on the first).
-        device = args.device if args.device != "auto" else next(iter(cfg.launch.producer_devices), "auto").split(",")[0]
-        cfg.target = dataclasses.replace(cfg.target, device=device)
+        cfg = _config(args, run_dir)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
     model = load_target_model(cfg.target)
     head = target_head_of(model)
-    produced = RunDir(run_dir).target_head if run_dir is not None and cfg.target.path is None else None
-    if produced is not None and (produced / "config.json").is_file():
-        shipped = load_target_head(produced, device=head.embed_weight.device)
-        differs = [
-            name
-            for name in ("embed_weight", "lm_head_weight", "norm_weight")
-            if not torch.equal(getattr(shipped, name), getattr(head, name))
-        ]
-        if differs:  # the drafter shares all three: each must be the producers' bit for bit
-            print(
-                f"the target built here is not the run's (its {', '.join(differs)} differ from the head in "
-                f"{produced}): try --device cpu or the producers' device",
-                file=sys.stderr,
-            )
-            return EXIT_CONFIG_ERROR
+    not_the_runs = _not_the_runs_target(run_dir, cfg, head)
+    if not_the_runs:
+        print(not_the_runs, file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     loss_config = LossConfig(label_mode=cfg.training.label_mode)
     drafter_dir, own_checkpoint = drafter_folder(args.checkpoint)
     drafter = load_drafter(
