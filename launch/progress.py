@@ -22,8 +22,9 @@ from common.rundir import RunDir
 from common.status import ProducerStatus, TrainerStatus
 
 
-def trainer_figures(status: dict[str, Any]) -> list[str]:
-    """The training figures of trainer.json as short labelled texts (those it has)."""
+def trainer_figures(status: dict[str, Any], evaluating: Any = None) -> list[str]:
+    """The training figures of trainer.json as short labelled texts (those it has); ``evaluating``: producer 0's
+    evaluation job status (its status file's ``jobs``), which says what the evaluations asked for wait on."""
     parts = []
     for key, label, fmt in (("loss", "loss", "{:.3f}"), ("lr", "lr", "{:.1e}"), ("tau", "tau", "{:.2f}")):
         if status.get(key) is not None:
@@ -32,12 +33,28 @@ def trainer_figures(status: dict[str, Any]) -> list[str]:
     if evaluation and evaluation.get("tau") is not None:
         parts.append(f"real {evaluation['tau']:.2f}@{evaluation['step']}")
     if status.get("evals_in_flight"):
-        parts.append("evaluating " + ",".join(map(str, status["evals_in_flight"])))
+        parts.append(evaluations_waiting(status["evals_in_flight"], evaluating))
     if status.get("checkpoint_writing"):
         parts.append(f"writing {status['checkpoint_writing']}")
     if status.get("samples_per_s") is not None:
         parts.append(f"{status['samples_per_s']:.1f} samples/s")
     return parts
+
+
+def evaluations_waiting(in_flight: list[int], job: Any) -> str:
+    """Where the evaluations asked for (their steps) are, from producer 0's evaluation job status (``step``,
+    ``doing``, ``held_s``): ``evaluating 300: decoding, 0/16 prompts done``, or what it waits for."""
+    job = job if isinstance(job, dict) else {}
+    step, doing, held = job.get("step"), job.get("doing"), job.get("held_s")
+    if step in in_flight:
+        queued = ",".join(str(other) for other in in_flight if other != step)
+        return f"evaluating {step}" + (f": {doing}" if doing else "") + (f" ({queued} queued)" if queued else "")
+    steps = ",".join(map(str, in_flight))
+    if held:
+        return f"evaluating {steps}: queued, producer 0 makes batches {held:.0f} s more (eval.producer_share)"
+    if doing:
+        return f"evaluating {steps}: queued, producer 0 is {doing}"
+    return f"evaluating {steps}: waiting for producer 0 to start it"
 
 
 def ring_occupancy(rings: list[dict[str, Any]]) -> str:
@@ -103,20 +120,23 @@ class ProgressView:
         # The current trainer's own file (a finished or crashed trainer's last figures are still its own).
         current = trainer_started_wall > 0 and record.updated >= trainer_started_wall
         step, max_steps = record.step, record.max_steps
+        producers = ProducerStatus.read_all(self.run)
         if current:
-            parts = trainer_figures(status)
+            evaluating = next((p.jobs.get("evaluating") for p in producers if p.id == 0), None)
+            parts = trainer_figures(status, evaluating)
         else:
             parts = ["trainer starting" if trainer_alive else "waiting for the producers"]
         if current and record.state not in (None, "training", "finished"):
             parts.insert(0, record.state)
-        ring = ring_occupancy([producer.ring for producer in ProducerStatus.read_all(self.run)])
+        ring = ring_occupancy([producer.ring for producer in producers])
         if ring:
             parts.append(ring)
         postfix = "  ".join(parts)
         if self.terminal:
             self._draw(step if current else None, max_steps, postfix)
             return
-        key = (step, record.loss, current)
+        # Training over, a line each time what the run waits for changes (it would otherwise look hung).
+        key = (step, record.loss, current, postfix if record.state == "final evaluation" else None)
         if current and record.loss is not None and key != self._last_shown:
             self._last_shown = key
             eta = eta_s(status)

@@ -50,6 +50,7 @@ def _producer_status(producer_id: int, record: ChildRecord | None, status: Produ
         "ring": {name: ring.get(name) for name in RING_FIELDS},
         "tokens_per_s": current.tokens_per_s if current is not None else None,
         "blocked_fraction": current.blocked_fraction if current is not None else None,
+        "jobs": current.jobs if current is not None else {},
         "restarts": record.restarts if record is not None else 0,
         "updated_age_s": age,
     }
@@ -158,6 +159,7 @@ def format_status(status: dict) -> str:
     if t["alive"] and not t["current"]:
         lines.append("training  the new trainer is starting: no figures of its own yet")
     elif t["loss"] is not None:
+        evaluating = next((p["jobs"].get("evaluating") for p in status["producers"] if p["id"] == 0), None)
         step, max_steps = t["step"] or 0, t["max_steps"]
         done = f" ({step / max_steps:.0%})" if max_steps else ""
         eta = eta_s(t) if t["alive"] else None
@@ -165,7 +167,7 @@ def format_status(status: dict) -> str:
             "",
             f"{'training':<9} step {step}/{_cell(max_steps)}{done}  elapsed {format_duration(uptime)}  "
             f"eta {format_duration(eta)}",
-            f"{'':<9} " + "  ".join(trainer_figures(t) + [f"{_cell(t['tokens_per_s'], '{:.0f}')} tok/s"]),
+            f"{'':<9} " + "  ".join(trainer_figures(t, evaluating) + [f"{_cell(t['tokens_per_s'], '{:.0f}')} tok/s"]),
         ]
         if t.get("kind_metrics"):  # the drafter kind's own figures (DFlash 2: the selector's)
             lines.append(

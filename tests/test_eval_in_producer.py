@@ -9,7 +9,7 @@ from collections import Counter
 
 from common.faults import LOG_ENV, PLAN_ENV
 from common.rundir import RunDir, read_json
-from tests.test_pipeline import ROOT, SMALL, finish, lineage, start
+from tests.test_pipeline import ONE_PRODUCER, ROOT, SMALL, finish, lineage, start
 
 EVAL = [
     "eval.every_steps=8",
@@ -126,6 +126,59 @@ def test_evaluations_asked_faster_than_they_run_never_stop_producer_zero(short_t
     after_first = [p for line in lineage(run) if line["step"] > done[0] for p, _ in line["batches"]]
     assert after_first.count(0) >= 0.25 * len(after_first), "producer 0 went on making batches"
     assert_nothing_trained_twice(run)
+
+
+def test_the_runs_last_evaluation_starts_as_soon_as_training_ends(short_tmp):
+    """eval.producer_share paces the evaluations asked during training: after one of E s producer 0 makes batches for
+    E (1 - share) / share s. The last step's is asked once training has ended, when nothing needs batches: it starts
+    at once (the run's end used to sit idle through that hold, a minute of a 191 s walkthrough)."""
+    from common.acceptance import records as evals
+
+    run_dir, share = short_tmp / "run", 0.002
+    overrides = ("training.max_steps=16", "eval.every_steps=8", "eval.num_prompts=2", "eval.max_new_tokens=8")
+    finish(start(run_dir, *ONE_PRODUCER, *overrides, f"eval.producer_share={share}"), run_dir)
+
+    def record(step: int, name: str) -> dict:
+        [found] = (run_dir / "evals").glob(f"step-{step:08d}-*/{name}.json")
+        return read_json(found)
+
+    first, last = (evals.EvalResult(**record(step, "result")) for step in (8, 16))
+    assert not first.lost and not last.lost, (first.lost, last.lost)
+    assert not record(8, "request")["final"] and record(16, "request")["final"]
+    spent = first.finished - record(8, "claim")["claimed"]
+    held_until = first.finished + spent * (1 - share) / share
+    asked = record(16, "request")["requested"]
+    assert held_until - asked > 20, "the share's hold outlasts the end of training: the test tells the two apart"
+    assert record(16, "claim")["claimed"] - asked < 10, "the last evaluation started as soon as it was asked"
+
+
+def test_the_progress_line_says_what_the_runs_last_evaluation_waits_for(tmp_path, capsys):
+    """Training over, the line follows producer 0's evaluation (its phase, or what it waits for) with a line per
+    change, rather than standing at "evaluating 30" as if the run hung."""
+    from common.rundir import atomic_write_json
+    from launch.progress import ProgressView
+
+    run = RunDir(tmp_path / "run")
+    run.producers.mkdir(parents=True)
+    view = ProgressView(run, terminal=False)
+    trainer = {"step": 30, "max_steps": 30, "updated": 1000.0, "loss": 2.0, "evals_in_flight": [30]}
+    jobs = [
+        {"step": None, "doing": None, "held_s": 41.2},
+        {"step": None, "doing": None, "held_s": None},
+        {"step": 30, "doing": "making the target's reference (4 prompts, 48 tokens each)", "held_s": None},
+        {"step": 30, "doing": "decoding, 0/4 prompts done", "held_s": None},
+    ]
+    for job in jobs:
+        state = "training" if job["held_s"] else "final evaluation"
+        atomic_write_json(run.trainer_status, {**trainer, "state": state})
+        atomic_write_json(run.producers / "p0.json", {"id": 0, "pid": 10, "jobs": {"evaluating": job}})
+        view.update(trainer_started_wall=900.0, trainer_alive=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4, lines
+    assert "evaluating 30: queued, producer 0 makes batches 41 s more (eval.producer_share)" in lines[0]
+    assert "final evaluation" in lines[1] and "evaluating 30: waiting for producer 0 to start it" in lines[1]
+    assert "evaluating 30: making the target's reference" in lines[2]
+    assert "evaluating 30: decoding, 0/4 prompts done" in lines[3]
 
 
 def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_copy(tmp_path):

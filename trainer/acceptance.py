@@ -78,12 +78,14 @@ class EvalClient:
                 [step for step, _ in adopted],
             )
 
-    def ask(self, step: int, drafter: Drafter, full_weights: dict[str, torch.Tensor] | None) -> None:
+    def ask(
+        self, step: int, drafter: Drafter, full_weights: dict[str, torch.Tensor] | None, final: bool = False
+    ) -> None:
         """Export the drafter (``full_weights``: its whole state where the drafter holds a shard of it) for producer 0
         to evaluate; training stands still only for the copy to host memory, the export is written in the
-        background."""
+        background. ``final``: the run's last step, which producer 0 takes at once."""
         export = records.folder(self.run_dir, step, self.incarnation) / "drafter"
-        request = records.EvalRequest(step=step, drafter=str(export), incarnation=self.incarnation)
+        request = records.EvalRequest(step=step, drafter=str(export), incarnation=self.incarnation, final=final)
         weights = full_weights if full_weights is not None else drafter.state_dict()
         stall_s = self.exports.export(drafter, weights, request, background=self.background_export)
         log.info("evaluation of step %d asked for; training stood still %.2f s for its export", step, stall_s)

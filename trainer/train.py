@@ -178,7 +178,8 @@ class Trainer:
             self.handover.stage(self)
         else:
             self.save_checkpoint(blocking=True)  # always on the last step, and on a requested stop
-        if finished:
+        if finished and self.evals.in_flight:
+            self._show("final evaluation")  # the progress line says what the run waits for
             self.collect_evaluations(wait_s=EVAL_RESULT_WAIT_S)  # the last step's evaluation, while the producers run
         self.state = "finished" if finished else "stopped"
         return self.state
@@ -235,7 +236,7 @@ class Trainer:
         """Ask producer 0 to evaluate this step's weights and go on training (trainer/acceptance.py)."""
         weights = full_model_state(self.drafter) if self.ranks.sharded else None  # every rank helps gather them
         if self.rank == 0:
-            self.evals.ask(self.step, self.drafter, weights)
+            self.evals.ask(self.step, self.drafter, weights, final=self.done)
             self.write_status()
 
     def collect_evaluations(self, wait_s: float = 0.0) -> None:

@@ -46,6 +46,9 @@ class EvalRequest:
     incarnation: int
     """The asking trainer's incarnation."""
     requested: float = field(default_factory=time.time)
+    final: bool = False
+    """Asked at the run's last step: training has ended, the trainer waits for nothing else, so producer 0 takes it
+    at once (eval.producer_share paces the evaluations asked during training only)."""
 
 
 @dataclass

@@ -43,9 +43,9 @@ class EvalConfig:
     """Tokens generated per prompt (fewer when the target emits its end-of-sequence token). Any count: z-lab's
     published figures decode 2048."""
     producer_share: float = 0.25
-    """Most of producer 0's time its evaluations take: after one of E seconds it makes batches for E * (1 - share)
-    / share seconds before the next, and of the requests that came meanwhile only the newest is evaluated
-    (the others are logged as skipped). On a GPU it shares with the trainer an evaluation runs slower than
+    """Most of producer 0's time its evaluations take during training: after one of E seconds it makes batches for
+    E * (1 - share) / share seconds before the next, and of the requests that came meanwhile only the newest is
+    evaluated (the others are logged as skipped); the last step's, asked once training has ended, is taken at once. On a GPU it shares with the trainer an evaluation runs slower than
     alone, and one every few steps would otherwise stop the producer for good. 1: every request, oldest first."""
     batch_prompts: int = 16
     """Prompts drafted together: one drafter forward drafts a block for each (each keeps exactly what it keeps

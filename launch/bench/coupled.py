@@ -208,8 +208,11 @@ class InLoopEvaluations:
     def adopt(self, resumed_step: int) -> None:
         pass  # a baseline's run never survives its process: nothing was asked before it
 
-    def ask(self, step: int, drafter: Drafter, full_weights: dict[str, torch.Tensor] | None) -> None:
-        """Evaluate ``step`` now (a drafter holding a shard of itself is rebuilt whole from ``full_weights``)."""
+    def ask(
+        self, step: int, drafter: Drafter, full_weights: dict[str, torch.Tensor] | None, final: bool = False
+    ) -> None:
+        """Evaluate ``step`` now, the last one as any (a drafter holding a shard of itself is rebuilt whole from
+        ``full_weights``)."""
         if self.evaluation is None:
             return
         if full_weights is not None:

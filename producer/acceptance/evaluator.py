@@ -142,6 +142,8 @@ class Evaluator:
         """(context, block size) -> the target's (verify, decode) seconds there: the target is timed once."""
         self._draft_costs: dict[tuple[str, int], float] = {}
         """(drafter architecture, context) -> a draft round's seconds there."""
+        self.doing: str | None = None
+        """What it is doing now, for the producer's status (another thread reads it): an evaluation's phase."""
 
     @contextlib.contextmanager
     def evaluation_context(self):
@@ -157,6 +159,7 @@ class Evaluator:
         finally:
             self.target.detach()
             torch.set_num_threads(threads)
+            self.doing = None
 
     def prepare(self, block_size: int) -> TargetReference:
         """Make the target's reference for drafters of ``block_size`` now, and time its forwards at each bucket's
@@ -216,6 +219,7 @@ class Evaluator:
                 decode_seconds = time.perf_counter() - decode_started
                 # a confidence cut is reported beside the same decoding without it
                 uncut = self.decode_all(drafter, reference, 0.0) if cut > 0 else None
+                self.doing = "the simulated acceptance"
                 features = self.record_features(reference)
                 spans, anchors = zip(
                     *(
@@ -230,6 +234,7 @@ class Evaluator:
                     else (None, None)
                 )
                 timing_started = time.perf_counter()
+                self.doing = "timing the forwards"
                 costs = self.round_costs(drafter)
                 timing_seconds = time.perf_counter() - timing_started
         finally:
@@ -324,6 +329,7 @@ class Evaluator:
         if self.reference is not None and self.reference.continuation_length >= length:
             return self.reference, False
         started = time.perf_counter()
+        self.doing = f"making the target's reference ({len(self.documents)} prompts, {length} tokens each)"
         prompts = [prompt_of(d, self.config.prompt_len) for d in self.documents]
         transcripts = greedy_transcripts(self.target, prompts, length, self.config.batch_prompts) if length else []
         budget = int(self.config.reference_cache_gb * 2**30) - sum(t.features.nbytes for t in transcripts)
@@ -368,6 +374,7 @@ class Evaluator:
         size, transcripts = self.config.batch_prompts, reference.transcripts
         decoded = []
         for i in range(0, len(transcripts), size):
+            self.doing = f"decoding, {len(decoded)}/{len(transcripts)} prompts done"
             group = transcripts[i : i + size]
             decoded += replay_rows(
                 DraftRows(drafter, [t.features for t in group], confidence_min),
@@ -382,6 +389,7 @@ class Evaluator:
         a time, prompt i drawing from a generator seeded by ``eval.seed`` and i (``sampling_seed``)."""
         decoded = []
         for index, document in enumerate(self.documents):
+            self.doing = f"decoding, {index}/{len(self.documents)} prompts done"
             generator = torch.Generator(device=self.target.device).manual_seed(sampling_seed(self.config.seed, index))
             decoded.append(
                 speculative_decode(

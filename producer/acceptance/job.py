@@ -58,11 +58,21 @@ class EvaluationJob:
         self._evaluator: Evaluator | None = None
         self._reference_due = True
         self._next_check = 0.0
+        self._held_until = 0.0
+        """Until when (time.monotonic()) this producer makes batches after an evaluation, to keep evaluating at most
+        eval.producer_share of its time; a final request (the run's last step) is taken regardless."""
         for step in records.mark_abandoned_claims_lost(run_dir, producer_id):
             log.warning("evaluation of step %d was lost: this producer was restarted during it", step)
 
-    def status(self) -> int | None:
-        return self.evaluating
+    def status(self) -> dict[str, object]:
+        """The step it evaluates (None: none), what the evaluator is doing (an evaluation's phase, or the reference
+        made ahead), and the seconds left of its hold after the last evaluation (eval.producer_share)."""
+        held = self._held_until - time.monotonic()
+        return {
+            "step": self.evaluating,
+            "doing": self._evaluator.doing if self._evaluator is not None else None,
+            "held_s": round(held, 1) if held > 0 else None,
+        }
 
     def between_batches(self) -> None:
         """Run the oldest open evaluation request of the trainer (the newest, with eval.producer_share below 1).
@@ -70,11 +80,13 @@ class EvaluationJob:
         The server thread keeps leasing the ring's ready batches meanwhile, so the trainer trains on while
         this producer decodes. An evaluation that fails is written as lost: it never stops the producer.
         """
-        if time.monotonic() < self._next_check:
+        now = time.monotonic()
+        if now < self._next_check:
             return
-        self._next_check = time.monotonic() + EVAL_POLL_S
+        self._next_check = now + EVAL_POLL_S
         pending = records.open_requests(self.run_dir)
-        if not pending:
+        # Within its share's hold only the run's last evaluation is taken: training has ended, nothing needs batches.
+        if not pending or (now < self._held_until and not any(request.final for request in pending)):
             return
         # With a share below 1, the newest weights only: requests that came while this producer evaluated or
         # made up its share of batches are answered as skipped (the trainer logs that), so none pile up.
@@ -135,7 +147,7 @@ class EvaluationJob:
         self.on_change()
         # Batches again for long enough that evaluating takes at most eval.producer_share of this producer's time.
         spent = time.monotonic() - started
-        self._next_check = time.monotonic() + max(EVAL_POLL_S, spent * (1.0 - share) / share)
+        self._held_until = time.monotonic() + spent * (1.0 - share) / share
 
     def while_ring_full(self) -> None:
         """While the ring is full and nothing is asked: make the evaluator's reference (the target's greedy
