@@ -2,7 +2,8 @@
 
 The dump: one ``NNNNNNNN.ckpt`` per row (``torch.save`` of ``input_ids`` [seq], ``loss_mask`` [seq] and
 ``hidden_states`` [seq, n * H] bf16, the n target layers' outputs side by side: SpecForge's DFlash offline contract,
-what its SGLang writer writes), written by a pool of threads while the target runs on.
+what its SGLang writer writes), written by a pool of threads while the target runs on. On the CPU (--smoke) the
+features and ``model.torch_dtype`` are float32 instead: SpecForge's bf16 lm_head there took minutes a step.
 
 Its recipe, the preset's where SpecForge has the option: the preset's drafter (8 layers, block 16, the same target
 layers and mask token) through our exporter's z-lab config (``model.draft_model_config``); loss ``dpace``
@@ -58,8 +59,8 @@ SMOKE_STEPS = 2
 WRITERS = 8
 
 
-def write_ckpt(path: Path, row: TrainingRow, features: torch.Tensor) -> int:
-    """One row's offline features in SpecForge's format; its bytes. ``features`` is [seq, n, H]."""
+def write_ckpt(path: Path, row: TrainingRow, features: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> int:
+    """One row's offline features in SpecForge's format, in ``dtype``; its bytes. ``features`` is [seq, n, H]."""
     seq = len(row.input_ids)
     if features.shape[0] != seq:
         raise ValueError(f"{seq} tokens but features for {features.shape[0]}")
@@ -67,20 +68,22 @@ def write_ckpt(path: Path, row: TrainingRow, features: torch.Tensor) -> int:
         {
             "input_ids": torch.tensor(row.input_ids, dtype=torch.long),
             "loss_mask": torch.tensor(row.loss_mask, dtype=torch.long),
-            "hidden_states": features.reshape(seq, -1).to(torch.bfloat16).contiguous(),
+            "hidden_states": features.reshape(seq, -1).to(dtype).contiguous(),
         },
         path,
     )
     return path.stat().st_size
 
 
-def dump(folder: Path, rows: Sequence[TrainingRow], capture: FeatureCapture, layers: list[int]) -> int:
-    """Every row's features into ``folder`` (files named in row order); their bytes."""
+def dump(
+    folder: Path, rows: Sequence[TrainingRow], capture: FeatureCapture, layers: list[int], dtype: torch.dtype
+) -> int:
+    """Every row's features into ``folder`` in ``dtype`` (files named in row order); their bytes."""
     folder.mkdir(parents=True, exist_ok=True)
     total, pending = 0, deque()
     with ThreadPoolExecutor(WRITERS) as writers:
         for index, features in capture(rows, layers):
-            pending.append(writers.submit(write_ckpt, folder / f"{index:08d}.ckpt", rows[index], features))
+            pending.append(writers.submit(write_ckpt, folder / f"{index:08d}.ckpt", rows[index], features, dtype))
             while len(pending) > 8 * WRITERS:  # a disk slower than the target holds back the capture, not the memory
                 total += pending.popleft().result()
         return total + sum(f.result() for f in pending)
@@ -104,7 +107,7 @@ def config(work: Path, draft: DraftShape, shape: tuple[int, int], max_len: int, 
             "target_model_path": str(draft.target_dir),
             "draft_model_config": str(draft.zlab_dir),
             "mask_token_id": draft.config.mask_token_id,
-            "torch_dtype": "bfloat16",  # the features' dtype
+            "torch_dtype": "bfloat16" if cuda else "float32",  # the features' dtype
         },
         "data": {
             "hidden_states_path": str(work / "features"),
@@ -213,7 +216,8 @@ class SpecForge:
         settings = config(work, draft, shape, self.max_len, cuda)
         with PeakGpuMemory() as peak:
             started = time.monotonic()
-            disk = dump(work / "features", rows, capture, draft.target_layer_ids)
+            dtype = torch.bfloat16 if cuda else torch.float32  # bf16 matmuls crawl on a CPU
+            disk = dump(work / "features", rows, capture, draft.target_layer_ids, dtype)
             dump_s = time.monotonic() - started
             if hasattr(capture, "close"):
                 capture.close()  # the card to SpecForge alone
@@ -243,7 +247,7 @@ class SpecForge:
     def export(self, checkpoint: Path, draft: DraftShape, out: Path, log: Path) -> Path:
         """``specforge export --to hf`` of ``checkpoint`` into ``out`` (the z-lab format)."""
         command = [sys.executable, str(CLI), "export", "--to", "hf", "--checkpoint", str(checkpoint)]
-        command += ["--draft-config", str(draft.zlab_dir), "--output-dir", str(out)]
+        command += ["--draft-config", str(draft.zlab_dir / "config.json"), "--output-dir", str(out)]
         code, _ = run_to_deadline(command, log, peer_env(), None)
         if code != 0:
             sys.exit(f"specforge export failed with exit {code}; see {log}")
