@@ -57,7 +57,7 @@ multidict|>=4.5,<8.0|7.2.1
 propcache|>=0.2.0|0.5.4
 yarl|>=1.25.1,<2.0|1.25.1
 "
-IMAGE="pyarrow pandas python-dateutil six aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl"
+IMAGE="pyarrow pandas python-dateutil six h11 xxhash aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl"
 
 pins() {  # every name==version of REQUIREMENTS, less those the GPU image has
   echo "$REQUIREMENTS" | awk -F'|' -v image=" $IMAGE " 'NF == 3 && index(image, " " $1 " ") == 0 {print $1 "==" $3}'

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from launch.bench.peers.common import PEERS_DIR, Budget, DraftShape, TrainingRow
 from launch.bench.peers.speculators import (
     Layout,
+    Probe,
     Speculators,
     env,
-    plan_steps,
     saved_checkpoints,
     step_seconds,
     validation_ratio,
@@ -95,9 +95,13 @@ def test_only_finished_epoch_checkpoints_count(tmp_path):
     assert [(steps, folder.name) for steps, folder, _ in found] == [(40, "0"), (80, "1")]
 
 
-def test_the_plan_fills_the_time_left_after_the_start():
-    assert plan_steps(step_s=0.5, startup_s=20.0, seconds=240.0) == int((240 * 0.98 - 20) / 0.5)
-    assert plan_steps(step_s=10.0, startup_s=300.0, seconds=240.0) == 1
+def test_the_plan_fills_the_time_left_with_steps_and_a_save_each_epoch():
+    probe = Probe(step_s=0.5, startup_s=20.0, save_s=2.0)
+    steps = probe.steps_for(240.0, steps_per_epoch=40)
+    epochs = -(-steps // 40)
+    assert 20.0 + steps * 0.5 + (epochs - 1) * 2.0 <= 240 * 0.98 < 20.0 + (steps + 2) * 0.5 + epochs * 2.0
+    assert Probe(step_s=0.5, startup_s=20.0, save_s=0.0).steps_for(240.0, 40) == int((240 * 0.98 - 20) / 0.5)
+    assert Probe(step_s=10.0, startup_s=300.0, save_s=1.0).steps_for(240.0, 40) == 1
 
 
 # ---- reference: speculators itself, from .peers (launch/setup_peers.sh) ----

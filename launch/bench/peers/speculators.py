@@ -35,9 +35,10 @@ On a machine without an accelerator (--smoke on this CPU), speculators' trainer 
 device index 0 (train/trainer.py:348, 533) and synchronizes the accelerator to time a step; none of its options nor
 any torch setting makes index 0 the CPU. There its unmodified CLI runs under ``python -m
 launch.bench.peers.speculators --on-cpu`` (torch, not speculators, is adapted: a bare device index means the CPU,
-and the accelerator sync is a no-op), with its documented options for such hardware: ``--draft-attn-impl sdpa``
+and the accelerator sync is a no-op), with these documented options of its own: ``--draft-attn-impl sdpa``
 (flex attention is for GPUs), ``--loss-implementation eager`` (the fused loss needs Triton), ``--hidden-states-dtype
-float32`` (its autocast is CUDA's, off on the CPU, so bf16 features would meet fp32 weights) and ``--num-workers 0``.
+float32`` (its autocast is CUDA's, off on the CPU, so bf16 features would meet fp32 weights), ``--num-workers 0``,
+and ``--optimizer adamw`` (its Muon's bf16 Newton-Schulz takes minutes a step on a CPU).
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ SMOKE_STEPS = 2
 LOG_EVERY = 25
 """``--log-freq`` of a timed run: speculators synchronizes the card at every step it logs."""
 PLAN_MARGIN = 0.98
-"""The share of the time left that the planned steps fill: what the probe cannot see (epoch-end saves and
-validations) must fit the rest, or the deadline stops the run before its last save."""
+"""The share of the time left that the plan fills: what the probe does not time (an epoch end's validation of
+one row, the sampler's next packing) must fit the rest, or the deadline stops the run before its last save."""
 WRITERS = 8
 
 
@@ -206,9 +207,22 @@ def saved_checkpoints(save: Path) -> list[tuple[int, Path, float]]:
     return sorted(found)
 
 
-def plan_steps(step_s: float, startup_s: float, seconds: float) -> int:
-    """The steps that fit ``seconds`` of wall clock after ``startup_s``, at ``step_s`` a step (at least one)."""
-    return max(1, int((seconds * PLAN_MARGIN - startup_s) / step_s))
+@dataclass(frozen=True)
+class Probe:
+    """speculators' timing on these features, from a short run."""
+
+    step_s: float
+    """Seconds a step (the median of its own step_ms, past the first steps)."""
+    startup_s: float
+    """Seconds of the run that are not steps: start, data, compilation, one epoch-end save."""
+    save_s: float
+    """Seconds of an epoch-end checkpoint, from its first file to its training_state.json."""
+
+    def steps_for(self, seconds: float, steps_per_epoch: int) -> int:
+        """The steps that fit ``seconds`` (at least one): the start, the steps, and a save every
+        ``steps_per_epoch`` steps after the first."""
+        per_step = self.step_s + self.save_s / steps_per_epoch
+        return max(1, int((seconds * PLAN_MARGIN - self.startup_s + self.save_s) / per_step))
 
 
 class Speculators:
@@ -257,11 +271,14 @@ class Speculators:
         if not torch.accelerator.is_available():
             args += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
             args += ["--hidden-states-dtype", "float32", "--num-workers", "0"]
+            # Its Muon orthogonalizes in bf16, which has no fast CPU kernel here: 468 s of a 557 s step of the
+            # preset's drafter on two busy cores. The CPU checks the path, not the recipe.
+            args[args.index("--optimizer") + 1] = "adamw"
         return args
 
-    def _probe(self, work: Path, target: Path, layout: Layout, log: Path) -> tuple[float, float]:
-        """(seconds a step, seconds that are not steps: start, data, compilation, the final save) of speculators on
-        these features: a short run of epoch 0 saving into ``probe/``, timed by its own step_ms, then removed."""
+    def _probe(self, work: Path, target: Path, layout: Layout, log: Path) -> Probe:
+        """speculators on these features: a short run of epoch 0 saving into ``probe/``, timed by its own step_ms
+        and its checkpoint's files, then removed."""
         steps = min(PROBE_STEPS, len(layout.epochs[0]))
         args = self.train_args(work, target, layout, 1, steps)
         args[args.index("--save-path") + 1] = str(work / "probe")
@@ -277,8 +294,10 @@ class Speculators:
             sys.exit(f"speculators' probe printed no step_ms; see {log}")
         steady = sorted(times[PROBE_SKIP:] or times)
         step_s = steady[len(steady) // 2]
+        written = [p.stat().st_mtime for p in (work / "probe" / "0").iterdir()]
+        save_s = max(written) - min(written)
         _rmtree(work / "probe")
-        return step_s, max(0.0, wall - len(times) * step_s)
+        return Probe(step_s, max(0.0, wall - len(times) * step_s), save_s)
 
     def _plan(
         self, work: Path, target: Path, layout: Layout, budget: Budget, dump_s: float, log: Path
@@ -288,11 +307,11 @@ class Speculators:
             return layout, layout.epochs_for(SMOKE_STEPS), SMOKE_STEPS, None
         if budget.equal_data:
             return layout, 1, None, None
-        step_s, startup_s = self._probe(work, target, layout, log)
+        probe = self._probe(work, target, layout, log)
         left = budget.train_seconds_left(dump_s)
-        steps = plan_steps(step_s, startup_s, left)
+        steps = probe.steps_for(left, len(layout.epochs[0]))
         with open(log, "a") as out:
-            out.write(f"\n== probe: {step_s:.3f} s a step, {startup_s:.1f} s besides; {steps} steps in {left:.0f} s\n")
+            out.write(f"\n== probe: {probe}; {steps} steps in {left:.0f} s\n")
         layout = read_layout(work / "data", self.token_budget, steps, log)
         return layout, layout.epochs_for(steps), steps, left
 
