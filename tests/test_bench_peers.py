@@ -154,6 +154,12 @@ def test_the_table_sets_ours_beside_the_best_peer(tmp_path):
     ):
         (tmp_path / f"peers-m4-{row}.json").write_text(json.dumps(record(row, tau, samples, dump_s)))
     (tmp_path / "peers-m8-ours.json").write_text(json.dumps({"row": "ours", "view": "m8"}))  # still training
+    failed = {"row": "speculators", "view": "m4", "error": "no checkpoint inside the budget"}
+    (tmp_path / "peers-m4-speculators.json").write_text(json.dumps(failed))  # a failed peer: a row saying why
+    rows = table_rows(tmp_path)
+    assert [r["row"] for r in rows] == ["ours", "specforge", "speculators"] and rows[2] == failed
+    assert rows[0]["held_out_tau_vs_best_peer"] == pytest.approx(3.0 / 2.0)  # beside the peers that trained
+    (tmp_path / "peers-m4-speculators.json").write_text(json.dumps(record("speculators", 2.5, 960, 40.0)))
     rows = table_rows(tmp_path)
     assert [r["row"] for r in rows] == ["ours", "specforge", "speculators"]
     assert rows[0]["held_out_tau_vs_best_peer"] == pytest.approx(3.0 / 2.5)

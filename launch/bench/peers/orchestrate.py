@@ -81,6 +81,10 @@ def evaluate_export(export: Path, run_dir: Path, out: Path, name: str, runs: dic
     }
 
 
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def done(out: Path, view: str, row: str) -> dict | None:
     """A row an earlier call of this --out trained and evaluated (a call may run some rows, the next the others)."""
     path = out / f"peers-{view}-{row}.json"
@@ -97,10 +101,11 @@ def train_ours(args: argparse.Namespace, out: Path, quality: list[str], view: st
     evaluated by it; its figures, and the card's peak memory while it trained and evaluated."""
     name = f"ours-{view}"
     started = time.monotonic()
-    with PeakGpuMemory() as peak, open(out / f"peers-{name}.log", "w") as log:
-        done = subprocess.run([*quality, "--reuse-data", "--name", name, *budget], stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        sys.exit(f"our row failed with exit {done.returncode}; see {out / f'peers-{name}.log'}")
+    with PeakGpuMemory() as peak, open(out / f"peers-{name}.log", "a") as log:
+        if "held_out" not in (result := _json(out / f"quality-{name}.json")):  # else an earlier call evaluated it
+            command = [*quality, "--reuse-data", "--name", name, *budget]
+            if (code := subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode) != 0:
+                sys.exit(f"our row failed with exit {code}; see {out / f'peers-{name}.log'}")
     result = json.loads((out / f"quality-{name}.json").read_text())
     ledger = [json.loads(line) for line in (out / name / "ledger.jsonl").read_text().splitlines()]
     record = {
@@ -111,7 +116,7 @@ def train_ours(args: argparse.Namespace, out: Path, quality: list[str], view: st
         "trained_s": result.get("trained_s"),
         "steps": result["steps"],
         "samples": result["trained_samples"],
-        "sample_ids": [i for entry in ledger for i in entry["samples"]],
+        "sample_ids": [sample for entry in ledger for _producer, _epoch, sample in entry["samples"]],
         "peak_gpu_bytes": peak.peak_bytes,
         "disk_bytes": 0,
         "wall_s": time.monotonic() - started,
@@ -163,7 +168,8 @@ def check_held_out(run_dir: Path, source) -> None:
 
 
 def run(args: argparse.Namespace, out: Path) -> int:
-    """Synthesize, then every view: ours, then each peer set up, each evaluated. 2 when no peer asked is set up."""
+    """Synthesize, then every view: ours, then each peer set up, each evaluated. The peers that failed (each said
+    why), or 2 when no peer asked for is set up."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = run_config(args.gguf, out, args.held_out, args.smoke)
     try:
@@ -187,7 +193,7 @@ def run(args: argparse.Namespace, out: Path) -> int:
         out, bytes_per_token(draft, draft.config.target_hidden_size)
     )
     print(f"the peers' disk cap: {max_tokens:,} tokens of rows", flush=True)
-    humaneval = HUMANEVAL_PROMPTS[args.smoke]
+    humaneval, failed = HUMANEVAL_PROMPTS[args.smoke], 0
     for view, ours_budget, budget in views(args, cfg, source):
         ours = done(out, view, "ours")
         if ours is None:
@@ -214,7 +220,13 @@ def run(args: argparse.Namespace, out: Path) -> int:
             if done(out, view, peer.name) is not None:
                 print(f"{view}: {peer.name} done in an earlier call", flush=True)
                 continue
-            record = run_peer(peer, out, view, rows, context, budget)
+            try:
+                record = run_peer(peer, out, view, rows, context, budget)
+            except (SystemExit, Exception) as exc:  # one peer's failure loses neither ours nor the other peer's row
+                failed += 1
+                print(f"{view}: {peer.name} failed: {exc}", flush=True)
+                save(out, view, peer.name, {"row": peer.name, "view": view, "error": str(exc)})
+                continue
             save(out, view, peer.name, {**record, "peer_max_tokens": max_tokens})
             print(f"{view}: {peer.name} trained {record['samples']} samples, {record['steps']} steps", flush=True)
-    return 0
+    return failed

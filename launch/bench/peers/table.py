@@ -19,6 +19,9 @@ def table_rows(out: Path) -> list[dict]:
     rows = []
     for path in sorted(out.glob("peers-*-*.json")):
         record = json.loads(path.read_text())
+        if "error" in record:
+            rows.append(record)
+            continue
         if "held_out" not in record:
             continue
         record.pop("sample_ids", None)
@@ -27,7 +30,7 @@ def table_rows(out: Path) -> list[dict]:
         rows.append(record)
     rows.sort(key=lambda r: (r["view"], ORDER.get(r["row"], len(ORDER))))
     for ours in (r for r in rows if r["row"] == "ours"):
-        peers = [r for r in rows if r["view"] == ours["view"] and r["row"] != "ours"]
+        peers = [r for r in rows if r["view"] == ours["view"] and r["row"] != "ours" and "error" not in r]
         for key in [*(f"{e}_tau" for e in EVALUATIONS), "samples_per_gpu_min"]:
             best = max((_value(p, key) for p in peers if _value(p, key)), default=None)
             if best and _value(ours, key):
@@ -71,6 +74,9 @@ def print_table(rows: list[dict]) -> None:
     table = Table(columns)
     print(table.header())
     for r in rows:
+        if "error" in r:
+            print(f"{r['view']:<7} {r['row']:<12} failed: {r['error']}")
+            continue
         peak = r.get("peak_gpu_bytes")
         tokens = r.get("tokens_trained")
         print(
