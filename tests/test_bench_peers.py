@@ -141,6 +141,23 @@ def test_the_bench_stops_with_exit_2_when_no_peer_asked_for_is_set_up(monkeypatc
     assert not (tmp_path / "out" / "quality-data.json").exists()  # nothing synthesized, nothing trained
 
 
+def test_a_peers_features_and_checkpoints_go_once_its_export_is_evaluated(tmp_path):
+    from launch.bench.peers.orchestrate import prune
+
+    work = tmp_path / "speculators-m4"
+    for path in ("data/hidden_states/hs_0.safetensors", "save/0/config.json", "save/1/config.json", "run.yaml"):
+        (work / path).parent.mkdir(parents=True, exist_ok=True)
+        (work / path).write_text("x")
+    prune(work, work / "save" / "1")
+    assert sorted(p.relative_to(work).as_posix() for p in work.rglob("*")) == [
+        "save",
+        "save/0",
+        "save/0/config.json",
+        "save/1",
+        "save/1/config.json",
+    ]
+
+
 def test_the_table_sets_ours_beside_the_best_peer(tmp_path):
     def record(row: str, tau: float, samples: int, dump_s: float) -> dict:
         e = {"tau": tau, "zlab_tau": tau - 0.1, "sim_tau": tau + 0.1, "prompts": 4}

@@ -128,8 +128,8 @@ def train_ours(args: argparse.Namespace, out: Path, quality: list[str], view: st
 
 
 def run_peer(peer: Peer, out: Path, view: str, rows: list[TrainingRow], ctx: dict, budget: Budget) -> dict:
-    """One peer's row: its dump and training to ``budget``, its export evaluated; its features deleted after, so
-    that the next peer has the disk."""
+    """One peer's row: its dump and training to ``budget``, its export evaluated; all but its export deleted after,
+    so that the next peer has the disk."""
     work = out / f"{peer.name}-{view}"
     if work.exists():
         shutil.rmtree(work)
@@ -137,13 +137,22 @@ def run_peer(peer: Peer, out: Path, view: str, rows: list[TrainingRow], ctx: dic
     started = time.monotonic()
     run: PeerRun = peer.run(work, rows, capture, ctx["draft"], budget, out / f"peers-{peer.name}-{view}.log")
     capture.close()
-    shutil.rmtree(work / "features", ignore_errors=True)
     record = {"row": peer.name, "view": view, "wall_s": time.monotonic() - started}
     record |= {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(run).items()}
     record["samples"], record["rows"] = run.samples_trained, len(rows)
     record["row_tokens"] = sum(len(r.input_ids) for r in rows)
     record |= evaluate_export(run.export, ctx["run_dir"], out, f"{peer.name}-{view}", ctx["evaluations"])
+    prune(work, run.export)
     return record
+
+
+def prune(work: Path, export: Path) -> None:
+    """Everything of a peer's ``work`` but the folder holding its export: its features (tens of GB on a GPU) and
+    checkpoints go before the next peer dumps its own."""
+    for child in work.iterdir():
+        if export.resolve().is_relative_to(child.resolve()):
+            continue
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
 def views(args: argparse.Namespace, cfg, source) -> list[tuple[str, list[str], Budget | None]]:
