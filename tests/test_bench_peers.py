@@ -96,9 +96,10 @@ def test_a_step_holds_the_presets_tokens_and_anchors_on_average():
 
 def test_the_steps_that_fit_the_time_left_are_the_schedules_horizon():
     plan = training_plan(step_s=0.5, startup_s=20.0, seconds=200.0, rows=1000, batch=100, save_every_s=15.0)
-    assert plan["max_steps"] == plan["total_steps"] == 360  # (200 - 20) / 0.5
-    assert plan["num_epochs"] == 36  # 10 steps an epoch
+    assert plan["max_steps"] == plan["total_steps"] == 349  # 0.97 x (200 - 20) / 0.5
+    assert plan["num_epochs"] == 35  # 10 steps an epoch
     assert plan["save_interval"] == 30  # every 15 s
+    assert training_plan(0.5, 20.0, 40.0, 1000, 100, 15.0)["save_interval"] == 9  # 38 steps: 4 saves at least
     assert training_plan(1.0, 50.0, 30.0, 10, 5, 15.0)["max_steps"] == 1  # at least one step
 
 

@@ -55,6 +55,7 @@ STATE_FILE = "training_state.pt"
 RUN_ID = "specforge"
 PROBE_STEPS, PROBE_SAVE = 30, 10
 SAVE_EVERY_S = 15.0
+STEP_MARGIN = 0.97
 SMOKE_STEPS = 2
 WRITERS = 8
 
@@ -149,15 +150,16 @@ def saved_at(folder: Path) -> float:
 
 def training_plan(step_s: float, startup_s: float, seconds: float, rows: int, batch: int, save_every_s: float) -> dict:
     """The training section's length for ``seconds`` of wall clock: the steps that fit after ``startup_s`` at
-    ``step_s`` a step (at least one), as the schedule's horizon and the cap, enough epochs to reach them, and a save
-    every ``save_every_s``."""
-    steps = max(1, int((seconds - startup_s) / step_s))
+    ``step_s`` a step (at least one; ``STEP_MARGIN`` of them, so that the last save lands inside the budget), as the
+    schedule's horizon and the cap, enough epochs to reach them, and a save every ``save_every_s`` (at least four
+    saves, so that a slower run than timed still has one inside the budget)."""
+    steps = max(1, int(STEP_MARGIN * (seconds - startup_s) / step_s))
     per_epoch = max(1, rows // batch)
     return {
         "max_steps": steps,
         "total_steps": steps,
         "num_epochs": math.ceil(steps / per_epoch),
-        "save_interval": max(1, round(save_every_s / step_s)),
+        "save_interval": max(1, min(round(save_every_s / step_s), steps // 4)),  # 4 saves at least
         "max_checkpoints": 3,
     }
 
