@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from common.drafter.dflash2.model import DFlash2Drafter
+from common.drafter.dflash2.model import DFlash2KindHead
 from common.drafter.export import load_drafter
 from common.drafter.target_head import TargetHead
 from tests.drafter_fixtures import tiny_qwen3_target
@@ -54,7 +54,7 @@ def test_a_dflash2_run_trains_evaluates_exports_and_a_dflash_checkpoint_starts_o
     assert 0.0 <= trained[-1]["selector/accuracy"] <= trained[-1]["selector/recall"] <= 1.0
     assert any("eval/tau" in m for m in metrics)  # producer 0 decoded with the selector's walk
     status = json.loads((run_dir / "trainer.json").read_text())
-    assert status["kind"] == "dflash2" and set(status["kind_metrics"]) == set(DFlash2Drafter.logged_metrics)
+    assert status["kind"] == "dflash2" and set(status["kind_metrics"]) == set(DFlash2KindHead.logged_metrics)
     shown = subprocess.run(
         [str(ROOT / "launch" / "run_all.sh"), "status", "--run-dir", str(run_dir)],
         capture_output=True,
@@ -78,7 +78,7 @@ def test_a_dflash2_run_trains_evaluates_exports_and_a_dflash_checkpoint_starts_o
     head = TargetHead(
         torch.zeros(config["vocab_size"], hidden), torch.zeros(config["vocab_size"], hidden), torch.ones(hidden), 1e-6
     )
-    assert isinstance(load_drafter(export, head), DFlash2Drafter)
+    assert isinstance(load_drafter(export, head).head, DFlash2KindHead)
 
     # The DFlash run's checkpoint resumed as DFlash 2: refused at once, naming the key.
     text, seconds = stops_with_2(dflash_run, *DFLASH2, "training.max_steps=16")

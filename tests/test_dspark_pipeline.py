@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.drafter.dspark.model import DSparkDrafter
+from common.drafter.dspark.model import DSparkKindHead
 from tests.drafter_fixtures import tiny_qwen3_target
 from tests.test_first_day import stops_with_2
 from tests.test_pipeline import ONE_PRODUCER, finish, start
@@ -25,13 +25,13 @@ def test_a_dspark_run_trains_evaluates_with_a_confidence_cut_and_exports(short_t
     finish(start(run_dir, *ONE_PRODUCER, *DSPARK, *overrides, "eval.confidence_min=0.5"), run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if "loss" in m]
-    for key in DSparkDrafter.logged_metrics:
+    for key in DSparkKindHead.logged_metrics:
         assert all(key in m for m in trained), key
     evaluated = next(m for m in metrics if "eval/tau" in m)
     assert evaluated["eval/confidence_min"] == 0.5 and "eval/uncut_tau" in evaluated
     assert evaluated["eval/tau"] <= evaluated["eval/uncut_tau"] + 1e-9  # a cut never accepts more
     status = json.loads((run_dir / "trainer.json").read_text())
-    assert status["kind"] == "dspark" and set(status["kind_metrics"]) == set(DSparkDrafter.logged_metrics)
+    assert status["kind"] == "dspark" and set(status["kind_metrics"]) == set(DSparkKindHead.logged_metrics)
 
     checkpoint = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
     outputs = {}

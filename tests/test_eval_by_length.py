@@ -351,7 +351,7 @@ def test_length_bucket_settings_are_checked_naming_the_key():
 def test_the_timed_draft_round_drafts_what_decoding_drafts(target_model, kind):
     """The timed round reads the context's keys and values projected once, as a server's draft cache holds them: its
     drafts are the evaluator's, for either kind, and the drafter's layers are as they were afterwards."""
-    from common.drafter.dflash2.model import DFlash2Drafter
+    from common.drafter.base import build_drafter
     from producer.acceptance.decoder import draft_rows
     from producer.acceptance.timing import _context_kv_cached, time_draft_round
     from tests.test_dflash2 import dflash2_config, trained_like
@@ -361,7 +361,7 @@ def test_the_timed_draft_round_drafts_what_decoding_drafts(target_model, kind):
         drafter = drafter_for(target_model)
     else:
         config = dflash2_config(target_layer_ids=LAYER_IDS, block_size=BLOCK)
-        drafter = trained_like(DFlash2Drafter(config, target_head_of(target_model)).eval())
+        drafter = trained_like(build_drafter(config, target_head_of(target_model)).eval())
     fused = drafter.fuse_context(torch.randn(40, drafter.config.fused_feature_size))
     anchor, position = torch.tensor([5]), torch.tensor([40])
     originals = [(layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in drafter.layers]

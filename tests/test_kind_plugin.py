@@ -1,8 +1,9 @@
-"""A fourth drafter kind, defined in this file alone, trains, evaluates and exports through the normal commands.
+"""A fifth drafter kind, defined in this file alone, trains, evaluates and exports through the normal commands.
 
 The kind ("toy": the DFlash drafter with a learned scale on its hidden states before the head, and one option of its
-own) is named in DFLASH_DRAFTER_KINDS, the way a kind from outside the repository is loaded by every process of a
-run. Nothing else in the repository knows it: the config reads its ``[drafter.toy]`` table, the trainer logs its
+own) is what any kind is: its options, its head on the DFlash backbone (common/drafter/head.py) and its line of the
+kinds table. It is named in DFLASH_DRAFTER_KINDS, the way a kind from outside the repository is loaded by every
+process of a run. Nothing else in the repository knows it: the config reads its ``[drafter.toy]`` table, the trainer logs its
 metric, producer 0 evaluates its proposals, and export writes its architecture and option.
 """
 
@@ -19,8 +20,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from common.drafter.head import KindHead, ObjectiveInput, ProposalInput, walk_slots
 from common.drafter.kind import DrafterKind, KindOptions
-from common.drafter.model import DFlashDrafter
+from common.drafter.loss import draft_loss
+from common.drafter.sampling import Proposal
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,32 +38,49 @@ class ToyOptions(KindOptions):
     """The scale on the draft hidden states at initialisation."""
 
 
-class ToyDrafter(DFlashDrafter):
+class Scale(nn.Module):
+    """One learned number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+
+
+class ToyHead(KindHead):
     """DFlash, with its hidden states scaled by one learned number before the target's head."""
 
-    kind = "toy"
+    title = "toy"
     logged_metrics = ("toy/scale",)
+    state_names = ("scale",)
 
-    def __init__(self, config, target_head, loss_config=None, attention_backend=None) -> None:
-        super().__init__(config, target_head, loss_config, attention_backend)
-        self.scale = nn.Parameter(torch.tensor(float(config.options.initial_scale)))
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.scale = Scale()
 
-    def objective(self, hidden, blocks, target_hidden=None, loss_config=None, context=None):
-        loss, metrics = super().objective(hidden * self.scale, blocks, target_hidden, loss_config, context)
-        metrics["toy/scale"] = self.scale.detach()
+    def parts(self):
+        return {"scale": self.scale}
+
+    def reset(self, drafter, std=0.02):
+        with torch.no_grad():
+            self.scale.weight.fill_(self.config.options.initial_scale)
+
+    def objective(self, slots: ObjectiveInput):
+        scaled = slots.hidden * self.scale.weight
+        head_weight = slots.target_head.lm_head_weight
+        loss, metrics = draft_loss(scaled, slots.blocks, head_weight, slots.loss_config, slots.target_hidden)
+        metrics["toy/scale"] = self.scale.weight.detach()
         return loss, metrics
 
-    def propose(self, hidden, anchor_ids, sampling=None, generator=None, context=None):
-        return super().propose(hidden * self.scale, anchor_ids, sampling, generator, context)
-
-    def warm_start(self, state: dict[str, torch.Tensor]) -> None:
-        self.load_state_dict({**state, "scale": state.get("scale", torch.tensor(1.0))}, strict=True)
+    def propose(self, walk: ProposalInput):
+        scores = walk.logits * self.scale.weight  # the logits of the scaled hidden states
+        tokens, probs = walk_slots(lambda slot, _: scores[:, slot], scores.shape[1], walk, over_vocabulary=True)
+        return Proposal(tokens=tokens, probs=probs)
 
 
 KIND = DrafterKind(
     name="toy",
     options=ToyOptions,
-    model="tests.test_kind_plugin:ToyDrafter",
+    head="tests.test_kind_plugin:ToyHead",
     zlab_architecture="ToyDraftModel",
     speculators_type="toy",
     speculators_architecture="ToySpeculator",

@@ -15,10 +15,9 @@ from common.config import ConfigError, load_config
 from common.drafter.base import build_drafter
 from common.drafter.blocks import build_blocks
 from common.drafter.export import config_from_export, export_speculators, export_zlab, load_drafter, zlab_config
-from common.drafter.lilicorr.model import LiLiCorrDrafter, LiLiCorrHead, LogSumExpRows, chain_rows
+from common.drafter.lilicorr.model import LiLiCorrHead, LiLiCorrKindHead, LogSumExpRows, chain_rows
 from common.drafter.loss import LossConfig, chunked_head_rows, draft_loss
 from common.drafter.masks import build_masks
-from common.drafter.model import DFlashDrafter
 from common.drafter.sampling import Sampling
 from producer.acceptance.decoder import DraftContext
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
@@ -220,9 +219,7 @@ def test_a_fresh_or_warm_started_drafter_proposes_what_its_dflash_backbone_does(
     fresh.reset_parameters(0.3)
     _, blocks, hidden, _, context = blocks_and_hidden(fresh, seed=1)
     anchors = blocks.block_ids[:, 0]
-    assert torch.equal(
-        fresh.propose(hidden, anchors, context=context).tokens, DFlashDrafter.propose(fresh, hidden, anchors).tokens
-    )
+    assert torch.equal(fresh.propose(hidden, anchors, context=context).tokens, fresh.logits(hidden[:, 1:]).argmax(-1))
 
     # Its own weights load whole; anything else but a DFlash drafter's is refused.
     trained = trained_like(build_drafter(config, head))
@@ -291,7 +288,7 @@ def test_the_loss_is_the_dflash_loss_plus_the_three_terms_written_out():
     with torch.no_grad():
         logits = hidden[:, 1:] @ weight.T
         log_probs, candidates = torch.log_softmax(logits, -1).topk(32, dim=-1)
-        start, pair = drafter.log_factors(candidates, log_probs, hidden[:, 1:], context)
+        start, pair = drafter.head.log_factors(drafter.target_head, candidates, log_probs, hidden[:, 1:], context)
         target_logits = target_hidden[blocks.label_index - 1] @ weight.T
     terms, count = torch.zeros(3), 0
     for n in range(blocks.num_blocks):
@@ -345,7 +342,7 @@ def test_the_candidates_log_probabilities_are_the_live_log_softmax(objective, la
         head = chunked_head_rows(rows, weight, labels=labels, **options)
     else:
         head = chunked_head_rows(rows, weight, target_hidden=targets, soft=True, **options)
-    ours = drafter.log_normaliser(rows, head, loss_config, chunk=4)
+    ours = drafter.head.log_normaliser(rows, head, loss_config, 4, weight)
     expected = torch.logsumexp(rows @ weight.T, -1)
     torch.testing.assert_close(ours, expected)
     probe = torch.randn(13, generator=gen)
@@ -397,7 +394,7 @@ def test_the_teacher_forced_streak_is_the_free_greedy_walk(block_size):
     torch.testing.assert_close(metrics["block_streaks"], matches)
     assert float(matches.max()) == slots and float(matches.min()) == 0
     if block_size > 2:
-        assert not torch.equal(walked, DFlashDrafter.propose(drafter, hidden, blocks.block_ids[:, 0]).tokens)
+        assert not torch.equal(walked, drafter.logits(hidden[:, 1:]).argmax(-1))
 
 
 def test_the_greedy_and_sampled_walks_follow_the_picked_predecessor():
@@ -409,8 +406,8 @@ def test_the_greedy_and_sampled_walks_follow_the_picked_predecessor():
     with torch.no_grad():
         logits = drafter.logits(hidden[:, 1:])
         values, candidates = logits.topk(8, dim=-1)
-        start, pair = drafter.log_factors(
-            candidates, values - logits.logsumexp(-1, keepdim=True), hidden[:, 1:], context
+        start, pair = drafter.head.log_factors(
+            drafter.target_head, candidates, values - logits.logsumexp(-1, keepdim=True), hidden[:, 1:], context
         )
     greedy = drafter.propose(hidden, anchors, context=context)
     index = greedy.tokens[..., None].eq(candidates).long().argmax(-1)
@@ -487,7 +484,7 @@ def test_both_exports_round_trip_with_the_kind_and_its_options(tmp_path):
         ("speculators", lambda d: export_speculators(drafter, d, "verifier", dtype=None)),
     ):
         loaded = load_drafter(write(tmp_path / fmt), head)
-        assert isinstance(loaded, LiLiCorrDrafter) and loaded.config == config, fmt
+        assert isinstance(loaded.head, LiLiCorrKindHead) and loaded.config == config, fmt
         assert loaded.config.options.lilicorr_logit_scale == 6.0, fmt
         for name, tensor in drafter.state_dict().items():
             assert torch.equal(loaded.state_dict()[name], tensor), (fmt, name)
@@ -683,7 +680,7 @@ def test_a_lilicorr_run_trains_evaluates_and_exports(short_tmp):
     assert any("lilicorr/ce" in m and "lilicorr/selected_prefix" in m for m in metrics)
     assert any("eval/tau" in m for m in metrics)
     status = json.loads((run_dir / "trainer.json").read_text())
-    assert status["kind"] == "lilicorr" and set(status["kind_metrics"]) == set(LiLiCorrDrafter.logged_metrics)
+    assert status["kind"] == "lilicorr" and set(status["kind_metrics"]) == set(LiLiCorrKindHead.logged_metrics)
 
     checkpoint = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
     export = short_tmp / "export"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -20,7 +19,6 @@ from torch import nn
 from common.batch import PackedBatch
 from common.drafter.blocks import DraftBlocks
 from common.drafter.draft_config import DraftConfig
-from common.drafter.kinds import kind_of
 from common.drafter.loss import LossConfig
 from common.drafter.sampling import Proposal, Sampling
 from common.drafter.target_head import TargetHead
@@ -31,11 +29,11 @@ class Drafter(nn.Module, ABC):
     ``hidden_norm`` (the fused target features), ``layers`` (called as ``layer(x, ctx, block_rope, context_rope,
     mask)``), ``rotary`` and ``norm``."""
 
-    kind: ClassVar[str]
+    kind: str
     """The kind's name, as in the kinds table."""
-    logged_metrics: ClassVar[tuple[str, ...]] = ()
+    logged_metrics: tuple[str, ...]
     """Scalar metrics of ``objective`` beyond the common ones (loss, tau, acc), logged by the trainer."""
-    reads_block_context: ClassVar[bool] = False
+    reads_block_context: bool
     """``objective`` and ``propose`` read each block's context row: the fused target features of the token before
     the block's given one (``block_context``; zeros where the block starts its document)."""
 
@@ -112,5 +110,7 @@ def build_drafter(
     device: torch.device | None = None,
 ) -> Drafter:
     """A fresh drafter of ``config.kind`` (built on ``device`` when given)."""
+    from common.drafter.model import DFlashDrafter  # the backbone of every kind, which imports this interface
+
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        return kind_of(config.kind).model_class()(config, target_head, loss_config, attention_backend)
+        return DFlashDrafter(config, target_head, loss_config, attention_backend)

@@ -1,10 +1,10 @@
 """What a drafter kind is: its options (``KindOptions``, the ``[drafter.<kind>]`` table) and its line of the kinds
-table (``DrafterKind``: its model class and its names in the serving formats).
+table (``DrafterKind``: its head on the DFlash backbone and its names in the serving formats).
 
 A kind is one module or package under common/drafter/ (or outside the repository, named in DFLASH_DRAFTER_KINDS or
 installed under the entry-point group ``dflash_stream.drafter_kinds``; common/drafter/kinds.py loads them) that
-defines a ``KindOptions`` subclass, a model class implementing ``common.drafter.base.Drafter``, and ``KIND``, one
-``DrafterKind``. Nothing outside the kind names its options: the trainer, the producers, the evaluator, ``check``,
+defines a ``KindOptions`` subclass, a head (``common.drafter.head.KindHead``: what it adds to the objective, to a
+proposal and to the parameters of the DFlash backbone), and ``KIND``, one ``DrafterKind``. Nothing outside the kind names its options: the trainer, the producers, the evaluator, ``check``,
 export and the config docs read them through these two classes.
 
 This module imports no torch: the configuration (common/config/) reads the options through it in every process.
@@ -79,14 +79,12 @@ class KindOptions:
 
 @dataclass(frozen=True)
 class DrafterKind:
-    """One line of the kinds table: a kind's name, options, model class and its names in the serving formats."""
+    """One line of the kinds table: a kind's name, options, head and its names in the serving formats."""
 
     name: str
     """``drafter.kind``, ``DraftConfig.kind`` and the name of its ``[drafter.<name>]`` table."""
     options: type[KindOptions]
     """The kind's options class."""
-    model: str
-    """The drafter class as ``module:Class`` (imported on first use: the configuration needs no torch)."""
     zlab_architecture: str
     """config.json ``architectures`` of z-lab's format (vLLM method "dflash", SGLang)."""
     speculators_type: str
@@ -117,6 +115,9 @@ class DrafterKind:
     cannot have one."""
     needs_final_hidden: bool = False
     """Its objective reads the target's distribution, so the producers ship the target's final hidden state."""
+    head: str | None = None
+    """What the kind adds to the DFlash backbone, a ``common.drafter.head.KindHead`` as ``module:Class`` (imported on
+    first use: the configuration needs no torch); None: the backbone alone (DFlash)."""
     warm_starts_from: tuple[str, ...] = ()
     """Other kinds whose weights start a drafter of this kind (``Drafter.warm_start``), besides its own."""
 
@@ -127,7 +128,9 @@ class DrafterKind:
                 f"keeps), got {self.step_memory_factor!r}"
             )
 
-    def model_class(self) -> type:
-        """The kind's ``common.drafter.base.Drafter`` subclass."""
-        module, _, name = self.model.partition(":")
+    def head_class(self) -> type | None:
+        """The kind's ``common.drafter.head.KindHead`` subclass (None: DFlash's backbone alone)."""
+        if self.head is None:
+            return None
+        module, _, name = self.head.partition(":")
         return getattr(importlib.import_module(module), name)

@@ -8,8 +8,6 @@ head of common.drafter.loss turns the block slots into a loss without materialis
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +17,8 @@ from common.batch import PackedBatch
 from common.drafter.base import Drafter
 from common.drafter.blocks import DraftBlocks, build_blocks, label_coverage
 from common.drafter.draft_config import DraftConfig
+from common.drafter.head import KindHead, ObjectiveInput, ProposalInput
+from common.drafter.kinds import kind_of
 from common.drafter.loss import LossConfig, draft_loss
 from common.drafter.masks import TiledMask, build_masks, visible_pairs
 from common.drafter.sampling import Proposal, Sampling, sample_from, sampling_probs
@@ -207,14 +207,12 @@ class DraftDecoderLayer(nn.Module):
 
 class DFlashDrafter(Drafter):
     """The DFlash drafter (common/drafter/base.py's interface), with the target's frozen embedding / final norm /
-    lm_head shared, not owned.
+    lm_head shared, not owned: the backbone of every kind, which owns the kind's head (common/drafter/head.py) when
+    its kind has one.
 
-    The state dict holds only trainable weights, named as in the z-lab export
-    (``fc``, ``hidden_norm``, ``layers.{i}...``, ``norm``). Kinds built on the DFlash backbone extend it: their
-    decoder layer (``make_layer``), ``objective``, ``propose`` and ``warm_start``.
+    The state dict holds only trainable weights, named as in the z-lab export (``fc``, ``hidden_norm``,
+    ``layers.{i}...``, ``norm``), and the head's parts under their own names (``markov_head.*``, ``lilicorr.*``).
     """
-
-    kind: ClassVar[str] = "dflash"
 
     def __init__(
         self,
@@ -238,14 +236,32 @@ class DFlashDrafter(Drafter):
         self.attention_backend = attention_backend
         self.fc = nn.Linear(config.fused_feature_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.kind != self.kind:
-            raise ValueError(f"a {config.kind} config given to the {self.kind} drafter")
-        self.layers = nn.ModuleList(self.make_layer(config, t) for t in config.layer_types)
+        head_class = kind_of(config.kind).head_class()
+        make_layer = (head_class or KindHead).make_layer  # the kind's decoder layer, or None for DFlash's
+        self.layers = nn.ModuleList(make_layer(config, t) or DraftDecoderLayer(config, t) for t in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.target_head = target_head
         self.target_head.requires_grad_(False)
+        self.head: KindHead | None = None
         self.reset_parameters()
+        if head_class is not None:
+            self.head = head_class(config)
+            for name, part in self.head.parts().items():
+                setattr(self, name, part)
+            self.head.reset(self)
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    @property
+    def logged_metrics(self) -> tuple[str, ...]:
+        return self.head.logged_metrics if self.head is not None else ()
+
+    @property
+    def reads_block_context(self) -> bool:
+        return self.head is not None and self.head.reads_block_context
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for module in self.modules():
@@ -255,11 +271,8 @@ class DFlashDrafter(Drafter):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-
-    @staticmethod
-    def make_layer(config: DraftConfig, layer_type: str) -> nn.Module:
-        """One draft decoder layer of this kind."""
-        return DraftDecoderLayer(config, layer_type)
+        if self.head is not None:
+            self.head.reset(self, std)
 
     def objective(
         self,
@@ -271,8 +284,11 @@ class DFlashDrafter(Drafter):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss and metrics of the draft slots: ``hidden`` [N, B, H] after the final norm. ``tau``, ``acc`` and
         ``block_streaks`` describe the tokens ``propose`` would draft, teacher-forced."""
-        return draft_loss(
-            hidden, blocks, self.target_head.lm_head_weight, loss_config or self.loss_config, target_hidden
+        loss_config = loss_config or self.loss_config
+        if self.head is None:
+            return draft_loss(hidden, blocks, self.target_head.lm_head_weight, loss_config, target_hidden)
+        return self.head.objective(
+            ObjectiveInput(hidden, blocks, self.target_head, loss_config, target_hidden, context)
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -290,20 +306,32 @@ class DFlashDrafter(Drafter):
         context: torch.Tensor | None = None,
     ) -> Proposal:
         """Draft tokens of slots 1..B-1 from the block's hidden states ``[R, B, H]`` (after the final norm);
-        ``anchor_ids`` [R] are the blocks' given tokens. Greedy: the argmax; sampled: drawn from the sampling
-        distribution, which the proposal keeps for rejection sampling."""
-        hidden = hidden[:, 1:]
-        rows, slots, width = hidden.shape
+        ``anchor_ids`` [R] are the blocks' given tokens. DFlash's greedy: the argmax; sampled: drawn from the sampling
+        distribution, which the proposal keeps for rejection sampling. A kind's head walks the slots its own way."""
+        rows, block_size, width = hidden.shape
         # Contiguous rows: a strided 3-d product runs as a batched matmul, several times slower at a vocabulary's width.
-        logits = self.logits(hidden.reshape(rows * slots, width)).view(rows, slots, -1)
+        logits = self.logits(hidden[:, 1:].reshape(rows * (block_size - 1), width)).view(rows, block_size - 1, -1)
+        if self.head is not None:
+            walk = ProposalInput(hidden, logits, anchor_ids, self.target_head, sampling, generator, context)
+            return self.head.propose(walk)
         if sampling is None or sampling.greedy:
             return Proposal(tokens=logits.argmax(-1))
         probs = sampling_probs(logits, sampling)
         return Proposal(tokens=sample_from(probs, generator), probs=probs)
 
     def warm_start(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a drafter's weights of this kind, or of a kind this one extends (see the subclasses)."""
-        self.load_state_dict(state, strict=True)
+        """Load a drafter's weights of this kind, or of a kind in its ``warm_starts_from`` (DFlash: the backbone's),
+        with the head at the values where this drafter proposes what that one did; ValueError for anything else."""
+        if self.head is None or set(state) == set(self.state_dict()):
+            self.load_state_dict(state, strict=True)
+            return
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        if unexpected or not all(self.head.owns(name) for name in missing):
+            raise ValueError(
+                f"not a DFlash or {self.head.title} drafter of this shape: unexpected {sorted(unexpected)[:3]}, "
+                f"missing {sorted(n for n in missing if not self.head.owns(n))[:3]}"
+            )
+        self.head.reset(self)
 
     def backend_for(self, device: torch.device) -> str:
         """flex on CUDA; tiles of SDPA on CPU (flex has no CPU backward, and its eager path computes every

@@ -1,5 +1,5 @@
-"""DFlash (z-lab, arXiv 2602.06036): the block drafter every kind builds on. Its model is common/drafter/model.py;
-it has no options of its own beyond the ``[drafter]`` section."""
+"""DFlash (z-lab, arXiv 2602.06036): the block drafter every kind builds on. Its model is common/drafter/model.py, the
+backbone alone (no head); it has no options of its own beyond the ``[drafter]`` section."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ class DFlashOptions(KindOptions):
 KIND = DrafterKind(
     name="dflash",
     options=DFlashOptions,
-    model="common.drafter.model:DFlashDrafter",
     zlab_architecture="DFlashDraftModel",
     speculators_type="dflash",
     speculators_architecture="DFlashSpeculator",

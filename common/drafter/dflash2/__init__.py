@@ -91,7 +91,7 @@ def selector_lattice_refusal(config: DraftShape) -> str | None:
 KIND = DrafterKind(
     name="dflash2",
     options=DFlash2Options,
-    model="common.drafter.dflash2.model:DFlash2Drafter",
+    head="common.drafter.dflash2.model:DFlash2KindHead",
     zlab_architecture="DFlash2DraftModel",
     speculators_type="dflash2",
     speculators_architecture="DFlash2DraftModel",

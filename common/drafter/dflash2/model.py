@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from common.drafter.blocks import DraftBlocks
 from common.drafter.draft_config import DraftConfig
-from common.drafter.loss import LossConfig, candidate_logits, draft_loss_parts, draft_metrics
-from common.drafter.model import DFlashDrafter, DraftDecoderLayer
-from common.drafter.sampling import Proposal, Sampling, sample_from
+from common.drafter.head import KindHead, ObjectiveInput, ProposalInput, candidate_chunk, path_metrics, walk_slots
+from common.drafter.loss import candidate_logits, draft_loss_parts, draft_metrics
+from common.drafter.model import DraftDecoderLayer
+from common.drafter.sampling import Proposal
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -218,96 +218,49 @@ class CandidateSelector(nn.Module):
         return torch.einsum("mr,mkr->mk", gate, F.embedding(candidates, self.successor_codebook)).float()
 
 
-class DFlash2Drafter(DFlashDrafter):
-    """The DFlash 2 drafter (see the module's doc). Its state dict adds ``layers.{i}.{attention,mlp}_conv.*`` and
-    ``candidate_selector.*`` to DFlash's names."""
+class DFlash2KindHead(KindHead):
+    """DFlash 2's head on the DFlash backbone (see the module's doc): its decoder layers and ``candidate_selector``,
+    whose names it adds to DFlash's state dict (``layers.{i}.{attention,mlp}_conv.*``, ``candidate_selector.*``)."""
 
-    kind = "dflash2"
+    title = "DFlash 2"
     logged_metrics = ("unary_tau", "selector/recall", "selector/accuracy", "selector/loss")
+    state_names = ("attention_conv", "mlp_conv", "candidate_selector")
 
-    def __init__(
-        self,
-        config: DraftConfig,
-        target_head,
-        loss_config: LossConfig | None = None,
-        attention_backend: str | None = None,
-    ) -> None:
-        super().__init__(config, target_head, loss_config, attention_backend)
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__(config)
         self.candidate_selector = CandidateSelector(config)
-        self.reset_parameters()
 
     @staticmethod
     def make_layer(config: DraftConfig, layer_type: str) -> nn.Module:
         return DFlash2DecoderLayer(config, layer_type)
 
-    def reset_parameters(self, std: float = 0.02) -> None:
-        super().reset_parameters(std)
-        if "candidate_selector" in self._modules:  # else still being built: the constructor calls this again
-            self.reset_additions()
+    def parts(self) -> dict[str, nn.Module]:
+        return {"candidate_selector": self.candidate_selector}
 
-    def reset_additions(self) -> None:
+    def reset(self, drafter: nn.Module, std: float = 0.02) -> None:
         """Identity convolutions and a no-op selector: the drafter proposes what its DFlash backbone would."""
-        for layer in self.layers:
+        for layer in drafter.layers:
             layer.attention_conv.reset_identity()
             layer.mlp_conv.reset_identity()
-        self.candidate_selector.reset_parameters()
-
-    def warm_start(self, state: dict[str, torch.Tensor]) -> None:
-        """A DFlash 2 drafter's weights, or a DFlash drafter's: its backbone, with the convolutions and the
-        selector reset to the identity and a no-op (greedy proposals equal the DFlash drafter's)."""
-        own = self.state_dict()
-        if set(state) == set(own):
-            self.load_state_dict(state, strict=True)
-            return
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        added = ("attention_conv.", "mlp_conv.", "candidate_selector.")
-        if unexpected or any(not any(part in name for part in added) for name in missing):
-            raise ValueError(
-                f"not a DFlash or DFlash 2 drafter of this shape: unexpected {sorted(unexpected)[:3]}, "
-                f"missing {sorted(n for n in missing if not any(p in n for p in added))[:3]}"
-            )
-        self.reset_additions()
+        self.candidate_selector.reset_parameters(std)
 
     # -- training -------------------------------------------------------------------------------
 
-    def objective(
-        self,
-        hidden: torch.Tensor,
-        blocks: DraftBlocks,
-        target_hidden: torch.Tensor | None = None,
-        loss_config: LossConfig | None = None,
-        context: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        config = loss_config or self.loss_config
-        options = self.config.options
-        selector = self.candidate_selector
+    def objective(self, slots: ObjectiveInput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        options, blocks = self.config.options, slots.blocks
+        head_weight = slots.target_head.lm_head_weight
         unary_loss, metrics, head, weights = draft_loss_parts(
-            hidden, blocks, self.target_head.lm_head_weight, config, target_hidden, top_k=selector.top_k
+            slots.hidden, blocks, head_weight, slots.loss_config, slots.target_hidden, top_k=options.selector_top_k
         )
-        num_blocks, block_size, width = hidden.shape
-        rows = hidden[:, 1:].reshape(-1, width)
-        if options.selector_stop_gradient:
-            rows = rows.detach()
-        gold = head.label_used
-        candidates = head.top_ids
-        found = candidates == gold[:, None]
-        recalled = found.any(-1)
-        mask = blocks.label_mask.reshape(-1)
-        if options.selector_missing_gold == "inject":
-            candidates = candidates.clone()
-            candidates[:, -1] = torch.where(recalled, candidates[:, -1], gold)
-            found = candidates == gold[:, None]
-            trained = mask
-        else:
-            trained = mask & recalled
+        rows = slots.slot_rows.detach() if options.selector_stop_gradient else slots.slot_rows
+        gold, mask = head.label_used, blocks.label_mask.reshape(-1)
+        candidates, recalled, trained = self.candidates_with_gold(head.top_ids, gold, mask)
         # The previous gold token: the block's given token before slot 1, the label of slot k - 1 before slot k.
-        previous = torch.cat([blocks.block_ids[:, :1], gold.view(num_blocks, -1)[:, :-1]], dim=1).reshape(-1)
-        # Chunks of the candidates' head rows as large as the head's chunk of logits: fewer loops of gathers.
-        head_weight = self.target_head.lm_head_weight
-        chunk = config.chunk_rows * max(1, head_weight.shape[0] // (selector.top_k * head_weight.shape[1]))
+        previous = torch.cat([blocks.block_ids[:, :1], gold.view(len(blocks.block_ids), -1)[:, :-1]], dim=1)
+        chunk = candidate_chunk(slots.loss_config, head_weight, options.selector_top_k)
         scores = candidate_logits(rows, head_weight, candidates, chunk)
-        scores = scores + selector.pairwise(rows, previous, candidates)
-        gold_index = found.long().argmax(-1)  # the gold's place among the candidates (0 where absent and excluded)
+        scores = scores + self.candidate_selector.pairwise(rows, previous.reshape(-1), candidates)
+        gold_index = (candidates == gold[:, None]).long().argmax(-1)  # 0 where absent (and then not trained)
         row_ce = torch.logsumexp(scores, -1) - scores.gather(-1, gold_index[:, None]).squeeze(-1)
         selector_weights = weights.reshape(-1) * trained.float()
         selector_loss = (selector_weights * row_ce).sum() / selector_weights.sum().clamp_min(1e-6)
@@ -317,56 +270,47 @@ class DFlash2Drafter(DFlashDrafter):
         # token it conditions on is the gold one. A pick is right only if the gold really is among the top-K.
         picked = candidates.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
         correct = (picked == gold) & recalled
-        path = draft_metrics(blocks, row_ce.detach().view(num_blocks, -1), correct.view(num_blocks, -1))
-        supervised = mask.float().sum().clamp_min(1.0)
-        out = dict(metrics)
-        out.update(
-            loss=loss.detach(),
-            tau=path["tau"],
-            acc=path["acc"],
-            block_streaks=path["block_streaks"],
-            unary_tau=metrics["tau"],
-            **{
-                "selector/recall": (recalled & mask).float().sum() / supervised,
-                "selector/accuracy": (correct & mask).float().sum() / supervised,
-                "selector/loss": selector_loss.detach(),
-            },
+        path = draft_metrics(
+            blocks, row_ce.detach().view(len(blocks.block_ids), -1), correct.view_as(blocks.label_mask)
         )
+        supervised = mask.float().sum().clamp_min(1.0)
+        out = path_metrics(metrics, path, loss, "unary_tau")
+        out["selector/recall"] = (recalled & mask).float().sum() / supervised
+        out["selector/accuracy"] = (correct & mask).float().sum() / supervised
+        out["selector/loss"] = selector_loss.detach()
         return loss, out
+
+    def candidates_with_gold(
+        self, candidates: torch.Tensor, gold: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the candidates [M, K] the selector trains on, whether the draft's top-K recalled the gold [M], the rows
+        it trains on [M]): a row whose gold is missing gets it in place of its K-th candidate ("inject"), or is not
+        trained ("exclude")."""
+        recalled = (candidates == gold[:, None]).any(-1)
+        if self.config.options.selector_missing_gold == "exclude":
+            return candidates, recalled, mask & recalled
+        candidates = candidates.clone()
+        candidates[:, -1] = torch.where(recalled, candidates[:, -1], gold)
+        return candidates, recalled, mask
 
     # -- decoding -------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def propose(
-        self,
-        hidden: torch.Tensor,
-        anchor_ids: torch.Tensor,
-        sampling: Sampling | None = None,
-        generator: torch.Generator | None = None,
-        context: torch.Tensor | None = None,
-    ) -> Proposal:
+    def propose(self, walk: ProposalInput) -> Proposal:
         """The selector's walk over slots 1..B-1 from each block's given token: the argmax of the rescored top-K
         (greedy), or a draw from their softmax at the temperature (kept in the proposal, over the candidates)."""
-        hidden = hidden[:, 1:]  # slot 0 is the given token
-        rows, slots, width = hidden.shape
+        hidden = walk.hidden[:, 1:]  # slot 0 is the given token
         selector = self.candidate_selector
-        logits = self.logits(hidden.reshape(rows * slots, width)).view(rows, slots, -1)
-        unary, candidates = logits.topk(selector.top_k, dim=-1)
-        sampled = sampling is not None and not sampling.greedy
-        previous = anchor_ids.long()
-        tokens, probs = [], []
-        for slot in range(slots):
-            scores = unary[:, slot] + selector.pairwise(hidden[:, slot], previous, candidates[:, slot])
-            if sampled:
-                q = torch.softmax(scores / sampling.temperature, dim=-1)
-                index = sample_from(q, generator)
-                probs.append(q)
-            else:
-                index = scores.argmax(-1)
-            previous = candidates[:, slot].gather(-1, index[:, None]).squeeze(-1)
-            tokens.append(previous)
+        unary, candidates = walk.logits.topk(selector.top_k, dim=-1)
+
+        def scores_of(slot: int, pick: torch.Tensor | None) -> torch.Tensor:
+            previous = (
+                walk.anchor_ids.long() if pick is None else candidates[:, slot - 1].gather(-1, pick[:, None])[:, 0]
+            )
+            return unary[:, slot] + selector.pairwise(hidden[:, slot], previous, candidates[:, slot])
+
+        picks, probs = walk_slots(scores_of, hidden.shape[1], walk, over_vocabulary=False)
         return Proposal(
-            tokens=torch.stack(tokens, 1),
-            probs=torch.stack(probs, 1) if sampled else None,
-            candidates=candidates if sampled else None,
+            tokens=candidates.gather(-1, picks[..., None]).squeeze(-1),
+            probs=probs,
+            candidates=candidates if walk.sampled else None,
         )

@@ -112,7 +112,7 @@ def markov_head_refusal(config: DraftShape) -> str | None:
 KIND = DrafterKind(
     name="dspark",
     options=DSparkOptions,
-    model="common.drafter.dspark.model:DSparkDrafter",
+    head="common.drafter.dspark.model:DSparkKindHead",
     zlab_architecture="DSparkDraftModel",
     speculators_type="dspark",
     speculators_architecture="DSparkSpeculator",

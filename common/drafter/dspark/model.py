@@ -30,12 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.drafter.blocks import DraftBlocks
 from common.drafter.draft_config import DraftConfig
 from common.drafter.dspark.head_loss import markov_head_rows
-from common.drafter.loss import LossConfig, draft_metrics
-from common.drafter.model import DFlashDrafter
-from common.drafter.sampling import Proposal, Sampling, sample_from, sampling_probs
+from common.drafter.head import KindHead, ObjectiveInput, ProposalInput, walk_slots
+from common.drafter.loss import draft_metrics
+from common.drafter.sampling import Proposal
 
 
 class MarkovHead(nn.Module):
@@ -111,80 +110,47 @@ class ConfidenceHead(nn.Module):
         return self.proj(torch.cat([hidden, embedding.to(hidden.dtype)], -1).to(self.proj.weight.dtype)).squeeze(-1)
 
 
-class DSparkDrafter(DFlashDrafter):
-    """The DSpark drafter (see the module's doc). Its state dict adds ``markov_head.*`` and ``confidence_head.*`` to
-    DFlash's names."""
+class DSparkKindHead(KindHead):
+    """DSpark's heads on the DFlash backbone (see the module's doc), added to DFlash's state dict as
+    ``markov_head.*`` and ``confidence_head.*``."""
 
-    kind = "dspark"
+    title = "DSpark"
     logged_metrics = ("base_tau", "tv", "confidence/loss", "confidence/mean", "confidence/target")
+    state_names = ("markov_head", "confidence_head")
 
-    def __init__(
-        self,
-        config: DraftConfig,
-        target_head,
-        loss_config: LossConfig | None = None,
-        attention_backend: str | None = None,
-    ) -> None:
-        super().__init__(config, target_head, loss_config, attention_backend)
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__(config)
         self.markov_head = MarkovHead(config)
         self.confidence_head = ConfidenceHead(config) if config.options.enable_confidence_head else None
-        self.reset_parameters()
 
-    def reset_parameters(self, std: float = 0.02) -> None:
-        super().reset_parameters(std)
-        if "markov_head" in self._modules:  # else still being built: the constructor calls this again
-            self.reset_heads()
+    def parts(self) -> dict[str, nn.Module | None]:
+        return {"markov_head": self.markov_head, "confidence_head": self.confidence_head}
 
-    def reset_heads(self, std: float = 0.02) -> None:
+    def reset(self, drafter: nn.Module, std: float = 0.02) -> None:
         """A no-op Markov head (W2 zero) and a fresh confidence head: the drafter proposes what its backbone would."""
         self.markov_head.reset_parameters(std)
         if self.confidence_head is not None:
             self.confidence_head.reset_parameters(std)
 
-    def warm_start(self, state: dict[str, torch.Tensor]) -> None:
-        """A DSpark drafter's weights, or a DFlash drafter's: its backbone, with a no-op Markov head (greedy and
-        sampled proposals equal the DFlash drafter's) and a fresh confidence head."""
-        if set(state) == set(self.state_dict()):
-            self.load_state_dict(state, strict=True)
-            return
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        added = ("markov_head.", "confidence_head.")
-        if unexpected or any(not name.startswith(added) for name in missing):
-            raise ValueError(
-                f"not a DFlash or DSpark drafter of this shape: unexpected {sorted(unexpected)[:3]}, "
-                f"missing {sorted(n for n in missing if not n.startswith(added))[:3]}"
-            )
-        self.reset_heads()
-
     # -- training -------------------------------------------------------------------------------
 
-    def objective(
-        self,
-        hidden: torch.Tensor,
-        blocks: DraftBlocks,
-        target_hidden: torch.Tensor | None = None,
-        loss_config: LossConfig | None = None,
-        context: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if target_hidden is None:
+    def objective(self, slots: ObjectiveInput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if slots.target_hidden is None:
             raise ValueError("a dspark drafter's objective needs the target's final hidden state (batch.last_hidden)")
-        config = loss_config or self.loss_config
-        options = self.config.options
-        num_blocks, _, width = hidden.shape
-        slots = hidden[:, 1:]
+        config, options, blocks = slots.loss_config, self.config.options, slots.blocks
         # The previous token of each slot, teacher-forced: the given token before slot 1, the data token after (and
         # the given token at slot 0, where the rnn's recurrence starts).
         previous = torch.cat([blocks.block_ids[:, :1], blocks.block_ids[:, :1], blocks.label_ids[:, :-1]], dim=1)
-        features, embeddings = self.markov_head.features(hidden, previous)
+        features, embeddings = self.markov_head.features(slots.hidden, previous)
         features, embeddings = features[:, 1:], embeddings[:, 1:]
-        rows, features = slots.reshape(-1, width), features.reshape(-1, features.shape[-1])
-        targets = target_hidden[(blocks.label_index - 1).reshape(-1)]  # the target predicts x_{a+k} at a + k - 1
+        rows, features = slots.slot_rows, features.reshape(-1, features.shape[-1])
+        targets = slots.target_hidden[(blocks.label_index - 1).reshape(-1)]  # the target predicts x_{a+k} at a + k - 1
         labels = None if config.labels_from_target else blocks.label_ids.reshape(-1)
         head = markov_head_rows(
             rows,
             features,
             self.markov_head.markov_w2.weight,
-            self.target_head.lm_head_weight,
+            slots.target_head.lm_head_weight,
             targets,
             labels,
             blocks.label_mask,
@@ -205,15 +171,12 @@ class DSparkDrafter(DFlashDrafter):
             loss = loss + options.confidence_alpha * confidence_loss
             confidence_mean = (torch.sigmoid(logit.detach()) * mask).sum() / supervised
         else:
-            confidence_loss, confidence_mean = (
-                torch.zeros((), device=hidden.device),
-                torch.ones((), device=hidden.device),
-            )
+            confidence_loss, confidence_mean = torch.zeros((), device=rows.device), torch.ones((), device=rows.device)
         # Teacher-forced, a block's streak of right picks equals the free walk's: while every earlier pick was right,
         # the previous token it conditions on is the data token (exact for data labels).
-        path = draft_metrics(blocks, ce.detach().view(num_blocks, -1), (picked == label).view(num_blocks, -1))
-        base = draft_metrics(blocks, ce.detach().view(num_blocks, -1), (base_picked == label).view(num_blocks, -1))
-        metrics = dict(path)
+        row_ce = ce.detach().view_as(blocks.label_mask)
+        metrics = draft_metrics(blocks, row_ce, (picked == label).view_as(blocks.label_mask))
+        base = draft_metrics(blocks, row_ce, (base_picked == label).view_as(blocks.label_mask))
         metrics.update(
             loss=loss.detach(),
             base_tau=base["tau"],
@@ -228,39 +191,21 @@ class DSparkDrafter(DFlashDrafter):
 
     # -- decoding -------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def propose(
-        self,
-        hidden: torch.Tensor,
-        anchor_ids: torch.Tensor,
-        sampling: Sampling | None = None,
-        generator: torch.Generator | None = None,
-        context: torch.Tensor | None = None,
-    ) -> Proposal:
+    def propose(self, walk: ProposalInput) -> Proposal:
         """The Markov walk over slots 1..B-1 from each block's given token: the argmax of the corrected logits
         (greedy), or a draw from their sampling distribution (kept in the proposal), with each slot's confidence."""
-        previous = anchor_ids.long()
+        markov, w2 = self.markov_head, self.markov_head.markov_w2
         # the rnn's recurrence starts at the given token's slot, as speculators runs it
-        _, _, state = self.markov_head.step(hidden[:, 0], previous, None)
-        hidden = hidden[:, 1:]
-        rows, slots, width = hidden.shape
-        base = self.logits(hidden.reshape(rows * slots, width)).view(rows, slots, -1)
-        sampled = sampling is not None and not sampling.greedy
-        tokens, probs, confidence = [], [], []
-        for slot in range(slots):
-            features, embedding, state = self.markov_head.step(hidden[:, slot], previous, state)
-            logits = base[:, slot] + self.markov_head.markov_w2(features.to(self.markov_head.markov_w2.weight.dtype))
+        _, _, state = markov.step(walk.hidden[:, 0], walk.anchor_ids.long(), None)
+        hidden, confidence = walk.hidden[:, 1:], []
+
+        def scores_of(slot: int, pick: torch.Tensor | None) -> torch.Tensor:
+            nonlocal state
+            previous = walk.anchor_ids.long() if pick is None else pick
+            features, embedding, state = markov.step(hidden[:, slot], previous, state)
             if self.confidence_head is not None:
                 confidence.append(torch.sigmoid(self.confidence_head(hidden[:, slot], embedding).float()))
-            if sampled:
-                q = sampling_probs(logits.float(), sampling)
-                previous = sample_from(q, generator)
-                probs.append(q)
-            else:
-                previous = logits.argmax(-1)
-            tokens.append(previous)
-        return Proposal(
-            tokens=torch.stack(tokens, 1),
-            probs=torch.stack(probs, 1) if sampled else None,
-            confidence=torch.stack(confidence, 1) if confidence else None,
-        )
+            return walk.logits[:, slot] + w2(features.to(w2.weight.dtype))
+
+        tokens, probs = walk_slots(scores_of, hidden.shape[1], walk, over_vocabulary=True)
+        return Proposal(tokens=tokens, probs=probs, confidence=torch.stack(confidence, 1) if confidence else None)

@@ -179,7 +179,7 @@ def _is_number(value: Any) -> bool:
 KIND = DrafterKind(
     name="lilicorr",
     options=LiLiCorrOptions,
-    model="common.drafter.lilicorr.model:LiLiCorrDrafter",
+    head="common.drafter.lilicorr.model:LiLiCorrKindHead",
     # Model-Optimizer's exporter writes this architecture; SGLang (#37462), vLLM (#57934) and TensorRT-LLM route on it.
     zlab_architecture="LiLiCorrDraftModel",
     # No speculators format of LiLiCorr exists (speculators 0.9 has none): these two names are this project's own,

@@ -36,16 +36,20 @@ exactly; sampled, uniformly over its top-K).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common.drafter.blocks import DraftBlocks
 from common.drafter.draft_config import DraftConfig
+from common.drafter.head import KindHead, ObjectiveInput, ProposalInput, candidate_chunk, path_metrics, walk_slots
 from common.drafter.lilicorr import NUM_CANDIDATE_FEATURES
 from common.drafter.loss import HeadRows, LossConfig, candidate_logits, draft_loss_parts, draft_metrics
-from common.drafter.model import DFlashDrafter, RMSNorm
-from common.drafter.sampling import Proposal, Sampling, sample_from
+from common.drafter.model import RMSNorm
+from common.drafter.sampling import Proposal
+from common.drafter.target_head import TargetHead
 
 
 class LatticeAttention(nn.Module):
@@ -247,10 +251,26 @@ class LogSumExpRows(torch.autograd.Function):
         return grad, None, None
 
 
-class LiLiCorrDrafter(DFlashDrafter):
-    """The LiLiCorr drafter (see the module's doc). Its state dict adds ``lilicorr.*`` to DFlash's names."""
+class Lattice(NamedTuple):
+    """What the reranker scores of N blocks' S drafted slots: their K candidates and factors, beside the labels."""
 
-    kind = "lilicorr"
+    candidates: torch.Tensor
+    """[N, S, K] the draft's top-K tokens of each slot, most likely first."""
+    gold: torch.Tensor
+    """[N, S] each slot's label."""
+    log_start: torch.Tensor
+    """[N, K] the start factors (fp32, times the logit scale)."""
+    log_pair: torch.Tensor
+    """[N, S - 1, K, K] the pair factors between adjacent slots."""
+    chunk: int
+    """Rows per chunk of a pass over the candidates' head rows."""
+
+
+class LiLiCorrKindHead(KindHead):
+    """LiLiCorr's reranker on the DFlash backbone (see the module's doc), added to DFlash's state dict as
+    ``lilicorr.*``."""
+
+    title = "LiLiCorr"
     logged_metrics = (
         "base_tau",
         "lilicorr/ce",
@@ -268,38 +288,19 @@ class LiLiCorrDrafter(DFlashDrafter):
         "lilicorr/gap_mean",
         "lilicorr/gap_frac_hit",
     )
-
-    def __init__(
-        self,
-        config: DraftConfig,
-        target_head,
-        loss_config: LossConfig | None = None,
-        attention_backend: str | None = None,
-    ) -> None:
-        super().__init__(config, target_head, loss_config, attention_backend)
-        self.lilicorr = LiLiCorrHead(config)
-        self.lilicorr.reset_parameters()
-
-    def reset_parameters(self, std: float = 0.02) -> None:
-        super().reset_parameters(std)
-        if "lilicorr" in self._modules:  # else still being built: the constructor resets the head itself
-            self.lilicorr.reset_parameters(std)
-
-    def warm_start(self, state: dict[str, torch.Tensor]) -> None:
-        """A LiLiCorr drafter's weights, or a DFlash drafter's: its backbone, with a fresh reranker whose greedy walk
-        proposes that drafter's tokens."""
-        if set(state) == set(self.state_dict()):
-            self.load_state_dict(state, strict=True)
-            return
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        if unexpected or any(not name.startswith("lilicorr.") for name in missing):
-            raise ValueError(
-                f"not a DFlash or LiLiCorr drafter of this shape: unexpected {sorted(unexpected)[:3]}, "
-                f"missing {sorted(n for n in missing if not n.startswith('lilicorr.'))[:3]}"
-            )
-        self.lilicorr.reset_parameters()
-
     reads_block_context = True
+    state_names = ("lilicorr",)
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__(config)
+        self.lilicorr = LiLiCorrHead(config)
+
+    def parts(self) -> dict[str, nn.Module]:
+        return {"lilicorr": self.lilicorr}
+
+    def reset(self, drafter: nn.Module, std: float = 0.02) -> None:
+        """A fresh reranker whose greedy walk proposes the draft's argmax (``LiLiCorrHead.reset_parameters``)."""
+        self.lilicorr.reset_parameters(std)
 
     @staticmethod
     def anchor_rows(context: torch.Tensor | None) -> torch.Tensor:
@@ -310,55 +311,54 @@ class LiLiCorrDrafter(DFlashDrafter):
         return context
 
     def log_factors(
-        self, candidates: torch.Tensor, log_probs: torch.Tensor, slots: torch.Tensor, anchor: torch.Tensor
+        self,
+        target_head: TargetHead,
+        candidates: torch.Tensor,
+        log_probs: torch.Tensor,
+        slots: torch.Tensor,
+        anchor: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The reranker's start [N, K] and pair [N, S - 1, K, K] log-factors of candidates [N, S, K], their
         log-probabilities [N, S, K], the slots' hidden states [N, S, H] and the anchors [N, H]."""
-        embeddings = self.target_head.embed(candidates).detach()
+        embeddings = target_head.embed(candidates).detach()
         return self.lilicorr(embeddings, log_probs, slots, anchor)
 
     # -- training -------------------------------------------------------------------------------
 
-    def log_normaliser(self, rows: torch.Tensor, head: HeadRows, config: LossConfig, chunk: int) -> torch.Tensor:
+    @staticmethod
+    def log_normaliser(
+        rows: torch.Tensor, head: HeadRows, config: LossConfig, chunk: int, head_weight: torch.Tensor
+    ) -> torch.Tensor:
         """[M] logsumexp of the draft logits of ``rows`` [M, H], differentiable. Where the DFlash loss's row loss is
         the label's CE (hard labels, objective ce or lk), it is that CE plus the label's logit, at no head pass
         more; else it is computed in chunks of its own (a forward and two backward passes of the head)."""
-        head_weight = self.target_head.lm_head_weight
         if config.label_mode != "target_soft" and config.objective in ("ce", "lk"):
             return head.loss + candidate_logits(rows, head_weight, head.label_used[:, None], chunk).squeeze(-1)
         return LogSumExpRows.apply(rows, head_weight, config.chunk_rows)
 
-    def objective(
-        self,
-        hidden: torch.Tensor,
-        blocks: DraftBlocks,
-        target_hidden: torch.Tensor | None = None,
-        loss_config: LossConfig | None = None,
-        context: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        config = loss_config or self.loss_config
-        options = self.config.options
-        top_k = self.lilicorr.top_k
-        head_weight = self.target_head.lm_head_weight
+    def lattice(self, slots: ObjectiveInput) -> tuple[torch.Tensor, dict[str, torch.Tensor], HeadRows, Lattice]:
+        """The DFlash loss, its metrics and head rows, and the lattice of the blocks' candidates with its factors.
+        The candidates' log-probabilities over the whole vocabulary come from the live logits, so that the
+        reranker's terms reach the backbone through them."""
+        top_k, head_weight = self.lilicorr.top_k, slots.target_head.lm_head_weight
         dflash_loss, metrics, head, _ = draft_loss_parts(
-            hidden, blocks, head_weight, config, target_hidden, top_k=top_k
+            slots.hidden, slots.blocks, head_weight, slots.loss_config, slots.target_hidden, top_k=top_k
         )
-        num_blocks, block_size, width = hidden.shape
-        slots = block_size - 1
-        rows = hidden[:, 1:].reshape(-1, width)
-        candidates = head.top_ids  # [M, K], most likely first, no gradient
-        gold = head.label_used
-        chunk = config.chunk_rows * max(1, head_weight.shape[0] // (top_k * head_weight.shape[1]))
-        # The candidates' log-probabilities over the whole vocabulary from the live logits, so that the reranker's
-        # terms reach the backbone through them.
-        log_norm = self.log_normaliser(rows, head, config, chunk)
-        log_probs = candidate_logits(rows, head_weight, candidates, chunk) - log_norm[:, None]
+        rows = slots.slot_rows
+        chunk = candidate_chunk(slots.loss_config, head_weight, top_k)
+        log_norm = self.log_normaliser(rows, head, slots.loss_config, chunk, head_weight)
+        log_probs = candidate_logits(rows, head_weight, head.top_ids, chunk) - log_norm[:, None]
+        shape = (slots.hidden.shape[0], slots.hidden.shape[1] - 1, top_k)
+        candidates, log_probs = head.top_ids.view(shape), log_probs.view(shape)
+        anchor = self.anchor_rows(slots.context)
+        log_start, log_pair = self.log_factors(slots.target_head, candidates, log_probs, slots.hidden[:, 1:], anchor)
+        lattice = Lattice(candidates, head.label_used.view(shape[:2]), log_start, log_pair, chunk)
+        return dflash_loss, metrics, head, lattice
 
-        shape = (num_blocks, slots, top_k)
-        candidates, log_probs, gold = candidates.view(shape), log_probs.view(shape), gold.view(num_blocks, slots)
-        log_start, log_pair = self.log_factors(candidates, log_probs, hidden[:, 1:], self.anchor_rows(context))
-
-        found = candidates == gold[..., None]
+    def objective(self, slots: ObjectiveInput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        options, blocks = self.config.options, slots.blocks
+        dflash_loss, metrics, head, lattice = self.lattice(slots)
+        found = lattice.candidates == lattice.gold[..., None]
         in_lattice = found.any(-1)
         gold_index = found.long().argmax(-1)  # 0 where the label is not a candidate (never supervised there)
         reachable = torch.cumprod((in_lattice & blocks.label_mask).long(), dim=1).bool()  # a right prefix exists
@@ -367,32 +367,9 @@ class LiLiCorrDrafter(DFlashDrafter):
         count = supervised.sum().clamp_min(1.0)
 
         # The chain teacher-forced: each slot's row given the label's candidate at the slot before.
-        nodes = chain_rows(log_start, log_pair, gold_index[:, :-1])
-        gold_score = nodes.gather(-1, gold_index[..., None]).squeeze(-1)
-        ce_rows = torch.logsumexp(nodes, -1) - gold_score
-        ce = (ce_rows * supervised).sum() / count
-        if top_k > 1:
-            others = nodes.scatter(-1, gold_index[..., None], float("-inf")).amax(-1)
-            gap = gold_score - others
-        else:
-            gap = torch.zeros_like(gold_score)
-        margin = torch.zeros_like(ce)
-        if options.lilicorr_w_margin > 0 and top_k > 1:
-            margin = (torch.relu(options.lilicorr_margin - gap) * supervised).sum() / count
-        penalty = torch.zeros_like(ce)
-        if options.lilicorr_w_pen > 0:
-            if target_hidden is None:
-                raise ValueError(
-                    "a lilicorr drafter's distractor penalty (lilicorr_w_pen > 0) needs the target's final hidden "
-                    "state (batch.last_hidden)"
-                )
-            with torch.no_grad():  # the target predicts slot k's token at a + k - 1
-                targets = target_hidden[(blocks.label_index - 1).reshape(-1)]
-                target_logits = candidate_logits(targets, head_weight, candidates.reshape(-1, top_k), chunk)
-                target_logits = target_logits.view(shape)
-                rejection = (target_logits.gather(-1, gold_index[..., None]) - target_logits).clamp_min(0.0)
-            expected = (torch.softmax(nodes, -1) * rejection).sum(-1)
-            penalty = (expected * supervised).sum() / count
+        nodes = chain_rows(lattice.log_start, lattice.log_pair, gold_index[:, :-1])
+        ce, margin, gap = self.chain_terms(nodes, gold_index, supervised, count)
+        penalty = self.distractor_penalty(slots, lattice, nodes, gold_index, supervised, count)
         loss = (
             dflash_loss
             + options.lilicorr_w_ce * ce
@@ -404,43 +381,78 @@ class LiLiCorrDrafter(DFlashDrafter):
         # row it reads is the label's. A pick is right only where the label is a candidate.
         picked = nodes.detach().argmax(-1)
         correct = (picked == gold_index) & in_lattice
-        path = draft_metrics(blocks, head.ce.view(num_blocks, slots), correct)
-        out = dict(metrics)
-        out.update(
-            loss=loss.detach(),
-            tau=path["tau"],
-            acc=path["acc"],
-            block_streaks=path["block_streaks"],
-            base_tau=metrics["tau"],
+        out = path_metrics(
+            metrics, draft_metrics(blocks, head.ce.view_as(blocks.label_mask), correct), loss, "base_tau"
         )
-        out.update(
-            self._lattice_metrics(
-                blocks, candidates, gold, correct, in_lattice, reachable, whole_block, log_start, log_pair, gap
-            )
-        )
+        out.update(self._lattice_metrics(blocks, lattice, correct, in_lattice, reachable, whole_block, gap))
         out.update(
             {"lilicorr/ce": ce.detach(), "lilicorr/margin": margin.detach(), "lilicorr/penalty": penalty.detach()}
         )
         return loss, out
 
+    def chain_terms(
+        self, nodes: torch.Tensor, gold_index: torch.Tensor, supervised: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the K-way cross-entropy of the labels, the hinge on their margin, each slot's margin [N, S]) of the
+        chain's rows ``nodes`` [N, S, K], over the ``supervised`` slots."""
+        options, top_k = self.config.options, nodes.shape[-1]
+        gold_score = nodes.gather(-1, gold_index[..., None]).squeeze(-1)
+        ce_rows = torch.logsumexp(nodes, -1) - gold_score
+        ce = (ce_rows * supervised).sum() / count
+        if top_k > 1:
+            others = nodes.scatter(-1, gold_index[..., None], float("-inf")).amax(-1)
+            gap = gold_score - others
+        else:
+            gap = torch.zeros_like(gold_score)
+        margin = torch.zeros_like(ce)
+        if options.lilicorr_w_margin > 0 and top_k > 1:
+            margin = (torch.relu(options.lilicorr_margin - gap) * supervised).sum() / count
+        return ce, margin, gap
+
+    def distractor_penalty(
+        self,
+        slots: ObjectiveInput,
+        lattice: Lattice,
+        nodes: torch.Tensor,
+        gold_index: torch.Tensor,
+        supervised: torch.Tensor,
+        count: torch.Tensor,
+    ) -> torch.Tensor:
+        """The expected relu(target logit of the label - target logit of the candidate) under each slot's softmax
+        over the chain's row, over the ``supervised`` slots (0 where ``lilicorr_w_pen`` is)."""
+        if self.config.options.lilicorr_w_pen <= 0:
+            return torch.zeros_like(count)
+        if slots.target_hidden is None:
+            raise ValueError(
+                "a lilicorr drafter's distractor penalty (lilicorr_w_pen > 0) needs the target's final hidden "
+                "state (batch.last_hidden)"
+            )
+        candidates, top_k = lattice.candidates, lattice.candidates.shape[-1]
+        with torch.no_grad():  # the target predicts slot k's token at a + k - 1
+            targets = slots.target_hidden[(slots.blocks.label_index - 1).reshape(-1)]
+            head_weight = slots.target_head.lm_head_weight
+            target_logits = candidate_logits(targets, head_weight, candidates.reshape(-1, top_k), lattice.chunk)
+            target_logits = target_logits.view(candidates.shape)
+            rejection = (target_logits.gather(-1, gold_index[..., None]) - target_logits).clamp_min(0.0)
+        expected = (torch.softmax(nodes, -1) * rejection).sum(-1)
+        return (expected * supervised).sum() / count
+
     @staticmethod
     @torch.no_grad()
     def _lattice_metrics(
         blocks: DraftBlocks,
-        candidates: torch.Tensor,
-        gold: torch.Tensor,
+        lattice: Lattice,
         correct: torch.Tensor,
         in_lattice: torch.Tensor,
         reachable: torch.Tensor,
         whole_block: torch.Tensor,
-        log_start: torch.Tensor,
-        log_pair: torch.Tensor,
         gap: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         """Model-Optimizer's diagnostics (device tensors): prefixes per wholly supervised block of the walk
         (selected), of the draft's argmax (top1) and of the label being a candidate (oracle); per slot the label's
         recall among the candidates and, where a right prefix reaches the slot, the walk's accuracy and the label's
         score gap to the best other; and the factors' spread (0 when the chain collapses to uniform)."""
+        candidates, gold, log_start, log_pair = lattice.candidates, lattice.gold, lattice.log_start, lattice.log_pair
         slots = gold.shape[1]
 
         def prefix(matches: torch.Tensor) -> torch.Tensor:
@@ -477,39 +489,24 @@ class LiLiCorrDrafter(DFlashDrafter):
 
     # -- decoding -------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def propose(
-        self,
-        hidden: torch.Tensor,
-        anchor_ids: torch.Tensor,
-        sampling: Sampling | None = None,
-        generator: torch.Generator | None = None,
-        context: torch.Tensor | None = None,
-    ) -> Proposal:
+    def propose(self, walk: ProposalInput) -> Proposal:
         """The reranker's walk over slots 1..B-1 of each block: from the start factor, each slot's argmax of the
         pair row of the previous pick (greedy), or a draw from softmax(row / T) over its candidates, kept in the
         proposal with the candidates."""
-        slots = hidden[:, 1:]
-        rows, count, width = slots.shape
-        logits = self.logits(slots.reshape(rows * count, width)).view(rows, count, -1)
-        values, candidates = logits.topk(self.lilicorr.top_k, dim=-1)
-        log_probs = values - torch.logsumexp(logits, -1, keepdim=True)
-        log_start, log_pair = self.log_factors(candidates, log_probs, slots, self.anchor_rows(context))
-        sampled = sampling is not None and not sampling.greedy
-        row = log_start
-        picks, probs = [], []
-        for slot in range(count):
-            if slot:
-                row = log_pair[:, slot - 1].gather(1, picks[-1][:, None, None].expand(-1, 1, row.shape[-1])).squeeze(1)
-            if sampled:
-                q = torch.softmax(row / sampling.temperature, dim=-1)
-                picks.append(sample_from(q, generator))
-                probs.append(q)
-            else:
-                picks.append(row.argmax(-1))
-        index = torch.stack(picks, 1)
+        slots = walk.hidden[:, 1:]
+        values, candidates = walk.logits.topk(self.lilicorr.top_k, dim=-1)
+        log_probs = values - torch.logsumexp(walk.logits, -1, keepdim=True)
+        anchor = self.anchor_rows(walk.context)
+        log_start, log_pair = self.log_factors(walk.target_head, candidates, log_probs, slots, anchor)
+
+        def row_of(slot: int, pick: torch.Tensor | None) -> torch.Tensor:
+            if pick is None:
+                return log_start
+            return log_pair[:, slot - 1].gather(1, pick[:, None, None].expand(-1, 1, log_start.shape[-1])).squeeze(1)
+
+        picks, probs = walk_slots(row_of, slots.shape[1], walk, over_vocabulary=False)
         return Proposal(
-            tokens=candidates.gather(-1, index[..., None]).squeeze(-1),
-            probs=torch.stack(probs, 1) if sampled else None,
-            candidates=candidates if sampled else None,
+            tokens=candidates.gather(-1, picks[..., None]).squeeze(-1),
+            probs=probs,
+            candidates=candidates if walk.sampled else None,
         )
