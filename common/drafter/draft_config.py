@@ -170,6 +170,11 @@ class DraftConfig:
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        self._resolve_options()
+
+    def _resolve_options(self) -> None:
+        """The kind's options as its ``KindOptions``, with the defaults that depend on this shape derived and
+        checked against it."""
         options_type = kind_of(self.kind).options
         if self.options is None or isinstance(self.options, dict):
             self.options = options_type(**(self.options or {}))
