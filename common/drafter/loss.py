@@ -142,6 +142,42 @@ def _soft_lk_grad(
     return draft_p.mul_(scale).addcmul_(target_p, ce_coef[:, None], value=-1.0)
 
 
+def _row_ce(
+    logits: torch.Tensor, log_norm: torch.Tensor, label: torch.Tensor, target_logits: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's CE: to the target's distribution where its logits are given (soft; returned beside it), else to
+    the label."""
+    if target_logits is None:
+        return log_norm.squeeze(-1) - logits.gather(-1, label[:, None]).squeeze(-1), None
+    target_logp = torch.log_softmax(target_logits, -1)
+    target_p = target_logp.exp()
+    # KL(p || q) = sum p (log p - logits + logZ)
+    return (target_p * (target_logp - logits)).sum(-1) + log_norm.squeeze(-1), target_p
+
+
+def _grad_logits(
+    draft_p: torch.Tensor,
+    label: torch.Tensor,
+    target_p: torch.Tensor | None,
+    lk: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+) -> torch.Tensor:
+    """d row loss / d logits of a chunk, written over the draft softmax ``draft_p``: the CE's (q - p for a soft
+    target, q minus the label's one-hot for a hard one) or, for an LK row (``lk``: its acceptance, the coefficients
+    of :func:`_lk_rows` and, for a soft target, where the draft is below it), the LK loss's."""
+    if lk is not None and target_p is not None:
+        _, ce_coef, overlap_coef, draft_below_target = lk
+        return _soft_lk_grad(draft_p, target_p, draft_below_target, ce_coef, overlap_coef)
+    if target_p is not None:
+        draft_p.sub_(target_p)
+    else:
+        draft_p.scatter_add_(-1, label[:, None], draft_p.new_full((label.shape[0], 1), -1.0))
+    if lk is not None:
+        # Hard lk_hybrid: d a = d q(label) = -a d CE, so the row's gradient is the CE's, scaled.
+        accept, ce_coef, overlap_coef, _ = lk
+        draft_p.mul_((ce_coef + overlap_coef * accept)[:, None])
+    return draft_p
+
+
 TOP_K_GROUP = 256
 """Columns per group of :func:`top_k_indices`' first pass."""
 
@@ -211,46 +247,28 @@ class ChunkedHeadLoss(torch.autograd.Function):
             if top_ids is not None:
                 top_ids[chunk] = top_k_indices(logits, top_k)
             log_norm = torch.logsumexp(logits, -1, keepdim=True)
+            target_logits = None
             if target_hidden is not None:
                 target_logits = (target_hidden[chunk].to(head_weight.dtype) @ head_weight.T).float()
-                label = target_logits.argmax(-1)
-            else:
-                label = labels[chunk]
+            label = labels[chunk] if target_logits is None else target_logits.argmax(-1)
             label_used[chunk] = label
-            if soft:
-                target_logp = torch.log_softmax(target_logits, -1)
-                target_p = target_logp.exp()
-                # KL(p || q) = sum p (log p - logits + logZ)
-                ce = (target_p * (target_logp - logits)).sum(-1) + log_norm.squeeze(-1)
-            else:
-                ce = log_norm.squeeze(-1) - logits.gather(-1, label[:, None]).squeeze(-1)
+            ce, target_p = _row_ce(logits, log_norm, label, target_logits if soft else None)
             if row_ce is not None:
                 row_ce[chunk] = ce
             # The draft softmax, in place: the logits are not needed past this point.
             draft_p = logits.sub_(log_norm).exp_() if need_grad or (soft and with_acceptance) else None
+            draft_below_target = draft_p < target_p if soft and with_acceptance else None
             if with_acceptance:
-                if soft:
-                    draft_below_target = draft_p < target_p
-                    accept = torch.where(draft_below_target, draft_p, target_p).sum(-1)
-                else:
-                    accept = torch.exp(-ce)  # a one-hot target overlaps the draft in q(label) alone
+                # a one-hot target overlaps the draft in q(label) alone
+                accept = torch.where(draft_below_target, draft_p, target_p).sum(-1) if soft else torch.exp(-ce)
                 acceptance[chunk] = accept
             if ce_rows:
                 row_loss[chunk] = ce
             else:
                 row_loss[chunk], ce_coef, overlap_coef = _lk_rows(objective, ce, accept, lk_eta)
             if need_grad:
-                if soft and not ce_rows:
-                    grad_logits = _soft_lk_grad(draft_p, target_p, draft_below_target, ce_coef, overlap_coef)
-                else:
-                    grad_logits = draft_p
-                    if soft:
-                        grad_logits.sub_(target_p)
-                    else:
-                        grad_logits.scatter_add_(-1, label[:, None], grad_logits.new_full((label.shape[0], 1), -1.0))
-                    if not ce_rows:
-                        # Hard lk_hybrid: d a = d q(label) = -a d CE, so the row's gradient is the CE's, scaled.
-                        grad_logits.mul_((ce_coef + overlap_coef * accept)[:, None])
+                lk = None if ce_rows else (accept, ce_coef, overlap_coef, draft_below_target)
+                grad_logits = _grad_logits(draft_p, label, target_p, lk)
                 unit_grad[chunk] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
         ctx.save_for_backward(unit_grad)
         ctx.mark_non_differentiable(
