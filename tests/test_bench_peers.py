@@ -200,7 +200,7 @@ def test_the_smoke_bench_trains_both_peers_two_steps_and_evaluates_their_exports
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     command = [sys.executable, "-m", "launch.bench.peers", "--gguf", str(gguf), "--out", str(out), "--smoke"]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=3000)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=5400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["row"]: r for r in json.loads((out / "peers.json").read_text())}
     assert set(rows) == {"ours", "specforge", "speculators"}
