@@ -15,7 +15,7 @@ EVALUATIONS = ("held_out", "humaneval", "held_out_sampled", "humaneval_sampled")
 
 def table_rows(out: Path) -> list[dict]:
     """Every row evaluated in ``out`` (a row still training, or cut short, is left out), by view then trainer, with
-    its samples per GPU-minute (dump included) and, for ours, each tau and that rate over the best peer's."""
+    its samples per second of training and per GPU-minute (dump included) and, for ours, each tau and that rate over the best peer's."""
     rows = []
     for path in sorted(out.glob("peers-*-*.json")):
         record = json.loads(path.read_text())
@@ -27,6 +27,7 @@ def table_rows(out: Path) -> list[dict]:
         record.pop("sample_ids", None)
         minutes = (record["dump_s"] + record["train_s"]) / 60
         record["samples_per_gpu_min"] = record["samples"] / minutes if minutes > 0 else None
+        record["samples_per_s"] = record["samples"] / record["train_s"] if record["train_s"] > 0 else None
         rows.append(record)
     rows.sort(key=lambda r: (r["view"], ORDER.get(r["row"], len(ORDER))))
     for ours in (r for r in rows if r["row"] == "ours"):
