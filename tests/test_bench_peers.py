@@ -86,6 +86,9 @@ def test_a_ckpt_holds_what_specforges_offline_reader_reads(tmp_path):
     assert torch.equal(saved["hidden_states"][2, 16:32], features[2, 1].to(torch.bfloat16))
     with pytest.raises(ValueError, match="4 tokens"):
         write_ckpt(tmp_path / "bad.ckpt", row, features[:3])
+    batch = torch.randn(4000, 3, 16, dtype=torch.bfloat16)  # a row is a view of its batch's features
+    small = write_ckpt(tmp_path / "view.ckpt", row, batch[100:104])
+    assert small < size + 4096  # its own 4 tokens, not the batch's 4,000
 
 
 def test_a_step_holds_the_presets_tokens_and_anchors_on_average():

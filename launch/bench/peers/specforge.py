@@ -69,7 +69,8 @@ def write_ckpt(path: Path, row: TrainingRow, features: torch.Tensor, dtype: torc
         {
             "input_ids": torch.tensor(row.input_ids, dtype=torch.long),
             "loss_mask": torch.tensor(row.loss_mask, dtype=torch.long),
-            "hidden_states": features.reshape(seq, -1).to(dtype).contiguous(),
+            # A copy of its own: torch.save writes a view's whole storage (here the batch's, hundreds of MB).
+            "hidden_states": features.reshape(seq, -1).to(dtype, copy=True),
         },
         path,
     )
