@@ -179,19 +179,16 @@ class SpecForge:
             return None
         return f"specforge: SpecForge 0.2.0 is not importable from {PEERS_DIR}: run launch/setup_peers.sh"
 
-    def _train(self, work: Path, settings: dict, training: dict, log: Path, deadline: float | None) -> float:
-        """One ``specforge train`` with ``training`` over ``settings``' training section; its seconds."""
+    def _train(self, work: Path, settings: dict, training: dict, log: Path, deadline: float | None) -> None:
+        """One ``specforge train`` with ``training`` over ``settings``' training section."""
         run = {**settings, "training": {**settings["training"], **training}}
         path = work / f"specforge-{len(list(work.glob('specforge-*.yaml')))}.yaml"
         path.write_text(yaml.safe_dump(run, sort_keys=False))
         with open(log, "a") as out:
             out.write(f"\n== specforge train --config {path}\n{path.read_text()}\n")
-        code, seconds = run_to_deadline(
-            [sys.executable, str(CLI), "train", "--config", str(path)], log, peer_env(), deadline
-        )
+        code, _ = run_to_deadline([sys.executable, str(CLI), "train", "--config", str(path)], log, peer_env(), deadline)
         if code not in (0, None):
             sys.exit(f"specforge train failed with exit {code}; see {log}")
-        return seconds
 
     def _probe(self, work: Path, settings: dict, log: Path) -> tuple[float, float]:
         """(seconds a step, seconds before the first step) of SpecForge on these features: a short run, timed by
@@ -234,14 +231,15 @@ class SpecForge:
                 training = training_plan(step_s, startup_s, left, len(rows), shape[0], SAVE_EVERY_S)
                 deadline_wall = time.time() + left
                 deadline = time.monotonic() + left
-            train_s = self._train(work, settings, training, log, deadline)
+            train_started = time.time()
+            self._train(work, settings, training, log, deadline)
         saved = checkpoints(work / "output")
         if deadline is not None:
             saved = [(step, folder) for step, folder in saved if saved_at(folder) <= deadline_wall]
-            train_s = min(train_s, budget.train_seconds_left(dump_s))
         if not saved:
             sys.exit(f"specforge saved no checkpoint inside its budget; see {log}")
         steps, checkpoint = saved[-1]
+        train_s = saved_at(checkpoint) - train_started
         export = self.export(checkpoint, draft, work / "export", log)
         samples = steps * shape[0]
         mean = sum(len(r.input_ids) for r in rows) / len(rows)
