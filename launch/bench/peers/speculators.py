@@ -164,9 +164,10 @@ def cli(*args: str) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    """The peers' environment, with this repository on the path too (for ``--on-cpu`` and ``--layout``), and
-    Rich's console wide enough to print each of speculators' metric lines on one line."""
-    base = peer_env(COLUMNS="100000")
+    """The peers' environment, with this repository on the path too (for ``--on-cpu`` and ``--layout``). Rich pads
+    every line of speculators' log to the console's width and wraps at spaces, never inside ``step_ms=VALUE``: 300
+    columns keep its metric lines whole enough to read and its log small."""
+    base = peer_env(COLUMNS="300")
     return {**base, "PYTHONPATH": f"{base['PYTHONPATH']}:{REPO}"}
 
 
@@ -216,7 +217,7 @@ class Probe:
     startup_s: float
     """Seconds of the run that are not steps: start, data, compilation, one epoch-end save."""
     save_s: float
-    """Seconds of an epoch-end checkpoint, from its first file to its training_state.json."""
+    """Seconds of an epoch's end: its checkpoint, from the first file to the last, and the validation after it."""
 
     def steps_for(self, seconds: float, steps_per_epoch: int) -> int:
         """The steps that fit ``seconds`` (at least one): the start, the steps, and a save every
@@ -294,7 +295,8 @@ class Speculators:
             sys.exit(f"speculators' probe printed no step_ms; see {log}")
         steady = sorted(times[PROBE_SKIP:] or times)
         step_s = steady[len(steady) // 2]
-        written = [p.stat().st_mtime for p in (work / "probe" / "0").iterdir()]
+        # the save's files and its validation's val_metrics.json; train_command.txt is written when the run starts
+        written = [p.stat().st_mtime for p in (work / "probe" / "0").iterdir() if p.suffix != ".txt"]
         save_s = max(written) - min(written)
         _rmtree(work / "probe")
         return Probe(step_s, max(0.0, wall - len(times) * step_s), save_s)
