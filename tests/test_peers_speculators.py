@@ -48,6 +48,14 @@ def test_a_rows_features_are_its_tokens_and_its_layers_in_bf16(tmp_path):
     assert torch.equal(saved["hidden_states"], features.to(torch.bfloat16))
 
 
+def test_a_rows_file_holds_its_own_features_not_the_whole_batch(tmp_path):
+    """The capture hands out views of one batch's features (bf16 already on a GPU: no copy is made)."""
+    batch = torch.randn(1000, len(LAYERS) + 1, HIDDEN).to(torch.bfloat16)
+    size = write_hidden_states(tmp_path / "hs_0.safetensors", TrainingRow([1] * 10, [1] * 10), batch[100:110])
+    assert size < 10 * (len(LAYERS) + 1) * HIDDEN * 2 + 1024
+    assert torch.equal(load_file(tmp_path / "hs_0.safetensors")["hidden_states"], batch[100:110])
+
+
 def test_features_of_another_length_are_refused(tmp_path):
     with pytest.raises(ValueError, match="3 tokens"):
         write_hidden_states(tmp_path / "hs_0.safetensors", TrainingRow([1, 2, 3], [1, 1, 1]), torch.zeros(2, 3, 4))
