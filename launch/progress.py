@@ -33,7 +33,8 @@ def trainer_figures(status: dict[str, Any], evaluating: Any = None) -> list[str]
     if evaluation and evaluation.get("tau") is not None:
         parts.append(f"real {evaluation['tau']:.2f}@{evaluation['step']}")
     if status.get("evals_in_flight"):
-        parts.append(evaluations_waiting(status["evals_in_flight"], evaluating))
+        final = status.get("state") == "final evaluation"
+        parts.append(evaluations_waiting(status["evals_in_flight"], evaluating, final))
     if status.get("checkpoint_writing"):
         parts.append(f"writing {status['checkpoint_writing']}")
     if status.get("samples_per_s") is not None:
@@ -41,11 +42,12 @@ def trainer_figures(status: dict[str, Any], evaluating: Any = None) -> list[str]
     return parts
 
 
-def evaluations_waiting(in_flight: list[int], job: Any) -> str:
+def evaluations_waiting(in_flight: list[int], job: Any, final: bool = False) -> str:
     """Where the evaluations asked for (their steps) are, from producer 0's evaluation job status (``step``,
-    ``doing``, ``held_s``): ``evaluating 300: decoding, 0/16 prompts done``, or what it waits for."""
+    ``doing``, ``held_s``): ``evaluating 300: decoding, 0/16 prompts done``, or what it waits for. ``final``: training
+    has ended, and producer 0 takes the last one whatever its hold (eval.producer_share)."""
     job = job if isinstance(job, dict) else {}
-    step, doing, held = job.get("step"), job.get("doing"), job.get("held_s")
+    step, doing, held = job.get("step"), job.get("doing"), None if final else job.get("held_s")
     if step in in_flight:
         queued = ",".join(str(other) for other in in_flight if other != step)
         return f"evaluating {step}" + (f": {doing}" if doing else "") + (f" ({queued} queued)" if queued else "")

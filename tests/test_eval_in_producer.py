@@ -164,12 +164,12 @@ def test_the_progress_line_says_what_the_runs_last_evaluation_waits_for(tmp_path
     trainer = {"step": 30, "max_steps": 30, "updated": 1000.0, "loss": 2.0, "evals_in_flight": [30]}
     jobs = [
         {"step": None, "doing": None, "held_s": 41.2},
-        {"step": None, "doing": None, "held_s": None},
+        {"step": None, "doing": None, "held_s": 12.7},  # the hold is for evaluations during training only
         {"step": 30, "doing": "making the target's reference (4 prompts, 48 tokens each)", "held_s": None},
         {"step": 30, "doing": "decoding, 0/4 prompts done", "held_s": None},
     ]
-    for job in jobs:
-        state = "training" if job["held_s"] else "final evaluation"
+    for index, job in enumerate(jobs):
+        state = "training" if index == 0 else "final evaluation"
         atomic_write_json(run.trainer_status, {**trainer, "state": state})
         atomic_write_json(run.producers / "p0.json", {"id": 0, "pid": 10, "jobs": {"evaluating": job}})
         view.update(trainer_started_wall=900.0, trainer_alive=True)
