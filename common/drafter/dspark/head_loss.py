@@ -95,6 +95,25 @@ def _chunk_functions(device: torch.device) -> tuple:
     return _compiled["rows"], _compiled["grad"]
 
 
+def _add_chunk_grads(
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    chunk: slice,
+    grad_logits: torch.Tensor,
+    head_weight: torch.Tensor,
+    w2: torch.Tensor,
+    u: torch.Tensor,
+) -> None:
+    """A chunk's share of the gradients (with respect to hidden, features and W2; None: not asked for) from the
+    gradient of its logits: rows of the first two, a sum into the third."""
+    grad_hidden, grad_features, grad_w2 = grads
+    if grad_hidden is not None:
+        grad_hidden[chunk] = (grad_logits @ head_weight).to(grad_hidden.dtype)
+    if grad_features is not None:
+        grad_features[chunk] = (grad_logits @ w2).to(grad_features.dtype)
+    if grad_w2 is not None:
+        grad_w2 += (grad_logits.T @ u).float()
+
+
 class _MarkovHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -147,12 +166,7 @@ class _MarkovHeadLoss(torch.autograd.Function):
                 base, markov, target, log_norm, target_log_norm, captured, label, w, ce_alpha, tv_alpha
             )
             del base, markov, target
-            if grad_hidden is not None:
-                grad_hidden[chunk] = (grad_logits @ head_weight).to(hidden.dtype)
-            if grad_features is not None:
-                grad_features[chunk] = (grad_logits @ w2).to(features.dtype)
-            if grad_w2 is not None:
-                grad_w2 += (grad_logits.T @ u).float()
+            _add_chunk_grads((grad_hidden, grad_features, grad_w2), chunk, grad_logits, head_weight, w2, u)
         ctx.save_for_backward(
             *(g if g is not None else torch.empty(0, device=device) for g in (grad_hidden, grad_features, grad_w2))
         )
