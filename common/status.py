@@ -205,15 +205,26 @@ def _child(data: dict[str, Any]) -> ChildRecord:
 
 @dataclass
 class SynthesisStatus(JsonRecord):
-    """What synthesis producer I has done, FOLDER/status-p{I}.json beside its shards: written by the producer after
-    every batch of prompts, read by ``run_all.sh synthesize`` for its progress line and summary. Counts are of this
-    start unless they say otherwise."""
+    """What synthesis producer I has done, FOLDER/status-p{I}.json beside its shards: written by the producer every
+    few seconds (through a long generation batch too), read by ``run_all.sh synthesize`` for its progress line and
+    summary. Counts are of this start unless they say otherwise; they are progress only: what is done is what the
+    shards hold."""
 
     producer: int = 0
     pid: int | None = None
     job: str = "synthesize"
     written: int = 0
-    """Records written this start."""
+    """Records written this start (in whole shards)."""
+    answered: int = 0
+    """Prompts answered this start (kept, cut short or skipped), counted as each conversation ends, before its shard
+    is written."""
+    turns: int = 0
+    """Turns the target wrote this start (its answers, and its own user turns for Magpie prompts)."""
+    turns_planned: int = 0
+    """Turns the prompts pending at this start plan (less those of conversations that ended early)."""
+    eta_s: float | None = None
+    """Seconds left to the end of its share: the tokens its turns still need (each kind of turn at the mean length
+    of those written so far, its cap before any) at that kind's pace so far; None before the first token."""
     pending_at_start: int = 0
     """Prompts of its share not yet answered when this start began."""
     total: int = 0
@@ -235,7 +246,7 @@ class SynthesisStatus(JsonRecord):
     """Conversations ended early, by reason (a tool call the target made differently)."""
     cut_after_turn: dict[str, int] = field(default_factory=dict)
 
-    DURABLE: ClassVar[bool] = False  # progress, rewritten after every batch (the shards are durable)
+    DURABLE: ClassVar[bool] = False  # progress, rewritten every few seconds (the shards are durable)
 
     @staticmethod
     def path(folder: Path, producer_id: int) -> Path:

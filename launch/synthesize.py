@@ -52,35 +52,42 @@ PROGRESS_EVERY_S = 30.0
 
 
 def progress(folder: Path, started_wall: list[float]) -> str:
-    """One line from the producers' status files: prompts answered of all (earlier starts' included), each
-    producer's new tokens/s (three significant digits: a slow CPU's 0.27 is not 0) and the time left.
+    """One line from the producers' status files: prompts answered of all (earlier starts' included), the turns the
+    target wrote of those planned, each producer's new tokens/s (three significant digits: a slow CPU's 0.27 is not 0)
+    and the time left, the slowest producer's own estimate (``SynthesisStatus.eta_s``) less the seconds since it
+    wrote it.
 
     ``started_wall[i]``: when producer i's current process started. A status file older than that is the previous
     start's (or there is none yet): that producer is shown as starting and its figures are not taken."""
-    done = total = 0
+    done = total = turns = planned = 0
     rates: list[str] = []
     etas: list[float | None] = []
     for i, since in enumerate(started_wall):
-        status = SynthesisStatus.read(SynthesisStatus.path(folder, i))
+        path = SynthesisStatus.path(folder, i)
+        status = SynthesisStatus.read(path)
         try:
-            current = status is not None and SynthesisStatus.path(folder, i).stat().st_mtime >= since
+            written_at = path.stat().st_mtime
         except OSError:
-            current = False
-        if not current:
+            written_at = None
+        if status is None or written_at is None or written_at < since:
             rates.append("starting")
             etas.append(None)
             continue
-        written, pending = status.written, status.pending_at_start
-        done += status.total - pending + written
+        answered = max(status.answered, status.written)  # a status of before answers were counted has written only
+        done += status.total - status.pending_at_start + answered
         total += status.total
-        rates.append(significant(status.tokens_per_s) if status.tokens_per_s or status.finished else "no answer yet")
-        left, seconds = max(0, pending - written), status.seconds
-        etas.append(0.0 if not left else left * seconds / written if written and seconds else None)
+        turns, planned = turns + status.turns, planned + max(status.turns_planned, status.turns)
+        rates.append(significant(status.tokens_per_s) if status.tokens_per_s or status.finished else "no token yet")
+        eta = status.eta_s
+        if answered >= status.pending_at_start:
+            eta = 0.0
+        etas.append(None if eta is None else max(0.0, eta - max(0.0, time.time() - written_at)))
     complete = "starting" not in rates  # every producer's share is known
     share_done = f" ({done / total:.0%})" if complete and total else ""
+    turns_done = f", {turns}/{planned} turns written" if complete and planned else ""
     eta = max(etas) if complete and etas and None not in etas else None
     return (
-        f"{done}/{total if complete else '?'} prompts done{share_done}; new tokens/s per producer: "
+        f"{done}/{total if complete else '?'} prompts done{share_done}{turns_done}; new tokens/s per producer: "
         f"{', '.join(rates)}; eta {format_duration(eta)}"
     )
 

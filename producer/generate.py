@@ -181,6 +181,11 @@ class GenerationStats:
     """Graph capture and its warm-up runs: once per Generator, not in ``seconds``."""
     busy_row_steps: int = 0
     """Sum over decode steps of the rows holding a live sequence."""
+    generated_tokens: int = 0
+    """New tokens so far, counted as they are made: the static engine's rows still generating included, the
+    fallback's at the end of each chunk (what a caller's progress reads between two finished requests)."""
+    active_rows: int = 0
+    """Rows holding a sequence not finished yet (the static engine's, after its last step)."""
     row_steps: int = 0
     """Sum over decode steps of all rows."""
 
@@ -646,6 +651,7 @@ class Generator:
                 finished += self._decode_step(busy)
             elif not finished:
                 return
+            self.stats.active_rows = len(busy)
             if finished:
                 yield finished
 
@@ -673,6 +679,7 @@ class Generator:
                     done_rows.append(row)
             self.stats.prefill_tokens += sum(len(p) for p in prompts)
             self.stats.prefill_forwards += 1
+            self.stats.generated_tokens += len(prompts)  # each row's first token
         return self._retire(sorted(done_rows), busy)
 
     @torch.no_grad()
@@ -708,6 +715,7 @@ class Generator:
         ended = done.nonzero()[:, 0].tolist()
         self.stats.decode_steps += 1
         self.stats.busy_row_steps += len(busy)
+        self.stats.generated_tokens += len(busy)
         self.stats.row_steps += self.config.rows
         for row, entry in busy.items():
             entry.position += 1
@@ -792,5 +800,6 @@ class Generator:
             if stop_at is not None:
                 new_ids = new_ids[: stop_at + 1]
             self.stats.busy_row_steps += len(new_ids)
+            self.stats.generated_tokens += len(new_ids)
             finished.append(Finished(request.key, request.prompt_ids, new_ids, self._stop_reason(new_ids, request)))
         return finished

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -187,6 +188,91 @@ class ShardWriter:
             os.close(folder)
 
 
+# -- progress ------------------------------------------------------------------------------------
+
+STATUS_EVERY_S = 2.0
+"""How often a producer rewrites its status file: steadily, through a generation batch of minutes too."""
+LOG_EVERY_S = 30.0
+"""How often it logs a line of its progress."""
+
+
+class SynthesisProgress:
+    """How far one producer is through its share, for its status file. Display only: what is done is what the shards
+    hold. Turns are counted as its generators finish them and tokens as they make them, so the status moves, and its
+    time left holds, through a batch in which no conversation ends (a Magpie chunk's user turns, minutes on a CPU)."""
+
+    def __init__(self, generators: dict[str, Generator], planned: Counter) -> None:
+        """``generators``: by kind of turn ("answers", "questions"); ``planned``: the turns of each kind the pending
+        prompts plan."""
+        self.generators = generators
+        self.planned = Counter(planned)
+        self.answered = 0
+        self.started = time.monotonic()
+        self._seconds: Counter = Counter()
+        """Seconds spent making each kind's tokens: one generator runs at a time, so each interval between two
+        looks goes to the kinds that made tokens in it (in proportion), or to the last that did."""
+        self._tokens: Counter = Counter()
+        self._looked = self.started
+        self._last_kind: str | None = None
+
+    def ended(self, planned: Counter, conversation: Conversation | None) -> None:
+        """A prompt is answered (kept, cut short or skipped, ``conversation`` None where it never started): the turns
+        it planned and did not write will not come."""
+        self.answered += 1
+        written = Counter()
+        if conversation is not None:
+            written["answers"] = len(conversation.answers)
+            written["questions"] = sum(turn["role"] == "user" for turn in conversation.turns)
+        self.planned.subtract(planned - written)
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self.started
+
+    def turns(self) -> int:
+        """Turns the generators finished."""
+        return sum(generator.stats.finished for generator in self.generators.values())
+
+    def tokens(self) -> int:
+        """New tokens made so far, those of the turns still being written included."""
+        return sum(generator.stats.generated_tokens for generator in self.generators.values())
+
+    def eta_s(self) -> float | None:
+        """Seconds left: the tokens each kind of turn still needs (its planned turns at the mean length of those
+        written, the unfinished at their length so far, its cap before any) at that kind's pace so far; a kind not started yet at the others' pace (a
+        sampled Magpie user turn can cost several times a greedy answer's tokens). None before the first token."""
+        self._look()
+        made = sum(self._tokens.values())
+        if not made:
+            return None
+        overall = sum(self._seconds.values()) / made
+        left = 0.0
+        for kind, generator in self.generators.items():
+            stats = generator.stats
+            # The turns still being written count at their length so far: the short ones end first, so the mean of
+            # the finished alone runs low.
+            counted = stats.finished + stats.active_rows
+            mean = stats.generated_tokens / counted if counted else generator.config.max_new_tokens
+            needed = max(0.0, max(0, self.planned[kind]) * mean - self._tokens[kind])
+            pace = self._seconds[kind] / self._tokens[kind] if self._tokens[kind] else overall
+            left += needed * pace
+        return left
+
+    def _look(self) -> None:
+        """Give the time since the last look to the kinds that made tokens in it."""
+        now = time.monotonic()
+        made = Counter({kind: g.stats.generated_tokens - self._tokens[kind] for kind, g in self.generators.items()})
+        made = +made  # the kinds that made tokens
+        interval, self._looked = now - self._looked, now
+        for kind, count in made.items():
+            self._seconds[kind] += interval * count / sum(made.values())
+            self._tokens[kind] += count
+        if made:
+            self._last_kind = max(made, key=made.get)
+        elif self._last_kind is not None:
+            self._seconds[self._last_kind] += interval
+
+
 # -- the job -------------------------------------------------------------------------------------
 
 
@@ -259,6 +345,26 @@ class Synthesis:
             self.questions = generator_for(
                 self.model, generation_config_of(self.synth, producer_id, self.stop_ids, magpie_prompt_tokens=longest)
             )
+        generators = {"answers": self.answers, **({"questions": self.questions} if self.questions else {})}
+        self.progress = SynthesisProgress(generators, sum(map(self.planned_turns, self.pending), Counter()))
+        self._lock = threading.Lock()
+        """Between the job and its status thread: the counts change together."""
+
+    def planned_turns(self, prompt: Prompt) -> Counter:
+        """The turns the target writes for ``prompt``, by kind ("answers", and "questions" for Magpie's own user
+        turns)."""
+        if prompt.skipped is not None:
+            return Counter()
+        if prompt.messages is None:
+            return Counter(answers=self.synth.magpie_turns, questions=self.synth.magpie_turns)
+        return Counter(answers=self.conversation_of(prompt).planned_turns)
+
+    def conversation_of(self, prompt: Prompt) -> Conversation:
+        """The conversation the target writes for ``prompt`` (one not skipped before it starts)."""
+        if prompt.messages is None:
+            return Conversation.self_written(prompt, self.synth.magpie_turns, self.system_index(prompt))
+        tools = list(prompt.tools) if prompt.tools else None
+        return Conversation.of_record(prompt, list(prompt.messages), tools, all_turns=self.synth.turns == "all")
 
     def system_index(self, prompt: Prompt) -> int:
         """Which of synthesize.magpie_system_prompts the self-written ``prompt`` (magpie:n) is written under."""
@@ -297,9 +403,11 @@ class Synthesis:
 
     def run(self) -> int:
         answers = self.answers
-        started, reported = time.monotonic(), time.monotonic()
         # The launcher shows this start's share and what is done at once, not the last start's.
-        self._report(answers, started)
+        self._report()
+        done = threading.Event()
+        reporter = threading.Thread(target=self._report_until, args=(done,), name="status", daemon=True)
+        reporter.start()
         writer = ConversationWriter(
             self.tokenizer,
             self.template_kwargs,
@@ -309,28 +417,41 @@ class Synthesis:
             tool_format=self.tool_format,
             max_conversation_tokens=self.synth.max_conversation_tokens,
         )
-        for conversation in writer.run(self._conversations(), lambda: self.stop):
-            self._keep(conversation)
-            if time.monotonic() - reported > 10:
-                reported = time.monotonic()
-                self._report(answers, started)
-        self.writer.flush()
-        self._report(answers, started, final=True)
+        try:
+            for conversation in writer.run(self._conversations(), lambda: self.stop):
+                with self._lock:
+                    self._keep(conversation)
+            self.writer.flush()
+        finally:
+            done.set()
+            reporter.join()
+        self._report(final=True)
         return 0
+
+    def _report_until(self, done: threading.Event) -> None:
+        """The status file every STATUS_EVERY_S and a log line every LOG_EVERY_S, until ``done``."""
+        logged = time.monotonic()
+        while not done.wait(STATUS_EVERY_S):
+            log_now = time.monotonic() - logged >= LOG_EVERY_S
+            logged = time.monotonic() if log_now else logged
+            try:
+                self._report(log_now=log_now)
+            except OSError as exc:  # display only: the job goes on (a full disk stops it at its next shard)
+                log.warning("could not write the status file: %s", exc)
 
     def _conversations(self) -> Iterator[Conversation]:
         """The pending prompts' conversations in prompt order; a prompt skipped before it starts is recorded as such."""
         for prompt in self.pending:
             if prompt.skipped is not None:
-                self._skip(prompt, prompt.skipped)
-            elif prompt.messages is None:
-                yield Conversation.self_written(prompt, self.synth.magpie_turns, self.system_index(prompt))
+                with self._lock:
+                    self._skip(prompt, prompt.skipped)
+                    self.progress.ended(Counter(), None)
             else:
-                tools = list(prompt.tools) if prompt.tools else None
-                yield Conversation.of_record(prompt, list(prompt.messages), tools, all_turns=self.synth.turns == "all")
+                yield self.conversation_of(prompt)
 
     def _keep(self, conversation: Conversation) -> None:
         prompt: Prompt = conversation.key
+        self.progress.ended(self.planned_turns(prompt), conversation)
         if conversation.skipped is not None:
             self._skip(prompt, conversation.skipped)
             return
@@ -351,36 +472,47 @@ class Synthesis:
             self.first_skipped.append(f"{prompt.source} {reason}")
         self.writer.add({"id": prompt.id, "skipped": reason, "source": prompt.source})
 
-    def _report(self, generator: Generator, started: float, final: bool = False) -> None:
-        stats = generator.stats
-        SynthesisStatus(
-            producer=self.producer_id,
-            pid=os.getpid(),
-            written=self.writer.written,
-            pending_at_start=len(self.pending),
-            total=self.total,
-            new_tokens=stats.new_tokens,
-            tokens_per_s=stats.tokens_per_second,
-            occupancy=stats.occupancy,
-            engine=generator.engine,
-            seconds=time.monotonic() - started,
-            finished=final,
-            skipped=dict(self.skipped),
-            first_skipped=list(self.first_skipped),
-            cut=dict(self.cut),
-            cut_after_turn={str(turn): n for turn, n in sorted(self.cut_after_turn.items())},
-        ).write(SynthesisStatus.path(self.folder, self.producer_id))
-        log.info(
-            "producer %d: %d records written this start, %d skipped, %d cut short, %.0f new tokens/s, rows %.0f%% "
-            "busy (%s)",
-            self.producer_id,
-            self.writer.written,
-            sum(self.skipped.values()),
-            sum(self.cut.values()),
-            stats.tokens_per_second,
-            100 * stats.occupancy,
-            generator.engine,
-        )
+    def _report(self, final: bool = False, log_now: bool = True) -> None:
+        progress, answers = self.progress, self.answers
+        seconds = progress.seconds
+        tokens_per_s = progress.tokens() / seconds if seconds else 0.0
+        with self._lock:
+            status = SynthesisStatus(
+                producer=self.producer_id,
+                pid=os.getpid(),
+                written=self.writer.written,
+                answered=progress.answered,
+                turns=progress.turns(),
+                turns_planned=max(0, sum(progress.planned.values())),
+                eta_s=0.0 if final else progress.eta_s(),
+                pending_at_start=len(self.pending),
+                total=self.total,
+                new_tokens=progress.tokens(),
+                tokens_per_s=tokens_per_s,
+                occupancy=answers.stats.occupancy,
+                engine=answers.engine,
+                seconds=seconds,
+                finished=final,
+                skipped=dict(self.skipped),
+                first_skipped=list(self.first_skipped),
+                cut=dict(self.cut),
+                cut_after_turn={str(turn): n for turn, n in sorted(self.cut_after_turn.items())},
+            )
+            status.write(SynthesisStatus.path(self.folder, self.producer_id))
+        if log_now or final:
+            log.info(
+                "producer %d: %d of %d prompts answered this start (%d written), %d skipped, %d cut short, %.0f new "
+                "tokens/s, rows %.0f%% busy (%s)",
+                self.producer_id,
+                status.answered,
+                len(self.pending),
+                status.written,
+                sum(status.skipped.values()),
+                sum(status.cut.values()),
+                tokens_per_s,
+                100 * status.occupancy,
+                answers.engine,
+            )
 
 
 def generation_config_of(
