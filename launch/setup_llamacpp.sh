@@ -11,7 +11,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 CONVERTER_TRANSFORMERS=${LLAMACPP_TRANSFORMERS_VERSION:-4.57.6}
-JOBS=${JOBS:-$(nproc)}
+# Every core: nproc alone would honour a per-process OMP_NUM_THREADS=1 (as this project's processes and CI set it)
+# and compile on one, twice the minutes on two cores.
+JOBS=${JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
+if [ "${1:-}" = "--jobs" ]; then echo "$JOBS"; exit 0; fi  # the compile jobs it would use, and nothing else
 HOME_DIR=.llamacpp
 mkdir -p "$HOME_DIR"
 

@@ -474,3 +474,22 @@ def test_the_cut_margin_is_the_nearest_confidence_that_decided_a_block():
         drafter.propose(None, None)
     # row 0 stops at 0.45 (0.05 away; 0.5001 is never compared), row 1 keeps all: 0.6 is 0.1 away
     assert cut.margin == pytest.approx(0.05) and "propose" not in vars(drafter)
+
+
+def test_llamacpp_builds_on_every_core_under_a_per_process_thread_limit():
+    """OMP_NUM_THREADS=1, as this project's processes and CI run, made nproc say 1: llama-server compiled on one
+    core, twice the minutes on two."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("JOBS", None)
+    done = subprocess.run(
+        ["bash", "launch/setup_llamacpp.sh", "--jobs"],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert int(done.stdout) == len(os.sched_getaffinity(0))
