@@ -113,6 +113,30 @@ def evaluate(checkpoint: Path, run_dir: Path, log: Path, *overrides: str) -> dic
     return json.loads(out.read_text())
 
 
+def evaluation_runs(held_out: int, humaneval: Path, humaneval_count: int, sampled: int) -> dict[str, list[str]]:
+    """The evaluations of a checkpoint, by name: held-out and HumanEval greedy, and sampled (temperature 1, top-p
+    0.95) on ``sampled`` prompts of each when it is not 0; each as ``launch.evaluate`` overrides."""
+    paths = f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}"
+    runs = {"held_out": [f"eval.num_prompts={held_out}"], "humaneval": [paths, f"eval.num_prompts={humaneval_count}"]}
+    if sampled:
+        options = ["--temperature", "1.0", "--top-p", "0.95", "--seed", "0"]
+        runs["held_out_sampled"] = [*options, f"eval.num_prompts={min(held_out, sampled)}"]
+        runs["humaneval_sampled"] = [*options, paths, f"eval.num_prompts={sampled}"]
+    return runs
+
+
+def evaluate_all(checkpoint: Path, run_dir: Path, out: Path, name: str, runs: dict[str, list[str]]) -> dict[str, dict]:
+    """Every evaluation of ``runs`` on ``checkpoint`` against ``run_dir``'s target and held-out records, all at once:
+    each decodes a few prompts at a time and is bound by its kernel launches, far from filling the card, and the
+    sampled ones (live decoding, one prompt at a time) are the longest, so none should wait for another."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        running = {
+            what: pool.submit(evaluate, checkpoint, run_dir, out / f"eval-{what}-{name}.log", *overrides)
+            for what, overrides in runs.items()
+        }
+        return {what: future.result() for what, future in running.items()}
+
+
 def synthesize(args: argparse.Namespace, common: list[str], result: dict, synth: Path, humaneval: Path) -> None:
     """Step 1: the target writes ``--magpie`` prompts and answers them; HumanEval's prompts are answered the same way."""
     out = args.out.resolve()
@@ -347,22 +371,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. Real tau of the last checkpoint on the held-out synthesized records and on HumanEval (and sampled).
     checkpoint = max((train / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    humaneval_paths = f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}"
-    evaluations = {
-        "held_out": [f"eval.num_prompts={args.held_out}"],
-        "humaneval": [humaneval_paths, f"eval.num_prompts={args.humaneval_prompts}"],
-    }
-    if args.sampled_prompts:
-        sampled = ["--temperature", "1.0", "--top-p", "0.95", "--seed", str(0)]
-        evaluations["held_out_sampled"] = [*sampled, f"eval.num_prompts={min(args.held_out, args.sampled_prompts)}"]
-        evaluations["humaneval_sampled"] = [*sampled, humaneval_paths, f"eval.num_prompts={args.sampled_prompts}"]
+    evaluations = evaluation_runs(args.held_out, humaneval, args.humaneval_prompts, args.sampled_prompts)
     started = time.monotonic()
-    with ThreadPoolExecutor(2) as pool:  # two at a time: each is a few prompts at a time, far from filling the GPU
-        running = {
-            name: pool.submit(evaluate, checkpoint, train, out / f"eval-{name}-{args.name}.log", *overrides)
-            for name, overrides in evaluations.items()
-        }
-        reports = {name: future.result() for name, future in running.items()}
+    reports = evaluate_all(checkpoint, train, out, args.name, evaluations)
     result["evaluate_s"] = time.monotonic() - started
     for name, e in reports.items():
         result[name] = {

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from launch.bench.peers.common import Budget, PeakGpuMemory, Peer, PeerRun, TrainingRow
@@ -26,7 +25,7 @@ from launch.bench.peers.features import (
     training_source,
 )
 from launch.bench.peers.plan import bytes_per_token, default_max_tokens, draft_shape, pick_peers
-from launch.bench.quality import evaluate
+from launch.bench.quality import evaluate_all, evaluation_runs
 from launch.bench.side_by_side import synthesized_quality_command
 
 HUMANEVAL_PROMPTS = {False: 164, True: 4}
@@ -55,29 +54,11 @@ class _Absent:
         return self.line
 
 
-def evaluations(held_out: int, humaneval: Path, humaneval_prompts: int, sampled: int) -> dict[str, list[str]]:
-    """``launch.bench.quality``'s evaluations: held-out and HumanEval, greedy, and sampled on ``sampled`` prompts."""
-    paths = f"eval.paths={json.dumps([str(humaneval / 'synthesized' / '*.jsonl')])}"
-    runs = {"held_out": [f"eval.num_prompts={held_out}"], "humaneval": [paths, f"eval.num_prompts={humaneval_prompts}"]}
-    if sampled:
-        options = ["--temperature", "1.0", "--top-p", "0.95", "--seed", "0"]
-        runs["held_out_sampled"] = [*options, f"eval.num_prompts={min(held_out, sampled)}"]
-        runs["humaneval_sampled"] = [*options, paths, f"eval.num_prompts={sampled}"]
-    return runs
-
-
 def evaluate_export(export: Path, run_dir: Path, out: Path, name: str, runs: dict[str, list[str]]) -> dict:
-    """Every evaluation of ``runs`` on ``export`` against ``run_dir``'s target and held-out records, two at a time
-    (as launch.bench.quality does)."""
-    with ThreadPoolExecutor(2) as pool:
-        futures = {
-            what: pool.submit(evaluate, export, run_dir, out / f"eval-{what}-{name}.log", *overrides)
-            for what, overrides in runs.items()
-        }
-        reports = {what: future.result() for what, future in futures.items()}
+    """Every evaluation of ``runs`` on ``export`` (``launch.bench.quality``'s), its taus by evaluation."""
     return {
         what: {key: e[key] for key in ("tau", "zlab_tau", "sim_tau") if key in e} | {"prompts": e["num_prompts"]}
-        for what, e in reports.items()
+        for what, e in evaluate_all(export, run_dir, out, name, runs).items()
     }
 
 
@@ -216,7 +197,7 @@ def run(args: argparse.Namespace, out: Path) -> int:
             "device": "cpu" if args.smoke else "cuda:0",
             "draft": draft,
             "run_dir": out / f"ours-{view}",
-            "evaluations": evaluations(args.held_out, out / "humaneval", humaneval, args.sampled_prompts),
+            "evaluations": evaluation_runs(args.held_out, out / "humaneval", humaneval, args.sampled_prompts),
         }
         if budget is None:  # the samples ours trained, in its order, one epoch
             ids, rows = rows_of(source, ours["sample_ids"], max_tokens)
