@@ -21,13 +21,15 @@ import logging
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import ConfigError, save_config
+from common.config import ConfigError, RunConfig, save_config
 from common.lifecycle import EXIT_CONFIG_ERROR
+from common.rundir import RunDir
 from common.status import SynthesisStatus
 from launch.processes import (
     ManagedProcess,
@@ -160,7 +162,30 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
     devices = producer_devices(cfg, detect_cuda)
     on_cpu = cpu_processes(devices)
     threads = cpu_threads(on_cpu)
-    workers = [
+    workers = _workers(run, devices, threads)
+    stop_requested = _stop_on_signals()
+    log.info(
+        "%s synthesis in %s: %d producer(s) on %s, shards in %s",
+        "continuing" if resumed else "starting",
+        run.root,
+        len(workers),
+        ", ".join(devices),
+        folder,
+    )
+    if threads is not None:
+        log.info("%s", threads_message(on_cpu, threads))
+    started = time.monotonic()
+    for worker in workers:
+        worker.start()
+    code = _supervise(workers, cfg, folder, stop_requested)
+    if code == 0:
+        _report_done(folder, len(workers), started)
+    return code
+
+
+def _workers(run: RunDir, devices: list[str], threads: int | None) -> list[ManagedProcess]:
+    """One producer.synthesize process per device (not started); one on the CPU gets ``threads`` threads."""
+    return [
         ManagedProcess(
             f"synth{i}",
             [
@@ -180,31 +205,23 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
         )
         for i, device in enumerate(devices)
     ]
-    stopping = False
 
-    def request_stop(_signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    log.info(
-        "%s synthesis in %s: %d producer(s) on %s, shards in %s",
-        "continuing" if resumed else "starting",
-        run.root,
-        len(workers),
-        ", ".join(devices),
-        folder,
-    )
-    if threads is not None:
-        log.info("%s", threads_message(on_cpu, threads))
-    started = time.monotonic()
-    for worker in workers:
-        worker.start()
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGTERM and SIGINT set: the command stops at its next poll, cleanly."""
+    stop_requested = threading.Event()
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: stop_requested.set())
+    signal.signal(signal.SIGINT, lambda _signum, _frame: stop_requested.set())
+    return stop_requested
+
+
+def _supervise(workers: list[ManagedProcess], cfg: RunConfig, folder: Path, stop_requested: threading.Event) -> int:
+    """Poll the workers until every one has finished (0), one fails for good (its code, the others stopped) or a
+    stop is requested (130), printing the progress every ``PROGRESS_EVERY_S``."""
     finished: set[int] = set()
     next_progress = time.monotonic() + PROGRESS_EVERY_S
     while len(finished) < len(workers):
-        if stopping:
+        if stop_requested.is_set():
             return _stop(workers)
         if time.monotonic() >= next_progress:
             next_progress = time.monotonic() + PROGRESS_EVERY_S
@@ -212,32 +229,46 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
         for index, worker in enumerate(workers):
             if index in finished:
                 continue
-            if worker.proc is None:
-                worker.restart_if_due()
-                continue
-            code = worker.poll()
-            if code is None:
-                continue
-            worker.clear()
+            code = _poll_worker(worker, cfg)
             if code == 0:
                 finished.add(index)
-                continue
-            if code == EXIT_CONFIG_ERROR:
-                log.error(
-                    "%s stopped with a configuration or data error: the same on every try%s",
-                    worker.name,
-                    log_tail(worker.log_path),
-                )
+            elif code is not None:
                 _stop(workers, resumable=False)
-                return EXIT_CONFIG_ERROR
-            if not worker.after_crash(
-                code, cfg.launch.restart_backoff_s, cfg.launch.max_restarts, resumes="it continues from its shards"
-            ):
-                _stop(workers, resumable=False)
-                return 1
+                return code
         time.sleep(POLL_S)
+    return 0
+
+
+def _poll_worker(worker: ManagedProcess, cfg: RunConfig) -> int | None:
+    """One look at a worker: None while it runs or waits to be started again, 0 once it has finished, else the
+    command's exit code for a failure that will not pass (the same on every try, or out of restarts)."""
+    if worker.proc is None:
+        worker.restart_if_due()
+        return None
+    code = worker.poll()
+    if code is None:
+        return None
+    worker.clear()
+    if code == 0:
+        return 0
+    if code == EXIT_CONFIG_ERROR:
+        log.error(
+            "%s stopped with a configuration or data error: the same on every try%s",
+            worker.name,
+            log_tail(worker.log_path),
+        )
+        return EXIT_CONFIG_ERROR
+    if worker.after_crash(
+        code, cfg.launch.restart_backoff_s, cfg.launch.max_restarts, resumes="it continues from its shards"
+    ):
+        return None
+    return 1
+
+
+def _report_done(folder: Path, num_workers: int, started: float) -> None:
+    """Print what the shards hold, each producer's speed and how to train on them."""
     summary = shard_summary(folder)
-    rates = [SynthesisStatus.read(SynthesisStatus.path(folder, i)) or SynthesisStatus() for i in range(len(workers))]
+    rates = [SynthesisStatus.read(SynthesisStatus.path(folder, i)) or SynthesisStatus() for i in range(num_workers)]
     reasons = ", ".join(f"{reason} {n}" for reason, n in summary.skipped.most_common())
     log.info(
         "done in %.0f s: %d records in %s (%d prompts skipped%s, see *.skipped); new tokens/s this start: %s",
@@ -251,7 +282,6 @@ def synthesize(run_dir: Path | None, config_file: Path | None, overrides: list[s
     if summary.cut:
         log.info("%s", summary.describe_cuts())
     log.info("train on them: %s", training_command(folder))
-    return 0
 
 
 def _stop(workers: list[ManagedProcess], resumable: bool = True) -> int:
