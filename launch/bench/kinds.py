@@ -8,7 +8,9 @@ The data is synthesized once (``launch.bench.quality --synthesize-only``: the ta
 answers, HumanEval's prompts answered too). Then every ROW (a name of ``ROWS``, ``@SEED`` for training.seed) is one
 ``launch.bench.quality --reuse-data --minutes M`` run, all side by side on the GPU under one MPS daemon: each trains
 for the same wall-clock budget (training.max_minutes) while the others run, so a kind whose step costs more trains
-fewer steps, and is then evaluated by real decoding (greedy, and sampled with ``--sampled-prompts``).
+fewer steps, and is then evaluated by real decoding (greedy, and sampled with ``--sampled-prompts``). Every row's
+producers also evaluate it every ``--eval-every`` steps while it trains: the equal-steps view (real tau held-out at
+the steps every row reached), beside the equal-minutes one.
 
 The rows are sized to the card first (``plan``): each row needs its producers, its trainer and its standby trainer
 (launch/bench/memory.py estimates them from the preset), and rows that do not fit the card together run in waves of rows
@@ -221,6 +223,7 @@ def table(out: Path) -> list[dict]:
             "selector_recall": run.get("kind_metrics", {}).get("selector/recall"),
             "selector_accuracy": run.get("kind_metrics", {}).get("selector/accuracy"),
             "kind_metrics": run.get("kind_metrics", {}),
+            "curve": {point["step"]: point["tau"] for point in run.get("curve", [])},
         }
         for name in ("held_out", "humaneval", "held_out_sampled", "humaneval_sampled"):
             if name in run:
@@ -237,6 +240,25 @@ def table(out: Path) -> list[dict]:
             if baseline and row.get(key) and baseline.get(key):
                 row[f"{name}_vs_dflash"] = row[key] / baseline[key]
     return rows
+
+
+def equal_steps(rows: list[dict]) -> list[dict]:
+    """The equal-steps view: at each step every row evaluated during training, each row's real tau held-out (from its
+    producers' evaluations of that step's weights)."""
+    common = set.intersection(*(set(r["curve"]) for r in rows)) if rows else set()
+    return [{"step": step, **{r["row"]: r["curve"][step] for r in rows}} for step in sorted(common)]
+
+
+def print_equal_steps(rows: list[dict]) -> None:
+    points = equal_steps(rows)
+    if not points:
+        print("equal steps: no step that every row evaluated during training (--eval-every)")
+        return
+    names = [r["row"] for r in rows]
+    print("real tau held-out during training, at the steps every row reached:")
+    print(f"{'step':>6} " + " ".join(f"{name:>16}" for name in names))
+    for point in points:
+        print(f"{point['step']:6d} " + " ".join(f"{point[name]:16.3f}" for name in names))
 
 
 def _cell(value: float | None, form: str = "{:.3f}") -> str:
@@ -274,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held-out", type=int, default=128, help="synthesized records held out for evaluation")
     parser.add_argument("--sampled-prompts", type=int, default=48, help="prompts of each set decoded sampled")
     parser.add_argument(
+        "--eval-every", type=int, default=200, help="steps between evaluations during training (the equal-steps view)"
+    )
+    parser.add_argument(
         "--producers", type=int, default=2, help="producers of every row, all on the one GPU (launch.producer_devices)"
     )
     parser.add_argument("--warm", action="store_true", help="also DFlash 2 warm-started from the first DFlash row")
@@ -302,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"all rows in {(time.monotonic() - started) / 60:.1f} min from the GGUF file", flush=True)
     rows = table(out)
     print_table(rows)
-    save_and_emit(out, "kinds", rows, minutes=args.minutes)
+    print_equal_steps(rows)
+    save_and_emit(out, "kinds", rows, minutes=args.minutes, equal_steps=equal_steps(rows))
     return 0
 
 
@@ -316,7 +342,8 @@ def train_side_by_side(
         args.gguf,
         out,
         args.magpie,
-        *("--held-out", str(args.held_out), "--eval-every", "0", "--sampled-prompts", str(args.sampled_prompts)),
+        *("--held-out", str(args.held_out), "--sampled-prompts", str(args.sampled_prompts)),
+        *("--eval-every", str(10 if args.smoke else args.eval_every)),
         smoke=args.smoke,
     )
     producers = f"launch.producer_devices={json.dumps([device] * args.producers)}"
