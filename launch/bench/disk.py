@@ -112,62 +112,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default="1,2,4,8", help="comma list of raw writer counts")
     args = parser.parse_args(argv)
     folder = Path(args.dir) / f"df-bench-disk-{os.getpid()}"
-    rows = []
     try:
-        for threads in [int(t) for t in args.threads.split(",")]:
-            folder.mkdir(parents=True)
-            seconds = raw(folder, args.gb, threads)
-            rows.append(
-                {
-                    "writer": f"raw, {threads} thread{'s' * (threads > 1)}",
-                    "gb": args.gb,
-                    "s": seconds,
-                    "gb_per_s": args.gb / seconds,
-                }
-            )
-            shutil.rmtree(folder)
-        for how in ("torch.save", "safetensors", "tensor files"):
-            folder.mkdir(parents=True)
-            written, seconds = serialized(folder, args.gb / 2, how)
-            rows.append(
-                {
-                    "writer": how,
-                    "gb": args.gb / 2,
-                    "s": seconds,
-                    "written_s": written,
-                    "gb_per_s": args.gb / 2 / seconds,
-                }
-            )
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-        status = []
-        for durable, seconds in status_writes(folder, args.gb / 2).items():
-            seconds.sort()
-            status.append(
-                {
-                    "status write": "fsync" if durable else "no fsync",
-                    "writes": len(seconds),
-                    "median_ms": 1000 * seconds[len(seconds) // 2],
-                    "p90_ms": 1000 * seconds[int(0.9 * (len(seconds) - 1))],
-                    "max_ms": 1000 * seconds[-1],
-                    "total_s": sum(seconds),
-                }
-            )
-        shutil.rmtree(folder)
+        rows = writer_rows(folder, args.gb, [int(t) for t in args.threads.split(",")])
+        status = status_rows(folder, args.gb / 2)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    print_tables(rows, status, args.gb)
+    emit({"bench": "disk", "dir": args.dir, "rows": rows, "status_writes": status})
+    return 0
+
+
+def writer_rows(folder: Path, gb: float, thread_counts: list[int]) -> list[dict]:
+    """One row per raw writer count (``gb`` each), then one per serializer (half of it), each in a fresh ``folder``."""
+    rows = []
+    for threads in thread_counts:
+        folder.mkdir(parents=True)
+        seconds = raw(folder, gb, threads)
+        rows.append(
+            {"writer": f"raw, {threads} thread{'s' * (threads > 1)}", "gb": gb, "s": seconds, "gb_per_s": gb / seconds}
+        )
+        shutil.rmtree(folder)
+    for how in ("torch.save", "safetensors", "tensor files"):
+        folder.mkdir(parents=True)
+        written, seconds = serialized(folder, gb / 2, how)
+        rows.append({"writer": how, "gb": gb / 2, "s": seconds, "written_s": written, "gb_per_s": gb / 2 / seconds})
+        shutil.rmtree(folder)
+    return rows
+
+
+def status_rows(folder: Path, gb: float) -> list[dict]:
+    """The status writes' latency, with and without fsync, beside a ``gb`` GB checkpoint write."""
+    folder.mkdir(parents=True)
+    status = []
+    for durable, seconds in status_writes(folder, gb).items():
+        seconds.sort()
+        status.append(
+            {
+                "status write": "fsync" if durable else "no fsync",
+                "writes": len(seconds),
+                "median_ms": 1000 * seconds[len(seconds) // 2],
+                "p90_ms": 1000 * seconds[int(0.9 * (len(seconds) - 1))],
+                "max_ms": 1000 * seconds[-1],
+                "total_s": sum(seconds),
+            }
+        )
+    shutil.rmtree(folder)
+    return status
+
+
+def print_tables(rows: list[dict], status: list[dict], gb: float) -> None:
     print(f"{'writer':<18}{'GB':>6}{'s (fsync incl.)':>17}{'GB/s':>7}")
     for row in rows:
         print(f"{row['writer']:<18}{row['gb']:>6.1f}{row['s']:>17.2f}{row['gb_per_s']:>7.2f}")
-    print(f"\nstatus writes beside a {args.gb / 2:g} GB checkpoint write (taking turns):")
+    print(f"\nstatus writes beside a {gb / 2:g} GB checkpoint write (taking turns):")
     print(f"{'status write':<14}{'writes':>8}{'median ms':>11}{'p90 ms':>9}{'max ms':>9}{'total s':>9}")
     for row in status:
         print(
             f"{row['status write']:<14}{row['writes']:>8}{row['median_ms']:>11.2f}{row['p90_ms']:>9.2f}"
             f"{row['max_ms']:>9.1f}{row['total_s']:>9.2f}"
         )
-    emit({"bench": "disk", "dir": args.dir, "rows": rows, "status_writes": status})
-    return 0
 
 
 if __name__ == "__main__":

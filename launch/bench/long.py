@@ -68,13 +68,39 @@ def _release_and_reset_peak() -> float:
 
 def run_case(kind: str, doc_len: int, args: argparse.Namespace) -> dict:
     """One step's seconds (median) and peak MiB for documents of ``doc_len`` tokens; in this process."""
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    drafter, batch = _drafter_and_batch(kind, doc_len, args)
+    drafter, batch = drafter.to(device), batch.to(device)
+
+    def step() -> float:
+        started = time.perf_counter()
+        loss, _ = drafter.forward_train(batch, args.anchors, torch.Generator(device=device).manual_seed(1))
+        loss.backward()
+        drafter.zero_grad(set_to_none=True)
+        synchronize(device)
+        return time.perf_counter() - started
+
+    step()  # warm-up: compilation, lazy initialisations, the first touch of the inputs
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device) / 2**20
+    else:
+        before = _release_and_reset_peak()
+    seconds = [step() for _ in range(args.repeats)]
+    peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else _status_mib("VmHWM")) - before
+    return {"kind": kind, "doc_len": doc_len, "docs": args.tokens // doc_len, "seconds": statistics.median(seconds),
+            "peak_mib": peak}  # fmt: skip
+
+
+def _drafter_and_batch(kind: str, doc_len: int, args: argparse.Namespace) -> tuple:
+    """The small drafter of ``kind`` (random weights) and one step's batch of ``doc_len``-token documents, on the
+    CPU."""
     from common.batch import PackedBatch
     from common.drafter.draft_config import DraftConfig
     from common.drafter.model import DFlashDrafter
     from common.drafter.target_head import TargetHead
 
-    torch.set_num_threads(1)
-    device = torch.device(args.device)
     config = DraftConfig(
         hidden_size=args.hidden,
         intermediate_size=2 * args.hidden,
@@ -96,7 +122,7 @@ def run_case(kind: str, doc_len: int, args: argparse.Namespace) -> dict:
         torch.randn(256, args.hidden, generator=gen), torch.randn(256, args.hidden, generator=gen) * 0.1,
         torch.ones(args.hidden), config.rms_norm_eps,
     )  # fmt: skip
-    drafter = DFlashDrafter(config, head, attention_backend="sdpa" if kind == "dense" else None).to(device)
+    drafter = DFlashDrafter(config, head, attention_backend="sdpa" if kind == "dense" else None)
     tokens = args.tokens
     cu_seqlens = torch.arange(0, tokens + 1, doc_len, dtype=torch.int32)
     loss_mask = torch.ones(tokens, dtype=torch.uint8)
@@ -107,26 +133,8 @@ def run_case(kind: str, doc_len: int, args: argparse.Namespace) -> dict:
         cu_seqlens=cu_seqlens,
         sample_ids=torch.arange(len(cu_seqlens) - 1),
         aux_hidden=torch.randn(tokens, config.fused_feature_size, generator=gen),
-    ).to(device)
-
-    def step() -> float:
-        started = time.perf_counter()
-        loss, _ = drafter.forward_train(batch, args.anchors, torch.Generator(device=device).manual_seed(1))
-        loss.backward()
-        drafter.zero_grad(set_to_none=True)
-        synchronize(device)
-        return time.perf_counter() - started
-
-    step()  # warm-up: compilation, lazy initialisations, the first touch of the inputs
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device) / 2**20
-    else:
-        before = _release_and_reset_peak()
-    seconds = [step() for _ in range(args.repeats)]
-    peak = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else _status_mib("VmHWM")) - before
-    return {"kind": kind, "doc_len": doc_len, "docs": tokens // doc_len, "seconds": statistics.median(seconds),
-            "peak_mib": peak}  # fmt: skip
+    )
+    return drafter, batch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,23 +164,45 @@ def main(argv: list[str] | None = None) -> int:
         if args.tokens % doc_len:
             parser.error(f"--doc-lens: {doc_len} does not divide --tokens {args.tokens}")
     passed = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--dense")]
-    rows = []
-    for kind in kinds:
-        for doc_len in doc_lens:
-            child = subprocess.run(
-                [sys.executable, "-m", "launch.bench.long", *passed, "--case", f"{kind}:{doc_len}"],
-                capture_output=True,
-                text=True,
-            )
-            if child.returncode != 0:
-                rows.append({"kind": kind, "doc_len": doc_len, "error": child.stderr.strip().splitlines()[-1][:200]})
-            else:
-                rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
-
+    rows = [run_child(kind, doc_len, passed) for kind in kinds for doc_len in doc_lens]
     print(
         f"{args.tokens} tokens and {args.anchors} blocks of 16 per step, window {args.window}, hidden {args.hidden}, "
         + ("CPU, one thread" if args.device == "cpu" else args.device)
     )
+    ratios = print_rows(rows, kinds)
+    emit(
+        {
+            "bench": "long",
+            "device": args.device,
+            "tokens_per_step": args.tokens,
+            "anchors": args.anchors,
+            "window": args.window,
+            "hidden": args.hidden,
+            "memory": "peak RSS above the step's start, a process per case"
+            if args.device == "cpu"
+            else "peak allocated above the step's start",
+            f"ratio_{doc_lens[-1]}_to_{doc_lens[0]}": ratios,
+            "rows": rows,
+        }
+    )
+    return 0
+
+
+def run_child(kind: str, doc_len: int, passed: list[str]) -> dict:
+    """The row of one case, measured in a process of its own (this command with ``--case``)."""
+    child = subprocess.run(
+        [sys.executable, "-m", "launch.bench.long", *passed, "--case", f"{kind}:{doc_len}"],
+        capture_output=True,
+        text=True,
+    )
+    if child.returncode != 0:
+        return {"kind": kind, "doc_len": doc_len, "error": child.stderr.strip().splitlines()[-1][:200]}
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def print_rows(rows: list[dict], kinds: list[str]) -> dict:
+    """Print the table, each row's time and memory against its kind's first (shorter documents); each kind's last
+    ratios."""
     print(f"{'kind':>8} {'doc len':>8} {'docs':>5} {'step s':>8} {'x 1st':>6} {'peak MiB':>9} {'x 1st':>6}")
     ratios = {}
     for kind in kinds:
@@ -191,22 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         last = mine[-1]
         if "error" not in last:
             ratios[kind] = {"time": round(last["time_ratio"], 3), "memory": round(last["memory_ratio"], 3)}
-    emit(
-        {
-            "bench": "long",
-            "device": args.device,
-            "tokens_per_step": args.tokens,
-            "anchors": args.anchors,
-            "window": args.window,
-            "hidden": args.hidden,
-            "memory": "peak RSS above the step's start, a process per case"
-            if args.device == "cpu"
-            else "peak allocated above the step's start",
-            f"ratio_{doc_lens[-1]}_to_{doc_lens[0]}": ratios,
-            "rows": rows,
-        }
-    )
-    return 0
+    return ratios
 
 
 if __name__ == "__main__":
