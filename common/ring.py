@@ -54,6 +54,13 @@ def _unpin(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+def _slot(flat: torch.Tensor, index: int, num_slots: int, slot_bytes: int) -> torch.Tensor:
+    """Slot ``index`` of a ring's bytes ``flat``: a view, no copy."""
+    if not 0 <= index < num_slots:
+        raise IndexError(f"slot {index} outside ring of {num_slots}")
+    return flat[index * slot_bytes : (index + 1) * slot_bytes]
+
+
 class HostRing:
     """A ring in a /dev/shm segment."""
 
@@ -71,6 +78,7 @@ class HostRing:
             self._flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
         self._ptr = self._flat.data_ptr()
         self.pinned = _pin(self._ptr, len(buf), read_only=not owner)
+        self._send_buffers: list[memoryview] | None = None
 
     @classmethod
     def create(cls, run_tag: str, role: str, num_slots: int, slot_bytes: int) -> HostRing:
@@ -130,9 +138,13 @@ class HostRing:
         return cls(path, num_slots, slot_bytes, owner=False, fd=fd, buf=buf)
 
     def slot(self, index: int) -> torch.Tensor:
-        if not 0 <= index < self.num_slots:
-            raise IndexError(f"slot {index} outside ring of {self.num_slots}")
-        return self._flat[index * self.slot_bytes : (index + 1) * self.slot_bytes]
+        return _slot(self._flat, index, self.num_slots, self.slot_bytes)
+
+    def send_buffer(self, index: int) -> memoryview:
+        """Slot ``index`` as a buffer ZeroMQ sends from without a copy (made for every slot on the first call)."""
+        if self._send_buffers is None:
+            self._send_buffers = [memoryview(self.slot(i).numpy()) for i in range(self.num_slots)]
+        return self._send_buffers[index]
 
     def spec(self) -> dict:
         return {
@@ -147,7 +159,7 @@ class HostRing:
             return
         if self.pinned:
             _unpin(self._ptr)
-        self._flat = None
+        self._flat = self._send_buffers = None
         try:
             self._mmap.close()
         except BufferError:
@@ -295,9 +307,7 @@ class CudaRing:
         return cls(local, ptr.value, int(spec["num_slots"]), int(spec["slot_bytes"]), owner=False, handle=handle_bytes)
 
     def slot(self, index: int) -> torch.Tensor:
-        if not 0 <= index < self.num_slots:
-            raise IndexError(f"slot {index} outside ring of {self.num_slots}")
-        return self._flat[index * self.slot_bytes : (index + 1) * self.slot_bytes]
+        return _slot(self._flat, index, self.num_slots, self.slot_bytes)
 
     def spec(self) -> dict:
         return {

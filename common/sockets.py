@@ -165,13 +165,7 @@ def make_socket(
     Incoming frames longer than ``max_frame_bytes`` are dropped by ZeroMQ before they are allocated
     (raised only for consumers that receive batch payloads as frames).
     """
-    if (bind is None) == (connect is None):
-        raise ValueError("give exactly one of bind or connect")
-    endpoint = bind if bind is not None else connect
-    if not endpoint.startswith(("ipc://", "tcp://", "inproc://")):
-        raise ValueError(f"endpoint {endpoint!r}: use ipc:// (one host) or tcp:// (across hosts)")
-    if endpoint.startswith("tcp://") and curve is None:
-        raise ValueError(f"endpoint {endpoint}: tcp endpoints need the run's CURVE keys (DIR/secrets/curve.json)")
+    endpoint = _endpoint(bind, connect, curve)
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -184,30 +178,53 @@ def make_socket(
     if endpoint.startswith("tcp://"):
         sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:port works too; IPv4 addresses are unaffected
     if curve is not None:
-        if bind is not None:
-            sock.curve_secretkey = curve.server_secret
-            sock.curve_publickey = curve.server_public
-            sock.curve_server = True
-            sock.zap_domain = ZAP_DOMAIN.encode()
-        else:
-            sock.curve_serverkey = curve.server_public
-            sock.curve_publickey = curve.client_public
-            sock.curve_secretkey = curve.client_secret
+        _set_curve_keys(sock, curve, server=bind is not None)
     if bind is not None:
-        if bind.startswith("ipc://"):
-            path = Path(bind[len("ipc://") :])
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            old = os.umask(0o077)
-            try:
-                sock.bind(bind)
-            finally:
-                os.umask(old)
-            os.chmod(path, 0o600)
-        else:
-            sock.bind(bind)
+        _bind_private(sock, bind)
     else:
         sock.connect(connect)
     return sock
+
+
+def _endpoint(bind: str | None, connect: str | None, curve: CurveKeys | None) -> str:
+    """The one endpoint of ``bind`` and ``connect``, checked: a scheme ZeroMQ serves here, CURVE keys over tcp."""
+    if (bind is None) == (connect is None):
+        raise ValueError("give exactly one of bind or connect")
+    endpoint = bind if bind is not None else connect
+    if not endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+        raise ValueError(f"endpoint {endpoint!r}: use ipc:// (one host) or tcp:// (across hosts)")
+    if endpoint.startswith("tcp://") and curve is None:
+        raise ValueError(f"endpoint {endpoint}: tcp endpoints need the run's CURVE keys (DIR/secrets/curve.json)")
+    return endpoint
+
+
+def _set_curve_keys(sock: zmq.Socket, curve: CurveKeys, server: bool) -> None:
+    """The binding side serves as the CURVE server (checked by the ZAP handler); the connecting side authenticates
+    the server by its public key."""
+    if server:
+        sock.curve_secretkey = curve.server_secret
+        sock.curve_publickey = curve.server_public
+        sock.curve_server = True
+        sock.zap_domain = ZAP_DOMAIN.encode()
+    else:
+        sock.curve_serverkey = curve.server_public
+        sock.curve_publickey = curve.client_public
+        sock.curve_secretkey = curve.client_secret
+
+
+def _bind_private(sock: zmq.Socket, bind: str) -> None:
+    """Bind; an ipc socket file (and the folder it is made in) is its owner's only."""
+    if not bind.startswith("ipc://"):
+        sock.bind(bind)
+        return
+    path = Path(bind[len("ipc://") :])
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    old = os.umask(0o077)
+    try:
+        sock.bind(bind)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
 
 
 def send_nowait(sock: zmq.Socket, frames: list[bytes], payload: memoryview | None = None) -> bool | zmq.MessageTracker:

@@ -88,6 +88,63 @@ class _Consumer:
     """It reads no ring: each batch's bytes go with its BATCH as a second frame."""
 
 
+class _Consumers:
+    """The consumers a ring server serves, by ZeroMQ identity: only the newest trainer incarnation's, one per
+    consumer id, each until it says bye or goes silent; a dropped one's leases go back in the ring."""
+
+    def __init__(self, slots: SlotTable, counters: ServerCounters) -> None:
+        self.slots = slots
+        self.counters = counters
+        self.by_identity: dict[bytes, _Consumer] = {}
+        self.newest_incarnation = -1
+        self._round_robin = 0
+
+    def __len__(self) -> int:
+        return len(self.by_identity)
+
+    def get(self, identity: bytes) -> _Consumer | None:
+        return self.by_identity.get(identity)
+
+    def replace(self, identity: bytes, hello: Hello) -> bool:
+        """Make room for the consumer of ``hello``: a newer incarnation supersedes every older consumer, and a
+        consumer reconnecting replaces its earlier self. True when ``hello`` is of a new incarnation."""
+        new_incarnation = hello.incarnation > self.newest_incarnation
+        if new_incarnation:
+            self.newest_incarnation = hello.incarnation
+            for old in [c for c in self.by_identity.values() if c.incarnation < hello.incarnation]:
+                self.counters.consumers_superseded += 1
+                self.drop(old.identity, reason=f"superseded by incarnation {hello.incarnation}")
+        for old in [
+            c for c in self.by_identity.values() if c.consumer_id == hello.consumer_id or c.identity == identity
+        ]:
+            self.drop(old.identity, reason="reconnected")
+        return new_incarnation
+
+    def drop(self, identity: bytes, reason: str) -> None:
+        consumer = self.by_identity.pop(identity, None)
+        reclaimed = self.slots.reclaim(identity)
+        if consumer is not None:
+            log.info("consumer %s %s; %d leases back in the ring", consumer.consumer_id, reason, len(reclaimed))
+
+    def expire(self, now: float, timeout_s: float) -> None:
+        """Drop the consumers silent for longer than ``timeout_s``."""
+        for consumer in list(self.by_identity.values()):
+            if now - consumer.last_seen > timeout_s:
+                self.counters.consumers_expired += 1
+                self.drop(consumer.identity, reason=f"silent for {now - consumer.last_seen:.1f}s")
+
+    def next_hungry(self, now: float) -> _Consumer | None:
+        """The next consumer, round robin, with credit and not paused; None when none has."""
+        hungry = [c for c in self.by_identity.values() if c.credits > 0 and c.paused_until <= now]
+        if not hungry:
+            return None
+        self._round_robin += 1
+        return hungry[(self._round_robin - 1) % len(hungry)]
+
+    def any_credit(self) -> bool:
+        return any(c.credits > 0 for c in self.by_identity.values())
+
+
 @dataclass
 class ServerCounters:
     messages: int = 0
@@ -103,6 +160,18 @@ class ServerCounters:
     """Longest stretch the server thread spent handling messages without returning to its poll."""
     internal_errors: int = 0
     """Valid messages whose handling raised (a bug, logged with its traceback); zero in every test."""
+
+    def figures(self) -> dict[str, Any]:
+        """The counters a HEARTBEAT carries, by their ``ProducerStats`` name."""
+        return dict(
+            messages=self.messages,
+            dropped_malformed=self.dropped_malformed,
+            dropped_unknown_peer=self.dropped_unknown_peer,
+            refused=self.refused,
+            socket_blocked=self.socket_blocked,
+            internal_errors=self.internal_errors,
+            max_busy_s=round(self.max_busy_s, 4),
+        )
 
 
 @dataclass
@@ -130,6 +199,34 @@ ProducerFigures = Callable[[], dict[str, Any]]
 DeliveryCheck = Callable[["Delivery", dict], None]
 """Checks a delivered batch against the producer's WELCOME description (e.g.
 ``common.batchcheck.check_batch``); raising ValueError drops the batch (see RingClient)."""
+
+
+def _bind_router(
+    ctx: zmq.Context, endpoint: str, curve: CurveKeys | None
+) -> tuple[zmq.Socket, zmq.auth.thread.ThreadAuthenticator | None]:
+    """The server's ROUTER socket bound to ``endpoint`` and, with ``curve``, its context's ZAP handler (stopped again
+    when the bind fails)."""
+    auth = start_authenticator(ctx, curve) if curve is not None else None
+    try:
+        return make_socket(ctx, zmq.ROUTER, bind=endpoint, curve=curve), auth
+    except BaseException:
+        if auth is not None:
+            auth.stop()
+        raise
+
+
+def _refusal(hello: Hello, ring: RingBuffer, newest_incarnation: int) -> str | None:
+    """Why the server refuses ``hello`` whatever the producer says of it (``check_hello``), or None."""
+    if hello.incarnation < newest_incarnation:
+        return f"incarnation {hello.incarnation} is superseded by {newest_incarnation}"
+    if hello.payload == PAYLOAD_FRAMES and ring.backend != "host":
+        # Staging GPU slots through host memory would add a copy and a buffer per lease; a producer
+        # serving other hosts is better off writing its features to a host ring at once.
+        return (
+            f"this producer's ring is in GPU memory (ring.backend={ring.backend}), which a "
+            "consumer on another host cannot read: start the producer with ring.backend=host"
+        )
+    return None
 
 
 class RingServer:
@@ -165,9 +262,7 @@ class RingServer:
         self._stats = stats
         self._curve = curve
         self._ctx = zmq.Context() if curve is not None else ctx or zmq.Context.instance()
-        self._consumers: dict[bytes, _Consumer] = {}
-        self._newest_incarnation = -1
-        self._round_robin = 0
+        self._consumers = _Consumers(self.slots, self.counters)
         self._credit_waiting = False
         """Some consumer has credit (set by the server thread, read by the filler in ``publish``)."""
         self._freed = False
@@ -181,8 +276,6 @@ class RingServer:
         # A consumer that died keeps blocking until its heartbeat timeout, once per heartbeat.
         self._blocked_log = RateLimitedLog()
         self._error: BaseException | None = None
-        self._slot_buffers: list[memoryview] | None = None
-        """Each host slot as a buffer ZeroMQ can send without a copy; made for the first frames consumer."""
 
     # -- filler side (any thread) ----------------------------------------------------------------
 
@@ -239,14 +332,9 @@ class RingServer:
     # -- server thread ---------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        auth = None
         try:
-            if self._curve is not None:
-                auth = start_authenticator(self._ctx, self._curve)
-            sock = make_socket(self._ctx, zmq.ROUTER, bind=self.endpoint, curve=self._curve)
+            sock, auth = _bind_router(self._ctx, self.endpoint, self._curve)
         except BaseException as exc:
-            if auth is not None:
-                auth.stop()
             self._error = exc
             self._bound.set()
             return
@@ -274,7 +362,7 @@ class RingServer:
                     self.slots.wake()
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._expire(now)
+                    self._consumers.expire(now, self.heartbeat_timeout_s)
                     self._beat(sock)
                     next_beat = now + self.heartbeat_interval_s
                 self.counters.max_busy_s = max(self.counters.max_busy_s, time.monotonic() - busy_from)
@@ -333,7 +421,7 @@ class RingServer:
         elif isinstance(message, Credit):
             self._add_credit(consumer, message.n)
         elif isinstance(message, Bye):
-            self._drop(identity, reason=f"said bye ({message.reason})")
+            self._consumers.drop(identity, reason=f"said bye ({message.reason})")
         elif isinstance(message, Heartbeat):
             pass
         else:
@@ -345,43 +433,23 @@ class RingServer:
         self._credit_waiting = True  # before _dispatch looks for ready slots (see publish)
 
     def _on_hello(self, sock: zmq.Socket, identity: bytes, hello: Hello) -> None:
-        if hello.incarnation < self._newest_incarnation:
-            self._refuse(sock, identity, f"incarnation {hello.incarnation} is superseded by {self._newest_incarnation}")
-            return
-        frames = hello.payload == PAYLOAD_FRAMES
-        if frames and self.ring.backend != "host":
-            # Staging GPU slots through host memory would add a copy and a buffer per lease; a producer
-            # serving other hosts is better off writing its features to a host ring at once.
-            self._refuse(
-                sock,
-                identity,
-                f"this producer's ring is in GPU memory (ring.backend={self.ring.backend}), which a "
-                "consumer on another host cannot read: start the producer with ring.backend=host",
-            )
-            return
-        if self._check_hello is not None:
+        reason = _refusal(hello, self.ring, self._consumers.newest_incarnation)
+        if reason is None and self._check_hello is not None:
             reason = self._check_hello(hello)
-            if reason:
-                self._refuse(sock, identity, reason)
-                return
-        new_incarnation = hello.incarnation > self._newest_incarnation
-        if new_incarnation:
-            self._newest_incarnation = hello.incarnation
-            for old in [c for c in self._consumers.values() if c.incarnation < hello.incarnation]:
-                self.counters.consumers_superseded += 1
-                self._drop(old.identity, reason=f"superseded by incarnation {hello.incarnation}")
-        for old in [
-            c for c in self._consumers.values() if c.consumer_id == hello.consumer_id or c.identity == identity
-        ]:
-            self._drop(old.identity, reason="reconnected")
+        if reason:
+            self._refuse(sock, identity, reason)
+            return
+        new_incarnation = self._consumers.replace(identity, hello)
         if self._on_welcome is not None:
             # After the superseded leases are back in the ring, before anything is leased again.
             self._on_welcome(hello, new_incarnation)
-        self._consumers[identity] = _Consumer(
+        frames = hello.payload == PAYLOAD_FRAMES
+        consumer = _Consumer(
             identity, hello.consumer_id, hello.incarnation, hello.pid, 0, time.monotonic(), frames=frames
         )
+        self._consumers.by_identity[identity] = consumer
         if hello.credits:
-            self._add_credit(self._consumers[identity], hello.credits)
+            self._add_credit(consumer, hello.credits)
         ring = self.ring.spec()
         if frames:
             ring = {"backend": PAYLOAD_FRAMES, "num_slots": self.ring.num_slots, "slot_bytes": self.ring.slot_bytes}
@@ -395,7 +463,7 @@ class RingServer:
         )
         if not send_nowait(sock, [identity, welcome.encode()]):
             self.counters.send_failures += 1
-            self._consumers.pop(identity, None)
+            self._consumers.by_identity.pop(identity, None)
             return
         log.info(
             "consumer %s (pid %d, incarnation %d, payload by %s) connected",
@@ -410,25 +478,19 @@ class RingServer:
         self._refused_log.warn(f"refused a consumer: {reason}")
         send_nowait(sock, [identity, Refuse(reason=reason).encode()])
 
-    def _drop(self, identity: bytes, reason: str) -> None:
-        consumer = self._consumers.pop(identity, None)
-        reclaimed = self.slots.reclaim(identity)
-        if consumer is not None:
-            log.info("consumer %s %s; %d leases back in the ring", consumer.consumer_id, reason, len(reclaimed))
-
     def _dispatch(self, sock: zmq.Socket) -> None:
         """Lease READY slots to consumers with credit, round robin."""
         now = time.monotonic()
-        while True:
-            hungry = [c for c in self._consumers.values() if c.credits > 0 and c.paused_until <= now]
-            if not hungry:
-                break
-            consumer = hungry[self._round_robin % len(hungry)]
-            self._round_robin += 1
+        while (consumer := self._consumers.next_hungry(now)) is not None:
             lease = self.slots.lease_next(consumer.identity)
             if lease is None:
                 break
-            payload = self._slot_buffer(lease.slot)[: lease.payload[3]] if consumer.frames else None
+            # Sent from the slot itself: safe because a slot is refilled neither before its ack nor before ZeroMQ
+            # is done with every send of it. A lease taken back while its message still waits in ZeroMQ's queue (a
+            # consumer silent past the timeout but connected) may be leased again and acked by another consumer,
+            # but the filler waits for the queued send's tracker (``SlotTable.mark_sending``), so the late receiver
+            # gets the bytes of the batch it was announced, never a half-refilled slot.
+            payload = self.ring.send_buffer(lease.slot)[: lease.payload[3]] if consumer.frames else None
             sent = send_nowait(sock, [consumer.identity, lease.payload[2]], payload)
             if sent:
                 consumer.credits -= 1
@@ -444,26 +506,7 @@ class RingServer:
                 self._blocked_log.warn(
                     f"send to consumer {consumer.consumer_id} would block; slot {lease.slot} back in the ring"
                 )
-        self._credit_waiting = any(c.credits > 0 for c in self._consumers.values())
-
-    def _slot_buffer(self, index: int) -> memoryview:
-        """Slot ``index`` of the host ring as a buffer ZeroMQ sends from without a copy.
-
-        Safe because a slot is refilled neither before its ack nor before ZeroMQ is done with every
-        send of it: a lease taken back while its message still waits in ZeroMQ's queue (a consumer
-        silent past the timeout but connected) may be leased again and acked by another consumer,
-        but the filler waits for the queued send's tracker (``SlotTable.mark_sending``), so the late
-        receiver gets the bytes of the batch it was announced, never a half-refilled slot.
-        """
-        if self._slot_buffers is None:
-            self._slot_buffers = [memoryview(self.ring.slot(i).numpy()) for i in range(self.ring.num_slots)]
-        return self._slot_buffers[index]
-
-    def _expire(self, now: float) -> None:
-        for consumer in list(self._consumers.values()):
-            if now - consumer.last_seen > self.heartbeat_timeout_s:
-                self.counters.consumers_expired += 1
-                self._drop(consumer.identity, reason=f"silent for {now - consumer.last_seen:.1f}s")
+        self._credit_waiting = self._consumers.any_credit()
 
     def stats(self) -> ProducerStats:
         """The ring's counts, the server's counters and what the producer adds (``stats``)."""
@@ -477,13 +520,7 @@ class RingServer:
             released=self.slots.counters.released,
             stale_acks=self.slots.counters.stale_acks,
             consumers=len(self._consumers),
-            messages=self.counters.messages,
-            dropped_malformed=self.counters.dropped_malformed,
-            dropped_unknown_peer=self.counters.dropped_unknown_peer,
-            refused=self.counters.refused,
-            socket_blocked=self.counters.socket_blocked,
-            internal_errors=self.counters.internal_errors,
-            max_busy_s=round(self.counters.max_busy_s, 4),
+            **self.counters.figures(),
             **(self._stats() if self._stats is not None else {}),
         )
 
@@ -491,7 +528,7 @@ class RingServer:
         if not self._consumers:
             return
         frame = Heartbeat(stats=self.stats().to_wire()).encode()
-        for identity in list(self._consumers):
+        for identity in list(self._consumers.by_identity):
             if not send_nowait(sock, [identity, frame]):
                 self.counters.send_failures += 1
 
