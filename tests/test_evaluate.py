@@ -22,8 +22,10 @@ from launch.evaluate import main
 from producer.acceptance.decoder import DraftContext, DraftRows, greedy_decode, speculative_decode
 from producer.acceptance.evaluator import Evaluator, build_evaluator
 from producer.acceptance.held_out import held_out_documents, prompt_of
-from producer.acceptance.verifier import GreedyTarget, greedy_transcripts, target_head_of
+from producer.acceptance.transcripts import greedy_transcripts
 from producer.data import build_data_source
+from producer.target.greedy import GreedyTarget
+from producer.target.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
 LAYER_IDS = [1, 3]
@@ -306,7 +308,7 @@ def test_command_evaluates_a_run_checkpoint(tmp_path, target_dir, target_model, 
 
 def test_command_refuses_a_target_that_is_not_the_runs(tmp_path, capsys):
     """A random-weight target rebuilt from the run's config must be the producers' (their head is in RUN/target)."""
-    from producer.target import load_target_model
+    from producer.target.load import load_target_model
 
     run = tmp_path / "run"
     cfg = load_config(None, [*SMALL_DATA, "target.config_overrides={vocab_size = 64}", "target.dtype=float32"])
@@ -320,7 +322,7 @@ def test_command_refuses_a_target_that_is_not_the_runs(tmp_path, capsys):
 
 def test_command_refuses_a_target_whose_lm_head_alone_differs(tmp_path, capsys):
     """The embedding is not all the drafter shares: an lm_head (or final norm) that differs is refused too."""
-    from producer.target import load_target_model
+    from producer.target.load import load_target_model
 
     run = tmp_path / "run"
     cfg = load_config(None, [*SMALL_DATA, "target.config_overrides={vocab_size = 64}", "target.dtype=float32"])
@@ -593,7 +595,7 @@ def test_the_simulated_tau_is_scored_on_the_span_decoding_produces(target_model,
     of the same span of each document (from the prefill's token to the one before the max_new_tokens-th), not at
     the rest of a longer answer."""
     from producer.acceptance.simulated import decoded_span, simulated_acceptance
-    from producer.acceptance.verifier import document_features
+    from producer.acceptance.transcripts import document_features
 
     cfg = load_config(
         None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.num_prompts=4", "eval.max_new_tokens=8"]

@@ -9,16 +9,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from producer.generate import (
+from producer.target.generation import (
     STATIC_CACHE_ENGINE,
     TRANSFORMERS_ENGINE,
     Finished,
     GenerationConfig,
-    Generator,
     Request,
     Sampler,
-    attention_lengths,
 )
+from producer.target.generator import Generator
+from producer.target.static_cache import attention_lengths
 
 VOCAB = 160
 TINY = dict(
@@ -202,7 +202,7 @@ def test_bad_config_values_name_their_field(field, value):
 def test_a_cache_larger_than_the_available_memory_is_refused_before_it_is_allocated(monkeypatch):
     """A static KV cache the host cannot hold would get the process killed (and killed again at every restart):
     it is refused first, saying what it needs, what is there and how many rows fit."""
-    import producer.generate as generate
+    import producer.target.static_cache as generate
 
     model = tiny_model("llama")  # 2 layers x 2 (keys, values) x 2 heads x 16 x 4 bytes = 512 bytes per position
     monkeypatch.setattr(generate, "available_memory", lambda device: 100 * 2**20)

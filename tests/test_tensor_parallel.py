@@ -41,9 +41,11 @@ from common.naming import process_alive
 from common.rundir import RunDir, read_json
 from common.status import ProducerStatus
 from launch import processes
-from producer.acceptance.verifier import GreedyTarget
-from producer.target import Target, check_tensor_parallel
-from producer.tensor_parallel import MirroredTarget, TensorParallelGroup, follow, split_devices
+from producer.target.capture import Target
+from producer.target.follower import follow
+from producer.target.greedy import GreedyTarget
+from producer.target.load import check_tensor_parallel
+from producer.target.tensor_parallel import TensorParallelGroup, split_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER_IDS = [1, 3]
@@ -77,7 +79,7 @@ def capture_ranks(
         group.keepalive()  # an IDLE between batches: the followers must take it in their stride
         captured = target.capture(make_batch(lengths, seed=index))
         features.append((captured.aux_hidden.float().cpu(), captured.last_hidden.float().cpu()))
-    reports = eval_reports(target.model, head, partial(MirroredTarget, group)) if evaluate else None
+    reports = eval_reports(target.model, head, partial(GreedyTarget, followers=group)) if evaluate else None
     group.stop_followers()
     group.close()
     torch.save({"identity": target.identity, "features": features, "pids": group.pids, "reports": reports}, out)

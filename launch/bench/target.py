@@ -32,13 +32,9 @@ from common.codec import DTYPES
 from common.config import TargetConfig
 from common.drafter.draft_config import build_target_layer_ids
 from launch.bench.harness import QWEN3_8B, Table, add_json_argument, emit, gpu_name, matmul_tflops, synchronize, timed
-from producer.target import (
-    TINY_TARGET_CONFIG,
-    Target,
-    flops_per_document,
-    load_target_model,
-    resolve_device,
-)
+from producer.target.capture import Target
+from producer.target.flops import flops_per_document
+from producer.target.load import TINY_TARGET_CONFIG, load_target_model, resolve_device
 
 # Qwen3.6-27B / Qwen3.5-27B (random weights): 48 Gated-DeltaNet and 16 gated full-attention layers.
 QWEN36_27B_SHAPE = {

@@ -16,9 +16,9 @@ from common.acceptance.report import by_length_summary
 from common.config import RunConfig
 from common.rundir import RunDir
 from producer.acceptance.evaluator import Evaluator, build_evaluator
-from producer.acceptance.verifier import GreedyTarget
-from producer.target import Target
-from producer.tensor_parallel import MirroredTarget, TensorParallelGroup
+from producer.target.capture import Target
+from producer.target.greedy import GreedyTarget
+from producer.target.tensor_parallel import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class EvaluationJob:
         from common.drafter.export import load_drafter
         from common.drafter.loss import LossConfig
         from common.drafter.target_head import load_target_head
-        from producer.acceptance.verifier import target_head_of
+        from producer.target.load import target_head_of
 
         model = self.target.model
         if self.group is None:
@@ -187,12 +187,12 @@ class EvaluationJob:
     def _evaluator_of_run(self) -> Evaluator:
         """The evaluator, made once: it keeps the target's reference between evaluations."""
         if self._evaluator is None:
-            mirrored = functools.partial(MirroredTarget, self.group) if self.group is not None else GreedyTarget
+            # A tensor-parallel leader's greedy target tells its followers every call (producer/target/operations.py).
             self._evaluator = build_evaluator(
                 self.cfg,
                 self.target.model,
                 self.target.layer_ids,
-                make_target=mirrored,
+                make_target=functools.partial(GreedyTarget, followers=self.group),
                 held_out_file=self.run_dir.held_out,
             )
         return self._evaluator

@@ -22,7 +22,7 @@ from common.drafter.blocks import DraftBlocks, build_blocks, valid_anchor_mask
 from common.drafter.loss import LossConfig
 from common.drafter.masks import build_masks
 from producer.acceptance.held_out import prompt_of
-from producer.acceptance.verifier import DocumentFeatures
+from producer.acceptance.transcripts import DocumentFeatures
 
 
 @torch.no_grad()

@@ -117,7 +117,9 @@ def quick_drafter(
     from common.drafter.export import export_zlab
     from common.drafter.kinds import kind_of
     from common.drafter.loss import LossConfig
-    from producer.acceptance.verifier import GreedyTarget, greedy_transcripts, target_head_of
+    from producer.acceptance.transcripts import greedy_transcripts
+    from producer.target.greedy import GreedyTarget
+    from producer.target.load import target_head_of
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     text = model.config

@@ -1,23 +1,18 @@
 """The target as a greedy verifier: forwards through its KV cache that return its tokens and the drafter's features
-of the same tokens (``GreedyTarget``), and what it computes once per held-out set: each prompt's greedy continuation
-with the features of every token (``greedy_transcripts``) and each document's features (``document_features``). Also
-the loaded target's stop tokens and its head.
+of the same tokens (``GreedyTarget``), what acceptance evaluation runs the target with. On a tensor-parallel leader
+every call that runs the model or changes its cache is told to the followers first (producer/target/operations.py).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from common.acceptance.arithmetic import Transcript
-from common.batch import Document
-from common.drafter.target_head import TargetHead
+from producer.target.operations import ALONE, Followers, Op
 
 
 class GreedyTarget:
@@ -27,10 +22,16 @@ class GreedyTarget:
     Features are the outputs of decoder layers ``layer_ids`` read by forward hooks, i.e. exactly what the
     producers capture (before the final norm, even for the last layer; HF's ``hidden_states[-1]`` is after
     it). With ``capture_last`` the last decoder layer's output is kept too (target label modes).
+
+    ``followers``: a tensor-parallel leader's, when its model is sharded: each call that runs the model or changes the
+    cache is told to them first, so that every rank makes it on its own shards and its own cache.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], capture_last: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, layer_ids: list[int], capture_last: bool = False, followers: Followers | None = None
+    ) -> None:
         self.model = model
+        self.followers = followers if followers is not None else ALONE
         layers = model.get_decoder().layers
         self.layer_ids = list(layer_ids)
         self.last_layer = len(layers) - 1 if capture_last else None
@@ -59,6 +60,7 @@ class GreedyTarget:
     def detach(self) -> None:
         """Remove the hooks and what they kept: a producer evaluating between batches captures with the same
         modules (its compiled layers must see them as they were, and no feature may stay referenced)."""
+        self.followers.send(Op.DETACH, ())
         for hook in self._hooks:
             hook.remove()
         self._hooks, self._outputs = [], {}
@@ -69,6 +71,7 @@ class GreedyTarget:
         """Empty the KV cache (a new prompt)."""
         from transformers import DynamicCache
 
+        self.followers.send(Op.RESET, ())
         self.cache = DynamicCache(config=self.model.config)
         for layer in self.cache.layers:  # sliding-window layers can then be cropped
             if hasattr(layer, "activate_past_recording") and not _is_state_layer(layer):
@@ -80,6 +83,7 @@ class GreedyTarget:
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Tokens ``[L]`` at positions ``start ..`` through the cache: (the target's greedy next token after
         each ``[L]``, or None without ``logits``; the drafter's features ``[L, n * H]``)."""
+        self.followers.send(Op.FORWARD, (token_ids, start, logits))
         self.attach()
         positions = torch.arange(start, start + token_ids.shape[0], device=self.device)[None]
         # In its own dtype as the producers run it, whatever autocast the drafter runs under; logits_to_keep=1
@@ -99,7 +103,7 @@ class GreedyTarget:
 
     def forward_logits(self, token_ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` for sampled decoding: (the target's logits ``[L, V]`` after each token, the features). Through
-        ``forward`` itself, so that a subclass that mirrors it (a tensor-parallel target) mirrors this too."""
+        ``forward`` itself, so that the followers of a tensor-parallel target run it as a ``forward`` too."""
         self._keep_logits = True
         try:
             _, features = self.forward(token_ids, start)
@@ -133,6 +137,7 @@ class GreedyTarget:
         the positions, not the slots (``_row_masks``), so every row's tokens get what a forward of that row
         alone would give.
         """
+        self.followers.send(Op.FORWARD_ROWS, (token_ids, positions, kv_valid, last_logits_only))
         self.attach()
         with torch.autocast(self.device.type, enabled=False):
             out = self.model(
@@ -167,6 +172,7 @@ class GreedyTarget:
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions of the KV cache (recurrent states stay as they are: put them
         back with ``restore_state`` first where they ran past ``length``)."""
+        self.followers.send(Op.CROP, (length,))
         for layer in self.cache.layers:
             # Each key-value layer by its own length: the cache's length is its first layer's, a linear layer's count
             # in a hybrid target (transformers 5.25 on), which save_state and restore_state keep apart.
@@ -178,6 +184,7 @@ class GreedyTarget:
         """Copy the recurrent and convolution states of the Gated-DeltaNet layers, and the length they have seen
         where the cache keeps one (transformers 5.25 on: the cache's sequence length, and so the next positions,
         is a linear layer's count); nothing for other targets."""
+        self.followers.send(Op.SAVE_STATE, ())
         if not self.recurrent:
             return
         self._saved_states = [
@@ -193,6 +200,7 @@ class GreedyTarget:
 
     def restore_state(self) -> None:
         """Put back the states of the last ``save_state``, in place."""
+        self.followers.send(Op.RESTORE_STATE, ())
         for layer, conv, recurrent, seen in self._saved_states:
             for i, saved in conv.items():
                 layer.conv_states[i].copy_(saved)
@@ -210,119 +218,3 @@ def _seen_length(layer: Any) -> torch.Tensor | None:
 def _is_state_layer(layer: Any) -> bool:
     """A cache layer that holds a fixed-size state (linear attention, convolution) instead of per-token keys."""
     return hasattr(layer, "recurrent_states") and hasattr(layer, "conv_states")
-
-
-def kept_on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``tensor`` to keep between evaluations: page-locked when it comes from a GPU, so that the
-    next evaluation's upload is one fast copy; a CPU tensor is kept as it is."""
-    if tensor.device.type == "cpu":
-        return tensor
-    kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    kept.copy_(tensor)
-    return kept
-
-
-@dataclass
-class DocumentFeatures:
-    """A held-out document's target features for the simulated acceptance, kept on the host (or, past the cache's
-    budget, None: that document runs through the target at every evaluation)."""
-
-    aux_hidden: torch.Tensor
-    last_hidden: torch.Tensor | None = None
-
-
-@torch.no_grad()
-def greedy_transcripts(
-    target: GreedyTarget, prompts: Sequence[torch.Tensor], length: int, rows_at_once: int
-) -> list[Transcript]:
-    """Each prompt's greedy continuation of ``length`` tokens with the features of every token: ``rows_at_once``
-    prompts per forward where the target allows (``target.batchable``), else one at a time."""
-    if target.batchable and rows_at_once > 1:
-        return [
-            t
-            for i in range(0, len(prompts), rows_at_once)
-            for t in _greedy_rows(target, prompts[i : i + rows_at_once], length)
-        ]
-    return [_greedy_one(target, prompt, length) for prompt in prompts]
-
-
-def _greedy_one(target: GreedyTarget, prompt: torch.Tensor, length: int) -> Transcript:
-    target.reset()
-    greedy, features = target.forward(prompt, 0)
-    tokens, parts, lasts = [greedy[-1:]], [features], [target.last_rows()]
-    for step in range(length - 1):  # each token fed back gives its own features; the last is never fed
-        greedy, features = target.forward(tokens[-1], prompt.numel() + step)
-        tokens.append(greedy[-1:])
-        parts.append(features)
-        lasts.append(target.last_rows())
-    last = kept_on_host(torch.cat([rows[0] for rows in lasts])) if lasts[0] is not None else None
-    return Transcript(
-        prompt.numel(), prompt.tolist() + torch.cat(tokens).tolist(), kept_on_host(torch.cat(parts)), last
-    )
-
-
-def _greedy_rows(target: GreedyTarget, prompts: Sequence[torch.Tensor], length: int) -> list[Transcript]:
-    """``_greedy_one`` of several prompts at once, left-padded in one cache (every row gets what it gets alone)."""
-    device = target.device
-    lengths = [int(p.numel()) for p in prompts]
-    width, rows = max(lengths), len(prompts)
-    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-    positions = torch.zeros_like(ids)
-    kv_valid = torch.zeros_like(ids, dtype=torch.bool)
-    for r, prompt in enumerate(prompts):
-        ids[r, width - lengths[r] :] = prompt.to(device)
-        positions[r, width - lengths[r] :] = torch.arange(lengths[r], device=device)
-        kv_valid[r, width - lengths[r] :] = True
-    target.reset()
-    greedy, prefill = target.forward_rows(ids, positions, kv_valid, last_logits_only=True)
-    prefill_last, fed_last = target.last_rows(), []
-    tokens, fed = [greedy[:, -1:]], []
-    next_position = torch.tensor(lengths, device=device)[:, None]
-    for step in range(length - 1):
-        kv_valid = torch.cat([kv_valid, torch.ones(rows, 1, dtype=torch.bool, device=device)], dim=1)
-        greedy, features = target.forward_rows(tokens[-1], next_position + step, kv_valid, last_logits_only=True)
-        tokens.append(greedy[:, -1:])
-        fed.append(features)
-        fed_last.append(target.last_rows())
-    continuation = torch.cat(tokens, dim=1).tolist()
-    fed_features = torch.cat(fed, dim=1) if fed else prefill[:, :0]
-
-    def last_of(r: int, n: int) -> torch.Tensor | None:
-        if prefill_last is None:
-            return None
-        later = [rows[r] for rows in fed_last]
-        return kept_on_host(torch.cat([prefill_last[r, width - n :], *later]))
-
-    return [
-        Transcript(
-            n,
-            prompt.tolist() + continuation[r],
-            kept_on_host(torch.cat([prefill[r, width - n :], fed_features[r]])),
-            last_of(r, n),
-        )
-        for r, (prompt, n) in enumerate(zip(prompts, lengths))
-    ]
-
-
-def document_features(target: GreedyTarget, document: Document) -> DocumentFeatures:
-    """One forward of the whole document: its features, and its last layer's output when the target captures it."""
-    target.reset()
-    _, features = target.forward(torch.as_tensor(document.input_ids, dtype=torch.long), 0, logits=False)
-    return DocumentFeatures(features, target.last_hidden() if target.last_layer is not None else None)
-
-
-def stop_tokens_of(model: nn.Module) -> frozenset[int]:
-    """The target's end-of-sequence ids (none for a config without them)."""
-    eos = getattr(model.config, "eos_token_id", None)
-    return frozenset() if eos is None else frozenset(eos if isinstance(eos, list) else [eos])
-
-
-def target_head_of(model: nn.Module) -> TargetHead:
-    """The loaded target's own embedding, final norm and lm_head (bit-identical by construction)."""
-    base = model.get_decoder()
-    return TargetHead(
-        base.embed_tokens.weight,
-        model.get_output_embeddings().weight,
-        base.norm.weight,
-        float(getattr(model.config, "rms_norm_eps", 1e-6)),
-    )
