@@ -43,7 +43,7 @@ def _tokenizer(cfg: RunConfig) -> Any:
 def _drafter_summary(cfg: RunConfig, tokenizer: Any) -> str:
     """The drafter this config implies: its shape, target layers and mask token (from the target's config)."""
     from common.drafter.draft_config import DraftConfig
-    from producer.target.load import build_target_config
+    from producer.target_model.load import build_target_config
 
     target = build_target_config(cfg.target)
     d = cfg.drafter
@@ -188,7 +188,7 @@ def _read_as(source: Any) -> list[str]:
 def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]]:
     """The report (text) and its figures of what training would see of ``cfg``'s data."""
     from producer.data import run_sources
-    from producer.target.load import build_target_config
+    from producer.target_model.load import build_target_config
 
     tokenizer = _tokenizer(cfg)
     lines = [_drafter_summary(cfg, tokenizer), f"optimizer: {cfg.training.optimizer_reason}"]
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_intermixed_args(argv)
     from producer.data import DataError
-    from producer.target.load import UnsupportedTarget
+    from producer.target_model.load import UnsupportedTarget
 
     # The data's own warnings are its bad records, one line each: the report lists every one already.
     logging.getLogger("producer.data").setLevel(logging.ERROR)

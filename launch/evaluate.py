@@ -26,7 +26,7 @@ from common.drafter.target_head import TargetHead, load_target_head
 from common.lifecycle import EXIT_CONFIG_ERROR
 from common.rundir import RunDir
 from producer.acceptance.evaluator import build_evaluator
-from producer.target.load import load_target_model, target_head_of
+from producer.target_model.load import load_target_model, target_head_of
 
 
 def _run_dir_of(checkpoint: Path) -> Path | None:

@@ -34,8 +34,8 @@ from typing import Any
 
 from common.config import ConfigError
 from producer.data import BadRecord, check_turn_order, record_tools, tool_calls_of, validate_messages
-from producer.target.generation import Finished, Request
-from producer.target.generator import Generator
+from producer.target_model.generation import Finished, Request
+from producer.target_model.generator import Generator
 
 MAGPIE_PLACEHOLDER = "\x00MAGPIE\x00"
 """Rendered as the user's message to find where the template's user prefix ends."""

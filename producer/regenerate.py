@@ -3,7 +3,7 @@
 Each chat record's last assistant turn (every one, with ``synthesize.turns = "all"``) is written anew by the
 producer's own target just before the record is batched, by the same code as the offline synthesis
 (producer/conversation.py): the batch plan announces each window of sample ids (``DataSource.prefetch``) and the
-whole window is answered in one batched generation (producer/target/generator.py), then captured like any other document. No
+whole window is answered in one batched generation (producer/target_model/generator.py), then captured like any other document. No
 synthesis pass first, no second copy of the data on disk beyond the answers themselves. The cost: while the
 producer answers a window it fills no slot, so the trainer lives on what the ring holds (nothing, for the first
 window), and on one device generation and training take turns rather than overlap (BENCHMARKS.md, synthesis).
@@ -29,7 +29,7 @@ from common.config import RunConfig
 from producer.conversation import ConversationWriter, generation_of, record_conversation, tool_call_format
 from producer.data import BadRecord, DataSource, render_chat, template_errors, template_kwargs_of
 from producer.synthesize import ShardWriter, generation_config_of, generator_for, read_shards, stop_token_ids
-from producer.target.generation import STATIC_CACHE_ENGINE
+from producer.target_model.generation import STATIC_CACHE_ENGINE
 
 log = logging.getLogger(__name__)
 

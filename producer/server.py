@@ -4,7 +4,7 @@
     python -m launch.torchrun --standalone --nproc-per-node 2 -m producer.server ... --device cuda:0,cuda:1
 
 Several devices (under torchrun, one rank each): the target is sharded over them (tensor parallel,
-producer/target/tensor_parallel.py). Rank 0 is the producer described here; the other ranks only run the
+producer/target_model/tensor_parallel.py). Rank 0 is the producer described here; the other ranks only run the
 same forwards.
 
 With --listen (a producer on another host than the trainer, listed in launch.remote_producers) it
@@ -60,10 +60,10 @@ from producer.data import DataError, run_sources
 from producer.jobs import ProducerJob
 from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
-from producer.target.capture import Target
-from producer.target.follower import follow
-from producer.target.load import build_target_config, check_tensor_parallel
-from producer.target.tensor_parallel import TensorParallelGroup, split_devices
+from producer.target_model.capture import Target
+from producer.target_model.follower import follow
+from producer.target_model.load import build_target_config, check_tensor_parallel
+from producer.target_model.tensor_parallel import TensorParallelGroup, split_devices
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ itself. The prompts are the user's own chat records (``synthesize.prompts = "dat
 with ``synthesize.turns = "all"`` every one, written anew), conversations the target writes itself from its chat
 template's user prefix (Magpie, ``"magpie"``, ``synthesize.magpie_turns`` user turns each), or both. Each
 conversation is written turn by turn (producer/conversation.py, the code path regeneration shares), its turns
-generated in a static batch with continuous refill (producer/target/generator.py), and kept as one record of the
+generated in a static batch with continuous refill (producer/target_model/generator.py), and kept as one record of the
 OpenAI-format JSONL shards that ``data.format = "chat"`` reads as they are.
 
 Exactly once. Every prompt has an id (``data:<record>`` or ``magpie:<n>``) and belongs to producer
@@ -53,10 +53,10 @@ from producer.conversation import (
     tool_call_format,
 )
 from producer.data import BadRecord, DataError, chat_records, expand_paths, record_tools
-from producer.target.generation import GenerationConfig
-from producer.target.generator import Generator
-from producer.target.load import stop_tokens_of
-from producer.target.static_cache import GenerationMemoryError
+from producer.target_model.generation import GenerationConfig
+from producer.target_model.generator import Generator
+from producer.target_model.load import stop_tokens_of
+from producer.target_model.static_cache import GenerationMemoryError
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ class Synthesis:
     def __init__(self, cfg: RunConfig, run: RunDir, producer_id: int, device: str | None) -> None:
         from transformers import AutoTokenizer
 
-        from producer.target.load import load_target_model
+        from producer.target_model.load import load_target_model
 
         self.cfg, self.run_dir, self.producer_id = cfg, run, producer_id
         self.synth: SynthesizeConfig = cfg.synthesize

@@ -21,7 +21,7 @@ from launch.evaluate import main
 from producer.acceptance.decoder import DraftContext, speculative_decode
 from producer.acceptance.evaluator import Evaluator, build_evaluator
 from producer.acceptance.held_out import prompt_of, turn_documents
-from producer.target.load import target_head_of
+from producer.target_model.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 from tests.test_data_sources import PLAIN_TEMPLATE, tiny_tokenizer
 

@@ -24,8 +24,8 @@ from producer.acceptance.evaluator import Evaluator, build_evaluator
 from producer.acceptance.held_out import held_out_documents, prompt_of
 from producer.acceptance.transcripts import greedy_transcripts
 from producer.data import build_data_source
-from producer.target.greedy import GreedyTarget
-from producer.target.load import target_head_of
+from producer.target_model.greedy import GreedyTarget
+from producer.target_model.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
 LAYER_IDS = [1, 3]
@@ -308,7 +308,7 @@ def test_command_evaluates_a_run_checkpoint(tmp_path, target_dir, target_model, 
 
 def test_command_refuses_a_target_that_is_not_the_runs(tmp_path, capsys):
     """A random-weight target rebuilt from the run's config must be the producers' (their head is in RUN/target)."""
-    from producer.target.load import load_target_model
+    from producer.target_model.load import load_target_model
 
     run = tmp_path / "run"
     cfg = load_config(None, [*SMALL_DATA, "target.config_overrides={vocab_size = 64}", "target.dtype=float32"])
@@ -322,7 +322,7 @@ def test_command_refuses_a_target_that_is_not_the_runs(tmp_path, capsys):
 
 def test_command_refuses_a_target_whose_lm_head_alone_differs(tmp_path, capsys):
     """The embedding is not all the drafter shares: an lm_head (or final norm) that differs is refused too."""
-    from producer.target.load import load_target_model
+    from producer.target_model.load import load_target_model
 
     run = tmp_path / "run"
     cfg = load_config(None, [*SMALL_DATA, "target.config_overrides={vocab_size = 64}", "target.dtype=float32"])

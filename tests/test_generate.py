@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from producer.target.generation import (
+from producer.target_model.generation import (
     STATIC_CACHE_ENGINE,
     TRANSFORMERS_ENGINE,
     Finished,
@@ -17,8 +17,8 @@ from producer.target.generation import (
     Request,
     Sampler,
 )
-from producer.target.generator import Generator
-from producer.target.static_cache import attention_lengths
+from producer.target_model.generator import Generator
+from producer.target_model.static_cache import attention_lengths
 
 VOCAB = 160
 TINY = dict(
@@ -202,7 +202,7 @@ def test_bad_config_values_name_their_field(field, value):
 def test_a_cache_larger_than_the_available_memory_is_refused_before_it_is_allocated(monkeypatch):
     """A static KV cache the host cannot hold would get the process killed (and killed again at every restart):
     it is refused first, saying what it needs, what is there and how many rows fit."""
-    import producer.target.static_cache as generate
+    import producer.target_model.static_cache as generate
 
     model = tiny_model("llama")  # 2 layers x 2 (keys, values) x 2 heads x 16 x 4 bytes = 512 bytes per position
     monkeypatch.setattr(generate, "available_memory", lambda device: 100 * 2**20)

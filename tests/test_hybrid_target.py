@@ -14,8 +14,8 @@ from common.drafter.draft_config import DraftConfig
 from common.drafter.target_head import load_target_head
 from common.hf import target_identity, text_config_of
 from common.status import ProducerStatus
-from producer.target.capture import Target, compiles_by_default
-from producer.target.load import UnsupportedTarget
+from producer.target_model.capture import Target, compiles_by_default
+from producer.target_model.load import UnsupportedTarget
 from tests.hybrid_fixtures import FORMS, reference_model, tiny_qwen35
 
 LAYER_IDS = [0, 2, 3, 5]  # linear and full-attention layers (layer_types: 3 linear, then 1 full)
@@ -217,7 +217,7 @@ def test_speculative_decoding_against_a_hybrid_target_is_lossless(tmp_path):
     """Rejected drafts ran through the linear layers' state, which cannot be cropped like a KV cache: the
     state before the block is kept and the kept tokens replayed, so the text equals plain greedy decoding."""
     from producer.acceptance.decoder import greedy_decode, speculative_decode
-    from producer.target.greedy import GreedyTarget
+    from producer.target_model.greedy import GreedyTarget
     from tests.test_evaluate import OracleContext
 
     target = GreedyTarget(remembering_target(tiny_qwen35(tmp_path, "text")), [1, 3])

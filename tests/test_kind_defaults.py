@@ -11,7 +11,7 @@ import pytest
 from common.config import load_config
 from common.drafter.base import build_drafter
 from common.drafter.kinds import KINDS
-from producer.target.load import build_target_config
+from producer.target_model.load import build_target_config
 from tests.drafter_fixtures import random_head, tiny_config
 from trainer.build import draft_config_for
 

@@ -551,8 +551,8 @@ def test_sampled_speculative_decoding_with_lilicorr_samples_the_target(tmp_path)
     from transformers import Qwen3ForCausalLM
 
     from producer.acceptance.decoder import speculative_decode
-    from producer.target.greedy import GreedyTarget
-    from producer.target.load import target_head_of
+    from producer.target_model.greedy import GreedyTarget
+    from producer.target_model.load import target_head_of
     from tests import test_sampled_eval as sampled
     from tests.drafter_fixtures import tiny_qwen3_target
 

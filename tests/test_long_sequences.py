@@ -226,7 +226,7 @@ def test_a_training_step_on_one_document_4x_longer_takes_about_4x_the_memory_not
 
 def sliding_target(window: int, layer_types: list[str]):
     from common.config import TargetConfig
-    from producer.target.capture import Target
+    from producer.target_model.capture import Target
     from tests.test_target import tiny_qwen3_config
 
     config = tiny_qwen3_config(
@@ -259,7 +259,7 @@ def test_the_capture_of_one_32k_document_attends_without_anything_quadratic(monk
     """One 32,768-token document in one packed row through a sliding and a full layer: no attention call gets a
     mask, or a query-key product, of more than a chunk by chunk plus window (one mask over the document would be
     1 Gi pairs), and the full layer runs unmasked (flash attention, linear memory)."""
-    import producer.target.attention as target_module
+    import producer.target_model.attention as target_module
 
     target = sliding_target(128, ["sliding_attention", "full_attention"])
     largest = {"mask": 0, "pairs": 0, "unmasked_pairs": 0}

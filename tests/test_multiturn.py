@@ -420,8 +420,8 @@ def write_in_process(target: Path, record: dict, turns: str, cap: int = 0) -> Co
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from producer.conversation import ConversationWriter, record_conversation, tool_call_format
-    from producer.target.generation import GenerationConfig
-    from producer.target.generator import Generator
+    from producer.target_model.generation import GenerationConfig
+    from producer.target_model.generator import Generator
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target).eval()

@@ -165,7 +165,7 @@ def tiny(tmp_path_factory) -> tuple[torch.nn.Module, DraftShape]:
     """The tiny target and the drafter shape our exporter writes for it (2 layers, block 4, target layers 1, 3)."""
     from common.drafter.export import export_speculators, export_zlab
     from common.drafter.model import DFlashDrafter
-    from producer.target.load import target_head_of
+    from producer.target_model.load import target_head_of
     from tests.drafter_fixtures import tiny_config
 
     folder = tmp_path_factory.mktemp("tiny")

@@ -13,7 +13,7 @@ from common.config import load_config, save_config
 from common.naming import SHM_DIR
 from common.rundir import RunDir, read_json
 from common.transport import HandshakeRefused, RingClient
-from producer.target.load import load_target_model
+from producer.target_model.load import load_target_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = [

@@ -190,7 +190,7 @@ def test_the_real_models_packed_capture_equals_each_documents_own_forward():
     from transformers import AutoTokenizer
 
     from common.batch import PackedBatch
-    from producer.target.capture import Target
+    from producer.target_model.capture import Target
 
     folder = smollm2_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -30,8 +30,8 @@ from common.drafter.base import build_drafter
 from common.drafter.sampling import Sampling, rejection_sample, sample_from, sampling_probs
 from producer.acceptance.decoder import DraftContext, speculative_decode
 from producer.acceptance.evaluator import build_evaluator
-from producer.target.greedy import GreedyTarget
-from producer.target.load import target_head_of
+from producer.target_model.greedy import GreedyTarget
+from producer.target_model.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
 
 VOCAB = 16

@@ -31,7 +31,7 @@ def random_export(out: Path, target_folder: Path, block_size: int) -> Path:
     from common.drafter.draft_config import DraftConfig
     from common.drafter.export import export_zlab
     from common.drafter.model import DFlashDrafter
-    from producer.target.load import load_target_model, target_head_of
+    from producer.target_model.load import load_target_model, target_head_of
 
     config = DraftConfig.from_target(
         AutoConfig.from_pretrained(target_folder), num_draft_layers=1, mask_token_id=16, block_size=block_size

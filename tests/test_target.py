@@ -12,9 +12,9 @@ import torch
 from common.batch import PackedBatch
 from common.config import TargetConfig
 from common.hf import target_identity
-from producer.target.capture import CapturedFeatures, Target
-from producer.target.flops import flops_per_document
-from producer.target.load import load_target_model
+from producer.target_model.capture import CapturedFeatures, Target
+from producer.target_model.flops import flops_per_document
+from producer.target_model.load import load_target_model
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_LAYERS = 6
@@ -188,7 +188,7 @@ def test_the_packed_causal_mask_lists_exactly_the_tiles_with_visible_pairs(tile,
     import torch.nn.functional as F
 
     from common.batch import document_ids
-    from producer.target.attention import document_causal_block_mask, document_causal_tiles
+    from producer.target_model.attention import document_causal_block_mask, document_causal_tiles
 
     lengths = torch.randint(1, 300, (7,), generator=torch.Generator().manual_seed(seed))
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
@@ -230,7 +230,7 @@ import resource
 resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 import torch
 from common.batch import document_ids
-from producer.target.attention import document_causal_block_mask
+from producer.target_model.attention import document_causal_block_mask
 doc = document_ids(torch.arange(0, 65537, 1024, dtype=torch.int32))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 mask = document_causal_block_mask(doc, 4096)

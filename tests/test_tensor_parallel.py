@@ -41,11 +41,11 @@ from common.naming import process_alive
 from common.rundir import RunDir, read_json
 from common.status import ProducerStatus
 from launch import processes
-from producer.target.capture import Target
-from producer.target.follower import follow
-from producer.target.greedy import GreedyTarget
-from producer.target.load import check_tensor_parallel
-from producer.target.tensor_parallel import TensorParallelGroup, split_devices
+from producer.target_model.capture import Target
+from producer.target_model.follower import follow
+from producer.target_model.greedy import GreedyTarget
+from producer.target_model.load import check_tensor_parallel
+from producer.target_model.tensor_parallel import TensorParallelGroup, split_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER_IDS = [1, 3]

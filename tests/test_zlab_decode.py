@@ -23,8 +23,8 @@ from common.drafter.base import build_drafter
 from common.drafter.export import export_zlab
 from producer.acceptance.decoder import DraftContext, speculative_decode
 from producer.acceptance.transcripts import greedy_transcripts
-from producer.target.greedy import GreedyTarget
-from producer.target.load import target_head_of
+from producer.target_model.greedy import GreedyTarget
+from producer.target_model.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
 pytestmark = pytest.mark.skipif(

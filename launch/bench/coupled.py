@@ -36,8 +36,8 @@ from common.rundir import RunDir
 from producer.acceptance.evaluator import Evaluator, build_evaluator
 from producer.batching import batch_stats
 from producer.server import build_plan, export_target_head, feature_layer_ids
-from producer.target.capture import Target
-from producer.target.load import build_target_config, target_head_of
+from producer.target_model.capture import Target
+from producer.target_model.load import build_target_config, target_head_of
 from trainer.feeder import Commits, ProducerReport, Received
 from trainer.ranks import Ranks
 from trainer.train import run_trainer

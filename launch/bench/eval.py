@@ -25,7 +25,7 @@ from common.drafter.model import DFlashDrafter
 from launch.bench.harness import QWEN3_8B, add_json_argument, emit, synchronize
 from launch.bench.step import qwen3_8b_draft, tiny_draft
 from producer.acceptance.evaluator import Evaluator
-from producer.target.load import load_target_model, target_head_of
+from producer.target_model.load import load_target_model, target_head_of
 
 TINY_TARGET = {
     "model_type": "qwen3",

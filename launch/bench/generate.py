@@ -1,4 +1,4 @@
-"""Generation throughput: the static-cache engine (producer/target/generator.py) against plain ``model.generate``.
+"""Generation throughput: the static-cache engine (producer/target_model/generator.py) against plain ``model.generate``.
 
 Both continue the same random prompts greedily in batches of ``--rows``, every prompt for exactly
 ``--max-new-tokens`` new tokens: EOS is ignored by both (plain generate under a blank generation config,
@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from launch.bench.harness import QWEN3_8B, Table, add_device_argument, add_json_argument, emit, gpu_name, synchronize
-from producer.target.generation import GenerationConfig, Request
-from producer.target.generator import Generator
+from producer.target_model.generation import GenerationConfig, Request
+from producer.target_model.generator import Generator
 
 # Random weights at the named real shapes.
 SHAPES: dict[str, dict[str, Any]] = {

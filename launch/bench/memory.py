@@ -92,7 +92,7 @@ def estimate(cfg: RunConfig) -> MemoryEstimate:
     from common.drafter.kinds import kind_of
     from common.drafter.loss import LossConfig
     from common.drafter.target_head import TargetHead
-    from producer.target.load import build_target_config
+    from producer.target_model.load import build_target_config
 
     target = build_target_config(cfg.target)
     dtype = DTYPES[cfg.target.dtype]

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny:
         from transformers import AutoConfig
 
-        from producer.target.flops import flops_per_document
+        from producer.target_model.flops import flops_per_document
 
         peak = args.peak_tflops
         if peak is None:

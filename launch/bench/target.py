@@ -9,7 +9,7 @@ On an H200 (default): a Qwen3-8B-shaped target with random bf16 weights, capturi
 - ``packed-*``: ``Target.capture`` on a chat length mix packed into token-budget batches, writing into a
                 preallocated ring-slot-like buffer, per attention kernel and compile setting.
 
-FLOPs (``producer.target.flops_per_document``): 2 * matmul params used * tokens + causal attention per
+FLOPs (``producer.target_model.flops_per_document``): 2 * matmul params used * tokens + causal attention per
 document (2 * L(L+1) * heads * head_dim per layer); norms, rotary and embedding lookups are not counted.
 
     python -m launch.bench.target                               # H200: ~3 minutes
@@ -32,9 +32,9 @@ from common.codec import DTYPES
 from common.config import TargetConfig
 from common.drafter.draft_config import build_target_layer_ids
 from launch.bench.harness import QWEN3_8B, Table, add_json_argument, emit, gpu_name, matmul_tflops, synchronize, timed
-from producer.target.capture import Target
-from producer.target.flops import flops_per_document
-from producer.target.load import TINY_TARGET_CONFIG, load_target_model, resolve_device
+from producer.target_model.capture import Target
+from producer.target_model.flops import flops_per_document
+from producer.target_model.load import TINY_TARGET_CONFIG, load_target_model, resolve_device
 
 # Qwen3.6-27B / Qwen3.5-27B (random weights): 48 Gated-DeltaNet and 16 gated full-attention layers.
 QWEN36_27B_SHAPE = {

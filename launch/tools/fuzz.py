@@ -1011,8 +1011,8 @@ def fuzz_trainer(messages: int, seed: int) -> dict:
     from common.rundir import RunDir, read_json
     from common.status import ProducerStatus
     from producer.server import export_target_head, feature_layer_ids
-    from producer.target.capture import Target
-    from producer.target.load import build_target_config
+    from producer.target_model.capture import Target
+    from producer.target_model.load import build_target_config
 
     tmp = Path(tempfile.mkdtemp(prefix="df-fz-", dir="/tmp"))
     run = RunDir(tmp / "run")

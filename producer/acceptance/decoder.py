@@ -20,7 +20,7 @@ from common.acceptance.arithmetic import Decoded, answer_finished, cut_answer
 from common.drafter.base import Drafter
 from common.drafter.masks import in_block_mask
 from common.drafter.sampling import Proposal, Sampling, rejection_sample, sample_from, sampling_probs
-from producer.target.greedy import GreedyTarget
+from producer.target_model.greedy import GreedyTarget
 
 
 class DraftContext:

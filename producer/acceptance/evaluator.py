@@ -59,8 +59,8 @@ from producer.acceptance.held_out import held_out_records, prompt_of, turn_docum
 from producer.acceptance.simulated import decoded_span, greedy_text, simulated_acceptance, teacher_forced
 from producer.acceptance.timing import time_draft_round, time_target_round
 from producer.acceptance.transcripts import DocumentFeatures, document_features, greedy_transcripts, kept_on_host
-from producer.target.greedy import GreedyTarget
-from producer.target.load import stop_tokens_of
+from producer.target_model.greedy import GreedyTarget
+from producer.target_model.load import stop_tokens_of
 
 log = logging.getLogger(__name__)
 

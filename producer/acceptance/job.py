@@ -16,9 +16,9 @@ from common.acceptance.report import by_length_summary
 from common.config import RunConfig
 from common.rundir import RunDir
 from producer.acceptance.evaluator import Evaluator, build_evaluator
-from producer.target.capture import Target
-from producer.target.greedy import GreedyTarget
-from producer.target.tensor_parallel import TensorParallelGroup
+from producer.target_model.capture import Target
+from producer.target_model.greedy import GreedyTarget
+from producer.target_model.tensor_parallel import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class EvaluationJob:
         from common.drafter.export import load_drafter
         from common.drafter.loss import LossConfig
         from common.drafter.target_head import load_target_head
-        from producer.target.load import target_head_of
+        from producer.target_model.load import target_head_of
 
         model = self.target.model
         if self.group is None:
@@ -187,7 +187,7 @@ class EvaluationJob:
     def _evaluator_of_run(self) -> Evaluator:
         """The evaluator, made once: it keeps the target's reference between evaluations."""
         if self._evaluator is None:
-            # A tensor-parallel leader's greedy target tells its followers every call (producer/target/operations.py).
+            # A tensor-parallel leader's greedy target tells its followers every call (producer/target_model/operations.py).
             self._evaluator = build_evaluator(
                 self.cfg,
                 self.target.model,

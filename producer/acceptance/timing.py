@@ -12,7 +12,7 @@ from torch import nn
 
 from common.drafter.base import Drafter
 from producer.acceptance.decoder import context_rows, draft_rows
-from producer.target.greedy import GreedyTarget
+from producer.target_model.greedy import GreedyTarget
 
 
 class ForwardTimer:

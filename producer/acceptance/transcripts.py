@@ -1,5 +1,5 @@
 """What acceptance evaluation computes once per held-out set with the target's greedy verifier
-(producer/target/greedy.py): each prompt's greedy continuation with the features of every token
+(producer/target_model/greedy.py): each prompt's greedy continuation with the features of every token
 (``greedy_transcripts``) and each document's features (``document_features``), kept on the host between evaluations.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from common.acceptance.arithmetic import Transcript
 from common.batch import Document
-from producer.target.greedy import GreedyTarget
+from producer.target_model.greedy import GreedyTarget
 
 
 def kept_on_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ The rows are our producer's documents: the synthesized chat records rendered by 
 tokenizer (producer/data.py, the same loss masks, truncated to data.max_seq_len), the held-out records left out
 exactly as our run leaves them out (the same ``held_out_ids``), in our producer's epoch-0 order.
 
-The features come from our producer's own capture (producer/target/capture.py ``Target``): documents packed without padding
+The features come from our producer's own capture (producer/target_model/capture.py ``Target``): documents packed without padding
 into batches of batching.token_budget tokens (``split_by_length``, longest first, as each producer window is cut),
 the target in the preset's precision (bf16 on a GPU), its packed attention kernel (varlen on a GPU) and, on a GPU,
 its compiled decoder layers, the forward stopping after the deepest layer asked for. A naive loop of one
@@ -30,8 +30,8 @@ from launch.bench.quality import PRESET, SMOKE_OVERRIDES
 from producer.batching import BatchPlan, pack_documents, split_by_length
 from producer.data import DataSource, run_sources
 from producer.order import OrderConfig, ShardOrder
-from producer.target.capture import Target
-from producer.target.load import build_target_config, load_target_model
+from producer.target_model.capture import Target
+from producer.target_model.load import build_target_config, load_target_model
 
 RENDER_WINDOW = 512
 """Records rendered and tokenized in one call (batching.window_docs, our producer's window)."""

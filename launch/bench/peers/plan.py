@@ -22,7 +22,7 @@ DISK_HEADROOM = 0.9
 def draft_shape(cfg, folder: Path) -> DraftShape:
     """The preset's drafter on ``cfg``'s target, untrained, exported by our exporter into ``folder``/zlab and
     ``folder``/speculators (bf16)."""
-    from producer.target.load import build_target_config
+    from producer.target_model.load import build_target_config
     from trainer.build import draft_config_for
 
     target_dir = Path(cfg.target.path)

@@ -117,7 +117,7 @@ def preflight(server: str) -> None:
 
 def stop_token_ids(target_dir: Path, model) -> list[int]:
     """What a server stops at: the target config's end-of-sequence ids and its generation config's."""
-    from producer.target.load import stop_tokens_of
+    from producer.target_model.load import stop_tokens_of
 
     stops = set(stop_tokens_of(model))
     generation = target_dir / "generation_config.json"

@@ -154,7 +154,7 @@ def held_out_records(run_dir: Path, limit: int | None) -> list[dict]:
     from common.rundir import RunDir
     from producer.acceptance.held_out import held_out_records as run_held_out
     from producer.acceptance.held_out import prompt_of
-    from producer.target.load import build_target_config
+    from producer.target_model.load import build_target_config
 
     run = RunDir(run_dir)
     config = load_config(run.config)

@@ -40,7 +40,7 @@ def load(target_dir: Path, draft: Path, dtype: str) -> Loaded:
     from common.config import TargetConfig
     from common.drafter.export import drafter_folder, load_drafter
     from common.drafter.loss import LossConfig
-    from producer.target.load import load_target_model, target_head_of
+    from producer.target_model.load import load_target_model, target_head_of
 
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -130,7 +130,7 @@ def evaluator_and_live(
     from common.config import EvalConfig
     from producer.acceptance.decoder import DraftContext, speculative_decode
     from producer.acceptance.evaluator import Evaluator
-    from producer.target.greedy import GreedyTarget
+    from producer.target_model.greedy import GreedyTarget
 
     block_size, drafter = loaded.block_size, loaded.drafter
     # Each prompt is a document whose one supervised token follows it (prompt_len 0 reads the prompt back).
@@ -214,7 +214,7 @@ def cut_margin_function(loaded: Loaded, prompts: list[list[int]], reference: Sid
     (0-based) of the block anchored at answer token ``position - 1`` of the reference side, that block proposed alone
     (the live decoder's arithmetic) over the target's features of the text before it."""
     from producer.acceptance.decoder import DraftContext
-    from producer.target.greedy import GreedyTarget
+    from producer.target_model.greedy import GreedyTarget
 
     layer_ids = list(loaded.drafter.config.target_layer_ids)
 

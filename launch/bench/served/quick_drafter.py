@@ -118,8 +118,8 @@ def quick_drafter(
     from common.drafter.kinds import kind_of
     from common.drafter.loss import LossConfig
     from producer.acceptance.transcripts import greedy_transcripts
-    from producer.target.greedy import GreedyTarget
-    from producer.target.load import target_head_of
+    from producer.target_model.greedy import GreedyTarget
+    from producer.target_model.load import target_head_of
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     text = model.config

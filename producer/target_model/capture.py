@@ -8,18 +8,18 @@ which is ``hidden_states[k + 1]`` of a Hugging Face forward with ``output_hidden
 The packed forward does not call the HF model's ``forward``. It runs the embedding, the rotary
 embedding (from per-document positions) and the decoder layers itself, and stops after the deepest
 layer it needs: no later layers, no final norm, no lm_head, never logits. Attention is causal inside
-each document and never crosses a document boundary (producer/target/attention.py).
+each document and never crosses a document boundary (producer/target_model/attention.py).
 
 Supported: decoder-only HF models whose base model is ``embed_tokens -> rotary_emb -> layers -> norm``
 (Llama, Mistral, Qwen2, Qwen3 and their kin) and whose every decoder layer mixes tokens through
 ``self_attn`` (the attention interface) or a Gated-DeltaNet ``linear_attn`` (the hybrid Qwen3.5 /
-Qwen3.6 family, dense or mixture-of-experts; producer/target/linear_attention.py restarts its convolution and
+Qwen3.6 family, dense or mixture-of-experts; producer/target_model/linear_attention.py restarts its convolution and
 recurrent state at each document). Sliding-window layers are honoured. Anything else is refused at
 load with ``UnsupportedTarget``, naming the model type and what is missing.
 
 Tensor parallel (``Target.load(cfg, layer_ids, group=group)`` on every rank): the output of every decoder layer is
 whole and identical on every rank after the row-wise all-reduce, so the captured features are those of the
-unsharded model; rank 0 tells its followers of every capture first (producer/target/operations.py).
+unsharded model; rank 0 tells its followers of every capture first (producer/target_model/operations.py).
 """
 
 from __future__ import annotations
@@ -33,19 +33,19 @@ from torch import nn
 from common.batch import PackedBatch, document_ids, position_ids
 from common.config import TargetConfig
 from common.hf import target_identity
-from producer.target.attention import (
+from producer.target_model.attention import (
     PACKED_ATTENTION_NAME,
     PackedAttention,
     document_causal_block_mask,
     register_packed_attention,
     resolve_attention_backend,
 )
-from producer.target.linear_attention import install_packed_forward, is_gated_deltanet, resolve_linear_backend
-from producer.target.load import UnsupportedTarget, is_sharded, load_target_model, whole_tensor
-from producer.target.operations import ALONE, Followers, Op
+from producer.target_model.linear_attention import install_packed_forward, is_gated_deltanet, resolve_linear_backend
+from producer.target_model.load import UnsupportedTarget, is_sharded, load_target_model, whole_tensor
+from producer.target_model.operations import ALONE, Followers, Op
 
 if TYPE_CHECKING:
-    from producer.target.tensor_parallel import TensorParallelGroup
+    from producer.target_model.tensor_parallel import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def _checked_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
 
 def _prepare_token_mixers(model: nn.Module) -> bool:
     """Check that every decoder layer mixes tokens in a way packed capture keeps per document, and wrap
-    the Gated-DeltaNet ones (producer/target/linear_attention.py). Whether the target is hybrid (has those)."""
+    the Gated-DeltaNet ones (producer/target_model/linear_attention.py). Whether the target is hybrid (has those)."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     model_type = getattr(model.config, "model_type", type(model).__name__)
     hybrid = False

@@ -1,6 +1,6 @@
 """The generator's two engines: each takes requests as rows free up and yields the results of each step.
 
-- ``StaticCacheEngine``: the static-cache decoder (producer/target/static_cache.py) with **continuous refill**: a row
+- ``StaticCacheEngine``: the static-cache decoder (producer/target_model/static_cache.py) with **continuous refill**: a row
   whose sequence ended (a stop id, its ``max_new_tokens``, or the cache's end) is handed to the next prompt; the
   newly admitted prompts are prefilled together (right-padded, causal) straight into their rows of the cache while
   the other rows keep their state, so the batch stays full. Rows are refilled once ``refill_rows`` of them are
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from producer.target.generation import (
+from producer.target_model.generation import (
     Finished,
     GenerationConfig,
     GenerationStats,
@@ -29,7 +29,7 @@ from producer.target.generation import (
     refused_as_too_long,
     stop_reason,
 )
-from producer.target.static_cache import StaticCacheDecoder
+from producer.target_model.static_cache import StaticCacheDecoder
 
 log = logging.getLogger(__name__)
 

@@ -3,9 +3,9 @@ followers' loop.
 
 A sharded target all-reduces inside its projections, so every rank must run each of its forwards, in the same order,
 on its own shards, and keep its own KV cache in step. The engines (``Target``'s packed capture,
-producer/target/capture.py; ``GreedyTarget``'s cached forwards, producer/target/greedy.py) tell their ``followers``
-each operation and its arguments before they run it; a follower (producer/target/follower.py) looks the operation up
-here and makes the same call on its own engine. Generation (producer/target/generator.py) has no row: it never runs
+producer/target_model/capture.py; ``GreedyTarget``'s cached forwards, producer/target_model/greedy.py) tell their ``followers``
+each operation and its arguments before they run it; a follower (producer/target_model/follower.py) looks the operation up
+here and makes the same call on its own engine. Generation (producer/target_model/generator.py) has no row: it never runs
 sharded (its static cache refuses tensor-parallel shards, and synthesis loads one device's target).
 """
 

@@ -6,12 +6,12 @@ its control channel.
 (the launcher runs this for an entry of ``launch.producer_devices`` that names several devices;
 ``launch.torchrun`` is torchrun that passes a rank's configuration error on as exit 2).
 
-Every rank loads its shards with transformers' tensor-parallel plan (producer/target/load.py). Rank 0 is
+Every rank loads its shards with transformers' tensor-parallel plan (producer/target_model/load.py). Rank 0 is
 the producer: data, batching, ring, sockets, status, exactly as with one device. Ranks > 0 are
-followers (producer/target/follower.py): they run the same forward on the same batch, whose all-reduces need
+followers (producer/target_model/follower.py): they run the same forward on the same batch, whose all-reduces need
 them, and keep nothing: each decoder layer's output is whole on every rank, and only rank 0 writes it to its ring.
 
-Control: before each operation of a target engine (producer/target/operations.py: a capture forward, and producer
+Control: before each operation of a target engine (producer/target_model/operations.py: a capture forward, and producer
 0's evaluations, every call of the greedy target that runs the model or changes its KV cache) rank 0 broadcasts a
 header (op, payload length), then the operation's arguments. These travel in a gloo group of their own, on the CPU:
 a follower waiting for work holds no GPU kernel and no NCCL watchdog, and the TP all-reduces keep their group.
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import ConfigError
-from producer.target.operations import OPERATIONS, Op
+from producer.target_model.operations import OPERATIONS, Op
 
 log = logging.getLogger(__name__)
 

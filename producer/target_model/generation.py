@@ -3,7 +3,7 @@
 
 A producer that writes its own training data has the target answer prompts, or (Magpie) has the target
 write the user's message itself from its chat template's user prefix and then answer it: the second turn
-is a follow-up request that ``on_finish`` returns when the question is done (producer/target/generator.py).
+is a follow-up request that ``on_finish`` returns when the question is done (producer/target_model/generator.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A follower of a tensor-parallel producer (a rank > 0): it runs every operation rank 0 tells it
-(producer/target/operations.py) on its own shards, until STOP.
+(producer/target_model/operations.py) on its own shards, until STOP.
 
 Rank 0 runs the data, the ring and producer 0's evaluations (decoding and the drafter); the sharded target's forwards
 need every rank, so each operation reaches the followers first, and every follower makes the same call on the same
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from producer.target.capture import Target
-from producer.target.greedy import GreedyTarget
-from producer.target.operations import CAPTURE_ENGINE, GREEDY_ENGINE, OPERATIONS, Op
-from producer.target.tensor_parallel import TensorParallelGroup
+from producer.target_model.capture import Target
+from producer.target_model.greedy import GreedyTarget
+from producer.target_model.operations import CAPTURE_ENGINE, GREEDY_ENGINE, OPERATIONS, Op
+from producer.target_model.tensor_parallel import TensorParallelGroup
 
 log = logging.getLogger(__name__)
 

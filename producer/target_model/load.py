@@ -3,7 +3,7 @@ shards), and what the rest of the producer reads off the loaded model (its stop 
 
 A multimodal checkpoint (``Qwen3_5ForConditionalGeneration``) loads its language model only. Tensor parallel
 (``load_target_model(cfg, tensor_parallel=N)`` on each rank of an initialised process group, see
-producer/target/tensor_parallel.py): the model is sharded by transformers' own plan for its type (q/k/v and gate/up
+producer/target_model/tensor_parallel.py): the model is sharded by transformers' own plan for its type (q/k/v and gate/up
 column-wise, o/down row-wise with an all-reduce, the embedding by vocabulary).
 """
 
@@ -20,7 +20,7 @@ from common.codec import DTYPES
 from common.config import TargetConfig
 from common.drafter.target_head import TargetHead
 from common.hf import text_config_of
-from producer.target.attention import PACKED_ATTENTION_NAME, register_packed_attention
+from producer.target_model.attention import PACKED_ATTENTION_NAME, register_packed_attention
 
 # The tiny default target: a Qwen3 that runs anywhere in milliseconds.
 TINY_TARGET_CONFIG: dict[str, Any] = {

@@ -1,6 +1,6 @@
 """The target as a greedy verifier: forwards through its KV cache that return its tokens and the drafter's features
 of the same tokens (``GreedyTarget``), what acceptance evaluation runs the target with. On a tensor-parallel leader
-every call that runs the model or changes its cache is told to the followers first (producer/target/operations.py).
+every call that runs the model or changes its cache is told to the followers first (producer/target_model/operations.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from producer.target.operations import ALONE, Followers, Op
+from producer.target_model.operations import ALONE, Followers, Op
 
 
 class GreedyTarget:

@@ -2,7 +2,7 @@
 
 ``model.generate`` is bound by Python overhead on every decode step (a few hundred kernel launches, a growing cache)
 and its batch drains as sequences end. ``Generator`` keeps the GPU busy instead: a static KV cache of ``rows``
-sequences, one CUDA graph per decode step, and continuous refill as rows free up (producer/target/engines.py,
+sequences, one CUDA graph per decode step, and continuous refill as rows free up (producer/target_model/engines.py,
 static_cache.py). Models outside the static cache's family (sliding windows, hybrid linear attention, mixtures of
 experts, other layouts) run through plain ``model.generate`` in chunks of ``rows`` prompts, without refill;
 ``Generator.engine`` says which ran, and a warning is logged.
@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 
-from producer.target.engines import StaticCacheEngine, TransformersEngine
-from producer.target.generation import (
+from producer.target_model.engines import StaticCacheEngine, TransformersEngine
+from producer.target_model.generation import (
     STATIC_CACHE_ENGINE,
     TRANSFORMERS_ENGINE,
     Finished,
@@ -26,7 +26,7 @@ from producer.target.generation import (
     GenerationStats,
     Request,
 )
-from producer.target.static_cache import static_cache_refusal
+from producer.target_model.static_cache import static_cache_refusal
 
 log = logging.getLogger(__name__)
 

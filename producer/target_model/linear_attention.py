@@ -2,7 +2,7 @@
 
 A Gated-DeltaNet layer (Qwen3.5 / Qwen3.6, Qwen3-Next) mixes tokens through a short causal
 convolution and a recurrent state, not through an attention kernel, so the packed attention of
-producer/target/attention.py never reaches it. Run over a packed row as is, the convolution would see the
+producer/target_model/attention.py never reaches it. Run over a packed row as is, the convolution would see the
 last tokens of the previous document and the state would carry over from it. Here both restart at
 every document boundary:
 

@@ -37,7 +37,7 @@ class PackedAttention:
     cu_seqlens: torch.Tensor
     """int32 ``[D + 1]`` on the model's device."""
     linear: str = "per_document"
-    """How Gated-DeltaNet layers run (producer/target/linear_attention.py): fla or per_document."""
+    """How Gated-DeltaNet layers run (producer/target_model/linear_attention.py): fla or per_document."""
     document_bounds: tuple[tuple[int, int], ...] = ()
     """Host copy of (start, end) per document; ``sdpa`` attention and ``per_document`` linear layers only."""
     block_masks: dict[int | None, Any] = field(default_factory=dict)
