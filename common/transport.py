@@ -120,6 +120,15 @@ class _Consumers:
             self.drop(old.identity, reason="reconnected")
         return new_incarnation
 
+    def add(self, identity: bytes, hello: Hello) -> _Consumer:
+        """The consumer of ``hello``, just heard from, with no credit yet."""
+        frames = hello.payload == PAYLOAD_FRAMES
+        consumer = _Consumer(
+            identity, hello.consumer_id, hello.incarnation, hello.pid, 0, time.monotonic(), frames=frames
+        )
+        self.by_identity[identity] = consumer
+        return consumer
+
     def drop(self, identity: bytes, reason: str) -> None:
         consumer = self.by_identity.pop(identity, None)
         reclaimed = self.slots.reclaim(identity)
@@ -443,15 +452,11 @@ class RingServer:
         if self._on_welcome is not None:
             # After the superseded leases are back in the ring, before anything is leased again.
             self._on_welcome(hello, new_incarnation)
-        frames = hello.payload == PAYLOAD_FRAMES
-        consumer = _Consumer(
-            identity, hello.consumer_id, hello.incarnation, hello.pid, 0, time.monotonic(), frames=frames
-        )
-        self._consumers.by_identity[identity] = consumer
+        consumer = self._consumers.add(identity, hello)
         if hello.credits:
             self._add_credit(consumer, hello.credits)
         ring = self.ring.spec()
-        if frames:
+        if consumer.frames:
             ring = {"backend": PAYLOAD_FRAMES, "num_slots": self.ring.num_slots, "slot_bytes": self.ring.slot_bytes}
         welcome = Welcome(
             producer_id=self.producer_id,
