@@ -56,6 +56,45 @@ def _producer_status(producer_id: int, record: ChildRecord | None, status: Produ
     }
 
 
+TRAINER_FIGURES = (
+    "loss",
+    "tau",
+    "lr",
+    "samples_per_s",
+    "tokens_per_s",
+    "steps_per_s",
+    "eval",
+    "evals_in_flight",
+    "checkpoint_writing",
+    "kind",
+    "kind_metrics",
+)
+"""The trainer's figures shown only while trainer.json is the current trainer's."""
+
+
+def _trainer_status(record: ChildRecord, status: TrainerStatus, now: float) -> dict:
+    if record.pid:
+        pid = record.pid  # under torchrun: torchrun's pid; trainer.json has rank 0's
+        alive = process_alive(pid, record.start_ticks)
+    else:
+        pid = status.pid
+        alive = process_alive(pid) and (_age(status.updated, now) or 0) <= STALE_AFTER_S
+    # trainer.json of an earlier trainer (a new one still loading) is not this trainer's state.
+    started = record.status_since or record.started
+    current = not started or status.updated >= float(started)
+    written = status.figures()
+    return {
+        "pid": pid,
+        "alive": alive,
+        "current": current,
+        **{key: written[key] if current else None for key in TRAINER_FIGURES},
+        **{key: written[key] for key in ("step", "max_steps", "trained_s", "max_minutes", "state", "incarnation")},
+        "devices": record.devices,
+        "restarts": record.restarts,
+        "updated_age_s": _age(status.updated or None, now),
+    }
+
+
 def collect_status(run_dir: Path) -> dict:
     """The state of the run as plain data (the --json output)."""
     run = RunDir(Path(run_dir).resolve())
@@ -65,45 +104,6 @@ def collect_status(run_dir: Path) -> dict:
     records = {r.id: r for r in launcher.producers}
     files = {status.id: status for status in ProducerStatus.read_all(run)}
     producers = [_producer_status(i, records.get(i), files.get(i), now) for i in sorted(set(records) | set(files))]
-
-    trainer_record = launcher.trainer
-    trainer_file = TrainerStatus.read(run.trainer_status)
-    if trainer_record.pid:
-        trainer_pid = trainer_record.pid  # under torchrun: torchrun's pid; trainer.json has rank 0's
-        trainer_alive = process_alive(trainer_pid, trainer_record.start_ticks)
-    else:
-        trainer_pid = trainer_file.pid
-        trainer_alive = process_alive(trainer_pid) and (_age(trainer_file.updated, now) or 0) <= STALE_AFTER_S
-    # trainer.json of an earlier trainer (a new one still loading) is not this trainer's state.
-    started = trainer_record.status_since or trainer_record.started
-    current = not started or trainer_file.updated >= float(started)
-    written = trainer_file.figures()
-    figures = {
-        key: written[key] if current else None
-        for key in (
-            "loss",
-            "tau",
-            "lr",
-            "samples_per_s",
-            "tokens_per_s",
-            "steps_per_s",
-            "eval",
-            "evals_in_flight",
-            "checkpoint_writing",
-            "kind",
-            "kind_metrics",
-        )
-    }
-    trainer = {
-        "pid": trainer_pid,
-        "alive": trainer_alive,
-        "current": current,
-        **figures,
-        **{key: written[key] for key in ("step", "max_steps", "trained_s", "max_minutes", "state", "incarnation")},
-        "devices": trainer_record.devices,
-        "restarts": trainer_record.restarts,
-        "updated_age_s": _age(trainer_file.updated or None, now),
-    }
     return {
         "run_dir": str(run.root),
         "launcher": {
@@ -114,7 +114,7 @@ def collect_status(run_dir: Path) -> dict:
             "uptime_s": _age(launcher.started, now) if launcher_alive else None,
         },
         "producers": producers,
-        "trainer": trainer,
+        "trainer": _trainer_status(launcher.trainer, TrainerStatus.read(run.trainer_status), now),
         "metrics": last_json_line(run.metrics),
     }
 

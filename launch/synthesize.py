@@ -252,11 +252,8 @@ def _poll_worker(worker: ManagedProcess, cfg: RunConfig) -> int | None:
     if code == 0:
         return 0
     if code == EXIT_CONFIG_ERROR:
-        log.error(
-            "%s stopped with a configuration or data error: the same on every try%s",
-            worker.name,
-            log_tail(worker.log_path),
-        )
+        tail = log_tail(worker.log_path)
+        log.error("%s stopped with a configuration or data error: the same on every try%s", worker.name, tail)
         return EXIT_CONFIG_ERROR
     if worker.after_crash(
         code, cfg.launch.restart_backoff_s, cfg.launch.max_restarts, resumes="it continues from its shards"
