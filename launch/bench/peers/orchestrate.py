@@ -162,18 +162,8 @@ def run(args: argparse.Namespace, out: Path) -> int:
     why), or 2 when no peer asked for is set up."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = run_config(args.gguf, out, args.held_out, args.smoke)
-    try:
-        peers, missing = pick_peers(args.peers, known_peers(cfg, args.smoke))
-    except KeyError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
-        return 2
-    for line in missing:
-        print(f"missing peer: {line}", flush=True)
-    if args.peers and not peers:
-        print(
-            "error: none of the peers asked for is set up (see above); ours alone: launch.bench.quality",
-            file=sys.stderr,
-        )
+    peers = peers_set_up(args, cfg)
+    if peers is None:
         return 2
     options = ["--held-out", str(args.held_out), "--eval-every", "0", "--sampled-prompts", str(args.sampled_prompts)]
     quality = synthesized_quality_command(args.gguf, out, args.magpie, *options, smoke=args.smoke)
@@ -183,7 +173,7 @@ def run(args: argparse.Namespace, out: Path) -> int:
         out, bytes_per_token(draft, draft.config.target_hidden_size)
     )
     print(f"the peers' disk cap: {max_tokens:,} tokens of rows", flush=True)
-    humaneval, failed = HUMANEVAL_PROMPTS[args.smoke], 0
+    failed = 0
     for view, ours_budget, budget in views(args, cfg, source):
         ours = done(out, view, "ours")
         if ours is None:
@@ -197,26 +187,58 @@ def run(args: argparse.Namespace, out: Path) -> int:
             "device": "cpu" if args.smoke else "cuda:0",
             "draft": draft,
             "run_dir": out / f"ours-{view}",
-            "evaluations": evaluation_runs(args.held_out, out / "humaneval", humaneval, args.sampled_prompts),
+            "evaluations": evaluation_runs(
+                args.held_out, out / "humaneval", HUMANEVAL_PROMPTS[args.smoke], args.sampled_prompts
+            ),
         }
-        if budget is None:  # the samples ours trained, in its order, one epoch
-            ids, rows = rows_of(source, ours["sample_ids"], max_tokens)
-            if len(ids) < len(ours["sample_ids"]):
-                print(f"{view}: the peers' disk cap holds {len(ids)} of the {ours['samples']} samples ours trained")
-            budget = Budget(samples=len(rows))
-        else:
-            ids, rows = rows_of(source, epoch_order(cfg, source), max_tokens)
-        for peer in peers:
-            if done(out, view, peer.name) is not None:
-                print(f"{view}: {peer.name} done in an earlier call", flush=True)
-                continue
-            try:
-                record = run_peer(peer, out, view, rows, context, budget)
-            except (SystemExit, Exception) as exc:  # one peer's failure loses neither ours nor the other peer's row
-                failed += 1
-                print(f"{view}: {peer.name} failed: {exc}", flush=True)
-                save(out, view, peer.name, {"row": peer.name, "view": view, "error": str(exc)})
-                continue
-            save(out, view, peer.name, {**record, "peer_max_tokens": max_tokens})
-            print(f"{view}: {peer.name} trained {record['samples']} samples, {record['steps']} steps", flush=True)
+        rows, budget = peer_rows(cfg, source, view, ours, budget, max_tokens)
+        failed += run_peers(peers, out, view, rows, context, budget, max_tokens)
+    return failed
+
+
+def peers_set_up(args: argparse.Namespace, cfg) -> list | None:
+    """The peers asked for that are set up (each missing one said), or None (said why) when none can run."""
+    try:
+        peers, missing = pick_peers(args.peers, known_peers(cfg, args.smoke))
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return None
+    for line in missing:
+        print(f"missing peer: {line}", flush=True)
+    if args.peers and not peers:
+        print(
+            "error: none of the peers asked for is set up (see above); ours alone: launch.bench.quality",
+            file=sys.stderr,
+        )
+        return None
+    return peers
+
+
+def peer_rows(cfg, source, view: str, ours: dict, budget: Budget | None, max_tokens: int) -> tuple[list, Budget]:
+    """The rows a view's peers train on, and their budget: without one, the samples ours trained, in its order,
+    one epoch; else an epoch in the run's order. Both within the disk cap of ``max_tokens``."""
+    if budget is not None:
+        return rows_of(source, epoch_order(cfg, source), max_tokens)[1], budget
+    ids, rows = rows_of(source, ours["sample_ids"], max_tokens)
+    if len(ids) < len(ours["sample_ids"]):
+        print(f"{view}: the peers' disk cap holds {len(ids)} of the {ours['samples']} samples ours trained")
+    return rows, Budget(samples=len(rows))
+
+
+def run_peers(peers: list, out: Path, view: str, rows: list, context: dict, budget: Budget, max_tokens: int) -> int:
+    """Train and evaluate each peer not done in an earlier call on ``rows``; how many failed (each row saved)."""
+    failed = 0
+    for peer in peers:
+        if done(out, view, peer.name) is not None:
+            print(f"{view}: {peer.name} done in an earlier call", flush=True)
+            continue
+        try:
+            record = run_peer(peer, out, view, rows, context, budget)
+        except (SystemExit, Exception) as exc:  # one peer's failure loses neither ours nor the other peer's row
+            failed += 1
+            print(f"{view}: {peer.name} failed: {exc}", flush=True)
+            save(out, view, peer.name, {"row": peer.name, "view": view, "error": str(exc)})
+            continue
+        save(out, view, peer.name, {**record, "peer_max_tokens": max_tokens})
+        print(f"{view}: {peer.name} trained {record['samples']} samples, {record['steps']} steps", flush=True)
     return failed
