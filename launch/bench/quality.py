@@ -305,6 +305,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="also evaluate sampled decoding (temperature 1, top-p 0.95) on this many prompts of each set",
     )
     parser.add_argument("--smoke", action="store_true", help="a few prompts and steps on the CPU: the pipeline only")
+    add_stage_arguments(parser)
+    parser.add_argument(
+        "--kind",
+        choices=sorted(KINDS),
+        default="dflash",
+        help="the drafter kind trained (drafter.kind; its options as overrides, e.g. "
+        "drafter.dflash2.selector_missing_gold=exclude)",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (the recipe)")
+    return parser
+
+
+def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which steps run, and under which name: the options that let several recipes share one --out."""
     parser.add_argument(
         "--name",
         default="train",
@@ -334,15 +348,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip step 1: train on the data an earlier run of "
         "this --out synthesized (several recipes may then train side by side)",
     )
-    parser.add_argument(
-        "--kind",
-        choices=sorted(KINDS),
-        default="dflash",
-        help="the drafter kind trained (drafter.kind; its options as overrides, e.g. "
-        "drafter.dflash2.selector_missing_gold=exclude)",
-    )
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides (the recipe)")
-    return parser
 
 
 def prepare_data(args: argparse.Namespace, out: Path, common: list[str], result: dict) -> None:
