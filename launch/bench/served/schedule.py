@@ -197,65 +197,58 @@ def compare(
                     target_split=margin is not None and margin <= tie_margin,
                 )
             )
-        if ref.accepted is None or run.accepted is None:
-            continue
-        ref_lengths, lengths = lengths_of(ref), lengths_of(run)
-        generated = 1
-        for step, (x, y) in enumerate(zip(ref_lengths, lengths)):
-            if split is not None and generated + max(x, y) > split:
-                break  # past the target's split the two decode different texts
-            if x != y:
-                found.append(
-                    Difference(
-                        other.name,
-                        p,
-                        "steps",
-                        step=step,
-                        position=generated,
-                        detail=f"{reference.name} accepted {x - 1} drafts, {other.name} {y - 1}",
-                    )
-                )
-                break
-            verified = drafted_at(ref, step), drafted_at(run, step)
-            if None not in verified and verified[0] != verified[1]:  # the same acceptance of a differently cut block
-                cut = cut_margin_at(p, generated, min(verified)) if cut_margin_at is not None else None
-                found.append(
-                    Difference(
-                        other.name,
-                        p,
-                        "steps",
-                        step=step,
-                        position=generated,
-                        detail=f"{reference.name} verified {verified[0]} drafts, {other.name} {verified[1]}",
-                        cut_margin=cut,
-                        cut_tie=cut is not None and cut <= cut_tie,
-                    )
-                )
-                break
-            generated += x
-        else:
-            if split is None and len(ref_lengths) != len(lengths):
-                found.append(
-                    Difference(
-                        other.name,
-                        p,
-                        "steps",
-                        step=min(len(ref_lengths), len(lengths)),
-                        detail=f"{reference.name} took {len(ref_lengths)} verify forwards, {other.name} {len(lengths)}",
-                    )
-                )
+        if ref.accepted is not None and run.accepted is not None:
+            names = (reference.name, other.name)
+            cut_at = None if cut_margin_at is None else lambda position, draft: cut_margin_at(p, position, draft)
+            difference = step_difference(names, p, ref, run, split, cut_at, cut_tie)
+            found += [difference] if difference is not None else []
     if not other.has_steps or not reference.has_steps:
-        mine, theirs = reference.as_run(), other.as_run()
-        for key in ("drafts", "draft_tokens", "accepted_per_pos"):
-            if mine[key] != theirs[key] and not any(d.what == "tokens" for d in found):
-                found.append(
-                    Difference(
-                        other.name,
-                        -1,
-                        "counters",
-                        detail=f"{key}: {reference.name} {mine[key]}, {other.name} {theirs[key]}",
-                    )
-                )
+        found += counter_differences(reference, other, tokens_differ=any(d.what == "tokens" for d in found))
+    return found
+
+
+def step_difference(
+    names: tuple[str, str], p: int, ref: PromptRun, run: PromptRun, split: int | None, cut_margin_at, cut_tie: float
+) -> Difference | None:
+    """The first verify forward of prompt ``p`` where ``run`` (of ``names[1]``) accepts or verifies otherwise than
+    ``ref`` (of ``names[0]``), before the tokens ``split``; or a different count of forwards."""
+    ref_lengths, lengths = lengths_of(ref), lengths_of(run)
+    generated = 1
+    for step, (x, y) in enumerate(zip(ref_lengths, lengths)):
+        if split is not None and generated + max(x, y) > split:
+            return None  # past the target's split the two decode different texts
+        if x != y:
+            detail = f"{names[0]} accepted {x - 1} drafts, {names[1]} {y - 1}"
+            return Difference(names[1], p, "steps", step=step, position=generated, detail=detail)
+        verified = drafted_at(ref, step), drafted_at(run, step)
+        if None not in verified and verified[0] != verified[1]:  # the same acceptance of a differently cut block
+            cut = cut_margin_at(generated, min(verified)) if cut_margin_at is not None else None
+            detail = f"{names[0]} verified {verified[0]} drafts, {names[1]} {verified[1]}"
+            return Difference(
+                names[1],
+                p,
+                "steps",
+                step=step,
+                position=generated,
+                detail=detail,
+                cut_margin=cut,
+                cut_tie=cut is not None and cut <= cut_tie,
+            )
+        generated += x
+    if split is None and len(ref_lengths) != len(lengths):
+        detail = f"{names[0]} took {len(ref_lengths)} verify forwards, {names[1]} {len(lengths)}"
+        return Difference(names[1], p, "steps", step=min(len(ref_lengths), len(lengths)), detail=detail)
+    return None
+
+
+def counter_differences(reference: Side, other: Side, tokens_differ: bool) -> list[Difference]:
+    """Where a side without steps differs by its counters (none when the tokens differ already)."""
+    found = []
+    mine, theirs = reference.as_run(), other.as_run()
+    for key in ("drafts", "draft_tokens", "accepted_per_pos"):
+        if mine[key] != theirs[key] and not tokens_differ:
+            detail = f"{key}: {reference.name} {mine[key]}, {other.name} {theirs[key]}"
+            found.append(Difference(other.name, -1, "counters", detail=detail))
     return found
 
 
