@@ -234,43 +234,8 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
     producer_devices, trainer_devices, coupled = placements[name]
     tmp = Path(tempfile.mkdtemp(prefix=f"df-{name}-", dir="/tmp"))
     run = RunDir(tmp / "run")
-    overrides = base_overrides(args, run.root) + run_overrides(name, args) + args.set
     log = open(tmp / "launcher.log", "w")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **run_environment(name, args)}
-    if coupled:
-        overrides += [f"training.device=\"{trainer_devices[0]}\""] if len(trainer_devices) == 1 else []
-        cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
-        run.root.mkdir(parents=True)
-        save_config(cfg, run.config)
-        trainer = ["-m", "launch.bench.coupled", "--run-dir", str(run.root)]
-        if len(trainer_devices) > 1:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in trainer_devices)
-            command = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={len(trainer_devices)}",
-                *trainer,
-            ]
-        else:
-            command = [sys.executable, *trainer]
-        proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    else:
-        devices = [
-            f"launch.producer_devices={json.dumps(producer_devices)}",
-            f"launch.trainer_devices={json.dumps(trainer_devices)}",
-        ]
-        proc = subprocess.Popen(
-            [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run.root), *overrides, *devices],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start_run(name, args, placements[name], run, log)
     sampler = Sampler(run)
     started = time.time()
     result: dict = {"run": name, "producers": producer_devices, "trainer": trainer_devices, "coupled": coupled}
@@ -285,17 +250,12 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
 
         wait_for(warm, args.timeout, f"{name}: {args.warm_steps} warm steps")
         result["first_step_after_s"] = ledger_rows(run)[0]["time"] - started
-        if name == "stall" or name.endswith(("-stalls", "-evals", "-pauses")):
-            result.update(measure_stalls(name, args, run, sampler))
+        if name == "stall":
+            result.update(measure_stall(args, run, sampler))
+        elif name.endswith(("-stalls", "-evals", "-pauses")):
+            result.update(measure_cycles(name, args, run, sampler))
         else:
-            t0 = time.time()
-            time.sleep(args.seconds)
-            t1 = time.time()
-            rows = ledger_rows(run)
-            result["samples_per_s"] = samples_between(rows, t0, t1) / (t1 - t0)
-            result["net_samples_per_s"] = net_rate(rows, sampler.rows, t0, t1)
-            result["producer_samples_per_s"] = published_rate(sampler.rows, t0, t1)
-            result["window_s"] = t1 - t0
+            result.update(measure_window(args, run, sampler))
     finally:
         sampler.done.set()
         kill_run(run)
@@ -307,59 +267,103 @@ def measure(name: str, args: argparse.Namespace, placements: dict) -> dict:
     return result
 
 
-def measure_stalls(name: str, args: argparse.Namespace, run: RunDir, sampler: Sampler) -> dict:
-    """Runs with pauses: the whole window's rate, and around the first pause the producer's rate
-    during it and the trainer's before and after it."""
-    if name == "stall":
-        # Pause once the backlog of the start is drained (the ring stays nearly empty: the lighter
-        # step outruns the producer). SIGSTOP freezes the whole trainer, its feeder thread too.
-        def drained() -> bool:
-            recent = [r for r in sampler.rows[-12:] if "p0" in r]
-            return len(recent) == 12 and all(r["p0"]["ready"] <= 2 for r in recent)
-
-        try:
-            drained_before = wait_for(drained, args.timeout / 2, "a drained ring")
-        except TimeoutError:  # the trainer does not outrun the producer here: pause anyway, and say so
-            drained_before = False
-            print("stall: the ring never drained; pausing with a backlog", flush=True)
-        pid = int(read_json(run.trainer_status)["pid"])
-        paused = time.time()
-        os.kill(pid, signal.SIGSTOP)  # the trainer's heartbeat timeout (60 s here) outlasts the pause
-        time.sleep(args.stall_s)
-        os.kill(pid, signal.SIGCONT)
-        resumed = time.time()
-        time.sleep(args.seconds)
-
-        def caught_up() -> float | None:
-            """When the pause's backlog was drained: the first sample after the resume with an empty ring."""
-            return next(
-                (r["t"] for r in sampler.rows if "p0" in r and r["t"] > resumed and r["p0"]["ready"] <= 2), None
-            )
-
-        try:  # the catch-up can take longer than the window after the pause
-            wait_for(lambda: caught_up() is not None, args.timeout / 2, "the pause's backlog drained")
-        except TimeoutError:
-            print("stall: the backlog of the pause was not drained in time", flush=True)
-        rows = ledger_rows(run)
-        before, after = (paused - args.seconds, paused), (resumed, resumed + args.seconds)
-        peak = max(
-            (r for r in sampler.rows if "p0" in r and paused <= r["t"] <= resumed + 1), key=lambda r: r["p0"]["ready"]
+def start_run(name: str, args: argparse.Namespace, placement: tuple, run: RunDir, log) -> subprocess.Popen:
+    """Start run ``name`` in ``run``, its output in ``log``: the coupled loop (under torchrun on several devices) or
+    the pipeline's launcher."""
+    producer_devices, trainer_devices, coupled = placement
+    overrides = base_overrides(args, run.root) + run_overrides(name, args) + args.set
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **run_environment(name, args)}
+    if not coupled:
+        devices = [
+            f"launch.producer_devices={json.dumps(producer_devices)}",
+            f"launch.trainer_devices={json.dumps(trainer_devices)}",
+        ]
+        command = [str(ROOT / "launch" / "run_all.sh"), "--run-dir", str(run.root), *overrides, *devices]
+        return subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        return {
-            "stall_s": resumed - paused,
-            "paused_at": paused,
-            "resumed_at": resumed,
-            "drained_before": drained_before,
-            "trainer_before_samples_per_s": samples_between(rows, *before) / args.seconds,
-            "trainer_after_samples_per_s": samples_between(rows, *after) / args.seconds,
-            "producer_before_samples_per_s": published_rate(sampler.rows, *before),
-            "producer_during_samples_per_s": published_rate(sampler.rows, paused + 1.0, resumed),
-            "producer_after_samples_per_s": published_rate(sampler.rows, *after),
-            "ready_at_resume": peak["p0"]["ready"],
-            "catch_up_s": caught_up() - resumed if caught_up() else None,
-        }
+    overrides += [f"training.device=\"{trainer_devices[0]}\""] if len(trainer_devices) == 1 else []
+    cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
+    run.root.mkdir(parents=True)
+    save_config(cfg, run.config)
+    trainer = ["-m", "launch.bench.coupled", "--run-dir", str(run.root)]
+    if len(trainer_devices) > 1:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":")[1] for d in trainer_devices)
+        nproc = f"--nproc-per-node={len(trainer_devices)}"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc, *trainer]
+    else:
+        command = [sys.executable, *trainer]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    # Whole cycles only: from the end of one checkpoint to the end of the --cycles-th after it.
+
+def measure_window(args: argparse.Namespace, run: RunDir, sampler: Sampler) -> dict:
+    """The rates over a window of ``--seconds`` from now."""
+    t0 = time.time()
+    time.sleep(args.seconds)
+    t1 = time.time()
+    rows = ledger_rows(run)
+    return {
+        "samples_per_s": samples_between(rows, t0, t1) / (t1 - t0),
+        "net_samples_per_s": net_rate(rows, sampler.rows, t0, t1),
+        "producer_samples_per_s": published_rate(sampler.rows, t0, t1),
+        "window_s": t1 - t0,
+    }
+
+
+def measure_stall(args: argparse.Namespace, run: RunDir, sampler: Sampler) -> dict:
+    """One pause of the trainer: around it, the producer's rate during it and the trainer's before and after."""
+
+    # Pause once the backlog of the start is drained (the ring stays nearly empty: the lighter
+    # step outruns the producer). SIGSTOP freezes the whole trainer, its feeder thread too.
+    def drained() -> bool:
+        recent = [r for r in sampler.rows[-12:] if "p0" in r]
+        return len(recent) == 12 and all(r["p0"]["ready"] <= 2 for r in recent)
+
+    try:
+        drained_before = wait_for(drained, args.timeout / 2, "a drained ring")
+    except TimeoutError:  # the trainer does not outrun the producer here: pause anyway, and say so
+        drained_before = False
+        print("stall: the ring never drained; pausing with a backlog", flush=True)
+    pid = int(read_json(run.trainer_status)["pid"])
+    paused = time.time()
+    os.kill(pid, signal.SIGSTOP)  # the trainer's heartbeat timeout (60 s here) outlasts the pause
+    time.sleep(args.stall_s)
+    os.kill(pid, signal.SIGCONT)
+    resumed = time.time()
+    time.sleep(args.seconds)
+
+    def caught_up() -> float | None:
+        """When the pause's backlog was drained: the first sample after the resume with an empty ring."""
+        return next((r["t"] for r in sampler.rows if "p0" in r and r["t"] > resumed and r["p0"]["ready"] <= 2), None)
+
+    try:  # the catch-up can take longer than the window after the pause
+        wait_for(lambda: caught_up() is not None, args.timeout / 2, "the pause's backlog drained")
+    except TimeoutError:
+        print("stall: the backlog of the pause was not drained in time", flush=True)
+    rows = ledger_rows(run)
+    before, after = (paused - args.seconds, paused), (resumed, resumed + args.seconds)
+    peak = max(
+        (r for r in sampler.rows if "p0" in r and paused <= r["t"] <= resumed + 1), key=lambda r: r["p0"]["ready"]
+    )
+    return {
+        "stall_s": resumed - paused,
+        "paused_at": paused,
+        "resumed_at": resumed,
+        "drained_before": drained_before,
+        "trainer_before_samples_per_s": samples_between(rows, *before) / args.seconds,
+        "trainer_after_samples_per_s": samples_between(rows, *after) / args.seconds,
+        "producer_before_samples_per_s": published_rate(sampler.rows, *before),
+        "producer_during_samples_per_s": published_rate(sampler.rows, paused + 1.0, resumed),
+        "producer_after_samples_per_s": published_rate(sampler.rows, *after),
+        "ready_at_resume": peak["p0"]["ready"],
+        "catch_up_s": caught_up() - resumed if caught_up() else None,
+    }
+
+
+def measure_cycles(name: str, args: argparse.Namespace, run: RunDir, sampler: Sampler) -> dict:
+    """Runs that checkpoint and pause (or evaluate) every few steps: the rates over whole cycles only, from the end
+    of one checkpoint to the end of the ``--cycles``-th after it."""
+
     def checkpoint_step() -> int:
         return (read_json(run.checkpoints / "latest.json") or {}).get("step", 0)
 
@@ -717,6 +721,69 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv[1:])
         plot(args.results, args.png)
         return 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    placements = TINY_PLACEMENTS if args.tiny else PLACEMENTS
+    if args.tiny:
+        args.length, args.stall_slots, args.slots = 64, 64, 8
+    stages = parse_stage_rates(args.stage_rates, parser) if args.stage_rates else {}
+    results: list[dict] = []
+    for name in run_names(args):
+        results.append(run_named(name, args, placements, stages))
+        if args.json and "error" not in results[-1]:  # after every run: a run cut short keeps what it measured
+            args.json.write_text(json.dumps({"bench": "pipeline", "tiny": args.tiny, "runs": results}))
+    print()
+    measured = [r for r in results if "error" not in r]
+    print_table(measured, stages)
+    ratios = decoupled_over_coupled(measured)
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f}x in samples trained")
+    record = {
+        "bench": "pipeline",
+        "tiny": args.tiny,
+        "length": args.length,
+        "anchors": args.anchors,
+        "runs": results,
+        "decoupled_over_coupled": ratios,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(record))
+    print(json.dumps({**record, "runs": [{k: v for k, v in r.items() if k not in JSON_ONLY} for r in results]}))
+    return 0
+
+
+def run_names(args: argparse.Namespace) -> list[str]:
+    """``--runs``, else the stages alone and every placement this machine's GPUs allow."""
+    if args.runs:
+        return args.runs.split(",")
+    gpus = 0
+    if not args.tiny:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    fits = [n for n, (p, t, _) in PLACEMENTS.items() if args.tiny or max(int(d.split(":")[1]) for d in p + t) < gpus]
+    return ["producer", "trainer", *fits]
+
+
+def run_named(name: str, args: argparse.Namespace, placements: dict, stages: dict) -> dict:
+    """Measure run ``name`` (a stage alone also into ``stages``); a failure is a row with its error (and, under
+    $OUT, the run's logs)."""
+    print(f"== {name} ({time.strftime('%H:%M:%S')})", flush=True)
+    try:
+        result = run_stage(name, args) if name in ("producer", "trainer") else measure(name, args, placements)
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
+        print(f"{name} failed: {exc}", flush=True)
+        if os.environ.get("OUT"):
+            for log in Path("/tmp").glob(f"df-{name}-*/run/logs/*.log"):
+                Path(os.environ["OUT"], f"{name}-{log.name}").write_text(log.read_text()[-100_000:])
+        return {"run": name, "error": str(exc)[-2000:]}
+    if name in ("producer", "trainer"):
+        stages[name] = result
+    print({k: v for k, v in result.items() if k not in JSON_ONLY}, flush=True)
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--runs", default=None, help="comma list (default: all that this machine's GPUs allow)")
@@ -770,58 +837,7 @@ def main(argv: list[str] | None = None) -> int:
         "that leave out the producer and trainer runs",
     )
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args(argv)
-    placements = TINY_PLACEMENTS if args.tiny else PLACEMENTS
-    if args.tiny:
-        args.length, args.stall_slots, args.slots = 64, 64, 8
-    gpus = 0
-    if not args.tiny:
-        import torch
-
-        gpus = torch.cuda.device_count()
-    names = (
-        args.runs.split(",")
-        if args.runs
-        else ["producer", "trainer"]
-        + [n for n, (p, t, _) in PLACEMENTS.items() if args.tiny or max(int(d.split(":")[1]) for d in p + t) < gpus]
-    )
-    stages = parse_stage_rates(args.stage_rates, parser) if args.stage_rates else {}
-    results: list[dict] = []
-    for name in names:
-        print(f"== {name} ({time.strftime('%H:%M:%S')})", flush=True)
-        try:
-            result = run_stage(name, args) if name in ("producer", "trainer") else measure(name, args, placements)
-        except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
-            print(f"{name} failed: {exc}", flush=True)
-            results.append({"run": name, "error": str(exc)[-2000:]})
-            if os.environ.get("OUT"):
-                for log in Path("/tmp").glob(f"df-{name}-*/run/logs/*.log"):
-                    Path(os.environ["OUT"], f"{name}-{log.name}").write_text(log.read_text()[-100_000:])
-            continue
-        if name in ("producer", "trainer"):
-            stages[name] = result
-        results.append(result)
-        print({k: v for k, v in result.items() if k not in JSON_ONLY}, flush=True)
-        if args.json:  # after every run: a run cut short keeps what it measured
-            args.json.write_text(json.dumps({"bench": "pipeline", "tiny": args.tiny, "runs": results}))
-    print()
-    measured = [r for r in results if "error" not in r]
-    print_table(measured, stages)
-    ratios = decoupled_over_coupled(measured)
-    for name, ratio in ratios.items():
-        print(f"{name}: {ratio:.2f}x in samples trained")
-    record = {
-        "bench": "pipeline",
-        "tiny": args.tiny,
-        "length": args.length,
-        "anchors": args.anchors,
-        "runs": results,
-        "decoupled_over_coupled": ratios,
-    }
-    if args.json:
-        args.json.write_text(json.dumps(record))
-    print(json.dumps({**record, "runs": [{k: v for k, v in r.items() if k not in JSON_ONLY} for r in results]}))
-    return 0
+    return parser
 
 
 if __name__ == "__main__":
