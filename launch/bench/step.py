@@ -284,6 +284,98 @@ def _union_us(ranges: list[tuple[float, float]]) -> float:
 
 
 def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    device = setup_device(args)
+    config = tiny_draft(args.block_size) if args.tiny else DRAFTS[args.draft](args.block_size)
+    shape = (256, 32, 4) if args.tiny else STEP_SHAPES.get(args.draft, (3072, 512, 4))
+    args.seq_len = args.seq_len or shape[0]
+    args.num_anchors = args.num_anchors or shape[1]
+    args.num_docs = args.num_docs or shape[2]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if set(kinds) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(set(kinds) - set(KINDS))}; choose from {sorted(KINDS)}")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    peak = matmul_tflops(device, args.matmul_size or (1024 if device.type == "cpu" else 8192))
+
+    results = [
+        bench_variant(dataclasses.replace(config, kind=kind, options=None), v, args, device, peak)
+        for kind in kinds
+        for v in variants
+    ]
+    baseline = {r["variant"]: r["step_ms"] for r in results if r["kind"] == kinds[0]}
+    for r in results:
+        r["step_vs_first_kind"] = r["step_ms"] / baseline[r["variant"]]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return
+    print_table(results, args, device, peak)
+    emit(
+        {
+            "bench": "dflash_train_step",
+            "matmul_tflops": peak,
+            "seq_len": args.seq_len,
+            "num_anchors": args.num_anchors,
+            "block_size": args.block_size,
+            "num_docs": args.num_docs,
+            "chunk_rows": args.chunk_rows,
+            "weighting": args.weighting,
+            "master_fp32": args.master_fp32,
+            "draft": "tiny" if args.tiny else args.draft,
+            "results": results,
+        }
+    )
+
+
+def setup_device(args: argparse.Namespace) -> torch.device:
+    """This rank's device; under torchrun the process group is made (else ``--parallelism`` becomes "single")."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if device.type == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    else:
+        args.parallelism = "single"
+    return device
+
+
+def print_table(results: list[dict], args: argparse.Namespace, device: torch.device, peak: float) -> None:
+    print(
+        f"device {gpu_name(device) or 'cpu'}, "
+        f"measured bf16 matmul {peak:.1f} TFLOP/s, seq {args.seq_len}, anchors {args.num_anchors}, "
+        f"B {args.block_size}, docs {args.num_docs}, chunk {args.chunk_rows} rows, {args.weighting} weighting"
+    )
+    table = Table(
+        [
+            ("kind", "<9"),
+            ("variant", "<16"),
+            ("step ms", ">10.1f"),
+            ("x first", ">9.3f"),
+            ("samples/s", ">11.2f"),
+            ("tokens/s", ">11.0f"),
+            ("TFLOP/s", ">9.1f"),
+            ("MFU", ">7.1%"),
+            ("peak GiB", ">10.1f"),
+            ("params M", ">10.1f"),
+        ],
+        gap="",
+    )
+    print(table.header())
+    print("-" * len(table.header()))
+    for r in results:
+        cells = (r["step_ms"], r["step_vs_first_kind"], r["samples_per_s"], r["tokens_per_s"], r["achieved_tflops"])
+        print(table.row(r["kind"], r["variant"], *cells, r["mfu"], r["peak_mem_gib"], r["trainable_params"] / 1e6))
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
     parser.add_argument("--draft", choices=sorted(DRAFTS), default="qwen3-8b", help="draft shape")
@@ -324,85 +416,7 @@ def main() -> None:
         default="ddp",
         help="under torchrun: how the ranks share the drafter (as training.parallelism)",
     )
-    args = parser.parse_args()
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if device.type == "cuda":
-            device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    else:
-        args.parallelism = "single"
-    config = tiny_draft(args.block_size) if args.tiny else DRAFTS[args.draft](args.block_size)
-    shape = (256, 32, 4) if args.tiny else STEP_SHAPES.get(args.draft, (3072, 512, 4))
-    args.seq_len = args.seq_len or shape[0]
-    args.num_anchors = args.num_anchors or shape[1]
-    args.num_docs = args.num_docs or shape[2]
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(variants) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if set(kinds) - set(KINDS):
-        parser.error(f"unknown kinds {sorted(set(kinds) - set(KINDS))}; choose from {sorted(KINDS)}")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    peak = matmul_tflops(device, args.matmul_size or (1024 if device.type == "cpu" else 8192))
-
-    results = [
-        bench_variant(dataclasses.replace(config, kind=kind, options=None), v, args, device, peak)
-        for kind in kinds
-        for v in variants
-    ]
-    baseline = {r["variant"]: r["step_ms"] for r in results if r["kind"] == kinds[0]}
-    for r in results:
-        r["step_vs_first_kind"] = r["step_ms"] / baseline[r["variant"]]
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        if int(os.environ["RANK"]) != 0:
-            return
-    print(
-        f"device {gpu_name(device) or 'cpu'}, "
-        f"measured bf16 matmul {peak:.1f} TFLOP/s, seq {args.seq_len}, anchors {args.num_anchors}, "
-        f"B {args.block_size}, docs {args.num_docs}, chunk {args.chunk_rows} rows, {args.weighting} weighting"
-    )
-    table = Table(
-        [
-            ("kind", "<9"),
-            ("variant", "<16"),
-            ("step ms", ">10.1f"),
-            ("x first", ">9.3f"),
-            ("samples/s", ">11.2f"),
-            ("tokens/s", ">11.0f"),
-            ("TFLOP/s", ">9.1f"),
-            ("MFU", ">7.1%"),
-            ("peak GiB", ">10.1f"),
-            ("params M", ">10.1f"),
-        ],
-        gap="",
-    )
-    print(table.header())
-    print("-" * len(table.header()))
-    for r in results:
-        cells = (r["step_ms"], r["step_vs_first_kind"], r["samples_per_s"], r["tokens_per_s"], r["achieved_tflops"])
-        print(table.row(r["kind"], r["variant"], *cells, r["mfu"], r["peak_mem_gib"], r["trainable_params"] / 1e6))
-    emit(
-        {
-            "bench": "dflash_train_step",
-            "matmul_tflops": peak,
-            "seq_len": args.seq_len,
-            "num_anchors": args.num_anchors,
-            "block_size": args.block_size,
-            "num_docs": args.num_docs,
-            "chunk_rows": args.chunk_rows,
-            "weighting": args.weighting,
-            "master_fp32": args.master_fp32,
-            "draft": "tiny" if args.tiny else args.draft,
-            "results": results,
-        }
-    )
+    return parser
 
 
 if __name__ == "__main__":
