@@ -184,44 +184,9 @@ def relative_errors(got: torch.Tensor, want: torch.Tensor, hidden_size: int) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tiny Qwen3 on CPU (proves the program runs)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape (random weights)")
-    parser.add_argument("--rows", type=int, default=None, help="baseline rows per padded batch (16)")
-    parser.add_argument("--length", type=int, default=None, help="baseline tokens per row (1024)")
-    parser.add_argument(
-        "--attn", default=None, help="packed kernels, comma list of varlen,flex,sdpa (default: varlen,flex on CUDA)"
-    )
-    parser.add_argument(
-        "--compile", choices=("on", "off", "both"), default=None, help="torch.compile the layers (default: on for CUDA)"
-    )
-    parser.add_argument("--no-baselines", action="store_true", help="skip the plain HF forwards")
-    parser.add_argument(
-        "--last-hidden", action="store_true", help="also capture the last hidden state (runs every layer)"
-    )
-    parser.add_argument("--budget", type=int, default=None, help="tokens per packed batch (default 16384)")
-    parser.add_argument("--batches", type=int, default=None, help="timed batches per variant (default 16)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed batches per variant (compilation happens here)")
-    parser.add_argument("--seed", type=int, default=0)
-    add_json_argument(parser, "--json-out")
-    args = parser.parse_args(argv)
-
-    if args.tiny:
-        cfg = TargetConfig(config_overrides=dict(TINY_TARGET_CONFIG), device="cpu", dtype="float32", seed=args.seed)
-        budget, rows, length, mean, low, high, draft_layers = args.budget or 1024, 4, 256, 120, 8, 384, 2
-        count = args.batches or 4
-    else:
-        cfg = TargetConfig(config_overrides=dict(SHAPES[args.shape]), dtype="bfloat16", seed=args.seed)
-        budget, rows, length, mean, low, high, draft_layers = (
-            args.budget or 16384,
-            args.rows or 16,
-            args.length or 1024,
-            1000,
-            32,
-            3072,
-            5,
-        )
-        count = args.batches or 16
+    args = parse(argv)
+    cfg, sizes = target_and_sizes(args)
+    budget, rows, length, mean, low, high, draft_layers, count = sizes
     device = resolve_device(cfg)
     attentions = (args.attn or ("varlen,flex" if device.type == "cuda" else "sdpa")).split(",")
     compile_mode = args.compile or ("on" if device.type == "cuda" else "off")
@@ -251,6 +216,62 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_baselines:
         results["hf"] = bench_hf(model, None, rows, length, count, args.warmup)
         results["hf-cut"] = bench_hf(model, layer_ids[-1], rows, length, count, args.warmup)
+    results.update(bench_variants(model, layer_ids, batches, args, attentions, compile_settings, budget, count))
+    print_results(results, peak)
+    emit(
+        {
+            "bench": "target",
+            "device": gpu_name(device) or "cpu",
+            "matmul_tflops": peak / 1e12,
+            "layer_ids": layer_ids,
+            "budget": budget,
+            "fill": fill,
+            "results": results,
+        },
+        args.json_out,
+    )
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny Qwen3 on CPU (proves the program runs)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape (random weights)")
+    parser.add_argument("--rows", type=int, default=None, help="baseline rows per padded batch (16)")
+    parser.add_argument("--length", type=int, default=None, help="baseline tokens per row (1024)")
+    parser.add_argument(
+        "--attn", default=None, help="packed kernels, comma list of varlen,flex,sdpa (default: varlen,flex on CUDA)"
+    )
+    parser.add_argument(
+        "--compile", choices=("on", "off", "both"), default=None, help="torch.compile the layers (default: on for CUDA)"
+    )
+    parser.add_argument("--no-baselines", action="store_true", help="skip the plain HF forwards")
+    parser.add_argument(
+        "--last-hidden", action="store_true", help="also capture the last hidden state (runs every layer)"
+    )
+    parser.add_argument("--budget", type=int, default=None, help="tokens per packed batch (default 16384)")
+    parser.add_argument("--batches", type=int, default=None, help="timed batches per variant (default 16)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed batches per variant (compilation happens here)")
+    parser.add_argument("--seed", type=int, default=0)
+    add_json_argument(parser, "--json-out")
+    return parser.parse_args(argv)
+
+
+def target_and_sizes(args: argparse.Namespace) -> tuple[TargetConfig, tuple[int, ...]]:
+    """The target's config, and the sizes: tokens per packed batch, the baseline's rows and row length, the
+    documents' mean, shortest and longest length, the draft's layers, and the timed batches."""
+    if args.tiny:
+        cfg = TargetConfig(config_overrides=dict(TINY_TARGET_CONFIG), device="cpu", dtype="float32", seed=args.seed)
+        return cfg, (args.budget or 1024, 4, 256, 120, 8, 384, 2, args.batches or 4)
+    cfg = TargetConfig(config_overrides=dict(SHAPES[args.shape]), dtype="bfloat16", seed=args.seed)
+    return cfg, (args.budget or 16384, args.rows or 16, args.length or 1024, 1000, 32, 3072, 5, args.batches or 16)
+
+
+def bench_variants(
+    model, layer_ids: list[int], batches: list, args: argparse.Namespace, attentions, compile_settings, budget, count
+) -> dict[str, dict]:
+    """Each packed variant (attention kernel, compiled or not), with its features' error against sdpa's; one broken
+    variant is a row with its error, not the end of the bench."""
+    results: dict[str, dict] = {}
     reference = None
     for compiled in compile_settings:
         for attention in attentions:
@@ -273,7 +294,11 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as error:  # one broken variant must not hide the others' numbers
                 results[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
             print(f"  done {name}", flush=True)
+    return results
 
+
+def print_results(results: dict[str, dict], peak: float) -> None:
+    """The table; each result gets its rates (tokens/s, TFLOP/s, MFU against ``peak`` FLOP/s)."""
     table = Table(
         [
             ("variant", "<24"),
@@ -296,18 +321,6 @@ def main(argv: list[str] | None = None) -> None:
         errors = " ".join(f"{e:.0e}" for e in result.get("rel_err_vs_sdpa", []))
         cells = (result["tokens_per_s"], result["mfu"], result["tflops"], result["warmup_s"], result["peak_gib"])
         print(f"{table.row(name, *cells)}  {errors}")
-    emit(
-        {
-            "bench": "target",
-            "device": gpu_name(device) or "cpu",
-            "matmul_tflops": peak / 1e12,
-            "layer_ids": layer_ids,
-            "budget": budget,
-            "fill": fill,
-            "results": results,
-        },
-        args.json_out,
-    )
 
 
 if __name__ == "__main__":
