@@ -170,24 +170,7 @@ def engine_generate(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--model",
-        choices=sorted(SHAPES),
-        default="smollm2",
-        help="shape of the random weights (a label only with --path)",
-    )
-    parser.add_argument("--path", help="a Hugging Face model folder or a .gguf file instead of random weights")
-    parser.add_argument("--rows", type=int, default=256, help="batch of plain generate = the engine's static rows")
-    parser.add_argument("--prompts", type=int, help="prompts to continue (default 2 x rows)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=48)
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    add_device_argument(parser)
-    parser.add_argument("--eager", action="store_true", help="the engine without CUDA graphs")
-    parser.add_argument("--seed", type=int, default=0)
-    add_json_argument(parser)
-    args = parser.parse_args(argv)
+    args = parse(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     prompt_count = args.prompts or 2 * args.rows
 
@@ -201,29 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.model}{' from ' + args.path if args.path else ' (random weights)'} on {device} in {args.dtype}: "
         f"{prompt_count} prompts of {args.prompt_len} tokens, {args.max_new_tokens} new tokens each, rows {args.rows}"
     )
-    table = Table(
-        [
-            ("engine", "36s"),
-            ("new tok/s", "10.0f"),
-            ("seconds", "8.2f"),
-            ("steps", "6d"),
-            ("occupancy", "9.3f"),
-            ("warm-up s", "9.2f"),
-        ]
-    )
-    print(table.header())
-    for run in (plain, engine):
-        run["tokens_per_s"] = run["new_tokens"] / run["seconds"]
-        print(
-            table.row(
-                run["engine"],
-                run["tokens_per_s"],
-                run["seconds"],
-                run["steps"],
-                run["occupancy"],
-                run["warmup_seconds"],
-            )
-        )
+    print_runs([plain, engine])
     result = {
         "model": args.model,
         "path": args.path,
@@ -241,6 +202,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     emit(result, args.json)
     return result
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--model",
+        choices=sorted(SHAPES),
+        default="smollm2",
+        help="shape of the random weights (a label only with --path)",
+    )
+    parser.add_argument("--path", help="a Hugging Face model folder or a .gguf file instead of random weights")
+    parser.add_argument("--rows", type=int, default=256, help="batch of plain generate = the engine's static rows")
+    parser.add_argument("--prompts", type=int, help="prompts to continue (default 2 x rows)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=48)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    add_device_argument(parser)
+    parser.add_argument("--eager", action="store_true", help="the engine without CUDA graphs")
+    parser.add_argument("--seed", type=int, default=0)
+    add_json_argument(parser)
+    return parser.parse_args(argv)
+
+
+def print_runs(runs: list[dict]) -> None:
+    """The table; each run gets its new tokens per second."""
+    table = Table(
+        [
+            ("engine", "36s"),
+            ("new tok/s", "10.0f"),
+            ("seconds", "8.2f"),
+            ("steps", "6d"),
+            ("occupancy", "9.3f"),
+            ("warm-up s", "9.2f"),
+        ]
+    )
+    print(table.header())
+    for run in runs:
+        run["tokens_per_s"] = run["new_tokens"] / run["seconds"]
+        cells = (run["tokens_per_s"], run["seconds"], run["steps"], run["occupancy"], run["warmup_seconds"])
+        print(table.row(run["engine"], *cells))
 
 
 if __name__ == "__main__":
