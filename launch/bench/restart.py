@@ -116,124 +116,22 @@ class _Results(dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--warm-steps", type=int, default=5, help="steps before the restart (compilation done)")
-    parser.add_argument(
-        "--standby-s",
-        type=float,
-        default=8.0,
-        help="seconds given to the standby trainer's imports before the restart (a run that trained a while)",
-    )
-    parser.add_argument("--during-write", action="store_true", help="restart right after a checkpoint write began")
-    args = parser.parse_args(argv)
+    args = parse(argv)
     tmp = Path(tempfile.mkdtemp(prefix="df-restart-", dir="/tmp"))
-    run_dir = tmp / "run"
-    run = RunDir(run_dir)
+    run = RunDir(tmp / "run")
     log_path = tmp / "launcher.log"
-    overrides = overrides_for(args.tiny, run_dir)
     results = _Results()
-
     started = time.time()
     env = {**os.environ, DELAY_ENV: f"trainer.checkpoint={TINY_WRITE_S}"} if args.during_write and args.tiny else None
-    launcher = launch(run_dir, overrides, log_path, env)
+    launchers = [launch(run.root, overrides_for(args.tiny, run.root), log_path, env)]
     try:
-        wait_for(
-            lambda: len([s for s in ProducerStatus.read_all(run) if s.ready]) >= 1, args.timeout, "producers ready"
-        )
-        results["cold_producers_ready_s"] = time.time() - started
-        t, inc = first_step_after(run, set(), args.timeout)
-        results["cold_first_step_s"] = t - started
-        wait_for(lambda: trainer(run).get("step", 0) >= args.warm_steps, args.timeout, "warm steps")
-        producer_pids = {s.id: s.pid for s in ProducerStatus.read_all(run)}
-        # Steady state: the launcher keeps a standby trainer (imported, waiting) once a trainer trains. Give
-        # it its imports' time, as a run that has trained a while has (a single-process trainer only).
-        standby = wait_for(
-            lambda: (LauncherRecord.read(run.launcher) or LauncherRecord()).standby_trainer,
-            args.timeout,
-            "the standby trainer",
-        )
-        standby_seen = time.monotonic()
-        results["standby_trainer"] = bool(standby)
-        # A run that trained a while has checkpointed: its staging buffers (in /dev/shm) exist. Restart soon
-        # after that write, before the next checkpoint starts one.
-        wait_for(lambda: run.latest_checkpoint() is not None, args.timeout, "the first checkpoint")
-        # The standby builds its warm start (head, drafter, a step's kernels; trainer/warm.py) meanwhile.
-        trainer_log = run_dir / "logs" / "trainer.log"
-        wait_for(lambda: WARM_LINE in trainer_log.read_text(), args.timeout, "the standby's warm start")
-        results["standby_warm_after_s"] = time.monotonic() - standby_seen
-        time.sleep(max(0.0, args.standby_s - (time.monotonic() - standby_seen)))
-        if args.during_write:
-            before = trainer(run).get("checkpoint_writing")
-            in_flight = wait_for(
-                lambda: (
-                    trainer(run).get("checkpoint_writing") not in (None, before) and trainer(run)["checkpoint_writing"]
-                ),
-                args.timeout,
-                "a checkpoint write to begin",
-            )
-            results["write_before_restart_s"] = float((trainer(run).get("last_checkpoint") or {}).get("write_s") or 0.0)
-            print(f"restarting while {in_flight} is being written", flush=True)
-
+        incarnation = train_a_while(run, args, results, started)
         # 1. restart-trainer: producers and their rings stay; only the trainer is replaced.
-        t0 = time.time()
-        answer = subprocess.run(
-            [
-                str(ROOT / "launch" / "run_all.sh"),
-                "restart-trainer",
-                "--run-dir",
-                str(run_dir),
-                "training.lr=3e-4",
-                "training.checkpoint_every=1000000",
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=args.timeout,
-        )
-        if answer.returncode != 0:
-            raise RuntimeError(answer.stdout + answer.stderr)
-        t1, inc2 = first_step_after(run, {inc}, args.timeout)
-        results["restart_trainer_to_first_step_s"] = t1 - t0
-        handed = [line for line in trainer_log.read_text().splitlines() if "handed over in shared memory" in line]
-        print("handover:", handed[-1].split(" INFO ", 1)[-1] if handed else "none")
-        took_over = [line for line in trainer_log.read_text().splitlines() if "took over the state handed over" in line]
-        print(
-            "takeover:", took_over[-1].split("; ", 1)[-1] if took_over else "no handover (resumed from the checkpoint)"
-        )
-        assert {s.id: s.pid for s in ProducerStatus.read_all(run)} == producer_pids, "producers were not touched"
-
+        new_incarnation = time_restart_trainer(run, args, results, incarnation)
         # 2. the whole pipeline: stop everything, start again on the same run directory (resume).
-        t2 = time.time()
-        stopped = subprocess.run(
-            [str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=args.timeout,
-        )
-        launcher.wait(timeout=args.timeout)
-        results["full_stop_s"] = time.time() - t2
-        if stopped.returncode != 0:
-            raise RuntimeError(stopped.stdout + stopped.stderr)
-        t3 = time.time()
-        launcher = launch(run_dir, [], log_path)
-        t4, _ = first_step_after(run, {inc, inc2}, args.timeout)
-        results["full_start_to_first_step_s"] = t4 - t3
-        results["full_restart_to_first_step_s"] = t4 - t2
+        time_full_restart(run, args, results, launchers, log_path, {incarnation, new_incarnation})
     finally:
-        subprocess.run(
-            [str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run_dir)],
-            cwd=ROOT,
-            capture_output=True,
-            timeout=300,
-        )
-        if os.environ.get("OUT"):  # the run directory dies with a GPU machine that starts bare: keep the logs in $OUT
-            for path in [log_path, *sorted((run_dir / "logs").glob("*.log"))][:5]:
-                Path(os.environ["OUT"], f"restart_{path.name}").write_text(path.read_text()[-200_000:])
-        if launcher.poll() is None:
-            launcher.kill()
+        stop_and_keep_logs(run, log_path, launchers)
     speedup = results["full_restart_to_first_step_s"] / results["restart_trainer_to_first_step_s"]
     print(f"{'full restart / restart-trainer':40s} {speedup:9.1f}x")
     emit(
@@ -247,6 +145,128 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     return 0
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--warm-steps", type=int, default=5, help="steps before the restart (compilation done)")
+    parser.add_argument(
+        "--standby-s",
+        type=float,
+        default=8.0,
+        help="seconds given to the standby trainer's imports before the restart (a run that trained a while)",
+    )
+    parser.add_argument("--during-write", action="store_true", help="restart right after a checkpoint write began")
+    return parser.parse_args(argv)
+
+
+def train_a_while(run: RunDir, args: argparse.Namespace, results: _Results, started: float) -> int:
+    """Wait until the run is as one that trained a while: warm steps, a checkpoint, the standby trainer warm (and
+    with ``--during-write``, a checkpoint write just begun); the training trainer's incarnation."""
+    wait_for(lambda: len([s for s in ProducerStatus.read_all(run) if s.ready]) >= 1, args.timeout, "producers ready")
+    results["cold_producers_ready_s"] = time.time() - started
+    t, incarnation = first_step_after(run, set(), args.timeout)
+    results["cold_first_step_s"] = t - started
+    wait_for(lambda: trainer(run).get("step", 0) >= args.warm_steps, args.timeout, "warm steps")
+    # Steady state: the launcher keeps a standby trainer (imported, waiting) once a trainer trains. Give
+    # it its imports' time, as a run that has trained a while has (a single-process trainer only).
+    standby = wait_for(
+        lambda: (LauncherRecord.read(run.launcher) or LauncherRecord()).standby_trainer,
+        args.timeout,
+        "the standby trainer",
+    )
+    standby_seen = time.monotonic()
+    results["standby_trainer"] = bool(standby)
+    # A run that trained a while has checkpointed: its staging buffers (in /dev/shm) exist. Restart soon
+    # after that write, before the next checkpoint starts one.
+    wait_for(lambda: run.latest_checkpoint() is not None, args.timeout, "the first checkpoint")
+    # The standby builds its warm start (head, drafter, a step's kernels; trainer/warm.py) meanwhile.
+    trainer_log = run.root / "logs" / "trainer.log"
+    wait_for(lambda: WARM_LINE in trainer_log.read_text(), args.timeout, "the standby's warm start")
+    results["standby_warm_after_s"] = time.monotonic() - standby_seen
+    time.sleep(max(0.0, args.standby_s - (time.monotonic() - standby_seen)))
+    if args.during_write:
+        before = trainer(run).get("checkpoint_writing")
+        in_flight = wait_for(
+            lambda: trainer(run).get("checkpoint_writing") not in (None, before) and trainer(run)["checkpoint_writing"],
+            args.timeout,
+            "a checkpoint write to begin",
+        )
+        results["write_before_restart_s"] = float((trainer(run).get("last_checkpoint") or {}).get("write_s") or 0.0)
+        print(f"restarting while {in_flight} is being written", flush=True)
+    return incarnation
+
+
+def time_restart_trainer(run: RunDir, args: argparse.Namespace, results: _Results, incarnation: int) -> int:
+    """restart-trainer with a changed learning rate, timed to the new trainer's first step; its incarnation. The
+    producers must be the same processes after it."""
+    producer_pids = {s.id: s.pid for s in ProducerStatus.read_all(run)}
+    t0 = time.time()
+    answer = subprocess.run(
+        [
+            str(ROOT / "launch" / "run_all.sh"),
+            "restart-trainer",
+            "--run-dir",
+            str(run.root),
+            "training.lr=3e-4",
+            "training.checkpoint_every=1000000",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
+    if answer.returncode != 0:
+        raise RuntimeError(answer.stdout + answer.stderr)
+    t1, new_incarnation = first_step_after(run, {incarnation}, args.timeout)
+    results["restart_trainer_to_first_step_s"] = t1 - t0
+    trainer_log = (run.root / "logs" / "trainer.log").read_text().splitlines()
+    handed = [line for line in trainer_log if "handed over in shared memory" in line]
+    print("handover:", handed[-1].split(" INFO ", 1)[-1] if handed else "none")
+    took_over = [line for line in trainer_log if "took over the state handed over" in line]
+    print("takeover:", took_over[-1].split("; ", 1)[-1] if took_over else "no handover (resumed from the checkpoint)")
+    assert {s.id: s.pid for s in ProducerStatus.read_all(run)} == producer_pids, "producers were not touched"
+    return new_incarnation
+
+
+def time_full_restart(
+    run: RunDir, args: argparse.Namespace, results: _Results, launchers: list, log_path: Path, known: set[int]
+) -> None:
+    """``stop``, then a fresh launcher on the same run directory (it resumes), timed to its first step."""
+    t2 = time.time()
+    stopped = subprocess.run(
+        [str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run.root)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
+    launchers[-1].wait(timeout=args.timeout)
+    results["full_stop_s"] = time.time() - t2
+    if stopped.returncode != 0:
+        raise RuntimeError(stopped.stdout + stopped.stderr)
+    t3 = time.time()
+    launchers.append(launch(run.root, [], log_path))
+    t4, _ = first_step_after(run, known, args.timeout)
+    results["full_start_to_first_step_s"] = t4 - t3
+    results["full_restart_to_first_step_s"] = t4 - t2
+
+
+def stop_and_keep_logs(run: RunDir, log_path: Path, launchers: list) -> None:
+    """Stop the run; under $OUT, keep its logs (the run directory dies with a GPU machine that starts bare)."""
+    subprocess.run(
+        [str(ROOT / "launch" / "run_all.sh"), "stop", "--run-dir", str(run.root)],
+        cwd=ROOT,
+        capture_output=True,
+        timeout=300,
+    )
+    if os.environ.get("OUT"):
+        for path in [log_path, *sorted((run.root / "logs").glob("*.log"))][:5]:
+            Path(os.environ["OUT"], f"restart_{path.name}").write_text(path.read_text()[-200_000:])
+    if launchers[-1].poll() is None:
+        launchers[-1].kill()
 
 
 if __name__ == "__main__":
