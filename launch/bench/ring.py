@@ -74,18 +74,29 @@ def consume(args: argparse.Namespace) -> int:
     dest_device = torch.device(args.dest)
     client = RingClient(args.endpoint, "bench", 0, credits=args.credits)
     client.connect(timeout_s=60)
-    ring = client.ring
     dest = torch.empty(args.slot_bytes, dtype=torch.uint8, device=dest_device)
     if dest_device.type == "cpu":
         torch.set_num_threads(1)
+    elapsed, arrivals = _receive(client, args, [dest, torch.empty_like(dest)])
+    gaps = sorted((b - a) * 1e6 for a, b in zip(arrivals[args.warmup :], arrivals[args.warmup + 1 :]))
+    result = {
+        "slots_per_s": args.count / elapsed,
+        "handoff_GBps": args.count * args.slot_bytes / elapsed / 1e9,
+        "raw_copy_GBps": _raw_copy_gbps(client.ring, dest, args) if args.copy else None,
+        "gap_us_p50": gaps[len(gaps) // 2] if gaps else None,
+        "gap_us_p99": gaps[int(len(gaps) * 0.99)] if gaps else None,
+    }
+    print(json.dumps({"event": "result", **result}), flush=True)
+    client.close()
+    return 0
 
-    def sync() -> None:
-        if dest_device.type == "cuda":
-            torch.cuda.synchronize(dest_device)
 
-    # Two destination buffers so that a slot's copy overlaps the protocol of the next one, as a
-    # feeder does: copy slot i, then wait for slot i-1's copy and ack it.
-    dests = [dest, torch.empty_like(dest)]
+def _receive(client: RingClient, args: argparse.Namespace, dests: list[torch.Tensor]) -> tuple[float, list[float]]:
+    """Take ``--warmup`` then ``--count`` slots (with ``--copy``, each copied); the seconds the counted ones took
+    and every slot's arrival time.
+
+    Two destination buffers so that a slot's copy overlaps the protocol of the next one, as a feeder does: copy
+    slot i, then wait for slot i-1's copy and ack it."""
     in_flight = None
     arrivals: list[float] = []
     received = 0
@@ -98,9 +109,9 @@ def consume(args: argparse.Namespace) -> int:
             copied = None
             if args.copy:
                 dests[received % 2].copy_(delivery.tensors["payload"], non_blocking=True)
-                if dest_device.type == "cuda":
+                if dests[0].device.type == "cuda":
                     copied = torch.cuda.Event()
-                    copied.record(torch.cuda.current_stream(dest_device))
+                    copied.record(torch.cuda.current_stream(dests[0].device))
             if in_flight is not None:
                 _finish(client, *in_flight)
             in_flight = (delivery, copied)
@@ -110,31 +121,25 @@ def consume(args: argparse.Namespace) -> int:
             received += 1
     if in_flight is not None:
         _finish(client, *in_flight)
-    elapsed = time.perf_counter() - started
-    handoff_gbps = args.count * args.slot_bytes / elapsed / 1e9
-    # The ceiling: the same copies from the same ring memory, no protocol.
-    raw_gbps = None
-    if args.copy:
-        sources = [ring.slot(i % ring.num_slots) for i in range(ring.num_slots)]
-        for i in range(args.warmup):
-            dest.copy_(sources[i % len(sources)], non_blocking=True)
-        sync()
-        t0 = time.perf_counter()
-        for i in range(args.count):
-            dest.copy_(sources[i % len(sources)], non_blocking=True)
-        sync()
-        raw_gbps = args.count * args.slot_bytes / (time.perf_counter() - t0) / 1e9
-    gaps = sorted((b - a) * 1e6 for a, b in zip(arrivals[args.warmup :], arrivals[args.warmup + 1 :]))
-    result = {
-        "slots_per_s": args.count / elapsed,
-        "handoff_GBps": handoff_gbps,
-        "raw_copy_GBps": raw_gbps,
-        "gap_us_p50": gaps[len(gaps) // 2] if gaps else None,
-        "gap_us_p99": gaps[int(len(gaps) * 0.99)] if gaps else None,
-    }
-    print(json.dumps({"event": "result", **result}), flush=True)
-    client.close()
-    return 0
+    return time.perf_counter() - started, arrivals
+
+
+def _raw_copy_gbps(ring, dest: torch.Tensor, args: argparse.Namespace) -> float:
+    """The ceiling: the same copies from the same ring memory, no protocol."""
+
+    def sync() -> None:
+        if dest.device.type == "cuda":
+            torch.cuda.synchronize(dest.device)
+
+    sources = [ring.slot(i % ring.num_slots) for i in range(ring.num_slots)]
+    for i in range(args.warmup):
+        dest.copy_(sources[i % len(sources)], non_blocking=True)
+    sync()
+    t0 = time.perf_counter()
+    for i in range(args.count):
+        dest.copy_(sources[i % len(sources)], non_blocking=True)
+    sync()
+    return args.count * args.slot_bytes / (time.perf_counter() - t0) / 1e9
 
 
 def _finish(client: RingClient, delivery, copied) -> None:
@@ -203,6 +208,28 @@ def _run_pair(
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.role == "serve":
+        return serve(args)
+    if args.role == "consume":
+        return consume(args)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    rows = []
+    for name, backend, dest, penv, cenv in [] if args.latency_only else copy_cases(gpus):
+        count = args.count if dest != "cpu" else max(20, args.count // 4)
+        rows.append(_run_pair(name, backend, dest, args.slot_bytes, count, True, args.credits, penv, cenv, args.slots))
+    rows += latency_rows(args, gpus)
+    print_rows(rows)
+    payload = {"bench": "ring", "gpus": gpus, "device": torch.cuda.get_device_name(0) if gpus else "cpu", "rows": rows}
+    if args.baseline:
+        this, base = (rows[-2]["gap_us_p50"], rows[-1]["gap_us_p50"])
+        payload["latency_p50_ratio"] = this / base
+        print(f"latency p50: {this:.0f} us here, {base:.0f} us baseline ({args.baseline}): {this / base:.2f}x")
+    emit(payload, args.json)
+    return 0
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", nargs="?", choices=["all", "serve", "consume"], default="all")
     parser.add_argument("--endpoint", default="")
@@ -220,14 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline", type=Path, default=None, help="a tree with another version's common/ to compare with"
     )
-    args = parser.parse_args(argv)
-    if args.role == "serve":
-        return serve(args)
-    if args.role == "consume":
-        return consume(args)
+    return parser.parse_args(argv)
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    big = args.slot_bytes
+
+def copy_cases(gpus: int) -> list[tuple[str, str, str, dict, dict]]:
+    """(name, ring backend, destination, producer's and consumer's environment) of each placement this machine has."""
     cases = [("host -> cpu", "host", "cpu", {}, {})]
     if gpus >= 1:
         cases += [
@@ -239,37 +263,33 @@ def main(argv: list[str] | None = None) -> int:
         cases.append(
             ("cuda ipc, GPU0 -> GPU1", "cuda", "cuda:1", {"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "0,1"})
         )
-    rows = []
-    for name, backend, dest, penv, cenv in [] if args.latency_only else cases:
-        count = args.count if dest != "cpu" else max(20, args.count // 4)
-        rows.append(_run_pair(name, backend, dest, big, count, True, args.credits, penv, cenv, args.slots))
+    return cases
+
+
+def latency_rows(args: argparse.Namespace, gpus: int) -> list[dict]:
+    """The 4 KiB one-credit round trip of this tree (and of ``--baseline``'s), ``--repeat`` runs each, alternating so
+    that both versions see the same machine load; a row per tree with the median of its runs."""
     latency_backend, latency_env = ("cuda", {"CUDA_VISIBLE_DEVICES": "0"}) if gpus else ("host", {})
     trees = [("", ROOT)] + ([(" baseline", args.baseline.resolve())] if args.baseline else [])
     runs: dict[str, list[dict]] = {label: [] for label, _ in trees}
     for _ in range(args.repeat):
-        for label, tree in trees:  # alternating, so that both versions see the same machine load
+        for label, tree in trees:
+            name = f"latency{label} ({latency_backend}, 4 KiB, 1 credit)"
             runs[label].append(
-                _run_pair(
-                    f"latency{label} ({latency_backend}, 4 KiB, 1 credit)",
-                    latency_backend,
-                    "cpu",
-                    4096,
-                    5000,
-                    False,
-                    1,
-                    latency_env,
-                    latency_env,
-                    2,
-                    tree=tree,
-                )
+                _run_pair(name, latency_backend, "cpu", 4096, 5000, False, 1, latency_env, latency_env, 2, tree=tree)
             )
+    rows = []
     for label, results in runs.items():
         row = dict(results[0])
         for key in ("slots_per_s", "gap_us_p50", "gap_us_p99"):
             row[key] = sorted(r[key] for r in results)[len(results) // 2]
         row["runs_p50"] = [round(r["gap_us_p50"], 1) for r in results]
         rows.append(row)
+    return rows
 
+
+def print_rows(rows: list[dict]) -> None:
+    """The table; each row gets its hand-off over raw copy ratio."""
     print(
         f"\n{'placement':36s} {'slot MiB':>8s} {'slots/s':>9s} {'hand-off GB/s':>14s} {'raw GB/s':>9s} {'ratio':>6s} {'p50 us':>8s} {'p99 us':>8s}"
     )
@@ -280,13 +300,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['placement']:36s} {r['slot_MiB']:8.3f} {r['slots_per_s']:9.1f} {r['handoff_GBps']:14.2f} "
             f"{(r['raw_copy_GBps'] or 0):9.2f} {(ratio or 0):6.2f} {r['gap_us_p50']:8.0f} {r['gap_us_p99']:8.0f}"
         )
-    payload = {"bench": "ring", "gpus": gpus, "device": torch.cuda.get_device_name(0) if gpus else "cpu", "rows": rows}
-    if args.baseline:
-        this, base = (rows[-2]["gap_us_p50"], rows[-1]["gap_us_p50"])
-        payload["latency_p50_ratio"] = this / base
-        print(f"latency p50: {this:.0f} us here, {base:.0f} us baseline ({args.baseline}): {this / base:.2f}x")
-    emit(payload, args.json)
-    return 0
 
 
 if __name__ == "__main__":

@@ -110,18 +110,50 @@ def quick_drafter(
     weights start the drafter (``Drafter.warm_start``: its own kind, or one it extends, e.g. a DFlash drafter for
     DSpark, its additions at their no-op values), of the same shape; ``lr``: AdamW's (a warm start keeps more of
     what it starts from at a tenth of the default)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from common.drafter.export import export_zlab
+    from common.drafter.kinds import kind_of
+    from producer.acceptance.transcripts import greedy_transcripts
+    from producer.target_model.greedy import GreedyTarget
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = new_drafter(model, target_dir, kind, layers, block_size, mask_token_id, chunk_rows, init_from, options)
+    config = drafter.config
+    # the final hidden state too where the kind's objective reads the target's distribution (DSpark)
+    target = GreedyTarget(model, list(config.target_layer_ids), capture_last=kind_of(kind).needs_final_hidden)
+    started = time.perf_counter()
+    transcripts = greedy_transcripts(target, [torch.tensor(ids) for ids in prompts], new_tokens, 8)
+    target.detach()
+    log(f"{len(transcripts)} greedy answers of {new_tokens} tokens in {time.perf_counter() - started:.0f} s")
+    started = time.perf_counter()
+    train_on_transcripts(drafter, transcripts, steps, num_anchors, lr)
+    log(f"{kind}: {steps} steps in {time.perf_counter() - started:.0f} s")
+    if confidence_spread is not None:
+        median, std = spread_confidence(drafter, transcripts, confidence_spread)
+        log(f"confidence logit: median {median:.4f}, std {std:.4f} rescaled to 0 and {confidence_spread}")
+    return export_zlab(drafter, Path(out) / "drafter", dtype=torch.float32).parent
+
+
+def new_drafter(
+    model,
+    target_dir: Path,
+    kind: str,
+    layers: int,
+    block_size: int,
+    mask_token_id: int | None,
+    chunk_rows: int | None,
+    init_from: Path | None,
+    options: dict,
+):
+    """The drafter ``quick_drafter`` trains over ``model``: seeded, or warm-started from ``init_from``."""
+    from transformers import AutoTokenizer
 
     from common.drafter.base import build_drafter
     from common.drafter.draft_config import DraftConfig
-    from common.drafter.export import export_zlab
-    from common.drafter.kinds import kind_of
     from common.drafter.loss import LossConfig
-    from producer.acceptance.transcripts import greedy_transcripts
-    from producer.target_model.greedy import GreedyTarget
     from producer.target_model.load import target_head_of
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     text = model.config
     # Two layers over a shallow target would be spread over [1, 1] by the default rule: name them.
     layer_ids = {"target_layer_ids": [1, text.num_hidden_layers // 2]} if text.num_hidden_layers < 8 else {}
@@ -138,19 +170,7 @@ def quick_drafter(
         from common.drafter.export import WEIGHTS_FILE, drafter_folder
 
         drafter.warm_start(load_file(str(drafter_folder(Path(init_from))[0] / WEIGHTS_FILE)))
-    # the final hidden state too where the kind's objective reads the target's distribution (DSpark)
-    target = GreedyTarget(model, list(config.target_layer_ids), capture_last=kind_of(kind).needs_final_hidden)
-    started = time.perf_counter()
-    transcripts = greedy_transcripts(target, [torch.tensor(ids) for ids in prompts], new_tokens, 8)
-    target.detach()
-    log(f"{len(transcripts)} greedy answers of {new_tokens} tokens in {time.perf_counter() - started:.0f} s")
-    started = time.perf_counter()
-    train_on_transcripts(drafter, transcripts, steps, num_anchors, lr)
-    log(f"{kind}: {steps} steps in {time.perf_counter() - started:.0f} s")
-    if confidence_spread is not None:
-        median, std = spread_confidence(drafter, transcripts, confidence_spread)
-        log(f"confidence logit: median {median:.4f}, std {std:.4f} rescaled to 0 and {confidence_spread}")
-    return export_zlab(drafter, Path(out) / "drafter", dtype=torch.float32).parent
+    return drafter
 
 
 def main(argv: list[str] | None = None) -> int:
