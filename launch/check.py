@@ -107,7 +107,7 @@ def conversations(cfg: RunConfig, source: Any, ids: np.ndarray, tokenizer: Any) 
     regeneration cut short (their ``generation.cut``: why, after which assistant turn), and with
     ``synthesize.turns = "all"`` the records the target could not write turn by turn (skipped, with file:line)."""
     from producer.conversation import conversation_script, tool_call_format
-    from producer.data import BadRecord
+    from producer.data.files import BadRecord
 
     template_kwargs = dict(cfg.data.chat_template_kwargs)
     if cfg.synthesize.enable_thinking is not None:
@@ -178,7 +178,7 @@ def conversations(cfg: RunConfig, source: Any, ids: np.ndarray, tokenizer: Any) 
 
 
 def _read_as(source: Any) -> list[str]:
-    """What each entry of data.paths is read as (container, split, layout: producer/data_files.py), for chat data;
+    """What each entry of data.paths is read as (container, split, layout: producer/data/files.py), for chat data;
     [] for the others."""
     base = getattr(source, "source", source)  # the training records of the held-out split
     describe = getattr(base, "describe", None)
@@ -187,7 +187,7 @@ def _read_as(source: Any) -> list[str]:
 
 def check(cfg: RunConfig, sample: int, color: bool) -> tuple[str, dict[str, Any]]:
     """The report (text) and its figures of what training would see of ``cfg``'s data."""
-    from producer.data import run_sources
+    from producer.data.build import run_sources
     from producer.target_model.load import build_target_config
 
     tokenizer = _tokenizer(cfg)
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_intermixed_args(argv)
-    from producer.data import DataError
+    from producer.data.files import DataError
     from producer.target_model.load import UnsupportedTarget
 
     # The data's own warnings are its bad records, one line each: the report lists every one already.

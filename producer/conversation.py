@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import ConfigError
-from producer.data import BadRecord, check_turn_order, record_tools, tool_calls_of, validate_messages
+from producer.data.chat import check_turn_order, record_tools, tool_calls_of, validate_messages
+from producer.data.files import BadRecord
 from producer.target_model.generation import Finished, Request
 from producer.target_model.generator import Generator
 

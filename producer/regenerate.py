@@ -25,13 +25,31 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from common.config import RunConfig
+from common.config import ConfigError, RunConfig
+from common.rundir import RunDir
 from producer.conversation import ConversationWriter, generation_of, record_conversation, tool_call_format
-from producer.data import BadRecord, DataSource, render_chat, template_errors, template_kwargs_of
+from producer.data.build import run_sources
+from producer.data.files import BadRecord
+from producer.data.render import render_chat, template_errors, template_kwargs_of
+from producer.data.sources import DataSource
 from producer.synthesize import ShardWriter, generation_config_of, generator_for, read_shards, stop_token_ids
 from producer.target_model.generation import STATIC_CACHE_ENGINE
 
 log = logging.getLogger(__name__)
+
+
+def regenerated_source(
+    cfg: RunConfig, target_vocab_size: int, model: nn.Module, run_dir: RunDir, shard_index: int
+) -> RegeneratedSource:
+    """The run's training records (its held-out ones left out) with their answers written by ``model`` as the stream
+    reaches them and kept in RUN/regenerated; ConfigError without target.path, whose tokenizer renders both."""
+    if cfg.target.path is None:
+        raise ConfigError("data.regenerate: needs the producer's target, loaded from target.path with its tokenizer")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.target.path)
+    source, _ = run_sources(cfg, target_vocab_size, tokenizer=tokenizer, held_out_file=run_dir.held_out)
+    return RegeneratedSource(source, model, tokenizer, cfg, run_dir.root / "regenerated", shard_index)
 
 
 class RegeneratedSource(DataSource):

@@ -55,10 +55,10 @@ from common.sockets import CurveKeys, SecretsError, ipc_endpoint
 from common.status import ProducerStatus
 from common.transport import RingServer
 from producer.acceptance.job import EvaluationJob
-from producer.batching import BatchPlan, RunningBatchStats, batch_stats
-from producer.data import DataError, run_sources
+from producer.data.batching import BatchPlan, RunningBatchStats, batch_stats
+from producer.data.build import build_plan, run_sources
+from producer.data.files import DataError
 from producer.jobs import ProducerJob
-from producer.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream, PlannedBatch, parse_committed
 from producer.target_model.capture import Target
 from producer.target_model.follower import follow
@@ -146,40 +146,17 @@ def load_target(
     return target
 
 
-def build_plan(
-    cfg: RunConfig,
-    target_vocab_size: int,
-    shard_index: int,
-    num_shards: int,
-    target_model: torch.nn.Module | None = None,
-    run_dir: RunDir | None = None,
-) -> BatchPlan:
-    """The batches of one shard of the run's training data (its held-out records left out), in their
-    deterministic order; with ``data.regenerate`` their answers written by ``target_model`` as the stream goes
-    and kept in ``run_dir``."""
-    if not cfg.data.regenerate:
-        source, _ = run_sources(cfg, target_vocab_size, held_out_file=run_dir.held_out if run_dir else None)
+def shard_plan(cfg: RunConfig, target: Target, run_dir: RunDir, producer_id: int) -> BatchPlan:
+    """This producer's shard of the run's training data (its held-out records left out), in its deterministic order;
+    with ``data.regenerate`` their answers written by the target as the stream goes (producer/regenerate.py)."""
+    vocab_size = int(target.model.config.vocab_size)
+    if cfg.data.regenerate:
+        from producer.regenerate import regenerated_source
+
+        source = regenerated_source(cfg, vocab_size, target.model, run_dir, producer_id)
     else:
-        from transformers import AutoTokenizer
-
-        from producer.regenerate import RegeneratedSource
-
-        if target_model is None or run_dir is None or cfg.target.path is None:
-            raise ConfigError(
-                "data.regenerate: needs the producer's target, loaded from target.path with its tokenizer"
-            )
-        tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.target.path)
-        source, _ = run_sources(
-            cfg,
-            target_vocab_size,
-            tokenizer=tokenizer,  # the same tokenizer renders both
-            held_out_file=run_dir.held_out,
-        )
-        source = RegeneratedSource(source, target_model, tokenizer, cfg, run_dir.root / "regenerated", shard_index)
-    order = ShardOrder(
-        len(source), OrderConfig(seed=cfg.data.shuffle_seed, num_shards=num_shards, shard_index=shard_index)
-    )
-    return BatchPlan(source, order, cfg.batching)
+        source, _ = run_sources(cfg, vocab_size, held_out_file=run_dir.held_out)
+    return build_plan(cfg, source, producer_id, cfg.launch.total_producers)
 
 
 @dataclass
@@ -221,15 +198,7 @@ class Producer:
             self.target.warmup(min(4096, cfg.batching.token_budget))
         self.load_s = time.monotonic() - started
 
-        num_shards = cfg.launch.total_producers
-        self.plan = build_plan(
-            cfg,
-            int(self.target.model.config.vocab_size),
-            producer_id,
-            num_shards,
-            target_model=self.target.model,
-            run_dir=run_dir,
-        )
+        self.plan = shard_plan(cfg, self.target, run_dir, producer_id)
         self.stream = BatchStream(self.plan, run_dir.committed_for(producer_id))
         # With training.max_steps = 0 the trainer sizes the run from the epoch's batch count.
         self.epoch_batches = (

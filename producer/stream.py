@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from common.committed import read_committed
-from producer.batching import BatchCursor, BatchPlan
+from producer.data.batching import BatchCursor, BatchPlan
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ from producer.conversation import (
     magpie_prefix,
     tool_call_format,
 )
-from producer.data import BadRecord, DataError, chat_records, expand_paths, record_tools
+from producer.data.chat import chat_records, record_tools
+from producer.data.files import BadRecord, DataError, expand_paths
 from producer.target_model.generation import GenerationConfig
 from producer.target_model.generator import Generator
 from producer.target_model.load import stop_tokens_of
@@ -79,7 +80,7 @@ class Prompt:
 
 
 def data_prompts(cfg: RunConfig, tool_format: ToolCallFormat | None = None) -> list[Prompt]:
-    """The chat records of data.paths, read as training reads them (producer/data_files.py: any container and layout),
+    """The chat records of data.paths, read as training reads them (producer/data/files.py: any container and layout),
     as conversations to write (``synthesize.turns``): one that cannot be written is a prompt marked skipped, naming
     its file:line. A line that is not JSON, or data without a record to write, stops the run (DataError): it would
     fail every try."""

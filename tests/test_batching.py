@@ -11,16 +11,10 @@ import torch
 
 from common.batch import slot_tensors
 from common.config import BatchingConfig, DataConfig
-from producer.batching import (
-    BatchCursor,
-    BatchPlan,
-    BatchStats,
-    RunningBatchStats,
-    batch_stats,
-    split_by_length,
-)
-from producer.data import DataError, build_data_source
-from producer.order import OrderConfig, ShardOrder
+from producer.data.batching import BatchCursor, BatchPlan, BatchStats, RunningBatchStats, batch_stats, split_by_length
+from producer.data.build import build_data_source
+from producer.data.files import DataError
+from producer.data.order import OrderConfig, ShardOrder
 
 DATA = DataConfig(format="synthetic", vocab_size=500, num_samples=600, mean_len=200, min_len=8, max_seq_len=700)
 

@@ -14,7 +14,8 @@ import pytest
 
 from common.config import DataConfig, load_config
 from common.rundir import RunDir, read_json
-from producer.data import DataError, build_data_source
+from producer.data.build import build_data_source
+from producer.data.files import DataError
 from tests.drafter_fixtures import tiny_qwen3_target
 from tests.test_data_sources import PLAIN_TEMPLATE, tiny_tokenizer
 

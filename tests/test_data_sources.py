@@ -13,8 +13,9 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from common.config import DataConfig
-from producer.data import build_data_source, render_chat
-from producer.data_files import index_line_offsets
+from producer.data.build import build_data_source
+from producer.data.files import index_line_offsets
+from producer.data.render import render_chat
 
 # Qwen-style: <|im_start|>role\n...<|im_end|>\n, with a default system prompt when none is given.
 PLAIN_TEMPLATE = (
@@ -188,7 +189,7 @@ TOOL_TEMPLATE = (
 def test_openai_tool_calls_tool_results_and_content_parts():
     """An assistant turn that only calls a tool (content null), the tool's result, and content given as parts:
     the calls and the final answer are supervised, the tool's result and the prompt are not."""
-    from producer.data import validate_messages
+    from producer.data.chat import validate_messages
 
     record = {
         "messages": [
@@ -219,7 +220,7 @@ def test_openai_tool_calls_tool_results_and_content_parts():
 
 
 def test_sharegpt_records_are_rendered_like_openai_ones():
-    from producer.data import validate_messages
+    from producer.data.chat import validate_messages
 
     sharegpt = {
         "conversations": [
@@ -255,7 +256,8 @@ def test_sharegpt_records_are_rendered_like_openai_ones():
     ],
 )
 def test_records_that_fit_neither_form_get_a_clear_reason(record, reason):
-    from producer.data import BadRecord, validate_messages
+    from producer.data.chat import validate_messages
+    from producer.data.files import BadRecord
 
     with pytest.raises(BadRecord) as error:
         validate_messages(record)

@@ -23,7 +23,7 @@ from producer.acceptance.decoder import DraftContext, DraftRows, greedy_decode, 
 from producer.acceptance.evaluator import Evaluator, build_evaluator
 from producer.acceptance.held_out import held_out_documents, prompt_of
 from producer.acceptance.transcripts import greedy_transcripts
-from producer.data import build_data_source
+from producer.data.build import build_data_source
 from producer.target_model.greedy import GreedyTarget
 from producer.target_model.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
@@ -238,7 +238,7 @@ def test_eval_config_errors_name_the_key():
         load_config(None, ["eval.gap_tolerance=0"])
     with pytest.raises(ConfigError, match=r"^eval\.every_steps: must be a multiple of logging\.log_every"):
         load_config(None, ["eval.every_steps=15", "logging.log_every=10"])
-    # Tokenized or chat data without eval.paths is evaluated on records held out of it (producer/data.py run_sources).
+    # Tokenized or chat data without eval.paths is evaluated on records held out of it (producer/data/build.py run_sources).
     assert (
         load_config(None, ["eval.every_steps=10", "data.format=tokenized", "data.paths=['x.jsonl']"]).eval.paths == []
     )

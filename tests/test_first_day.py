@@ -175,7 +175,7 @@ def test_check_reads_the_held_out_records_and_lists_every_bad_record_once(tmp_pa
     import subprocess
 
     from common.config import load_config
-    from producer.data import held_out_ids
+    from producer.data.held_out import held_out_ids
     from tests.test_data_sources import PLAIN_TEMPLATE, tiny_tokenizer
 
     root = Path(__file__).resolve().parents[1]

@@ -21,9 +21,10 @@ from common.config import BatchingConfig, ConfigError, DataConfig, load_config
 from common.drafter.blocks import build_blocks, sample_anchors
 from common.drafter.masks import build_masks, dense_reference_mask, tiled_mask
 from common.drafter.model import DFlashDrafter
-from producer.batching import LONGER_THAN_BATCH, BatchPlan
-from producer.data import DataError, build_data_source
-from producer.order import OrderConfig, ShardOrder
+from producer.data.batching import LONGER_THAN_BATCH, BatchPlan
+from producer.data.build import build_data_source
+from producer.data.files import DataError
+from producer.data.order import OrderConfig, ShardOrder
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,8 @@ import torch
 
 from common.config import ConfigError, load_config
 from producer.conversation import Conversation
-from producer.data import BadRecord, check_turn_order
+from producer.data.chat import check_turn_order
+from producer.data.files import BadRecord
 from tests.real_model import run_killing_once, smollm2_folder, smollm2_gguf
 from tests.test_data_sources import PLAIN_TEMPLATE, TOOL_TEMPLATE, tiny_tokenizer
 
@@ -388,7 +389,7 @@ def regenerate_in_process(target: Path, data: Path, folder: Path) -> dict[str, d
     """What data.regenerate keeps for every record of ``data`` (a RegeneratedSource over the chat records)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from producer.data import build_data_source
+    from producer.data.build import build_data_source
     from producer.regenerate import RegeneratedSource
 
     cfg = load_config(
@@ -527,7 +528,7 @@ def test_every_conversation_is_written_once_through_a_kill_9_with_smollm2(short_
 
 
 def test_data_without_a_record_to_write_stops_the_run_naming_the_file(tmp_path):
-    from producer.data import DataError
+    from producer.data.files import DataError
     from producer.synthesize import all_prompts
 
     data = write_records(tmp_path / "chat.jsonl", [RECORDS[2], RECORDS[3]])

@@ -7,7 +7,7 @@ from itertools import islice
 import numpy as np
 import pytest
 
-from producer.order import OrderConfig, OrderCursor, ShardOrder, epoch_permutation
+from producer.data.order import OrderConfig, OrderCursor, ShardOrder, epoch_permutation
 
 
 def test_same_seed_and_epoch_same_order_else_different():

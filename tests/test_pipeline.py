@@ -22,7 +22,7 @@ from wandb_log import history
 from common.faults import LOG_ENV, PLAN_ENV
 from common.rundir import RunDir, read_json
 from common.status import ProducerStatus
-from producer.order import OrderConfig, ShardOrder
+from producer.data.order import OrderConfig, ShardOrder
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_SAMPLES = 160

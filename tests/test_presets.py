@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from producer.data import DataError, run_sources
+from producer.data.build import run_sources
+from producer.data.files import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(Path(p).name for p in glob.glob(str(ROOT / "launch" / "*.toml")))

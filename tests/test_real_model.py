@@ -134,7 +134,7 @@ def test_the_mask_token_of_a_full_vocabulary_is_a_special_token_no_conversation_
 
 
 def test_chat_data_without_eval_paths_holds_out_records_never_trained_on(tmp_path):
-    from producer.data import run_sources
+    from producer.data.build import run_sources
 
     data = write_chat(tmp_path / "chat.jsonl", 70)
     overrides = [
@@ -233,9 +233,9 @@ def test_the_real_models_windows_of_chat_records_tokenize_as_one_record_at_a_tim
     from transformers import AutoTokenizer
 
     from common.config import BatchingConfig, DataConfig
-    from producer.batching import BatchCursor, BatchPlan
-    from producer.data import build_data_source
-    from producer.order import OrderConfig, ShardOrder
+    from producer.data.batching import BatchCursor, BatchPlan
+    from producer.data.build import build_data_source
+    from producer.data.order import OrderConfig, ShardOrder
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
     path = write_chat(tmp_path / "chat.jsonl", 40, broken_lines=(7,))
@@ -263,7 +263,8 @@ def test_the_held_out_records_are_fixed_by_the_runs_first_start_whatever_num_pro
     """A later start or evaluation with another eval.num_prompts holds out, and evaluates on, the records the run held
     out first: 32 and 128 prompts of one data set drawn afresh share few records, so a later evaluation with 128
     would have scored records the run trained on."""
-    from producer.data import held_out_ids, run_sources
+    from producer.data.build import run_sources
+    from producer.data.held_out import held_out_ids
 
     data = write_chat(tmp_path / "chat.jsonl", 400)
     base = [

@@ -405,7 +405,7 @@ def _wait(predicate, what: str, timeout_s: float = 120.0) -> None:
 
 def test_training_from_a_local_and_a_remote_producer_exactly_once(short_tmp):
     from common.rundir import RunDir as LauncherRunDir
-    from producer.order import OrderConfig, ShardOrder
+    from producer.data.order import OrderConfig, ShardOrder
 
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     run = LauncherRunDir(short_tmp / "run")

@@ -4,9 +4,9 @@ import threading
 import time
 
 from common.config import BatchingConfig, DataConfig
-from producer.batching import BatchPlan
-from producer.data import build_data_source
-from producer.order import OrderConfig, ShardOrder
+from producer.data.batching import BatchPlan
+from producer.data.build import build_data_source
+from producer.data.order import OrderConfig, ShardOrder
 from producer.stream import BatchStream
 
 

@@ -71,7 +71,7 @@ def test_every_prompt_is_answered_exactly_once_through_a_kill_9_of_the_producer(
     # The shards are chat records the training data path reads as they are, with their prompt id and settings.
     from transformers import AutoTokenizer
 
-    from producer.data import build_data_source
+    from producer.data.build import build_data_source
 
     cfg = load_config(run_dir / "config.toml", [f"data.paths={json.dumps([str(folder / '*.jsonl')])}"])
     source = build_data_source(cfg.data, tokenizer=AutoTokenizer.from_pretrained(smollm2_folder()))
@@ -248,7 +248,7 @@ def test_synthesis_on_the_cpu_fits_its_threads_and_prints_a_training_command_tha
     import os
     import shlex
 
-    from producer.data import expand_paths
+    from producer.data.files import expand_paths
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)

@@ -34,8 +34,9 @@ from common.drafter.base import Drafter, build_drafter
 from common.lifecycle import exit_process
 from common.rundir import RunDir
 from producer.acceptance.evaluator import Evaluator, build_evaluator
-from producer.batching import batch_stats
-from producer.server import build_plan, export_target_head, feature_layer_ids
+from producer.data.batching import batch_stats
+from producer.data.build import build_plan, run_sources
+from producer.server import export_target_head, feature_layer_ids
 from producer.target_model.capture import Target
 from producer.target_model.load import build_target_config, target_head_of
 from trainer.feeder import Commits, ProducerReport, Received
@@ -62,7 +63,8 @@ class CoupledSource:
             self.target.warmup(min(4096, cfg.batching.token_budget))
         if rank == 0 and cfg.target.path is None:
             export_target_head(self.target, run_dir.target_head)
-        self.plan = build_plan(cfg, int(self.target.model.config.vocab_size), shard_index=rank, num_shards=world_size)
+        source, _ = run_sources(cfg, int(self.target.model.config.vocab_size))
+        self.plan = build_plan(cfg, source, shard_index=rank, num_shards=world_size)
         self.batches = enumerate(self.plan.iter_batches())
         self.rank = rank
         self.device = device

@@ -2,7 +2,7 @@
 
 For a small target this, not the GPU, sets the producer's pace (SmolLM2-135M's producer ran at 160-215k tokens/s, 7%
 MFU). The benchmark builds ``--records`` chat records of about ``--answer-words`` words each in a JSONL file, then
-runs the producer's own batch plan (producer/batching.py) over them for ``--epochs`` epochs, packing every batch
+runs the producer's own batch plan (producer/data/batching.py) over them for ``--epochs`` epochs, packing every batch
 as the producer does before its forward, three ways in one run: each record rendered and tokenized alone (the
 source before windows), each window's records tokenized in one call (the tokenizer's batch uses every core), and
 windows with the documents kept for later epochs (``data.cache_mb``). Prints tokens/s per epoch of each, a table
@@ -24,9 +24,9 @@ from pathlib import Path
 
 from common.config import BatchingConfig, DataConfig
 from launch.bench.harness import emit
-from producer.batching import BatchCursor, BatchPlan
-from producer.data import build_data_source
-from producer.order import OrderConfig, ShardOrder
+from producer.data.batching import BatchCursor, BatchPlan
+from producer.data.build import build_data_source
+from producer.data.order import OrderConfig, ShardOrder
 
 WORDS = (
     "the of and to in is that for it as with was on be by this are from at or an which function returns value "

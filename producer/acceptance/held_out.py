@@ -16,16 +16,12 @@ import torch
 
 from common.batch import Document
 from common.config import RunConfig
-from producer.data import (
-    BadRecord,
-    ChatJsonlSource,
-    DataError,
-    DataSource,
-    SubsetSource,
-    check_turn_order,
-    run_sources,
-    validate_messages,
-)
+from producer.data.build import run_sources
+from producer.data.chat import check_turn_order, validate_messages
+from producer.data.files import BadRecord, DataError
+from producer.data.held_out import SubsetSource
+from producer.data.render import ChatSource
+from producer.data.sources import DataSource
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +39,11 @@ class HeldOut:
 def _chat_records(source: DataSource) -> DataSource | None:
     """A source whose records are conversations that ``read_json`` reads, or None (tokenized or synthetic data)."""
     base = source.source if isinstance(source, SubsetSource) else source
-    return source if isinstance(base, ChatJsonlSource) else None
+    return source if isinstance(base, ChatSource) else None
 
 
 def held_out_records(cfg: RunConfig, vocab_size: int, held_out_file: Path | None = None) -> HeldOut:
-    """The first ``eval.num_prompts`` good documents of the run's held-out split (producer/data.py run_sources:
+    """The first ``eval.num_prompts`` good documents of the run's held-out split (producer/data/build.py run_sources:
     ``eval.paths``, the synthetic documents after ``data.num_samples``, or records of the data never trained on,
     those the run's ``held_out_file`` names when given), and the records left out on the way, each counted and logged
     with its ``file:line``: bad ones, and, for an evaluation at each assistant turn, conversations whose turns do not

@@ -1,7 +1,7 @@
 """The rows every trainer of the table trains on, and the target's features over them for the peers' dumps.
 
 The rows are our producer's documents: the synthesized chat records rendered by our chat renderer with the target's
-tokenizer (producer/data.py, the same loss masks, truncated to data.max_seq_len), the held-out records left out
+tokenizer (producer/data/render.py, the same loss masks, truncated to data.max_seq_len), the held-out records left out
 exactly as our run leaves them out (the same ``held_out_ids``), in our producer's epoch-0 order.
 
 The features come from our producer's own capture (producer/target_model/capture.py ``Target``): documents packed without padding
@@ -27,9 +27,10 @@ from common.batch import Document
 from common.config import load_config
 from launch.bench.peers.common import TrainingRow
 from launch.bench.quality import PRESET, SMOKE_OVERRIDES
-from producer.batching import BatchPlan, pack_documents, split_by_length
-from producer.data import DataSource, run_sources
-from producer.order import OrderConfig, ShardOrder
+from producer.data.batching import BatchPlan, pack_documents, split_by_length
+from producer.data.build import run_sources
+from producer.data.order import OrderConfig, ShardOrder
+from producer.data.sources import DataSource
 from producer.target_model.capture import Target
 from producer.target_model.load import build_target_config, load_target_model
 

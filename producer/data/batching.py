@@ -1,6 +1,6 @@
 """Token-budget batches, grouped by length, deterministic and resumable.
 
-The shard's order (see order.py) is cut into windows of ``window_docs`` documents; windows never
+The shard's order (producer/data/order.py) is cut into windows of ``window_docs`` documents; windows never
 straddle an epoch. Each window is split on its own: its good documents are sorted by length
 (longest first), cut greedily into batches of at most ``token_budget`` tokens (and at most
 ``max_docs_per_batch`` documents), and the batches are emitted in an order shuffled by
@@ -26,8 +26,9 @@ import torch
 
 from common.batch import Document, PackedBatch
 from common.config import BatchingConfig
-from producer.data import DataError, DataSource
-from producer.order import ShardOrder
+from producer.data.files import DataError
+from producer.data.order import ShardOrder
+from producer.data.sources import DataSource
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ An entry of ``data.paths`` (after glob expansion) is
 - any other file: JSON lines (``JsonlRecords``).
 
 Sample ids run over the files in the order given, a folder's files in its order (``state.json``'s, else sorted by
-path). ``chat_records`` (producer/data.py) reads the first record of each file at start and checks it against the
+path). ``chat_records`` (producer/data/chat.py) reads the first record of each file at start and checks it against the
 layout (``ChatLayout``): data that cannot be read as configured stops the run (DataError, exit 2) naming the keys it has and
 the ``data.*`` keys that fix it, before anything is trained; a record that cannot be read later is a bad record like
 any other.
@@ -80,7 +80,7 @@ class BadRecord(Exception):
 
 def expand_paths(paths: list[str], folders: bool = False) -> list[str]:
     """Paths in the given order, each glob pattern replaced by its sorted matches; with ``folders`` a path may be a
-    folder (a dataset folder of chat data, producer/data_files.py)."""
+    folder (a dataset folder of chat data)."""
     expanded: list[str] = []
     for path in paths:
         if glob.has_magic(path):
