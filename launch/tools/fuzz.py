@@ -427,12 +427,66 @@ def good_consumer(args: argparse.Namespace) -> int:
     return 0
 
 
+PRODUCER_STATS = (
+    "dropped_malformed",
+    "dropped_unknown_peer",
+    "refused",
+    "stale_acks",
+    "released",
+    "reclaimed",
+    "internal_errors",
+    "socket_blocked",
+    "ring",
+)
+"""The producer's figures the report keeps."""
+
+
 def fuzz_producer(messages: int, seed: int) -> dict:
     """Attack a live producer; returns the report (``ok`` says whether every guarantee held)."""
     rng = random.Random(seed)
     num_slots = 4
     tmp = Path(tempfile.mkdtemp(prefix="df-fz-", dir="/tmp"))
     endpoint = ipc_endpoint(tmp / "p.ipc")
+    procs: list[subprocess.Popen] = []
+    report: dict = {"side": "producer", "messages": 0, "kinds": {}}
+    try:
+        producer, producer_lines, consumer, consumer_lines = _start_demo_pair(tmp, endpoint, num_slots, seed, procs)
+        kinds, fuzz_s, received = flood_producer(endpoint, rng, num_slots, messages)
+        report.update(
+            messages=sum(kinds.values()), kinds=dict(kinds), fuzz_s=round(fuzz_s, 1), producer_received=received
+        )
+        # The well-formed consumer must keep receiving after the storm.
+        before = (consumer_lines.wait(lambda r: r.get("event") == "progress", 0) or {}).get("received", 0)
+        after = consumer_lines.wait(lambda r: r.get("event") == "progress" and r["received"] >= before + 300, 60)
+        report["received_after_fuzz"] = (after or {}).get("received", before) - before
+        report["producer_alive"] = producer.poll() is None
+        consumer.send_signal(signal.SIGTERM)
+        summary = consumer_lines.wait(lambda r: r.get("event") == "done", 60) or {}
+        consumer.wait(timeout=30)
+        producer.send_signal(signal.SIGTERM)
+        done = producer_lines.wait(lambda r: r.get("event") == "done", 60) or {}
+        producer.wait(timeout=30)
+        stats = done.get("stats", {})
+        report.update(
+            consumer=summary,
+            producer_exit=producer.returncode,
+            producer_stats={k: stats.get(k) for k in PRODUCER_STATS},
+        )
+        report["checks"] = producer_checks(report, stats, kinds, messages, num_slots)
+        report["ok"] = all(report["checks"].values())
+        if not report["ok"]:
+            report["logs"] = {"producer": _log_tail(tmp / "producer.log"), "consumer": _log_tail(tmp / "consumer.log")}
+    finally:
+        _kill(procs)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def _start_demo_pair(
+    tmp: Path, endpoint: str, num_slots: int, seed: int, procs: list[subprocess.Popen]
+) -> tuple[subprocess.Popen, _Lines, subprocess.Popen, _Lines]:
+    """A demo producer serving ``endpoint`` and a well-formed consumer connected to it, each with its output lines;
+    both go into ``procs`` as they start."""
     producer = _spawn(
         "launch.tools.demo",
         "producer",
@@ -452,134 +506,110 @@ def fuzz_producer(messages: int, seed: int) -> dict:
         "0.5",
         log=tmp / "producer.log",
     )
+    procs.append(producer)
     producer_lines = _Lines(producer)
-    consumer = None
-    report: dict = {"side": "producer", "messages": 0, "kinds": {}}
-    try:
-        if producer_lines.wait(lambda r: r.get("event") == "ready", 60) is None:
-            raise RuntimeError(f"producer did not start: {_log_tail(tmp / 'producer.log')}")
-        consumer = _spawn(
-            "launch.tools.fuzz", "_good-consumer", "--endpoint", endpoint, "--seed", str(seed), log=tmp / "consumer.log"
-        )
-        consumer_lines = _Lines(consumer)
-        if consumer_lines.wait(lambda r: r.get("event") == "connected", 60) is None:
-            raise RuntimeError(f"good consumer did not connect: {_log_tail(tmp / 'consumer.log')}")
+    if producer_lines.wait(lambda r: r.get("event") == "ready", 60) is None:
+        raise RuntimeError(f"producer did not start: {_log_tail(tmp / 'producer.log')}")
+    consumer = _spawn(
+        "launch.tools.fuzz", "_good-consumer", "--endpoint", endpoint, "--seed", str(seed), log=tmp / "consumer.log"
+    )
+    procs.append(consumer)
+    consumer_lines = _Lines(consumer)
+    if consumer_lines.wait(lambda r: r.get("event") == "connected", 60) is None:
+        raise RuntimeError(f"good consumer did not connect: {_log_tail(tmp / 'consumer.log')}")
+    return producer, producer_lines, consumer, consumer_lines
 
-        ctx = zmq.Context()
-        hostile = Hostile(rng, num_slots)
-        peers = [make_socket(ctx, zmq.DEALER, connect=endpoint, linger_ms=10_000) for _ in range(6)]
-        accepted = make_socket(ctx, zmq.DEALER, connect=endpoint, linger_ms=0)
-        accepted.send(Hello(consumer_id="fuzz-accepted", incarnation=GOOD_INCARNATION, pid=1, credits=0).encode())
-        kinds: Counter = Counter()
-        generation_hint = 1
-        started = time.monotonic()
-        for i in range(messages):
-            if i % 500 == 0:
-                # The producer's heartbeats to the accepted peer say how far its generations are.
-                while accepted.poll(0):
-                    try:
-                        message = decode(accepted.recv())
-                    except ProtocolError:
-                        continue
-                    if isinstance(message, Heartbeat):
-                        generation_hint = int(message.stats.get("published", generation_hint))
-                if i % 5000 == 0:  # stay accepted: a peer silent past the timeout is dropped
-                    accepted.send(
-                        Hello(consumer_id="fuzz-accepted", incarnation=GOOD_INCARNATION, pid=1, credits=0).encode()
-                    )
-            if rng.random() < 0.2:
-                kind, frames = for_accepted_peer(hostile, generation_hint)
-                sock = accepted
-            else:
-                kind, frames = to_producer(hostile, generation_hint)
-                sock = peers[i % len(peers)]
-                if kind == "oversized":  # zmq drops the connection of a peer that sends one: use a spare
-                    sock = make_socket(ctx, zmq.DEALER, connect=endpoint, linger_ms=500)
-                    sock.send_multipart(frames)
-                    sock.close()
-                    kinds[kind] += 1
-                    continue
-            sock.send_multipart(frames)
-            kinds[kind] += 1
-            if i % 2000 == 1999:
-                time.sleep(0.01)  # let the producer's queue drain: this is a flood, not a benchmark of zmq buffers
-        fuzz_s = time.monotonic() - started
-        for sock in peers:
-            sock.close()  # after sending what they still hold (linger)
-        # Wait until the producer has read them all (its heartbeats count what it received).
-        received = 0
-        deadline = time.monotonic() + 120
-        while received < messages - kinds["oversized"] and time.monotonic() < deadline:
-            if accepted.poll(200):
-                try:
-                    message = decode(accepted.recv())
-                except ProtocolError:
-                    continue
-                if isinstance(message, Heartbeat):
-                    received = int(message.stats.get("messages", 0))
-        accepted.close()
-        ctx.term()
-        report.update(
-            messages=sum(kinds.values()), kinds=dict(kinds), fuzz_s=round(fuzz_s, 1), producer_received=received
-        )
-        accepted_acks = sum(kinds[k] for k in ACCEPTED_ACK_KINDS)
 
-        # The well-formed consumer must keep receiving after the storm.
-        before = (consumer_lines.wait(lambda r: r.get("event") == "progress", 0) or {}).get("received", 0)
-        after = consumer_lines.wait(lambda r: r.get("event") == "progress" and r["received"] >= before + 300, 60)
-        report["received_after_fuzz"] = (after or {}).get("received", before) - before
-        report["producer_alive"] = producer.poll() is None
-        consumer.send_signal(signal.SIGTERM)
-        summary = consumer_lines.wait(lambda r: r.get("event") == "done", 60) or {}
-        consumer.wait(timeout=30)
-        producer.send_signal(signal.SIGTERM)
-        done = producer_lines.wait(lambda r: r.get("event") == "done", 60) or {}
-        producer.wait(timeout=30)
-        stats = done.get("stats", {})
-        report.update(
-            consumer=summary,
-            producer_exit=producer.returncode,
-            producer_stats={
-                k: stats.get(k)
-                for k in (
-                    "dropped_malformed",
-                    "dropped_unknown_peer",
-                    "refused",
-                    "stale_acks",
-                    "released",
-                    "reclaimed",
-                    "internal_errors",
-                    "socket_blocked",
-                    "ring",
-                )
-            },
-        )
-        ring = stats.get("ring", {})
-        checks = {
-            "producer never crashed": report["producer_alive"] and producer.returncode == 0,
-            "well-formed consumer kept working": report["received_after_fuzz"] >= 300,
-            "no checksum errors (ring never corrupted)": summary.get("bad") == 0 and summary.get("received", 0) > 0,
-            "every batch once, in order": summary.get("in_order") is True,
-            "no lease left behind": ring.get("leased") == 0
-            and sum(ring.get(k, 0) for k in ("free", "filling", "ready", "leased")) == num_slots,
-            "malformed dropped and counted": (stats.get("dropped_malformed") or 0) > 0,
-            "every foreign, stale or unleased ack ignored": stats.get("stale_acks")
-            == accepted_acks + summary.get("replayed_acks", -1),
-            "no handler errors": stats.get("internal_errors") == 0,
-            # (zmq itself drops the oversized frames; the count includes the well-formed consumer's few)
-            "every hostile message reached the producer": received >= messages - kinds["oversized"],
-        }
-        report["checks"] = checks
-        report["ok"] = all(checks.values())
-        if not report["ok"]:
-            report["logs"] = {"producer": _log_tail(tmp / "producer.log"), "consumer": _log_tail(tmp / "consumer.log")}
-    finally:
-        for proc in (consumer, producer):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
-    return report
+def flood_producer(endpoint: str, rng: random.Random, num_slots: int, messages: int) -> tuple[Counter, float, int]:
+    """Send ``messages`` hostile messages from six peers and one accepted one; the messages sent by kind, the
+    seconds that took, and how many the producer says it received (its heartbeats count them)."""
+    ctx = zmq.Context()
+    hostile = Hostile(rng, num_slots)
+    peers = [make_socket(ctx, zmq.DEALER, connect=endpoint, linger_ms=10_000) for _ in range(6)]
+    accepted = make_socket(ctx, zmq.DEALER, connect=endpoint, linger_ms=0)
+    hello = Hello(consumer_id="fuzz-accepted", incarnation=GOOD_INCARNATION, pid=1, credits=0).encode()
+    accepted.send(hello)
+    kinds: Counter = Counter()
+    generation_hint = 1
+    started = time.monotonic()
+    for i in range(messages):
+        if i % 500 == 0:
+            # The producer's heartbeats to the accepted peer say how far its generations are.
+            for stats in _heartbeat_stats(accepted, wait_ms=0):
+                generation_hint = int(stats.get("published", generation_hint))
+            if i % 5000 == 0:  # stay accepted: a peer silent past the timeout is dropped
+                accepted.send(hello)
+        if rng.random() < 0.2:
+            kind, frames = for_accepted_peer(hostile, generation_hint)
+            sock = accepted
+        else:
+            kind, frames = to_producer(hostile, generation_hint)
+            sock = peers[i % len(peers)]
+            if kind == "oversized":  # zmq drops the connection of a peer that sends one: use a spare
+                sock = make_socket(ctx, zmq.DEALER, connect=endpoint, linger_ms=500)
+                sock.send_multipart(frames)
+                sock.close()
+                kinds[kind] += 1
+                continue
+        sock.send_multipart(frames)
+        kinds[kind] += 1
+        if i % 2000 == 1999:
+            time.sleep(0.01)  # let the producer's queue drain: this is a flood, not a benchmark of zmq buffers
+    fuzz_s = time.monotonic() - started
+    for sock in peers:
+        sock.close()  # after sending what they still hold (linger)
+    # Wait until the producer has read them all.
+    received = 0
+    deadline = time.monotonic() + 120
+    while received < messages - kinds["oversized"] and time.monotonic() < deadline:
+        for stats in _heartbeat_stats(accepted, wait_ms=200):
+            received = int(stats.get("messages", 0))
+    accepted.close()
+    ctx.term()
+    return kinds, fuzz_s, received
+
+
+def _heartbeat_stats(sock: zmq.Socket, wait_ms: int) -> list[dict]:
+    """The figures of every HEARTBEAT waiting on ``sock``, after up to ``wait_ms`` for the first message; the other
+    messages are read and passed over."""
+    found = []
+    while sock.poll(wait_ms):
+        wait_ms = 0
+        try:
+            message = decode(sock.recv())
+        except ProtocolError:
+            continue
+        if isinstance(message, Heartbeat):
+            found.append(message.stats)
+    return found
+
+
+def producer_checks(report: dict, stats: dict, kinds: Counter, messages: int, num_slots: int) -> dict[str, bool]:
+    """The producer's guarantees, each held or not, from the report so far and the producer's last figures."""
+    summary, ring = report["consumer"], stats.get("ring", {})
+    accepted_acks = sum(kinds[k] for k in ACCEPTED_ACK_KINDS)
+    return {
+        "producer never crashed": report["producer_alive"] and report["producer_exit"] == 0,
+        "well-formed consumer kept working": report["received_after_fuzz"] >= 300,
+        "no checksum errors (ring never corrupted)": summary.get("bad") == 0 and summary.get("received", 0) > 0,
+        "every batch once, in order": summary.get("in_order") is True,
+        "no lease left behind": ring.get("leased") == 0
+        and sum(ring.get(k, 0) for k in ("free", "filling", "ready", "leased")) == num_slots,
+        "malformed dropped and counted": (stats.get("dropped_malformed") or 0) > 0,
+        "every foreign, stale or unleased ack ignored": stats.get("stale_acks")
+        == accepted_acks + summary.get("replayed_acks", -1),
+        "no handler errors": stats.get("internal_errors") == 0,
+        # (zmq itself drops the oversized frames; the count includes the well-formed consumer's few)
+        "every hostile message reached the producer": report["producer_received"] >= messages - kinds["oversized"],
+    }
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """Kill (and reap) each of ``procs`` still running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # -- attacking a consumer (the trainer's intake, or the whole trainer) ---------------------------
@@ -822,61 +852,12 @@ def to_consumer(p: HostileProducer, good: list[tuple[int, int, list, dict]]) -> 
             _header("batch", slot=slot, generation=generation, seq=0, layout=[["input_ids", "int32", [4], 0]], meta={})
         )
     if roll < 60:
-        # Layouts that point past the slot, overlap, repeat names, or are malformed.
-        choice = rng.randrange(8)
-        if choice == 0:
-            wire = [["aux_hidden", "bfloat16", [slot_bytes // 2 + 1], 0]]
-        elif choice == 1:
-            wire = [["x", "uint8", [256], slot_bytes - ALIGN + ALIGN * rng.randrange(1, 4)]]
-        elif choice == 2:
-            wire = [["a", "int64", [64], 0], ["b", "int64", [64], 256]]
-        elif choice == 3:
-            wire = [["a", "uint8", [1], 0], ["a", "uint8", [1], 256]]
-        elif choice == 4:
-            wire = [["x", "uint8", rng.choice([[1 << 39, 1 << 39], [0, 1 << 39, 1 << 39, 1 << 39]]), 0]]
-        elif choice == 5:
-            wire = [["x", "uint8", [1], 3]]
-        elif choice == 6:
-            wire = [[f"t{i}", "uint8", [1], 256 * i] for i in range(17)]
-        else:
-            wire = [["x", rng.choice(["complex64", "object", "float8", "<f4"]), [1], 0]]
+        wire = _layout_outside(rng, slot_bytes)
         return "layout-outside", _pack(
             _header("batch", slot=rng.randrange(ring.num_slots), generation=generation, seq=0, layout=wire, meta={})
         )
     if roll < 78 and good:
-        # A layout inside the slot that breaks the batch contract in one way.
-        slot, _, wire, meta = rng.choice(good)
-        wire = [list(item) for item in wire]
-        meta = dict(meta)
-        choice = rng.randrange(8)
-        if choice == 0:
-            meta.pop(rng.choice(["ordinal", "epoch", "cursor"]))
-        elif choice == 1:
-            meta[rng.choice(["ordinal", "epoch"])] = rng.choice(["1", -1, 1.5, None, [1]])
-        elif choice == 2:
-            meta["cursor"] = rng.choice([[0, 0], "x", [0, 0, -1], [0, 0, "1"]])
-        elif choice == 3:
-            wire = [
-                item
-                for item in wire
-                if item[0] != rng.choice(["input_ids", "cu_seqlens", "sample_ids", "aux_hidden", "loss_mask"])
-            ]
-        elif choice == 4:
-            item = rng.choice(wire)
-            item[1] = rng.choice(["float64", "int64", "uint8", "int16"]) if item[1] != "int16" else "int32"
-        elif choice == 5:
-            aux = next(item for item in wire if item[0] == "aux_hidden")
-            aux[2] = [aux[2][0], aux[2][1] // 2]
-        elif choice == 6:
-            wire = [item for item in wire if item[0] != "last_hidden"] + [
-                ["last_hidden", "int8", [1, 1], slot_bytes - ALIGN]
-            ]
-        else:
-            # Right names, dtypes and shapes; wrong values (token ids past the vocabulary, falling boundaries).
-            return "contract", Batch(
-                slot=p.hostile_slot, generation=generation, seq=0, layout=p.hostile_layout, meta=meta
-            ).encode()
-        return "contract", _pack(_header("batch", slot=slot, generation=generation, seq=0, layout=wire, meta=meta))
+        return "contract", _broken_contract(p, rng.choice(good), generation)
     if roll < 86 and good:
         slot, gen, wire, meta = rng.choice(good)
         return "replay", _pack(_header("batch", slot=slot, generation=gen, seq=0, layout=wire, meta=meta))
@@ -904,6 +885,62 @@ def to_consumer(p: HostileProducer, good: list[tuple[int, int, list, dict]]) -> 
     return "welcome-again", _pack(welcome) if rng.random() < 0.3 else h.mutate(
         welcome, PRODUCER_MESSAGE_KINDS["welcome"]
     )
+
+
+def _layout_outside(rng: random.Random, slot_bytes: int) -> list:
+    """A layout that points past the slot, overlaps, repeats names, or is malformed."""
+    choice = rng.randrange(8)
+    if choice == 0:
+        return [["aux_hidden", "bfloat16", [slot_bytes // 2 + 1], 0]]
+    if choice == 1:
+        return [["x", "uint8", [256], slot_bytes - ALIGN + ALIGN * rng.randrange(1, 4)]]
+    if choice == 2:
+        return [["a", "int64", [64], 0], ["b", "int64", [64], 256]]
+    if choice == 3:
+        return [["a", "uint8", [1], 0], ["a", "uint8", [1], 256]]
+    if choice == 4:
+        return [["x", "uint8", rng.choice([[1 << 39, 1 << 39], [0, 1 << 39, 1 << 39, 1 << 39]]), 0]]
+    if choice == 5:
+        return [["x", "uint8", [1], 3]]
+    if choice == 6:
+        return [[f"t{i}", "uint8", [1], 256 * i] for i in range(17)]
+    return [["x", rng.choice(["complex64", "object", "float8", "<f4"]), [1], 0]]
+
+
+def _broken_contract(p: HostileProducer, good: tuple[int, int, list, dict], generation: int) -> bytes:
+    """A BATCH of a well-formed batch's slot whose layout lies inside the slot but breaks the batch contract in one
+    way (or, in an eighth of them, the right layout with wrong values)."""
+    rng, slot_bytes = p.hostile.rng, p.ring.slot_bytes
+    slot, _, wire, meta = good
+    wire = [list(item) for item in wire]
+    meta = dict(meta)
+    choice = rng.randrange(8)
+    if choice == 0:
+        meta.pop(rng.choice(["ordinal", "epoch", "cursor"]))
+    elif choice == 1:
+        meta[rng.choice(["ordinal", "epoch"])] = rng.choice(["1", -1, 1.5, None, [1]])
+    elif choice == 2:
+        meta["cursor"] = rng.choice([[0, 0], "x", [0, 0, -1], [0, 0, "1"]])
+    elif choice == 3:
+        wire = [
+            item
+            for item in wire
+            if item[0] != rng.choice(["input_ids", "cu_seqlens", "sample_ids", "aux_hidden", "loss_mask"])
+        ]
+    elif choice == 4:
+        item = rng.choice(wire)
+        item[1] = rng.choice(["float64", "int64", "uint8", "int16"]) if item[1] != "int16" else "int32"
+    elif choice == 5:
+        aux = next(item for item in wire if item[0] == "aux_hidden")
+        aux[2] = [aux[2][0], aux[2][1] // 2]
+    elif choice == 6:
+        wire = [item for item in wire if item[0] != "last_hidden"] + [
+            ["last_hidden", "int8", [1, 1], slot_bytes - ALIGN]
+        ]
+    else:
+        # Right names, dtypes and shapes; wrong values (token ids past the vocabulary, falling boundaries).
+        return Batch(slot=p.hostile_slot, generation=generation, seq=0, layout=p.hostile_layout, meta=meta).encode()
+    return _pack(_header("batch", slot=slot, generation=generation, seq=0, layout=wire, meta=meta))
 
 
 def feeder_role(args: argparse.Namespace) -> int:
@@ -994,9 +1031,7 @@ def fuzz_consumer(messages: int, seed: int) -> dict:
         if not report["ok"]:
             report["logs"] = {"consumer": _log_tail(tmp / "feeder.log")}
     finally:
-        if consumer.poll() is None:
-            consumer.kill()
-            consumer.wait()
+        _kill([consumer])
         producer.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return report
@@ -1007,44 +1042,11 @@ def fuzz_trainer(messages: int, seed: int) -> dict:
 
     It must train on the well-formed batches only (its ledger says which), stay up, and stop cleanly.
     """
-    from common.config import load_config, save_config
-    from common.rundir import RunDir, read_json
+    from common.rundir import read_json
     from common.status import ProducerStatus
-    from producer.server import export_target_head, feature_layer_ids
-    from producer.target_model.capture import Target
-    from producer.target_model.load import build_target_config
 
     tmp = Path(tempfile.mkdtemp(prefix="df-fz-", dir="/tmp"))
-    run = RunDir(tmp / "run")
-    run.root.mkdir()
-    cfg = load_config(
-        ROOT / "launch" / "tiny.toml",
-        [
-            'logging.wandb_mode="disabled"',
-            "logging.progress=false",
-            "logging.log_every=5",
-            "training.max_steps=1000000",
-            "training.checkpoint_every=1000000",
-            "batching.token_budget=256",
-            "data.max_seq_len=256",
-            "eval.every_steps=0",
-        ],
-    )
-    save_config(cfg, run.config)
-    layer_ids = feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers)
-    target = Target.load(cfg.target, layer_ids, capture_last_hidden=cfg.ships_final_hidden)
-    export_target_head(target, run.target_head)
-    describe = {
-        "producer_id": 0,
-        "target_identity": target.identity,
-        "layer_ids": layer_ids,
-        "dtype": cfg.target.dtype,
-        "last_hidden": cfg.ships_final_hidden,
-        "hidden_size": target.hidden_size,
-        "vocab_size": int(target.model.config.vocab_size),
-        "token_budget": cfg.batching.token_budget,
-    }
-    del target
+    run, describe = _trainer_run(tmp)
     endpoint = ipc_endpoint(tmp / "p0.ipc")
     producer = HostileProducer(random.Random(seed), endpoint, describe)
     ProducerStatus(id=0, pid=os.getpid(), ready=True, endpoint=endpoint).write(run.producer_status(0))
@@ -1079,43 +1081,86 @@ def fuzz_trainer(messages: int, seed: int) -> dict:
         deadline = time.monotonic() + 120
         while trainer.poll() is None and time.monotonic() < deadline:
             producer.serve(wait_ms=50, batch=False)  # it says BYE after its last checkpoint
-        status = read_json(run.trainer_status) or {}
-        ledger = [json.loads(line) for line in run.ledger.read_text().splitlines()] if run.ledger.exists() else []
-        batches = [ordinal for line in ledger for _, ordinal in line["batches"]]
-        samples = [s for line in ledger for _, _, s in line["samples"]]
-        expected_samples = {o * 10 + k for o in batches for k in range(10)}
-        counted = re.findall(
-            r"dropped (\d+) malformed messages or batches", (tmp / "trainer.log").read_text(errors="replace")
-        )
-        dropped = sum(int(n) for n in counted)
-        report.update(
-            trainer_exit=trainer.returncode,
-            steps=status.get("step"),
-            step_after_fuzz=step_after_fuzz,
-            dropped=dropped,
-            well_formed_batches=len(producer.sent_good),
-            trained_batches=len(batches),
-        )
-        checks = {
-            "trainer never crashed, stopped cleanly": report["trainer_alive"]
-            and trainer.returncode == 0
-            and status.get("state") == "stopped",
-            "kept training after the storm": (status.get("step") or 0) > step_after_fuzz,
-            "trained every well-formed batch once, in order, and nothing else": batches == sorted(producer.sent_good),
-            "trained their samples only": set(samples) <= expected_samples and len(samples) == len(set(samples)),
-            "malformed messages and batches dropped and counted": dropped >= report["messages"] // 2,
-        }
-        report["checks"] = checks
-        report["ok"] = all(checks.values())
+        report["trainer_exit"] = trainer.returncode
+        report["checks"] = trainer_checks(run, tmp / "trainer.log", sorted(producer.sent_good), step_after_fuzz, report)
+        report["ok"] = all(report["checks"].values())
         if not report["ok"]:
             report["logs"] = {"trainer": _log_tail(tmp / "trainer.log", 30)}
     finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
+        _kill([trainer])
         producer.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return report
+
+
+def _trainer_run(tmp: Path) -> tuple:
+    """A run directory in ``tmp`` for a tiny trainer that trains until stopped, its target's head exported, and the
+    description a producer of that target gives in its WELCOME."""
+    from common.config import load_config, save_config
+    from common.rundir import RunDir
+    from producer.server import export_target_head, feature_layer_ids
+    from producer.target_model.capture import Target
+    from producer.target_model.load import build_target_config
+
+    run = RunDir(tmp / "run")
+    run.root.mkdir()
+    cfg = load_config(
+        ROOT / "launch" / "tiny.toml",
+        [
+            'logging.wandb_mode="disabled"',
+            "logging.progress=false",
+            "logging.log_every=5",
+            "training.max_steps=1000000",
+            "training.checkpoint_every=1000000",
+            "batching.token_budget=256",
+            "data.max_seq_len=256",
+            "eval.every_steps=0",
+        ],
+    )
+    save_config(cfg, run.config)
+    layer_ids = feature_layer_ids(cfg, build_target_config(cfg.target).num_hidden_layers)
+    target = Target.load(cfg.target, layer_ids, capture_last_hidden=cfg.ships_final_hidden)
+    export_target_head(target, run.target_head)
+    return run, {
+        "producer_id": 0,
+        "target_identity": target.identity,
+        "layer_ids": layer_ids,
+        "dtype": cfg.target.dtype,
+        "last_hidden": cfg.ships_final_hidden,
+        "hidden_size": target.hidden_size,
+        "vocab_size": int(target.model.config.vocab_size),
+        "token_budget": cfg.batching.token_budget,
+    }
+
+
+def trainer_checks(run, log: Path, sent_good: list[int], step_after_fuzz: int, report: dict) -> dict[str, bool]:
+    """The trainer's guarantees, each held or not, from its status, its ledger and its log (their figures go into
+    ``report`` too)."""
+    from common.rundir import read_json
+
+    status = read_json(run.trainer_status) or {}
+    ledger = [json.loads(line) for line in run.ledger.read_text().splitlines()] if run.ledger.exists() else []
+    batches = [ordinal for line in ledger for _, ordinal in line["batches"]]
+    samples = [s for line in ledger for _, _, s in line["samples"]]
+    expected_samples = {o * 10 + k for o in batches for k in range(10)}
+    counted = re.findall(r"dropped (\d+) malformed messages or batches", log.read_text(errors="replace"))
+    dropped = sum(int(n) for n in counted)
+    report.update(
+        steps=status.get("step"),
+        step_after_fuzz=step_after_fuzz,
+        dropped=dropped,
+        well_formed_batches=len(sent_good),
+        trained_batches=len(batches),
+    )
+    return {
+        "trainer never crashed, stopped cleanly": report["trainer_alive"]
+        and report["trainer_exit"] == 0
+        and status.get("state") == "stopped",
+        "kept training after the storm": (status.get("step") or 0) > step_after_fuzz,
+        "trained every well-formed batch once, in order, and nothing else": batches == sent_good,
+        "trained their samples only": set(samples) <= expected_samples and len(samples) == len(set(samples)),
+        "malformed messages and batches dropped and counted": dropped >= report["messages"] // 2,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
