@@ -54,7 +54,7 @@ from common.slots import SlotState
 from common.sockets import CurveKeys, SecretsError, ipc_endpoint
 from common.status import ProducerStatus
 from common.transport import RingServer
-from producer.acceptance.job import EvaluationJob
+from producer.acceptance.job import AcceptanceJob
 from producer.data.batching import BatchPlan, RunningBatchStats, batch_stats
 from producer.data.build import build_plan, run_sources
 from producer.data.files import DataError
@@ -436,7 +436,7 @@ class Producer:
             thread.start()
         if self.producer_id == 0:
             self.jobs.append(
-                EvaluationJob(
+                AcceptanceJob(
                     self.cfg,
                     self.run_dir,
                     self.producer_id,

@@ -71,7 +71,7 @@ def test_an_evaluation_out_rewrites_the_status_only_when_its_result_comes(short_
         for _ in range(3):  # the loop asks every few steps
             trainer.collect_evaluations()
         assert writes == []
-        evals.finish(trainer.run_dir, evals.EvalResult(step=8, incarnation=trainer.incarnation, lost="a test"))
+        evals.finish(trainer.run_dir, evals.AcceptanceResult(step=8, incarnation=trainer.incarnation, lost="a test"))
         trainer.collect_evaluations()
         assert writes == [[]], "one write, saying nothing is out any more"
     finally:

@@ -17,10 +17,10 @@ from common.drafter.blocks import build_blocks
 from common.drafter.export import export_zlab
 from common.drafter.masks import build_masks
 from common.drafter.model import DFlashDrafter
-from launch.bench.coupled import TrainingEvaluation
+from launch.bench.coupled import CoupledAcceptance
 from launch.evaluate import main
 from producer.acceptance.decoder import DraftContext, DraftRows, greedy_decode, speculative_decode
-from producer.acceptance.evaluator import Evaluator, build_evaluator
+from producer.acceptance.evaluator import AcceptanceEvaluator, build_evaluator
 from producer.acceptance.held_out import held_out_documents, prompt_of
 from producer.acceptance.transcripts import greedy_transcripts
 from producer.data.build import build_data_source
@@ -258,7 +258,7 @@ def test_training_evaluation_logs_when_due(tmp_path, target_dir, target_model):
         ],
     )
     drafter = random_drafter(target_model).train()
-    evaluation = TrainingEvaluation(cfg, target_model, LAYER_IDS)
+    evaluation = CoupledAcceptance(cfg, target_model, LAYER_IDS)
     metrics = tmp_path / "metrics.jsonl"
     with open(metrics, "w") as f:
         for step in (2, 4, 6, 8):
@@ -282,7 +282,7 @@ def test_training_evaluation_refuses_another_target(tmp_path, target_dir, target
     )
     other = tiny_qwen3_target(tmp_path / "other", vocab_size=64, num_layers=6, hidden=32, seed=1)
     drafter = random_drafter(other)
-    evaluation = TrainingEvaluation(cfg, target_model, LAYER_IDS)
+    evaluation = CoupledAcceptance(cfg, target_model, LAYER_IDS)
     metrics = tmp_path / "metrics.jsonl"
     with open(metrics, "w") as f:
         evaluation.maybe_log(2, drafter, f, None)
@@ -464,7 +464,7 @@ def strong_drafter(target_model, **overrides) -> DFlashDrafter:
     return drafter
 
 
-def live_and_replayed_drafts(evaluator: Evaluator, drafter: DFlashDrafter, monkeypatch) -> tuple[list, list]:
+def live_and_replayed_drafts(evaluator: AcceptanceEvaluator, drafter: DFlashDrafter, monkeypatch) -> tuple[list, list]:
     """Every block the drafter drafted, as (prompt, anchor position, drafts), in live decoding of each held-out
     prompt and in the evaluator's replay: equal lists mean equal contexts, positions and rounds."""
     live, replayed = [], []

@@ -53,7 +53,7 @@ from common.status import ProducerStatus
 from trainer.checkpoint import read_train_state
 
 # Points an ordinary run reaches. The handover points fire only on restart-trainer (tests/test_handover.py),
-# producer.evaluate and trainer.export only on an evaluation (tests/test_eval_in_producer.py): a plan drawn here
+# producer.evaluate and trainer.export only on an evaluation (tests/test_acceptance_in_producer.py): a plan drawn here
 # would wait forever.
 ONLY_ON_REQUEST = {
     "trainer.stage",

@@ -253,7 +253,7 @@ def test_the_evaluator_on_a_hybrid_target_drafts_what_live_decoding_drafts(tmp_p
     from common.batch import Document
     from common.config import EvalConfig
     from common.drafter.model import DFlashDrafter
-    from producer.acceptance.evaluator import Evaluator
+    from producer.acceptance.evaluator import AcceptanceEvaluator
     from tests.test_evaluate import live_and_replayed_drafts
 
     path = tiny_qwen35(tmp_path, "multimodal")
@@ -273,7 +273,9 @@ def test_the_evaluator_on_a_hybrid_target_drafts_what_live_decoding_drafts(tmp_p
         )
         for i in range(3)
     ]
-    evaluator = Evaluator(model, documents, EvalConfig(max_new_tokens=24), config.target_layer_ids, num_anchors=8)
+    evaluator = AcceptanceEvaluator(
+        model, documents, EvalConfig(max_new_tokens=24), config.target_layer_ids, num_anchors=8
+    )
     assert evaluator.target.recurrent and not evaluator.target.batchable
     live, replayed, report = live_and_replayed_drafts(evaluator, drafter, monkeypatch)
     assert live == replayed and len(live) == report.target_forwards - 3 and report.reference_seconds > 0

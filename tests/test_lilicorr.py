@@ -428,8 +428,8 @@ def test_the_sampled_walk_draws_from_the_probabilities_it_reports():
     """What lossless verification assumes of a proposal: each token is a draw from the probabilities kept for it.
     One block repeated 20 000 times: slot 1's candidates by their reported q, and slot 2's, among the rows that drew
     slot 1's most frequent candidate, by the q reported for them (the row of that predecessor), both within the
-    chi-square threshold of tests/test_sampled_eval.py."""
-    from tests.test_sampled_eval import chi_square
+    chi-square threshold of tests/test_sampled_acceptance.py."""
+    from tests.test_sampled_acceptance import chi_square
 
     config = lilicorr_config(block_size=3, lilicorr_candidate_topk=6, lilicorr_logit_scale=20.0)
     torch.manual_seed(0)
@@ -546,14 +546,14 @@ def test_shapes_that_do_not_fit_the_drafter_name_the_key():
 
 
 def test_sampled_speculative_decoding_with_lilicorr_samples_the_target(tmp_path):
-    """tests/test_sampled_eval.py's test through the whole decoder, for this kind: every generated token follows the
+    """tests/test_sampled_acceptance.py's test through the whole decoder, for this kind: every generated token follows the
     target's own sampling distribution (q over the reranker's candidates, scattered into the vocabulary)."""
     from transformers import Qwen3ForCausalLM
 
     from producer.acceptance.decoder import speculative_decode
     from producer.target_model.greedy import GreedyTarget
     from producer.target_model.load import target_head_of
-    from tests import test_sampled_eval as sampled
+    from tests import test_sampled_acceptance as sampled
     from tests.drafter_fixtures import tiny_qwen3_target
 
     threads = torch.get_num_threads()
@@ -579,7 +579,7 @@ def test_sampled_speculative_decoding_with_lilicorr_samples_the_target(tmp_path)
         )
         torch.manual_seed(0)
         drafter = build_drafter(config, target_head_of(target_model)).eval()
-        with torch.no_grad():  # a backbone as test_sampled_eval.py's, and a reranker far from uniform
+        with torch.no_grad():  # a backbone as test_sampled_acceptance.py's, and a reranker far from uniform
             for name, param in drafter.named_parameters():
                 if name.endswith("proj.weight") or name == "fc.weight":
                     param.normal_(std=0.3)

@@ -92,7 +92,7 @@ def eval_reports(model, head: dict[str, torch.Tensor], make_target=GreedyTarget)
     from common.drafter.draft_config import DraftConfig
     from common.drafter.model import DFlashDrafter
     from common.drafter.target_head import TargetHead
-    from producer.acceptance.evaluator import Evaluator
+    from producer.acceptance.evaluator import AcceptanceEvaluator
 
     vocab = int(model.config.vocab_size)
     config = DraftConfig.from_target(
@@ -120,7 +120,7 @@ def eval_reports(model, head: dict[str, torch.Tensor], make_target=GreedyTarget)
     reports = []
     for together in (3, 1):
         eval_config = EvalConfig(num_prompts=3, max_new_tokens=12, batch_prompts=together)
-        evaluator = Evaluator(
+        evaluator = AcceptanceEvaluator(
             model, documents, eval_config, LAYER_IDS, num_anchors=8, capture_last=True, make_target=make_target
         )
         reports.append(evaluator.evaluate(drafter).metrics())

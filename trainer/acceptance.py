@@ -22,7 +22,7 @@ from trainer.checkpoint import EvalExportWriter
 log = logging.getLogger(__name__)
 
 
-class EvalClient:
+class AcceptanceClient:
     """The evaluations one trainer (rank 0) asked for or adopted, and the last result logged.
 
     The trainer's evaluation interface: ``adopt``, ``ask``, ``collect``, ``status``, ``close`` and ``in_flight``
@@ -65,7 +65,7 @@ class EvalClient:
             if records.result(self.run_dir, step, incarnation) is None:
                 records.finish(
                     self.run_dir,
-                    records.EvalResult(
+                    records.AcceptanceResult(
                         step=step,
                         incarnation=incarnation,
                         lost=f"superseded: the trainer resumed at step {resumed_step}",
@@ -85,7 +85,7 @@ class EvalClient:
         to evaluate; training stands still only for the copy to host memory, the export is written in the
         background. ``final``: the run's last step, which producer 0 takes at once."""
         export = records.folder(self.run_dir, step, self.incarnation) / "drafter"
-        request = records.EvalRequest(step=step, drafter=str(export), incarnation=self.incarnation, final=final)
+        request = records.AcceptanceRequest(step=step, drafter=str(export), incarnation=self.incarnation, final=final)
         weights = full_weights if full_weights is not None else drafter.state_dict()
         stall_s = self.exports.export(drafter, weights, request, background=self.background_export)
         log.info("evaluation of step %d asked for; training stood still %.2f s for its export", step, stall_s)

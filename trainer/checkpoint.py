@@ -396,7 +396,7 @@ class EvalExportWriter:
         self,
         drafter: Drafter,
         weights: dict[str, torch.Tensor],
-        request: records.EvalRequest,
+        request: records.AcceptanceRequest,
         background: bool = True,
     ) -> float:
         """Copy ``weights`` to the host and write them with ``request`` (at once without ``background``).
@@ -419,7 +419,7 @@ class EvalExportWriter:
             self._thread.join()
             self._thread = None
 
-    def _write(self, drafter: Drafter, weights: dict[str, torch.Tensor], request: records.EvalRequest) -> None:
+    def _write(self, drafter: Drafter, weights: dict[str, torch.Tensor], request: records.AcceptanceRequest) -> None:
         try:
             served = torch.bfloat16 if drafter.fc.weight.device.type == "cuda" else None
             export_zlab(drafter, request.drafter, dtype=served, weights=weights)
@@ -429,7 +429,7 @@ class EvalExportWriter:
             log.error("cannot export the drafter for the evaluation of step %d: %s", request.step, exc)
             records.finish(
                 self.run_dir,
-                records.EvalResult(
+                records.AcceptanceResult(
                     step=request.step, lost=f"the export could not be written: {exc}", incarnation=request.incarnation
                 ),
             )

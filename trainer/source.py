@@ -20,7 +20,7 @@ from common.batch import PackedBatch
 from common.config import ConfigError, RunConfig
 from common.rundir import RunDir
 from common.status import ProducerStatus
-from trainer.acceptance import EvalClient
+from trainer.acceptance import AcceptanceClient
 from trainer.feeder import Commits, Feeder, Received
 from trainer.ranks import Ranks
 
@@ -38,7 +38,7 @@ class BatchSource(Protocol):
 
     def evaluations(self, incarnation: int, block_size: int, metrics_file: IO[str] | None, wandb_run: Any) -> Any:
         """What the loop asks evaluations of and logs their results through: ``adopt``, ``ask``, ``collect``,
-        ``in_flight``, ``status``, ``close`` (as ``trainer.acceptance.EvalClient``)."""
+        ``in_flight``, ``status``, ``close`` (as ``trainer.acceptance.AcceptanceClient``)."""
         ...
 
 
@@ -71,8 +71,8 @@ class RingSource:
 
     def evaluations(
         self, incarnation: int, block_size: int, metrics_file: IO[str] | None, wandb_run: Any
-    ) -> EvalClient:
-        return EvalClient(
+    ) -> AcceptanceClient:
+        return AcceptanceClient(
             self.run_dir,
             incarnation,
             block_size,

@@ -30,7 +30,7 @@ from common.drafter.base import Drafter
 from common.lifecycle import exit_process
 from common.rundir import CheckpointError, RunDir
 from common.status import TrainerStatus
-from trainer.acceptance import EvalClient
+from trainer.acceptance import AcceptanceClient
 from trainer.budget import TimeBudget
 from trainer.build import DrafterStart, StartClock, WarmStart, fitting_warm_start, start_drafter
 from trainer.checkpoint import CheckpointWriter
@@ -61,7 +61,7 @@ class Trainer:
     metrics: Metrics  # the log window, metrics.jsonl and wandb (trainer/metrics.py)
     status: StatusFile  # rank 0's trainer.json (trainer/metrics.py)
     handover: Handover  # restart-trainer's handover of the final state to a successor (trainer/handover.py)
-    evals: EvalClient  # the acceptance evaluations asked for (trainer/acceptance.py, or the source's alike)
+    evals: AcceptanceClient  # the acceptance evaluations asked for (trainer/acceptance.py, or the source's alike)
 
     def __init__(
         self,

@@ -36,7 +36,7 @@ STEP_DIR = re.compile(r"step-(\d+)-(\d+)$")
 
 
 @dataclass
-class EvalRequest:
+class AcceptanceRequest:
     """What the trainer wants evaluated."""
 
     step: int
@@ -52,7 +52,7 @@ class EvalRequest:
 
 
 @dataclass
-class EvalResult:
+class AcceptanceResult:
     """A finished (or lost) evaluation."""
 
     step: int
@@ -70,7 +70,7 @@ def folder(run: RunDir, step: int, incarnation: int) -> Path:
     return run.root / "evals" / f"step-{step:08d}-{incarnation}"
 
 
-def request(run: RunDir, req: EvalRequest) -> None:
+def request(run: RunDir, req: AcceptanceRequest) -> None:
     """Publish a request whose export is already complete in ``req.drafter``."""
     atomic_write_json(folder(run, req.step, req.incarnation) / "request.json", asdict(req))
 
@@ -83,7 +83,7 @@ def _keys(run: RunDir) -> list[tuple[int, int]]:
     return sorted((int(m.group(1)), int(m.group(2))) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
 
 
-def open_requests(run: RunDir) -> list[EvalRequest]:
+def open_requests(run: RunDir) -> list[AcceptanceRequest]:
     """Requests without a claim or a result, oldest first."""
     found = []
     for step, incarnation in _keys(run):
@@ -92,30 +92,30 @@ def open_requests(run: RunDir) -> list[EvalRequest]:
             continue
         data = read_json(here / "request.json")
         if data is not None:
-            found.append(EvalRequest(**data))
+            found.append(AcceptanceRequest(**data))
     return found
 
 
-def claim(run: RunDir, req: EvalRequest, producer_id: int, pid: int) -> None:
+def claim(run: RunDir, req: AcceptanceRequest, producer_id: int, pid: int) -> None:
     atomic_write_json(
         folder(run, req.step, req.incarnation) / "claim.json",
         {"producer": producer_id, "pid": pid, "start_ticks": process_start_ticks(pid), "claimed": time.time()},
     )
 
 
-def finish(run: RunDir, result: EvalResult) -> None:
+def finish(run: RunDir, result: AcceptanceResult) -> None:
     """Write the result and drop the export (its weights were only needed for this evaluation)."""
     here = folder(run, result.step, result.incarnation)
     atomic_write_json(here / "result.json", asdict(result))
     shutil.rmtree(here / "drafter", ignore_errors=True)
 
 
-def result(run: RunDir, step: int, incarnation: int) -> EvalResult | None:
+def result(run: RunDir, step: int, incarnation: int) -> AcceptanceResult | None:
     data = read_json(folder(run, step, incarnation) / "result.json")
-    return EvalResult(**data) if data is not None else None
+    return AcceptanceResult(**data) if data is not None else None
 
 
-def finished_at(run: RunDir, step: int) -> EvalResult | None:
+def finished_at(run: RunDir, step: int) -> AcceptanceResult | None:
     """The evaluation of ``step`` that has figures, by whichever trainer incarnation asked (None: never evaluated)."""
     for key_step, incarnation in reversed(_keys(run)):
         found = result(run, key_step, incarnation) if key_step == step else None
@@ -154,7 +154,7 @@ def mark_abandoned_exports_lost(run: RunDir, incarnation: int) -> list[int]:
             continue
         finish(
             run,
-            EvalResult(
+            AcceptanceResult(
                 step=step,
                 incarnation=asked_by,
                 lost="the trainer that asked for it stopped before its export was complete",
@@ -179,7 +179,7 @@ def mark_abandoned_claims_lost(run: RunDir, producer_id: int) -> list[int]:
         ):
             finish(
                 run,
-                EvalResult(
+                AcceptanceResult(
                     step=step,
                     lost="the producer evaluating it was restarted",
                     incarnation=incarnation,

@@ -5,7 +5,7 @@ trains the drafter on the captured features, on the same GPU. It exists so that 
 pipeline can be measured against it (``launch/bench/pipeline.py``) with everything else equal: the
 same data and batches, the same target capture, the same trainer loop, step, logging and ledger.
 Only where a batch comes from differs: ``CoupledSource`` takes the feeder's place, and it evaluates in the
-loop on its own target (``TrainingEvaluation``), as those trainers do.
+loop on its own target (``CoupledAcceptance``), as those trainers do.
 
     python -m launch.bench.coupled --run-dir DIR                      # one GPU
     torchrun --nproc-per-node 2 -m launch.bench.coupled --run-dir DIR  # DDP: rank r reads shard r
@@ -33,7 +33,7 @@ from common.contract import BatchMeta
 from common.drafter.base import Drafter, build_drafter
 from common.lifecycle import exit_process
 from common.rundir import RunDir
-from producer.acceptance.evaluator import Evaluator, build_evaluator
+from producer.acceptance.evaluator import AcceptanceEvaluator, build_evaluator
 from producer.data.batching import batch_stats
 from producer.data.build import build_plan, run_sources
 from producer.server import export_target_head, feature_layer_ids
@@ -73,7 +73,7 @@ class CoupledSource:
         self.refusal: str | None = None
         self.error: BaseException | None = None
         # Rank 0 evaluates (and so makes the evaluator's reference).
-        self.evaluation = TrainingEvaluation(cfg, self.target.model, self.target.layer_ids) if rank == 0 else None
+        self.evaluation = CoupledAcceptance(cfg, self.target.model, self.target.layer_ids) if rank == 0 else None
 
     def feeder(self, incarnation: int, expect: dict, commits: Commits, pad_to: int | None) -> CoupledSource:
         """Attach the trainer's bookkeeping (made after the target is loaded); this source is its own feeder."""
@@ -131,7 +131,7 @@ class CoupledSource:
         pass
 
 
-class TrainingEvaluation:
+class CoupledAcceptance:
     """The coupled baseline's periodic evaluation (rank 0, every ``eval.every_steps`` steps): in its loop, on
     the target in its own process, as today's online trainers evaluate. The decoupled trainer asks producer 0
     instead (common/acceptance/records.py). Evaluation is auxiliary: if it fails (e.g. the drafter's head is not this
@@ -143,7 +143,7 @@ class TrainingEvaluation:
         before the first step, as producer 0 makes it while its ring is full."""
         self.cfg = cfg
         self.target_model = target_model
-        self.evaluator: Evaluator | None = None
+        self.evaluator: AcceptanceEvaluator | None = None
         self.checked = False
         self.disabled = False
         if cfg.eval.every_steps:
@@ -195,13 +195,13 @@ class TrainingEvaluation:
 
 
 class InLoopEvaluations:
-    """The trainer's evaluation interface (trainer/acceptance.py ``EvalClient``: ``adopt``, ``ask``, ``collect``,
+    """The trainer's evaluation interface (trainer/acceptance.py ``AcceptanceClient``: ``adopt``, ``ask``, ``collect``,
     ``status``, ``close``, ``in_flight``) for the coupled baseline: ``ask`` evaluates at once, in the loop, so
     nothing is ever in flight and nothing is adopted."""
 
     in_flight: frozenset = frozenset()
 
-    def __init__(self, evaluation: TrainingEvaluation | None, metrics_file: IO[str] | None, wandb_run: Any) -> None:
+    def __init__(self, evaluation: CoupledAcceptance | None, metrics_file: IO[str] | None, wandb_run: Any) -> None:
         self.evaluation = evaluation
         self.metrics_file = metrics_file
         self.wandb_run = wandb_run

@@ -1,4 +1,4 @@
-"""The ``Evaluator``: real and simulated acceptance of drafters against one loaded target, on fixed held-out prompts,
+"""The ``AcceptanceEvaluator``: real and simulated acceptance of drafters against one loaded target, on fixed held-out prompts,
 as an ``AcceptanceReport`` (``build_evaluator`` makes it for a run's data and settings).
 
 The target's half of the decoding does not depend on the drafter: the text is the target's greedy text whatever is
@@ -83,7 +83,7 @@ class TargetReference:
         return min((len(t.continuation) for t in self.transcripts), default=0)
 
 
-class Evaluator:
+class AcceptanceEvaluator:
     """Real and simulated acceptance of drafters against one loaded target, on fixed held-out documents.
 
     The first evaluation makes the target's reference (``TargetReference``); later ones reuse it and run the drafter
@@ -411,9 +411,9 @@ def build_evaluator(
     layer_ids: list[int],
     make_target: Callable[..., GreedyTarget] = GreedyTarget,
     held_out_file: Path | None = None,
-) -> Evaluator:
+) -> AcceptanceEvaluator:
     """An evaluator of the run's drafters (reading target layers ``layer_ids``) on the held-out split of ``cfg``'s
-    data (``make_target``: see Evaluator), greedy or sampled as ``cfg.eval`` says (temperature, top_p, top_k, seed)."""
+    data (``make_target``: see AcceptanceEvaluator), greedy or sampled as ``cfg.eval`` says (temperature, top_p, top_k, seed)."""
     held = held_out_records(cfg, int(target_model.config.vocab_size), held_out_file)
     if len(held.documents) < cfg.eval.num_prompts:
         log.warning(
@@ -423,7 +423,7 @@ def build_evaluator(
         )
     if held.skipped:
         log.warning("%d held-out records skipped, the first: %s", len(held.skipped), "; ".join(held.skipped[:3]))
-    return Evaluator(
+    return AcceptanceEvaluator(
         target_model,
         held.documents,
         cfg.eval,

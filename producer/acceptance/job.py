@@ -15,7 +15,7 @@ from common.acceptance import records
 from common.acceptance.report import by_length_summary
 from common.config import RunConfig
 from common.rundir import RunDir
-from producer.acceptance.evaluator import Evaluator, build_evaluator
+from producer.acceptance.evaluator import AcceptanceEvaluator, build_evaluator
 from producer.target_model.capture import Target
 from producer.target_model.greedy import GreedyTarget
 from producer.target_model.tensor_parallel import TensorParallelGroup
@@ -34,7 +34,7 @@ def evaluations_expected(cfg: RunConfig) -> bool:
     return bool(every) and not (max_steps and every > max_steps)
 
 
-class EvaluationJob:
+class AcceptanceJob:
     """Producer 0 answers the trainer's evaluation requests (common/acceptance/records.py), whatever eval.every_steps it
     started with: that cadence is the trainer's, and restart-trainer may change it. A tensor-parallel producer
     evaluates with its followers."""
@@ -55,7 +55,7 @@ class EvaluationJob:
         self.on_change = on_change
         self.evaluating: int | None = None
         """The step whose drafter is being evaluated, if any."""
-        self._evaluator: Evaluator | None = None
+        self._evaluator: AcceptanceEvaluator | None = None
         self._reference_due = True
         self._next_check = 0.0
         self._held_until = 0.0
@@ -95,7 +95,7 @@ class EvaluationJob:
         for stale in pending[:-1] if share < 1 else []:
             records.finish(
                 self.run_dir,
-                records.EvalResult(
+                records.AcceptanceResult(
                     step=stale.step,
                     incarnation=stale.incarnation,
                     producer=self.producer_id,
@@ -110,7 +110,7 @@ class EvaluationJob:
         faults.point("producer.evaluate")
         try:
             metrics = self._evaluate(request)
-            result = records.EvalResult(
+            result = records.AcceptanceResult(
                 step=request.step, metrics=metrics, incarnation=request.incarnation, producer=self.producer_id
             )
             took = time.monotonic() - started
@@ -136,7 +136,7 @@ class EvaluationJob:
                 log.info("step %d, tau by context length: %s", request.step, by_length)
         except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
             log.exception("evaluation of step %d failed", request.step)
-            result = records.EvalResult(
+            result = records.AcceptanceResult(
                 step=request.step,
                 lost=f"{type(exc).__name__}: {exc}",
                 incarnation=request.incarnation,
@@ -161,7 +161,7 @@ class EvaluationJob:
             except Exception:  # auxiliary: the data keeps flowing whatever happens here
                 log.exception("could not prepare the evaluation reference; the first evaluation will make it")
 
-    def _evaluate(self, request: records.EvalRequest) -> dict[str, float]:
+    def _evaluate(self, request: records.AcceptanceRequest) -> dict[str, float]:
         """Real and simulated acceptance of the exported drafter against this producer's target."""
         from common.drafter.export import load_drafter
         from common.drafter.loss import LossConfig
@@ -184,7 +184,7 @@ class EvaluationJob:
         )
         return self._evaluator_of_run().evaluate(drafter).metrics()
 
-    def _evaluator_of_run(self) -> Evaluator:
+    def _evaluator_of_run(self) -> AcceptanceEvaluator:
         """The evaluator, made once: it keeps the target's reference between evaluations."""
         if self._evaluator is None:
             # A tensor-parallel leader's greedy target tells its followers every call (producer/target_model/operations.py).

@@ -18,7 +18,7 @@ from producer.target_model.greedy import GreedyTarget
 class ForwardTimer:
     """Seconds of work on ``device``: on a GPU the wall clock after the queued kernels are done; on a CPU the calling
     thread's CPU time, which is what a forward costs there whatever else the cores run (the evaluation runs the models
-    on one thread, ``Evaluator.evaluation_context``)."""
+    on one thread, ``AcceptanceEvaluator.evaluation_context``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -1,7 +1,7 @@
 """The sides of a served check that run in this process: our evaluator, our live decoder and z-lab's ``dflash_generate``
 (PyPI's ``dflash``, the authors' own decoder), each on the same prompts, target, drafter and stop tokens.
 
-  evaluator  ``Evaluator.reference_for`` + ``Evaluator.decode`` (launch.evaluate's): the target's greedy text, replayed
+  evaluator  ``AcceptanceEvaluator.reference_for`` + ``AcceptanceEvaluator.decode`` (launch.evaluate's): the target's greedy text, replayed
              with the drafter's proposals;
   live       ``speculative_decode``: draft, verify with the target's KV cache, accept, as a server does;
   z-lab      our export loaded by z-lab's own model class and decoded by its ``dflash_generate``, ``B - 1`` tokens
@@ -129,7 +129,7 @@ def evaluator_and_live(
     from common.batch import Document
     from common.config import EvalConfig
     from producer.acceptance.decoder import DraftContext, speculative_decode
-    from producer.acceptance.evaluator import Evaluator
+    from producer.acceptance.evaluator import AcceptanceEvaluator
     from producer.target_model.greedy import GreedyTarget
 
     block_size, drafter = loaded.block_size, loaded.drafter
@@ -140,7 +140,9 @@ def evaluator_and_live(
     ]
     config = EvalConfig(num_prompts=len(prompts), max_new_tokens=max_new_tokens, prompt_len=0)
     layer_ids = list(drafter.config.target_layer_ids)
-    evaluator = Evaluator(loaded.model, documents, config, layer_ids, num_anchors=0, stop_token_ids=frozenset(stops))
+    evaluator = AcceptanceEvaluator(
+        loaded.model, documents, config, layer_ids, num_anchors=0, stop_token_ids=frozenset(stops)
+    )
     started = time.perf_counter()
     with evaluator.evaluation_context(), CutMargin(drafter, confidence_min) as cut:
         reference, _ = evaluator.reference_for(block_size)

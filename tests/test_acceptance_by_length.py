@@ -19,7 +19,7 @@ from common.drafter.model import DFlashDrafter
 from common.rundir import RunDir
 from launch.evaluate import main
 from producer.acceptance.decoder import DraftContext, speculative_decode
-from producer.acceptance.evaluator import Evaluator, build_evaluator
+from producer.acceptance.evaluator import AcceptanceEvaluator, build_evaluator
 from producer.acceptance.held_out import prompt_of, turn_documents
 from producer.target_model.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
@@ -69,7 +69,9 @@ def eval_config(**overrides) -> EvalConfig:
 def trained(target_model):
     """An evaluator over three three-turn records and a drafter trained on the target's greedy text of their prompts
     (it accepts whole blocks, so every bucket's figures are not all ones)."""
-    evaluator = Evaluator(target_model, [conversation(s) for s in range(3)], eval_config(), LAYER_IDS, num_anchors=16)
+    evaluator = AcceptanceEvaluator(
+        target_model, [conversation(s) for s in range(3)], eval_config(), LAYER_IDS, num_anchors=16
+    )
     drafter = drafter_for(target_model)
     evaluator.evaluate(drafter)
     drafter = train_on_transcripts(drafter, evaluator.reference.transcripts, steps=60)
@@ -78,7 +80,7 @@ def trained(target_model):
 
 def test_each_assistant_turn_of_a_record_is_a_prompt_of_the_conversation_before_it(target_model):
     record = conversation(7)
-    evaluator = Evaluator(target_model, [record], eval_config(), LAYER_IDS, num_anchors=16)
+    evaluator = AcceptanceEvaluator(target_model, [record], eval_config(), LAYER_IDS, num_anchors=16)
     prompts = [prompt_of(d, 0) for d in evaluator.documents]
     assert [p.numel() for p in prompts] == [10, 48, 84] == evaluator.prompt_lengths
     for p in prompts:  # the conversation itself up to the turn, earlier answers included
@@ -86,9 +88,9 @@ def test_each_assistant_turn_of_a_record_is_a_prompt_of_the_conversation_before_
     assert evaluator.record_of == [0, 0, 0] and len(evaluator.records) == 1
     # Each turn's simulated span is its own answer: supervised on that turn only, cut at its end.
     assert [(len(d), int(d.loss_mask.sum())) for d in evaluator.documents] == [(40, 30), (78, 30), (114, 30)]
-    first_only = Evaluator(target_model, [record], eval_config(every_turn=False), LAYER_IDS, num_anchors=16)
+    first_only = AcceptanceEvaluator(target_model, [record], eval_config(every_turn=False), LAYER_IDS, num_anchors=16)
     assert first_only.prompt_lengths == [10]
-    fixed = Evaluator(target_model, [record], eval_config(prompt_len=5), LAYER_IDS, num_anchors=16)
+    fixed = AcceptanceEvaluator(target_model, [record], eval_config(prompt_len=5), LAYER_IDS, num_anchors=16)
     assert fixed.prompt_lengths == [5]
 
 
@@ -164,7 +166,9 @@ def test_the_break_even_tau_is_timed_at_each_buckets_context(target_model, train
     metrics = report.metrics()
     assert metrics["eval/break_even_tau_by_length/32-64"] == report.by_length[1].costs.break_even_tau
 
-    fresh = Evaluator(target_model, [conversation(s) for s in range(3)], eval_config(), LAYER_IDS, num_anchors=16)
+    fresh = AcceptanceEvaluator(
+        target_model, [conversation(s) for s in range(3)], eval_config(), LAYER_IDS, num_anchors=16
+    )
     calls = []
     hook = target_model.register_forward_pre_hook(
         lambda _m, _a, kw: calls.append((kw["input_ids"].shape[1], int(kw["position_ids"][0, 0]))), with_kwargs=True
@@ -181,7 +185,7 @@ def test_the_break_even_tau_is_timed_at_each_buckets_context(target_model, train
         hook.remove()
     for context in contexts.values():
         assert {(context, 0), (BLOCK, context), (1, context)} <= timed  # the prefill, a verify, a decode
-    untimed = Evaluator(
+    untimed = AcceptanceEvaluator(
         target_model, [conversation(0)], eval_config(timing_repeats=0), LAYER_IDS, num_anchors=16
     ).evaluate(drafter)
     assert all(b.costs is None for b in untimed.by_length)
@@ -190,7 +194,7 @@ def test_the_break_even_tau_is_timed_at_each_buckets_context(target_model, train
 
 def test_sampled_decoding_is_reported_by_length_too(target_model, trained):
     _, drafter, _ = trained
-    report = Evaluator(
+    report = AcceptanceEvaluator(
         target_model, [conversation(0)], eval_config(temperature=0.8, timing_repeats=0), LAYER_IDS, num_anchors=16
     ).evaluate(drafter)
     blocks = sum(b.blocks for b in report.by_length)
@@ -308,7 +312,7 @@ def test_command_prints_the_by_length_table_and_writes_it_in_json(tmp_path, targ
 def test_the_trainer_logs_one_series_per_bucket(tmp_path, trained, caplog):
     """The result of producer 0, through the trainer's evaluation client: metrics.jsonl and wandb get each bucket's
     tau as a series of its own (against eval/step), buckets no verify forward reached get no point."""
-    from trainer.acceptance import EvalClient
+    from trainer.acceptance import AcceptanceClient
 
     _, _, report = trained
     logged = []
@@ -319,7 +323,7 @@ def test_the_trainer_logs_one_series_per_bucket(tmp_path, trained, caplog):
 
     metrics = report.metrics()
     with open(tmp_path / "metrics.jsonl", "w") as metrics_file:
-        client = EvalClient(RunDir(tmp_path), 1, BLOCK, 0.3, False, metrics_file, Run())
+        client = AcceptanceClient(RunDir(tmp_path), 1, BLOCK, 0.3, False, metrics_file, Run())
         with caplog.at_level(logging.INFO):
             client.record(40, metrics, now_step=44)
     line = json.loads((tmp_path / "metrics.jsonl").read_text())

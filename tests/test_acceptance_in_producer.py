@@ -119,7 +119,9 @@ def test_evaluations_asked_faster_than_they_run_never_stop_producer_zero(short_t
         run_dir,
     )
     run = RunDir(run_dir)
-    results = [evals.EvalResult(**read_json(path)) for path in sorted((run_dir / "evals").glob("step-*/result.json"))]
+    results = [
+        evals.AcceptanceResult(**read_json(path)) for path in sorted((run_dir / "evals").glob("step-*/result.json"))
+    ]
     skipped = [r.step for r in results if r.lost and r.lost.startswith("skipped")]
     done = [r.step for r in results if not r.lost]
     assert skipped and len(done) >= 2 and 96 in done, (skipped, done)
@@ -142,7 +144,7 @@ def test_the_runs_last_evaluation_starts_as_soon_as_training_ends(short_tmp):
         [found] = (run_dir / "evals").glob(f"step-{step:08d}-*/{name}.json")
         return read_json(found)
 
-    first, last = (evals.EvalResult(**record(step, "result")) for step in (8, 16))
+    first, last = (evals.AcceptanceResult(**record(step, "result")) for step in (8, 16))
     assert not first.lost and not last.lost, (first.lost, last.lost)
     assert not record(8, "request")["final"] and record(16, "request")["final"]
     spent = first.finished - record(8, "claim")["claimed"]
@@ -199,7 +201,7 @@ def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_c
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
     writer = EvalExportWriter(run)
     export = evals.folder(run, 8, 1) / "drafter"
-    writer.export(drafter, drafter.state_dict(), evals.EvalRequest(step=8, drafter=str(export), incarnation=1))
+    writer.export(drafter, drafter.state_dict(), evals.AcceptanceRequest(step=8, drafter=str(export), incarnation=1))
     with torch.no_grad():  # the next optimizer step, while the export is written
         for p in drafter.parameters():
             p.add_(1.0)
@@ -212,7 +214,7 @@ def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_c
     blocked.mkdir(parents=True)
     (blocked / "drafter").write_text("a file where the export's folder goes")
     writer.export(
-        drafter, drafter.state_dict(), evals.EvalRequest(step=16, drafter=str(blocked / "drafter"), incarnation=1)
+        drafter, drafter.state_dict(), evals.AcceptanceRequest(step=16, drafter=str(blocked / "drafter"), incarnation=1)
     )
     writer.wait()
     assert evals.result(run, 16, 1).lost.startswith("the export could not be written")
@@ -223,10 +225,10 @@ def test_the_trainer_warns_when_a_result_shows_a_real_and_simulated_gap(tmp_path
     """The result of producer 0 goes through the trainer's own logging, which warns past eval.gap_tolerance."""
     from common.config import load_config
     from common.rundir import RunDir
-    from trainer.acceptance import EvalClient
+    from trainer.acceptance import AcceptanceClient
 
     metrics_file = open(tmp_path / "metrics.jsonl", "w")
-    client = EvalClient(
+    client = AcceptanceClient(
         RunDir(tmp_path),
         incarnation=1,
         block_size=4,

@@ -7,8 +7,8 @@ Prints each evaluation's time split into making the reference, the replayed deco
 together, ``--new-tokens`` each, per round) and the simulated acceptance, then with ``--profile`` the
 operators of a later evaluation that took the most time, host and device.
 
-    python -m launch.bench.eval                  # H200
-    python -m launch.bench.eval --tiny           # CPU smoke run
+    python -m launch.bench.acceptance                  # H200
+    python -m launch.bench.acceptance --tiny           # CPU smoke run
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from common.config import EvalConfig, TargetConfig
 from common.drafter.model import DFlashDrafter
 from launch.bench.harness import QWEN3_8B, add_json_argument, emit, synchronize
 from launch.bench.step import qwen3_8b_draft, tiny_draft
-from producer.acceptance.evaluator import Evaluator
+from producer.acceptance.evaluator import AcceptanceEvaluator
 from producer.target_model.load import load_target_model, target_head_of
 
 TINY_TARGET = {
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     eval_config = EvalConfig(
         num_prompts=args.prompts, max_new_tokens=args.new_tokens, batch_prompts=args.prompts, prompt_len=args.prompt_len
     )
-    evaluator = Evaluator(model, docs, eval_config, list(config.target_layer_ids), num_anchors=64)
+    evaluator = AcceptanceEvaluator(model, docs, eval_config, list(config.target_layer_ids), num_anchors=64)
 
     rows = []
     for repeat in range(args.repeats + 1):  # the first makes the target's reference
