@@ -67,11 +67,16 @@ class LatticeAttention(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """x [G, L, h], bias [heads, L, L] (the same for every block) -> [G, L, h]."""
         blocks, length, width = x.shape
-        q, k, v = (
-            part.view(blocks, length, self.num_heads, -1).transpose(1, 2)
-            for part in F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
-        )
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None].to(q.dtype))
+        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias).view(blocks, length, 3, self.num_heads, -1)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        bias = bias.to(q.dtype)
+        if bias.requires_grad and not x.is_cuda:
+            # No CPU kernel trains a mask: SDPA would take its math fallback, 1.2x these four ops forward and
+            # backward (the tiny default's lattice: heads of 8, 24 long). Elsewhere its fused kernels are faster.
+            scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2)) + bias
+            out = torch.matmul(torch.softmax(scores, dim=-1), v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None])
         return self.out_proj(out.transpose(1, 2).reshape(blocks, length, width))
 
 
@@ -209,12 +214,19 @@ class LiLiCorrHead(nn.Module):
         a_row = a[:, None, None]
         pre = F.linear(x, w_self, self.factor_input_proj.bias) + F.linear(a, w_anchor)[:, None, None]
         g = F.silu(pre + F.linear(x * a_row, w_cross))
-        out_vec = F.normalize(self.out_head(g), dim=-1, eps=self.vector_eps)
-        in_vec = F.normalize(self.in_head(g), dim=-1, eps=self.vector_eps)
-        anchor_out = F.normalize(self.anchor_out_head(a), dim=-1, eps=self.vector_eps)
+        # The last slot's out vectors pair with no slot after it: not computed.
+        out_vec = unit_vectors(self.out_head(g[:, :-1]), self.vector_eps)
+        in_vec = unit_vectors(self.in_head(g), self.vector_eps)
+        anchor_out = unit_vectors(self.anchor_out_head(a), self.vector_eps)
         start = (anchor_out[:, None] * in_vec[:, 0]).sum(-1)
-        pair = out_vec[:, :-1] @ in_vec[:, 1:].transpose(-1, -2)
+        pair = out_vec @ in_vec[:, 1:].transpose(-1, -2)
         return self.logit_scale * start.float(), self.logit_scale * pair.float()
+
+
+def unit_vectors(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.normalize(x, dim=-1, eps=eps)``, x / max(|x|, eps), as x * rsqrt(max(|x|^2, eps^2)): the same up to
+    rounding, and its backward takes half the time of the norm's on a CPU."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True).clamp_min(eps * eps))
 
 
 def chain_rows(log_start: torch.Tensor, log_pair: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
