@@ -33,6 +33,38 @@ def causal_in_block(in_block_causality: str, layer_type: str) -> bool:
     return in_block_causality == CAUSAL
 
 
+def _target_shape(text: Any) -> dict[str, Any]:
+    """The draft layers' shape where it follows the target's (Qwen3-like): its MLP width, heads and rotary."""
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    return dict(
+        intermediate_size=int(text.intermediate_size),
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+        rope_parameters=target_rope_parameters(text),
+    )
+
+
+def _hybrid_qwen_shape(text: Any, num_layers: int) -> dict[str, Any]:
+    """The released draft's shape for a Qwen3.5 / Qwen3.6 target (z-lab Qwen3.6-27B-DFlash): plain Qwen3 layers of
+    the target's width, 32 heads / 8 key-value heads of 128 (not the target's gated 256-wide heads), the last layer
+    full and the others sliding over 2048 tokens, full rotary at the target's theta (not its partial, multimodal
+    rotary). A mixture-of-experts target, which has no dense MLP width, gets a SwiGLU three times its hidden size
+    (our choice: no released draft fixes it)."""
+    dense = getattr(text, "intermediate_size", None)
+    return dict(
+        intermediate_size=int(dense) if dense else 3 * int(text.hidden_size),
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        layer_types=[SLIDING_ATTENTION] * (num_layers - 1) + [FULL_ATTENTION],
+        sliding_window=2048,
+        in_block_causality=SLIDING_CAUSAL,
+        rope_parameters={"rope_type": "default", "rope_theta": target_rope_parameters(text)["rope_theta"]},
+    )
+
+
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Target decoder layers whose outputs feed the drafter (z-lab numbering: layer k).
 
@@ -233,69 +265,23 @@ class DraftConfig:
         target's embedding. Any field can be overridden by keyword.
         """
         text = getattr(target_config, "text_config", None) or target_config
-        if getattr(text, "model_type", None) in HYBRID_QWEN_TYPES:
-            return cls._from_hybrid_qwen(text, num_draft_layers, tokenizer, mask_token_id, **overrides)
-        hidden = int(text.hidden_size)
-        heads = int(text.num_attention_heads)
         num_layers = int(overrides.pop("num_hidden_layers", num_draft_layers))
         num_target_layers = int(text.num_hidden_layers)
-        mask_token_id = cls._mask_token(tokenizer, mask_token_id, overrides, int(text.vocab_size))
         values: dict[str, Any] = dict(
-            hidden_size=hidden,
-            intermediate_size=int(text.intermediate_size),
+            hidden_size=int(text.hidden_size),
             num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
             vocab_size=int(text.vocab_size),
-            target_hidden_size=hidden,
+            target_hidden_size=int(text.hidden_size),
             num_target_layers=num_target_layers,
             # the default rule only where none is named: it fails on a target too shallow for it
             target_layer_ids=overrides.pop("target_layer_ids", None)
             or build_target_layer_ids(num_target_layers, num_layers),
-            mask_token_id=mask_token_id,
+            mask_token_id=cls._mask_token(tokenizer, mask_token_id, overrides, int(text.vocab_size)),
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
-            rope_parameters=target_rope_parameters(text),
             max_position_embeddings=int(getattr(text, "max_position_embeddings", 40960)),
         )
-        values.update(overrides)
-        return cls(**values)
-
-    @classmethod
-    def _from_hybrid_qwen(
-        cls, text: Any, num_draft_layers: int, tokenizer: Any, mask_token_id: int | None, **overrides: Any
-    ) -> DraftConfig:
-        """The released draft's shape for a Qwen3.5 / Qwen3.6 target (z-lab Qwen3.6-27B-DFlash): plain Qwen3
-        layers of the target's width, 32 heads / 8 key-value heads of 128 (not the target's gated 256-wide
-        heads), the last layer full and the others sliding over 2048 tokens, full rotary at the target's
-        theta (not its partial, multimodal rotary). A mixture-of-experts target, which has no dense MLP width,
-        gets a SwiGLU three times its hidden size (our choice: no released draft fixes it)."""
-        num_layers = int(overrides.pop("num_hidden_layers", num_draft_layers))
-        hidden = int(text.hidden_size)
-        dense = getattr(text, "intermediate_size", None)
-        mask = cls._mask_token(tokenizer, mask_token_id, overrides, int(text.vocab_size))
-        num_target_layers = int(text.num_hidden_layers)
-        values: dict[str, Any] = dict(
-            hidden_size=hidden,
-            intermediate_size=int(dense) if dense else 3 * hidden,
-            num_hidden_layers=num_layers,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            vocab_size=int(text.vocab_size),
-            target_hidden_size=hidden,
-            num_target_layers=num_target_layers,
-            # the default rule only where none is named: it fails on a target too shallow for it
-            target_layer_ids=overrides.pop("target_layer_ids", None)
-            or build_target_layer_ids(num_target_layers, num_layers),
-            mask_token_id=mask,
-            layer_types=[SLIDING_ATTENTION] * (num_layers - 1) + [FULL_ATTENTION],
-            sliding_window=2048,
-            in_block_causality=SLIDING_CAUSAL,
-            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
-            rope_parameters={"rope_type": "default", "rope_theta": target_rope_parameters(text)["rope_theta"]},
-            max_position_embeddings=int(getattr(text, "max_position_embeddings", 40960)),
-        )
+        hybrid = getattr(text, "model_type", None) in HYBRID_QWEN_TYPES
+        values.update(_hybrid_qwen_shape(text, num_layers) if hybrid else _target_shape(text))
         values.update(overrides)
         return cls(**values)
 
