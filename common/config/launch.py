@@ -89,20 +89,11 @@ class LaunchConfig:
             "num_producers",
             "must be >= 1 unless launch.remote_producers lists producers on other hosts",
         )
-        if self.mps_producer_sm_percent is not None:
-            require(self.mps, "mps_producer_sm_percent", "needs launch.mps = true (it is an MPS client setting)")
-            require(
-                1 <= self.mps_producer_sm_percent <= 100,
-                "mps_producer_sm_percent",
-                f"must be in 1..100, got {self.mps_producer_sm_percent}",
-            )
-        if self.mps_trainer_sm_percent is not None:
-            require(self.mps, "mps_trainer_sm_percent", "needs launch.mps = true (it is an MPS client setting)")
-            require(
-                1 <= self.mps_trainer_sm_percent <= 100,
-                "mps_trainer_sm_percent",
-                f"must be in 1..100, got {self.mps_trainer_sm_percent}",
-            )
+        for key in ("mps_producer_sm_percent", "mps_trainer_sm_percent"):
+            percent = getattr(self, key)
+            if percent is not None:
+                require(self.mps, key, "needs launch.mps = true (it is an MPS client setting)")
+                require(1 <= percent <= 100, key, f"must be in 1..100, got {percent}")
         for index, endpoint in enumerate(self.remote_producers):
             require(
                 _is_tcp_connect_endpoint(endpoint),
