@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from launch.bench.harness import emit
 from launch.bench.served.check import SERVERS, main_check
 
 
@@ -91,9 +91,7 @@ def main_measure(args) -> int:
         print(f"served: {args.url}: {error}", file=sys.stderr)
         return 2
     print_measurement(result)
-    print(json.dumps(result))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    emit(result, args.json_out)
     return 0
 
 

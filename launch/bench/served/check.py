@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch.bench.harness import emit
 from launch.bench.served.schedule import Difference, PromptRun, Side, compare, failures, summary_of, table
 
 SERVERS = ("llamacpp", "vllm")
@@ -396,7 +397,5 @@ def main_check(args) -> int:
         print(f"served: {error}", file=sys.stderr)
         return 2
     summary = report(request, sides, differences, facts)
-    print(json.dumps(summary))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(summary, indent=2) + "\n")
+    emit(summary, args.json_out)
     return 0 if summary["agrees"] else 1
