@@ -44,27 +44,18 @@ from common.drafter.loss import LossConfig
 from common.drafter.model import train_flops
 from common.drafter.target_head import TargetHead
 from common.lifecycle import exit_process
-from launch.bench.harness import Table, emit, gpu_name, matmul_tflops, synchronize
+from launch.bench.harness import QWEN3_8B, Table, emit, gpu_name, matmul_tflops, synchronize
 from trainer.sharding import full_tensor, parallelize
 
 VARIANTS = ("eager", "compile-layers", "compile-model")
 
 
 def qwen3_8b_draft(block_size: int) -> DraftConfig:
-    return DraftConfig(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=5,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        target_hidden_size=4096,
-        num_target_layers=36,
-        target_layer_ids=[1, 9, 17, 25, 33],
-        mask_token_id=151669,
-        block_size=block_size,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    """The Qwen3-8B draft (five layers), as DraftConfig derives it from the target."""
+    from transformers import AutoConfig
+
+    return DraftConfig.from_target(
+        AutoConfig.for_model(**QWEN3_8B), num_draft_layers=5, mask_token_id=151669, block_size=block_size
     )
 
 
