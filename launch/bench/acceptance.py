@@ -47,19 +47,7 @@ def documents(count: int, length: int, prompt_len: int, vocab: int, seed: int) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument(
-        "--doc-len", type=int, default=1024, help="tokens of each held-out document (simulated acceptance)"
-    )
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--profile", action="store_true")
-    add_json_argument(parser)
-    args = parser.parse_args(argv)
-
+    args = parse(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
     if device.type == "cpu":
         torch.set_num_threads(1)  # as evaluate runs on a CPU
@@ -78,55 +66,79 @@ def main(argv: list[str] | None = None) -> None:
         num_prompts=args.prompts, max_new_tokens=args.new_tokens, batch_prompts=args.prompts, prompt_len=args.prompt_len
     )
     evaluator = AcceptanceEvaluator(model, docs, eval_config, list(config.target_layer_ids), num_anchors=64)
-
-    rows = []
-    for repeat in range(args.repeats + 1):  # the first makes the target's reference
-        synchronize(device)
-        started = time.perf_counter()
-        report = evaluator.evaluate(drafter)
-        synchronize(device)
-        total = time.perf_counter() - started
-        # The decoding alone, as evaluate runs it (in eval mode, in the evaluation's context).
-        drafter.eval()
-        with evaluator.evaluation_context():
-            started = time.perf_counter()
-            decoded = evaluator.decode(drafter, evaluator.reference)
-            synchronize(device)
-            decode = time.perf_counter() - started
-        rounds = max(len(d.accepted) for d in decoded)  # drafter forwards of the batch
-        simulated = total - decode - report.reference_seconds
-        row = {
-            "repeat": repeat,
-            "seconds": total,
-            "reference_s": report.reference_seconds,
-            "decode_s": decode,
-            "simulated_s": simulated,
-            "rounds": rounds,
-            "tau": report.tau,
-            "ms_per_round": 1000 * decode / rounds,
-        }
-        rows.append(row)
-        print(
-            f"{'first' if repeat == 0 else 'run ' + str(repeat):8s} evaluation {total:6.2f} s = reference "
-            f"{report.reference_seconds:6.2f} s + decode {decode:5.2f} s + simulated and the rest {simulated:5.2f} s; "
-            f"{rounds} rounds of {len(decoded)} prompts (tau {report.tau:.2f}), {row['ms_per_round']:.1f} ms per round"
-        )
-
+    # the first makes the target's reference
+    rows = [time_evaluation(evaluator, drafter, device, repeat) for repeat in range(args.repeats + 1)]
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            evaluator.evaluate(drafter)
-            synchronize(device)
-        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=50))
-        events = prof.key_averages()
-        cuda_total = sum(e.self_device_time_total for e in events) / 1e6 if device.type == "cuda" else 0.0
-        kernels = sum(e.count for e in events if e.device_type.name == "CUDA") if device.type == "cuda" else 0
-        print(f"device busy {cuda_total:.2f} s of one evaluation; {kernels} kernels launched")
-        rows.append({"profile_device_s": cuda_total, "kernels": kernels})
+        rows.append(profile_evaluation(evaluator, drafter, device))
     emit(rows, args.json)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument(
+        "--doc-len", type=int, default=1024, help="tokens of each held-out document (simulated acceptance)"
+    )
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    add_json_argument(parser)
+    return parser.parse_args(argv)
+
+
+def time_evaluation(evaluator: AcceptanceEvaluator, drafter: DFlashDrafter, device: torch.device, repeat: int) -> dict:
+    """One evaluation's seconds, split into the reference, the decoding (timed again alone, as evaluate runs it) and
+    the rest; printed, and its row."""
+    synchronize(device)
+    started = time.perf_counter()
+    report = evaluator.evaluate(drafter)
+    synchronize(device)
+    total = time.perf_counter() - started
+    # The decoding alone, as evaluate runs it (in eval mode, in the evaluation's context).
+    drafter.eval()
+    with evaluator.evaluation_context():
+        started = time.perf_counter()
+        decoded = evaluator.decode(drafter, evaluator.reference)
+        synchronize(device)
+        decode = time.perf_counter() - started
+    rounds = max(len(d.accepted) for d in decoded)  # drafter forwards of the batch
+    simulated = total - decode - report.reference_seconds
+    row = {
+        "repeat": repeat,
+        "seconds": total,
+        "reference_s": report.reference_seconds,
+        "decode_s": decode,
+        "simulated_s": simulated,
+        "rounds": rounds,
+        "tau": report.tau,
+        "ms_per_round": 1000 * decode / rounds,
+    }
+    print(
+        f"{'first' if repeat == 0 else 'run ' + str(repeat):8s} evaluation {total:6.2f} s = reference "
+        f"{report.reference_seconds:6.2f} s + decode {decode:5.2f} s + simulated and the rest {simulated:5.2f} s; "
+        f"{rounds} rounds of {len(decoded)} prompts (tau {report.tau:.2f}), {row['ms_per_round']:.1f} ms per round"
+    )
+    return row
+
+
+def profile_evaluation(evaluator: AcceptanceEvaluator, drafter: DFlashDrafter, device: torch.device) -> dict:
+    """The operators of one more evaluation that took the most time, host and device (printed); its device seconds
+    and kernels launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        evaluator.evaluate(drafter)
+        synchronize(device)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=50))
+    events = prof.key_averages()
+    cuda_total = sum(e.self_device_time_total for e in events) / 1e6 if device.type == "cuda" else 0.0
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA") if device.type == "cuda" else 0
+    print(f"device busy {cuda_total:.2f} s of one evaluation; {kernels} kernels launched")
+    return {"profile_device_s": cuda_total, "kernels": kernels}
 
 
 if __name__ == "__main__":
