@@ -1,4 +1,4 @@
-"""producer.generate: the static-cache engine against plain ``model.generate``, refill, follow-ups,
+"""producer.target_model.generator: the static-cache engine against plain ``model.generate``, refill, follow-ups,
 sampling, config validation and the fallback for models outside the supported family."""
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def test_model_outside_the_family_falls_back_to_plain_generate(caplog):
     prompts = prompts_of([3, 9, 5, 12, 7], seed=6)
     first = plain_greedy(model, prompts[1], 8)
     stop = (first[next(i for i in range(2, 8) if first[i] not in first[:i])],)
-    with caplog.at_level(logging.WARNING, logger="producer.generate"):
+    with caplog.at_level(logging.WARNING, logger="producer.target_model.generator"):
         generator = Generator(
             model, GenerationConfig(rows=2, max_new_tokens=8, max_prompt_tokens=12, stop_token_ids=stop)
         )
