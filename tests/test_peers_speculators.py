@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch.bench.peers.common import PEERS_DIR, Budget, DraftShape, TrainingRow
+from launch.bench.peers.common import PEERS_DIR, Budget, DraftShape, PeerJob, TrainingRow
 from launch.bench.peers.speculators import (
     Layout,
     Probe,
@@ -239,7 +239,9 @@ def test_two_steps_of_speculators_train_and_our_evaluator_loads_its_checkpoint(t
     rows = random_rows(12, model.config.vocab_size, seed=1)
     peer = Speculators(token_budget=128, anchors=8, max_len=1024, smoke=True)
     assert peer.missing() is None
-    result = peer.run(tmp_path / "work", rows, PlainCapture(model), draft, Budget(seconds=600), tmp_path / "log")
+    result = peer.run(
+        PeerJob(tmp_path / "work", rows, PlainCapture(model), draft, Budget(seconds=600), tmp_path / "log")
+    )
     assert result.steps == 2 and result.export == tmp_path / "work" / "save" / "0"
     config = json.loads((result.export / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["block_size"] == draft.config.block_size

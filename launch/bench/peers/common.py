@@ -109,6 +109,24 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class PeerJob:
+    """What the orchestrator asks of a peer for one view."""
+
+    work: Path
+    """The peer's folder: its features, checkpoints and export."""
+    rows: Sequence[TrainingRow]
+    """The rows it trains on, in order."""
+    capture: FeatureCapture
+    """The target's features of a row, as the peer's format wants them."""
+    draft: DraftShape
+    """The draft's shape, the same as ours."""
+    budget: Budget
+    """Seconds or samples: how long it trains."""
+    log: Path
+    """Where its output goes."""
+
+
+@dataclass(frozen=True)
 class PeerRun:
     """What a peer's ``run`` returns to the orchestrator."""
 
@@ -139,16 +157,8 @@ class Peer(Protocol):
         """None when the peer imports from .peers/, else ONE line saying how to set it up."""
         ...
 
-    def run(
-        self,
-        work: Path,
-        rows: Sequence[TrainingRow],
-        capture: FeatureCapture,
-        draft: DraftShape,
-        budget: Budget,
-        log: Path,
-    ) -> PeerRun:
-        """Dump ``rows``' features into ``work``, train on them to ``budget``, export; its output in ``log``."""
+    def run(self, job: PeerJob) -> PeerRun:
+        """Do ``job``: dump its rows' features, train on them to its budget, export."""
         ...
 
 

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.bench.peers.common import Budget, PeakGpuMemory, Peer, PeerRun, TrainingRow
+from launch.bench.peers.common import Budget, PeakGpuMemory, Peer, PeerJob, PeerRun, TrainingRow
 from launch.bench.peers.features import (
     TargetCapture,
     epoch_order,
@@ -116,7 +116,7 @@ def run_peer(peer: Peer, out: Path, view: str, rows: list[TrainingRow], ctx: dic
         shutil.rmtree(work)
     capture = TargetCapture(ctx["cfg"], ctx["device"])
     started = time.monotonic()
-    run: PeerRun = peer.run(work, rows, capture, ctx["draft"], budget, out / f"peers-{peer.name}-{view}.log")
+    run: PeerRun = peer.run(PeerJob(work, rows, capture, ctx["draft"], budget, out / f"peers-{peer.name}-{view}.log"))
     capture.close()
     record = {"row": peer.name, "view": view, "wall_s": time.monotonic() - started}
     record |= {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(run).items()}

@@ -39,10 +39,10 @@ import yaml
 
 from launch.bench.peers.common import (
     PEERS_DIR,
-    Budget,
     DraftShape,
     FeatureCapture,
     PeakGpuMemory,
+    PeerJob,
     PeerRun,
     TrainingRow,
     peer_env,
@@ -201,15 +201,8 @@ class SpecForge:
         step_s = (saved[PROBE_STEPS] - saved[PROBE_SAVE]) / (PROBE_STEPS - PROBE_SAVE)
         return step_s, max(0.0, saved[PROBE_SAVE] - started - PROBE_SAVE * step_s)
 
-    def run(
-        self,
-        work: Path,
-        rows: Sequence[TrainingRow],
-        capture: FeatureCapture,
-        draft: DraftShape,
-        budget: Budget,
-        log: Path,
-    ) -> PeerRun:
+    def run(self, job: PeerJob) -> PeerRun:
+        work, rows, capture, draft, budget, log = job.work, job.rows, job.capture, job.draft, job.budget, job.log
         cuda = torch.cuda.is_available() and not self.smoke
         work.mkdir(parents=True, exist_ok=True)
         shape = step_shape(rows, self.token_budget, self.anchors)

@@ -64,6 +64,7 @@ from launch.bench.peers.common import (
     DraftShape,
     FeatureCapture,
     PeakGpuMemory,
+    PeerJob,
     PeerRun,
     TrainingRow,
     peer_env,
@@ -317,15 +318,8 @@ class Speculators:
         layout = read_layout(work / "data", self.token_budget, steps, log)
         return layout, layout.epochs_for(steps), steps, left
 
-    def run(
-        self,
-        work: Path,
-        rows: Sequence[TrainingRow],
-        capture: FeatureCapture,
-        draft: DraftShape,
-        budget: Budget,
-        log: Path,
-    ) -> PeerRun:
+    def run(self, job: PeerJob) -> PeerRun:
+        work, rows, capture, draft, budget, log = job.work, job.rows, job.capture, job.draft, job.budget, job.log
         for stale in ("data", "save", "probe", "logs", "draft"):
             _rmtree(work / stale)  # prepare-data keeps an existing dataset and train resumes an existing save
         (work / "draft").mkdir(parents=True)
