@@ -355,7 +355,7 @@ def test_length_bucket_settings_are_checked_naming_the_key():
 def test_the_timed_draft_round_drafts_what_decoding_drafts(target_model, kind):
     """The timed round reads the context's keys and values projected once, as a server's draft cache holds them: its
     drafts are the evaluator's, for either kind, and the drafter's layers are as they were afterwards."""
-    from common.drafter.base import build_drafter
+    from common.drafter.model import build_drafter
     from producer.acceptance.decoder import draft_rows
     from producer.acceptance.timing import _context_kv_cached, time_draft_round
     from tests.test_dflash2 import dflash2_config, trained_like

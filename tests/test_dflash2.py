@@ -9,7 +9,6 @@ import importlib.util
 import pytest
 import torch
 
-from common.drafter.base import build_drafter
 from common.drafter.blocks import build_blocks
 from common.drafter.dflash2.model import DFlash2KindHead, GroupedDynamicCausalConv
 from common.drafter.export import (
@@ -21,7 +20,7 @@ from common.drafter.export import (
     zlab_config,
 )
 from common.drafter.masks import build_masks
-from common.drafter.model import DFlashDrafter
+from common.drafter.model import DFlashDrafter, build_drafter
 from producer.acceptance.decoder import draft_rows, propose_rows
 from tests.drafter_fixtures import random_batch, random_head, tiny_config
 

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.drafter.base import build_drafter
 from common.drafter.blocks import build_blocks
 from common.drafter.dflash2.model import CandidateSelector, GroupedDynamicCausalConv, causal_conv
 from common.drafter.masks import build_masks
+from common.drafter.model import build_drafter
 from tests.drafter_fixtures import random_batch, random_head
 from tests.test_dflash2 import dflash2_config, trained_like
 

@@ -10,13 +10,13 @@ import torch
 
 from common.acceptance.arithmetic import Transcript, replay_rows
 from common.config import ConfigError, load_config
-from common.drafter.base import build_drafter
 from common.drafter.blocks import build_blocks
 from common.drafter.draft_config import default_gamma
 from common.drafter.dspark.head_loss import MarkovRows, markov_head_rows
 from common.drafter.export import config_from_export, export_speculators, export_zlab, load_drafter, speculators_config
 from common.drafter.loss import LossConfig, slot_weights
 from common.drafter.masks import build_masks
+from common.drafter.model import build_drafter
 from common.drafter.sampling import Proposal, Sampling
 from producer.acceptance.decoder import DraftRows
 from tests.drafter_fixtures import random_batch, random_head, tiny_config

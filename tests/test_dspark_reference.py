@@ -36,9 +36,9 @@ from safetensors.torch import load_file, save_file
 
 import common.drafter.dspark.model as dspark_model
 from common.batch import PackedBatch
-from common.drafter.base import build_drafter
 from common.drafter.blocks import build_blocks
 from common.drafter.export import export_speculators
+from common.drafter.model import build_drafter
 from producer.acceptance.decoder import draft_rows
 from tests.drafter_fixtures import random_head, tiny_config
 

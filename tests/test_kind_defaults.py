@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from common.drafter.base import build_drafter
 from common.drafter.kinds import KINDS
+from common.drafter.model import build_drafter
 from producer.target_model.load import build_target_config
 from tests.drafter_fixtures import random_head, tiny_config
 from trainer.build import draft_config_for

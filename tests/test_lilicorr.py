@@ -12,12 +12,12 @@ import torch
 
 from common.batch import PackedBatch
 from common.config import ConfigError, load_config
-from common.drafter.base import build_drafter
 from common.drafter.blocks import build_blocks
 from common.drafter.export import config_from_export, export_speculators, export_zlab, load_drafter, zlab_config
 from common.drafter.lilicorr.model import LiLiCorrHead, LiLiCorrKindHead, LogSumExpRows, chain_rows
 from common.drafter.loss import LossConfig, chunked_head_rows, draft_loss
 from common.drafter.masks import build_masks
+from common.drafter.model import build_drafter
 from common.drafter.sampling import Sampling
 from producer.acceptance.decoder import DraftContext
 from tests.drafter_fixtures import random_batch, random_head, tiny_config

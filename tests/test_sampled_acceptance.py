@@ -26,7 +26,7 @@ import torch
 
 from common.acceptance.arithmetic import zlab_acceptance_lengths
 from common.config import load_config
-from common.drafter.base import build_drafter
+from common.drafter.model import build_drafter
 from common.drafter.sampling import Sampling, rejection_sample, sample_from, sampling_probs
 from producer.acceptance.decoder import DraftContext, speculative_decode
 from producer.acceptance.evaluator import build_evaluator

@@ -415,9 +415,9 @@ def test_a_dspark_drafter_reaches_llamacpps_converter_in_speculators_format(tmp_
     import torch
     from safetensors.torch import load_file
 
-    from common.drafter.base import build_drafter
     from common.drafter.export import export_speculators, export_zlab
     from common.drafter.kinds import kind_of
+    from common.drafter.model import build_drafter
     from launch.bench.served import ours
     from launch.bench.served.check import converter_source, kind_and_block
     from tests.drafter_fixtures import random_head, tiny_config

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from common.acceptance.arithmetic import zlab_acceptance_lengths
-from common.drafter.base import build_drafter
 from common.drafter.export import export_zlab
+from common.drafter.model import build_drafter
 from producer.acceptance.decoder import DraftContext, speculative_decode
 from producer.acceptance.transcripts import greedy_transcripts
 from producer.target_model.greedy import GreedyTarget

@@ -22,11 +22,12 @@ from torch.utils._pytree import tree_map
 from common.codec import DTYPES
 from common.config import ConfigError, RunConfig
 from common.contract import Expectation
-from common.drafter.base import Drafter, build_drafter
+from common.drafter.base import Drafter
 from common.drafter.draft_config import DraftConfig
 from common.drafter.export import CONFIG_FILE, WEIGHTS_FILE, config_from_export, drafter_folder, drafter_from_state
 from common.drafter.kinds import kind_of
 from common.drafter.loss import LossConfig
+from common.drafter.model import build_drafter
 from common.drafter.target_head import TargetHead, load_target_head
 from common.hf import target_identity, text_config_of
 from common.naming import run_tag, sweep_stale_trainer_staging

@@ -22,8 +22,8 @@ import torch
 from common.batch import PackedBatch, SlotFormat, document_tensors
 from common.codec import DTYPES
 from common.config import RunConfig
-from common.drafter.base import build_drafter
 from common.drafter.draft_config import DraftConfig
+from common.drafter.model import build_drafter
 from common.hf import target_identity
 from common.rundir import RunDir
 from trainer import build

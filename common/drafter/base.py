@@ -10,7 +10,6 @@ runs ``forward_train``: ``prepare`` (anchors, blocks, masks), the backbone, then
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -100,17 +99,3 @@ class Drafter(nn.Module, ABC):
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
-
-
-def build_drafter(
-    config: DraftConfig,
-    target_head: TargetHead,
-    loss_config: LossConfig | None = None,
-    attention_backend: str | None = None,
-    device: torch.device | None = None,
-) -> Drafter:
-    """A fresh drafter of ``config.kind`` (built on ``device`` when given)."""
-    from common.drafter.model import DFlashDrafter  # the backbone of every kind, which imports this interface
-
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        return DFlashDrafter(config, target_head, loss_config, attention_backend)

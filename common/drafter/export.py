@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.codec import DTYPE_NAMES
-from common.drafter.base import Drafter, build_drafter
+from common.drafter.base import Drafter
 from common.drafter.draft_config import (
     BIDIRECTIONAL,
     FULL_ATTENTION,
@@ -46,6 +46,7 @@ from common.drafter.draft_config import (
 from common.drafter.kind import DEFAULT_KIND
 from common.drafter.kinds import KINDS, kind_of, kind_of_export
 from common.drafter.loss import LossConfig
+from common.drafter.model import build_drafter
 from common.drafter.target_head import TargetHead
 
 WEIGHTS_FILE = "model.safetensors"

@@ -8,6 +8,8 @@ head of common.drafter.loss turns the block slots into a loss without materialis
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -452,3 +454,15 @@ def train_flops(
         "attention": 3.5 * attention,
         "gemm": gemm,
     }
+
+
+def build_drafter(
+    config: DraftConfig,
+    target_head: TargetHead,
+    loss_config: LossConfig | None = None,
+    attention_backend: str | None = None,
+    device: torch.device | None = None,
+) -> Drafter:
+    """A fresh drafter of ``config.kind`` (built on ``device`` when given): the backbone, which owns its kind's head."""
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return DFlashDrafter(config, target_head, loss_config, attention_backend)

@@ -30,7 +30,8 @@ from common.acceptance.report import AcceptanceReport, warn_if_gap
 from common.batch import PackedBatch, SlotFormat, document_tensors, pad_packed
 from common.config import ConfigError, RunConfig
 from common.contract import BatchMeta
-from common.drafter.base import Drafter, build_drafter
+from common.drafter.base import Drafter
+from common.drafter.model import build_drafter
 from common.lifecycle import exit_process
 from common.rundir import RunDir
 from producer.acceptance.evaluator import AcceptanceEvaluator, build_evaluator

@@ -87,10 +87,10 @@ def estimate(cfg: RunConfig) -> MemoryEstimate:
 
     from common.batch import SlotFormat
     from common.codec import DTYPES
-    from common.drafter.base import build_drafter
     from common.drafter.draft_config import DraftConfig
     from common.drafter.kinds import kind_of
     from common.drafter.loss import LossConfig
+    from common.drafter.model import build_drafter
     from common.drafter.target_head import TargetHead
     from producer.target_model.load import build_target_config
 

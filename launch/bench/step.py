@@ -37,11 +37,11 @@ import torch.distributed as dist
 
 from common.batch import PackedBatch
 from common.config.training import TrainingConfig
-from common.drafter.base import Drafter, build_drafter
+from common.drafter.base import Drafter
 from common.drafter.draft_config import DraftConfig
 from common.drafter.kinds import KINDS, kind_of
 from common.drafter.loss import LossConfig
-from common.drafter.model import train_flops
+from common.drafter.model import build_drafter, train_flops
 from common.drafter.target_head import TargetHead
 from common.lifecycle import exit_process
 from launch.bench.harness import QWEN3_8B, Table, emit, gpu_name, matmul_tflops, synchronize

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from common.drafter.base import build_drafter
 from common.drafter.export import export_speculators, export_zlab
+from common.drafter.model import build_drafter
 from common.drafter.target_head import load_target_head
 from launch.bench.peers.common import DraftShape, Peer
 

@@ -149,9 +149,9 @@ def new_drafter(
     """The drafter ``quick_drafter`` trains over ``model``: seeded, or warm-started from ``init_from``."""
     from transformers import AutoTokenizer
 
-    from common.drafter.base import build_drafter
     from common.drafter.draft_config import DraftConfig
     from common.drafter.loss import LossConfig
+    from common.drafter.model import build_drafter
     from producer.target_model.load import target_head_of
 
     text = model.config
