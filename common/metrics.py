@@ -1,7 +1,7 @@
 """A producer's statistics as one typed record, ``ProducerStats``, from where they are counted to where they are read.
 
 The ring server counts its own (common/transport.py ``RingServer.stats``) and adds the producer's throughput
-(producer/server.py); the record travels in each HEARTBEAT as its ``stats`` map (``to_wire``), is written into the
+(producer/figures.py); the record travels in each HEARTBEAT as its ``stats`` map (``to_wire``), is written into the
 producer's status file (common/status.py ``ProducerStatus.showing``) and logged by the trainer
 (trainer/metrics.py ``producer_metrics``). A new statistic is a field here and the line that computes it.
 

@@ -41,7 +41,7 @@ def _checkpoint_state(run) -> dict:
 def checkpoint(args: argparse.Namespace) -> int:
     from common.config import load_config, save_config
     from common.rundir import CheckpointError, RunDir
-    from producer.server import load_target
+    from producer.build import load_target
     from trainer.train import Trainer
 
     run = RunDir(args.run_dir)

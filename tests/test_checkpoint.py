@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from common.config import load_config, save_config
 from common.drafter.export import WEIGHTS_FILE
 from common.rundir import RunDir, read_json
-from producer.server import load_target
+from producer.build import load_target
 from trainer import checkpoint as checkpoint_module
 from trainer import tensor_files
 from trainer.checkpoint import HostStaging, read_train_state

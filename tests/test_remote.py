@@ -317,7 +317,7 @@ def test_a_gpu_ring_refuses_frames_consumers_naming_the_setting(short_tmp):
 
 
 def test_remote_settings_are_checked_naming_the_key(short_tmp):
-    from producer.server import remote_keys
+    from producer.exits import remote_keys
     from trainer.train import Trainer
 
     with pytest.raises(ConfigError, match=r"launch\.remote_producers\[1\]: must look like tcp://host:port"):

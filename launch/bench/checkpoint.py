@@ -29,7 +29,7 @@ from common.config import load_config, save_config
 from common.lifecycle import exit_process
 from common.rundir import RunDir
 from launch.bench.harness import emit
-from producer.server import load_target
+from producer.build import load_target
 from trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

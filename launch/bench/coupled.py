@@ -35,9 +35,9 @@ from common.drafter.model import build_drafter
 from common.lifecycle import exit_process
 from common.rundir import RunDir
 from producer.acceptance.evaluator import AcceptanceEvaluator, build_evaluator
+from producer.build import export_target_head, feature_layer_ids
 from producer.data.batching import batch_stats
 from producer.data.build import build_plan, run_sources
-from producer.server import export_target_head, feature_layer_ids
 from producer.target_model.capture import Target
 from producer.target_model.load import build_target_config, target_head_of
 from trainer.feeder import Commits, ProducerReport, Received

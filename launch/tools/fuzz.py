@@ -1098,7 +1098,7 @@ def _trainer_run(tmp: Path) -> tuple:
     description a producer of that target gives in its WELCOME."""
     from common.config import load_config, save_config
     from common.rundir import RunDir
-    from producer.server import export_target_head, feature_layer_ids
+    from producer.build import export_target_head, feature_layer_ids
     from producer.target_model.capture import Target
     from producer.target_model.load import build_target_config
 

@@ -175,6 +175,10 @@ class BatchPlan:
         """Windows per epoch (the last one may be short)."""
         return -(-self.order.epoch_length() // self.config.window_docs)
 
+    def epoch_batches(self) -> int:
+        """Batches of this shard's first epoch (later epochs have about as many): plans every window of it."""
+        return sum(len(self.window_batches(0, window)) for window in range(self.num_windows()))
+
     def window_batches(self, epoch: int, window: int) -> list[list[int]]:
         """Sample ids of every batch of a window, in emission order (bad records left out)."""
         key = (epoch, window)
