@@ -13,6 +13,7 @@ drafter's context. Rejected tokens never enter it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -175,49 +176,97 @@ def speculative_decode(
     cropped: their state before the block is kept, and when a draft token was rejected it is put back and the
     kept tokens are run again (``Decoded.replayed``).
     """
-    sampled = sampling is not None and not sampling.greedy
-    target.reset()
-    if sampled:
-        logits, features = target.forward_logits(prompt, 0)
-        first = int(sample_from(sampling_probs(logits[-1], sampling), generator))
-    else:
-        greedy, features = target.forward(prompt, 0)
-        first = int(greedy[-1])
+    first, features = _prefill(target, prompt, sampling, generator)
     context.extend(features)
     tokens, accepted, drafted_counts, replayed = [first], [], [], []
     while not answer_finished(tokens, max_new_tokens, stop_token_ids):
         anchor = prompt.shape[0] + len(tokens) - 1  # position of the last kept token
-        if sampled:
-            proposal = context.proposal(tokens[-1], anchor, sampling, generator)
-            drafted = proposal.tokens[0]
-            block = torch.cat([drafted.new_tensor([tokens[-1]]), drafted])
-            target.save_state()
-            logits, features = target.forward_logits(block, anchor)
-            target_probs = sampling_probs(logits, sampling)
-            draft_probs = proposal.dense(target_probs.shape[-1]).probs
-            kept_drafts, after = rejection_sample(drafted[None], target_probs[None], draft_probs, generator)
-            num_accepted, next_token = int(kept_drafts[0]), int(after[0])
-        else:
-            drafted = context.propose(tokens[-1], anchor)
-            block = torch.cat([drafted.new_tensor([tokens[-1]]), drafted])
-            target.save_state()  # a hybrid target's recurrent state before the block
-            verified, features = target.forward(block, anchor)  # verified[i]: the target's token after block[:i + 1]
-            num_accepted = int((drafted == verified[:-1]).long().cumprod(0).sum())
-            next_token = int(verified[num_accepted])
-        accepted.append(num_accepted)
-        drafted_counts.append(int(drafted.shape[0]))
-        tokens += drafted[:num_accepted].tolist() + [next_token]
-        kept = num_accepted + 1  # the anchor and the accepted drafts; the correction is the next anchor
-        if target.recurrent and kept < block.shape[0]:
-            # The state ran over rejected tokens and cannot be cropped: back to before the block, run the kept again.
-            target.restore_state()
-            target.crop(anchor)
-            _, features = target.forward(block[:kept], anchor, logits=False)
+        verified = _verify_block(context, target, tokens[-1], anchor, sampling, generator)
+        accepted.append(verified.num_accepted)
+        drafted_counts.append(int(verified.drafted.shape[0]))
+        tokens += verified.drafted[: verified.num_accepted].tolist() + [verified.next_token]
+        kept = verified.num_accepted + 1  # the anchor and the accepted drafts; the correction is the next anchor
+        features, ran_again = _keep(target, verified, anchor, kept)
+        if ran_again:
             replayed.append(kept)
-        else:
-            target.crop(anchor + kept)
-        context.extend(features[:kept])
+        context.extend(features)
     return Decoded(cut_answer(tokens, max_new_tokens, stop_token_ids), accepted, drafted_counts, replayed)
+
+
+def _sampled(sampling: Sampling | None) -> bool:
+    return sampling is not None and not sampling.greedy
+
+
+def _prefill(
+    target: GreedyTarget, prompt: torch.Tensor, sampling: Sampling | None, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor]:
+    """A fresh target's prefill of ``prompt``: its first new token (drawn from its distribution when sampled, else
+    its greedy token) and the features of every prompt token."""
+    target.reset()
+    if _sampled(sampling):
+        logits, features = target.forward_logits(prompt, 0)
+        return int(sample_from(sampling_probs(logits[-1], sampling), generator)), features
+    greedy, features = target.forward(prompt, 0)
+    return int(greedy[-1]), features
+
+
+@dataclass
+class VerifiedBlock:
+    """One round's block as the target verified it."""
+
+    drafted: torch.Tensor
+    """The drafter's tokens ``[D]`` after the anchor."""
+    block: torch.Tensor
+    """The anchor and the drafts, ``[D + 1]``: what the target ran."""
+    num_accepted: int
+    """How many drafts the target kept."""
+    next_token: int
+    """The target's token after the kept drafts (the correction, or a bonus when it kept them all)."""
+    features: torch.Tensor
+    """The features of every token of ``block`` from the verifying forward."""
+
+
+def _verify_block(
+    context: DraftContext,
+    target: GreedyTarget,
+    last: int,
+    anchor: int,
+    sampling: Sampling | None,
+    generator: torch.Generator | None,
+) -> VerifiedBlock:
+    """Draft the block anchored at the last kept token ``last`` (at ``anchor``) and verify it in one target forward:
+    greedy, the drafts that equal the target's own tokens are kept; sampled, ``rejection_sample`` keeps them against
+    the target's distribution. The target's state before the block is saved first (a hybrid target's recurrent
+    state cannot be cropped)."""
+    if _sampled(sampling):
+        proposal = context.proposal(last, anchor, sampling, generator)
+        drafted = proposal.tokens[0]
+        block = torch.cat([drafted.new_tensor([last]), drafted])
+        target.save_state()
+        logits, features = target.forward_logits(block, anchor)
+        target_probs = sampling_probs(logits, sampling)
+        draft_probs = proposal.dense(target_probs.shape[-1]).probs
+        kept_drafts, after = rejection_sample(drafted[None], target_probs[None], draft_probs, generator)
+        return VerifiedBlock(drafted, block, int(kept_drafts[0]), int(after[0]), features)
+    drafted = context.propose(last, anchor)
+    block = torch.cat([drafted.new_tensor([last]), drafted])
+    target.save_state()
+    verified, features = target.forward(block, anchor)  # verified[i]: the target's token after block[:i + 1]
+    num_accepted = int((drafted == verified[:-1]).long().cumprod(0).sum())
+    return VerifiedBlock(drafted, block, num_accepted, int(verified[num_accepted]), features)
+
+
+def _keep(target: GreedyTarget, verified: VerifiedBlock, anchor: int, kept: int) -> tuple[torch.Tensor, bool]:
+    """Leave the target's cache at the ``kept`` first tokens of the verified block: their features, and whether they
+    were run again."""
+    if target.recurrent and kept < verified.block.shape[0]:
+        # The state ran over rejected tokens and cannot be cropped: back to before the block, run the kept again.
+        target.restore_state()
+        target.crop(anchor)
+        _, features = target.forward(verified.block[:kept], anchor, logits=False)
+        return features, True
+    target.crop(anchor + kept)
+    return verified.features[:kept], False
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,6 @@ from common.acceptance.arithmetic import (
     RoundCosts,
     Transcript,
     acceptance_by_length,
-    decoding_anchors,
     drafts_per_accepted,
     reference_length,
     replay_rows,
@@ -56,9 +55,14 @@ from common.drafter.base import Drafter
 from common.drafter.sampling import Sampling
 from producer.acceptance.decoder import DraftContext, DraftRows, speculative_decode
 from producer.acceptance.held_out import held_out_records, prompt_of, turn_documents
-from producer.acceptance.simulated import decoded_span, greedy_text, simulated_acceptance, teacher_forced
+from producer.acceptance.simulated import decoded_span, on_greedy_text, simulated_acceptance
 from producer.acceptance.timing import time_draft_round, time_target_round
-from producer.acceptance.transcripts import DocumentFeatures, document_features, greedy_transcripts, kept_on_host
+from producer.acceptance.transcripts import (
+    DocumentFeatures,
+    document_features,
+    greedy_transcripts,
+    kept_record_features,
+)
 from producer.target_model.greedy import GreedyTarget
 from producer.target_model.load import stop_tokens_of
 
@@ -81,6 +85,28 @@ class TargetReference:
     def continuation_length(self) -> int:
         """The shortest greedy continuation (0 without transcripts: a sampled evaluation makes none)."""
         return min((len(t.continuation) for t in self.transcripts), default=0)
+
+
+@dataclass
+class Measured:
+    """What one evaluation measured, before ``AcceptanceEvaluator.report`` sums it up."""
+
+    decoded: list[Decoded]
+    """Every prompt's decoding, with the confidence cut."""
+    uncut: list[Decoded] | None
+    """The same decoding without the cut (None: no cut)."""
+    reference_seconds: float
+    """How long making the target's reference took for this evaluation (0: it was made before)."""
+    decode_seconds: float
+    """How long the decoding took."""
+    simulated: tuple[float, list[float]]
+    """The simulated acceptance on the documents: (tau, acc_k)."""
+    on_greedy_text: tuple[float | None, float | None]
+    """The training metric on the decoding's text, at every anchor and at the decoding's own (None: sampled)."""
+    costs: dict[int, RoundCosts]
+    """Per context-length bucket, what a round costs."""
+    timing_seconds: float
+    """How long timing the forwards took."""
 
 
 class AcceptanceEvaluator:
@@ -197,6 +223,7 @@ class AcceptanceEvaluator:
         return costs
 
     def evaluate(self, drafter: Drafter) -> AcceptanceReport:
+        """Real and simulated acceptance of ``drafter`` (left in the training mode it came in)."""
         if list(drafter.config.target_layer_ids) != self.target.layer_ids:
             raise ValueError(
                 f"drafter reads target layers {drafter.config.target_layer_ids}, "
@@ -207,56 +234,70 @@ class AcceptanceEvaluator:
         drafter.eval()
         try:
             with self.evaluation_context():
-                reference, made = self.reference_for(drafter.config.block_size)
-                decode_started = time.perf_counter()
-                cut = self.config.confidence_min
-                decoded = self.decode_all(drafter, reference, cut)  # its results are on the host: nothing queued
-                decode_seconds = time.perf_counter() - decode_started
-                # a confidence cut is reported beside the same decoding without it
-                uncut = self.decode_all(drafter, reference, 0.0) if cut > 0 else None
-                self.doing = "the simulated acceptance"
-                features = self.record_features(reference)
-                spans, anchors = zip(
-                    *(
-                        decoded_span(d, self.config.prompt_len, self.config.max_new_tokens, drafter.config.block_size)
-                        for d in self.documents
-                    )
-                )
-                sim_tau, sim_acc = simulated_acceptance(drafter, spans, features, self.num_anchors, anchors=anchors)
-                sim_tau_greedy, sim_tau_walk = (
-                    self.on_greedy_text(drafter, reference.transcripts, decoded)
-                    if self.sampling.greedy
-                    else (None, None)
-                )
-                timing_started = time.perf_counter()
-                self.doing = "timing the forwards"
-                costs = self.round_costs(drafter)
-                timing_seconds = time.perf_counter() - timing_started
+                measured = self.measure(drafter)
         finally:
             drafter.train(was_training)
-        block_size = drafter.config.block_size
+        return self.report(measured, drafter.config.block_size, time.perf_counter() - started)
+
+    def measure(self, drafter: Drafter) -> Measured:
+        """The decoding, the simulated acceptance and the round costs of ``drafter`` (inside ``evaluation_context``)."""
+        reference, made = self.reference_for(drafter.config.block_size)
+        decode_started = time.perf_counter()
+        cut = self.config.confidence_min
+        decoded = self.decode_all(drafter, reference, cut)  # its results are on the host: nothing queued
+        decode_seconds = time.perf_counter() - decode_started
+        # a confidence cut is reported beside the same decoding without it
+        uncut = self.decode_all(drafter, reference, 0.0) if cut > 0 else None
+        self.doing = "the simulated acceptance"
+        spans, anchors = zip(
+            *(
+                decoded_span(d, self.config.prompt_len, self.config.max_new_tokens, drafter.config.block_size)
+                for d in self.documents
+            )
+        )
+        features = self.record_features(reference)
+        simulated = simulated_acceptance(drafter, spans, features, self.num_anchors, anchors=anchors)
+        greedy = on_greedy_text(drafter, reference.transcripts, decoded) if self.sampling.greedy else (None, None)
+        timing_started = time.perf_counter()
+        self.doing = "timing the forwards"
+        costs = self.round_costs(drafter)
+        return Measured(
+            decoded=decoded,
+            uncut=uncut,
+            reference_seconds=reference.seconds if made else 0.0,
+            decode_seconds=decode_seconds,
+            simulated=simulated,
+            on_greedy_text=greedy,
+            costs=costs,
+            timing_seconds=time.perf_counter() - timing_started,
+        )
+
+    def report(self, measured: Measured, block_size: int, seconds: float) -> AcceptanceReport:
+        """The figures of one evaluation that took ``seconds``, from what it measured."""
+        decoded, uncut = measured.decoded, measured.uncut
         tau, accept_pos = streak_figures([n for d in decoded for n in d.accepted], block_size)
+        costs = measured.costs
         return AcceptanceReport(
             block_size=block_size,
             num_prompts=len(decoded),
             tau=tau if tau is not None else 1.0,
             accept_pos=accept_pos or [0.0] * (block_size - 1),
-            sim_tau=sim_tau,
-            sim_acc=sim_acc,
-            sim_tau_greedy=sim_tau_greedy,
-            sim_tau_walk=sim_tau_walk,
+            sim_tau=measured.simulated[0],
+            sim_acc=measured.simulated[1],
+            sim_tau_greedy=measured.on_greedy_text[0],
+            sim_tau_walk=measured.on_greedy_text[1],
             generated_tokens=sum(len(d.tokens) for d in decoded),
             target_forwards=len(decoded) + sum(len(d.accepted) for d in decoded),
-            seconds=time.perf_counter() - started,
-            reference_seconds=reference.seconds if made else 0.0,
-            decode_seconds=decode_seconds,
+            seconds=seconds,
+            reference_seconds=measured.reference_seconds,
+            decode_seconds=measured.decode_seconds,
             zlab_tau=zlab_tau(decoded),
             sampling=self.sampling,
             seed=self.config.seed,
             by_length=acceptance_by_length(decoded, self.prompt_lengths, self.config.length_buckets, block_size, costs),
             num_records=len(self.records),
             skipped_records=self.skipped_records,
-            timing_seconds=timing_seconds,
+            timing_seconds=measured.timing_seconds,
             confidence_min=self.config.confidence_min,
             drafts_per_accepted=drafts_per_accepted(decoded, block_size),
             uncut_tau=None if uncut is None else streak_figures([n for d in uncut for n in d.accepted], block_size)[0],
@@ -282,40 +323,6 @@ class AcceptanceEvaluator:
                 kept = made[1]
             yield kept
 
-    def on_greedy_text(
-        self, drafter: Drafter, transcripts: Sequence[Transcript], decoded: Sequence[Decoded]
-    ) -> tuple[float, float]:
-        """The training metric on the text the decoding produced: at every anchor, and at the decoding's own anchors
-        (``AcceptanceReport.sim_tau_greedy`` and ``sim_tau_walk``). Data labels: that text is the target's argmax.
-        One forward per prompt serves both: the decoding's anchors are some of every anchor, and a block's result
-        does not depend on the blocks beside it."""
-        data_labels = replace(drafter.loss_config, label_mode="data")
-        every_streaks = walk_streaks = 0.0
-        every_blocks = walk_blocks = 0
-        for r, (transcript, one) in enumerate(zip(transcripts, decoded)):
-            # Every anchor whose first label is a token the decoding kept; its block reads on past the cut, as the
-            # decoding's last block does, so the two sets of anchors differ in nothing else.
-            first = transcript.prompt_len
-            every = torch.arange(first, first + len(one.tokens) - 1)
-            if not every.numel():
-                continue  # a decoding that ended at its prefill started no block
-            _, metrics = teacher_forced(
-                drafter,
-                data_labels,
-                greedy_text(transcript, r),
-                DocumentFeatures(transcript.features, transcript.last_hidden),
-                0,
-                None,
-                every,
-            )
-            streaks = metrics["block_streaks"]
-            walk = torch.as_tensor(decoding_anchors(transcript, one), device=streaks.device) - first
-            every_streaks += float(streaks.sum())
-            walk_streaks += float(streaks[walk].sum())
-            every_blocks += every.numel()
-            walk_blocks += walk.numel()
-        return 1.0 + every_streaks / max(every_blocks, 1), 1.0 + walk_streaks / max(walk_blocks, 1)
-
     def reference_for(self, block_size: int) -> tuple[TargetReference, bool]:
         """The target's reference for drafters of ``block_size``: (it, whether it was made now). Made by target
         forwards the first time (and again for a larger block), inside ``evaluation_context``. A sampled evaluation
@@ -328,22 +335,7 @@ class AcceptanceEvaluator:
         prompts = [prompt_of(d, self.config.prompt_len) for d in self.documents]
         transcripts = greedy_transcripts(self.target, prompts, length, self.config.batch_prompts) if length else []
         budget = int(self.config.reference_cache_gb * 2**30) - sum(t.features.nbytes for t in transcripts)
-        records: list[DocumentFeatures | None] = []
-        bytes_per_token = self.target_feature_bytes()
-        for record in self.records:
-            # Past the budget a record's features are not kept: it runs through the target at every evaluation.
-            needed = len(record) * bytes_per_token
-            if needed > budget:
-                records.append(None)
-                continue
-            features = document_features(self.target, record)
-            records.append(
-                DocumentFeatures(
-                    kept_on_host(features.aux_hidden),
-                    None if features.last_hidden is None else kept_on_host(features.last_hidden),
-                )
-            )
-            budget -= needed
+        records = kept_record_features(self.target, self.records, budget)
         self.reference = TargetReference(transcripts, records, time.perf_counter() - started)
         kept = sum(d is not None for d in records)
         log.info(
@@ -356,12 +348,6 @@ class AcceptanceEvaluator:
             self.reference.seconds,
         )
         return self.reference, True
-
-    def target_feature_bytes(self) -> int:
-        """Host bytes per token of a document's kept features."""
-        config = self.target.model.config
-        width = len(self.target.layer_ids) + (1 if self.target.last_layer is not None else 0)
-        return width * int(config.hidden_size) * next(self.target.model.parameters()).element_size()
 
     def decode(self, drafter: Drafter, reference: TargetReference, confidence_min: float = 0.0) -> list[Decoded]:
         """Every held-out prompt's speculative decoding, replayed from the reference: ``eval.batch_prompts`` prompts

@@ -80,19 +80,38 @@ class AcceptanceJob:
         The server thread keeps leasing the ring's ready batches meanwhile, so the trainer trains on while
         this producer decodes. An evaluation that fails is written as lost: it never stops the producer.
         """
+        request = self._next_request()
+        if request is None:
+            return
+        records.claim(self.run_dir, request, self.producer_id, os.getpid())
+        self.evaluating = request.step
+        self.on_change()
+        started = time.monotonic()
+        records.finish(self.run_dir, self._answer(request, started))
+        self.evaluating = None
+        self.on_change()
+        # Batches again for long enough that evaluating takes at most eval.producer_share of this producer's time.
+        share = self.cfg.eval.producer_share
+        spent = time.monotonic() - started
+        self._held_until = time.monotonic() + spent * (1.0 - share) / share
+
+    def _next_request(self) -> records.AcceptanceRequest | None:
+        """The request to answer now, if any: polled every EVAL_POLL_S, none within the hold after an evaluation but
+        the run's last. With a share below 1 the newest only: the older ones are answered as skipped (the trainer
+        logs that), so none pile up while this producer evaluates or makes up its share of batches."""
         now = time.monotonic()
         if now < self._next_check:
-            return
+            return None
         self._next_check = now + EVAL_POLL_S
         pending = records.open_requests(self.run_dir)
         # Within its share's hold only the run's last evaluation is taken: training has ended, nothing needs batches.
         if not pending or (now < self._held_until and not any(request.final for request in pending)):
-            return
-        # With a share below 1, the newest weights only: requests that came while this producer evaluated or
-        # made up its share of batches are answered as skipped (the trainer logs that), so none pile up.
+            return None
         share = self.cfg.eval.producer_share
-        request = pending[0] if share >= 1 else pending[-1]
-        for stale in pending[:-1] if share < 1 else []:
+        if share >= 1:
+            return pending[0]
+        request = pending[-1]
+        for stale in pending[:-1]:
             records.finish(
                 self.run_dir,
                 records.AcceptanceResult(
@@ -103,51 +122,49 @@ class AcceptanceJob:
                     f"and step {request.step} came since",
                 ),
             )
-        records.claim(self.run_dir, request, self.producer_id, os.getpid())
-        self.evaluating = request.step
-        self.on_change()
-        started = time.monotonic()
+        return request
+
+    def _answer(self, request: records.AcceptanceRequest, started: float) -> records.AcceptanceResult:
+        """The result of evaluating ``request``'s drafter (begun at ``started``, time.monotonic()): its metrics, or
+        lost with the error that stopped it."""
         faults.point("producer.evaluate")
         try:
             metrics = self._evaluate(request)
-            result = records.AcceptanceResult(
-                step=request.step, metrics=metrics, incarnation=request.incarnation, producer=self.producer_id
-            )
-            took = time.monotonic() - started
-            decode, reference = metrics["eval/decode_seconds"], metrics["eval/reference_seconds"]
-            timing = metrics["eval/timing_seconds"]
-            log.info(
-                "evaluated step %d for the trainer in %.1f s: tau %.3f real (%.3f as z-lab counts it%s), %.3f "
-                "simulated (loading the export %.1f s, the reference %.1f s, decoding %.1f s, the simulated "
-                "acceptance %.1f s, timing the forwards for the break-even tau %.1f s)",
-                request.step,
-                took,
-                metrics["eval/tau"],
-                metrics["eval/zlab_tau"],
-                f", sampled at temperature {self.cfg.eval.temperature:g}" if self.cfg.eval.temperature > 0 else "",
-                metrics["eval/sim_tau"],
-                took - metrics["eval/seconds"],
-                reference,
-                decode,
-                metrics["eval/seconds"] - reference - decode - timing,
-                timing,
-            )
-            if by_length := by_length_summary(metrics):
-                log.info("step %d, tau by context length: %s", request.step, by_length)
+            self._log_evaluation(request.step, metrics, time.monotonic() - started)
         except Exception as exc:  # auxiliary: the data keeps flowing whatever happens here
             log.exception("evaluation of step %d failed", request.step)
-            result = records.AcceptanceResult(
+            return records.AcceptanceResult(
                 step=request.step,
                 lost=f"{type(exc).__name__}: {exc}",
                 incarnation=request.incarnation,
                 producer=self.producer_id,
             )
-        records.finish(self.run_dir, result)
-        self.evaluating = None
-        self.on_change()
-        # Batches again for long enough that evaluating takes at most eval.producer_share of this producer's time.
-        spent = time.monotonic() - started
-        self._held_until = time.monotonic() + spent * (1.0 - share) / share
+        return records.AcceptanceResult(
+            step=request.step, metrics=metrics, incarnation=request.incarnation, producer=self.producer_id
+        )
+
+    def _log_evaluation(self, step: int, metrics: dict[str, float], took: float) -> None:
+        """One line of an evaluation's figures and where its ``took`` seconds went; one of its tau by context."""
+        decode, reference = metrics["eval/decode_seconds"], metrics["eval/reference_seconds"]
+        timing = metrics["eval/timing_seconds"]
+        log.info(
+            "evaluated step %d for the trainer in %.1f s: tau %.3f real (%.3f as z-lab counts it%s), %.3f "
+            "simulated (loading the export %.1f s, the reference %.1f s, decoding %.1f s, the simulated "
+            "acceptance %.1f s, timing the forwards for the break-even tau %.1f s)",
+            step,
+            took,
+            metrics["eval/tau"],
+            metrics["eval/zlab_tau"],
+            f", sampled at temperature {self.cfg.eval.temperature:g}" if self.cfg.eval.temperature > 0 else "",
+            metrics["eval/sim_tau"],
+            took - metrics["eval/seconds"],
+            reference,
+            decode,
+            metrics["eval/seconds"] - reference - decode - timing,
+            timing,
+        )
+        if by_length := by_length_summary(metrics):
+            log.info("step %d, tau by context length: %s", step, by_length)
 
     def while_ring_full(self) -> None:
         """While the ring is full and nothing is asked: make the evaluator's reference (the target's greedy

@@ -11,11 +11,12 @@ when the two agree).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from common.acceptance.arithmetic import Transcript
+from common.acceptance.arithmetic import Decoded, Transcript, decoding_anchors
 from common.batch import Document, PackedBatch
 from common.drafter.base import Drafter
 from common.drafter.blocks import DraftBlocks, build_blocks, valid_anchor_mask
@@ -135,3 +136,39 @@ def greedy_text(transcript: Transcript, sample_id: int) -> Document:
     loss_mask = np.zeros(end, dtype=np.uint8)
     loss_mask[transcript.prompt_len + 1 :] = 1
     return Document(sample_id, np.asarray(transcript.tokens[:end], dtype=np.int32), loss_mask)
+
+
+@torch.no_grad()
+def on_greedy_text(
+    drafter: Drafter, transcripts: Sequence[Transcript], decoded: Sequence[Decoded]
+) -> tuple[float, float]:
+    """The training metric on the text the decoding produced: at every anchor, and at the decoding's own anchors
+    (``AcceptanceReport.sim_tau_greedy`` and ``sim_tau_walk``). Data labels: that text is the target's argmax.
+    One forward per prompt serves both: the decoding's anchors are some of every anchor, and a block's result
+    does not depend on the blocks beside it."""
+    data_labels = replace(drafter.loss_config, label_mode="data")
+    every_streaks = walk_streaks = 0.0
+    every_blocks = walk_blocks = 0
+    for r, (transcript, one) in enumerate(zip(transcripts, decoded)):
+        # Every anchor whose first label is a token the decoding kept; its block reads on past the cut, as the
+        # decoding's last block does, so the two sets of anchors differ in nothing else.
+        first = transcript.prompt_len
+        every = torch.arange(first, first + len(one.tokens) - 1)
+        if not every.numel():
+            continue  # a decoding that ended at its prefill started no block
+        _, metrics = teacher_forced(
+            drafter,
+            data_labels,
+            greedy_text(transcript, r),
+            DocumentFeatures(transcript.features, transcript.last_hidden),
+            0,
+            None,
+            every,
+        )
+        streaks = metrics["block_streaks"]
+        walk = torch.as_tensor(decoding_anchors(transcript, one), device=streaks.device) - first
+        every_streaks += float(streaks.sum())
+        walk_streaks += float(streaks[walk].sum())
+        every_blocks += every.numel()
+        walk_blocks += walk.numel()
+    return 1.0 + every_streaks / max(every_blocks, 1), 1.0 + walk_streaks / max(walk_blocks, 1)

@@ -112,3 +112,33 @@ def document_features(target: GreedyTarget, document: Document) -> DocumentFeatu
     target.reset()
     _, features = target.forward(torch.as_tensor(document.input_ids, dtype=torch.long), 0, logits=False)
     return DocumentFeatures(features, target.last_hidden() if target.last_layer is not None else None)
+
+
+def feature_bytes_per_token(target: GreedyTarget) -> int:
+    """Host bytes per token of a document's kept features."""
+    config = target.model.config
+    width = len(target.layer_ids) + (1 if target.last_layer is not None else 0)
+    return width * int(config.hidden_size) * next(target.model.parameters()).element_size()
+
+
+def kept_record_features(
+    target: GreedyTarget, records: Sequence[Document], budget: int
+) -> list[DocumentFeatures | None]:
+    """Each record's features, kept on the host while they fit in ``budget`` bytes; past it a record's are not kept
+    (None): it runs through the target at every evaluation."""
+    kept: list[DocumentFeatures | None] = []
+    bytes_per_token = feature_bytes_per_token(target)
+    for record in records:
+        needed = len(record) * bytes_per_token
+        if needed > budget:
+            kept.append(None)
+            continue
+        features = document_features(target, record)
+        kept.append(
+            DocumentFeatures(
+                kept_on_host(features.aux_hidden),
+                None if features.last_hidden is None else kept_on_host(features.last_hidden),
+            )
+        )
+        budget -= needed
+    return kept
