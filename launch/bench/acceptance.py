@@ -22,21 +22,10 @@ import torch
 from common.batch import Document
 from common.config import EvalConfig, TargetConfig
 from common.drafter.model import DFlashDrafter
-from launch.bench.harness import QWEN3_8B, add_json_argument, emit, synchronize
+from launch.bench.harness import QWEN3_8B, TINY_QWEN3, add_json_argument, emit, synchronize
 from launch.bench.step import qwen3_8b_draft, tiny_draft
 from producer.acceptance.evaluator import AcceptanceEvaluator
 from producer.target_model.load import load_target_model, target_head_of
-
-TINY_TARGET = {
-    "model_type": "qwen3",
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 1000,
-}
 
 
 def documents(count: int, length: int, prompt_len: int, vocab: int, seed: int) -> list[Document]:
@@ -51,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cpu" if args.tiny else "cuda")
     if device.type == "cpu":
         torch.set_num_threads(1)  # as evaluate runs on a CPU
-    shape = TINY_TARGET if args.tiny else QWEN3_8B
+    shape = TINY_QWEN3 if args.tiny else QWEN3_8B
     model = load_target_model(
         TargetConfig(
             config_overrides=dict(shape), dtype="float32" if args.tiny else "bfloat16", device=str(device), seed=0

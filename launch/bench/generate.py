@@ -27,40 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from launch.bench.harness import QWEN3_8B, Table, add_device_argument, add_json_argument, emit, gpu_name, synchronize
+from launch.bench.harness import (
+    TARGET_SHAPES,
+    Table,
+    add_device_argument,
+    add_json_argument,
+    emit,
+    gpu_name,
+    synchronize,
+)
 from producer.target_model.generation import GenerationConfig, Request
 from producer.target_model.generator import Generator
 
-# Random weights at the named real shapes.
-SHAPES: dict[str, dict[str, Any]] = {
-    "smollm2": {  # SmolLM2-135M
-        "model_type": "llama",
-        "vocab_size": 49152,
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 30,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "head_dim": 64,
-        "max_position_embeddings": 8192,
-        "rope_theta": 100000.0,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-    },
-    "qwen3-8b": QWEN3_8B,
-    "tiny": {
-        "model_type": "llama",
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": True,
-    },
-}
 AGREEMENT_TOKENS = 16
 
 
@@ -78,7 +56,7 @@ def build_model(name: str, path: str | None, dtype: torch.dtype, device: torch.d
         )
         model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype, attn_implementation="sdpa").to(device)
     else:
-        fields = dict(SHAPES[name])
+        fields = dict(TARGET_SHAPES[name])
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
         config._attn_implementation = "sdpa"
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
@@ -208,7 +186,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--model",
-        choices=sorted(SHAPES),
+        choices=sorted(TARGET_SHAPES),
         default="smollm2",
         help="shape of the random weights (a label only with --path)",
     )

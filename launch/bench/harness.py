@@ -1,5 +1,5 @@
 """What every benchmark program shares, so that a benchmark is its measurement and little else: the repository's
-root, the Qwen3-8B shape most of them measure at, the device arguments and synchronisation, warm-up and timing,
+root, the target shapes they measure at (Qwen3-8B's for most), the device arguments and synchronisation, warm-up and timing,
 the measured matmul ceiling, a fixed-width table, and the one JSON line each ends with.
 
 torch is imported where it is used: the benchmarks that only start the launcher and read its run directory
@@ -35,6 +35,84 @@ QWEN3_8B: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 """Qwen3-8B's Hugging Face configuration fields: the target the benchmarks measure at, with random weights."""
+
+QWEN36_27B: dict[str, Any] = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+"""Qwen3.6-27B's (and Qwen3.5-27B's): 48 Gated-DeltaNet and 16 gated full-attention layers."""
+
+SMOLLM2_135M: dict[str, Any] = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+"""SmolLM2-135M-Instruct's, the target of the quality benchmarks (launch/smollm2-135m.toml)."""
+
+TINY_QWEN3: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 1000,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+"""A Qwen3 small enough for a benchmark's CPU smoke run (``--tiny``): the target of ``launch.bench.step.tiny_draft``."""
+
+TINY_LLAMA: dict[str, Any] = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+"""A two-layer Llama: the generation benchmark's CPU smoke run (``--model tiny``)."""
+
+TARGET_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-8b": QWEN3_8B,
+    "qwen3.6-27b": QWEN36_27B,
+    "smollm2": SMOLLM2_135M,
+    "tiny": TINY_LLAMA,
+    "tiny-qwen3": TINY_QWEN3,
+}
+"""The targets the benchmarks run at with random weights, by the name their ``--shape`` (``--model``) takes."""
 
 Value = TypeVar("Value")
 
@@ -101,6 +179,15 @@ def matmul_tflops(device: torch.device, size: int, dtype: torch.dtype | None = N
     b = torch.randn(size, size, device=device, dtype=dtype)
     seconds, _ = timed(lambda _: a @ b, repeats, 3, device)
     return 2 * size**3 * repeats / seconds / 1e12
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, timeout: float, warm_steps: int) -> None:
+    """The options of a benchmark that starts runs with the launcher and waits on them (``wait_for``): ``--tiny``
+    (the tiny random target and draft on the CPU: the program only), ``--timeout`` (seconds any one wait may take)
+    and ``--warm-steps`` (trainer steps before it measures: compilation done)."""
+    parser.add_argument("--tiny", action="store_true", help="the tiny random target on the CPU: the program only")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds any one wait may take")
+    parser.add_argument("--warm-steps", type=int, default=warm_steps, help="trainer steps before it measures")
 
 
 def wait_for(predicate: Callable[[], Value], timeout: float, what: str) -> Value:

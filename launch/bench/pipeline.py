@@ -58,7 +58,7 @@ from common.faults import DELAY_ENV
 from common.naming import run_tag, sweep_stale_segments, sweep_stale_trainer_staging
 from common.rundir import RunDir, read_json
 from common.status import LauncherRecord, ProducerStatus
-from launch.bench.harness import ROOT, qwen3_8b_target, wait_for
+from launch.bench.harness import ROOT, add_run_arguments, qwen3_8b_target, wait_for
 
 JSON_ONLY = ("timeline", "ledger", "windows", "evaluation_spans")  # a run's series: in --json, not printed
 AFTER_EVAL_S = 3.0  # seconds after an evaluation's result reported as a phase of their own
@@ -785,13 +785,12 @@ def run_named(name: str, args: argparse.Namespace, placements: dict, stages: dic
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true")
+    add_run_arguments(parser, timeout=400.0, warm_steps=8)
     parser.add_argument("--runs", default=None, help="comma list (default: all that this machine's GPUs allow)")
     parser.add_argument("--length", type=int, default=3072, help="tokens per sample (one sample per slot and step)")
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--slots", type=int, default=8, help="ring slots of the steady runs")
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window of each steady run")
-    parser.add_argument("--warm-steps", type=int, default=8, help="trainer steps before measuring")
     parser.add_argument("--warmup-s", type=float, default=15.0, help="producer-alone warm-up")
     parser.add_argument("--stall-s", type=float, default=30.0)
     parser.add_argument("--stall-anchors", type=int, default=64, help="stall run: anchors (a lighter step)")
@@ -821,7 +820,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="*-evals: eval.producer_share of the decoupled run; 1 serves every request, the coupled cadence",
     )
-    parser.add_argument("--timeout", type=float, default=400.0)
     parser.add_argument(
         "--set",
         action="append",

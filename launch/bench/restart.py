@@ -33,7 +33,7 @@ from pathlib import Path
 from common.faults import DELAY_ENV
 from common.rundir import RunDir, read_json
 from common.status import LauncherRecord, ProducerStatus
-from launch.bench.harness import ROOT, emit, qwen3_8b_target, wait_for
+from launch.bench.harness import ROOT, add_run_arguments, emit, qwen3_8b_target, wait_for
 
 # One checkpoint before the restart, as in any run that trained a while (the restart turns them off). At the
 # Qwen3-8B shapes a write takes 15-22 s on an H200 host: 100 steps apart, so that none is in flight when the
@@ -149,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--warm-steps", type=int, default=5, help="steps before the restart (compilation done)")
+    add_run_arguments(parser, timeout=600.0, warm_steps=5)
     parser.add_argument(
         "--standby-s",
         type=float,

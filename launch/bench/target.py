@@ -31,38 +31,19 @@ from common.batch import PackedBatch
 from common.codec import DTYPES
 from common.config import TargetConfig
 from common.drafter.draft_config import build_target_layer_ids
-from launch.bench.harness import QWEN3_8B, Table, add_json_argument, emit, gpu_name, matmul_tflops, synchronize, timed
+from launch.bench.harness import (
+    TARGET_SHAPES,
+    Table,
+    add_json_argument,
+    emit,
+    gpu_name,
+    matmul_tflops,
+    synchronize,
+    timed,
+)
 from producer.target_model.capture import Target
 from producer.target_model.flops import flops_per_document
 from producer.target_model.load import TINY_TARGET_CONFIG, load_target_model, resolve_device
-
-# Qwen3.6-27B / Qwen3.5-27B (random weights): 48 Gated-DeltaNet and 16 gated full-attention layers.
-QWEN36_27B_SHAPE = {
-    "model_type": "qwen3_5_text",
-    "vocab_size": 248320,
-    "hidden_size": 5120,
-    "intermediate_size": 17408,
-    "num_hidden_layers": 64,
-    "num_attention_heads": 24,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 48,
-    "max_position_embeddings": 262144,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 1e7,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [11, 11, 10],
-        "mrope_interleaved": True,
-    },
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-}
-SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.6-27b": QWEN36_27B_SHAPE}
 
 
 def chat_lengths(count: int, seed: int, mean: float, low: int, high: int, sigma: float = 1.0) -> list[int]:
@@ -235,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny Qwen3 on CPU (proves the program runs)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="target shape (random weights)")
+    parser.add_argument(
+        "--shape", choices=sorted(TARGET_SHAPES), default="qwen3-8b", help="target shape (random weights)"
+    )
     parser.add_argument("--rows", type=int, default=None, help="baseline rows per padded batch (16)")
     parser.add_argument("--length", type=int, default=None, help="baseline tokens per row (1024)")
     parser.add_argument(
@@ -262,7 +245,7 @@ def target_and_sizes(args: argparse.Namespace) -> tuple[TargetConfig, tuple[int,
     if args.tiny:
         cfg = TargetConfig(config_overrides=dict(TINY_TARGET_CONFIG), device="cpu", dtype="float32", seed=args.seed)
         return cfg, (args.budget or 1024, 4, 256, 120, 8, 384, 2, args.batches or 4)
-    cfg = TargetConfig(config_overrides=dict(SHAPES[args.shape]), dtype="bfloat16", seed=args.seed)
+    cfg = TargetConfig(config_overrides=dict(TARGET_SHAPES[args.shape]), dtype="bfloat16", seed=args.seed)
     return cfg, (args.budget or 16384, args.rows or 16, args.length or 1024, 1000, 32, 3072, 5, args.batches or 16)
 
 
