@@ -42,6 +42,13 @@ def in_block_mask(
     return visible
 
 
+def in_block_pairs(block_size: int, causal: bool, window: int | None) -> int:
+    """How many pairs (s, t) of ``in_block_mask`` are visible, counted on the host: no tensor is read back, so the
+    step that counts them stays free of host reads."""
+    reach = block_size if window is None else window  # |s - t| < reach
+    return sum(1 for s in range(block_size) for t in range(block_size) if abs(s - t) < reach and (t <= s or not causal))
+
+
 def context_bounds(blocks: DraftBlocks, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per query slot ``[N * B]``: the visible context is ``lo <= kv < hi`` (empty for padding blocks)."""
     block_size = blocks.block_size
@@ -172,7 +179,7 @@ def visible_pairs(blocks: DraftBlocks, config: DraftConfig) -> torch.Tensor:
     for layer_type in dict.fromkeys(config.layer_types):
         window, causal = config.window_of(layer_type), config.causal_in_block(layer_type)
         lo, hi = context_bounds(blocks, window)
-        own = int(in_block_mask(blocks.block_size, causal, window).sum()) * blocks.num_blocks
+        own = in_block_pairs(blocks.block_size, causal, window) * blocks.num_blocks
         pairs = pairs + config.layer_types.count(layer_type) * ((hi - lo).clamp(min=0).sum() + own)
     return pairs
 
