@@ -104,29 +104,37 @@ def recording_host_reads():
             yield mode
 
 
-def tiny_trainer(run_dir: Path, kind: str, optimizer: str) -> Trainer:
+def tiny_trainer(run_dir: Path, kind: str, optimizer: str, *overrides: str) -> Trainer:
     """A Trainer as the trainer process builds it on the tiny config, after a producer exported the target's head;
     its optimizer as it is built on CUDA (fused AdamW, which keeps the step counts on the device)."""
     run = RunDir(run_dir)
     run.checkpoints.mkdir(parents=True)
-    overrides = ['logging.wandb_mode="disabled"', f'drafter.kind="{kind}"', f'training.optimizer="{optimizer}"']
-    cfg = load_config(ROOT / "launch" / "tiny.toml", overrides)
+    overrides = (
+        'logging.wandb_mode="disabled"',
+        f'drafter.kind="{kind}"',
+        f'training.optimizer="{optimizer}"',
+        *overrides,
+    )
+    cfg = load_config(ROOT / "launch" / "tiny.toml", list(overrides))
     save_config(cfg, run.config)
     load_target(cfg, run, producer_id=0, device=None, group=None)
     trainer = Trainer(cfg, run)
-    optim = trainer.optim
-    optim.optimizer = build_optimizer(
-        trainer.drafter, optimizer, cfg.training.lr, cfg.training.weight_decay, fused=True
-    )
-    optim.scheduler = torch.optim.lr_scheduler.LambdaLR(optim.optimizer, optim.scheduler.lr_lambdas[0])
-    trainer.optimizer, trainer.scheduler = optim.optimizer, optim.scheduler
+    if trainer.device.type != "cuda":
+        optim = trainer.optim
+        lr, decay = cfg.training.lr, cfg.training.weight_decay
+        optim.optimizer = build_optimizer(trainer.drafter, optimizer, lr, decay, fused=True)
+        optim.scheduler = torch.optim.lr_scheduler.LambdaLR(optim.optimizer, optim.scheduler.lr_lambdas[0])
+        trainer.optimizer, trainer.scheduler = optim.optimizer, optim.scheduler
     return trainer
 
 
 def received_batch(trainer: Trainer, seed: int) -> Received:
+    """A batch of four documents on the trainer's device, padded to the token budget as the feeder pads it there."""
     config = trainer.draft_config
-    batch = random_batch([300, 200, 20, 504], config, seed=seed, with_last_hidden=True)
-    return Received(batch, 0, seed, [], None, batch.sample_ids.tolist(), batch.num_tokens)
+    batch = random_batch([300, 200, 20, 480], config, seed=seed, with_last_hidden=True)
+    padded = pad_packed(batch.tensors(), trainer.cfg.batching.token_budget)
+    batch = PackedBatch.from_tensors(padded).to(trainer.device)
+    return Received(batch, 0, seed, [], None, list(range(4)), 1000)
 
 
 def train_one_step(trainer: Trainer, received: Received) -> dict[str, torch.Tensor]:
@@ -150,6 +158,34 @@ def test_a_training_step_reads_nothing_on_the_host(short_tmp, kind):
         summary = trainer.metrics.window.summary()  # the window's one read, where the trainer logs
         assert summary["loss"] > 0 and 0 <= summary["coverage"] <= 1 and summary["tflops"] > 0
     finally:
+        trainer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_training_step_on_cuda_never_waits_for_the_device(short_tmp, kind):
+    """The same step on CUDA as the trainer runs it there (compiled layers, bf16 autocast, fused AdamW or Muon, the
+    next batch prepared during the backward), under torch's sync debug mode: any synchronising call is an error."""
+    optimizer = "muon" if kind == "dflash" else "adamw"
+    trainer = tiny_trainer(short_tmp / "run", kind, optimizer, 'launch.trainer_devices=["cuda:0"]')
+    try:
+        num_anchors, generator = trainer.cfg.drafter.num_anchors, trainer.optim.generator
+        for seed in (1, 2):  # compiles, and makes the optimizer's state
+            train_one_step(trainer, received_batch(trainer, seed))
+        received, upcoming = received_batch(trainer, seed=3), received_batch(trainer, seed=4)
+        received.prepared = trainer.drafter.prepare(received.batch, num_anchors, generator)
+        trainer.batches.upcoming = upcoming  # prepared inside the step, during the backward, as the trainer does
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            train_one_step(trainer, received)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert upcoming.prepared is not None
+        summary = trainer.metrics.window.summary()
+        assert summary["loss"] > 0 and summary["tflops"] > 0
+    finally:
+        trainer.batches.upcoming = None
         trainer.close()
 
 
