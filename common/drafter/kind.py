@@ -77,9 +77,10 @@ class KindOptions:
         return ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DrafterKind:
-    """One line of the kinds table: a kind's name, options, head and its names in the serving formats."""
+    """One line of the kinds table: a kind's name, options, head and its names in the serving formats. A row states
+    what its kind has of its own; every field with a default says what a kind that leaves it out is."""
 
     name: str
     """``drafter.kind``, ``DraftConfig.kind`` and the name of its ``[drafter.<name>]`` table."""
@@ -87,8 +88,8 @@ class DrafterKind:
     """The kind's options class."""
     zlab_architecture: str
     """config.json ``architectures`` of z-lab's format (vLLM method "dflash", SGLang)."""
-    speculators_type: str
-    """config.json ``speculators_model_type`` of the speculators format."""
+    speculators_type: str = ""
+    """config.json ``speculators_model_type`` of the speculators format ("": the kind's name)."""
     speculators_architecture: str
     """config.json ``architectures`` of the speculators format."""
     step_memory_factor: float
@@ -122,6 +123,8 @@ class DrafterKind:
     """Other kinds whose weights start a drafter of this kind (``Drafter.warm_start``), besides its own."""
 
     def __post_init__(self) -> None:
+        if not self.speculators_type:
+            object.__setattr__(self, "speculators_type", self.name)  # frozen: set once, here
         if not self.step_memory_factor >= 1.0:
             raise ValueError(
                 f"drafter kind {self.name!r}: step_memory_factor must be >= 1.0 (DFlash's step is the least a kind "

@@ -93,7 +93,6 @@ KIND = DrafterKind(
     options=DFlash2Options,
     head="common.drafter.dflash2.model:DFlash2KindHead",
     zlab_architecture="DFlash2DraftModel",
-    speculators_type="dflash2",
     speculators_architecture="DFlash2DraftModel",
     # its step allocated 12.0 GiB against DFlash's 9.5 at the SmolLM2 preset's (launch.bench.step, one H200), rounded up
     step_memory_factor=1.3,

@@ -114,11 +114,9 @@ KIND = DrafterKind(
     options=DSparkOptions,
     head="common.drafter.dspark.model:DSparkKindHead",
     zlab_architecture="DSparkDraftModel",
-    speculators_type="dspark",
     speculators_architecture="DSparkSpeculator",
     # its step allocated 30.7 GiB against DFlash's 24.5 at Qwen3-8B's (launch.bench.step, one H100), rounded up
     step_memory_factor=1.3,
-    speculators_sliding_non_causal=False,
     summary=(
         "DSpark: the DFlash backbone plus a low-rank Markov head that biases each slot's logits by the previous "
         "token, and a confidence head that predicts each slot's acceptance; served by llama.cpp (draft-dspark) and "
