@@ -33,7 +33,7 @@ from common.drafter.blocks import build_blocks
 from common.drafter.masks import build_masks, in_block_mask, in_block_pairs
 from common.rundir import RunDir
 from producer.build import load_target
-from tests.drafter_fixtures import random_batch
+from tests.drafter_fixtures import random_batch, tiny_config
 from trainer.feeder import Received
 from trainer.optim import build_optimizer
 from trainer.train import Trainer
@@ -270,6 +270,34 @@ def test_every_step_at_the_token_budget_has_the_same_shapes(short_tmp, kind):
         assert len(set(boundaries)) == 3, "the document boundaries are what varies (prepare reads them)"
     finally:
         trainer.close()
+
+
+def test_empty_documents_appended_change_no_block_nor_mask():
+    """The document boundaries are what varies from batch to batch: padded to a fixed count with empty documents,
+    ``prepare`` too would have one set of shapes (and could be replayed with the step), drawing the same blocks."""
+    config = tiny_config()
+    batch = random_batch([100, 60, 7, 200], config, with_last_hidden=True)
+    tensors = batch.tensors()
+    boundaries = tensors["cu_seqlens"]
+    padded = {**tensors, "cu_seqlens": torch.cat([boundaries, boundaries[-1:].expand(6)])}
+    prepared = []
+    for packed in (batch, PackedBatch.from_tensors(padded)):
+        generator = torch.Generator().manual_seed(3)
+        blocks = build_blocks(packed, 64, config.block_size, config.mask_token_id, generator)
+        prepared.append(shapes_and_values(blocks, build_masks(blocks, config, form="flex")))
+    assert prepared[0].keys() == prepared[1].keys()
+    for name, value in prepared[0].items():
+        assert torch.equal(value, prepared[1][name]), name
+
+
+def shapes_and_values(blocks, masks) -> dict[str, torch.Tensor]:
+    """The tensors of the blocks and of the flex masks (theirs, and those their mask_mod reads), by name."""
+    named = {f"blocks.{k}": v for k, v in vars(blocks).items()}
+    for layer_type, mask in masks.items():
+        named.update({f"{layer_type}.{k}": v for k, v in vars(mask).items() if isinstance(v, torch.Tensor)})
+        cells = [c.cell_contents for c in mask.mask_mod.__closure__]
+        named.update({f"{layer_type}.mask_mod.{i}": c for i, c in enumerate(cells) if isinstance(c, torch.Tensor)})
+    return named
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
