@@ -81,7 +81,9 @@ class HostReads(TorchDispatchMode):
 
     def record(self, name: str) -> None:
         frames = [
-            f for f in traceback.extract_stack() if f.filename.startswith(str(ROOT)) and "/.venv/" not in f.filename
+            f
+            for f in traceback.extract_stack()
+            if f.filename.startswith(str(ROOT)) and "/.venv/" not in f.filename and f.filename != __file__
         ]
         where = ", ".join(f"{Path(f.filename).relative_to(ROOT)}:{f.lineno} {f.name}" for f in frames[-3:])
         self.reads[f"{name} at {where}"] += 1
