@@ -197,12 +197,21 @@ STATUS_EVERY_S = 2.0
 """How often a producer rewrites its status file: steadily, through a generation batch of minutes too."""
 LOG_EVERY_S = 30.0
 """How often it logs a line of its progress."""
+PRIOR_STEPS = 32
+"""How many of a kind's own decode steps the price it takes from the other kinds counts as (``step_seconds``)."""
 
 
 class SynthesisProgress:
     """How far one producer is through its share, for its status file. Display only: what is done is what the shards
     hold. Turns are counted as its generators finish them and tokens as they make them, so the status moves, and its
-    time left holds, through a batch in which no conversation ends (a Magpie chunk's user turns, minutes on a CPU)."""
+    time left holds, through a batch in which no conversation ends (a Magpie chunk's user turns, minutes on a CPU).
+
+    The time left is counted in decode steps, each kind of turn's at that kind's own price: a step costs about the
+    same however many of its rows are busy (the static cache runs them all), and the kinds take turns (a chunk's
+    user turns, then its answers), so the kinds' times add up. A kind prices its steps from the time it has run; one
+    that has not run yet from the others' steps less their sampling, plus its own (none when greedy): on a CPU a
+    sampled Magpie user turn's nucleus draw sorts the whole vocabulary, which made its steps 2-3x a greedy
+    answer's."""
 
     def __init__(self, generators: dict[str, Generator], planned: Counter) -> None:
         """``generators``: by kind of turn ("answers", "questions"); ``planned``: the turns of each kind the pending
@@ -212,9 +221,11 @@ class SynthesisProgress:
         self.answered = 0
         self.started = time.monotonic()
         self._seconds: Counter = Counter()
-        """Seconds spent making each kind's tokens: one generator runs at a time, so each interval between two
-        looks goes to the kinds that made tokens in it (in proportion), or to the last that did."""
-        self._tokens: Counter = Counter()
+        """Seconds spent on each kind's steps: one generator runs at a time, so each interval between two looks goes
+        to the kinds whose steps or prefills advanced in it (in proportion to their steps), or to the last that
+        did: what runs around the generators (templates, shards) is priced into the steps."""
+        self._steps: Counter = Counter()
+        self._work: Counter = Counter()
         self._looked = self.started
         self._last_kind: str | None = None
 
@@ -241,37 +252,56 @@ class SynthesisProgress:
         return sum(generator.stats.generated_tokens for generator in self.generators.values())
 
     def eta_s(self) -> float | None:
-        """Seconds left: the tokens each kind of turn still needs (its planned turns at the mean length of those
-        written, the unfinished at their length so far, its cap before any) at that kind's pace so far; a kind not started yet at the others' pace (a
-        sampled Magpie user turn can cost several times a greedy answer's tokens). None before the first token."""
+        """Seconds left: the sum over the kinds of turn of their steps left (``steps_left``) at their price per step
+        (``step_seconds``). None before the first step."""
         self._look()
-        made = sum(self._tokens.values())
-        if not made:
+        if not sum(self._steps.values()):
             return None
-        overall = sum(self._seconds.values()) / made
-        left = 0.0
-        for kind, generator in self.generators.items():
-            stats = generator.stats
-            # The turns still being written count at their length so far: the short ones end first, so the mean of
-            # the finished alone runs low.
-            counted = stats.finished + stats.active_rows
-            mean = stats.generated_tokens / counted if counted else generator.config.max_new_tokens
-            needed = max(0.0, max(0, self.planned[kind]) * mean - self._tokens[kind])
-            pace = self._seconds[kind] / self._tokens[kind] if self._tokens[kind] else overall
-            left += needed * pace
-        return left
+        return sum(self.steps_left(kind) * self.step_seconds(kind) for kind in self.generators)
+
+    def steps_left(self, kind: str) -> float:
+        """Decode steps a kind still needs: its tokens left over its busy rows while turns wait to start, and at least
+        what a running turn lacks (the last rows drain at one token a step). A turn's expected length is the tokens
+        made so far over the turns finished (the running turns' lengths so far count: the short turns end first),
+        at most the cap; a running turn lacks that much or what its cap leaves."""
+        generator = self.generators[kind]
+        stats, cap = generator.stats, generator.config.max_new_tokens
+        running_so_far = stats.generated_tokens - stats.new_tokens
+        mean = min(cap, stats.generated_tokens / stats.finished) if stats.finished else cap
+        lacks = min(mean, cap - running_so_far / stats.active_rows) if stats.active_rows else 0.0
+        waiting = max(0, self.planned[kind] - stats.finished - stats.active_rows)
+        busy_rows = generator.config.rows * (stats.occupancy or 1.0)
+        return max((waiting * mean + stats.active_rows * lacks) / busy_rows, lacks)
+
+    def step_seconds(self, kind: str) -> float:
+        """A kind's seconds per decode step: its own so far, beside (as ``PRIOR_STEPS`` of its steps) the others'
+        without their sampling, plus their sampling if this kind samples too: its first steps alone would price its
+        first prefill, a whole wave's prompts, into a few steps."""
+        others = [k for k in self.generators if k != kind and self._steps[k]]
+        if not others:
+            return self._seconds[kind] / self._steps[kind]
+        steps = sum(self._steps[k] for k in others)
+        sampling = sum(self.generators[k].stats.sampling_seconds for k in others)
+        forward = max(0.0, sum(self._seconds[k] for k in others) - sampling)
+        samples = self.generators[kind].config.temperature > 0
+        prior = (forward + (sampling if samples else 0.0)) / steps
+        return (self._seconds[kind] + PRIOR_STEPS * prior) / (self._steps[kind] + PRIOR_STEPS)
 
     def _look(self) -> None:
-        """Give the time since the last look to the kinds that made tokens in it."""
+        """Give the time since the last look to the kinds whose steps or prefills advanced in it."""
         now = time.monotonic()
-        made = Counter({kind: g.stats.generated_tokens - self._tokens[kind] for kind, g in self.generators.items()})
-        made = +made  # the kinds that made tokens
         interval, self._looked = now - self._looked, now
-        for kind, count in made.items():
-            self._seconds[kind] += interval * count / sum(made.values())
-            self._tokens[kind] += count
-        if made:
-            self._last_kind = max(made, key=made.get)
+        work = {kind: g.stats.decode_steps + g.stats.prefill_forwards for kind, g in self.generators.items()}
+        steps = {kind: g.stats.decode_steps - self._steps[kind] for kind, g in self.generators.items()}
+        moved = [kind for kind in work if work[kind] > self._work[kind]]
+        for kind in moved:
+            share = steps[kind] / sum(steps[k] for k in moved) if sum(steps[k] for k in moved) else 1 / len(moved)
+            self._seconds[kind] += interval * share
+        for kind in self.generators:
+            self._steps[kind] += steps[kind]
+            self._work[kind] = work[kind]
+        if moved:
+            self._last_kind = max(moved, key=lambda kind: steps[kind])
         elif self._last_kind is not None:
             self._seconds[self._last_kind] += interval
 

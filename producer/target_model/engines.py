@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -152,7 +153,9 @@ class StaticCacheEngine:
         state, decoder = self._state, self.decoder
         longest = max(entry.position for entry in busy.values())
         logits = decoder.decode(decoder.attention_length_for(longest))
+        sampling = time.perf_counter()
         tokens = self._sampler(logits)
+        self.stats.sampling_seconds += time.perf_counter() - sampling
         state.outputs[decoder.row_index, state.generated] = tokens
         state.generated += state.active
         done = state.active & (torch.isin(tokens, state.stop_ids) | (state.generated >= state.limits))

@@ -154,6 +154,10 @@ class GenerationStats:
     """Rows holding a sequence not finished yet (the static engine's, after its last step)."""
     row_steps: int = 0
     """Sum over decode steps of all rows."""
+    sampling_seconds: float = 0.0
+    """Host time the decode steps spent choosing their tokens from the logits: the sampler's whole cost on a CPU (a
+    nucleus draw sorts the vocabulary of every row), its launches on a GPU. Synthesis's progress takes it out of a
+    sampled kind's step to price a greedy kind's that has not run yet."""
 
     @property
     def occupancy(self) -> float:
