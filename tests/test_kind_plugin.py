@@ -82,7 +82,6 @@ KIND = DrafterKind(
     options=ToyOptions,
     head="tests.test_kind_plugin:ToyHead",
     zlab_architecture="ToyDraftModel",
-    speculators_type="toy",
     speculators_architecture="ToySpeculator",
     step_memory_factor=1.0,
     summary="a test's kind",
