@@ -12,7 +12,7 @@ from common.acceptance.arithmetic import Transcript, replay_rows
 from common.config import ConfigError, load_config
 from common.drafter.blocks import build_blocks
 from common.drafter.draft_config import default_gamma
-from common.drafter.dspark.head_loss import MarkovRows, markov_head_rows
+from common.drafter.dspark.head_loss import MarkovRows, MarkovTargets, markov_head_rows
 from common.drafter.export import config_from_export, export_speculators, export_zlab, load_drafter, speculators_config
 from common.drafter.loss import LossConfig, slot_weights
 from common.drafter.masks import build_masks
@@ -167,7 +167,7 @@ def test_the_hand_written_gradient_is_autograds(weighting, label_mode):
     for chunk_rows in (2 * slots + 1, 10_000):
         inputs = [t.clone().requires_grad_() for t in (rows, features, w2)]
         chunked = dataclasses.replace(loss_config, chunk_rows=chunk_rows)
-        out = markov_head_rows(*inputs, head, targets, labels, blocks.label_mask, chunked, 0.1, 0.9)
+        out = markov_head_rows(*inputs, MarkovTargets(head, targets, labels, blocks.label_mask, chunked, 0.1, 0.9))
         torch.testing.assert_close(out.weighted, written_out(rows, features, w2), rtol=1e-5, atol=1e-6)
         for got, want in zip(torch.autograd.grad(3.0 * out.weighted, inputs), expected):
             torch.testing.assert_close(got, 3.0 * want, rtol=1e-4, atol=1e-6)
@@ -273,7 +273,7 @@ def test_gpu_compiled_head_rows_equal_the_eager_ones(label_mode, monkeypatch):
     for device in ("cpu", "cuda"):
         inputs = [t.to(device).requires_grad_() for t in (rows, features, w2)]
         fixed = [None if t is None else t.to(device) for t in (head, targets, labels, mask)]
-        out = markov_head_rows(*inputs, *fixed, config, 0.1, 0.9)
+        out = markov_head_rows(*inputs, MarkovTargets(*fixed, config, 0.1, 0.9))
         results.append([t.cpu() for t in (*out, *torch.autograd.grad(out.weighted, inputs))])
     for name, cpu, cuda in zip((*MarkovRows._fields, "grad_rows", "grad_features", "grad_w2"), *results):
         torch.testing.assert_close(cuda, cpu, rtol=1e-4, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")

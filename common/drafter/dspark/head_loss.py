@@ -114,21 +114,24 @@ def _add_chunk_grads(
         grad_w2 += (grad_logits.T @ u).float()
 
 
+class MarkovTargets(NamedTuple):
+    """What the Markov head's rows are scored against, none of it trained: the target's head weight [V, H], its final
+    states predicting each row's token [M, H], the labels [M] (None: the target's argmax), the label mask [N, S], the
+    loss config and the weights of CE and TV in the objective."""
+
+    head_weight: torch.Tensor
+    target_hidden: torch.Tensor
+    labels: torch.Tensor | None
+    label_mask: torch.Tensor
+    config: LossConfig
+    ce_alpha: float
+    tv_alpha: float
+
+
 class _MarkovHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx,
-        hidden: torch.Tensor,
-        features: torch.Tensor,
-        markov_w2: torch.Tensor,
-        head_weight: torch.Tensor,
-        target_hidden: torch.Tensor,
-        labels: torch.Tensor | None,
-        label_mask: torch.Tensor,
-        config: LossConfig,
-        ce_alpha: float,
-        tv_alpha: float,
-    ):
+    def forward(ctx, hidden: torch.Tensor, features: torch.Tensor, markov_w2: torch.Tensor, targets: MarkovTargets):
+        head_weight, target_hidden, labels, label_mask, config, ce_alpha, tv_alpha = targets
         rows, slots = hidden.shape[0], label_mask.shape[1]
         dtype = head_weight.dtype
         w2 = markov_w2.to(dtype)
@@ -182,29 +185,15 @@ class _MarkovHeadLoss(torch.autograd.Function):
             grad_hidden * grad_weighted.to(grad_hidden.dtype) if needs[0] else None,
             grad_features * grad_weighted.to(grad_features.dtype) if needs[1] else None,
             (grad_w2 * grad_weighted).to(ctx.w2_dtype) if needs[2] else None,
-            *(None,) * 7,
+            None,  # the targets
         )
 
 
 def markov_head_rows(
-    hidden: torch.Tensor,
-    features: torch.Tensor,
-    markov_w2: torch.Tensor,
-    head_weight: torch.Tensor,
-    target_hidden: torch.Tensor,
-    labels: torch.Tensor | None,
-    label_mask: torch.Tensor,
-    config: LossConfig,
-    ce_alpha: float,
-    tv_alpha: float,
+    hidden: torch.Tensor, features: torch.Tensor, markov_w2: torch.Tensor, targets: MarkovTargets
 ) -> MarkovRows:
-    """The objective over rows [M] = blocks x slots (label_mask [N, S], M = N S): hidden [M, H] after the final norm,
-    features [M, r], target_hidden [M, H] (the target's final states predicting each row's token), labels [M]
-    (None: the target's argmax)."""
-    if hidden.shape[0] != label_mask.numel():
-        raise ValueError(f"{hidden.shape[0]} rows for a label mask of {tuple(label_mask.shape)}")
-    return MarkovRows(
-        *_MarkovHeadLoss.apply(
-            hidden, features, markov_w2, head_weight, target_hidden, labels, label_mask, config, ce_alpha, tv_alpha
-        )
-    )
+    """The objective over rows [M] = blocks x slots (``targets.label_mask`` [N, S], M = N S): hidden [M, H] after the
+    final norm, features [M, r], against ``targets``; gradients flow to the first three only."""
+    if hidden.shape[0] != targets.label_mask.numel():
+        raise ValueError(f"{hidden.shape[0]} rows for a label mask of {tuple(targets.label_mask.shape)}")
+    return MarkovRows(*_MarkovHeadLoss.apply(hidden, features, markov_w2, targets))

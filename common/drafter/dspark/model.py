@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.drafter.draft_config import DraftConfig
-from common.drafter.dspark.head_loss import markov_head_rows
+from common.drafter.dspark.head_loss import MarkovTargets, markov_head_rows
 from common.drafter.head import KindHead, ObjectiveInput, ProposalInput, walk_slots
 from common.drafter.loss import draft_metrics
 from common.drafter.sampling import Proposal
@@ -150,13 +150,15 @@ class DSparkKindHead(KindHead):
             rows,
             features,
             self.markov_head.markov_w2.weight,
-            slots.target_head.lm_head_weight,
-            targets,
-            labels,
-            blocks.label_mask,
-            config,
-            options.ce_alpha,
-            options.tv_alpha,
+            MarkovTargets(
+                slots.target_head.lm_head_weight,
+                targets,
+                labels,
+                blocks.label_mask,
+                config,
+                options.ce_alpha,
+                options.tv_alpha,
+            ),
         )
         ce, tv, label, picked, base_picked, weights = head[1:]
         acceptance = 1.0 - tv
