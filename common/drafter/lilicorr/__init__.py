@@ -182,9 +182,8 @@ KIND = DrafterKind(
     head="common.drafter.lilicorr.model:LiLiCorrKindHead",
     # Model-Optimizer's exporter writes this architecture; SGLang (#37462), vLLM (#57934) and TensorRT-LLM route on it.
     zlab_architecture="LiLiCorrDraftModel",
-    # No speculators format of LiLiCorr exists (speculators 0.9 has none): these two names are this project's own,
-    # so that its exports load back; no server reads them.
-    speculators_type="lilicorr",
+    # No speculators format of LiLiCorr exists (speculators 0.9 has none): this name and the type (the kind's name) are
+    # this project's own, so that its exports load back; no server reads them.
     speculators_architecture="LiLiCorrSpeculator",
     # not measured: DSpark's, the other head over the whole vocabulary that reads the target's distribution
     step_memory_factor=1.3,
