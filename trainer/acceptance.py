@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import torch
@@ -22,35 +23,29 @@ from trainer.checkpoint import EvalExportWriter
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class AcceptanceClient:
     """The evaluations one trainer (rank 0) asked for or adopted, and the last result logged.
 
     The trainer's evaluation interface: ``adopt``, ``ask``, ``collect``, ``status``, ``close`` and ``in_flight``
     (the coupled baseline's in-loop evaluation, launch/bench/coupled.py, has the same)."""
 
-    def __init__(
-        self,
-        run_dir: RunDir,
-        incarnation: int,
-        block_size: int,
-        gap_tolerance: float,
-        background_export: bool,
-        metrics_file: IO[str] | None,
-        wandb_run: Any,
-    ) -> None:
-        self.run_dir = run_dir
-        self.metrics_file = metrics_file
-        self.wandb_run = wandb_run
-        self.incarnation = incarnation
-        self.block_size = block_size
-        self.gap_tolerance = gap_tolerance
-        self.background_export = background_export
-        self.exports = EvalExportWriter(run_dir)
-        self.in_flight: set[tuple[int, int]] = set()
-        """(step, incarnation) of the evaluations asked for, by this trainer or adopted from the one before, that
-        have not come back."""
-        self.last: dict[str, Any] | None = None
-        """The last result logged: step, real tau, simulated tau (the status shows it)."""
+    run_dir: RunDir
+    incarnation: int
+    block_size: int
+    gap_tolerance: float
+    background_export: bool
+    metrics_file: IO[str] | None
+    wandb_run: Any
+    exports: EvalExportWriter = field(init=False)
+    in_flight: set[tuple[int, int]] = field(init=False, default_factory=set)
+    """(step, incarnation) of the evaluations asked for, by this trainer or adopted from the one before, that have not
+    come back."""
+    last: dict[str, Any] | None = field(init=False, default=None)
+    """The last result logged: step, real tau, simulated tau (the status shows it)."""
+
+    def __post_init__(self) -> None:
+        self.exports = EvalExportWriter(self.run_dir)
 
     def adopt(self, resumed_step: int) -> None:
         """Take over the evaluations the trainers before asked for, up to the step this one resumed at: their results
