@@ -224,7 +224,10 @@ def test_the_step_benchmark_writes_a_profile(tmp_path, monkeypatch, capsys):
     from launch.bench import step
 
     argv = ["step", "--tiny", "--kinds", "dflash2", "--variants", "eager", "--steps", "1", "--warmup", "1"]
-    monkeypatch.setattr(sys, "argv", [*argv, "--profile", str(tmp_path), "--profile-steps", "1", "--seq-len", "128"])
+    # A small reference matmul: the default 1024^3 in bf16 runs at about 1 GFLOP/s on a CPU without bf16 units,
+    # 23 of them were 55 s of this test; the rate is only the MFU's denominator, which nothing here reads.
+    profile = ["--profile", str(tmp_path), "--profile-steps", "1", "--seq-len", "64", "--num-anchors", "8"]
+    monkeypatch.setattr(sys, "argv", [*argv, *profile, "--matmul-size", "64"])
     step.main()
     text = (tmp_path / "profile_tiny_dflash2_eager.txt").read_text()
     summary = json.loads(text[: text.index("\n\n")])

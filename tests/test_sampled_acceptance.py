@@ -199,7 +199,9 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert 0.1 < float(accepted.float().mean()) < 1.9  # the drafts are often rejected: the residual is exercised
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark", "lilicorr"])
+# LiLiCorr's run here (its reranker at its start) is a further one: tests/test_lilicorr.py's
+# test_sampled_speculative_decoding_with_lilicorr_samples_the_target runs this test with a reranker away from its start.
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark", pytest.param("lilicorr", marks=pytest.mark.thorough)])
 def test_sampled_speculative_decoding_samples_the_target(target_model, kind):
     """Every generated token of sampled speculative decoding, through the whole decoder (the drafter's proposal, the
     target's verify forward, rejection sampling, the KV cache), follows the target's own sampling distribution."""
