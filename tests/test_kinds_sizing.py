@@ -41,6 +41,20 @@ def kinds(out: Path, *args: str, env: dict[str, str] | None = None) -> subproces
     )
 
 
+def planned(capsys, out: Path, *args: str) -> tuple[int, str, str]:
+    """``launch.bench.kinds``'s main in this process: (its exit code, what it printed, its errors). The program's own
+    process is ``kinds``'s (5 s of imports each); the plan's further cases run here."""
+    from launch.bench.kinds import main
+
+    capsys.readouterr()
+    try:
+        code = main(["--gguf", str(_gguf()), "--out", str(out), *args])
+    except SystemExit as stopped:
+        code = stopped.code
+    printed = capsys.readouterr()
+    return code, printed.out, printed.err
+
+
 def test_rows_that_fit_run_together_and_the_others_in_even_waves_in_their_order():
     needs = {"a-s0": 20, "b-s0": 24, "a-s1": 20, "b-s1": 24}
     assert plan_waves(needs, 100) == [list(needs)]
@@ -86,28 +100,35 @@ def test_a_kinds_step_is_dflashs_times_the_factor_its_table_row_states(monkeypat
     assert step("lilicorr") == pytest.approx(2.0 * dflash, rel=1e-6)
 
 
-def test_the_four_rows_go_in_two_waves_on_an_h100_and_together_on_an_h200(short_tmp):
+def test_the_four_rows_go_in_two_waves_on_an_h100_and_together_on_an_h200(short_tmp, capsys):
     out = short_tmp / "out"
     h100 = kinds(out, "--card-gib", H100, "--plan", *ROWS)
     assert h100.returncode == 0, h100.stderr
     assert "wave 1: dflash-s0, dflash2-s0 (" in h100.stdout and "wave 2: dflash-s1, dflash2-s1 (" in h100.stdout
     assert "2 waves, each row beside those of its wave only" in h100.stdout
     assert "dflash2-s0 needs " in h100.stdout and "2 producers of" in h100.stdout
-    h200 = kinds(out, "--card-gib", H200, "--plan", *ROWS)
-    assert h200.returncode == 0, h200.stderr
-    assert "wave 1: dflash-s0, dflash2-s0, dflash-s1, dflash2-s1 (" in h200.stdout and "wave 2" not in h200.stdout
+    code, printed, errors = planned(capsys, out, "--card-gib", H200, "--plan", *ROWS)
+    assert code == 0, errors
+    assert "wave 1: dflash-s0, dflash2-s0, dflash-s1, dflash2-s1 (" in printed and "wave 2" not in printed
     assert not out.exists(), "--plan starts nothing"
 
 
-def test_a_row_too_big_for_the_card_stops_with_exit_2_before_anything_starts(short_tmp, fake_mps: FakeMps):  # noqa: F811
+def test_a_row_too_big_for_the_card_stops_with_exit_2_before_anything_starts(
+    short_tmp,
+    fake_mps: FakeMps,  # noqa: F811
+    capsys,
+    monkeypatch,
+):
     out = short_tmp / "out"
     small = kinds(out, "--card-gib", "12", *ROWS, env=fake_mps.env)
     assert small.returncode == 2, small.stdout + small.stderr
     assert "error: row dflash-s0 needs " in small.stderr and "the card has 12.0 GiB" in small.stderr
     assert "does not fit with one producer either: lower batching.token_budget or drafter.num_anchors" in small.stderr
     assert not out.exists() and not fake_mps.lines(), "no synthesis, no MPS daemon, no row"
-    fits_with_one = kinds(out, "--card-gib", "20", *ROWS, env=fake_mps.env)
-    assert fits_with_one.returncode == 2 and "It fits with --producers 1." in fits_with_one.stderr
+    for name, value in fake_mps.env.items():
+        monkeypatch.setenv(name, value)
+    code, _, errors = planned(capsys, out, "--card-gib", "20", *ROWS)
+    assert code == 2 and "It fits with --producers 1." in errors
     assert not out.exists() and not fake_mps.lines()
 
 
