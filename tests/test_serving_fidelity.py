@@ -160,7 +160,7 @@ def served_forward(
     ids = torch.full((block_size,), exported["dflash_config"]["mask_token_id"])
     ids[0] = int(served_forward.input_ids[anchor])
     x = drafter.target_head.embed(ids)
-    block_rope, context_rope = drafter.rotary(block_pos, x.dtype), drafter.rotary(context_pos, x.dtype)
+    rope = drafter.rope(block_pos, context_pos, x.dtype)
     for i in range(num_layers):
         distance_ctx = block_pos[:, None] - context_pos[None, :]
         distance_blk = block_pos[:, None] - block_pos[None, :]
@@ -169,7 +169,7 @@ def served_forward(
         if layer_types[i] == S:
             context &= distance_ctx < window
             own &= distance_blk.abs() < window
-        x = drafter.layers[i](x, ctx, block_rope, context_rope, torch.cat([context, own], dim=1))
+        x = drafter.layers[i](x, ctx, rope, torch.cat([context, own], dim=1))
     return drafter.norm(x)
 
 

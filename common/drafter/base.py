@@ -25,8 +25,8 @@ from common.drafter.target_head import TargetHead
 
 class Drafter(nn.Module, ABC):
     """A drafter of one kind (common/drafter/kinds.py). The backbone's modules are attributes: ``fc`` and
-    ``hidden_norm`` (the fused target features), ``layers`` (called as ``layer(x, ctx, block_rope, context_rope,
-    mask)``), ``rotary`` and ``norm``."""
+    ``hidden_norm`` (the fused target features), ``layers`` (called as ``layer(x, ctx, rope, mask)``, ``rope``
+    the rotary tables ``rope(...)`` makes), ``rotary`` and ``norm``."""
 
     kind: str
     """The kind's name, as in the kinds table."""

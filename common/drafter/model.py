@@ -9,6 +9,7 @@ head of common.drafter.loss turns the block slots into a loss without materialis
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +93,13 @@ class RotaryEmbedding(nn.Module):
         return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
 
 
+class Rope(NamedTuple):
+    """The rotary tables (cos, sin) of one drafter forward, shared by its layers: the block slots' and the context's."""
+
+    block: tuple[torch.Tensor, torch.Tensor]
+    context: tuple[torch.Tensor, torch.Tensor]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [heads, L, D] (rotate-half convention of HF Qwen3)."""
     half = x.shape[-1] // 2
@@ -115,14 +123,7 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        block_rope: tuple[torch.Tensor, torch.Tensor],
-        context_rope: tuple[torch.Tensor, torch.Tensor],
-        mask: AttentionMask,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: Rope, mask: AttentionMask) -> torch.Tensor:
         """x: [Q, H] normed block slots; ctx: [T, H] fused context (shared by all layers)."""
         num_queries, num_context = x.shape[0], ctx.shape[0]
         q = self.q_norm(self.q_proj(x).view(num_queries, self.num_heads, self.head_dim)).transpose(0, 1)
@@ -130,7 +131,7 @@ class DraftAttention(nn.Module):
         k_blk = self.k_norm(self.k_proj(x).view(num_queries, self.num_kv_heads, self.head_dim)).transpose(0, 1)
         v_ctx = self.v_proj(ctx).view(num_context, self.num_kv_heads, self.head_dim).transpose(0, 1)
         v_blk = self.v_proj(x).view(num_queries, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        q, k_ctx, k_blk = apply_rope(q, *block_rope), apply_rope(k_ctx, *context_rope), apply_rope(k_blk, *block_rope)
+        q, k_ctx, k_blk = apply_rope(q, *rope.block), apply_rope(k_ctx, *rope.context), apply_rope(k_blk, *rope.block)
         if isinstance(mask, TiledMask):
             out = tiled_attention(q, (k_ctx, v_ctx), (k_blk, v_blk), mask)
         else:
@@ -195,15 +196,8 @@ class DraftDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        block_rope: tuple[torch.Tensor, torch.Tensor],
-        context_rope: tuple[torch.Tensor, torch.Tensor],
-        mask: AttentionMask,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, block_rope, context_rope, mask)
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: Rope, mask: AttentionMask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -352,6 +346,11 @@ class DFlashDrafter(Drafter):
         blocks = build_blocks(batch, num_anchors, self.config.block_size, self.config.mask_token_id, generator)
         return blocks, self.masks(blocks)
 
+    def rope(self, block_positions: torch.Tensor, context_positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotary tables of one forward, for the block slots at ``block_positions`` and the context tokens at
+        ``context_positions``."""
+        return Rope(self.rotary(block_positions, dtype), self.rotary(context_positions, dtype))
+
     def fuse_context(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[T, n * H_target] target features -> [T, H] injected context."""
         return self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
@@ -361,10 +360,9 @@ class DFlashDrafter(Drafter):
         num_blocks, block_size = blocks.block_ids.shape
         ctx = self.fuse_context(aux_hidden)
         x = self.target_head.embed(blocks.block_ids.reshape(-1)).to(ctx.dtype)
-        block_rope = self.rotary(blocks.block_positions.reshape(-1), ctx.dtype)
-        context_rope = self.rotary(blocks.context_positions, ctx.dtype)
+        rope = self.rope(blocks.block_positions.reshape(-1), blocks.context_positions, ctx.dtype)
         for layer in self.layers:
-            x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
+            x = layer(x, ctx, rope, masks[layer.layer_type])
         # Normed after the reshape so the output is no view: FSDP's backward hook on a view returned
         # by a sharded module would be lost to an in-place op on it.
         return self.norm(x.view(num_blocks, block_size, -1))

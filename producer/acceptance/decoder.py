@@ -130,8 +130,7 @@ def draft_rows(
     block_rows = torch.arange(num_rows, device=device).repeat_interleave(block_size)
     slot = torch.arange(block_size, device=device).repeat(num_rows)
     x = drafter.target_head.embed(block_ids.reshape(-1)).to(ctx.dtype)
-    block_rope = drafter.rotary(block_positions, ctx.dtype)
-    context_rope = drafter.rotary(context_positions, ctx.dtype)
+    rope = drafter.rope(block_positions, context_positions, ctx.dtype)
     masks = {}
     for layer_type in dict.fromkeys(config.layer_types):
         # The training mask of common.drafter.masks for one block per document: the row's whole context (a windowed
@@ -145,7 +144,7 @@ def draft_rows(
         ]
         masks[layer_type] = torch.cat([context, own & (block_rows[:, None] == block_rows[None, :])], dim=1)
     for layer in drafter.layers:
-        x = layer(x, ctx, block_rope, context_rope, masks[layer.layer_type])
+        x = layer(x, ctx, rope, masks[layer.layer_type])
     return drafter.norm(x).view(num_rows, block_size, -1)
 
 

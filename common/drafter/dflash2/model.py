@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from common.drafter.draft_config import DraftConfig
 from common.drafter.head import KindHead, ObjectiveInput, ProposalInput, candidate_chunk, path_metrics, walk_slots
 from common.drafter.loss import candidate_logits, draft_loss_parts, draft_metrics
-from common.drafter.model import DraftDecoderLayer
+from common.drafter.model import DraftDecoderLayer, Rope
 from common.drafter.sampling import Proposal
 
 
@@ -167,20 +167,13 @@ class DFlash2DecoderLayer(DraftDecoderLayer):
         )
         self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, options.conv_kernel_size, options.conv_group_size)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        ctx: torch.Tensor,
-        block_rope: tuple[torch.Tensor, torch.Tensor],
-        context_rope: tuple[torch.Tensor, torch.Tensor],
-        mask: BlockMask | torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: Rope, mask: BlockMask | torch.Tensor) -> torch.Tensor:
         """x: [N * B, H], the blocks' slots in order."""
         shape = (-1, self.block_size, x.shape[-1])
         normed = self.input_layernorm(x).view(shape)
         deltas = self.attention_conv.deltas(normed)
         inner = self.attention_conv.convolve(normed, deltas, 0).view_as(x)
-        inner = self.self_attn(inner, ctx, block_rope, context_rope, mask).view(shape)
+        inner = self.self_attn(inner, ctx, rope, mask).view(shape)
         x = x + self.attention_conv.convolve(inner, deltas, 1).view_as(x)
         normed = self.post_attention_layernorm(x).view(shape)
         deltas = self.mlp_conv.deltas(normed)
