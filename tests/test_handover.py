@@ -19,7 +19,7 @@ from common.naming import process_start_ticks, run_tag
 from common.rundir import RunDir, read_json
 from common.status import ProducerStatus
 from tests.peers import wait_for
-from tests.test_pipeline import ROOT, SMALL, lineage, run_all, start, stop_and_finish, trainer_step
+from tests.test_pipeline import ONE_PRODUCER, ROOT, SMALL, lineage, run_all, start, stop_and_finish, trainer_step
 
 # Before the handover (the old trainer before it stages its state in shared memory, and after, before its mark),
 # at the takeover (the standby, told to take over) and after it (the successor before it maps the state, and
@@ -51,6 +51,7 @@ def test_kill9_at_every_point_of_the_handover_loses_nothing_and_trains_nothing_t
         # trainer.json every step: each round below waits for steps read from it.
         "logging.log_every=1",
         "launch.standby_trainer_after_s=0",
+        *ONE_PRODUCER,  # the handover is the trainer's: one producer feeds it (two: test_pipeline.py, test_faults.py)
         env=env,
     )
     run = RunDir(run_dir)
@@ -97,6 +98,7 @@ def test_restart_trainer_through_a_standby_is_fast_and_keeps_the_run(short_tmp):
                 "eval.every_steps=0",
                 "logging.log_every=1",
                 "launch.standby_trainer_after_s=0",
+                *ONE_PRODUCER,
             ],
             cwd=ROOT,
             stdout=out,
@@ -179,10 +181,14 @@ def test_a_restart_during_a_checkpoint_write_does_not_wait_for_it_and_loses_noth
     launcher = start(
         run_dir,
         "training.max_steps=100000",
-        "training.checkpoint_every=200",
+        # Each write takes WRITE_S, so writes follow one another: a new one begins within a few seconds of training
+        # (every 200 steps, each round trained 200 steps for it). A restart-trainer still lands within WRITE_S of
+        # its write's start, or the write it finds is done, as with writes far apart.
+        "training.checkpoint_every=60",
         "eval.every_steps=0",
         "logging.log_every=1",
         "launch.standby_trainer_after_s=0",
+        *ONE_PRODUCER,
         env=env,
     )
     run = RunDir(run_dir)

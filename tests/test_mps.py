@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 from peers import wait_for
-from test_pipeline import ROOT, SMALL, producer_pids, start, stop_and_finish, trainer_step
+from test_pipeline import ONE_PRODUCER, ROOT, SMALL, producer_pids, start, stop_and_finish, trainer_step
 
 from common.config import load_config
 from common.rundir import RunDir, read_json
@@ -68,7 +68,12 @@ def test_the_run_has_its_own_mps_daemon_around_its_processes(short_tmp, monkeypa
     (daemon.pipe / "control").touch()  # the daemon of an earlier launcher of this run, killed with -9
     try:
         launcher = start(
-            run_dir, "training.max_steps=0", "training.epochs=1000", "launch.mps=true", "logging.wandb_mode=disabled"
+            run_dir,
+            "training.max_steps=0",
+            "training.epochs=1000",
+            "launch.mps=true",
+            "logging.wandb_mode=disabled",
+            *ONE_PRODUCER,  # a producer and the trainer: each child of the launcher is the daemon's client
         )
         run = RunDir(run_dir)
         wait_for(lambda: trainer_step(run) >= 2, "step 2", 180)

@@ -95,7 +95,7 @@ def test_the_launcher_removes_the_staging_of_a_trainer_killed_as_the_runs_last(s
     """A trainer killed with -9 keeps its checkpoint staging (its weights and optimizer state) in /dev/shm; the
     next trainer of the run sweeps it. When the run stops before one comes, the launcher sweeps it at its exit."""
     from peers import wait_for
-    from test_pipeline import start, stop_and_finish, trainer_step
+    from test_pipeline import ONE_PRODUCER, start, stop_and_finish, trainer_step
 
     from common.rundir import RunDir, read_json
 
@@ -104,7 +104,9 @@ def test_the_launcher_removes_the_staging_of_a_trainer_killed_as_the_runs_last(s
     prefix = naming.trainer_staging_prefix(naming.run_tag(run_dir))
     staging = lambda: sorted(p for p in naming.SHM_DIR.iterdir() if p.name.startswith(prefix))  # noqa: E731
     # No restart within the test: the killed trainer is the run's last.
-    launcher = start(run_dir, "training.max_steps=0", "training.epochs=50", "launch.restart_backoff_s=60")
+    launcher = start(
+        run_dir, "training.max_steps=0", "training.epochs=50", "launch.restart_backoff_s=60", *ONE_PRODUCER
+    )
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 9 and staging(), "the first checkpoint, staged in /dev/shm", 120)
     victim = read_json(run.trainer_status)["pid"]

@@ -13,7 +13,7 @@ import pytest
 from common.config import ConfigError, load_config
 from common.rundir import RunDir, read_json
 from launch.progress import eta_s
-from tests.test_pipeline import finish, start, trainer_step, wait_for
+from tests.test_pipeline import ONE_PRODUCER, finish, start, trainer_step, wait_for
 from trainer.budget import TimeBudget
 from trainer.optim import lr_lambda
 
@@ -67,6 +67,7 @@ def test_a_time_bound_run_stops_on_its_budget_through_kill9(short_tmp):
         "training.lr=1e-3",
         "training.checkpoint_every=4",
         "eval.every_steps=0",
+        *ONE_PRODUCER,
     )
     run = RunDir(run_dir)
     wait_for(lambda: ((read_json(run.trainer_status) or {}).get("trained_s") or 0) >= 3, "3 s of training", 120)
