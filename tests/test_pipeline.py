@@ -42,6 +42,10 @@ SMALL = [
     "launch.standby_trainer_after_s=600",  # no standby trainer's imports on these 2 cores, but where a test asks
     # No wandb service beside each trainer (seconds of CPU at its start and stop), but where a test asks.
     "logging.wandb_mode=disabled",
+    # No evaluation, but where a test asks (eval.every_steps=N after these): tiny.toml's every 300 steps had producer 0
+    # of every run without a step limit make the evaluation's reference (16 greedy continuations, 3 s of CPU on each
+    # start) for evaluations that never came.
+    "eval.every_steps=0",
 ]
 # wandb as a run has it by default: where a test reads wandb's files, and in one kill -9 and one restart-trainer
 # test, so that a trainer resuming its wandb run after either stays covered.
