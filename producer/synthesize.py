@@ -33,7 +33,7 @@ import os
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,6 +197,8 @@ STATUS_EVERY_S = 2.0
 """How often a producer rewrites its status file: steadily, through a generation batch of minutes too."""
 LOG_EVERY_S = 30.0
 """How often it logs a line of its progress."""
+RECENT_S = 60.0
+"""The window of the producer's pace now, which scales its prices (``SynthesisProgress.pace_now``)."""
 PRIOR_STEPS = 32
 """How many of a kind's own decode steps the price it takes from the other kinds counts as (``step_seconds``)."""
 
@@ -228,6 +230,8 @@ class SynthesisProgress:
         self._work: Counter = Counter()
         self._looked = self.started
         self._last_kind: str | None = None
+        self._recent: deque[tuple[float, float, Counter]] = deque()
+        """(when, seconds, steps by kind) of each look within the last ``RECENT_S``: the machine's pace now."""
 
     def ended(self, planned: Counter, conversation: Conversation | None) -> None:
         """A prompt is answered (kept, cut short or skipped, ``conversation`` None where it never started): the turns
@@ -257,7 +261,16 @@ class SynthesisProgress:
         self._look()
         if not sum(self._steps.values()):
             return None
-        return sum(self.steps_left(kind) * self.step_seconds(kind) for kind in self.generators)
+        left = sum(self.steps_left(kind) * self.step_seconds(kind) for kind in self.generators)
+        return left * self.pace_now()
+
+    def pace_now(self) -> float:
+        """The last ``RECENT_S``'s seconds over what the kinds' prices say their steps in it cost: on a shared CPU the
+        producer's share of the cores changes under the run (a Magpie wave took 110 s, then 360 s, then 60 s), which
+        prices averaged since the start follow minutes late. 1 before any step."""
+        seconds = sum(interval for _, interval, _ in self._recent)
+        priced = sum(steps[kind] * self.step_seconds(kind) for _, _, steps in self._recent for kind in steps)
+        return seconds / priced if priced > 0 else 1.0
 
     def steps_left(self, kind: str) -> float:
         """Decode steps a kind still needs: its tokens left over its busy rows while turns wait to start, and at least
@@ -304,6 +317,9 @@ class SynthesisProgress:
             self._last_kind = max(moved, key=lambda kind: steps[kind])
         elif self._last_kind is not None:
             self._seconds[self._last_kind] += interval
+        self._recent.append((now, interval, +Counter(steps)))
+        while self._recent and self._recent[0][0] < now - RECENT_S:
+            self._recent.popleft()
 
 
 # -- the job -------------------------------------------------------------------------------------
