@@ -42,6 +42,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` schedules by work stealing instead of xdist's "load": a worker that runs out takes half of what the
+    busiest still holds. Under "load" a worker's refill (up to a sixth of the tests left) stays its own, and the files
+    of real runs sit together in name order (test_synthesize, test_tensor_parallel, test_time_budget...): one worker
+    ended the suite alone on a run of minutes-long tests while the others waited."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
+
+
 def _child_pids(parent: int) -> list[int]:
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
