@@ -225,13 +225,12 @@ def test_speculative_decoding_against_a_hybrid_target_is_lossless(tmp_path):
     naive_mismatches, seen = 0, set()
     for seed in range(4):
         ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(seed))
-        plain = greedy_decode(target, ids, 40)
+        longer = greedy_decode(target, ids, 44)  # the oracle's text: a block past the end (one decode, 4 s a prompt)
+        plain = longer[:40]
 
         def oracle():
             flips = torch.Generator().manual_seed(seed)
-            return OracleContext(
-                len(ids), greedy_decode(target, ids, 44), corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.3)
-            )
+            return OracleContext(len(ids), longer, corrupt=lambda: bool(torch.rand(1, generator=flips) < 0.3))
 
         decoded = speculative_decode(oracle(), target, ids, 40)
         assert decoded.tokens == plain
