@@ -356,8 +356,14 @@ def test_a_second_ctrl_c_still_stops_in_order(short_tmp):
 
     run_dir = short_tmp / "run"
     # wandb as by default (tests.test_pipeline.SMALL turns it off): its stop is part of the trainer's stop in order.
+    # One producer: the rings freed are each producer's own doing, and each start of a second is 5 s of CPU.
     launcher = start(
-        run_dir, "training.max_steps=100000", "eval.every_steps=0", "training.checkpoint_every=100000", WANDB
+        run_dir,
+        *ONE_PRODUCER,
+        "training.max_steps=100000",
+        "eval.every_steps=0",
+        "training.checkpoint_every=100000",
+        WANDB,
     )
     run = RunDir(run_dir)
     wait_for(lambda: ((read_json(run.trainer_status) or {}).get("step") or 0) >= 6, "training", 120)
@@ -373,7 +379,14 @@ def test_a_second_ctrl_c_still_stops_in_order(short_tmp):
     assert not [name for name in os.listdir("/dev/shm") if any(f".{pid}-" in name for pid in pids)], "rings freed"
 
     finish(
-        start(run_dir, f"training.max_steps={stopped_at + 4}", "eval.every_steps=0", "logging.log_every=1", WANDB),
+        start(
+            run_dir,
+            *ONE_PRODUCER,
+            f"training.max_steps={stopped_at + 4}",
+            "eval.every_steps=0",
+            "logging.log_every=1",
+            WANDB,
+        ),
         run_dir,
     )
     steps = [json.loads(line)["step"] for line in run.metrics.read_text().splitlines() if "loss" in json.loads(line)]
