@@ -15,7 +15,9 @@ from tests.test_producer import ROOT
 def test_the_coupled_baseline_trains_and_evaluates_in_its_loop(short_tmp):
     run = RunDir(short_tmp / "run")
     run.root.mkdir()
-    overrides = ["training.max_steps=20", "logging.log_every=10", "eval.every_steps=10", "eval.num_prompts=2"]
+    # Two evaluations of 2 prompts, 8 tokens each: the loop's evaluation path, not tiny.toml's 64-token decodes.
+    overrides = ["training.max_steps=20", "logging.log_every=10", "eval.every_steps=10", "eval.num_prompts=2",
+                 "eval.max_new_tokens=8"]  # fmt: skip
     save_config(load_config(ROOT / "launch" / "tiny.toml", overrides), run.config)
     done = subprocess.run(
         [sys.executable, "-m", "launch.bench.coupled", "--run-dir", str(run.root)],
