@@ -345,19 +345,7 @@ class Synthesis:
             self.template_kwargs["enable_thinking"] = self.synth.enable_thinking
         # The system prompts that steer the self-written user turns (magpie:n takes the (n mod k)-th).
         self.systems = list(self.synth.magpie_system_prompts) or [""]
-        # Checked now, before the target loads: a template without a user turn stops the run in seconds.
-        prefix_lengths = (
-            [
-                len(
-                    self.tokenizer(
-                        magpie_prefix(self.tokenizer, self.template_kwargs, system), add_special_tokens=False
-                    )["input_ids"]
-                )
-                for system in self.systems
-            ]
-            if self.synth.prompts != "data"
-            else []
-        )
+        prefix_lengths = self._magpie_prefix_lengths()
         self.tool_format = tool_call_format(self.tokenizer, self.template_kwargs)
         prompts = all_prompts(cfg, self.tool_format)  # every record checked before the target loads
         self.folder = cfg.synthesize.folder(run.root)
@@ -387,17 +375,35 @@ class Synthesis:
         self.stop = False
         # Both static caches are made now, before anything is written: one that cannot fit stops at once (exit 2).
         self.answers = generator_for(self.model, generation_config_of(self.synth, producer_id, self.stop_ids))
-        self.questions = None
-        if any(p.source == "magpie" for p in self.pending):
-            # Follow-up user turns are written after the conversation so far: their prompts are as long as an answer's.
-            longest = self.synth.max_prompt_tokens if self.synth.magpie_turns > 1 else max(prefix_lengths)
-            self.questions = generator_for(
-                self.model, generation_config_of(self.synth, producer_id, self.stop_ids, magpie_prompt_tokens=longest)
-            )
+        self.questions = self._questions_generator(prefix_lengths)
         generators = {"answers": self.answers, **({"questions": self.questions} if self.questions else {})}
         self.progress = SynthesisProgress(generators, sum(map(self.planned_turns, self.pending), Counter()))
         self._lock = threading.Lock()
         """Between the job and its status thread: the counts change together."""
+
+    def _magpie_prefix_lengths(self) -> list[int]:
+        """The token length of each system prompt's Magpie prefix (none where every prompt is the data's). Measured
+        before the target loads: a template without a user turn stops the run in seconds."""
+        if self.synth.prompts == "data":
+            return []
+        return [
+            len(
+                self.tokenizer(magpie_prefix(self.tokenizer, self.template_kwargs, system), add_special_tokens=False)[
+                    "input_ids"
+                ]
+            )
+            for system in self.systems
+        ]
+
+    def _questions_generator(self, prefix_lengths: list[int]) -> Generator | None:
+        """The generator of Magpie's self-written user turns, or None where no pending prompt is Magpie's."""
+        if not any(p.source == "magpie" for p in self.pending):
+            return None
+        # Follow-up user turns are written after the conversation so far: their prompts are as long as an answer's.
+        longest = self.synth.max_prompt_tokens if self.synth.magpie_turns > 1 else max(prefix_lengths)
+        return generator_for(
+            self.model, generation_config_of(self.synth, self.producer_id, self.stop_ids, magpie_prompt_tokens=longest)
+        )
 
     def planned_turns(self, prompt: Prompt) -> Counter:
         """The turns the target writes for ``prompt``, by kind ("answers", and "questions" for Magpie's own user
