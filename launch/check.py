@@ -330,9 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     from producer.data.files import DataError
     from producer.target_model.load import UnsupportedTarget
 
-    # The data's own warnings are its bad records, one line each: the report lists every one already.
-    logging.getLogger("producer.data").setLevel(logging.ERROR)
-
+    # The data's own warnings are its bad records, one line each: the report lists every one already. Only while it
+    # checks: the level of the data package's logger outlives a call made in-process (tests, a notebook).
+    data_log = logging.getLogger("producer.data")
+    level = data_log.level
+    data_log.setLevel(logging.ERROR)
     try:
         cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
         report, figures = check(cfg, args.sample, color=sys.stdout.isatty())
@@ -344,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:  # ValueError: an override the target contradicts
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    finally:
+        data_log.setLevel(level)
     print(report)
     if args.json:
         print(json.dumps(figures))

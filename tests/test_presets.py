@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,8 @@ def test_check_names_the_optimizer_an_fsdp_config_runs_and_why(capsys, chat_file
     assert 'optimizer: adamw (AdamW for every trained weight): training.optimizer = "adamw"' in capsys.readouterr().out
     assert main(["--config", str(ROOT / "launch" / "qwen3-8b-1gpu.toml"), *common]) == 0
     assert "optimizer: muon (Muon for the drafter's weight matrices" in capsys.readouterr().out
+    # check quiets the data's warnings while it runs only: the batch plan's warnings still reach a later caller
+    assert logging.getLogger("producer.data.batching").isEnabledFor(logging.WARNING)
 
 
 def test_a_missing_held_out_file_is_named_as_eval_paths(tmp_path, chat_file):
