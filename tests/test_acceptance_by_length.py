@@ -25,19 +25,13 @@ from producer.target_model.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 from tests.test_data_sources import PLAIN_TEMPLATE, tiny_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LAYER_IDS = [1, 3]
 BLOCK = 4
 # Three assistant turns of 30 tokens after user turns of 10, 8 and 6 tokens: prompts of 10, 48 and 84 tokens.
 TURNS = [(10, 30), (8, 30), (6, 30)]
 EDGES = [32, 64]  # buckets 0-32, 32-64 and 64+: each turn's decoding starts in another one, the first two cross
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

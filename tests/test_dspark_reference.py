@@ -44,7 +44,7 @@ from tests.drafter_fixtures import random_head, tiny_config
 
 # launch/setup_speculators.sh installs it; a missing one names itself in the skip reason. speculators.utils.loading
 # (loguru) is imported only when a model loads its verifier.
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.reference, pytest.mark.usefixtures("one_thread")]
 pytest.importorskip("speculators")
 pytest.importorskip("speculators.utils.loading")
 import speculators.models.dspark.core as reference_core  # noqa: E402
@@ -56,14 +56,6 @@ CONTEXT = 24
 ANCHORS = [0, 5, 9, 14, 19]  # one document; an anchor at 0 drafts with no context at all
 VERIFIER_KEYS = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
 """The reference's tensors that come from the verifier, not the export (our export leaves them out too)."""
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def trained_like(drafter, seed: int = 1):

@@ -28,6 +28,8 @@ from producer.target_model.greedy import GreedyTarget
 from producer.target_model.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LAYER_IDS = [1, 3]
 BLOCK = 4
 SMALL_DATA = [
@@ -40,15 +42,6 @@ SMALL_DATA = [
     "eval.num_prompts=3",
     "eval.max_new_tokens=24",
 ]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Forwards of a few tokens run faster on one thread, and far faster on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

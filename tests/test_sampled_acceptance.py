@@ -34,6 +34,8 @@ from producer.target_model.greedy import GreedyTarget
 from producer.target_model.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 16
 BLOCK = 3
 LAYER_IDS = [1, 2]
@@ -45,14 +47,6 @@ MIN_GROUP = 40  # samples of a prefix for its own group in the conditional test
 SAMPLING = Sampling(temperature=1.0)
 TOP_K = 8  # DFlash 2 candidates: half the vocabulary
 HEAD_SCALE = 40.0
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

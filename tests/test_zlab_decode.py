@@ -27,23 +27,18 @@ from producer.target_model.greedy import GreedyTarget
 from producer.target_model.load import target_head_of
 from tests.drafter_fixtures import tiny_config, tiny_qwen3_target, train_on_transcripts
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("dflash") is None,
-    reason="z-lab's reference package is missing: pip install --no-deps dflash==0.1.0 (launch/setup.sh installs it)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("dflash") is None,
+        reason="z-lab's reference package is missing: pip install --no-deps dflash==0.1.0 (launch/setup.sh installs it)",
+    ),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 LAYER_IDS = [1, 3]
 BLOCK = 4
 NEW_TOKENS = 40
 KIND_FIELDS = {"dflash": {}, "dflash2": dict(kind="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4)}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
