@@ -21,7 +21,9 @@ from common.drafter.kind import DrafterKind, DraftShape, KindOptions
 NUM_CANDIDATE_FEATURES = 5
 """Per candidate: its log-probability, probability, gap to the slot's best, rank fraction and top-1 flag."""
 REFERENCE_WIDTH = 1024
-"""Model-Optimizer's reranker width and factor width, kept on any draft at least this wide."""
+"""Model-Optimizer's reranker width and factor width, on its 4096-wide drafters: a quarter of the drafter."""
+REFERENCE_DRAFT_WIDTH = 4096
+"""The hidden size of the drafters Model-Optimizer's recipe sizes its reranker for (Qwen3-8B's, Llama-3.1-8B's)."""
 
 
 @dataclass
@@ -49,11 +51,13 @@ class LiLiCorrOptions(KindOptions):
     and vLLM's kernels take a power of two up to 16."""
     lilicorr_hidden_size: int | None = None
     """Width h of the reranker's transformer (0: the draft's hidden size, where ``token_proj`` is the identity and
-    has no weights); a multiple of ``lilicorr_num_heads``. None: min(1024, the draft's hidden size), the reference's
-    1024 on any draft at least that wide, never a head wider than the drafter it reranks."""
+    has no weights); a multiple of ``lilicorr_num_heads``. None: the reference's proportion, a quarter of the draft's
+    hidden size rounded up to a multiple of ``lilicorr_num_heads``, at most the reference's 1024 (1024 on its 4096-wide
+    drafters; 144 on SmolLM2's 576, 16 on the tiny default's 64). The reranker runs over (block - 1) x K candidate
+    positions a block, K times the drafter's, so a head as wide as the drafter would cost several drafters."""
     lilicorr_factor_dim: int | None = None
-    """Width F of the out / in / anchor vectors whose cosines are the factors. None: min(1024, the draft's hidden
-    size), as ``lilicorr_hidden_size``."""
+    """Width F of the out / in / anchor vectors whose cosines are the factors. None: as ``lilicorr_hidden_size``'s
+    default (the reference's F = h = 1024 on a 4096-wide drafter)."""
     lilicorr_num_layers: int = 2
     """Layers of the reranker's bidirectional transformer over the slots x K candidates of a block."""
     lilicorr_num_heads: int = 8
@@ -121,7 +125,9 @@ class LiLiCorrOptions(KindOptions):
         )
 
     def resolved(self, config: DraftShape) -> LiLiCorrOptions:
-        derived = min(REFERENCE_WIDTH, config.hidden_size)
+        heads = self.lilicorr_num_heads
+        quarter = -(-config.hidden_size * REFERENCE_WIDTH // REFERENCE_DRAFT_WIDTH // heads) * heads
+        derived = min(REFERENCE_WIDTH, quarter)
         return dataclasses.replace(
             self,
             lilicorr_hidden_size=derived if self.lilicorr_hidden_size is None else self.lilicorr_hidden_size,
