@@ -100,7 +100,8 @@ class ProducerStatus(JsonRecord):
     """The attention and linear-attention kernels the target runs, and whether it is compiled."""
     jobs: dict[str, Any] = field(default_factory=dict)
     """What each of its jobs is doing, by name (producer 0's ``evaluating``: ``step``, the step it evaluates or None,
-    ``doing``, the evaluator's phase, and ``held_s``, the seconds it batches before taking the next request)."""
+    ``answered``, the step it answered last, ``doing``, the evaluator's phase, and ``held_s``, the seconds it batches
+    before taking the next request)."""
     ring: dict[str, Any] = field(default_factory=dict)
     """Slot counts by state (``slots``, ``free``, ``filling``, ``ready``, ``leased``), ``backend``, ``slot_bytes``."""
     epoch_batches: int | None = None

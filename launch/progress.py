@@ -44,13 +44,15 @@ def trainer_figures(status: dict[str, Any], evaluating: Any = None) -> list[str]
 
 def evaluations_waiting(in_flight: list[int], job: Any, final: bool = False) -> str:
     """Where the evaluations asked for (their steps) are, from producer 0's evaluation job status (``step``,
-    ``doing``, ``held_s``): ``evaluating 300: decoding, 0/16 prompts done``, or what it waits for. ``final``: training
+    ``answered``, ``doing``, ``held_s``): ``evaluating 300: decoding, 0/16 prompts done``, or what it waits for. ``final``: training
     has ended, and producer 0 takes the last one whatever its hold (eval.producer_share)."""
     job = job if isinstance(job, dict) else {}
     step, doing, held = job.get("step"), job.get("doing"), None if final else job.get("held_s")
     if step in in_flight:
         queued = ",".join(str(other) for other in in_flight if other != step)
         return f"evaluating {step}" + (f": {doing}" if doing else "") + (f" ({queued} queued)" if queued else "")
+    if job.get("answered") in in_flight:  # answered, and the trainer reads the result at its next look
+        return f"evaluating {job['answered']}: done, the trainer reads its result"
     steps = ",".join(map(str, in_flight))
     if held:
         return f"evaluating {steps}: queued, producer 0 makes batches {held:.0f} s more (eval.producer_share)"

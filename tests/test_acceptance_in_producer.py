@@ -169,6 +169,8 @@ def test_the_progress_line_says_what_the_runs_last_evaluation_waits_for(tmp_path
         {"step": None, "doing": None, "held_s": 12.7},  # the hold is for evaluations during training only
         {"step": 30, "doing": "making the target's reference (4 prompts, 48 tokens each)", "held_s": None},
         {"step": 30, "doing": "decoding, 0/4 prompts done", "held_s": None},
+        # answered, the trainer not yet at its next look: it read "waiting for producer 0 to start it"
+        {"step": None, "answered": 30, "doing": None, "held_s": None},
     ]
     for index, job in enumerate(jobs):
         state = "training" if index == 0 else "final evaluation"
@@ -176,11 +178,12 @@ def test_the_progress_line_says_what_the_runs_last_evaluation_waits_for(tmp_path
         atomic_write_json(run.producers / "p0.json", {"id": 0, "pid": 10, "jobs": {"evaluating": job}})
         view.update(trainer_started_wall=900.0, trainer_alive=True)
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 4, lines
+    assert len(lines) == 5, lines
     assert "evaluating 30: queued, producer 0 makes batches 41 s more (eval.producer_share)" in lines[0]
     assert "final evaluation" in lines[1] and "evaluating 30: waiting for producer 0 to start it" in lines[1]
     assert "evaluating 30: making the target's reference" in lines[2]
     assert "evaluating 30: decoding, 0/4 prompts done" in lines[3]
+    assert "evaluating 30: done, the trainer reads its result" in lines[4]
 
 
 def test_the_export_for_an_evaluation_is_written_in_the_background_from_a_host_copy(tmp_path):

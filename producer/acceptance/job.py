@@ -55,6 +55,8 @@ class AcceptanceJob:
         self.on_change = on_change
         self.evaluating: int | None = None
         """The step whose drafter is being evaluated, if any."""
+        self.answered: int | None = None
+        """The step this producer answered last (its result written; the trainer reads it at its next look)."""
         self._evaluator: AcceptanceEvaluator | None = None
         self._reference_due = True
         self._next_check = 0.0
@@ -65,11 +67,13 @@ class AcceptanceJob:
             log.warning("evaluation of step %d was lost: this producer was restarted during it", step)
 
     def status(self) -> dict[str, object]:
-        """The step it evaluates (None: none), what the evaluator is doing (an evaluation's phase, or the reference
-        made ahead), and the seconds left of its hold after the last evaluation (eval.producer_share)."""
+        """The step it evaluates (None: none), the step it answered last, what the evaluator is doing (an evaluation's
+        phase, or the reference made ahead), and the seconds left of its hold after the last evaluation
+        (eval.producer_share)."""
         held = self._held_until - time.monotonic()
         return {
             "step": self.evaluating,
+            "answered": self.answered,
             "doing": self._evaluator.doing if self._evaluator is not None else None,
             "held_s": round(held, 1) if held > 0 else None,
         }
@@ -88,7 +92,7 @@ class AcceptanceJob:
         self.on_change()
         started = time.monotonic()
         records.finish(self.run_dir, self._answer(request, started))
-        self.evaluating = None
+        self.evaluating, self.answered = None, request.step
         self.on_change()
         # Batches again for long enough that evaluating takes at most eval.producer_share of this producer's time.
         share = self.cfg.eval.producer_share
