@@ -44,8 +44,8 @@ def trainer_figures(status: dict[str, Any], evaluating: Any = None) -> list[str]
 
 def evaluations_waiting(in_flight: list[int], job: Any, final: bool = False) -> str:
     """Where the evaluations asked for (their steps) are, from producer 0's evaluation job status (``step``,
-    ``answered``, ``doing``, ``held_s``): ``evaluating 300: decoding, 0/16 prompts done``, or what it waits for. ``final``: training
-    has ended, and producer 0 takes the last one whatever its hold (eval.producer_share)."""
+    ``answered``, ``doing``, ``held_s``): ``evaluating 300: decoding, 0/16 prompts done``, or what it waits for.
+    ``final``: training has ended, and producer 0 takes the last one whatever its hold (eval.producer_share)."""
     job = job if isinstance(job, dict) else {}
     step, doing, held = job.get("step"), job.get("doing"), None if final else job.get("held_s")
     if step in in_flight:

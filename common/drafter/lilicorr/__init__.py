@@ -126,7 +126,7 @@ class LiLiCorrOptions(KindOptions):
 
     def resolved(self, config: DraftShape) -> LiLiCorrOptions:
         heads = self.lilicorr_num_heads
-        quarter = -(-config.hidden_size * REFERENCE_WIDTH // REFERENCE_DRAFT_WIDTH // heads) * heads
+        quarter = math.ceil(config.hidden_size * REFERENCE_WIDTH / REFERENCE_DRAFT_WIDTH / heads) * heads
         derived = min(REFERENCE_WIDTH, quarter)
         return dataclasses.replace(
             self,
