@@ -214,7 +214,7 @@ def test_the_status_counts_answers_as_they_are_made_with_a_true_time_left(short_
     run_dir = short_tmp / "run"
     folder = run_dir / "synthesized"
     args = synthesize_args(
-        run_dir, write_chat(short_tmp / "prompts.jsonl", 24), 'synthesize.prompts="data"', "synthesize.max_new_tokens=48",
+        run_dir, write_chat(short_tmp / "prompts.jsonl", 16), 'synthesize.prompts="data"', "synthesize.max_new_tokens=32",
         "synthesize.records_per_shard=1000", "synthesize.flush_every_s=3600",
     )  # fmt: skip
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
