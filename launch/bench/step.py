@@ -47,7 +47,9 @@ from common.lifecycle import exit_process
 from launch.bench.harness import QWEN3_8B, Table, emit, gpu_name, matmul_tflops, synchronize
 from trainer.sharding import full_tensor, parallelize
 
-VARIANTS = ("eager", "compile-layers", "compile-model")
+VARIANTS = ("eager", "compile-layers", "compile-layers-graphs", "compile-model")
+"""compile-layers-graphs: each compiled layer's forward and backward replayed as CUDA graphs (torch.compile's
+reduce-overhead mode, static shapes): the launches of a small-shape step without the host issuing each kernel."""
 
 
 def qwen3_8b_draft(block_size: int) -> DraftConfig:
@@ -147,9 +149,10 @@ def drafter_of_variant(
     drafter = build_drafter(config, head, loss_config).to(dtype=param_dtype)
     if parallelism != "fsdp":
         drafter.to(device)  # FSDP moves each rank's shards to the device itself
-    if variant == "compile-layers":
+    if variant in ("compile-layers", "compile-layers-graphs"):
+        mode = "reduce-overhead" if variant == "compile-layers-graphs" else None
         for layer in drafter.layers:
-            layer.compile(dynamic=False)
+            layer.compile(dynamic=False, mode=mode)
     elif variant == "compile-model":
         drafter.compile(dynamic=False)  # compiles forward(): fc, embedding, rope and the layers together
     return drafter
@@ -347,7 +350,7 @@ def print_table(results: list[dict], args: argparse.Namespace, device: torch.dev
     table = Table(
         [
             ("kind", "<9"),
-            ("variant", "<16"),
+            ("variant", "<22"),
             ("step ms", ">10.1f"),
             ("x first", ">9.3f"),
             ("samples/s", ">11.2f"),
