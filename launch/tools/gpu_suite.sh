@@ -7,7 +7,9 @@
 # eager and compiled), restart, evals, pauses, hybrid (Qwen3.6-27B shapes), scaling (DDP / FSDP over 2 GPUs),
 # pipeline, mps, mps_share, shared_fsdp, stalls, checkpoint, checkpoint_fsdp, generate, data, masks, dflash2 (the
 # DFlash 2 step against the eager one, and both kinds' step cost), quality, collect_quality, recipes, collect_recipes,
-# kinds, collect_kinds (DFlash against DFlash 2 at equal GPU time), busy (the trainer's busy share by producers).
+# kinds, collect_kinds (DFlash against DFlash 2 at equal GPU time), busy (the trainer's busy share by producers),
+# small_shapes (every kind's step at the SmolLM2 preset's and the Qwen3-8B shapes, compiled layers against their
+# replay as CUDA graphs), peers, collect_peers (ours beside SpecForge and speculators).
 # The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
 # the background with setsid (it writes its JSON after every run) and collect the results later.
 # The machine may start bare and keep nothing between runs: install what the image lacks from wheels carried in
@@ -127,6 +129,21 @@ for step in $steps; do
           tail -n 30 /tmp/kinds.log; $PY -m launch.bench.kinds --out /tmp/kinds --table > "$OUT/kinds-table.txt" 2>&1
           cp /tmp/kinds.log /tmp/kinds/*.json "$OUT/" 2>/dev/null
           tar czf "$OUT/kinds-runs.tgz" --exclude="*.safetensors" --exclude="*.pt" /tmp/kinds/*.log /tmp/kinds/*-s*/logs /tmp/kinds/*-s*/metrics.jsonl /tmp/kinds/*-s*/trainer.json /tmp/kinds/data/synthesized/status-*.json 2>/dev/null ;;
+    small_shapes)  # issue 68: the step at small shapes, the compiled layers against their replay as CUDA graphs
+          run step_graphs_smollm2 360 $PY -m launch.bench.step --draft smollm2-135m --kinds dflash,dflash2,dspark --variants compile-layers,compile-layers-graphs --master-fp32 --warmup 3 --steps 10
+          run step_graphs_8b 240 $PY -m launch.bench.step --draft qwen3-8b --kinds dflash --variants compile-layers,compile-layers-graphs --master-fp32 --warmup 3 --steps 10 ;;
+    peers)  # issue 66: ours beside the peers' trainers (needs GGUF; PEERS_WHEELS, the folder of the peers' wheels where
+            # no package index is reached; PEERS_ARGS, e.g. --minutes 4 --peers speculators); in the background, in
+            # /tmp/peers: the rows already trained there are kept, so a later call can add a peer
+          launch/setup_peers.sh > "$OUT/setup_peers.log" 2>&1 || { tail -n 5 "$OUT/setup_peers.log"; exit 2; }
+          setsid nohup $PY -m launch.bench.peers --gguf "$GGUF" --out /tmp/peers ${PEERS_ARGS:---minutes 4} >> /tmp/peers.log 2>&1 < /dev/null &
+          echo "peers started (pid $!)" ;;
+    collect_peers)  # wait up to PEERS_WAIT_S for the background peers benchmark, then keep the table and the rows' records
+          waited=0
+          while pgrep -f launch.bench.peers > /dev/null && [ $waited -lt "${PEERS_WAIT_S:-500}" ]; do sleep 10; waited=$((waited + 10)); done
+          tail -n 30 /tmp/peers.log; $PY -m launch.bench.peers --out /tmp/peers --table > "$OUT/peers-table.txt" 2>&1
+          cp /tmp/peers.log /tmp/peers/*.json "$OUT/" 2>/dev/null
+          (cd /tmp && find peers -type f -size -4M \( -name "*.json" -o -name "*.jsonl" -o -name "*.log" -o -name "*.toml" -o -name "*.yaml" \) -print0 | tar czf "$OUT/peers-runs.tgz" --null -T -) 2>/dev/null ;;
     busy)  # issue 47: the trainer's busy share of the SmolLM2 preset alone on the GPU, 1 producer against BUSY_PRODUCERS
            # (default 3) under MPS, evaluating every 150 steps on producer 0 (needs the data of the 'kinds' step)
           for n in 1 ${BUSY_PRODUCERS:-3}; do
