@@ -133,6 +133,28 @@ def test_the_tiled_step_equals_the_dense_step_in_loss_and_gradients(causality):
         torch.testing.assert_close(tiled_grads[name], dense_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_compiled_layers_on_the_cpu_compile_once_whatever_each_batchs_tiles():
+    """training.compile=true on the CPU: a tile's bounds are host ints of each batch's anchors, so the compiled layers
+    leave the tiled attention out. Traced through, every batch recompiled every layer: a tiny step took 8.4 s against
+    0.41 s eager, until dynamo's recompile limit sent the layers back to eager."""
+    from torch._dynamo.testing import CompileCounter
+
+    config = tiny_config()
+    drafter = DFlashDrafter(config, random_head(config), attention_backend="tiled")
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    for layer in drafter.layers:
+        layer.compile(backend=counter, dynamic=False)
+    compiled = []
+    for seed in range(3):  # the same shapes, other anchors: other tiles
+        batch = random_batch([200, 90, 230], config, seed=seed)
+        blocks, masks = drafter.prepare(batch, 16, generator(seed))
+        drafter(batch.aux_hidden, blocks, masks).sum().backward()
+        compiled.append(counter.frame_count)
+    torch._dynamo.reset()
+    assert compiled[0] > 0 and compiled[1:] == [compiled[0]] * 2, compiled
+
+
 def attended_pairs(doc_len: int, tokens: int, anchors: int, layer_type: str, window: int = 256) -> tuple[int, int]:
     """(query-key pairs the tiles attend over, the largest tile mask) of one step's masks at these shapes."""
     config = tiny_config(block_size=16, layer_types=[layer_type, layer_type], sliding_window=window)

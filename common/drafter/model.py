@@ -143,6 +143,7 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim))
 
 
+@torch.compiler.disable  # its tiles are host ints that change with every batch: compiled, each batch recompiles
 def tiled_attention(
     q: torch.Tensor,
     context: tuple[torch.Tensor, torch.Tensor],
