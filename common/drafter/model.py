@@ -9,6 +9,7 @@ head of common.drafter.loss turns the block slots into a loss without materialis
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -28,6 +29,7 @@ from common.drafter.sampling import Proposal, Sampling, sample_from, sampling_pr
 from common.drafter.target_head import TargetHead
 
 _compiled_flex_attention = None
+_uncompiled_tiled_attention = None
 
 ATTENTION_BACKENDS = ("flex", "tiled", "sdpa")
 """How the drafter attends: flex block masks (CUDA), tiles of SDPA (CPU), SDPA with one dense mask (reference)."""
@@ -43,6 +45,16 @@ def flex_attention_for(device: torch.device):
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex_attention
+
+
+def tiled_attention_outside_compile() -> Callable[..., torch.Tensor]:
+    """``tiled_attention`` as a compiled layer calls it: left out of the compiled code (torch.compiler.disable), since
+    its tiles are host ints that change with every batch and, traced, each batch would recompile the layer. Made on
+    the first compiled call: wrapping imports dynamo (and FSDP with it), which an eager trainer does without."""
+    global _uncompiled_tiled_attention
+    if _uncompiled_tiled_attention is None:
+        _uncompiled_tiled_attention = torch.compiler.disable(tiled_attention)
+    return _uncompiled_tiled_attention
 
 
 class RMSNorm(nn.Module):
@@ -133,7 +145,8 @@ class DraftAttention(nn.Module):
         v_blk = self.v_proj(x).view(num_queries, self.num_kv_heads, self.head_dim).transpose(0, 1)
         q, k_ctx, k_blk = apply_rope(q, *rope.block), apply_rope(k_ctx, *rope.context), apply_rope(k_blk, *rope.block)
         if isinstance(mask, TiledMask):
-            out = tiled_attention(q, (k_ctx, v_ctx), (k_blk, v_blk), mask)
+            attend = tiled_attention_outside_compile() if torch.compiler.is_compiling() else tiled_attention
+            out = attend(q, (k_ctx, v_ctx), (k_blk, v_blk), mask)
         else:
             k, v = torch.cat([k_ctx, k_blk], dim=1)[None], torch.cat([v_ctx, v_blk], dim=1)[None]
             if isinstance(mask, BlockMask):
@@ -143,7 +156,6 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim))
 
 
-@torch.compiler.disable  # its tiles are host ints that change with every batch: compiled, each batch recompiles
 def tiled_attention(
     q: torch.Tensor,
     context: tuple[torch.Tensor, torch.Tensor],
