@@ -172,11 +172,20 @@ def test_a_training_step_on_cuda_never_waits_for_the_device(short_tmp, kind):
     trainer = tiny_trainer(short_tmp / "run", kind, optimizer, 'launch.trainer_devices=["cuda:0"]')
     try:
         num_anchors, generator = trainer.cfg.drafter.num_anchors, trainer.optim.generator
-        for seed in (1, 2):  # compiles, and makes the optimizer's state
-            train_one_step(trainer, received_batch(trainer, seed))
-        received, upcoming = received_batch(trainer, seed=3), received_batch(trainer, seed=4)
-        received.prepared = trainer.drafter.prepare(received.batch, num_anchors, generator)
-        trainer.batches.upcoming = upcoming  # prepared inside the step, during the backward, as the trainer does
+
+        def batches(seed: int) -> tuple[Received, Received]:
+            """A batch prepared ahead, and the next one, prepared inside the step during the backward, as the trainer
+            has them."""
+            received, upcoming = received_batch(trainer, seed), received_batch(trainer, seed + 1)
+            received.prepared = trainer.drafter.prepare(received.batch, num_anchors, generator)
+            trainer.batches.upcoming = upcoming
+            return received, upcoming
+
+        # The same path twice before the step under test: it compiles, makes the optimizer's state and runs every
+        # kernel once (a first run may autotune, which waits for the device).
+        for seed in (1, 3):
+            train_one_step(trainer, batches(seed)[0])
+        received, upcoming = batches(5)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
