@@ -31,6 +31,10 @@ run() {  # name, seconds, command...
   tail -n 8 "$OUT/$name.log" | cut -c1-300
   summary+=("$name rc=$rc")
 }
+wait_while_running() {  # module, seconds: wait (up to the seconds) for a background benchmark's process to end
+  local waited=0
+  while pgrep -f "$1" > /dev/null && [ $waited -lt "$2" ]; do sleep 10; waited=$((waited + 10)); done
+}
 keep_run_logs() {  # name: the pipeline runs' logs, metrics and evaluation records, in one file under $OUT (small
                   # enough to copy off the machine), without their exported weights; their checkpoints are gone already
   tar czf "$OUT/$1-runs.tgz" --exclude="*.safetensors" /tmp/df-*-*/run/logs /tmp/df-*-*/run/metrics.jsonl /tmp/df-*-*/run/evals 2>/dev/null
@@ -105,8 +109,7 @@ for step in $steps; do
           setsid nohup $PY -m launch.bench.quality --gguf "$GGUF" --out /tmp/quality ${QUALITY_ARGS:-} > /tmp/quality.log 2>&1 &
           echo "quality benchmark started (pid $!)" ;;
     collect_quality)  # wait up to QUALITY_WAIT_S for the background quality benchmark, then keep what it wrote
-          waited=0
-          while pgrep -f launch.bench.quality > /dev/null && [ $waited -lt "${QUALITY_WAIT_S:-500}" ]; do sleep 10; waited=$((waited + 10)); done
+          wait_while_running launch.bench.quality "${QUALITY_WAIT_S:-500}"
           tail -n 30 /tmp/quality.log; cp /tmp/quality.log /tmp/quality/quality-*.json "$OUT/" 2>/dev/null
           tar czf "$OUT/quality-runs.tgz" --exclude="*.safetensors" --exclude="*.pt" /tmp/quality/*.log /tmp/quality/train*/logs /tmp/quality/train*/metrics.jsonl /tmp/quality/data/synthesized/status-*.json 2>/dev/null ;;
     recipes)  # issue 35: training options side by side (needs GGUF; RECIPES, the recipe list; RECIPE_ARGS, e.g. --steps);
@@ -114,8 +117,7 @@ for step in $steps; do
           setsid nohup $PY -m launch.bench.recipes --gguf "$GGUF" --out /tmp/recipes ${RECIPE_ARGS:-} ${RECIPES:-default} >> /tmp/recipes.log 2>&1 &
           echo "recipes started (pid $!)" ;;
     collect_recipes)  # wait up to RECIPES_WAIT_S for the background recipes, then keep the table and the runs' records
-          waited=0
-          while pgrep -f launch.bench.recipes > /dev/null && [ $waited -lt "${RECIPES_WAIT_S:-500}" ]; do sleep 10; waited=$((waited + 10)); done
+          wait_while_running launch.bench.recipes "${RECIPES_WAIT_S:-500}"
           tail -n 40 /tmp/recipes.log; $PY -m launch.bench.recipes --out /tmp/recipes --table > "$OUT/recipes-table.txt" 2>&1
           cp /tmp/recipes.log /tmp/recipes/*.json "$OUT/" 2>/dev/null
           tar czf "$OUT/recipes-runs.tgz" --exclude="*.safetensors" --exclude="*.pt" /tmp/recipes/*.log /tmp/recipes/*-s*/logs /tmp/recipes/*-s*/metrics.jsonl /tmp/recipes/data/synthesized/status-*.json 2>/dev/null ;;
@@ -124,8 +126,7 @@ for step in $steps; do
           setsid nohup $PY -m launch.bench.kinds --gguf "$GGUF" --out /tmp/kinds ${KINDS_ARGS:-} ${KINDS_ROWS:-dflash dflash2} > /tmp/kinds.log 2>&1 &
           echo "kinds started (pid $!)" ;;
     collect_kinds)  # wait up to KINDS_WAIT_S for the background kinds benchmark, then keep the table and the runs' records
-          waited=0
-          while pgrep -f launch.bench.kinds > /dev/null && [ $waited -lt "${KINDS_WAIT_S:-500}" ]; do sleep 10; waited=$((waited + 10)); done
+          wait_while_running launch.bench.kinds "${KINDS_WAIT_S:-500}"
           tail -n 30 /tmp/kinds.log; $PY -m launch.bench.kinds --out /tmp/kinds --table > "$OUT/kinds-table.txt" 2>&1
           cp /tmp/kinds.log /tmp/kinds/*.json "$OUT/" 2>/dev/null
           tar czf "$OUT/kinds-runs.tgz" --exclude="*.safetensors" --exclude="*.pt" /tmp/kinds/*.log /tmp/kinds/*-s*/logs /tmp/kinds/*-s*/metrics.jsonl /tmp/kinds/*-s*/trainer.json /tmp/kinds/data/synthesized/status-*.json 2>/dev/null ;;
@@ -139,8 +140,7 @@ for step in $steps; do
           setsid nohup $PY -m launch.bench.peers --gguf "$GGUF" --out /tmp/peers ${PEERS_ARGS:---minutes 4} >> /tmp/peers.log 2>&1 < /dev/null &
           echo "peers started (pid $!)" ;;
     collect_peers)  # wait up to PEERS_WAIT_S for the background peers benchmark, then keep the table and the rows' records
-          waited=0
-          while pgrep -f launch.bench.peers > /dev/null && [ $waited -lt "${PEERS_WAIT_S:-500}" ]; do sleep 10; waited=$((waited + 10)); done
+          wait_while_running launch.bench.peers "${PEERS_WAIT_S:-500}"
           tail -n 30 /tmp/peers.log; $PY -m launch.bench.peers --out /tmp/peers --table > "$OUT/peers-table.txt" 2>&1
           cp /tmp/peers.log /tmp/peers/*.json "$OUT/" 2>/dev/null
           (cd /tmp && find peers -type f -size -4M \( -name "*.json" -o -name "*.jsonl" -o -name "*.log" -o -name "*.toml" -o -name "*.yaml" \) -print0 | tar czf "$OUT/peers-runs.tgz" --null -T -) 2>/dev/null ;;
