@@ -19,7 +19,7 @@
 set -u
 cd "$(dirname "$0")/../.."  # the repository root (this file is launch/tools/)
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 DFLASH_PYTHON=${DFLASH_PYTHON:-python3} WANDB_MODE=offline PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 DFLASH_PYTHON=${DFLASH_PYTHON:-python3} WANDB_MODE=offline PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=$DFLASH_PYTHON
 steps=${*:-tests ring producer step restart}
 summary=()
