@@ -140,3 +140,29 @@ def test_target_label_modes_train(label_mode):
     batch.last_hidden = None
     with pytest.raises(ValueError, match="last_hidden"):
         drafter.forward_train(batch, 12, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "labels_from, objective",
+    [("data", "ce"), ("target_hard", "lk_hybrid"), ("target_soft", "ce"), ("target_soft", "lk"), ("data", "lk")],
+)
+def test_gpu_compiled_chunk_rows_equal_the_eager_ones(labels_from, objective, monkeypatch):
+    """On CUDA each chunk's rows run compiled: in fp32 the same losses, CE, acceptance, picks, top tokens and gradient
+    as the CPU's eager code, over chunks of unequal sizes (the last chunk's rows are a new shape)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # a benchmark run in-process may set it
+    hidden, weight, labels, target, row_weights = (
+        t.float() if t.is_floating_point() else t for t in inputs(vocab=1000)
+    )
+    options = {"labels": labels} if labels_from == "data" else {"target_hidden": target}
+    options.update(soft=labels_from == "target_soft", objective=objective, with_acceptance=True, top_k=4)
+    results = []
+    for device in ("cpu", "cuda"):
+        h = hidden.to(device).requires_grad_()
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+        rows = chunked_head_rows(h, weight.to(device), chunk_rows=8, **moved)
+        (grad,) = torch.autograd.grad((rows.loss * row_weights.to(device)).sum(), h)
+        results.append([t.cpu() for t in (*rows, grad)])
+    for name, cpu, cuda in zip((*rows._fields, "grad"), *results):
+        torch.testing.assert_close(cuda, cpu, rtol=1e-4, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")

@@ -12,7 +12,9 @@ acceptance rate: q(label) for a hard label, sum_v min(p_v, q_v) for a soft targe
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -205,6 +207,56 @@ def top_k_indices(logits: torch.Tensor, k: int) -> torch.Tensor:
     return columns.gather(1, values.topk(k, dim=-1).indices)
 
 
+def _chunk_rows(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    target_logits: torch.Tensor | None,
+    soft: bool,
+    objective: str,
+    lk_eta: float,
+    with_acceptance: bool,
+    need_grad: bool,
+) -> tuple[torch.Tensor, ...]:
+    """One chunk's rows from its draft logits [c, V] (and the target's, for target labels), in the head's dtype:
+    the draft's argmax, the label used, the row loss, the CE, the acceptance (None unless asked for or LK) and, when
+    ``need_grad``, d row loss / d logits in the logits' dtype (None otherwise)."""
+    dtype = logits.dtype
+    logits = logits.float()
+    draft_argmax = logits.argmax(-1)
+    log_norm = torch.logsumexp(logits, -1, keepdim=True)
+    target_logits = None if target_logits is None else target_logits.float()
+    label = labels if target_logits is None else target_logits.argmax(-1)
+    ce, target_p = _row_ce(logits, log_norm, label, target_logits if soft else None)
+    # The draft softmax, in place: the logits are not needed past this point.
+    draft_p = logits.sub_(log_norm).exp_() if need_grad or (soft and with_acceptance) else None
+    draft_below_target = draft_p < target_p if soft and with_acceptance else None
+    accept = None
+    if with_acceptance:
+        # a one-hot target overlaps the draft in q(label) alone
+        accept = torch.where(draft_below_target, draft_p, target_p).sum(-1) if soft else torch.exp(-ce)
+    # For a one-hot target -log(acceptance) = -log q(label) is the CE, so "lk" rows take the CE path.
+    if objective == "ce" or (objective == "lk" and not soft):
+        row_loss, lk = ce, None
+    else:
+        row_loss, ce_coef, overlap_coef = _lk_rows(objective, ce, accept, lk_eta)
+        lk = (accept, ce_coef, overlap_coef, draft_below_target)
+    grad_logits = _grad_logits(draft_p, label, target_p, lk).to(dtype) if need_grad else None
+    return draft_argmax, label, row_loss, ce, accept, grad_logits
+
+
+@functools.cache
+def _compiled_chunk_rows() -> Callable[..., tuple[torch.Tensor, ...]]:
+    """:func:`_chunk_rows` compiled (made on the first CUDA chunk): a few fused kernels that read the chunk's logits,
+    where eager launches a dozen vocabulary-wide fp32 ones a chunk (their traffic and launches took more time than the
+    chunk's two products at small hidden sizes). Rows are dynamic: the last chunk is shorter."""
+    return torch.compile(_chunk_rows, dynamic=True)
+
+
+def _chunk_function(device: torch.device) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """:func:`_chunk_rows`, compiled on CUDA; eager elsewhere."""
+    return _compiled_chunk_rows() if device.type == "cuda" else _chunk_rows
+
+
 class ChunkedHeadLoss(torch.autograd.Function):
     """Per-row loss of ``hidden @ head_weight.T`` against hard labels or a soft target, in row chunks.
 
@@ -231,8 +283,6 @@ class ChunkedHeadLoss(torch.autograd.Function):
         rows = hidden.shape[0]
         need_grad = ctx.needs_input_grad[0]
         with_acceptance = with_acceptance or objective != "ce"
-        # For a one-hot target -log(acceptance) = -log q(label) is the CE, so "lk" rows take the CE path.
-        ce_rows = objective == "ce" or (objective == "lk" and not soft)
         row_loss = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         row_ce = torch.empty_like(row_loss) if objective != "ce" else None
         acceptance = torch.empty_like(row_loss) if with_acceptance else None
@@ -240,36 +290,32 @@ class ChunkedHeadLoss(torch.autograd.Function):
         label_used = torch.empty(rows, dtype=torch.long, device=hidden.device)
         top_ids = torch.empty(rows, top_k, dtype=torch.long, device=hidden.device) if top_k else None
         unit_grad = torch.empty_like(hidden) if need_grad else None
+        chunk_values = _chunk_function(hidden.device)
         for start in range(0, rows, chunk_rows):
             chunk = slice(start, min(start + chunk_rows, rows))
-            logits = (hidden[chunk].to(head_weight.dtype) @ head_weight.T).float()
-            draft_argmax[chunk] = logits.argmax(-1)
+            logits = hidden[chunk].to(head_weight.dtype) @ head_weight.T
             if top_ids is not None:
                 top_ids[chunk] = top_k_indices(logits, top_k)
-            log_norm = torch.logsumexp(logits, -1, keepdim=True)
             target_logits = None
             if target_hidden is not None:
-                target_logits = (target_hidden[chunk].to(head_weight.dtype) @ head_weight.T).float()
-            label = labels[chunk] if target_logits is None else target_logits.argmax(-1)
-            label_used[chunk] = label
-            ce, target_p = _row_ce(logits, log_norm, label, target_logits if soft else None)
+                target_logits = target_hidden[chunk].to(head_weight.dtype) @ head_weight.T
+            argmax, label, loss, ce, accept, grad_logits = chunk_values(
+                logits,
+                None if labels is None else labels[chunk],
+                target_logits,
+                soft,
+                objective,
+                lk_eta,
+                with_acceptance,
+                need_grad,
+            )
+            draft_argmax[chunk], label_used[chunk], row_loss[chunk] = argmax, label, loss
             if row_ce is not None:
                 row_ce[chunk] = ce
-            # The draft softmax, in place: the logits are not needed past this point.
-            draft_p = logits.sub_(log_norm).exp_() if need_grad or (soft and with_acceptance) else None
-            draft_below_target = draft_p < target_p if soft and with_acceptance else None
-            if with_acceptance:
-                # a one-hot target overlaps the draft in q(label) alone
-                accept = torch.where(draft_below_target, draft_p, target_p).sum(-1) if soft else torch.exp(-ce)
+            if acceptance is not None:
                 acceptance[chunk] = accept
-            if ce_rows:
-                row_loss[chunk] = ce
-            else:
-                row_loss[chunk], ce_coef, overlap_coef = _lk_rows(objective, ce, accept, lk_eta)
             if need_grad:
-                lk = None if ce_rows else (accept, ce_coef, overlap_coef, draft_below_target)
-                grad_logits = _grad_logits(draft_p, label, target_p, lk)
-                unit_grad[chunk] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
+                unit_grad[chunk] = (grad_logits @ head_weight).to(hidden.dtype)
         ctx.save_for_backward(unit_grad)
         ctx.mark_non_differentiable(
             draft_argmax, label_used, *(side for side in (row_ce, acceptance, top_ids) if side is not None)
