@@ -9,6 +9,7 @@ head of common.drafter.loss turns the block slots into a loss without materialis
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,9 +29,6 @@ from common.drafter.masks import TiledMask, build_masks, visible_pairs
 from common.drafter.sampling import Proposal, Sampling, sample_from, sampling_probs
 from common.drafter.target_head import TargetHead
 
-_compiled_flex_attention = None
-_uncompiled_tiled_attention = None
-
 ATTENTION_BACKENDS = ("flex", "tiled", "sdpa")
 """How the drafter attends: flex block masks (CUDA), tiles of SDPA (CPU), SDPA with one dense mask (reference)."""
 AttentionMask = BlockMask | TiledMask | torch.Tensor
@@ -39,22 +37,20 @@ AttentionMask = BlockMask | TiledMask | torch.Tensor
 
 def flex_attention_for(device: torch.device):
     """flex_attention, compiled on CUDA (its eager path materialises the scores)."""
-    global _compiled_flex_attention
-    if device.type != "cuda":
-        return flex_attention
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex_attention
+    return _compiled_flex_attention() if device.type == "cuda" else flex_attention
 
 
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.cache
 def tiled_attention_outside_compile() -> Callable[..., torch.Tensor]:
     """``tiled_attention`` as a compiled layer calls it: left out of the compiled code (torch.compiler.disable), since
     its tiles are host ints that change with every batch and, traced, each batch would recompile the layer. Made on
     the first compiled call: wrapping imports dynamo (and FSDP with it), which an eager trainer does without."""
-    global _uncompiled_tiled_attention
-    if _uncompiled_tiled_attention is None:
-        _uncompiled_tiled_attention = torch.compiler.disable(tiled_attention)
-    return _uncompiled_tiled_attention
+    return torch.compiler.disable(tiled_attention)
 
 
 class RMSNorm(nn.Module):

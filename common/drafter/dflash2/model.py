@@ -22,6 +22,9 @@ draft argmax's beside it.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -135,7 +138,9 @@ def _apply_conv(x: torch.Tensor, base_kernel: torch.Tensor, deltas: torch.Tensor
     return CausalConvFunction.apply(x, base, deltas[:, :, side].to(x.dtype))
 
 
-_compiled_conv = None
+@functools.cache
+def _compiled_conv() -> Callable[..., torch.Tensor]:
+    return torch.compile(_apply_conv, dynamic=False)
 
 
 def causal_conv(x: torch.Tensor, base_kernel: torch.Tensor, deltas: torch.Tensor, side: int) -> torch.Tensor:
@@ -147,11 +152,8 @@ def causal_conv(x: torch.Tensor, base_kernel: torch.Tensor, deltas: torch.Tensor
     the side's selection and the dtype casts inside, where the eager taps launch dozens); inside a compiled layer
     the layer's graph takes it in. Compiled, the convolution is traced out of place and differentiated by the
     compiler; eager (the CPU, and decoding, whose shapes vary) it runs ``CausalConvFunction``."""
-    global _compiled_conv
     if x.is_cuda and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        if _compiled_conv is None:
-            _compiled_conv = torch.compile(_apply_conv, dynamic=False)
-        return _compiled_conv(x, base_kernel, deltas, side)
+        return _compiled_conv()(x, base_kernel, deltas, side)
     return _apply_conv(x, base_kernel, deltas, side)
 
 

@@ -18,6 +18,7 @@ them by the incoming gradient of the sum. On CUDA the elementwise work of a chun
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -81,18 +82,16 @@ def _grad_logits(
     return grad.to(base.dtype)
 
 
-_compiled: dict[str, object] = {}
+@functools.cache
+def _compiled_chunk_functions() -> tuple:
+    return torch.compile(_rows, dynamic=True), torch.compile(_grad_logits, dynamic=True)
 
 
 def _chunk_functions(device: torch.device) -> tuple:
     """(_rows, _grad_logits), compiled on CUDA: there each is a few fused kernels that read the chunk's three logit
     tensors, where eager runs two dozen vocabulary-wide kernels a chunk (launches, and fp32 traffic that took more
     time than the products themselves). Eager elsewhere."""
-    if device.type != "cuda":
-        return _rows, _grad_logits
-    if not _compiled:
-        _compiled.update(rows=torch.compile(_rows, dynamic=True), grad=torch.compile(_grad_logits, dynamic=True))
-    return _compiled["rows"], _compiled["grad"]
+    return _compiled_chunk_functions() if device.type == "cuda" else (_rows, _grad_logits)
 
 
 def _add_chunk_grads(
