@@ -135,6 +135,20 @@ def one_thread():
 
 
 @pytest.fixture
+def exact_fp32_matmul():
+    """CUDA's fp32 products without TF32 for the test (a benchmark run in-process may have turned it on). Set and
+    restored by hand: pytest's monkeypatch cannot restore this attribute (torch serves it through __getattr__, so
+    monkeypatch records it as missing and its teardown fails deleting it)."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    allowed = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    yield
+    matmul.allow_tf32 = allowed
+
+
+@pytest.fixture
 def short_tmp(request):
     """A short directory for ipc sockets (their paths are limited to ~100 characters). Removed after the
     test, but kept when it failed: the run's logs there are what explains a failure that does not repeat."""

@@ -263,13 +263,12 @@ def test_our_forward_and_proposals_equal_the_reference_model_loaded_from_our_exp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_compiled_dflash2_step_equals_the_dense_eager_step(monkeypatch):
+def test_gpu_compiled_dflash2_step_equals_the_dense_eager_step(exact_fp32_matmul):
     """The trainer's CUDA path for DFlash 2 (compiled layers, compiled flex attention, block masks) and the eager
     CUDA layers with the dense masks (the convolution compiled alone) against the CPU's eager step: the same loss,
     selector metrics and gradients."""
     from common.batch import PackedBatch
 
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # a benchmark run in-process may set it
     config = dflash2_config(
         layer_types=["sliding_attention", "full_attention"], sliding_window=6, block_size=8, head_dim=16
     )

@@ -148,10 +148,9 @@ def test_target_label_modes_train(label_mode):
     "labels_from, objective",
     [("data", "ce"), ("target_hard", "lk_hybrid"), ("target_soft", "ce"), ("target_soft", "lk"), ("data", "lk")],
 )
-def test_gpu_compiled_chunk_rows_equal_the_eager_ones(labels_from, objective, monkeypatch):
+def test_gpu_compiled_chunk_rows_equal_the_eager_ones(labels_from, objective, exact_fp32_matmul):
     """On CUDA each chunk's rows run compiled: in fp32 the same losses, CE, acceptance, picks, top tokens and gradient
     as the CPU's eager code, over chunks of unequal sizes (the last chunk's rows are a new shape)."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # a benchmark run in-process may set it
     hidden, weight, labels, target, row_weights = (
         t.float() if t.is_floating_point() else t for t in inputs(vocab=1000)
     )

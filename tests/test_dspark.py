@@ -255,10 +255,9 @@ def test_a_rank_above_the_vocabulary_names_the_key():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("label_mode", ["data", "target_hard"])
-def test_gpu_compiled_head_rows_equal_the_eager_ones(label_mode, monkeypatch):
+def test_gpu_compiled_head_rows_equal_the_eager_ones(label_mode, exact_fp32_matmul):
     """On CUDA the objective's per-chunk work runs compiled: in fp32 the same rows, sum and gradients as the CPU's eager
     code, over chunks of unequal sizes (the last chunk's rows are a new shape)."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # a benchmark run in-process may set it
     gen = torch.Generator().manual_seed(0)
     blocks, slots, width, vocab, rank = 9, 7, 32, 1000, 8
     rows = torch.randn(blocks * slots, width, generator=gen)
