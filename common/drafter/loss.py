@@ -226,11 +226,14 @@ def _chunk_rows(
     lk_eta: float,
     with_acceptance: bool,
     need_grad: bool,
+    top_k: int,
 ) -> tuple[torch.Tensor, ...]:
     """One chunk's rows from its draft logits [c, V] (and the target's, for target labels), in the head's dtype:
-    the draft's argmax, the label used, the row loss, the CE, the acceptance (None unless asked for or LK) and, when
-    ``need_grad``, d row loss / d logits in the logits' dtype (None otherwise)."""
+    the draft's argmax, the label used, the row loss, the CE, the acceptance (None unless asked for or LK), when
+    ``need_grad`` d row loss / d logits in the logits' dtype, and when ``top_k`` the draft's top-K tokens (else
+    None)."""
     dtype = logits.dtype
+    top_ids = top_k_indices(logits, top_k) if top_k else None
     logits = logits.float()
     draft_argmax = logits.argmax(-1)
     log_norm = torch.logsumexp(logits, -1, keepdim=True)
@@ -251,7 +254,7 @@ def _chunk_rows(
         row_loss, ce_coef, overlap_coef = _lk_rows(objective, ce, accept, lk_eta)
         lk = (accept, ce_coef, overlap_coef, draft_below_target)
     grad_logits = _grad_logits(draft_p, label, target_p, lk).to(dtype) if need_grad else None
-    return draft_argmax, label, row_loss, ce, accept, grad_logits
+    return draft_argmax, label, row_loss, ce, accept, grad_logits, top_ids
 
 
 @functools.cache
@@ -304,12 +307,10 @@ class ChunkedHeadLoss(torch.autograd.Function):
         for start in range(0, rows, chunk_rows):
             chunk = slice(start, min(start + chunk_rows, rows))
             logits = hidden[chunk].to(head_weight.dtype) @ head_weight.T
-            if top_ids is not None:
-                top_ids[chunk] = top_k_indices(logits, top_k)
             target_logits = None
             if target_hidden is not None:
                 target_logits = target_hidden[chunk].to(head_weight.dtype) @ head_weight.T
-            argmax, label, loss, ce, accept, grad_logits = chunk_values(
+            argmax, label, loss, ce, accept, grad_logits, top = chunk_values(
                 logits,
                 None if labels is None else labels[chunk],
                 target_logits,
@@ -318,12 +319,15 @@ class ChunkedHeadLoss(torch.autograd.Function):
                 lk_eta,
                 with_acceptance,
                 need_grad,
+                top_k,
             )
             draft_argmax[chunk], label_used[chunk], row_loss[chunk] = argmax, label, loss
             if row_ce is not None:
                 row_ce[chunk] = ce
             if acceptance is not None:
                 acceptance[chunk] = accept
+            if top_ids is not None:
+                top_ids[chunk] = top
             if need_grad:
                 unit_grad[chunk] = (grad_logits @ head_weight).to(hidden.dtype)
         ctx.save_for_backward(unit_grad)
