@@ -216,8 +216,8 @@ def test_gpu_compiled_convolution_equals_the_eager_one(dtype):
 
 
 def test_the_step_benchmark_writes_a_profile(tmp_path, monkeypatch, capsys):
-    """``launch.bench.step --profile DIR``: a torch.profiler table per row, after a summary of kernels, host reads
-    (synchronisations on CUDA) and busy time per step."""
+    """``launch.bench.step --profile DIR``: torch.profiler tables per row (by time, then by calls), after a summary of
+    kernels, host reads (synchronisations on CUDA) and busy time per step."""
     import json
     import sys
 
@@ -233,4 +233,6 @@ def test_the_step_benchmark_writes_a_profile(tmp_path, monkeypatch, capsys):
     summary = json.loads(text[: text.index("\n\n")])
     assert summary["steps"] == 1 and summary["aten_ops_per_step"] > 0
     assert "Self CPU" in text  # the operator table
+    by_calls = text[text.index("By calls:") :]  # and the same operators by calls: the long tail of small kernels
+    assert "Self CPU" in by_calls and "aten::" in by_calls
     assert '"name": "tiny_dflash2_eager"' in capsys.readouterr().out

@@ -15,8 +15,8 @@ FLOPs, so a kind's extra modules show as a longer step and a lower MFU, not as m
     python -m launch.bench.step --kinds dflash,dflash2 --profile /tmp/prof   # + a torch.profiler table per row
 
 ``--profile DIR`` runs ``--profile-steps`` more steps of each row under torch.profiler before the timed ones and writes
-DIR/profile_{draft}_{kind}_{variant}.txt: the operators and kernels by self time (device time on CUDA), and a
-summary per step: kernels launched, host-device synchronisations (cudaStreamSynchronize / cudaDeviceSynchronize /
+DIR/profile_{draft}_{kind}_{variant}.txt: the operators and kernels by self time (device time on CUDA) and by calls,
+and a summary per step: kernels launched, host-device synchronisations (cudaStreamSynchronize / cudaDeviceSynchronize /
 cudaMemcpy to the host, and the aten calls that cause them: item, nonzero, boolean-mask indexing), the device's busy
 time against the step's wall time (the rest are host gaps).
 
@@ -232,7 +232,7 @@ SYNC_CAUSES = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten
 
 def profile_steps(step, prepared, device: torch.device, steps: int, out_dir: str, name: str):
     """``steps`` more training steps under torch.profiler; writes out_dir/profile_{name}.txt (the operators and kernels
-    by self time, after a per-step summary: kernels and synchronisations per step, device busy time against wall
+    by self time and by calls, after a per-step summary: kernels and synchronisations per step, device busy time against wall
     time), prints the summary and returns the prepared blocks of the next step."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -247,7 +247,9 @@ def profile_steps(step, prepared, device: torch.device, steps: int, out_dir: str
     events = prof.key_averages()
     cuda = device.type == "cuda"
     sort_key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    table = events.table(sort_by=sort_key, row_limit=60, max_name_column_width=70)
+    table = events.table(sort_by=sort_key, row_limit=100, max_name_column_width=70)
+    # By calls too: at small shapes the cost is often a long tail of small kernels, each below the top by time.
+    by_calls = events.table(sort_by="count", row_limit=60, max_name_column_width=70)
     counts = {e.key: e.count for e in events}
     kernel_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA] if cuda else []
     busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kernel_events])
@@ -265,7 +267,7 @@ def profile_steps(step, prepared, device: torch.device, steps: int, out_dir: str
     }
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"profile_{name}.txt"), "w") as handle:
-        handle.write(json.dumps(summary, indent=1) + "\n\n" + table + "\n")
+        handle.write(json.dumps(summary, indent=1) + "\n\n" + table + "\n\nBy calls:\n" + by_calls + "\n")
     print(json.dumps(summary))
     return prepared
 
