@@ -172,7 +172,7 @@ def _grad_logits(
     if target_p is not None:
         draft_p.sub_(target_p)
     else:
-        draft_p = _minus_one_hot(draft_p, label)
+        draft_p = minus_one_hot(draft_p, label)
     if lk is not None:
         # Hard lk_hybrid: d a = d q(label) = -a d CE, so the row's gradient is the CE's, scaled.
         accept, ce_coef, overlap_coef, _ = lk
@@ -180,14 +180,14 @@ def _grad_logits(
     return draft_p
 
 
-def _minus_one_hot(p: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    """``p`` less each row's label one-hot: eager, a scatter into ``p`` in place; compiled, one elementwise expression,
-    which fuses with the softmax before it and the cast after it (a scatter is a mutation, which the compiler writes
-    out whole in fp32 and casts back in a kernel of its own)."""
+def minus_one_hot(p: torch.Tensor, label: torch.Tensor, value: float = 1.0) -> torch.Tensor:
+    """``p`` less ``value`` at each row's label: eager, a scatter into ``p`` in place; compiled, one elementwise
+    expression, which fuses with the softmax before it and the cast after it (a scatter is a mutation, which the
+    compiler writes out whole in fp32 and casts back in a kernel of its own)."""
     if torch.compiler.is_compiling():
         columns = torch.arange(p.shape[-1], device=p.device)
-        return p - (columns == label[:, None]).to(p.dtype)
-    return p.scatter_add_(-1, label[:, None], p.new_full((label.shape[0], 1), -1.0))
+        return p - (columns == label[:, None]).to(p.dtype) * value
+    return p.scatter_add_(-1, label[:, None], p.new_full((label.shape[0], 1), -value))
 
 
 TOP_K_GROUP = 256

@@ -11,19 +11,21 @@ both head products twice. Here each chunk's gradient with respect to z is formed
 
     d CE / d z = q - onehot(label),   d TV / d z_j = -q_j ([q_j < p_j] - s),   s = sum_v [q_v < p_v] q_v,
 
-and contracted at once into the gradients of h (with H), of u (with W2) and of W2 (with u): three vocabulary-wide
-products in all (the draft's logits, the target's, the gradient of h), none recomputed. The backward only scales
-them by the incoming gradient of the sum. On CUDA the elementwise work of a chunk runs compiled.
+in the same pass that scores the rows, before their weights are known (a row's weight scales its row of each
+product), and contracted at once into the gradients of h (with H), of u (with W2) and of W2 (with u): three
+vocabulary-wide products in all (the draft's logits, the target's, the gradient of h), none recomputed. The backward
+only scales them by the incoming gradient of the sum. On CUDA the elementwise work of a chunk runs compiled.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from common.drafter.loss import LossConfig, mask_weights
+from common.drafter.loss import LossConfig, mask_weights, minus_one_hot
 
 
 class MarkovRows(NamedTuple):
@@ -46,71 +48,65 @@ class MarkovRows(NamedTuple):
 
 
 def _rows(
-    base: torch.Tensor, markov: torch.Tensor, target: torch.Tensor, labels: torch.Tensor | None
-) -> tuple[torch.Tensor, ...]:
-    """Per row of a chunk, from the backbone's logits, the Markov term's and the target's [c, V]: the backbone's and
-    the corrected argmax, the label, the log-normalisers of q and p, CE, TV and s = sum_v [q_v < p_v] q_v."""
-    logits, target_logits = base.float() + markov.float(), target.float()
-    label = target_logits.argmax(-1) if labels is None else labels
-    log_norm, target_log_norm = logits.logsumexp(-1), target_logits.logsumexp(-1)
-    ce = log_norm - logits.gather(-1, label[:, None]).squeeze(-1)
-    q, p = (logits - log_norm[:, None]).exp(), (target_logits - target_log_norm[:, None]).exp()
-    below = q < p
-    captured = torch.where(below, q, 0.0).sum(-1)
-    tv = 1.0 - torch.where(below, q, p).sum(-1)
-    return base.argmax(-1), logits.argmax(-1), label, log_norm, target_log_norm, ce, tv, captured
-
-
-def _grad_logits(
     base: torch.Tensor,
     markov: torch.Tensor,
     target: torch.Tensor,
-    log_norm: torch.Tensor,
-    target_log_norm: torch.Tensor,
-    captured: torch.Tensor,
-    label: torch.Tensor,
-    weights: torch.Tensor,
+    labels: torch.Tensor | None,
     ce_alpha: float,
     tv_alpha: float,
-) -> torch.Tensor:
-    """d/dz of sum_m w_m (ce_alpha CE_m + tv_alpha TV_m) per row [c, V], in the logits' dtype:
-    w (ce_alpha (q - onehot) - tv_alpha q ([q < p] - s))."""
-    q = (base.float() + markov.float() - log_norm[:, None]).exp()
-    p = (target.float() - target_log_norm[:, None]).exp()
-    scale = weights[:, None] * (ce_alpha - tv_alpha * ((q < p).float() - captured[:, None]))
-    grad = (q * scale).scatter_add(-1, label[:, None], (-ce_alpha * weights)[:, None])
-    return grad.to(base.dtype)
+    need_grad: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """Per row of a chunk, from the backbone's logits, the Markov term's and the target's [c, V]: the backbone's and
+    the corrected argmax, the label, CE, TV and, when ``need_grad``, d/dz (ce_alpha CE + tv_alpha TV) [c, V] in the
+    logits' dtype, ce_alpha (q - onehot) - tv_alpha q ([q < p] - s) with s = sum_v [q_v < p_v] q_v (else None)."""
+    logits, target_logits = base.float() + markov.float(), target.float()
+    label = target_logits.argmax(-1) if labels is None else labels
+    log_norm, target_log_norm = logits.logsumexp(-1, keepdim=True), target_logits.logsumexp(-1, keepdim=True)
+    ce = log_norm.squeeze(-1) - logits.gather(-1, label[:, None]).squeeze(-1)
+    q, p = (logits - log_norm).exp(), (target_logits - target_log_norm).exp()
+    below = q < p
+    captured = torch.where(below, q, 0.0).sum(-1, keepdim=True)
+    tv = 1.0 - torch.where(below, q, p).sum(-1)
+    grad = None
+    if need_grad:
+        grad = minus_one_hot(q * (ce_alpha - tv_alpha * (below.to(q.dtype) - captured)), label, ce_alpha)
+        grad = grad.to(base.dtype)
+    return base.argmax(-1), logits.argmax(-1), label, ce, tv, grad
 
 
 @functools.cache
-def _compiled_chunk_functions() -> tuple:
-    return torch.compile(_rows, dynamic=True), torch.compile(_grad_logits, dynamic=True)
+def _compiled_rows() -> Callable[..., tuple[torch.Tensor | None, ...]]:
+    return torch.compile(_rows, dynamic=True)
 
 
-def _chunk_functions(device: torch.device) -> tuple:
-    """(_rows, _grad_logits), compiled on CUDA: there each is a few fused kernels that read the chunk's three logit
-    tensors, where eager runs two dozen vocabulary-wide kernels a chunk (launches, and fp32 traffic that took more
-    time than the products themselves). Eager elsewhere."""
-    return _compiled_chunk_functions() if device.type == "cuda" else (_rows, _grad_logits)
+def _rows_function(device: torch.device) -> Callable[..., tuple[torch.Tensor | None, ...]]:
+    """:func:`_rows`, compiled on CUDA: there a few fused kernels that read the chunk's three logit tensors, where
+    eager runs two dozen vocabulary-wide kernels a chunk (launches, and fp32 traffic that took more time than the
+    products themselves). Eager elsewhere."""
+    return _compiled_rows() if device.type == "cuda" else _rows
 
 
 def _add_chunk_grads(
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     chunk: slice,
     grad_logits: torch.Tensor,
+    weights: torch.Tensor,
     head_weight: torch.Tensor,
     w2: torch.Tensor,
     u: torch.Tensor,
 ) -> None:
     """A chunk's share of the gradients (with respect to hidden, features and W2; None: not asked for) from the
-    gradient of its logits: rows of the first two, a sum into the third."""
+    unweighted gradient of its logits and the rows' weights: rows of the first two, a sum into the third. A row's
+    weight scales its row of each product (diag(w) G W = diag(w) (G W)), so the logits' gradient is formed before
+    the weights are known, in the pass that scores the rows."""
     grad_hidden, grad_features, grad_w2 = grads
+    scale = weights[:, None]
     if grad_hidden is not None:
-        grad_hidden[chunk] = (grad_logits @ head_weight).to(grad_hidden.dtype)
+        grad_hidden[chunk] = ((grad_logits @ head_weight) * scale).to(grad_hidden.dtype)
     if grad_features is not None:
-        grad_features[chunk] = (grad_logits @ w2).to(grad_features.dtype)
+        grad_features[chunk] = ((grad_logits @ w2) * scale).to(grad_features.dtype)
     if grad_w2 is not None:
-        grad_w2 += (grad_logits.T @ u).float()
+        grad_w2 += (grad_logits.T @ (u * scale).to(u.dtype)).float()
 
 
 class MarkovTargets(NamedTuple):
@@ -135,7 +131,7 @@ class _MarkovHeadLoss(torch.autograd.Function):
         dtype = head_weight.dtype
         w2 = markov_w2.to(dtype)
         device = hidden.device
-        row_values, grad_of_logits = _chunk_functions(device)
+        row_values = _rows_function(device)
         ce = torch.empty(rows, dtype=torch.float32, device=device)
         tv = torch.empty_like(ce)
         weights = torch.empty_like(ce)
@@ -147,6 +143,7 @@ class _MarkovHeadLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if needs[0] else None
         grad_features = torch.empty_like(features) if needs[1] else None
         grad_w2 = torch.zeros(markov_w2.shape, dtype=torch.float32, device=device) if needs[2] else None
+        need_grad = any(needs[:3])
         blocks_per_chunk = max(1, config.chunk_rows // slots)
         for first in range(0, label_mask.shape[0], blocks_per_chunk):
             mask = label_mask[first : first + blocks_per_chunk]
@@ -156,19 +153,15 @@ class _MarkovHeadLoss(torch.autograd.Function):
             markov = u @ w2.T
             target = target_hidden[chunk].to(dtype) @ head_weight.T
             chunk_labels = None if labels is None else labels[chunk]
-            base_picked[chunk], picked[chunk], label, log_norm, target_log_norm, chunk_ce, chunk_tv, captured = (
-                row_values(base, markov, target, chunk_labels)
+            base_picked[chunk], picked[chunk], label, chunk_ce, chunk_tv, grad_logits = row_values(
+                base, markov, target, chunk_labels, ce_alpha, tv_alpha, need_grad
             )
+            del base, markov, target
             w = mask_weights(mask, config, chunk_ce.view_as(mask), (1.0 - chunk_tv).view_as(mask)).reshape(-1)
             label_used[chunk], ce[chunk], tv[chunk], weights[chunk] = label, chunk_ce, chunk_tv, w
             weighted += (w * (ce_alpha * chunk_ce + tv_alpha * chunk_tv)).sum()
-            if grad_hidden is None and grad_features is None and grad_w2 is None:
-                continue
-            grad_logits = grad_of_logits(
-                base, markov, target, log_norm, target_log_norm, captured, label, w, ce_alpha, tv_alpha
-            )
-            del base, markov, target
-            _add_chunk_grads((grad_hidden, grad_features, grad_w2), chunk, grad_logits, head_weight, w2, u)
+            if need_grad:
+                _add_chunk_grads((grad_hidden, grad_features, grad_w2), chunk, grad_logits, w, head_weight, w2, u)
         ctx.save_for_backward(
             *(g if g is not None else torch.empty(0, device=device) for g in (grad_hidden, grad_features, grad_w2))
         )
