@@ -3,13 +3,14 @@
 # step each, run in order on one machine; each step's log goes to $OUT (default ./gpu-out) and a summary of the
 # steps' exit codes is printed last. Each step has its own time limit so that one slow step cannot eat the others.
 #   bash launch/tools/gpu_suite.sh [STEP ...]      (default: tests ring producer step restart)
-# Steps: tests (CUDA ring, target capture, pipeline, tensor parallel, FSDP), ring, producer, step (the draft step,
-# eager and compiled), restart, evals, pauses, hybrid (Qwen3.6-27B shapes), scaling (DDP / FSDP over 2 GPUs),
-# pipeline, mps, mps_share, shared_fsdp, stalls, checkpoint, checkpoint_fsdp, generate, data, masks, dflash2 (the
-# DFlash 2 step against the eager one, and both kinds' step cost), quality, collect_quality, recipes, collect_recipes,
-# kinds, collect_kinds (DFlash against DFlash 2 at equal GPU time), busy (the trainer's busy share by producers),
-# small_shapes (every kind's step at the SmolLM2 preset's and the Qwen3-8B shapes, compiled layers against their
-# replay as CUDA graphs), peers, collect_peers (ours beside SpecForge and speculators).
+# Steps: tests (CUDA ring, target capture, pipeline, tensor parallel, FSDP), gpu_tests_all (every test marked gpu),
+# ring, producer, step (the draft step, eager and compiled), restart, evals, pauses, hybrid (Qwen3.6-27B shapes),
+# scaling (DDP / FSDP over 2 GPUs), pipeline, mps, mps_share, shared_fsdp, stalls, checkpoint, checkpoint_fsdp,
+# generate, data, masks, dflash2 (the DFlash 2 step against the eager one, and both kinds' step cost), quality,
+# collect_quality, recipes, collect_recipes, kinds, collect_kinds (DFlash against DFlash 2 at equal GPU time), busy
+# (the trainer's busy share by producers), small_shapes (every kind's step at the SmolLM2 preset's and the Qwen3-8B
+# shapes, compiled layers against their replay as CUDA graphs), peers, collect_peers (ours beside SpecForge and
+# speculators).
 # The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
 # the background with setsid (it writes its JSON after every run) and collect the results later.
 # The machine may start bare and keep nothing between runs: install what the image lacks from wheels carried in
@@ -45,6 +46,10 @@ for step in $steps; do
     tests)  # pytest-timeout (where installed) stops a hung test with its stack, and the others still run
           per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 330")
           run gpu_tests 600 $PY -m pytest -q -rfEs -p no:cacheprovider $per_test --durations=8 -m "gpu or multigpu" tests/test_ring_cuda.py tests/test_target.py tests/test_pipeline_gpu.py tests/test_tensor_parallel.py tests/test_fsdp.py ;;
+    gpu_tests_all)  # every test marked gpu, named as it starts (-v), each stopped after GPU_TEST_TIMEOUT_S (default
+                    # 150) where pytest-timeout is installed: the log says which test a cut-off call was running
+          per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${GPU_TEST_TIMEOUT_S:-150}")
+          run gpu_tests_all 590 $PY -m pytest -v -rfEs -p no:cacheprovider $per_test --durations=15 -m gpu tests/ ;;
     hybrid)  # issue 17: Qwen3.6-27B shapes (Gated-DeltaNet hybrid): fla GPU test, producer capture, the 27B draft's step
           run hybrid_tests 300 $PY -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_hybrid_target.py tests/test_drafter_masks.py tests/test_serving_fidelity.py
           run target_27b 420 $PY -m launch.bench.target --shape qwen3.6-27b --attn varlen --batches 8 --warmup 2 --json-out "$OUT/target_27b.json"
