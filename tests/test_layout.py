@@ -139,3 +139,25 @@ def test_the_layout_check_sees_an_instrument_imported(tmp_path):
     assert not imported_instruments(module)
     module.write_text("from .tools import fuzz\nfrom . import bench\n")  # relative, as in a module of launch/
     assert imported_instruments(module, package=("launch",)) == {"launch.tools", "launch.tools.fuzz", "launch.bench"}
+
+
+MAX_FUNCTION_LINES, MAX_CLASS_LINES, MAX_COMMAND_LINES = 60, 300, 4000
+"""The house's sizes: a function a reader takes in at once, a class of one role, launch/'s own modules (the user's
+commands and the launcher) beside its instruments."""
+
+
+def test_no_function_or_class_outgrows_a_reading_and_the_users_commands_stay_small():
+    too_long = []
+    for package in (*LIBRARY, "launch"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    limit = MAX_FUNCTION_LINES
+                elif isinstance(node, ast.ClassDef):
+                    limit = MAX_CLASS_LINES
+                else:
+                    continue
+                if (lines := node.end_lineno - node.lineno + 1) > limit:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.name} {lines} lines")
+    assert not too_long, too_long
+    assert sum(len(path.read_text().splitlines()) for path in user_commands()) < MAX_COMMAND_LINES

@@ -194,20 +194,8 @@ def bench_variant(
     if args.profile and (not dist.is_initialized() or dist.get_rank() == 0):
         name = f"{'tiny' if args.tiny else args.draft}_{config.kind}_{variant}"
         prepared = profile_steps(step, prepared, device, args.profile_steps, args.profile, name)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    if ranks > 1:
-        dist.barrier()
-    start = time.perf_counter()
-    pairs = 0.0
-    for _ in range(args.steps):
-        prepared, metrics = step(prepared)
-        pairs = pairs + metrics["attention_pairs"]
-    synchronize(device)
-    if ranks > 1:
-        dist.barrier()  # the group is as fast as its slowest rank
-    step_s = (time.perf_counter() - start) / args.steps
-    flops = float(train_flops(config, args.seq_len, args.num_anchors, pairs / args.steps)["total"])
+    step_s, pairs, metrics = timed_steps(step, prepared, args.steps, device, ranks)
+    flops = float(train_flops(config, args.seq_len, args.num_anchors, pairs)["total"])
     return {
         "kind": config.kind,
         "variant": variant if args.parallelism == "single" else f"{variant} {args.parallelism}x{ranks}",
@@ -222,6 +210,24 @@ def bench_variant(
         "loss": float(metrics["loss"]),
         "trainable_params": drafter.num_trainable_parameters(),
     }
+
+
+def timed_steps(step, prepared, steps: int, device: torch.device, ranks: int) -> tuple[float, float, dict]:
+    """``steps`` steps from ``prepared``, timed: seconds a step, attention pairs a step and the last step's metrics
+    (the peak memory counted from the first of them; under torchrun, as fast as the slowest rank)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if ranks > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    pairs = 0.0
+    for _ in range(steps):
+        prepared, metrics = step(prepared)
+        pairs = pairs + metrics["attention_pairs"]
+    synchronize(device)
+    if ranks > 1:
+        dist.barrier()
+    return (time.perf_counter() - start) / steps, float(pairs) / steps, metrics
 
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
