@@ -123,3 +123,13 @@ def listed_tiles(block_mask, name: str) -> torch.Tensor:
     for row, count in enumerate(counts.tolist()):
         tiles[row, indices[row, :count].long()] = True
     return tiles
+
+
+def host_reads(work) -> int:
+    """How many host reads of a tensor's value (``item()``) ``work()`` makes, run once to compile first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    work()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        work()
+    return sum(event.name in ("aten::item", "aten::_local_scalar_dense") for event in prof.events())

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from common.drafter.blocks import build_blocks
 from common.drafter.loss import LossConfig, chunked_head_rows, draft_loss, draft_metrics, slot_weights
 from common.drafter.model import DFlashDrafter
-from tests.drafter_fixtures import random_batch, random_head, tiny_config
+from tests.drafter_fixtures import host_reads, random_batch, random_head, tiny_config
 
 
 def inputs(rows=37, width=16, vocab=50, seed=0):
@@ -140,6 +140,21 @@ def test_target_label_modes_train(label_mode):
     batch.last_hidden = None
     with pytest.raises(ValueError, match="last_hidden"):
         drafter.forward_train(batch, 12, torch.Generator().manual_seed(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_chunk_rows_read_nothing_on_the_host():
+    """The LK objective's weight (a float) is a constant of the compiled chunk function, not a host scalar that each
+    chunk reads with item(): the rows and their gradient read nothing on the host."""
+    hidden, weight, target, row_weights = (t.float().cuda() for t in inputs(vocab=1000) if t.is_floating_point())
+    h = hidden.requires_grad_()
+
+    def step():
+        rows = chunked_head_rows(h, weight, target_hidden=target, soft=True, objective="lk", chunk_rows=8)
+        torch.autograd.grad((rows.loss * row_weights).sum(), h)
+
+    assert host_reads(step) == 0
 
 
 @pytest.mark.gpu

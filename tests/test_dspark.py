@@ -19,7 +19,7 @@ from common.drafter.masks import build_masks
 from common.drafter.model import build_drafter
 from common.drafter.sampling import Proposal, Sampling
 from producer.acceptance.decoder import DraftRows
-from tests.drafter_fixtures import random_batch, random_head, tiny_config
+from tests.drafter_fixtures import host_reads, random_batch, random_head, tiny_config
 
 VARIANTS = ("vanilla", "gated", "rnn")
 
@@ -276,3 +276,23 @@ def test_gpu_compiled_head_rows_equal_the_eager_ones(label_mode, exact_fp32_matm
         results.append([t.cpu() for t in (*out, *torch.autograd.grad(out.weighted, inputs))])
     for name, cpu, cuda in zip((*MarkovRows._fields, "grad_rows", "grad_features", "grad_w2"), *results):
         torch.testing.assert_close(cuda, cpu, rtol=1e-4, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_head_rows_read_nothing_on_the_host():
+    """CE's and TV's weights (floats) are constants of the compiled chunk function, not host scalars that each chunk
+    reads with item(): the objective's rows and their gradients read nothing on the host."""
+    gen = torch.Generator().manual_seed(0)
+    blocks, slots, width, vocab, rank = 9, 7, 32, 1000, 8
+    rows, features = (torch.randn(blocks * slots, n, generator=gen).cuda().requires_grad_() for n in (width, rank))
+    w2 = (torch.randn(vocab, rank, generator=gen) * 0.1).cuda().requires_grad_()
+    head, targets = torch.randn(vocab, width, generator=gen).cuda(), torch.randn(blocks * slots, width).cuda()
+    mask = torch.ones(blocks, slots, dtype=torch.bool, device="cuda")
+    config = LossConfig(weighting="dpace", chunk_rows=4 * slots)
+
+    def step():
+        out = markov_head_rows(rows, features, w2, MarkovTargets(head, targets, None, mask, config, 0.1, 0.9))
+        torch.autograd.grad(out.weighted, (rows, features, w2))
+
+    assert host_reads(step) == 0

@@ -257,12 +257,26 @@ def _chunk_rows(
     return draft_argmax, label, row_loss, ce, accept, grad_logits, top_ids
 
 
+def compile_rows(function: Callable[..., tuple]) -> Callable[..., tuple]:
+    """``function``, a chunk's per-row work, compiled: its row count dynamic (the last chunk is shorter), its float
+    arguments (an objective's weights, fixed for a run) constants of the graph. Left to dynamo, a float becomes a 0-d
+    host tensor that the generated code reads with an ``item()`` on every call, a few host reads per chunk."""
+    compiled = torch.compile(function, dynamic=True)
+
+    @functools.wraps(function)
+    def rows(*args: object) -> tuple:
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return rows
+
+
 @functools.cache
 def _compiled_chunk_rows() -> Callable[..., tuple[torch.Tensor, ...]]:
     """:func:`_chunk_rows` compiled (made on the first CUDA chunk): a few fused kernels that read the chunk's logits,
     where eager launches a dozen vocabulary-wide fp32 ones a chunk (their traffic and launches took more time than the
-    chunk's two products at small hidden sizes). Rows are dynamic: the last chunk is shorter."""
-    return torch.compile(_chunk_rows, dynamic=True)
+    chunk's two products at small hidden sizes)."""
+    return compile_rows(_chunk_rows)
 
 
 def _chunk_function(device: torch.device) -> Callable[..., tuple[torch.Tensor, ...]]:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from common.drafter.loss import LossConfig, mask_weights, minus_one_hot
+from common.drafter.loss import LossConfig, compile_rows, mask_weights, minus_one_hot
 
 
 class MarkovRows(NamedTuple):
@@ -76,7 +76,7 @@ def _rows(
 
 @functools.cache
 def _compiled_rows() -> Callable[..., tuple[torch.Tensor | None, ...]]:
-    return torch.compile(_rows, dynamic=True)
+    return compile_rows(_rows)
 
 
 def _rows_function(device: torch.device) -> Callable[..., tuple[torch.Tensor | None, ...]]:
