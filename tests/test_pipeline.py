@@ -367,6 +367,42 @@ def test_two_ranks_two_producers_kill9_of_each_exactly_once(run_dir):
     assert len(incarnations) >= 2, "the trainer was restarted"
 
 
+def sibling_pids(pid: int) -> list[int]:
+    """The other children of ``pid``'s parent (a rank's fellow ranks under torchrun)."""
+    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    siblings = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent and int(stat.parent.name) != pid:
+            siblings.append(int(stat.parent.name))
+    return siblings
+
+
+def test_a_stop_that_reaches_one_rank_stops_every_rank_after_the_same_step(run_dir):
+    """SIGTERM to rank 1 of a 2-rank trainer alone (a signal reaches the ranks at different steps): both ranks stop
+    after the same step at once, and the launcher starts a new trainer that goes on exactly once. A rank that left
+    its loop on its own flag waited in the checkpoint's barrier while the other waited in the next step's agreement,
+    until torchrun ended both about a minute later."""
+    launcher = start(run_dir, "training.max_steps=0", "training.epochs=1000", 'launch.trainer_devices=["cpu", "cpu"]')
+    run = RunDir(run_dir)
+    wait_for(lambda: trainer_step(run) >= 8, "step 8", 180)
+    rank0 = read_json(run.trainer_status)["pid"]
+    (rank1,) = sibling_pids(rank0)
+    os.kill(rank1, signal.SIGTERM)
+    log = run_dir / "logs" / "trainer.log"
+    wait_for(lambda: log.read_text().count("trainer stopped at step") == 2, "both ranks stopped", 20)
+    steps = {line.split("trainer stopped at step ")[1] for line in log.read_text().splitlines() if "stopped at" in line}
+    assert len(steps) == 1, steps
+    wait_for(lambda: (read_json(run.trainer_status) or {}).get("pid") not in (None, rank0), "a new trainer", 120)
+    step = trainer_step(run)
+    wait_for(lambda: trainer_step(run) >= step + 4, "training after the stop", 120)
+    stop_and_finish(launcher, run_dir)
+    assert_exactly_once(run)
+
+
 def test_a_hung_producer_does_not_slow_training_on_the_other(run_dir):
     """SIGSTOP of a producer (a hung process that still looks ready): the trainer drops its link
     after the heartbeat timeout and keeps a normal pace on the other producer while its HELLOs to

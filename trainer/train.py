@@ -159,9 +159,11 @@ class Trainer:
         self.batches.feeder.start()
         self._show("training")
         self.metrics.new_window()
-        while not self.done and not self.stop_requested:
+        while not self.done:
+            # A stop is agreed in the claim, not read here: a rank that left on its own flag would wait in the
+            # checkpoint's barrier while the others wait in this step's agreement.
             received, starved, everyone = self.batches.claim()
-            if received is None:
+            if received is None:  # a rank was asked to stop: every rank stops after the same step
                 break
             faults.point("trainer.batch", stop=lambda: self.stop_requested)  # a test's hold ends on a stop
             started = time.perf_counter()
