@@ -55,18 +55,6 @@ def pytest_xdist_make_scheduler(config, log):
     return WorkStealingScheduling(config, log)
 
 
-def _child_pids(parent: int) -> list[int]:
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == parent:
-            children.append(int(stat.parent.name))
-    return children
-
-
 _SESSION_PROCESSES: set[int] = set()
 """Children of this test process that serve every test (the preloader server), spared by ``no_orphan_processes``."""
 
@@ -107,7 +95,9 @@ def no_orphan_processes():
     yield
     import signal
 
-    for pid in set(_child_pids(os.getpid())) - _SESSION_PROCESSES:
+    from peers import child_pids
+
+    for pid in set(child_pids(os.getpid())) - _SESSION_PROCESSES:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

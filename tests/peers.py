@@ -43,3 +43,21 @@ def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 20.0
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def parent_pid(pid: int) -> int:
+    """``pid``'s parent, from /proc."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def child_pids(parent: int) -> list[int]:
+    """The processes whose parent is ``parent``, from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from peers import wait_for
+from peers import child_pids, parent_pid, wait_for
 from wandb_log import history
 
 from common.faults import LOG_ENV, PLAN_ENV
@@ -367,20 +367,6 @@ def test_two_ranks_two_producers_kill9_of_each_exactly_once(run_dir):
     assert len(incarnations) >= 2, "the trainer was restarted"
 
 
-def sibling_pids(pid: int) -> list[int]:
-    """The other children of ``pid``'s parent (a rank's fellow ranks under torchrun)."""
-    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    siblings = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == parent and int(stat.parent.name) != pid:
-            siblings.append(int(stat.parent.name))
-    return siblings
-
-
 def test_a_stop_that_reaches_one_rank_stops_every_rank_after_the_same_step(run_dir):
     """SIGTERM to rank 1 of a 2-rank trainer alone (a signal reaches the ranks at different steps): both ranks stop
     after the same step at once, and the launcher starts a new trainer that goes on exactly once. A rank that left
@@ -390,7 +376,7 @@ def test_a_stop_that_reaches_one_rank_stops_every_rank_after_the_same_step(run_d
     run = RunDir(run_dir)
     wait_for(lambda: trainer_step(run) >= 8, "step 8", 180)
     rank0 = read_json(run.trainer_status)["pid"]
-    (rank1,) = sibling_pids(rank0)
+    (rank1,) = set(child_pids(parent_pid(rank0))) - {rank0}  # torchrun's other rank
     os.kill(rank1, signal.SIGTERM)
     log = run_dir / "logs" / "trainer.log"
     wait_for(lambda: log.read_text().count("trainer stopped at step") == 2, "both ranks stopped", 20)
