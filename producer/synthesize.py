@@ -331,8 +331,6 @@ class Synthesis:
     def __init__(self, cfg: RunConfig, run: RunDir, producer_id: int, device: str | None) -> None:
         from transformers import AutoTokenizer
 
-        from producer.target_model.load import load_target_model
-
         self.cfg, self.run_dir, self.producer_id = cfg, run, producer_id
         self.synth: SynthesizeConfig = cfg.synthesize
         if cfg.target.path is None:
@@ -368,18 +366,25 @@ class Synthesis:
             self.total - len(self.pending),
             self.folder,
         )
-        target_cfg = dataclasses.replace(cfg.target, device=device) if device else cfg.target
+        self.stop = False
+        self._lock = threading.Lock()
+        """Between the job and its status thread: the counts change together."""
+        if self.pending:  # a finished share never loads its target (a large one takes minutes to load)
+            self._load_target(device, prefix_lengths)
+
+    def _load_target(self, device: str | None, prefix_lengths: list[int]) -> None:
+        """The target and its generators. Both static caches are made now, before anything is written: one that
+        cannot fit stops at once (exit 2)."""
+        from producer.target_model.load import load_target_model
+
+        target_cfg = dataclasses.replace(self.cfg.target, device=device) if device else self.cfg.target
         self.model = load_target_model(target_cfg)
         self.model.config._attn_implementation = "sdpa"  # generation runs unpacked sequences
         self.stop_ids = stop_token_ids(self.model, self.tokenizer)
-        self.stop = False
-        # Both static caches are made now, before anything is written: one that cannot fit stops at once (exit 2).
-        self.answers = generator_for(self.model, generation_config_of(self.synth, producer_id, self.stop_ids))
+        self.answers = generator_for(self.model, generation_config_of(self.synth, self.producer_id, self.stop_ids))
         self.questions = self._questions_generator(prefix_lengths)
         generators = {"answers": self.answers, **({"questions": self.questions} if self.questions else {})}
         self.progress = SynthesisProgress(generators, sum(map(self.planned_turns, self.pending), Counter()))
-        self._lock = threading.Lock()
-        """Between the job and its status thread: the counts change together."""
 
     def _magpie_prefix_lengths(self) -> list[int]:
         """The token length of each system prompt's Magpie prefix (none where every prompt is the data's). Measured
@@ -457,6 +462,16 @@ class Synthesis:
         self.stop = True
 
     def run(self) -> int:
+        if not self.pending:
+            SynthesisStatus(
+                producer=self.producer_id, pid=os.getpid(), total=self.total, eta_s=0.0, finished=True
+            ).write(SynthesisStatus.path(self.folder, self.producer_id))
+            log.info(
+                "producer %d: all %d of its prompts were done before; the target is not loaded",
+                self.producer_id,
+                self.total,
+            )
+            return 0
         answers = self.answers
         # The launcher shows this start's share and what is done at once, not the last start's.
         self._report()

@@ -66,9 +66,13 @@ def test_every_prompt_is_answered_exactly_once_through_a_kill_9_of_the_producer(
     assert set(ids) == expected and max(ids.values()) == 1, ids  # all of them, none twice
     log = (run_dir / "logs" / "synth0.log").read_text()
     assert "done before" in log and "synthesizes 0 of" not in log.split("==== synth0 start 2")[1]
-    # Run again: nothing left to do, nothing written.
+    # Run again: nothing left to do, nothing written, and the target is not even loaded.
     again = subprocess.run(synthesize_args(run_dir, data, steer), capture_output=True, text=True, timeout=240)
     assert again.returncode == 0 and shard_ids(folder) == ids, again.stdout
+    rerun = (run_dir / "logs" / "synth0.log").read_text().rsplit("==== synth0 start", 1)[1]
+    assert "all 20 of its prompts were done before; the target is not loaded" in rerun, rerun
+    status = json.loads((folder / "status-p0.json").read_text())
+    assert status["finished"] and status["total"] == 20 and status["pending_at_start"] == 0, status
     # The shards are chat records the training data path reads as they are, with their prompt id and settings.
     from transformers import AutoTokenizer
 
