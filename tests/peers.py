@@ -51,13 +51,12 @@ def parent_pid(pid: int) -> int:
 
 
 def child_pids(parent: int) -> list[int]:
-    """The processes whose parent is ``parent``, from /proc."""
+    """The processes whose parent is ``parent``, from /proc (one that ends while it is read is left out)."""
     children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if parent_pid(int(proc.name)) == parent:
+                children.append(int(proc.name))
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == parent:
-            children.append(int(stat.parent.name))
     return children
