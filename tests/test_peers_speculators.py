@@ -77,6 +77,19 @@ def test_the_validation_split_is_exactly_the_last_row():
         validation_ratio(1)
 
 
+def test_its_loss_is_the_eager_one_on_a_card_as_on_the_cpu(monkeypatch, tmp_path):
+    """Its fused Triton loss stops its compiled step at the first step under torch 2.11 (the module's docstring);
+    only the CPU's own options (attention, dtype, workers, optimizer) depend on the machine."""
+    layout = Layout(rows=[], epochs=[[(4, 512)]], ratio=0.5)
+    for card in (True, False):
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda card=card: card)
+        args = Speculators().train_args(tmp_path, tmp_path / "target", layout, 1, 10)
+        assert args[args.index("--loss-implementation") + 1] == "eager"
+        assert args.count("--loss-implementation") == 1
+        assert ("--draft-attn-impl" in args) is not card
+        assert args[args.index("--optimizer") + 1] == ("muon" if card else "adamw")
+
+
 def test_the_epochs_that_hold_the_steps_and_what_they_trained():
     layout = Layout([], [[(2, 100), (1, 60)], [(3, 150)], [(1, 10), (1, 20)]], 0.9)
     assert [layout.epochs_for(steps) for steps in (1, 2, 3, 4, 5)] == [1, 1, 2, 3, 3]

@@ -21,6 +21,11 @@ Its recipe, the preset's where speculators has the option:
 - ``--on-missing raise``: a row without features stops it instead of asking a vLLM server for them;
 - ``--train-data-ratio`` must be below 1: it is set so that its validation split is exactly the last prepared row,
   which therefore trains with none of the budgets (``samples_trained`` counts only the rows it trained on).
+- ``--loss-implementation eager``: its default fused loss (two autotuned Triton kernels) stops at the first step on
+  a card under torch 2.11 (the torch SpecForge 0.2.0 pins): its forward is compiled, and dynamo, tracing the loss's
+  backward, raises "ListVariable(length=21) is already tracked for mutation" on the second kernel's autotune
+  configs, the same list as the first kernel's (``losses/fused.py`` decorates both with one ``triton.autotune``).
+  Its eager cross-entropy is compiled with the forward, on the card as on the CPU.
 
 The budget. speculators has no wall-clock limit and its schedule needs a step horizon (``--max-steps``, which is
 also the cosine's length). So at equal GPU minutes a probe first times its step on these features (``PROBE_STEPS``
@@ -36,9 +41,9 @@ device index 0 (train/trainer.py:348, 533) and synchronizes the accelerator to t
 any torch setting makes index 0 the CPU. There its unmodified CLI runs under ``python -m
 launch.bench.peers.speculators --on-cpu`` (torch, not speculators, is adapted: a bare device index means the CPU,
 and the accelerator sync is a no-op), with these documented options of its own: ``--draft-attn-impl sdpa``
-(flex attention is for GPUs), ``--loss-implementation eager`` (the fused loss needs Triton), ``--hidden-states-dtype
-float32`` (its autocast is CUDA's, off on the CPU, so bf16 features would meet fp32 weights), ``--num-workers 0``,
-and ``--optimizer adamw`` (its Muon's bf16 Newton-Schulz takes minutes a step on a CPU).
+(flex attention is for GPUs), ``--hidden-states-dtype float32`` (its autocast is CUDA's, off on the CPU, so bf16
+features would meet fp32 weights), ``--num-workers 0``, and ``--optimizer adamw`` (its Muon's bf16 Newton-Schulz
+takes minutes a step on a CPU).
 """
 
 from __future__ import annotations
@@ -270,9 +275,9 @@ class Speculators:
         args += ["--optimizer", "muon", "--lr", "1.2e-3", "--scheduler-type", "cosine"]
         args += ["--scheduler-warmup-ratio", "0.04", "--epochs", str(epochs)]
         args += ["--log-freq", str(LOG_EVERY)] + (["--max-steps", str(steps)] if steps else [])
+        args += ["--loss-implementation", "eager"]
         if not torch.accelerator.is_available():
-            args += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
-            args += ["--hidden-states-dtype", "float32", "--num-workers", "0"]
+            args += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0"]
             # Its Muon orthogonalizes in bf16, which has no fast CPU kernel here: 468 s of a 557 s step of the
             # preset's drafter on two busy cores. The CPU checks the path, not the recipe.
             args[args.index("--optimizer") + 1] = "adamw"
