@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,30 @@ def test_a_peers_features_and_checkpoints_go_once_its_export_is_evaluated(tmp_pa
         "save/1",
         "save/1/config.json",
     ]
+
+
+def test_collecting_the_peers_run_off_the_card_leaves_its_secrets_there(tmp_path):
+    """launch/tools/gpu_suite.sh collect_peers packs the rows' records and logs to copy off the card; our run folder
+    holds its CURVE keys too, which never leave with them."""
+    runs = tmp_path / "peers"
+    for path in (
+        "ours-m4/secrets/curve.json",
+        "ours-m4/metrics.jsonl",
+        "ours-m4/logs/trainer.log",
+        "peers-m4-ours.json",
+    ):
+        (runs / path).parent.mkdir(parents=True, exist_ok=True)
+        (runs / path).write_text('{"secret_key": "x"}\n' if "secrets" in path else "{}\n")
+    out = tmp_path / "out"
+    env = os.environ | {"OUT": str(out), "PEERS_OUT": str(runs), "PEERS_WAIT_S": "0", "DFLASH_PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", "launch/tools/gpu_suite.sh", "collect_peers"], cwd=REPO, env=env, capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(out / "peers-runs.tgz") as packed:
+        names = packed.getnames()
+    assert {"peers/ours-m4/metrics.jsonl", "peers/ours-m4/logs/trainer.log", "peers/peers-m4-ours.json"} <= set(names)
+    assert not [name for name in names if "secrets" in name]
 
 
 def test_the_table_sets_ours_beside_the_best_peer(tmp_path):

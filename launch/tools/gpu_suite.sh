@@ -22,6 +22,7 @@ cd "$(dirname "$0")/../.."  # the repository root (this file is launch/tools/)
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DFLASH_PYTHON=${DFLASH_PYTHON:-python3} WANDB_MODE=offline PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=$DFLASH_PYTHON
+PEERS_OUT=${PEERS_OUT:-/tmp/peers}
 steps=${*:-tests ring producer step restart}
 summary=()
 run() {  # name, seconds, command...
@@ -140,15 +141,16 @@ for step in $steps; do
           run step_graphs_8b 240 $PY -m launch.bench.step --draft qwen3-8b --kinds dflash --variants compile-layers,compile-layers-graphs --master-fp32 --warmup 3 --steps 10 ;;
     peers)  # issue 66: ours beside the peers' trainers (needs GGUF; PEERS_WHEELS, the folder of the peers' wheels where
             # no package index is reached; PEERS_ARGS, e.g. --minutes 4 --peers speculators); in the background, in
-            # /tmp/peers: the rows already trained there are kept, so a later call can add a peer
+            # PEERS_OUT (default /tmp/peers): the rows already trained there are kept, so a later call can add a peer
           launch/setup_peers.sh > "$OUT/setup_peers.log" 2>&1 || { tail -n 5 "$OUT/setup_peers.log"; exit 2; }
-          setsid nohup $PY -m launch.bench.peers --gguf "$GGUF" --out /tmp/peers ${PEERS_ARGS:---minutes 4} >> /tmp/peers.log 2>&1 < /dev/null &
+          setsid nohup $PY -m launch.bench.peers --gguf "$GGUF" --out "$PEERS_OUT" ${PEERS_ARGS:---minutes 4} >> "$PEERS_OUT.log" 2>&1 < /dev/null &
           echo "peers started (pid $!)" ;;
     collect_peers)  # wait up to PEERS_WAIT_S for the background peers benchmark, then keep the table and the rows' records
+                    # (never a run's secrets/: its CURVE keys stay on the card)
           wait_while_running launch.bench.peers "${PEERS_WAIT_S:-500}"
-          tail -n 30 /tmp/peers.log; $PY -m launch.bench.peers --out /tmp/peers --table > "$OUT/peers-table.txt" 2>&1
-          cp /tmp/peers.log /tmp/peers/*.json "$OUT/" 2>/dev/null
-          (cd /tmp && find peers -type f -size -4M \( -name "*.json" -o -name "*.jsonl" -o -name "*.log" -o -name "*.toml" -o -name "*.yaml" \) -print0 | tar czf "$OUT/peers-runs.tgz" --null -T -) 2>/dev/null ;;
+          tail -n 30 "$PEERS_OUT.log"; $PY -m launch.bench.peers --out "$PEERS_OUT" --table > "$OUT/peers-table.txt" 2>&1
+          cp "$PEERS_OUT.log" "$PEERS_OUT"/*.json "$OUT/" 2>/dev/null
+          (cd "$(dirname "$PEERS_OUT")" && find "$(basename "$PEERS_OUT")" -type f -size -4M -not -path "*/secrets/*" \( -name "*.json" -o -name "*.jsonl" -o -name "*.log" -o -name "*.toml" -o -name "*.yaml" \) -print0 | tar czf "$OUT/peers-runs.tgz" --null -T -) 2>/dev/null ;;
     busy)  # issue 47: the trainer's busy share of the SmolLM2 preset alone on the GPU, 1 producer against BUSY_PRODUCERS
            # (default 3) under MPS, evaluating every 150 steps on producer 0 (needs the data of the 'kinds' step)
           for n in 1 ${BUSY_PRODUCERS:-3}; do
