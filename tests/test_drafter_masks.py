@@ -1,5 +1,8 @@
 """Anchor sampling, block construction, and flex mask == dense reference mask."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -304,8 +307,6 @@ def test_a_block_mask_of_4096_anchors_costs_megabytes_not_the_query_key_pairs():
     pair to find the tiles (what flex attention's create_block_mask does) took 40 GiB on the GPU and stopped a run
     for lack of memory. The tiles come from the blocks now; in a process of its own, the resident memory that
     building the mask adds is measured."""
-    import subprocess
-    import sys
 
     code = """
 import resource
@@ -365,6 +366,29 @@ def test_small_heads_take_the_flex_forward_tiles_measured_for_them():
     assert flex_attention_for(cuda, 16).keywords["kernel_options"]["fwd_BLOCK_M"] == 64
     assert flex_attention_for(cuda, 128).keywords["kernel_options"] == {}
     assert flex_attention_for(torch.device("cpu"), 64) is flex_attention
+
+
+COMPILED_FLEX_LAYER = """
+import warnings, torch
+from torch.nn.attention.flex_attention import flex_attention
+from common.drafter.model import flex_attention_for
+q, k, v = (torch.randn(1, 2, 128, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
+layer = torch.compile(lambda q, k, v: flex_attention_for(torch.device("cuda"), 64)(q, k, v), backend="eager")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = layer(q, k, v)
+assert torch.equal(out, flex_attention(q, k, v))
+print([str(w.message)[:120] for w in caught if "lru_cache" in str(w.message)])
+"""
+
+
+def test_a_compiled_layer_traces_flex_attention_itself_not_the_cache_of_the_compiled_one():
+    """The trainer's compiled layers call flex_attention_for on every forward: inside them flex attention is traced
+    into the layer's graph (with the tiles), rather than dynamo warning that it looks through the cache of the
+    separately compiled one. Dynamo's CPU trace of the CUDA choice, in a process of its own (it warns once)."""
+    done = subprocess.run([sys.executable, "-c", COMPILED_FLEX_LAYER], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_anchors_count_per_batch_and_their_density_sets_the_coverage():

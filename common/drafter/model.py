@@ -43,11 +43,13 @@ on an H100; at the Qwen3-8B draft (head_dim 128) it made no difference, so large
 
 def flex_attention_for(device: torch.device, head_dim: int) -> Callable[..., torch.Tensor]:
     """flex_attention, compiled on CUDA (its eager path materialises the scores) with the forward's tiles for the
-    head size."""
+    head size. Inside a compiled layer it is traced into the layer's graph as it is: dynamo would only warn about,
+    and then look through, the cache that holds the compiled one."""
     if device.type != "cuda":
         return flex_attention
-    options = SMALL_HEAD_FLEX_FORWARD if head_dim <= 64 else {}
-    return functools.partial(_compiled_flex_attention(), kernel_options=dict(options))
+    options = dict(SMALL_HEAD_FLEX_FORWARD if head_dim <= 64 else {})
+    attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+    return functools.partial(attend, kernel_options=options)
 
 
 @functools.cache
