@@ -17,6 +17,7 @@ decoder's errors away).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -28,7 +29,7 @@ from common.acceptance.arithmetic import zlab_acceptance_lengths
 from common.config import load_config
 from common.drafter.model import build_drafter
 from common.drafter.sampling import Sampling, rejection_sample, sample_from, sampling_probs
-from producer.acceptance.decoder import DraftContext, speculative_decode
+from producer.acceptance.decoder import DraftContext, speculative_decode, speculative_decode_rows
 from producer.acceptance.evaluator import build_evaluator
 from producer.target_model.greedy import GreedyTarget
 from producer.target_model.load import target_head_of
@@ -236,6 +237,65 @@ def test_sampled_decoding_is_seeded_and_greedy_at_temperature_zero(target_model)
     assert run(3, SAMPLING) == run(3, SAMPLING)
     assert run(3, SAMPLING).tokens != run(4, SAMPLING).tokens
     assert run(3, Sampling(0.0)) == run(4, None)  # temperature 0 is the greedy decoder
+
+
+ROW_PROMPTS = [PROMPT, torch.tensor([5, 2]), torch.tensor([11, 3, 8, 1, 0, 6, 2, 9, 13]), torch.tensor([7])]
+
+
+@pytest.fixture(scope="module")
+def target_model_fp64(target_model):
+    """The target in float64, so that prompts decoded together and alone round alike (a larger product sums in
+    another order) and the draws, not rounding, decide what they keep; with a quarter of the sharpened head, so
+    that sampled drafts are kept as well as rejected."""
+    model = copy.deepcopy(target_model).double()
+    with torch.no_grad():
+        model.lm_head.weight.div_(4.0)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "dspark"])
+@pytest.mark.parametrize("sampling", [SAMPLING, None], ids=["sampled", "greedy"])
+def test_prompts_decoded_together_keep_what_each_keeps_alone(target_model_fp64, kind, sampling):
+    """One drafter forward and one target forward a round for every prompt, in one cache whose rejected slots stay
+    as holes: each prompt's text, acceptances and draft counts are those of its own decoding, drawn from its own
+    generator; prompts of other lengths, some stopping early (stop token 4), others running to the token limit."""
+    drafter = drafter_of(kind, target_model_fp64, block_size=4).double()
+    target = GreedyTarget(target_model_fp64, LAYER_IDS)
+    stops = frozenset({4})
+
+    def generators() -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(10 + i) for i in range(len(ROW_PROMPTS))]
+
+    alone = [
+        speculative_decode(DraftContext(drafter), target, prompt, 14, stops, sampling, generator)
+        for prompt, generator in zip(ROW_PROMPTS, generators())
+    ]
+    contexts = [DraftContext(drafter) for _ in ROW_PROMPTS]
+    together = speculative_decode_rows(contexts, target, ROW_PROMPTS, 14, stops, sampling, generators())
+    assert together == alone
+    assert len({len(d.accepted) for d in alone}) > 1  # the rows finish in different rounds
+    assert any(n < drafted for d in alone for n, drafted in zip(d.accepted, d.drafted)), "no draft was rejected"
+    if sampling is not None:  # a random drafter's greedy drafts are seldom the target's
+        assert any(0 < n < drafted for d in alone for n, drafted in zip(d.accepted, d.drafted)), "no block split"
+
+
+def test_a_sampled_evaluation_of_prompts_together_equals_one_prompt_at_a_time(target_dir, target_model_fp64):
+    cfg = load_config(
+        None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "eval.temperature=1.0", "eval.seed=3"]
+    )
+    drafter = drafter_of("dflash", target_model_fp64).double()
+    reports = []
+    for size in (1, 3):
+        cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, batch_prompts=size))
+        reports.append(build_evaluator(cfg, target_model_fp64, LAYER_IDS).evaluate(drafter))
+    one, together = reports
+    assert (together.tau, together.zlab_tau, together.accept_pos, together.generated_tokens) == (
+        one.tau,
+        one.zlab_tau,
+        one.accept_pos,
+        one.generated_tokens,
+    )
+    assert one.num_prompts == 3
 
 
 def test_zlab_acceptance_lengths_cut_the_last_step():

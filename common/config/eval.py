@@ -50,7 +50,8 @@ class EvalConfig:
     batch_prompts: int = 16
     """Prompts drafted together: one drafter forward drafts a block for each (each keeps exactly what it keeps
     alone), and, where the target allows (no Gated-DeltaNet or sliding-window layers), one target forward extends
-    their greedy continuations when the evaluator makes its reference. 1: one prompt at a time."""
+    their greedy continuations when the evaluator makes its reference, or verifies their blocks when it decodes
+    sampled. 1: one prompt at a time."""
     reference_cache_gb: float = 8.0
     """Host memory the evaluator may keep the held-out documents' target features in between evaluations (page-
     locked on a GPU host), so that an evaluation after the first runs no target forward. Documents past it run
@@ -69,7 +70,7 @@ class EvalConfig:
     temperature: float = 0.0
     """0: greedy speculative decoding (the replay of the target's greedy text, fast). Above 0: sampled speculative
     decoding, lossless by rejection sampling (each draft token kept with probability min(1, p/q), a rejected one
-    replaced by a draw from max(0, p - q), a bonus token from p), live and one prompt at a time: p is the target's
+    replaced by a draw from max(0, p - q), a bonus token from p), live, batch_prompts at a time: p is the target's
     distribution after this temperature, ``top_p`` and ``top_k``, q the drafter's proposal (DFlash: its logits
     through the same sampler; DFlash 2: its selector's softmax over its candidates). The simulated tau stays
     teacher-forced, and the two figures on the greedy text (sim_tau_greedy, sim_tau_walk) are left out."""

@@ -5,15 +5,18 @@ whose prompt is their first ``--prompt-len`` tokens. The first evaluation makes 
 prompts' greedy continuations and features, the documents' features); the later ones run the drafter only.
 Prints each evaluation's time split into making the reference, the replayed decoding (``--prompts`` prompts
 together, ``--new-tokens`` each, per round) and the simulated acceptance, then with ``--profile`` the
-operators of a later evaluation that took the most time, host and device.
+operators of a later evaluation that took the most time, host and device. With ``--sampled``, the live sampled
+decoding (temperature 1, top-p 0.95) of the prompts one at a time against all of them together, in one run.
 
     python -m launch.bench.acceptance                  # H200
     python -m launch.bench.acceptance --tiny           # CPU smoke run
+    python -m launch.bench.acceptance --sampled        # sampled decoding, one prompt at a time against together
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -51,10 +54,18 @@ def main(argv: list[str] | None = None) -> None:
     if not args.tiny:
         drafter.to(torch.bfloat16)
     docs = documents(args.prompts, args.doc_len, args.prompt_len, config.vocab_size, seed=0)
+    sampling = dict(temperature=1.0, top_p=0.95) if args.sampled else {}
     eval_config = EvalConfig(
-        num_prompts=args.prompts, max_new_tokens=args.new_tokens, batch_prompts=args.prompts, prompt_len=args.prompt_len
+        num_prompts=args.prompts,
+        max_new_tokens=args.new_tokens,
+        batch_prompts=args.prompts,
+        prompt_len=args.prompt_len,
+        **sampling,
     )
     evaluator = AcceptanceEvaluator(model, docs, eval_config, list(config.target_layer_ids), num_anchors=64)
+    if args.sampled:
+        emit(time_sampled(evaluator, drafter, device), args.json)
+        return
     # the first makes the target's reference
     rows = [time_evaluation(evaluator, drafter, device, repeat) for repeat in range(args.repeats + 1)]
     if args.profile:
@@ -73,6 +84,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--sampled", action="store_true", help="sampled decoding: one prompt at a time against together"
+    )
     add_json_argument(parser)
     return parser.parse_args(argv)
 
@@ -110,6 +124,37 @@ def time_evaluation(evaluator: AcceptanceEvaluator, drafter: DFlashDrafter, devi
         f"{rounds} rounds of {len(decoded)} prompts (tau {report.tau:.2f}), {row['ms_per_round']:.1f} ms per round"
     )
     return row
+
+
+def time_sampled(evaluator: AcceptanceEvaluator, drafter: DFlashDrafter, device: torch.device) -> list[dict]:
+    """The sampled decoding of every prompt (``decode_sampled``, in the evaluation's context), one prompt at a time and
+    then all together: a row each, with its seconds, its speed-up over one at a time, and how many prompts decoded
+    the same text both ways (all on a CPU in float32; in bf16 a larger product may round a draw the other way)."""
+    drafter.eval()
+    rows, texts = [], {}
+    for size in (1, evaluator.config.batch_prompts):
+        evaluator.config = dataclasses.replace(evaluator.config, batch_prompts=size)
+        with evaluator.evaluation_context():
+            synchronize(device)
+            started = time.perf_counter()
+            decoded = evaluator.decode_sampled(drafter)
+            synchronize(device)
+            seconds = time.perf_counter() - started
+        texts[size] = [d.tokens for d in decoded]
+        blocks = sum(len(d.accepted) for d in decoded)
+        rows.append(
+            {"prompts_together": size, "seconds": seconds, "blocks": blocks, "ms_per_block": 1000 * seconds / blocks}
+        )
+    rows[1]["speedup"] = rows[0]["seconds"] / rows[1]["seconds"]
+    rows[1]["same_texts"] = sum(a == b for a, b in zip(texts[1], texts[rows[1]["prompts_together"]]))
+    print(f"{'prompts together':>16} {'seconds':>8} {'blocks':>7} {'ms/block':>9}")
+    for row in rows:
+        print(f"{row['prompts_together']:>16} {row['seconds']:8.2f} {row['blocks']:7d} {row['ms_per_block']:9.2f}")
+    print(
+        f"together {rows[1]['speedup']:.2f}x faster than one at a time; {rows[1]['same_texts']} of "
+        f"{len(texts[1])} prompts decoded the same text"
+    )
+    return rows
 
 
 def profile_evaluation(evaluator: AcceptanceEvaluator, drafter: DFlashDrafter, device: torch.device) -> dict:

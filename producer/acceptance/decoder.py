@@ -21,7 +21,7 @@ from common.acceptance.arithmetic import Decoded, answer_finished, cut_answer
 from common.drafter.base import Drafter
 from common.drafter.masks import in_block_mask
 from common.drafter.sampling import Proposal, Sampling, rejection_sample, sample_from, sampling_probs
-from producer.target_model.greedy import GreedyTarget
+from producer.target_model.greedy import GreedyTarget, left_padded
 
 
 class DraftContext:
@@ -55,11 +55,31 @@ class DraftContext:
     ) -> Proposal:
         """The drafter kind's proposal of the same block (one row), greedy or under ``sampling``: the tokens and, when
         sampled, the distribution they were drawn from (DFlash 2: over its candidates)."""
-        device = self.ctx.device
-        anchor = torch.tensor([token], device=device)
-        hidden = draft_rows(self.drafter, [self.ctx], anchor, torch.tensor([position], device=device))
-        proposal = self.drafter.propose(hidden, anchor, sampling, generator, context_rows(self.drafter, [self.ctx]))
-        return proposal.first(int(proposal.kept_drafts(self.confidence_min)[0]))
+        return proposals([self], [token], [position], sampling, [generator])[0]
+
+
+def proposals(
+    contexts: Sequence[DraftContext],
+    tokens: Sequence[int],
+    positions: Sequence[int],
+    sampling: Sampling | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> list[Proposal]:
+    """``DraftContext.proposal`` of several prompts' blocks (one drafter): one drafter forward for all of them
+    (``draft_rows``), then each row's kind proposal on its own, drawing from its own generator, so that a row draws
+    what it draws alone."""
+    drafter, device = contexts[0].drafter, contexts[0].ctx.device
+    ctxs = [c.ctx for c in contexts]
+    anchors = torch.tensor(list(tokens), device=device)
+    hidden = draft_rows(drafter, ctxs, anchors, torch.tensor(list(positions), device=device))
+    rows = context_rows(drafter, ctxs)
+    made = []
+    for i, context in enumerate(contexts):
+        row = slice(i, i + 1)
+        generator = generators[i] if generators is not None else None
+        proposal = drafter.propose(hidden[row], anchors[row], sampling, generator, None if rows is None else rows[row])
+        made.append(proposal.first(int(proposal.kept_drafts(context.confidence_min)[0])))
+    return made
 
 
 class DraftRows:
@@ -192,6 +212,87 @@ def speculative_decode(
     return Decoded(cut_answer(tokens, max_new_tokens, stop_token_ids), accepted, drafted_counts, replayed)
 
 
+@torch.no_grad()
+def speculative_decode_rows(
+    contexts: Sequence[DraftContext],
+    target: GreedyTarget,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    stop_token_ids: frozenset[int] = frozenset(),
+    sampling: Sampling | None = None,
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> list[Decoded]:
+    """``speculative_decode`` of several prompts at once, each with its fresh ``contexts[i]`` and its own
+    ``generators[i]``: each round one drafter forward drafts every unfinished prompt's block and one target forward
+    verifies them all, as a server batches its requests. Each prompt keeps exactly what it keeps alone: its draws
+    come from its own generator in the same order, and its rows of the forwards are what its own forwards give
+    (up to the rounding of a larger product).
+
+    The prompts are rows of one cache (``GreedyTarget.forward_rows``, left-padded; so ``target.batchable``). Every
+    round appends a block of slots to every row; the slots of a row's rejected drafts (and of a finished row's or a
+    shorter block's padding) stay in the cache as holes no later query sees, since one cache of several rows is
+    cropped for all of them: only past the most any row kept."""
+    if not target.batchable:
+        raise ValueError("decoding prompts together needs a target without Gated-DeltaNet or sliding-window layers")
+    rows, block_size, device = len(prompts), contexts[0].block_size, target.device
+    draws = list(generators) if generators is not None else [None] * rows
+    lengths = [int(p.numel()) for p in prompts]
+    ids, positions, kv_valid = left_padded(prompts, device)
+    target.reset()
+    logits, features = target.forward_rows_logits(ids, positions, kv_valid, last_logits_only=True)
+    tokens: list[list[int]] = []
+    for r, context in enumerate(contexts):
+        tokens.append([_first_token(logits[r, -1], sampling, draws[r])])
+        context.extend(features[r, ids.shape[1] - lengths[r] :])
+    accepted: list[list[int]] = [[] for _ in range(rows)]
+    drafted_counts: list[list[int]] = [[] for _ in range(rows)]
+    live = [r for r in range(rows) if not answer_finished(tokens[r], max_new_tokens, stop_token_ids)]
+    while live:
+        anchors = [lengths[r] + len(tokens[r]) - 1 for r in live]  # the positions of the last kept tokens
+        made = proposals(
+            [contexts[r] for r in live], [tokens[r][-1] for r in live], anchors, sampling, [draws[r] for r in live]
+        )
+        block_ids = torch.zeros(rows, block_size, dtype=torch.long, device=device)
+        block_positions = torch.zeros_like(block_ids)
+        block_valid = torch.zeros_like(block_ids, dtype=torch.bool)
+        for r, anchor, proposal in zip(live, anchors, made):
+            block = torch.cat([proposal.tokens.new_tensor([tokens[r][-1]]), proposal.tokens[0]])
+            block_ids[r, : block.shape[0]] = block
+            block_positions[r] = anchor + torch.arange(block_size, device=device)
+            block_valid[r, : block.shape[0]] = True
+        kv_valid = torch.cat([kv_valid, block_valid], dim=1)
+        logits, features = target.forward_rows_logits(block_ids, block_positions, kv_valid)
+        start, longest = kv_valid.shape[1] - block_size, 0
+        for r, proposal in zip(live, made):
+            drafted = proposal.tokens[0]
+            if _sampled(sampling):
+                num_accepted, after = _sampled_verdict(proposal, logits[r, : drafted.shape[0] + 1], sampling, draws[r])
+            else:
+                num_accepted, after = _greedy_verdict(drafted, logits[r, : drafted.shape[0] + 1].argmax(-1))
+            kept = num_accepted + 1  # the anchor and the accepted drafts; the token after them is the next anchor
+            kv_valid[r, start + kept :] = False
+            longest = max(longest, kept)
+            contexts[r].extend(features[r, :kept])
+            accepted[r].append(num_accepted)
+            drafted_counts[r].append(int(drafted.shape[0]))
+            tokens[r] += drafted[:num_accepted].tolist() + [after]
+        # the block's last slots that no row kept leave the cache
+        target.crop(start + longest)
+        kv_valid = kv_valid[:, : start + longest]
+        live = [r for r in live if not answer_finished(tokens[r], max_new_tokens, stop_token_ids)]
+    return [
+        Decoded(cut_answer(tokens[r], max_new_tokens, stop_token_ids), accepted[r], drafted_counts[r], [])
+        for r in range(rows)
+    ]
+
+
+def _first_token(logits: torch.Tensor, sampling: Sampling | None, generator: torch.Generator | None) -> int:
+    """The prefill's token from the target's logits ``[V]`` after the prompt: drawn when sampled, else greedy."""
+    if _sampled(sampling):
+        return int(sample_from(sampling_probs(logits, sampling), generator))
+    return int(logits.argmax())
+
+
 def _sampled(sampling: Sampling | None) -> bool:
     return sampling is not None and not sampling.greedy
 
@@ -204,7 +305,7 @@ def _prefill(
     target.reset()
     if _sampled(sampling):
         logits, features = target.forward_logits(prompt, 0)
-        return int(sample_from(sampling_probs(logits[-1], sampling), generator)), features
+        return _first_token(logits[-1], sampling, generator), features
     greedy, features = target.forward(prompt, 0)
     return int(greedy[-1]), features
 
@@ -243,16 +344,30 @@ def _verify_block(
         block = torch.cat([drafted.new_tensor([last]), drafted])
         target.save_state()
         logits, features = target.forward_logits(block, anchor)
-        target_probs = sampling_probs(logits, sampling)
-        draft_probs = proposal.dense(target_probs.shape[-1]).probs
-        kept_drafts, after = rejection_sample(drafted[None], target_probs[None], draft_probs, generator)
-        return VerifiedBlock(drafted, block, int(kept_drafts[0]), int(after[0]), features)
+        return VerifiedBlock(drafted, block, *_sampled_verdict(proposal, logits, sampling, generator), features)
     drafted = context.propose(last, anchor)
     block = torch.cat([drafted.new_tensor([last]), drafted])
     target.save_state()
     verified, features = target.forward(block, anchor)  # verified[i]: the target's token after block[:i + 1]
+    return VerifiedBlock(drafted, block, *_greedy_verdict(drafted, verified), features)
+
+
+def _sampled_verdict(
+    proposal: Proposal, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """(drafts kept, the token after them) of one sampled block: ``rejection_sample`` of the proposal's drafts
+    against the target's distribution from ``logits`` ``[D + 1, V]`` of the verifying forward."""
+    target_probs = sampling_probs(logits, sampling)
+    draft_probs = proposal.dense(target_probs.shape[-1]).probs
+    kept_drafts, after = rejection_sample(proposal.tokens, target_probs[None], draft_probs, generator)
+    return int(kept_drafts[0]), int(after[0])
+
+
+def _greedy_verdict(drafted: torch.Tensor, verified: torch.Tensor) -> tuple[int, int]:
+    """(drafts kept, the token after them) of one greedy block: the drafts equal to the target's greedy tokens
+    ``verified`` ``[D + 1]`` (``verified[i]``: its token after the block's first i + 1), and its token after them."""
     num_accepted = int((drafted == verified[:-1]).long().cumprod(0).sum())
-    return VerifiedBlock(drafted, block, num_accepted, int(verified[num_accepted]), features)
+    return num_accepted, int(verified[num_accepted])
 
 
 def _keep(target: GreedyTarget, verified: VerifiedBlock, anchor: int, kept: int) -> tuple[torch.Tensor, bool]:

@@ -14,8 +14,10 @@ together whatever the target's layers. The documents' target features are kept t
 
 At ``eval.temperature`` > 0 the decoding is sampled: lossless rejection sampling (``common.drafter.sampling.
 rejection_sample``) of the drafter kind's proposal against the target's sampling distribution. Its text depends on
-the draws, so nothing is replayed: ``speculative_decode`` runs live, one prompt at a time, each prompt with its own
-generator seeded by ``eval.seed``; the figures on the greedy text (``sim_tau_greedy``, ``sim_tau_walk``) are left out.
+the draws, so nothing is replayed: the decoding runs live, each prompt with its own generator seeded by ``eval.seed``,
+``eval.batch_prompts`` prompts at once where the target allows (``speculative_decode_rows``: each draws what it draws
+alone), else one at a time (``speculative_decode``); the figures on the greedy text (``sim_tau_greedy``,
+``sim_tau_walk``) are left out.
 
 By context length: a multi-turn held-out record is a prompt per assistant turn (``turn_documents``: the conversation
 before the turn), and per bucket of context length the target's verify and decode forwards and the drafter's round
@@ -53,7 +55,7 @@ from common.batch import Document
 from common.config import EvalConfig, RunConfig
 from common.drafter.base import Drafter
 from common.drafter.sampling import Sampling
-from producer.acceptance.decoder import DraftContext, DraftRows, speculative_decode
+from producer.acceptance.decoder import DraftContext, DraftRows, speculative_decode, speculative_decode_rows
 from producer.acceptance.held_out import held_out_records, prompt_of, turn_documents
 from producer.acceptance.simulated import decoded_span, on_greedy_text, simulated_acceptance
 from producer.acceptance.timing import time_draft_round, time_target_round
@@ -366,22 +368,42 @@ class AcceptanceEvaluator:
         return decoded
 
     def decode_sampled(self, drafter: Drafter, confidence_min: float = 0.0) -> list[Decoded]:
-        """Every held-out prompt's sampled speculative decoding, live (the target verifies each block), one prompt at
-        a time, prompt i drawing from a generator seeded by ``eval.seed`` and i (``sampling_seed``)."""
-        decoded = []
-        for index, document in enumerate(self.documents):
-            self.doing = f"decoding, {index}/{len(self.documents)} prompts done"
-            generator = torch.Generator(device=self.target.device).manual_seed(sampling_seed(self.config.seed, index))
-            decoded.append(
-                speculative_decode(
-                    DraftContext(drafter, confidence_min),
-                    self.target,
-                    prompt_of(document, self.config.prompt_len),
-                    self.config.max_new_tokens,
-                    self.stop_token_ids,
-                    self.sampling,
-                    generator,
+        """Every held-out prompt's sampled speculative decoding, live (the target verifies each block), prompt i
+        drawing from a generator seeded by ``eval.seed`` and i (``sampling_seed``): ``eval.batch_prompts`` prompts
+        at once where the target allows (``speculative_decode_rows``: each draws what it draws alone), else one
+        at a time."""
+        size = self.config.batch_prompts if self.target.batchable else 1
+        decoded: list[Decoded] = []
+        for start in range(0, len(self.documents), size):
+            self.doing = f"decoding, {start}/{len(self.documents)} prompts done"
+            indices = range(start, min(start + size, len(self.documents)))
+            generators = [
+                torch.Generator(device=self.target.device).manual_seed(sampling_seed(self.config.seed, i))
+                for i in indices
+            ]
+            contexts = [DraftContext(drafter, confidence_min) for _ in indices]
+            prompts = [prompt_of(self.documents[i], self.config.prompt_len) for i in indices]
+            if size == 1:
+                decoded.append(
+                    speculative_decode(
+                        contexts[0],
+                        self.target,
+                        prompts[0],
+                        self.config.max_new_tokens,
+                        self.stop_token_ids,
+                        self.sampling,
+                        generators[0],
+                    )
                 )
+                continue
+            decoded += speculative_decode_rows(
+                contexts,
+                self.target,
+                prompts,
+                self.config.max_new_tokens,
+                self.stop_token_ids,
+                self.sampling,
+                generators,
             )
         return decoded
 

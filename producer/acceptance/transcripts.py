@@ -12,7 +12,7 @@ import torch
 
 from common.acceptance.arithmetic import Transcript
 from common.batch import Document
-from producer.target_model.greedy import GreedyTarget
+from producer.target_model.greedy import GreedyTarget, left_padded
 
 
 def kept_on_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,13 +69,7 @@ def _greedy_rows(target: GreedyTarget, prompts: Sequence[torch.Tensor], length: 
     device = target.device
     lengths = [int(p.numel()) for p in prompts]
     width, rows = max(lengths), len(prompts)
-    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
-    positions = torch.zeros_like(ids)
-    kv_valid = torch.zeros_like(ids, dtype=torch.bool)
-    for r, prompt in enumerate(prompts):
-        ids[r, width - lengths[r] :] = prompt.to(device)
-        positions[r, width - lengths[r] :] = torch.arange(lengths[r], device=device)
-        kv_valid[r, width - lengths[r] :] = True
+    ids, positions, kv_valid = left_padded(prompts, device)
     target.reset()
     greedy, prefill = target.forward_rows(ids, positions, kv_valid, last_logits_only=True)
     prefill_last, fed_last = target.last_rows(), []

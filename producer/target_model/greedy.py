@@ -6,6 +6,7 @@ every call that runs the model or changes its cache is told to the followers fir
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -149,7 +150,22 @@ class GreedyTarget:
                 **{self._cache_arg: self.cache},
             )
         features = torch.cat([self._outputs[k] for k in self.layer_ids], dim=-1)
+        if self._keep_logits:
+            self._logits = out.logits
         return out.logits.argmax(-1), features
+
+    def forward_rows_logits(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, kv_valid: torch.Tensor, last_logits_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward_rows`` for sampled decoding: (the rows' logits ``[R, L, V]``, or ``[R, 1, V]``, the features);
+        through ``forward_rows`` itself, as ``forward_logits`` goes through ``forward``."""
+        self._keep_logits = True
+        try:
+            _, features = self.forward_rows(token_ids, positions, kv_valid, last_logits_only)
+        finally:
+            self._keep_logits = False
+        logits, self._logits = self._logits, None
+        return logits, features
 
     def _row_masks(self, num_new: int, kv_valid: torch.Tensor) -> torch.Tensor:
         """4D boolean mask ``[R, 1, L, S + L]``: a query sees the valid slots up to its own, a padding query only
@@ -208,6 +224,21 @@ class GreedyTarget:
                 layer.recurrent_states[i].copy_(saved)
             if seen is not None:
                 _seen_length(layer).copy_(seen)
+
+
+def left_padded(prompts: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Prompts as rows of one cache for ``GreedyTarget.forward_rows``, left-padded to the longest: (token ids,
+    positions, which slots are real), ``[R, longest]`` each."""
+    lengths = [int(p.numel()) for p in prompts]
+    width, rows = max(lengths), len(prompts)
+    ids = torch.zeros(rows, width, dtype=torch.long, device=device)
+    positions = torch.zeros_like(ids)
+    kv_valid = torch.zeros_like(ids, dtype=torch.bool)
+    for r, prompt in enumerate(prompts):
+        ids[r, width - lengths[r] :] = prompt.to(device)
+        positions[r, width - lengths[r] :] = torch.arange(lengths[r], device=device)
+        kv_valid[r, width - lengths[r] :] = True
+    return ids, positions, kv_valid
 
 
 def _seen_length(layer: Any) -> torch.Tensor | None:
