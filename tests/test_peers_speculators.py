@@ -79,7 +79,7 @@ def test_the_validation_split_is_exactly_the_last_row():
 
 def test_its_loss_is_the_eager_one_on_a_card_as_on_the_cpu(monkeypatch, tmp_path):
     """Its fused Triton loss stops its compiled step at the first step under torch 2.11 (the module's docstring);
-    only the CPU's own options (attention, dtype, workers, optimizer) depend on the machine."""
+    only the CPU's own options (attention, dtype, workers, and past the smoke the optimizer) depend on the machine."""
     layout = Layout(rows=[], epochs=[[(4, 512)]], ratio=0.5)
     for card in (True, False):
         monkeypatch.setattr(torch.accelerator, "is_available", lambda card=card: card)
@@ -88,6 +88,8 @@ def test_its_loss_is_the_eager_one_on_a_card_as_on_the_cpu(monkeypatch, tmp_path
         assert args.count("--loss-implementation") == 1
         assert ("--draft-attn-impl" in args) is not card
         assert args[args.index("--optimizer") + 1] == ("muon" if card else "adamw")
+        smoke = Speculators(smoke=True).train_args(tmp_path, tmp_path / "target", layout, 1, 10)
+        assert smoke[smoke.index("--optimizer") + 1] == "muon"  # the smoke's tiny drafter trains with its recipe
 
 
 def test_the_epochs_that_hold_the_steps_and_what_they_trained():

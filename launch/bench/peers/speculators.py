@@ -42,8 +42,8 @@ any torch setting makes index 0 the CPU. There its unmodified CLI runs under ``p
 launch.bench.peers.speculators --on-cpu`` (torch, not speculators, is adapted: a bare device index means the CPU,
 and the accelerator sync is a no-op), with these documented options of its own: ``--draft-attn-impl sdpa``
 (flex attention is for GPUs), ``--hidden-states-dtype float32`` (its autocast is CUDA's, off on the CPU, so bf16
-features would meet fp32 weights), ``--num-workers 0``, and ``--optimizer adamw`` (its Muon's bf16 Newton-Schulz
-takes minutes a step on a CPU).
+features would meet fp32 weights), ``--num-workers 0``, and, past the smoke's tiny drafter, ``--optimizer adamw``
+(its Muon's bf16 Newton-Schulz takes minutes a step of the preset's drafter on a CPU).
 """
 
 from __future__ import annotations
@@ -278,9 +278,10 @@ class Speculators:
         args += ["--loss-implementation", "eager"]
         if not torch.accelerator.is_available():
             args += ["--draft-attn-impl", "sdpa", "--hidden-states-dtype", "float32", "--num-workers", "0"]
-            # Its Muon orthogonalizes in bf16, which has no fast CPU kernel here: 468 s of a 557 s step of the
-            # preset's drafter on two busy cores. The CPU checks the path, not the recipe.
-            args[args.index("--optimizer") + 1] = "adamw"
+            if not self.smoke:
+                # Its Muon orthogonalizes in bf16, which has no fast CPU kernel here: 468 s of a 557 s step of the
+                # preset's drafter on two busy cores. The smoke's tiny drafter keeps it, as on a card.
+                args[args.index("--optimizer") + 1] = "adamw"
         return args
 
     def _probe(self, work: Path, target: Path, layout: Layout, log: Path) -> Probe:
