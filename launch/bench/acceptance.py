@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     config = tiny_draft(16) if args.tiny else qwen3_8b_draft(16)
+    torch.manual_seed(0)  # the same random drafter every run, so that runs draft alike
     drafter = DFlashDrafter(config, target_head_of(model)).to(device)
     if not args.tiny:
         drafter.to(torch.bfloat16)

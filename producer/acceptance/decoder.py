@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from common.acceptance.arithmetic import Decoded, answer_finished, cut_answer
 from common.drafter.base import Drafter
@@ -252,23 +253,27 @@ def speculative_decode_rows(
         made = proposals(
             [contexts[r] for r in live], [tokens[r][-1] for r in live], anchors, sampling, [draws[r] for r in live]
         )
+        # the live rows' blocks [anchor, drafts..., padding], in the rows of one forward (a finished row's: padding)
+        widths = [int(proposal.tokens.shape[1]) for proposal in made]
+        drafts = torch.cat([F.pad(proposal.tokens, (0, block_size - 1 - w)) for proposal, w in zip(made, widths)])
+        at, slots = torch.tensor(live, device=device), torch.arange(block_size, device=device)
         block_ids = torch.zeros(rows, block_size, dtype=torch.long, device=device)
+        block_ids[at] = torch.cat([torch.tensor([tokens[r][-1] for r in live], device=device)[:, None], drafts], 1)
         block_positions = torch.zeros_like(block_ids)
+        block_positions[at] = torch.tensor(anchors, device=device)[:, None] + slots
         block_valid = torch.zeros_like(block_ids, dtype=torch.bool)
-        for r, anchor, proposal in zip(live, anchors, made):
-            block = torch.cat([proposal.tokens.new_tensor([tokens[r][-1]]), proposal.tokens[0]])
-            block_ids[r, : block.shape[0]] = block
-            block_positions[r] = anchor + torch.arange(block_size, device=device)
-            block_valid[r, : block.shape[0]] = True
+        block_valid[at] = slots <= torch.tensor(widths, device=device)[:, None]
         kv_valid = torch.cat([kv_valid, block_valid], dim=1)
         logits, features = target.forward_rows_logits(block_ids, block_positions, kv_valid)
+        # the target's distributions (sampled) or tokens (greedy) after each slot of the live rows, all at once
+        verdicts = sampling_probs(logits[at], sampling) if _sampled(sampling) else logits[at].argmax(-1)
         start, longest = kv_valid.shape[1] - block_size, 0
-        for r, proposal in zip(live, made):
-            drafted = proposal.tokens[0]
+        for i, (r, proposal, width) in enumerate(zip(live, made, widths)):
+            drafted, verdict = proposal.tokens[0], verdicts[i, : width + 1]
             if _sampled(sampling):
-                num_accepted, after = _sampled_verdict(proposal, logits[r, : drafted.shape[0] + 1], sampling, draws[r])
+                num_accepted, after = _sampled_verdict(proposal, verdict, draws[r])
             else:
-                num_accepted, after = _greedy_verdict(drafted, logits[r, : drafted.shape[0] + 1].argmax(-1))
+                num_accepted, after = _greedy_verdict(drafted, verdict)
             kept = num_accepted + 1  # the anchor and the accepted drafts; the token after them is the next anchor
             kv_valid[r, start + kept :] = False
             longest = max(longest, kept)
@@ -344,7 +349,8 @@ def _verify_block(
         block = torch.cat([drafted.new_tensor([last]), drafted])
         target.save_state()
         logits, features = target.forward_logits(block, anchor)
-        return VerifiedBlock(drafted, block, *_sampled_verdict(proposal, logits, sampling, generator), features)
+        verdict = _sampled_verdict(proposal, sampling_probs(logits, sampling), generator)
+        return VerifiedBlock(drafted, block, *verdict, features)
     drafted = context.propose(last, anchor)
     block = torch.cat([drafted.new_tensor([last]), drafted])
     target.save_state()
@@ -353,11 +359,10 @@ def _verify_block(
 
 
 def _sampled_verdict(
-    proposal: Proposal, logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None
+    proposal: Proposal, target_probs: torch.Tensor, generator: torch.Generator | None
 ) -> tuple[int, int]:
     """(drafts kept, the token after them) of one sampled block: ``rejection_sample`` of the proposal's drafts
-    against the target's distribution from ``logits`` ``[D + 1, V]`` of the verifying forward."""
-    target_probs = sampling_probs(logits, sampling)
+    against the target's sampling distribution ``target_probs`` ``[D + 1, V]`` from the verifying forward."""
     draft_probs = proposal.dense(target_probs.shape[-1]).probs
     kept_drafts, after = rejection_sample(proposal.tokens, target_probs[None], draft_probs, generator)
     return int(kept_drafts[0]), int(after[0])
