@@ -1,4 +1,4 @@
-"""Benchmark one DFlash training step (forward, backward, fused AdamW) at the Qwen3-8B draft shapes, for each
+"""Benchmark one DFlash training step (forward, backward, fused AdamW or --optimizer muon) at the Qwen3-8B draft shapes, for each
 drafter kind asked (--kinds dflash,dflash2: the table adds each kind's step time over the first kind's).
 
 Features are random and already on the device; weights are random bf16. One "sample" is one packed
@@ -45,6 +45,7 @@ from common.drafter.model import build_drafter, train_flops
 from common.drafter.target_head import TargetHead
 from common.lifecycle import exit_process
 from launch.bench.harness import QWEN3_8B, Table, emit, gpu_name, matmul_tflops, synchronize
+from trainer.optim import OPTIMIZERS, build_optimizer
 from trainer.sharding import full_tensor, parallelize
 
 VARIANTS = ("eager", "compile-layers", "compile-layers-graphs", "compile-model")
@@ -168,7 +169,7 @@ def bench_variant(
     )
     model = parallelize(drafter, device, ranks, sharded=args.parallelism == "fsdp")  # as trainer.train does
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.master_fp32)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4, fused=device.type == "cuda")
+    optimizer = build_optimizer(drafter, args.optimizer, 1e-4, 0.0, fused=device.type == "cuda")
     batch = random_batch(config, args.seq_len, args.num_docs, device)
     generator = torch.Generator(device=device).manual_seed(dist.get_rank() if ranks > 1 else 0)
     prepared = drafter.prepare(batch, args.num_anchors, generator)
@@ -333,6 +334,7 @@ def main() -> None:
             "chunk_rows": args.chunk_rows,
             "weighting": args.weighting,
             "master_fp32": args.master_fp32,
+            "optimizer": args.optimizer,
             "draft": "tiny" if args.tiny else args.draft,
             "results": results,
         }
@@ -357,7 +359,8 @@ def print_table(results: list[dict], args: argparse.Namespace, device: torch.dev
     print(
         f"device {gpu_name(device) or 'cpu'}, "
         f"measured bf16 matmul {peak:.1f} TFLOP/s, seq {args.seq_len}, anchors {args.num_anchors}, "
-        f"B {args.block_size}, docs {args.num_docs}, chunk {args.chunk_rows} rows, {args.weighting} weighting"
+        f"B {args.block_size}, docs {args.num_docs}, chunk {args.chunk_rows} rows, {args.weighting} weighting, "
+        f"{args.optimizer}"
     )
     table = Table(
         [
@@ -412,6 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--master-fp32",
         action="store_true",
         help="fp32 parameters and optimizer under bf16 autocast (what trainer.train does)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw",
+        help="the step's optimizer: torch's fused AdamW, or Muon for the matrices (what the presets' trainer runs)",
     )
     parser.add_argument("--profile", default=None, metavar="DIR", help="write a torch.profiler table per row to DIR")
     parser.add_argument("--profile-steps", type=int, default=3, help="steps profiled per row (--profile)")

@@ -9,8 +9,8 @@
 # generate, data, masks, dflash2 (the DFlash 2 step against the eager one, and both kinds' step cost), quality,
 # collect_quality, recipes, collect_recipes, kinds, collect_kinds (DFlash against DFlash 2 at equal GPU time), busy
 # (the trainer's busy share by producers), small_shapes (every kind's step at the SmolLM2 preset's and the Qwen3-8B
-# shapes, compiled layers against their replay as CUDA graphs), peers, collect_peers (ours beside SpecForge and
-# speculators).
+# shapes, compiled layers against their replay as CUDA graphs), optimizer (the optimizer step alone, and the step with
+# Muon), peers, collect_peers (ours beside SpecForge and speculators).
 # The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
 # the background with setsid (it writes its JSON after every run) and collect the results later.
 # The machine may start bare and keep nothing between runs: install what the image lacks from wheels carried in
@@ -136,6 +136,11 @@ for step in $steps; do
           tail -n 30 /tmp/kinds.log; $PY -m launch.bench.kinds --out /tmp/kinds --table > "$OUT/kinds-table.txt" 2>&1
           cp /tmp/kinds.log /tmp/kinds/*.json "$OUT/" 2>/dev/null
           tar czf "$OUT/kinds-runs.tgz" --exclude="*.safetensors" --exclude="*.pt" /tmp/kinds/*.log /tmp/kinds/*-s*/logs /tmp/kinds/*-s*/metrics.jsonl /tmp/kinds/*-s*/trainer.json /tmp/kinds/data/synthesized/status-*.json 2>/dev/null ;;
+    optimizer)  # issue 68: the trainer's optimizer step alone (Muon and AdamW) at the SmolLM2 preset's and the
+                # Qwen3-8B drafts, then the preset's step with Muon, what its trainer runs, beside fused AdamW
+          run optimizer_smollm2 200 $PY -m launch.bench.optimizer --draft smollm2-135m
+          run optimizer_8b 200 $PY -m launch.bench.optimizer --draft qwen3-8b --steps 5 --repeats 3
+          run step_muon_smollm2 300 $PY -m launch.bench.step --draft smollm2-135m --kinds dflash --variants compile-layers --master-fp32 --optimizer muon --warmup 3 --steps 10 ;;
     small_shapes)  # issue 68: the step at small shapes, the compiled layers against their replay as CUDA graphs
           run step_graphs_smollm2 360 $PY -m launch.bench.step --draft smollm2-135m --kinds dflash,dflash2,dspark --variants compile-layers,compile-layers-graphs --master-fp32 --warmup 3 --steps 10
           run step_graphs_8b 240 $PY -m launch.bench.step --draft qwen3-8b --kinds dflash --variants compile-layers,compile-layers-graphs --master-fp32 --warmup 3 --steps 10 ;;
