@@ -14,6 +14,8 @@ from common.drafter.model import DFlashDrafter
 from tests.drafter_fixtures import random_head, tiny_config
 from trainer.optim import RULE_KEY, MuonAdamW, build_optimizer, muon_param_groups, newton_schulz
 
+PRODUCTS = ("aten::mm", "aten::bmm", "aten::matmul", "aten::addmm", "aten::baddbmm")
+"""The operators a matrix product issues directly."""
 MATRICES = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -122,6 +124,66 @@ def test_newton_schulz_runs_in_fp32_on_the_cpu():
     assert newton_schulz(x, dtype=torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(ValueError):
         newton_schulz(torch.randn(4))
+
+
+def test_matrices_stacked_by_shape_orthogonalise_as_each_alone(monkeypatch):
+    """Wide, tall and square matrices, a wide and a tall one of the same shape sharing a stack, and stacks split at
+    the element limit: each comes out as its own iteration gives it, in its own orientation."""
+    import trainer.optim as optim
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 16), (16, 8), (8, 16), (12, 12), (4, 16), (16, 4), (12, 12), (8, 16)]
+    matrices = [torch.randn(*shape, generator=gen) for shape in shapes]
+    for limit in (optim.NS_STACK_ELEMENTS, 2 * 8 * 16):  # all of a shape at once; at most two at a time
+        monkeypatch.setattr(optim, "NS_STACK_ELEMENTS", limit)
+        stacked = optim.newton_schulz_many(matrices)
+        for matrix, out in zip(matrices, stacked):
+            assert out.shape == matrix.shape and out.dtype == torch.float32
+            torch.testing.assert_close(out, newton_schulz(matrix), rtol=0, atol=1e-6)
+
+
+def test_a_muon_step_launches_per_shape_not_per_matrix():
+    """The drafter's matrices sit in one param group per run of a rule (the checkpoint's numbering), a dozen groups
+    for two layers; they step together: the Newton-Schulz products of a step are five iterations' three for each
+    shape, however many layers hold matrices of that shape."""
+    from torch.profiler import profile
+
+    counts = []
+    for layers in (2, 8):
+        model = drafter(num_hidden_layers=layers)
+        optimizer = build_optimizer(model, "muon", lr=1e-2, weight_decay=0.01, fused=False)
+        set_grads(model, 0)
+        shapes = {tuple(sorted(p.shape)) for g in optimizer.param_groups if g[RULE_KEY] == "muon" for p in g["params"]}
+        with profile() as prof:
+            optimizer.step()
+        step = next(e for e in prof.events() if e.name.startswith("Optimizer.step"))
+        products = sum(1 for e in prof.events() if e.cpu_parent is step and e.name in PRODUCTS)
+        counts.append((products, 15 * len(shapes)))
+    assert counts[0] == counts[1] and counts[0][0] == counts[0][1], counts
+
+
+def test_groups_with_their_own_settings_step_with_them():
+    """Groups that step together share every setting: one with its own lr keeps it."""
+    first, second = nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False)
+    models = [copy.deepcopy(first), copy.deepcopy(second)]
+    together = MuonAdamW(
+        [{"params": [first.weight], RULE_KEY: "muon"}, {"params": [second.weight], RULE_KEY: "muon", "lr": 0.1}],
+        lr=0.01,
+    )
+    alone = [
+        MuonAdamW([{"params": [models[0].weight], RULE_KEY: "muon"}], lr=0.01),
+        MuonAdamW([{"params": [models[1].weight], RULE_KEY: "muon"}], lr=0.1),
+    ]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        grads = [torch.randn(16, 8, generator=gen) for _ in range(2)]
+        for weight, grad in zip((first.weight, second.weight, models[0].weight, models[1].weight), grads * 2):
+            weight.grad = grad.clone()
+        together.step()
+        for optimizer in alone:
+            optimizer.step()
+    torch.testing.assert_close(first.weight, models[0].weight, rtol=0, atol=0)
+    torch.testing.assert_close(second.weight, models[1].weight, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fused", [False, True])

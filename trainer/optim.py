@@ -20,7 +20,9 @@ Its param groups say which rule they follow in the group key ``"rule"`` (saved a
   An orthogonal [rows, cols] matrix has RMS 1 / sqrt(max(rows, cols)), so the scaled update has RMS about 0.2,
   AdamW's typical update RMS (the Moonlight rule, "Muon is Scalable for LLM Training"): the same peak lr,
   warmup and decay serve both rules, and ``training.lr`` keeps its meaning. The Newton-Schulz iteration runs
-  in bf16 on CUDA and in fp32 elsewhere.
+  in bf16 on CUDA and in fp32 elsewhere, the matrices of one shape stacked into one batched iteration
+  (``newton_schulz_many``), and every group of one rule and the same settings steps together: a small drafter's
+  step is a few dozen kernels a shape, not a few dozen a matrix.
 - ``"adamw"``: everything else that trains (norm weights, biases, any other non-matrix), exactly torch's
   AdamW step (its functional, fused on CUDA when asked), betas (0.9, 0.95), eps 1e-8.
 
@@ -39,7 +41,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -62,6 +64,9 @@ MUON_RMS = 0.2
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
+NS_STACK_ELEMENTS = 2**27
+"""The most elements Newton-Schulz stacks into one iteration (256 MiB in bf16; its temporaries are a few times
+that): a small drafter's matrices of one shape all at once, a Qwen3-8B draft's MLP matrices two at a time."""
 RULE_KEY = "rule"
 """The param-group key naming the update rule of the group: "muon" or "adamw"."""
 
@@ -133,22 +138,50 @@ def newton_schulz(
     """An approximate orthogonalisation of 2-D ``matrix`` (its U V^T, singular values pushed to about 1) by
     ``steps`` quintic Newton-Schulz iterations, computed in ``dtype`` (bf16 on CUDA, fp32 elsewhere by
     default); returned in that dtype."""
-    if matrix.ndim != 2:
-        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(matrix.shape)}")
-    if dtype is None:
-        dtype = torch.bfloat16 if matrix.device.type == "cuda" else torch.float32
+    return newton_schulz_many([matrix], steps, eps, dtype)[0]
+
+
+def newton_schulz_many(
+    matrices: Sequence[torch.Tensor], steps: int = NS_STEPS, eps: float = NS_EPS, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """``newton_schulz`` of each of ``matrices``: those of one shape (in the wide orientation) iterate together as
+    one stack, up to ``NS_STACK_ELEMENTS`` at a time, so that a step costs a few dozen kernels per shape rather than
+    per matrix (a small drafter's 57 matrices, one by one, launched some 3,000 kernels a step)."""
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        if matrix.ndim != 2:
+            raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(matrix.shape)}")
+        shapes.setdefault((min(matrix.shape), max(matrix.shape)), []).append(index)
+    done: list[torch.Tensor | None] = [None] * len(matrices)
+    for (short, long), indices in shapes.items():
+        at_once = max(1, NS_STACK_ELEMENTS // (short * long))
+        for first in range(0, len(indices), at_once):
+            members = indices[first : first + at_once]
+            # iterate on the wide orientation: the Gram matrix is the smaller one
+            tall = [matrices[i].shape[0] > matrices[i].shape[1] for i in members]
+            x = torch.stack([matrices[i].T if t else matrices[i] for i, t in zip(members, tall)])
+            x = _newton_schulz_stack(x, steps, eps, dtype or _ns_dtype(x.device))
+            for row, (i, t) in enumerate(zip(members, tall)):
+                done[i] = x[row].T if t else x[row]
+    return done  # type: ignore[return-value]
+
+
+def _ns_dtype(device: torch.device) -> torch.dtype:
+    """The Newton-Schulz iteration's dtype: bf16 on CUDA, fp32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _newton_schulz_stack(x: torch.Tensor, steps: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """The quintic iteration on a stack ``[n, rows, cols]`` of wide matrices (rows <= cols), each on its own."""
     a, b, c = NS_COEFFICIENTS
-    x = matrix.to(dtype)
-    tall = x.shape[0] > x.shape[1]
-    if tall:  # iterate on the wide orientation: the Gram matrix is the smaller one
-        x = x.T
+    x = x.to(dtype)
     # Frobenius norm >= spectral norm: every singular value starts in [0, 1], where the iteration converges.
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = b * gram + c * (gram @ gram)
-        x = a * x + poly @ x
-    return x.T if tall else x
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):  # x <- a x + (b G + c G^2) x, G = x x^T: three products, their sums in their epilogues
+        gram = x @ x.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return x
 
 
 def muon_scale(shape: torch.Size | tuple[int, ...]) -> float:
@@ -218,34 +251,51 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # The groups are runs of one rule in parameter order (the checkpoint's numbering), so a drafter's matrices
+        # are in a dozen groups: those of one rule and the same settings step together, in a few kernels.
+        runs: dict[tuple, list[dict[str, Any]]] = {}
         for group in self.param_groups:
-            if group[RULE_KEY] == "muon":
-                self._muon_step(group)
-            else:
-                self._adamw_step(group)
+            settings = tuple(sorted((k, v) for k, v in group.items() if k != "params"))
+            runs.setdefault(settings, []).append(group)
+        for groups in runs.values():
+            settings = {k: v for k, v in groups[0].items() if k != "params"}
+            params = [p for group in groups for p in group["params"] if p.grad is not None]
+            if params and settings[RULE_KEY] == "muon":
+                self._muon_step(params, settings)
+            elif params:
+                self._adamw_step(params, settings)
         return loss
 
-    def _muon_step(self, group: dict[str, Any]) -> None:
+    def _muon_step(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """The Muon update (the module's doc) of ``params``, matrices of groups with the same ``group`` settings, all
+        at once: the momenta in two foreach kernels, the orthogonalisations stacked by shape
+        (``newton_schulz_many``), the updates added by shape."""
         lr, weight_decay, momentum = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            grad = p.grad
+        buffers = []
+        for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad.to(buf.dtype), 1 - momentum)
-            update = grad.to(buf.dtype).lerp(buf, momentum) if group["nesterov"] else buf
-            ortho = newton_schulz(update, group["ns_steps"])
-            p.mul_(1 - lr * weight_decay)
-            p.add_(ortho.to(p.dtype), alpha=-lr * muon_scale(p.shape))
+            buffers.append(state["momentum_buffer"])
+        grads = [p.grad.to(buf.dtype) for p, buf in zip(params, buffers)]
+        torch._foreach_lerp_(buffers, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+        orthos = newton_schulz_many(updates, group["ns_steps"])
+        if weight_decay:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for index, p in enumerate(params):
+            shapes.setdefault(tuple(p.shape), []).append(index)
+        for shape, indices in shapes.items():  # one scale a shape; each add casts its bf16 step on the way
+            torch._foreach_add_(
+                [params[i] for i in indices], [orthos[i] for i in indices], alpha=-lr * muon_scale(shape)
+            )
 
-    def _adamw_step(self, group: dict[str, Any]) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+    def _adamw_step(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """torch's AdamW step (its functional: one fused kernel on CUDA when asked) of ``params``, tensors of groups
+        with the same ``group`` settings."""
+        grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
+        for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError("AdamW does not support sparse gradients")
             state = self.state[p]
@@ -258,13 +308,10 @@ class MuonAdamW(torch.optim.Optimizer):
                 )
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
-        if not params:
-            return
         beta1, beta2 = group["betas"]
         adamw_functional(
             params,
