@@ -229,66 +229,97 @@ def speculative_decode_rows(
     come from its own generator in the same order, and its rows of the forwards are what its own forwards give
     (up to the rounding of a larger product).
 
-    The prompts are rows of one cache (``GreedyTarget.forward_rows``, left-padded; so ``target.batchable``). Every
-    round appends a block of slots to every row; the slots of a row's rejected drafts (and of a finished row's or a
-    shorter block's padding) stay in the cache as holes no later query sees, since one cache of several rows is
-    cropped for all of them: only past the most any row kept."""
+    The prompts are rows of one cache (``GreedyTarget.forward_rows``; so ``target.batchable``). Every round appends
+    a block of slots to every row; a row's rejected drafts and padding stay in it as holes no later query sees: one
+    cache of several rows is cropped for all of them, past the most any row kept."""
     if not target.batchable:
         raise ValueError("decoding prompts together needs a target without Gated-DeltaNet or sliding-window layers")
-    rows, block_size, device = len(prompts), contexts[0].block_size, target.device
+    rows, block_size = len(prompts), contexts[0].block_size
     draws = list(generators) if generators is not None else [None] * rows
     lengths = [int(p.numel()) for p in prompts]
-    ids, positions, kv_valid = left_padded(prompts, device)
-    target.reset()
-    logits, features = target.forward_rows_logits(ids, positions, kv_valid, last_logits_only=True)
-    tokens: list[list[int]] = []
-    for r, context in enumerate(contexts):
-        tokens.append([_first_token(logits[r, -1], sampling, draws[r])])
-        context.extend(features[r, ids.shape[1] - lengths[r] :])
-    accepted: list[list[int]] = [[] for _ in range(rows)]
-    drafted_counts: list[list[int]] = [[] for _ in range(rows)]
+    tokens, kv_valid = _prefill_rows(contexts, target, prompts, sampling, draws)
+    decoded = [Decoded(row, []) for row in tokens]  # each row's tokens, accepted and drafted counts, as they grow
     live = [r for r in range(rows) if not answer_finished(tokens[r], max_new_tokens, stop_token_ids)]
     while live:
         anchors = [lengths[r] + len(tokens[r]) - 1 for r in live]  # the positions of the last kept tokens
         made = proposals(
             [contexts[r] for r in live], [tokens[r][-1] for r in live], anchors, sampling, [draws[r] for r in live]
         )
-        # the live rows' blocks [anchor, drafts..., padding], in the rows of one forward (a finished row's: padding)
-        widths = [int(proposal.tokens.shape[1]) for proposal in made]
-        drafts = torch.cat([F.pad(proposal.tokens, (0, block_size - 1 - w)) for proposal, w in zip(made, widths)])
-        at, slots = torch.tensor(live, device=device), torch.arange(block_size, device=device)
-        block_ids = torch.zeros(rows, block_size, dtype=torch.long, device=device)
-        block_ids[at] = torch.cat([torch.tensor([tokens[r][-1] for r in live], device=device)[:, None], drafts], 1)
-        block_positions = torch.zeros_like(block_ids)
-        block_positions[at] = torch.tensor(anchors, device=device)[:, None] + slots
-        block_valid = torch.zeros_like(block_ids, dtype=torch.bool)
-        block_valid[at] = slots <= torch.tensor(widths, device=device)[:, None]
+        block_ids, block_positions, block_valid = _round_blocks(rows, block_size, live, tokens, anchors, made)
         kv_valid = torch.cat([kv_valid, block_valid], dim=1)
         logits, features = target.forward_rows_logits(block_ids, block_positions, kv_valid)
+        at = block_ids.new_tensor(live)
         # the target's distributions (sampled) or tokens (greedy) after each slot of the live rows, all at once
         verdicts = sampling_probs(logits[at], sampling) if _sampled(sampling) else logits[at].argmax(-1)
         start, longest = kv_valid.shape[1] - block_size, 0
-        for i, (r, proposal, width) in enumerate(zip(live, made, widths)):
-            drafted, verdict = proposal.tokens[0], verdicts[i, : width + 1]
-            if _sampled(sampling):
-                num_accepted, after = _sampled_verdict(proposal, verdict, draws[r])
-            else:
-                num_accepted, after = _greedy_verdict(drafted, verdict)
+        for i, (r, proposal) in enumerate(zip(live, made)):
+            drafted = proposal.tokens[0]
+            num_accepted, after = _verdict(proposal, verdicts[i, : drafted.shape[0] + 1], sampling, draws[r])
             kept = num_accepted + 1  # the anchor and the accepted drafts; the token after them is the next anchor
             kv_valid[r, start + kept :] = False
             longest = max(longest, kept)
             contexts[r].extend(features[r, :kept])
-            accepted[r].append(num_accepted)
-            drafted_counts[r].append(int(drafted.shape[0]))
+            decoded[r].accepted.append(num_accepted)
+            decoded[r].drafted.append(int(drafted.shape[0]))
             tokens[r] += drafted[:num_accepted].tolist() + [after]
         # the block's last slots that no row kept leave the cache
         target.crop(start + longest)
         kv_valid = kv_valid[:, : start + longest]
         live = [r for r in live if not answer_finished(tokens[r], max_new_tokens, stop_token_ids)]
-    return [
-        Decoded(cut_answer(tokens[r], max_new_tokens, stop_token_ids), accepted[r], drafted_counts[r], [])
-        for r in range(rows)
-    ]
+    return [Decoded(cut_answer(d.tokens, max_new_tokens, stop_token_ids), d.accepted, d.drafted) for d in decoded]
+
+
+def _verdict(
+    proposal: Proposal, verdict: torch.Tensor, sampling: Sampling | None, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """(drafts kept, the token after them) of one row's block from the target's ``verdict`` after each of its
+    slots: its sampling distributions (``_sampled_verdict``) or its greedy tokens (``_greedy_verdict``)."""
+    if _sampled(sampling):
+        return _sampled_verdict(proposal, verdict, generator)
+    return _greedy_verdict(proposal.tokens[0], verdict)
+
+
+def _prefill_rows(
+    contexts: Sequence[DraftContext],
+    target: GreedyTarget,
+    prompts: Sequence[torch.Tensor],
+    sampling: Sampling | None,
+    draws: Sequence[torch.Generator | None],
+) -> tuple[list[list[int]], torch.Tensor]:
+    """The prompts prefilled as left-padded rows of a fresh cache: each row's first token (``_first_token``, from its
+    own generator) and its features in its context; the rows' tokens and which cache slots are real."""
+    ids, positions, kv_valid = left_padded(prompts, target.device)
+    target.reset()
+    logits, features = target.forward_rows_logits(ids, positions, kv_valid, last_logits_only=True)
+    tokens = []
+    for r, (context, prompt) in enumerate(zip(contexts, prompts)):
+        tokens.append([_first_token(logits[r, -1], sampling, draws[r])])
+        context.extend(features[r, ids.shape[1] - prompt.numel() :])
+    return tokens, kv_valid
+
+
+def _round_blocks(
+    rows: int,
+    block_size: int,
+    live: Sequence[int],
+    tokens: Sequence[list[int]],
+    anchors: Sequence[int],
+    made: Sequence[Proposal],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A round's blocks as rows of one forward ``[rows, block_size]`` each: (token ids, positions, which slots are
+    real). Live row r's block is its last kept token at its anchor, then its drafts; the rest of its row and a
+    finished row's are padding."""
+    device = made[0].tokens.device
+    widths = [int(proposal.tokens.shape[1]) for proposal in made]
+    drafts = torch.cat([F.pad(proposal.tokens, (0, block_size - 1 - w)) for proposal, w in zip(made, widths)])
+    at, slots = torch.tensor(list(live), device=device), torch.arange(block_size, device=device)
+    block_ids = torch.zeros(rows, block_size, dtype=torch.long, device=device)
+    block_ids[at] = torch.cat([torch.tensor([tokens[r][-1] for r in live], device=device)[:, None], drafts], 1)
+    block_positions = torch.zeros_like(block_ids)
+    block_positions[at] = torch.tensor(list(anchors), device=device)[:, None] + slots
+    block_valid = torch.zeros_like(block_ids, dtype=torch.bool)
+    block_valid[at] = slots <= torch.tensor(widths, device=device)[:, None]
+    return block_ids, block_positions, block_valid
 
 
 def _first_token(logits: torch.Tensor, sampling: Sampling | None, generator: torch.Generator | None) -> int:
