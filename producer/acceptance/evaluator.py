@@ -383,28 +383,11 @@ class AcceptanceEvaluator:
             ]
             contexts = [DraftContext(drafter, confidence_min) for _ in indices]
             prompts = [prompt_of(self.documents[i], self.config.prompt_len) for i in indices]
-            if size == 1:
-                decoded.append(
-                    speculative_decode(
-                        contexts[0],
-                        self.target,
-                        prompts[0],
-                        self.config.max_new_tokens,
-                        self.stop_token_ids,
-                        self.sampling,
-                        generators[0],
-                    )
-                )
-                continue
-            decoded += speculative_decode_rows(
-                contexts,
-                self.target,
-                prompts,
-                self.config.max_new_tokens,
-                self.stop_token_ids,
-                self.sampling,
-                generators,
-            )
+            common = (self.config.max_new_tokens, self.stop_token_ids, self.sampling)
+            if size > 1:
+                decoded += speculative_decode_rows(contexts, self.target, prompts, *common, generators)
+            else:
+                decoded.append(speculative_decode(contexts[0], self.target, prompts[0], *common, generators[0]))
         return decoded
 
 
