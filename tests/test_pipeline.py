@@ -232,7 +232,8 @@ def test_every_producer_reached_reads_the_ledger_once(tmp_path):
 
 
 def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
-    launcher = start(run_dir, "training.max_steps=60", "training.checkpoint_every=20", WANDB)
+    profiled = ("logging.profile_steps=3", "logging.profile_after=40")  # steps 41-43: no log line, no checkpoint
+    launcher = start(run_dir, "training.max_steps=60", "training.checkpoint_every=20", WANDB, *profiled)
     finish(launcher, run_dir)
     run = RunDir(run_dir)
     assert read_json(run.trainer_status)["state"] == "finished"
@@ -263,6 +264,12 @@ def test_end_to_end_two_producers_learns_and_logs_ring_occupancy(run_dir):
     } <= set(rows[-1])
     lines = lineage(run)
     assert len(lines) == 60 and {p for line in lines for p, _, _ in line["samples"]} == {0, 1}
+    # The run's own profile of three steady steps (logging.profile_steps): its summary, its tables, its log line.
+    profiled = (run.logs / "trainer-profile.txt").read_text()
+    summary = json.loads(profiled.split("\n\n")[0])
+    assert summary["name"] == "steps 41-43" and summary["steps"] == 3 and summary["aten_ops_per_step"] > 100
+    assert "aten::mm" in profiled and "By calls:" in profiled
+    assert "profiled steps 41-43: " in run.log("trainer").read_text()
 
 
 def test_kill9_trainer_resumes_without_reloading_targets_exactly_once(run_dir):

@@ -9,6 +9,7 @@ from test_pipeline import assert_exactly_once, finish, start
 
 from common.rundir import RunDir, read_json
 from common.status import ProducerStatus
+from trainer.profile import SYNC_CAUSES
 
 
 @pytest.mark.gpu
@@ -22,9 +23,16 @@ def test_gpu_pipeline_with_cuda_rings(short_tmp):
         "ring.backend=\"cuda\"",
         "launch.producer_devices=[\"cuda:0\", \"cuda:0\"]",
         "launch.trainer_devices=[\"cuda:0\"]",
+        "logging.profile_steps=3",
+        "logging.profile_after=12",  # steps 13-15: no log line (every 4) and no checkpoint (every 8) among them
     )
     finish(launcher, run_dir, timeout=600)
     run = RunDir(run_dir)
+    # The trainer's own steps on the card: kernels, the device busy, and no host read of a device value among them.
+    summary = json.loads((run.logs / "trainer-profile.txt").read_text().split("\n\n")[0])
+    assert summary["name"] == "steps 13-15" and summary["kernels_per_step"] > 0
+    assert 0 < summary["device_busy_ms_per_step"] <= summary["wall_ms_per_step"]
+    assert not set(summary["syncs_per_step"]) & set(SYNC_CAUSES), summary["syncs_per_step"]
     assert all(s.ring["backend"] == "cuda" and s.device == "cuda:0" for s in ProducerStatus.read_all(run))
     assert read_json(run.trainer_status)["state"] == "finished"
     assert_exactly_once(run)

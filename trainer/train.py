@@ -39,6 +39,7 @@ from trainer.feeder import Commits, Received
 from trainer.handover import Handover
 from trainer.metrics import Metrics, StatusFile, StepFlops
 from trainer.optim import Optimization
+from trainer.profile import StepProfiler
 from trainer.ranks import Ranks
 from trainer.sharding import full_model_state, parallelize
 from trainer.source import Batches, BatchSource, RingSource, SourceFactory, epoch_batches, wait_until
@@ -62,6 +63,7 @@ class Trainer:
     status: StatusFile  # rank 0's trainer.json (trainer/metrics.py)
     handover: Handover  # restart-trainer's handover of the final state to a successor (trainer/handover.py)
     evals: AcceptanceClient  # the acceptance evaluations asked for (trainer/acceptance.py, or the source's alike)
+    profiler: StepProfiler  # logging.profile_steps of the run's steps under torch.profiler (trainer/profile.py)
 
     def __init__(
         self,
@@ -137,6 +139,14 @@ class Trainer:
         if self.rank == 0:
             self.evals.adopt(self.step)
         self.flops = StepFlops(self.draft_config, self.cfg.drafter.num_anchors)
+        logging_cfg = self.cfg.logging
+        self.profiler = StepProfiler(
+            logging_cfg.profile_steps,
+            self.step + logging_cfg.profile_after,  # this trainer's steps: a resumed one compiles again
+            self.run_dir.logs / "trainer-profile.txt",
+            self.device,
+            enabled=self.rank == 0,
+        )
 
     def _steps_from_epochs(self) -> int:
         """training.epochs in optimizer steps: each producer counts its shard's batches into its status file."""
@@ -160,6 +170,7 @@ class Trainer:
         self._show("training")
         self.metrics.new_window()
         while not self.done:
+            self.profiler.step_starts(self.step)  # the whole iteration: its wait for a batch, its bookkeeping
             # A stop is agreed in the claim, not read here: a rank that left on its own flag would wait in the
             # checkpoint's barrier while the others wait in this step's agreement.
             received, starved, everyone = self.batches.claim()
@@ -174,6 +185,7 @@ class Trainer:
             flops = self.flops(received, metrics)
             self.metrics.window.add(received, metrics, starved, time.perf_counter() - started, flops)
             self.after_step()
+            self.profiler.step_ended(self.step, last=self.done or self.stop_requested)
         finished = self.done
         if not finished and self.handover.requested():  # restart-trainer: a successor waits for the state
             self._show("handing over")

@@ -17,6 +17,8 @@ class LoggingConfig:
         "wandb_mode": "trainer",
         "wandb_project": "trainer",
         "progress": "launcher",
+        "profile_steps": "trainer",
+        "profile_after": "trainer",
     }
 
     log_every: int = 10
@@ -27,9 +29,18 @@ class LoggingConfig:
     """wandb project name."""
     progress: bool = True
     """A live progress line on the terminal."""
+    profile_steps: int = 0
+    """Steps of the run traced by torch.profiler (0: none): logs/trainer-profile.txt says per step how long the
+    device was busy against the wall time, the kernels launched and the host reads of device values, then the
+    operators and kernels by time and by calls; trainer.log has the summary's line."""
+    profile_after: int = 200
+    """Steps a trainer trains before its profile starts (counted from its start, a resumed one's too): past
+    compilation and the rings' filling, so the profile shows the run's steady step."""
 
     def __post_init__(self) -> None:
         require(self.log_every >= 1, "log_every", "must be >= 1")
+        require(self.profile_steps >= 0, "profile_steps", f"must be >= 0, got {self.profile_steps}")
+        require(self.profile_after >= 0, "profile_after", f"must be >= 0, got {self.profile_after}")
         require(
             self.wandb_mode in ("offline", "online", "disabled"),
             "wandb_mode",

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,7 @@ from common.drafter.target_head import TargetHead
 from common.lifecycle import exit_process
 from launch.bench.harness import QWEN3_8B, Table, emit, gpu_name, matmul_tflops, synchronize
 from trainer.optim import OPTIMIZERS, build_optimizer
+from trainer.profile import start_profiler, stop_and_write
 from trainer.sharding import full_tensor, parallelize
 
 VARIANTS = ("eager", "compile-layers", "compile-layers-graphs", "compile-model")
@@ -231,63 +233,18 @@ def timed_steps(step, prepared, steps: int, device: torch.device, ranks: int) ->
     return (time.perf_counter() - start) / steps, float(pairs) / steps, metrics
 
 
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-"""Runtime calls that make the host wait for the device."""
-SYNC_CAUSES = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::is_nonzero")
-"""Operators that read a device value on the host (each one a synchronisation on CUDA)."""
-
-
 def profile_steps(step, prepared, device: torch.device, steps: int, out_dir: str, name: str):
-    """``steps`` more training steps under torch.profiler; writes out_dir/profile_{name}.txt (the operators and kernels
-    by self time and by calls, after a per-step summary: kernels and synchronisations per step, device busy time against wall
-    time), prints the summary and returns the prepared blocks of the next step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    """``steps`` more training steps under torch.profiler; writes out_dir/profile_{name}.txt (trainer/profile.py: a
+    per-step summary, then the operators and kernels by self time and by calls), prints the summary and returns the
+    prepared blocks of the next step."""
+    profiler = start_profiler(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        prepared, _ = step(prepared)
     synchronize(device)
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            prepared, _ = step(prepared)
-        synchronize(device)
-        wall = time.perf_counter() - start
-    events = prof.key_averages()
-    cuda = device.type == "cuda"
-    sort_key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    table = events.table(sort_by=sort_key, row_limit=100, max_name_column_width=70)
-    # By calls too: at small shapes the cost is often a long tail of small kernels, each below the top by time.
-    by_calls = events.table(sort_by="count", row_limit=60, max_name_column_width=70)
-    counts = {e.key: e.count for e in events}
-    kernel_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA] if cuda else []
-    busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kernel_events])
-    summary = {
-        "name": name,
-        "steps": steps,
-        "wall_ms_per_step": wall * 1e3 / steps,
-        "device_busy_ms_per_step": busy_us / 1e3 / steps if cuda else float("nan"),
-        "kernels_per_step": len(kernel_events) / steps if cuda else float("nan"),
-        "launches_per_step": sum(counts.get(k, 0) for k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
-        / steps,
-        "aten_ops_per_step": sum(e.count for e in events if e.key.startswith("aten::")) / steps,
-        "syncs_per_step": {k: counts[k] / steps for k in SYNC_EVENTS + SYNC_CAUSES if counts.get(k)},
-        "memcpy_dtoh_per_step": sum(e.count for e in events if "Memcpy DtoH" in e.key) / steps,
-    }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"profile_{name}.txt"), "w") as handle:
-        handle.write(json.dumps(summary, indent=1) + "\n\n" + table + "\n\nBy calls:\n" + by_calls + "\n")
-    print(json.dumps(summary))
+    wall = time.perf_counter() - start
+    print(json.dumps(stop_and_write(profiler, device, steps, wall, Path(out_dir) / f"profile_{name}.txt", name)))
     return prepared
-
-
-def _union_us(ranges: list[tuple[float, float]]) -> float:
-    """Total length of the union of [start, end) ranges (the device's busy time, overlapping streams counted once)."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(ranges):
-        if end <= reach:
-            continue
-        total += end - max(start, reach)
-        reach = end
-    return total
 
 
 def main() -> None:

@@ -10,7 +10,8 @@
 # collect_quality, recipes, collect_recipes, kinds, collect_kinds (DFlash against DFlash 2 at equal GPU time), busy
 # (the trainer's busy share by producers), small_shapes (every kind's step at the SmolLM2 preset's and the Qwen3-8B
 # shapes, compiled layers against their replay as CUDA graphs), optimizer (the optimizer step alone, and the step with
-# Muon), peers, collect_peers (ours beside SpecForge and speculators).
+# Muon), real_step (the trainer's step in a real run of the SmolLM2 preset, profiled), peers, collect_peers (ours
+# beside SpecForge and speculators).
 # The full pipeline benchmark runs for up to 50 minutes: where commands are cut off sooner, start it in
 # the background with setsid (it writes its JSON after every run) and collect the results later.
 # The machine may start bare and keep nothing between runs: install what the image lacks from wheels carried in
@@ -141,6 +142,18 @@ for step in $steps; do
           run optimizer_smollm2 200 $PY -m launch.bench.optimizer --draft smollm2-135m
           run optimizer_8b 200 $PY -m launch.bench.optimizer --draft qwen3-8b --steps 5 --repeats 3
           run step_muon_smollm2 300 $PY -m launch.bench.step --draft smollm2-135m --kinds dflash --variants compile-layers --master-fp32 --optimizer muon --warmup 3 --steps 10 ;;
+    real_step)  # issue 68: the trainer's own step in a real run of the SmolLM2 preset (needs GGUF): two minutes of
+                # launch/run_all.sh on the peers benchmark's data (or 8,192 records synthesized here), five steady steps
+                # profiled; keeps its metrics.jsonl (step_time_s), its profile and its logs
+          data="$PEERS_OUT/data/synthesized"
+          if ! ls "$data"/*.jsonl > /dev/null 2>&1; then
+            data=/tmp/real-data/synthesized
+            run real_step_data 400 launch/run_all.sh synthesize --run-dir /tmp/real-data --config launch/smollm2-135m.toml target.path="\"$GGUF\"" synthesize.num_magpie=8192
+          fi
+          rm -rf /tmp/real-step
+          run real_step 420 launch/run_all.sh --run-dir /tmp/real-step --config launch/smollm2-135m.toml target.path="\"$GGUF\"" "data.paths=[\"$data/*.jsonl\"]" training.max_minutes=2 eval.every_steps=0 logging.profile_steps=5 logging.profile_after=300 ${REAL_STEP_ARGS:-}
+          cp /tmp/real-step/metrics.jsonl "$OUT/real_step-metrics.jsonl" 2>/dev/null
+          cp /tmp/real-step/logs/trainer-profile.txt /tmp/real-step/logs/trainer.log "$OUT/" 2>/dev/null ;;
     small_shapes)  # issue 68: the step at small shapes, the compiled layers against their replay as CUDA graphs
           run step_graphs_smollm2 360 $PY -m launch.bench.step --draft smollm2-135m --kinds dflash,dflash2,dspark --variants compile-layers,compile-layers-graphs --master-fp32 --warmup 3 --steps 10
           run step_graphs_8b 240 $PY -m launch.bench.step --draft qwen3-8b --kinds dflash --variants compile-layers,compile-layers-graphs --master-fp32 --warmup 3 --steps 10 ;;
