@@ -54,6 +54,15 @@ def test_bench_optimizer_counts_the_muon_steps_products_by_shape():
     assert adamw["optimizer"] == "adamw" and adamw["products"] == 0 and adamw["step_ms"] > 0
 
 
+def test_bench_optimizer_host_only_issues_the_same_operators_on_the_meta_device():
+    """--host-only: the step's host cost, every operator dispatched as on the CPU, none computing."""
+    args = ("--tiny", "--optimizers", "muon", "--steps", "2", "--repeats", "1", "--warmup", "1")
+    (on_cpu,) = bench_json("launch.bench.optimizer", *args)["results"]
+    result = bench_json("launch.bench.optimizer", *args, "--host-only")
+    assert result["device"] == "meta"
+    assert (result["results"][0]["operators"], result["results"][0]["products"]) == (on_cpu["operators"], 60)
+
+
 def test_bench_acceptance_sampled_decodes_the_prompts_together_as_alone():
     rows = bench_json("launch.bench.acceptance", "--tiny", "--sampled", "--prompts", "4", "--new-tokens", "16")
     alone, together = rows

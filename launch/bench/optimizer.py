@@ -4,6 +4,11 @@ issues (on CUDA each one a kernel launch or more), the products among them, and 
 
     python -m launch.bench.optimizer                            # the SmolLM2 preset's drafter (8 layers), on CUDA
     python -m launch.bench.optimizer --tiny                     # the tiny drafter with 8 layers, on the CPU
+    python -m launch.bench.optimizer --host-only                # the preset's drafter on the meta device
+
+``--host-only`` steps on the meta device: every operator is dispatched as on a GPU but computes nothing, so the time
+is the host's cost of issuing the step (on a GPU, what a small-shape step waits for when its host is slower than its
+device; the device's launch cost and fused AdamW's single kernel are not in it: AdamW runs torch's multi-tensor path).
 """
 
 from __future__ import annotations
@@ -27,14 +32,16 @@ PRODUCTS = ("aten::mm", "aten::bmm", "aten::matmul", "aten::addmm", "aten::baddb
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    if device.type == "cpu":
+    if args.host_only:
+        device = torch.device("meta")
+    if device.type != "cuda":
         torch.set_num_threads(1)
     config = tiny_draft(16) if args.tiny else DRAFTS[args.draft](16)
     if args.layers:
         config = dataclasses.replace(config, num_hidden_layers=args.layers, layer_types=[])
     rows = [time_optimizer(config, name, device, args) for name in args.optimizers.split(",")]
     print(
-        f"device {gpu_name(device) or 'cpu'}, draft {'tiny' if args.tiny else args.draft}, {config.num_hidden_layers} layers"
+        f"device {gpu_name(device) or device.type}, draft {'tiny' if args.tiny else args.draft}, {config.num_hidden_layers} layers"
     )
     table = Table(
         [("optimizer", "<9"), ("matrices", ">9"), ("step ms", ">9.2f"), ("operators", ">10"), ("products", ">9")]
@@ -42,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table.header())
     for r in rows:
         print(table.row(r["optimizer"], r["muon_matrices"], r["step_ms"], r["operators"], r["products"]))
-    emit({"bench": "optimizer_step", "device": gpu_name(device) or "cpu", "results": rows}, args.json)
+    emit({"bench": "optimizer_step", "device": gpu_name(device) or device.type, "results": rows}, args.json)
 
 
 def time_optimizer(config, name: str, device: torch.device, args: argparse.Namespace) -> dict:
@@ -51,7 +58,8 @@ def time_optimizer(config, name: str, device: torch.device, args: argparse.Names
     from torch.profiler import profile
 
     torch.manual_seed(0)
-    head = TargetHead.random(config.vocab_size, config.hidden_size, torch.bfloat16, device)
+    head_device = torch.device("cpu") if device.type == "meta" else device  # the frozen head is no optimizer's
+    head = TargetHead.random(config.vocab_size, config.hidden_size, torch.bfloat16, head_device)
     drafter = DFlashDrafter(config, head).to(device=device, dtype=torch.float32)
     optimizer = build_optimizer(drafter, name, 1e-4, 0.0, fused=device.type == "cuda")
     for p in drafter.parameters():
@@ -89,6 +97,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft", choices=sorted(DRAFTS), default="smollm2-135m", help="draft shape")
     parser.add_argument("--layers", type=int, default=None, help="drafter layers (the draft's own; --tiny: 8)")
     parser.add_argument("--optimizers", default="muon,adamw", help=f"comma list of {OPTIMIZERS}")
+    parser.add_argument("--host-only", action="store_true", help="on the meta device: the host's cost of a step")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
