@@ -6,6 +6,12 @@ split of the run's data (producer/acceptance/).
     python -m launch.evaluate --checkpoint DIR --target HF_DIR [--config FILE] [key=value ...]
     python -m launch.evaluate --checkpoint DIR --temperature 0.7 --top-p 0.95 --seed 1 eval.max_new_tokens=2048
     python -m launch.evaluate --checkpoint DIR --by-length 'eval.length_buckets=[2048, 8192, 32768]'
+    python -m launch.evaluate --checkpoint A --checkpoint B --run-dir RUN       # several drafters, one reference
+
+Several ``--checkpoint``: the target is loaded once and its reference (the greedy continuations and the records'
+features) made once, then each drafter is evaluated against it in turn; every checkpoint is loaded before the first
+evaluation, so one that cannot be read stops the command at once (exit 2, naming it) without spending the target's
+time. ``--json-out`` then holds a list, one result per checkpoint in their order.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ from pathlib import Path
 
 import torch
 
+from common.acceptance.report import AcceptanceReport
 from common.config import ConfigError, RunConfig, load_config
+from common.drafter.base import Drafter
 from common.drafter.export import drafter_folder, load_drafter
 from common.drafter.loss import LossConfig
 from common.drafter.target_head import TargetHead, load_target_head
 from common.lifecycle import EXIT_CONFIG_ERROR
 from common.rundir import RunDir
-from producer.acceptance.evaluator import build_evaluator
+from producer.acceptance.evaluator import AcceptanceEvaluator, build_evaluator
 from producer.target_model.load import load_target_model, target_head_of
 
 
@@ -44,12 +52,14 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint",
         required=True,
         type=Path,
-        help="exported drafter dir (z-lab or speculators), or a run's checkpoints/step-N",
+        action="append",
+        help="exported drafter dir (z-lab or speculators), or a run's checkpoints/step-N; given several times, each "
+        "drafter is evaluated against one reference of the target",
     )
     parser.add_argument(
         "--run-dir",
         type=Path,
-        help="run whose config.toml names the target and data (default: the run the checkpoint is in)",
+        help="run whose config.toml names the target and data (default: the run the first checkpoint is in)",
     )
     parser.add_argument("--config", type=Path, help="a run TOML instead of a run dir")
     parser.add_argument("--target", help="Hugging Face target dir (replaces the config's target)")
@@ -111,10 +121,47 @@ def _not_the_runs_target(run_dir: Path | None, cfg: RunConfig, head: TargetHead)
     )
 
 
+def _load_drafters(checkpoints: list[Path], head: TargetHead, cfg: RunConfig) -> list[Drafter]:
+    """Every checkpoint's drafter, on the target's device, before any evaluation; ValueError naming the first one
+    that cannot be read."""
+    loss_config = LossConfig(label_mode=cfg.training.label_mode)
+    drafters = []
+    for checkpoint in checkpoints:
+        drafter_dir, own_checkpoint = drafter_folder(checkpoint)
+        try:
+            drafters.append(
+                load_drafter(
+                    drafter_dir, head, loss_config, own_checkpoint=own_checkpoint, device=head.embed_weight.device
+                )
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"{checkpoint}: not a drafter this command can read ({exc})") from exc
+    return drafters
+
+
+def _result(checkpoint: Path, report: AcceptanceReport, by_length: bool, gap_tolerance: float) -> dict:
+    """Print ``report``'s table (and its by-length table); its JSON result."""
+    print(report.table())
+    if by_length:
+        print(report.by_length_table())
+    within = report.gap_within(gap_tolerance)
+    if not within:
+        print(f"the gap exceeds eval.gap_tolerance: {gap_tolerance} of B - 1 = {report.block_size - 1}")
+    result = {
+        "checkpoint": str(checkpoint),
+        **report.metrics(prefix=""),
+        "gap_within_tolerance": within,
+        "by_length": [bucket.as_dict() for bucket in report.by_length],
+        "skipped": report.skipped_records,
+    }
+    print(json.dumps(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    run_dir = args.run_dir or (None if args.config else _run_dir_of(args.checkpoint))
+    run_dir = args.run_dir or (None if args.config else _run_dir_of(args.checkpoint[0]))
     try:
         cfg = _config(args, run_dir)
     except ConfigError as exc:
@@ -127,31 +174,25 @@ def main(argv: list[str] | None = None) -> int:
     if not_the_runs:
         print(not_the_runs, file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    loss_config = LossConfig(label_mode=cfg.training.label_mode)
-    drafter_dir, own_checkpoint = drafter_folder(args.checkpoint)
-    drafter = load_drafter(
-        drafter_dir, head, loss_config, own_checkpoint=own_checkpoint, device=head.embed_weight.device
-    )
+    try:
+        drafters = _load_drafters(args.checkpoint, head, cfg)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     held_out_file = RunDir(run_dir).held_out if run_dir is not None else None
-    report = build_evaluator(cfg, model, list(drafter.config.target_layer_ids), held_out_file=held_out_file).evaluate(
-        drafter
-    )
-    print(report.table())
-    if args.by_length:
-        print(report.by_length_table())
-    within = report.gap_within(cfg.eval.gap_tolerance)
-    if not within:
-        print(f"the gap exceeds eval.gap_tolerance: {cfg.eval.gap_tolerance} of B - 1 = {report.block_size - 1}")
-    result = {
-        "checkpoint": str(args.checkpoint),
-        **report.metrics(prefix=""),
-        "gap_within_tolerance": within,
-        "by_length": [bucket.as_dict() for bucket in report.by_length],
-        "skipped": report.skipped_records,
-    }
-    print(json.dumps(result))
+    evaluators: dict[tuple[int, ...], AcceptanceEvaluator] = {}  # drafters of one set of target layers share one
+    results = []
+    for checkpoint, drafter in zip(args.checkpoint, drafters):
+        layers = tuple(drafter.config.target_layer_ids)
+        if layers not in evaluators:
+            evaluators[layers] = build_evaluator(cfg, model, list(layers), held_out_file=held_out_file)
+        if len(args.checkpoint) > 1:
+            print(f"== {checkpoint}")
+        report = evaluators[layers].evaluate(drafter)
+        results.append(_result(checkpoint, report, args.by_length, cfg.eval.gap_tolerance))
     if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+        written = results[0] if len(results) == 1 else results
+        args.json_out.write_text(json.dumps(written, indent=2) + "\n")
     return 0
 
 

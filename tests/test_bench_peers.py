@@ -214,37 +214,59 @@ def test_the_table_sets_ours_beside_the_best_peer(tmp_path):
     assert rows[0]["samples_per_gpu_min_vs_best_peer"] == pytest.approx(1200 / 300)
 
 
-def test_the_rows_trained_are_evaluated_together_and_only_once(tmp_path, monkeypatch):
-    """Every row trains alone on the card, then the rows not evaluated yet are evaluated at the same time (the
-    evaluations of one row, one after another, were most of a run); a row evaluated in an earlier call is not again,
-    and a row whose evaluation fails keeps its training for a later call."""
-    import threading
+def write_rows(folder: Path) -> None:
+    """Three rows trained and not evaluated (each its own export), one evaluated in an earlier call, one failed."""
+    trained = {"view": "m4", "train_s": 240.0}
+    for row in ("ours", "specforge", "speculators"):
+        (folder / f"peers-m4-{row}.json").write_text(json.dumps({"row": row, "export": f"E-{row}", **trained}))
+    old = {"row": "old", "export": "E-old", **trained, "held_out": {"tau": 1.5}}
+    (folder / "peers-m4-old.json").write_text(json.dumps(old))
+    (folder / "peers-m4-failed.json").write_text(json.dumps({"row": "failed", "view": "m4", "error": "no export"}))
 
+
+def stored(folder: Path, row: str) -> dict:
+    return json.loads((folder / f"peers-m4-{row}.json").read_text())
+
+
+def test_the_rows_trained_are_evaluated_together_in_one_call_and_only_once(tmp_path, monkeypatch):
+    """The rows not evaluated yet go to one evaluation of all their exports (one reference of the target for all);
+    a row evaluated in an earlier call is not again."""
     from launch.bench.peers import orchestrate
 
-    started, both = [], threading.Barrier(3, timeout=10)  # the three rows not evaluated yet
+    calls = []
 
-    def evaluate(export, run_dir, out, name, runs):
-        started.append(name)
-        both.wait()  # returns only once the other rows' evaluations have started too: they run at once
-        if name == "speculators-m4":
-            raise RuntimeError("its export did not load")
-        return {"held_out": {"tau": 2.0, "prompts": 4}}
+    def evaluate(exports, run_dir, out, name, runs):
+        calls.append([str(e) for e in exports])
+        return [{"held_out": {"tau": 2.0 + i, "prompts": 4}} for i in range(len(exports))]
 
-    monkeypatch.setattr(orchestrate, "evaluate_export", evaluate)
-    trained = {"view": "m4", "export": "E", "train_s": 240.0}
-    for row, extra in (("ours", {}), ("specforge", {}), ("speculators", {}), ("old", {"held_out": {"tau": 1.5}})):
-        (tmp_path / f"peers-m4-{row}.json").write_text(json.dumps({"row": row, **trained, **extra}))
-    (tmp_path / "peers-m4-failed.json").write_text(json.dumps({"row": "failed", "view": "m4", "error": "no export"}))
-    context = {"run_dir": tmp_path / "ours-m4", "evaluations": {}}
-    assert orchestrate.evaluate_rows(tmp_path, "m4", context) == 1
-    assert sorted(started) == ["ours-m4", "specforge-m4", "speculators-m4"]
-    stored = {
-        row: json.loads((tmp_path / f"peers-m4-{row}.json").read_text()) for row in ("ours", "speculators", "old")
-    }
-    assert stored["ours"]["held_out"]["tau"] == 2.0 and stored["ours"]["train_s"] == 240.0
-    assert "held_out" not in stored["speculators"] and stored["speculators"]["export"] == "E"
-    assert stored["old"]["held_out"]["tau"] == 1.5
+    monkeypatch.setattr(orchestrate, "evaluate_exports", evaluate)
+    write_rows(tmp_path)
+    assert orchestrate.evaluate_rows(tmp_path, "m4", {"run_dir": tmp_path / "ours-m4", "evaluations": {}}) == 0
+    assert calls == [["E-ours", "E-specforge", "E-speculators"]]
+    taus = {row: stored(tmp_path, row)["held_out"]["tau"] for row in ("ours", "specforge", "speculators", "old")}
+    assert taus == {"ours": 2.0, "specforge": 3.0, "speculators": 4.0, "old": 1.5}
+    assert stored(tmp_path, "ours")["train_s"] == 240.0
+
+
+def test_a_row_whose_export_fails_loses_no_other_rows_evaluation(tmp_path, monkeypatch):
+    """When the evaluation together fails (an export that does not load stops it), each row is evaluated alone: the
+    others keep their evaluation, the failed row its training for a later call."""
+    from launch.bench.peers import orchestrate
+
+    calls = []
+
+    def evaluate(exports, run_dir, out, name, runs):
+        calls.append([str(e) for e in exports])
+        if "E-speculators" in calls[-1]:
+            raise SystemExit("launch.evaluate failed with exit 2")
+        return [{"held_out": {"tau": 2.0, "prompts": 4}} for _ in exports]
+
+    monkeypatch.setattr(orchestrate, "evaluate_exports", evaluate)
+    write_rows(tmp_path)
+    assert orchestrate.evaluate_rows(tmp_path, "m4", {"run_dir": tmp_path / "ours-m4", "evaluations": {}}) == 1
+    assert calls == [["E-ours", "E-specforge", "E-speculators"], ["E-ours"], ["E-specforge"], ["E-speculators"]]
+    assert stored(tmp_path, "ours")["held_out"]["tau"] == 2.0 and stored(tmp_path, "specforge")["held_out"]
+    assert "held_out" not in stored(tmp_path, "speculators") and stored(tmp_path, "speculators")["export"]
 
 
 needs_peers = pytest.mark.skipif(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,6 +299,74 @@ def test_command_evaluates_a_run_checkpoint(tmp_path, target_dir, target_model, 
     result = json.loads(printed.strip().splitlines()[-1])
     assert result == json.loads(out_json.read_text())
     assert result["num_prompts"] == 3 and 1.0 <= result["tau"] < 1.2 and result["generated_tokens"] == 3 * 24
+
+
+def run_with_checkpoints(tmp_path, target_dir, drafters: dict) -> Path:
+    """A run of the small data on ``target_dir`` holding each of ``drafters`` as a checkpoint named by its key."""
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(
+        load_config(None, [*SMALL_DATA, f"target.path={json.dumps(str(target_dir))}", "target.dtype=float32"]),
+        run / "config.toml",
+    )
+    for name, drafter in drafters.items():
+        export_zlab(drafter, run / "checkpoints" / name / "drafter", dtype=None)
+    return run
+
+
+def two_drafters(tmp_path, target_dir, target_model) -> list[Path]:
+    """The checkpoints of a run holding a random drafter and one whose drafts depend on the context."""
+    torch.manual_seed(0)
+    drafters = {"step-00000010": random_drafter(target_model), "step-00000020": strong_drafter(target_model)}
+    run = run_with_checkpoints(tmp_path, target_dir, drafters)
+    return [run / "checkpoints" / name for name in drafters]
+
+
+def test_command_evaluates_several_checkpoints_against_one_reference(tmp_path, target_dir, target_model, caplog):
+    """Two drafters in one command: the target's reference is made once, and each result is what the command
+    reports for that drafter alone."""
+    checkpoints = two_drafters(tmp_path, target_dir, target_model)
+    alone = []
+    for checkpoint in checkpoints:
+        assert main(["--checkpoint", str(checkpoint), "--json-out", str(tmp_path / "alone.json")]) == 0
+        alone.append(json.loads((tmp_path / "alone.json").read_text()))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        together_args = [arg for checkpoint in checkpoints for arg in ("--checkpoint", str(checkpoint))]
+        assert main([*together_args, "--json-out", str(tmp_path / "together.json")]) == 0
+    assert caplog.text.count("evaluation reference:") == 1
+    together = json.loads((tmp_path / "together.json").read_text())
+    assert [r["checkpoint"] for r in together] == [str(c) for c in checkpoints]
+    for one, both in zip(alone, together):
+        for key in ("tau", "zlab_tau", "sim_tau", "generated_tokens", "target_forwards"):
+            assert both[key] == one[key], key
+    assert together[0]["tau"] != together[1]["tau"]
+
+
+def test_the_benchmarks_evaluate_several_checkpoints_in_one_process(tmp_path, target_dir, target_model):
+    """``launch.bench.quality.evaluate`` (the peers' and the kinds' tables): one ``launch.evaluate`` process for the
+    checkpoints of an evaluation, each one's result in order; one checkpoint's, as before."""
+    from launch.bench.quality import evaluate
+
+    checkpoints = two_drafters(tmp_path, target_dir, target_model)
+    run = checkpoints[0].parents[1]
+    results = evaluate(checkpoints, run, tmp_path / "eval-both.log", "eval.num_prompts=2")
+    assert [r["checkpoint"] for r in results] == [str(c) for c in checkpoints]
+    assert (tmp_path / "eval-both.log").read_text().count("evaluation reference:") == 1
+    (alone,) = evaluate(checkpoints[1:], run, tmp_path / "eval-one.log", "eval.num_prompts=2")
+    assert alone["tau"] == results[1]["tau"] and alone["num_prompts"] == 2
+
+
+def test_command_refuses_an_unreadable_checkpoint_before_evaluating_any(
+    tmp_path, target_dir, target_model, caplog, capsys
+):
+    run = run_with_checkpoints(tmp_path, target_dir, {"step-00000010": random_drafter(target_model)})
+    broken = run / "checkpoints" / "step-00000020"
+    broken.mkdir()
+    with caplog.at_level(logging.INFO):
+        code = main(["--checkpoint", str(run / "checkpoints" / "step-00000010"), "--checkpoint", str(broken)])
+    assert code == 2 and "evaluation reference:" not in caplog.text
+    assert f"{broken}: not a drafter this command can read" in capsys.readouterr().err
 
 
 def test_command_refuses_a_target_that_is_not_the_runs(tmp_path, capsys):

@@ -93,15 +93,17 @@ def learning_curve(run_dir: Path) -> list[dict]:
     return curve
 
 
-def evaluate(checkpoint: Path, run_dir: Path, log: Path, *overrides: str) -> dict:
+def evaluate(checkpoints: list[Path], run_dir: Path, log: Path, *overrides: str) -> list[dict]:
+    """``launch.evaluate`` of ``checkpoints`` in one process (the target loaded and its reference made once), against
+    ``run_dir``'s target and held-out records; each checkpoint's result, in order."""
     out = log.with_suffix(".json")
+    given = [arg for checkpoint in checkpoints for arg in ("--checkpoint", str(checkpoint))]
     timed(
         [
             sys.executable,
             "-m",
             "launch.evaluate",
-            "--checkpoint",
-            str(checkpoint),
+            *given,
             "--run-dir",
             str(run_dir),
             "--json-out",
@@ -110,7 +112,8 @@ def evaluate(checkpoint: Path, run_dir: Path, log: Path, *overrides: str) -> dic
         ],
         log,
     )
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    return results if len(checkpoints) > 1 else [results]
 
 
 def evaluation_runs(held_out: int, humaneval: Path, humaneval_count: int, sampled: int) -> dict[str, list[str]]:
@@ -125,13 +128,15 @@ def evaluation_runs(held_out: int, humaneval: Path, humaneval_count: int, sample
     return runs
 
 
-def evaluate_all(checkpoint: Path, run_dir: Path, out: Path, name: str, runs: dict[str, list[str]]) -> dict[str, dict]:
-    """Every evaluation of ``runs`` on ``checkpoint`` against ``run_dir``'s target and held-out records, all at once:
-    each decodes a few prompts at a time and is bound by its kernel launches, far from filling the card, and the
-    sampled ones (live decoding, one prompt at a time) are the longest, so none should wait for another."""
+def evaluate_all(
+    checkpoints: list[Path], run_dir: Path, out: Path, name: str, runs: dict[str, list[str]]
+) -> dict[str, list[dict]]:
+    """Every evaluation of ``runs`` on ``checkpoints`` against ``run_dir``'s target and held-out records, the
+    evaluations at once (each decodes a batch of prompts at a time, bound by its kernel launches, far from filling
+    the card), the checkpoints of one evaluation in its one process: each evaluation's results by checkpoint."""
     with ThreadPoolExecutor(len(runs)) as pool:
         running = {
-            what: pool.submit(evaluate, checkpoint, run_dir, out / f"eval-{what}-{name}.log", *overrides)
+            what: pool.submit(evaluate, checkpoints, run_dir, out / f"eval-{what}-{name}.log", *overrides)
             for what, overrides in runs.items()
         }
         return {what: future.result() for what, future in running.items()}
@@ -243,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = max((train / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
     evaluations = evaluation_runs(args.held_out, humaneval, args.humaneval_prompts, args.sampled_prompts)
     started = time.monotonic()
-    reports = evaluate_all(checkpoint, train, out, args.name, evaluations)
+    reports = {
+        what: results[0] for what, results in evaluate_all([checkpoint], train, out, args.name, evaluations).items()
+    }
     result["evaluate_s"] = time.monotonic() - started
     for name, e in reports.items():
         result[name] = {

@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from launch.bench.peers.common import Budget, PeakGpuMemory, Peer, PeerJob, PeerRun, TrainingRow
@@ -57,12 +56,17 @@ class _Absent:
         return self.line
 
 
-def evaluate_export(export: Path, run_dir: Path, out: Path, name: str, runs: dict[str, list[str]]) -> dict:
-    """Every evaluation of ``runs`` on ``export`` (``launch.bench.quality``'s), its taus by evaluation."""
-    return {
-        what: {key: e[key] for key in ("tau", "zlab_tau", "sim_tau") if key in e} | {"prompts": e["num_prompts"]}
-        for what, e in evaluate_all(export, run_dir, out, name, runs).items()
-    }
+def evaluate_exports(
+    exports: list[Path], run_dir: Path, out: Path, name: str, runs: dict[str, list[str]]
+) -> list[dict]:
+    """Every evaluation of ``runs`` on ``exports`` (``launch.bench.quality``'s; the exports of one evaluation in one
+    process, against one reference of the target): each export's taus by evaluation, in order."""
+    results = evaluate_all(exports, run_dir, out, name, runs)
+
+    def taus(e: dict) -> dict:
+        return {key: e[key] for key in ("tau", "zlab_tau", "sim_tau") if key in e} | {"prompts": e["num_prompts"]}
+
+    return [{what: taus(by_export[i]) for what, by_export in results.items()} for i in range(len(exports))]
 
 
 def _json(path: Path) -> dict:
@@ -128,29 +132,38 @@ def run_peer(peer: Peer, out: Path, view: str, rows: list[TrainingRow], ctx: dic
 
 
 def evaluate_rows(out: Path, view: str, ctx: dict) -> int:
-    """Every trained row of ``view`` not evaluated yet, all at once, each row's evaluations at once too: a row's
-    evaluations fill a few percent of the card (small batches, the sampled ones one prompt at a time), and taus are
-    counts, not times, so they do not depend on what runs beside them. How many rows failed (each said why; its
-    trained record kept, so that a later call evaluates it again)."""
+    """Every trained row of ``view`` not evaluated yet, together: each evaluation in one process for all the rows
+    (the target loaded and its reference made once, not once a row), the evaluations at once. Should that fail (an
+    export that does not load stops the process before it evaluates), each row alone, so that one row's failure loses
+    no other's evaluation. How many rows failed (each said why; its trained record kept, so that a later call
+    evaluates it again)."""
     waiting = {
         path: record
         for path in sorted(out.glob(f"peers-{view}-*.json"))
         if "export" in (record := _json(path)) and "held_out" not in record and "error" not in record
     }
+    if not waiting:
+        return 0
+    exports = [Path(r["export"]) for r in waiting.values()]
+    try:
+        together = evaluate_exports(exports, ctx["run_dir"], out, view, ctx["evaluations"])
+    except (SystemExit, Exception) as exc:  # SystemExit: a failed command, raised again from its thread
+        print(f"{view}: the rows' evaluation together failed ({exc}); each row alone", flush=True)
+    else:
+        for (path, record), taus in zip(waiting.items(), together):
+            path.write_text(json.dumps(record | taus, indent=2) + "\n")
+        return 0
     failed = 0
-    with ThreadPoolExecutor(max(1, len(waiting))) as pool:
-        running = {
-            path: pool.submit(
-                evaluate_export, Path(r["export"]), ctx["run_dir"], out, f"{r['row']}-{view}", ctx["evaluations"]
+    for path, record in waiting.items():
+        try:
+            (taus,) = evaluate_exports(
+                [Path(record["export"])], ctx["run_dir"], out, f"{record['row']}-{view}", ctx["evaluations"]
             )
-            for path, r in waiting.items()
-        }
-        for path, future in running.items():
-            try:
-                path.write_text(json.dumps(waiting[path] | future.result(), indent=2) + "\n")
-            except Exception as exc:  # one row's evaluation failing loses neither its training nor the others'
-                failed += 1
-                print(f"{view}: {waiting[path]['row']}'s evaluation failed: {exc}", flush=True)
+        except (SystemExit, Exception) as exc:
+            failed += 1
+            print(f"{view}: {record['row']}'s evaluation failed: {exc}", flush=True)
+            continue
+        path.write_text(json.dumps(record | taus, indent=2) + "\n")
     return failed
 
 
