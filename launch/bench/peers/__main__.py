@@ -20,9 +20,10 @@ alone on the card:
    records ours trained on at equal data), their features dumped by our producer's capture in the peer's format,
    the peer's own trainer run unmodified from .peers/ on them (launch/bench/peers/specforge.py, speculators.py say
    how each translates the preset's recipe), for M minutes counting the dump, or one epoch at equal data;
-3. our evaluator (``launch.evaluate``) on each export and on our last checkpoint, every row's evaluations at once
-   once all have trained: real tau on the held-out records and on HumanEval, greedy and sampled
-   (``--sampled-prompts``), both conventions (ours, z-lab's), and simulated tau.
+3. our evaluator (``launch.evaluate``) on each export and on our last checkpoint once all have trained, each
+   evaluation one process for all the rows (the target's reference made once) and the evaluations at once: real
+   tau on the held-out records and on HumanEval, greedy and sampled (``--sampled-prompts``), both conventions
+   (ours, z-lab's), and simulated tau.
 
 The asymmetry, in plain words: the peers read their features from disk, so they train on at most what the disk
 holds: --peer-max-tokens tokens of rows (by default what 90 % of the free disk holds, about 5M tokens on a 64 GiB
