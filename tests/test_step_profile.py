@@ -55,3 +55,17 @@ def test_no_profile_when_none_is_asked_or_on_another_rank(tmp_path, steps, enabl
 def test_a_negative_profile_setting_names_its_key(key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, [f"logging.{key}=-1"])
+
+
+def test_a_profiler_that_cannot_start_leaves_the_run_training(tmp_path, monkeypatch, caplog):
+    """A profile is a diagnosis: when torch's profiler cannot start (CUPTI missing or taken), the trainer says so and
+    trains on."""
+    from trainer import profile
+
+    def refuse(device):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    monkeypatch.setattr(profile, "start_profiler", refuse)
+    path = tmp_path / "profile.txt"
+    assert run_steps(StepProfiler(2, 1, path, torch.device("cpu"), enabled=True), 4) == []
+    assert not path.exists() and "the profiler did not start (CUPTI_ERROR_NOT_INITIALIZED)" in caplog.text

@@ -98,7 +98,12 @@ class StepProfiler:
     def step_starts(self, done: int) -> None:
         """Before a loop iteration, ``done`` steps trained: starts the profile once ``done`` reaches ``after``."""
         if self.pending and self._profiler is None and done >= self.after:
-            self._profiler = start_profiler(self.device)
+            try:
+                self._profiler = start_profiler(self.device)
+            except RuntimeError as exc:  # another profiler in the process, no CUPTI: the run trains on unprofiled
+                log.warning(f"logging.profile_steps: the profiler did not start ({exc}); no profile this run")
+                self.pending = False
+                return
             self._first, self._started = done, time.perf_counter()
 
     def step_ended(self, done: int, last: bool) -> dict | None:
