@@ -231,6 +231,7 @@ def stored(folder: Path, row: str) -> dict:
 def test_the_rows_trained_are_evaluated_together_in_one_call_and_only_once(tmp_path, monkeypatch):
     """The rows not evaluated yet go to one evaluation of all their exports (one reference of the target for all);
     a row evaluated in an earlier call is not again."""
+    from launch.bench import quality
     from launch.bench.peers import orchestrate
 
     calls = []
@@ -239,7 +240,7 @@ def test_the_rows_trained_are_evaluated_together_in_one_call_and_only_once(tmp_p
         calls.append([str(e) for e in exports])
         return [{"held_out": {"tau": 2.0 + i, "prompts": 4}} for i in range(len(exports))]
 
-    monkeypatch.setattr(orchestrate, "evaluate_exports", evaluate)
+    monkeypatch.setattr(quality, "evaluated", evaluate)
     write_rows(tmp_path)
     assert orchestrate.evaluate_rows(tmp_path, "m4", {"run_dir": tmp_path / "ours-m4", "evaluations": {}}) == 0
     assert calls == [["E-ours", "E-specforge", "E-speculators"]]
@@ -251,6 +252,7 @@ def test_the_rows_trained_are_evaluated_together_in_one_call_and_only_once(tmp_p
 def test_a_row_whose_export_fails_loses_no_other_rows_evaluation(tmp_path, monkeypatch):
     """When the evaluation together fails (an export that does not load stops it), each row is evaluated alone: the
     others keep their evaluation, the failed row its training for a later call."""
+    from launch.bench import quality
     from launch.bench.peers import orchestrate
 
     calls = []
@@ -261,7 +263,7 @@ def test_a_row_whose_export_fails_loses_no_other_rows_evaluation(tmp_path, monke
             raise SystemExit("launch.evaluate failed with exit 2")
         return [{"held_out": {"tau": 2.0, "prompts": 4}} for _ in exports]
 
-    monkeypatch.setattr(orchestrate, "evaluate_exports", evaluate)
+    monkeypatch.setattr(quality, "evaluated", evaluate)
     write_rows(tmp_path)
     assert orchestrate.evaluate_rows(tmp_path, "m4", {"run_dir": tmp_path / "ours-m4", "evaluations": {}}) == 1
     assert calls == [["E-ours", "E-specforge", "E-speculators"], ["E-ours"], ["E-specforge"], ["E-speculators"]]

@@ -8,7 +8,9 @@ The data is synthesized once (``launch.bench.quality --synthesize-only``: the ta
 answers, HumanEval's prompts answered too). Then every ROW (a name of ``ROWS``, ``@SEED`` for training.seed) is one
 ``launch.bench.quality --reuse-data --minutes M`` run, all side by side on the GPU under one MPS daemon: each trains
 for the same wall-clock budget (training.max_minutes) while the others run, so a kind whose step costs more trains
-fewer steps, and is then evaluated by real decoding (greedy, and sampled with ``--sampled-prompts``). Every row's
+fewer steps. Once a wave's rows have trained, they are evaluated together by real decoding (greedy, and sampled with
+``--sampled-prompts``): each evaluation one process for all the rows' last checkpoints, against one reference of
+the target. Every row's
 producers also evaluate it every ``--eval-every`` steps while it trains: the equal-steps view (real tau held-out at
 the steps every row reached), beside the equal-minutes one.
 
@@ -21,8 +23,8 @@ does not fit the card alone stops the benchmark with exit 2, saying what would f
 ``--warm``: DFlash 2 warm-started from DFlash at the same total budget. The first DFlash row keeps a checkpoint
 every 50 steps; once it and the first DFlash 2 row have trained, a DFlash 2 drafter starts from the DFlash
 checkpoint nearest half the budget (``drafter.init_from``) and trains half the steps the DFlash 2 row trained
-beside the others (steps, not minutes: it trains while the other rows evaluate, with more of the GPU than they
-had). So it has spent half a budget as DFlash and half as DFlash 2.
+beside the others (steps, not minutes: it trains once the other rows have trained, with more of the GPU than they
+had; its wave is evaluated after it). So it has spent half a budget as DFlash and half as DFlash 2.
 
 Prints a table and one JSON line (DIR/kinds.json).
 """
@@ -39,6 +41,7 @@ import time
 from pathlib import Path
 
 from launch.bench.memory import GIB, MemoryEstimate
+from launch.bench.quality import SIZES, evaluated_together, evaluation_runs, last_checkpoint, record_evaluation, save
 from launch.bench.side_by_side import (
     SideBySide,
     parse_side_by_side,
@@ -139,8 +142,8 @@ def plan(args: argparse.Namespace, runs: dict[str, tuple[str, list[str]]]) -> li
     """The waves of ``runs`` on the card, printed; exit 2 naming a row that cannot fit alone and what would fit.
 
     The warm row trains a number of steps, not minutes, and starts once its source rows trained: it goes into their
-    wave where it fits there (it then trains while they evaluate, as without waves), else into a wave of its own at
-    the end, never beside rows that train on the clock."""
+    wave where it fits there (it then trains once they have trained, before their evaluation), else into a wave of
+    its own at the end, never beside rows that train on the clock."""
     card = card_bytes(args.card_gib)
     usable = int(card * (1 - CARD_RESERVE))
     rows = {**runs, **({f"{WARM}-s0": runs["dflash2-s0"]} if args.warm else {})}
@@ -201,7 +204,7 @@ def checkpoint_nearest(run_dir: Path, seconds: float) -> Path:
 
 
 def trained(out: Path, name: str) -> dict | None:
-    """A row's quality JSON once its training is over (it then evaluates), else None."""
+    """A row's quality JSON once its training is over (its wave's rows are then evaluated together), else None."""
     path = out / f"quality-{name}.json"
     if not path.is_file():
         return None
@@ -293,7 +296,8 @@ def print_table(rows: list[dict]) -> None:
     print("tau as ours / z-lab's; x DFlash: ours against dflash-s0's; recall and acc: the selector's, last batches")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    """The arguments (a smoke run's prompts cut to what ``launch.bench.quality --smoke`` evaluates) and the parser."""
     parser = side_by_side_parser(__doc__.split("\n\n")[0], "kinds", magpie=24576)
     parser.add_argument("--minutes", type=float, default=4.0, help="training budget of every row (wall clock)")
     parser.add_argument("--held-out", type=int, default=128, help="synthesized records held out for evaluation")
@@ -311,7 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", action="store_true", help="print the rows' waves on the card and stop")
     parser.add_argument("rows", nargs="*", metavar="ROW", help=f"name[@seed], names: {', '.join(ROWS)}")
     args = parse_side_by_side(parser, argv)
+    if args.smoke:  # the pipeline only: 48 sampled HumanEval prompts took 9 min a drafter on two cores
+        args.held_out, args.sampled_prompts = min(args.held_out, SIZES["held_out"][2]), min(args.sampled_prompts, 2)
+    return args, parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, parser = parse(argv)
     out = args.out.resolve()
+    failed = 0
     if not args.table:
         runs = dict(row_of(spec) for spec in args.rows)
         if args.warm and not {"dflash-s0", "dflash2-s0"} <= set(runs):
@@ -322,20 +334,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan:
             return 0
         started = time.monotonic()
-        train_side_by_side(args, out, runs, waves)
+        failed = train_side_by_side(args, out, runs, waves)
         print(f"all rows in {(time.monotonic() - started) / 60:.1f} min from the GGUF file", flush=True)
     rows = table(out)
     print_table(rows)
     print_equal_steps(rows)
     save_and_emit(out, "kinds", rows, minutes=args.minutes, equal_steps=equal_steps(rows))
-    return 0
+    return 1 if failed else 0
 
 
 def train_side_by_side(
     args: argparse.Namespace, out: Path, runs: dict[str, tuple[str, list[str]]], waves: list[list[str]]
-) -> None:
-    """Synthesize the data (once per --out), then train and evaluate the rows of each wave at the same time, one wave
-    after the other; with --warm, the warm-started row once its source and its step count are known."""
+) -> int:
+    """Synthesize the data (once per --out), then train the rows of each wave at the same time and evaluate them
+    together, one wave after the other; with --warm, the warm-started row once its source and its step count are
+    known. How many rows failed to train or to be evaluated (each said why)."""
     device = "cpu" if args.smoke else "cuda:0"
     quality = synthesized_quality_command(
         args.gguf,
@@ -348,9 +361,11 @@ def train_side_by_side(
     producers = f"launch.producer_devices={json.dumps([device] * args.producers)}"
 
     def command(name: str, kind: str, options: list[str], overrides: list[str]) -> list[str]:
-        return [*quality, "--reuse-data", "--name", name, "--kind", kind, *options, *overrides, producers]
+        trains = ["--reuse-data", "--no-final-eval", "--name", name, "--kind", kind]
+        return [*quality, *trains, *options, *overrides, producers]
 
     processes = max(len(wave) for wave in waves) * (args.producers + 1)
+    failed = 0
     with SideBySide(out, "kinds", processes, smoke=args.smoke) as rows:  # one MPS daemon for every wave
         for index, wave in enumerate(waves, 1):
             if len(waves) > 1:
@@ -378,7 +393,32 @@ def train_side_by_side(
                 print(f"{WARM}: from {source.name} of dflash-s0, {steps} steps", flush=True)
                 overrides = [f"drafter.init_from={json.dumps(str(source))}", "training.seed=0"]
                 rows.launch(f"{WARM}-s0", command(f"{WARM}-s0", "dflash2", ["--steps", str(steps)], overrides))
-            rows.wait(wave)
+            failed += len(rows.wait(wave))
+            failed += evaluate_rows(args, out, wave, f"wave{index}")
+    return failed
+
+
+def evaluate_rows(args: argparse.Namespace, out: Path, names: list[str], label: str) -> int:
+    """The rows of ``names`` that trained, evaluated together: each evaluation one ``launch.evaluate`` process for
+    all their last checkpoints, against one reference of the target (every row trains on the same data and holds
+    out the same records, so the first row's run names them), each row alone should that fail; each row's figures
+    go into its record (quality-ROW.json) as ``launch.bench.quality`` writes them. How many failed (each said why)."""
+    done = [name for name in names if trained(out, name) is not None]
+    if not done:
+        return 0
+    humaneval = SIZES["humaneval_prompts"][2 if args.smoke else 1]
+    runs = evaluation_runs(args.held_out, out / "humaneval", humaneval, args.sampled_prompts)
+    started = time.monotonic()
+    checkpoints = [last_checkpoint(out / name) for name in done]
+    figures = evaluated_together(checkpoints, done, out / done[0], out, label, runs)
+    seconds = time.monotonic() - started
+    for name, row_figures in zip(done, figures):
+        if row_figures is not None:
+            result = trained(out, name)
+            record_evaluation(result, row_figures, seconds)
+            save(out, name, result)
+    print(f"{label}: {len(done)} rows evaluated together in {seconds:.0f} s", flush=True)
+    return sum(row_figures is None for row_figures in figures)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,55 @@ def evaluate_all(
         return {what: future.result() for what, future in running.items()}
 
 
+EVALUATED = ("tau", "zlab_tau", "sim_tau", "sim_tau_greedy", "sim_tau_walk")
+"""What a benchmark's record keeps of each evaluation (beside its prompts)."""
+
+
+def evaluated(checkpoints: list[Path], run_dir: Path, out: Path, name: str, runs: dict[str, list[str]]) -> list[dict]:
+    """Every evaluation of ``runs`` on ``checkpoints`` (``evaluate_all``): each checkpoint's figures by evaluation,
+    its taus and prompts, as a benchmark's record keeps them."""
+    results = evaluate_all(checkpoints, run_dir, out, name, runs)
+
+    def figures(e: dict) -> dict:
+        return {key: e[key] for key in EVALUATED if key in e} | {"prompts": e["num_prompts"]}
+
+    return [
+        {what: figures(by_checkpoint[i]) for what, by_checkpoint in results.items()} for i in range(len(checkpoints))
+    ]
+
+
+def evaluated_together(
+    checkpoints: list[Path], names: list[str], run_dir: Path, out: Path, label: str, runs: dict[str, list[str]]
+) -> list[dict | None]:
+    """``evaluated`` of ``checkpoints`` in one call (logs named by ``label``) or, should that fail (a checkpoint
+    that does not load stops it), of each alone (logs named by its name of ``names``), so that one failure loses no
+    other's evaluation: each checkpoint's figures, None for one that failed (said why)."""
+    try:
+        return evaluated(checkpoints, run_dir, out, label, runs)
+    except (SystemExit, Exception) as exc:  # SystemExit: a failed command, raised again from its thread
+        print(f"{label}: the evaluation together failed ({exc}); each alone", flush=True)
+    figures: list[dict | None] = []
+    for checkpoint, name in zip(checkpoints, names):
+        try:
+            figures += evaluated([checkpoint], run_dir, out, name, runs)
+        except (SystemExit, Exception) as exc:
+            print(f"{name}: its evaluation failed: {exc}", flush=True)
+            figures.append(None)
+    return figures
+
+
+def record_evaluation(result: dict, figures: dict, seconds: float) -> None:
+    """A run's record with its last checkpoint's ``figures`` (``evaluated``), the ``seconds`` they took and the
+    run's total."""
+    result.update(figures, evaluate_s=seconds)
+    result["total_s"] = result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"] + seconds
+
+
+def last_checkpoint(run_dir: Path) -> Path:
+    """The run's checkpoint of the most steps."""
+    return max((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+
+
 def synthesize(args: argparse.Namespace, common: list[str], result: dict, synth: Path, humaneval: Path) -> None:
     """Step 1: the target writes ``--magpie`` prompts and answers them; HumanEval's prompts are answered the same way."""
     out = args.out.resolve()
@@ -240,27 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.online_steps:
         compare_online(args, out, common, data_paths, result)
         save(out, args.name, result)
-    if args.throughput_only:
+    if args.throughput_only or args.no_final_eval:
         print(json.dumps(result))
         return 0
 
     # 3. Real tau of the last checkpoint on the held-out synthesized records and on HumanEval (and sampled).
-    checkpoint = max((train / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    checkpoint = last_checkpoint(train)
     evaluations = evaluation_runs(args.held_out, humaneval, args.humaneval_prompts, args.sampled_prompts)
     started = time.monotonic()
-    reports = {
-        what: results[0] for what, results in evaluate_all([checkpoint], train, out, args.name, evaluations).items()
-    }
-    result["evaluate_s"] = time.monotonic() - started
-    for name, e in reports.items():
-        result[name] = {
-            key: e[key] for key in ("tau", "zlab_tau", "sim_tau", "sim_tau_greedy", "sim_tau_walk") if key in e
-        } | {"prompts": e["num_prompts"]}
-    result["total_s"] = (
-        result["synthesize_s"] + result["humaneval_synthesize_s"] + result["train_s"] + result["evaluate_s"]
-    )
+    (figures,) = evaluated([checkpoint], train, out, args.name, evaluations)
+    record_evaluation(result, figures, time.monotonic() - started)
     save(out, args.name, result)
-    print_summary(result, checkpoint.name, reports["held_out"], reports["humaneval"])
+    print_summary(result, checkpoint.name, result["held_out"], result["humaneval"])
     print(json.dumps(result))
     return 0
 
@@ -330,6 +370,12 @@ def add_stage_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no HumanEval and no evaluations: synthesis, "
         "training and (with --online-steps) the online form, for their rates alone",
+    )
+    parser.add_argument(
+        "--no-final-eval",
+        action="store_true",
+        help="train (evaluating during training) and stop before the last checkpoint's evaluation: "
+        "a caller evaluates several runs' checkpoints together (launch.bench.kinds)",
     )
     data_stage = parser.add_mutually_exclusive_group()
     data_stage.add_argument(

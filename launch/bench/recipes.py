@@ -124,17 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parse_side_by_side(parser, argv)
     out = args.out.resolve()
+    failed = []
     if not args.table:
         runs = dict(overrides_of(spec) for spec in args.recipes)
-        train_side_by_side(args, out, runs)
+        failed = train_side_by_side(args, out, runs)
     rows = table(out)
     print_table(rows)
     save_and_emit(out, "recipes", rows)
-    return 0
+    return 1 if failed else 0
 
 
-def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, list[str]]) -> None:
-    """Synthesize the data (once per --out), then run every recipe's training and evaluation at the same time."""
+def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, list[str]]) -> list[str]:
+    """Synthesize the data (once per --out), then run every recipe's training and evaluation at the same time; the
+    recipes that failed (each said why)."""
     quality = synthesized_quality_command(
         args.gguf,
         out,
@@ -146,7 +148,7 @@ def train_side_by_side(args: argparse.Namespace, out: Path, runs: dict[str, list
     with SideBySide(out, "recipe", processes=2 * len(runs), smoke=args.smoke) as runs_on_the_gpu:
         for name, overrides in runs.items():
             runs_on_the_gpu.launch(name, [*quality, "--reuse-data", "--name", name, *overrides])
-        runs_on_the_gpu.wait()
+        return runs_on_the_gpu.wait()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from launch.bench.harness import emit
+from launch.bench.quality import SIZES
 from launch.mps import MpsDaemon
 
 
@@ -31,10 +32,13 @@ def side_by_side_parser(description: str, bench: str, magpie: int) -> argparse.A
 
 
 def parse_side_by_side(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """The arguments of a ``side_by_side_parser``: training (anything but ``--table``) needs ``--gguf``."""
+    """The arguments of a ``side_by_side_parser``: training (anything but ``--table``) needs ``--gguf``; ``--smoke``
+    synthesizes at most the prompts ``launch.bench.quality --smoke`` does (its runs are passed ``--magpie``)."""
     args = parser.parse_args(argv)
     if not args.table and args.gguf is None:
         parser.error("--gguf is needed to train")
+    if args.smoke:
+        args.magpie = min(args.magpie, SIZES["magpie"][2])
     return args
 
 
@@ -94,9 +98,12 @@ class SideBySide:
         self.children[name] = child
         return child
 
-    def wait(self, names: list[str] | None = None) -> None:
-        """Wait for the runs ``names`` (every run when None), saying how each ended and when."""
+    def wait(self, names: list[str] | None = None) -> list[str]:
+        """Wait for the runs ``names`` (every run when None), saying how each ended and when; those that failed."""
+        failed = []
         for name in self.children if names is None else names:
             code = self.children[name].wait()
             ended = "done" if code == 0 else f"failed (exit {code}), see {self.prefix}-{name}.log"
             print(f"{name}: {ended} after {time.monotonic() - self.started:.0f} s", flush=True)
+            failed += [name] if code != 0 else []
+        return failed

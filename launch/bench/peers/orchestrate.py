@@ -28,7 +28,7 @@ from launch.bench.peers.features import (
     training_source,
 )
 from launch.bench.peers.plan import bytes_per_token, default_max_tokens, draft_shape, pick_peers
-from launch.bench.quality import evaluate_all, evaluation_runs
+from launch.bench.quality import evaluated_together, evaluation_runs, last_checkpoint
 from launch.bench.side_by_side import synthesized_quality_command
 
 HUMANEVAL_PROMPTS = {False: 164, True: 4}
@@ -55,19 +55,6 @@ class _Absent:
 
     def missing(self) -> str:
         return self.line
-
-
-def evaluate_exports(
-    exports: list[Path], run_dir: Path, out: Path, name: str, runs: dict[str, list[str]]
-) -> list[dict]:
-    """Every evaluation of ``runs`` on ``exports`` (``launch.bench.quality``'s; the exports of one evaluation in one
-    process, against one reference of the target): each export's taus by evaluation, in order."""
-    results = evaluate_all(exports, run_dir, out, name, runs)
-
-    def taus(e: dict) -> dict:
-        return {key: e[key] for key in ("tau", "zlab_tau", "sim_tau") if key in e} | {"prompts": e["num_prompts"]}
-
-    return [{what: taus(by_export[i]) for what, by_export in results.items()} for i in range(len(exports))]
 
 
 def _json(path: Path) -> dict:
@@ -97,7 +84,7 @@ def train_ours(out: Path, quality: list[str], view: str, budget: list[str]) -> d
             sys.exit(f"our row failed with exit {code}; see {out / f'peers-{name}.log'}")
     result = json.loads((out / f"quality-{name}.json").read_text())
     ledger = [json.loads(line) for line in (out / name / "ledger.jsonl").read_text().splitlines()]
-    checkpoint = max((out / name / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    checkpoint = last_checkpoint(out / name)
     return {
         "row": "ours",
         "view": view,
@@ -134,38 +121,21 @@ def run_peer(peer: Peer, out: Path, view: str, rows: list[TrainingRow], ctx: dic
 
 def evaluate_rows(out: Path, view: str, ctx: dict) -> int:
     """Every trained row of ``view`` not evaluated yet, together: each evaluation in one process for all the rows
-    (the target loaded and its reference made once, not once a row), the evaluations at once. Should that fail (an
-    export that does not load stops the process before it evaluates), each row alone, so that one row's failure loses
-    no other's evaluation. How many rows failed (each said why; its trained record kept, so that a later call
-    evaluates it again)."""
+    (the target loaded and its reference made once, not once a row), the evaluations at once; each row alone should
+    that fail (``evaluated_together``). How many rows failed (each said why; its trained record kept, so that a
+    later call evaluates it again)."""
     waiting = {
         path: record
         for path in sorted(out.glob(f"peers-{view}-*.json"))
         if "export" in (record := _json(path)) and "held_out" not in record and "error" not in record
     }
-    if not waiting:
-        return 0
     exports = [Path(r["export"]) for r in waiting.values()]
-    try:
-        together = evaluate_exports(exports, ctx["run_dir"], out, view, ctx["evaluations"])
-    except (SystemExit, Exception) as exc:  # SystemExit: a failed command, raised again from its thread
-        print(f"{view}: the rows' evaluation together failed ({exc}); each row alone", flush=True)
-    else:
-        for (path, record), taus in zip(waiting.items(), together):
+    names = [f"{r['row']}-{view}" for r in waiting.values()]
+    figures = evaluated_together(exports, names, ctx["run_dir"], out, view, ctx["evaluations"]) if waiting else []
+    for (path, record), taus in zip(waiting.items(), figures):
+        if taus is not None:
             path.write_text(json.dumps(record | taus, indent=2) + "\n")
-        return 0
-    failed = 0
-    for path, record in waiting.items():
-        try:
-            (taus,) = evaluate_exports(
-                [Path(record["export"])], ctx["run_dir"], out, f"{record['row']}-{view}", ctx["evaluations"]
-            )
-        except (SystemExit, Exception) as exc:
-            failed += 1
-            print(f"{view}: {record['row']}'s evaluation failed: {exc}", flush=True)
-            continue
-        path.write_text(json.dumps(record | taus, indent=2) + "\n")
-    return failed
+    return sum(taus is None for taus in figures)
 
 
 def prune(work: Path, export: Path) -> None:
