@@ -10,9 +10,8 @@ answers, HumanEval's prompts answered too). Then every ROW (a name of ``ROWS``, 
 for the same wall-clock budget (training.max_minutes) while the others run, so a kind whose step costs more trains
 fewer steps. Once a wave's rows have trained, they are evaluated together by real decoding (greedy, and sampled with
 ``--sampled-prompts``): each evaluation one process for all the rows' last checkpoints, against one reference of
-the target. Every row's
-producers also evaluate it every ``--eval-every`` steps while it trains: the equal-steps view (real tau held-out at
-the steps every row reached), beside the equal-minutes one.
+the target. Every row's producers also evaluate it every ``--eval-every`` steps while it trains: the equal-steps
+view (real tau held-out at the steps every row reached), beside the equal-minutes one.
 
 The rows are sized to the card first (``plan``): each row needs its producers, its trainer and its standby trainer
 (launch/bench/memory.py estimates them from the preset), and rows that do not fit the card together run in waves of rows

@@ -1,9 +1,8 @@
 """The peers benchmark's run: the data once, then per view ours and each peer trained alone on the card, one after
 the other, then every row's drafter evaluated by our evaluator on the same held-out records, all rows against one
-reference of the target. Every row's
-figures go to ``out/peers-VIEW-ROW.json`` as soon as they are known (trained, then evaluated), for the table
-(launch/bench/peers/table.py) and for a later call on the same --out, which trains and evaluates only what is
-missing."""
+reference of the target. Every row's figures go to ``out/peers-VIEW-ROW.json`` as soon as they are known (trained,
+then evaluated), for the table (launch/bench/peers/table.py) and for a later call on the same --out, which trains
+and evaluates only what is missing."""
 
 from __future__ import annotations
 
